@@ -1,0 +1,88 @@
+"""The `raypipe` command line: tokenize, demo (and the loader/inspection commands).
+
+Invariant: the CLI and `jobs/tokenize.py` build the same TokenizeConfig (YAML file, then
+command-line overrides); any RaypipeError prints as one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from raypipe.errors import RaypipeError
+
+
+def add_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="*", help="parquet files, directories or globs")
+    parser.add_argument("--config", help="YAML config; command-line options override it")
+    parser.add_argument("--tokenizer", help="tokenizer.json path or hub name")
+    parser.add_argument("--format", dest="formats", help="comma list: megatron,nanogpt")
+    parser.add_argument("--output", "-o", help="output directory")
+    parser.add_argument("--text-column")
+    parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
+                        help="prepend BOS to every document (NanoGPT/nanochat style)")
+    parser.add_argument("--eos", action=argparse.BooleanOptionalAction, default=None,
+                        help="append EOS/EOD to every document (Megatron --append-eod)")
+    parser.add_argument("--bos-token", help="BOS token string (default: detected)")
+    parser.add_argument("--eos-token", help="EOS token string (default: detected)")
+    parser.add_argument("--shard-tokens", type=int, help="max tokens per shard")
+    parser.add_argument("--unit-bytes", type=int, help="parquet bytes per work unit")
+    parser.add_argument("--max-document-chars", type=int, help="skip longer documents")
+    parser.add_argument("--batch-size", type=int, help="rows per tokenizer call")
+    parser.add_argument("--num-workers", type=int, help="tokenizer actors (default: all CPUs)")
+    parser.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or local)")
+    parser.add_argument("--overwrite", action="store_true", default=None,
+                        help="replace an output made with a different config")
+
+
+def config_from_args(args: argparse.Namespace):
+    from raypipe.config import load_config
+
+    fields = ("tokenizer", "formats", "output", "text_column", "bos", "eos", "bos_token",
+              "eos_token", "shard_tokens", "unit_bytes", "max_document_chars", "batch_size",
+              "num_workers", "address", "overwrite")
+    overrides = {name: getattr(args, name) for name in fields}
+    overrides["inputs"] = args.inputs or None
+    return load_config(args.config, **overrides)
+
+
+def command_tokenize(args: argparse.Namespace) -> int:
+    from raypipe.ray.tokenize import run_tokenize
+
+    summary = run_tokenize(config_from_args(args))
+    print(summary.render())
+    return 0
+
+
+def command_demo(args: argparse.Namespace) -> int:
+    from raypipe.demo.run import run_demo
+
+    run_demo(Path(args.output), num_workers=args.num_workers)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raypipe", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    tokenize = commands.add_parser("tokenize", help="tokenize parquet into token shards")
+    add_tokenize_arguments(tokenize)
+    tokenize.set_defaults(handler=command_tokenize)
+    demo = commands.add_parser("demo", help="run the whole pipeline on the embedded corpus")
+    demo.add_argument("--output", default="demo_out")
+    demo.add_argument("--num-workers", type=int, default=None)
+    demo.set_defaults(handler=command_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except RaypipeError as exc:
+        print(f"raypipe: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Core logic: numpy + pyarrow only. Importing anything here never imports ray or torch."""

@@ -1,0 +1,215 @@
+"""The tokenize job, independent of where units run: plan, skip committed, run, manifest.
+
+Invariant: a job (1) resolves the tokenizer and fingerprint, (2) refuses an output made
+with a different output-shaping config unless `overwrite`, (3) plans units and checks the
+text column of every file before running anything, (4) runs only units without a valid
+commit record, (5) writes `manifest.json` last. Rerunning a finished job launches nothing
+and rewrites nothing. `run_units` is the only part that differs between executors (serial
+here, a Ray actor pool in raypipe.ray).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from raypipe.config import TokenizeConfig, dump_config_yaml
+from raypipe.core.atomic import remove_stale_temps, write_bytes_atomic, write_json_atomic
+from raypipe.core.manifest import (
+    JOB_RECORD,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    UNITS_DIR,
+    committed_unit_record,
+    library_versions,
+    read_json,
+    shard_table,
+    write_manifest,
+)
+from raypipe.core.plan import WorkUnit, plan_units
+from raypipe.core.tokenizer import (
+    DocumentEncoder,
+    describe_tokenizer,
+    load_tokenizer,
+    single_threaded_tokenizers,
+)
+from raypipe.core.unit import UnitSettings, tokenize_unit
+from raypipe.errors import ConfigError
+
+UnitRunner = Callable[[list[WorkUnit], UnitSettings], Iterable[dict[str, Any]]]
+
+
+@dataclass
+class JobSummary:
+    """What the end-of-job summary prints; also returned by `raypipe.tokenize`."""
+
+    output: str
+    units: int
+    units_run: int
+    rows: int
+    documents: int
+    tokens: int
+    skipped: dict[str, int]
+    shards: int
+    bytes: int
+    wall_seconds: float
+    run_seconds: float
+    startup_seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.run_seconds if self.run_seconds > 0 else 0.0
+
+    def render(self) -> str:
+        skipped = ", ".join(f"{k}={v}" for k, v in self.skipped.items()) or "none"
+        return "\n".join([
+            f"raypipe tokenize -> {self.output}",
+            f"  units      {self.units} ({self.units_run} run, "
+            f"{self.units - self.units_run} already committed)",
+            f"  rows       {self.rows:,}",
+            f"  documents  {self.documents:,}",
+            f"  skipped    {skipped}",
+            f"  tokens     {self.tokens:,}",
+            f"  shards     {self.shards} per format, {self.bytes / 1e6:,.1f} MB on disk",
+            f"  wall time  {self.wall_seconds:.2f} s (Ray start-up {self.startup_seconds:.2f} s)",
+            f"  throughput {self.tokens_per_second / 1e6:.3f} M tokens/s over the units run",
+            f"  peak RSS   {self.peak_rss_bytes / 2**20:.0f} MiB per worker (max)",
+        ])
+
+
+def resolve_settings(config: TokenizeConfig) -> UnitSettings:
+    tokenizer = load_tokenizer(config.tokenizer)
+    info = describe_tokenizer(tokenizer, config.tokenizer, config.bos, config.eos,
+                              config.bos_token, config.eos_token)
+    return UnitSettings(
+        output=str(Path(config.output).resolve()), formats=config.formats,
+        text_column=config.text_column, shard_tokens=config.shard_tokens,
+        batch_size=config.batch_size, max_document_chars=config.max_document_chars,
+        tokenizer=info, fingerprint=config.output_fingerprint(info.sha256))
+
+
+def make_encoder(settings: UnitSettings) -> DocumentEncoder:
+    single_threaded_tokenizers()
+    tokenizer = load_tokenizer(settings.tokenizer.spec)
+    return DocumentEncoder(tokenizer, settings.tokenizer.bos_id, settings.tokenizer.eos_id)
+
+
+def serial_runner(units: list[WorkUnit], settings: UnitSettings) -> Iterable[dict[str, Any]]:
+    """Run units one after another in this process (tests, tiny inputs, debugging)."""
+    encoder = make_encoder(settings)
+    for unit in units:
+        yield tokenize_unit(unit, settings, encoder)
+
+
+def prepare_output(config: TokenizeConfig, settings: UnitSettings) -> Path:
+    """Create the output; refuse one made with another config unless `overwrite`."""
+    output = Path(settings.output)
+    job_path = output / UNITS_DIR / JOB_RECORD
+    job = {"fingerprint": settings.fingerprint, "config": config.output_fields(),
+           "tokenizer_sha256": settings.tokenizer.sha256}
+    if job_path.exists():
+        previous = read_json(job_path)
+        if previous.get("fingerprint") != settings.fingerprint:
+            if not config.overwrite:
+                raise ConfigError(f"{output}: made with a different config "
+                                  f"({describe_difference(previous, job)}); "
+                                  "pass --overwrite to replace it")
+            clear_output(output, config.formats)
+    elif (output / MANIFEST_NAME).exists() and not config.overwrite:
+        raise ConfigError(f"{output}: holds a manifest without a job record; "
+                          "pass --overwrite to replace it")
+    remove_stale_temps(output)
+    if not job_path.exists():
+        write_json_atomic(job_path, job)
+    return output
+
+
+def describe_difference(previous: dict[str, Any], current: dict[str, Any]) -> str:
+    before, after = previous.get("config", {}), current["config"]
+    keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    parts = [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in keys]
+    if previous.get("tokenizer_sha256") != current["tokenizer_sha256"]:
+        parts.append("tokenizer contents changed")
+    return "; ".join(parts) or "fingerprint differs"
+
+
+def clear_output(output: Path, formats: tuple[str, ...]) -> None:
+    """Remove what raypipe wrote (never other files of the user's)."""
+    (output / MANIFEST_NAME).unlink(missing_ok=True)
+    (output / "config.yaml").unlink(missing_ok=True)
+    for name in {*formats, "megatron", "nanogpt", UNITS_DIR}:
+        shutil.rmtree(output / name, ignore_errors=True)
+
+
+def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner,
+            startup_seconds: float = 0.0) -> JobSummary:
+    started = time.perf_counter()
+    settings = resolve_settings(config)
+    output = prepare_output(config, settings)
+    units = plan_units(config.inputs, config.text_column, config.unit_bytes)
+    records: dict[str, dict[str, Any]] = {}
+    pending = []
+    for unit in units:
+        record = committed_unit_record(output, unit.name, settings.fingerprint)
+        if record is None:
+            pending.append(unit)
+        else:
+            records[unit.name] = record
+    run_started = time.perf_counter()
+    fresh = list(runner(pending, settings)) if pending else []
+    run_seconds = time.perf_counter() - run_started
+    records.update({r["unit"]["name"]: r for r in fresh})
+    ordered = [records[unit.name] for unit in units]
+    manifest = build_manifest(config, settings, ordered)
+    if pending or not (output / MANIFEST_NAME).exists():
+        write_bytes_atomic(output / "config.yaml", dump_config_yaml(config).encode())
+        write_manifest(output, manifest)
+    totals = manifest["totals"]
+    return JobSummary(
+        output=str(output), units=len(units), units_run=len(pending), rows=totals["rows"],
+        documents=totals["documents"], tokens=sum(r["tokens"] for r in fresh),
+        skipped=totals["skipped"], shards=totals["shards"], bytes=totals["bytes"],
+        wall_seconds=time.perf_counter() - started + startup_seconds,
+        run_seconds=run_seconds, startup_seconds=startup_seconds,
+        peak_rss_bytes=max((r["peak_rss_bytes"] for r in fresh), default=0),
+        extra={"total_tokens": totals["tokens"]})
+
+
+def build_manifest(config: TokenizeConfig, settings: UnitSettings,
+                   records: list[dict[str, Any]]) -> dict[str, Any]:
+    skipped: Counter = Counter()
+    for record in records:
+        skipped.update(record["skipped"])
+    dtypes = settings.token_dtypes()
+    formats = {name: {"dtype": dtypes[name].name, "shards": shard_table(records, name)}
+               for name in settings.formats}
+    total_bytes = sum(f["bytes"] for table in formats.values() for shard in table["shards"]
+                      for f in shard["files"])
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "kind": "raypipe-tokens",
+        "fingerprint": settings.fingerprint,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": config.to_dict(),
+        "tokenizer": settings.tokenizer.to_dict(),
+        "formats": formats,
+        "units": [{"name": r["unit"]["name"], "uri": r["unit"]["uri"],
+                   "row_groups": [r["unit"]["row_group_start"], r["unit"]["row_group_stop"]],
+                   "rows": r["rows"], "documents": r["documents"], "tokens": r["tokens"],
+                   "skipped": r["skipped"]} for r in records],
+        "totals": {"rows": sum(r["rows"] for r in records),
+                   "documents": sum(r["documents"] for r in records),
+                   "tokens": sum(r["tokens"] for r in records),
+                   "skipped": dict(sorted(skipped.items())),
+                   "shards": sum(len(r["shards"]) for r in records),
+                   "bytes": total_bytes},
+        "versions": library_versions(),
+    }

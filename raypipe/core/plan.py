@@ -1,0 +1,138 @@
+"""Work units: (input file, row-group range) with a name derived from the fragment.
+
+Invariant: the unit list and every unit's name are a pure function of the input files and
+`unit_bytes`, never of parallelism, so the shards written for a unit (named after it) are
+the same at any worker count or batch size. Inputs are a glob, a directory (all *.parquet
+below it) or a list of those, on any filesystem pyarrow understands (local, s3://, gs://,
+...). Planning reads only parquet footers: the text column is checked in every file before
+any task starts. Cost: one footer read per file (~1 ms locally).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raypipe.errors import InputError
+
+GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """Row groups [row_group_start, row_group_stop) of one parquet file."""
+
+    uri: str
+    row_group_start: int
+    row_group_stop: int
+    num_rows: int
+    name: str
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> WorkUnit:
+        return cls(**data)  # type: ignore[arg-type]
+
+
+def filesystem_and_path(uri: str) -> tuple[pafs.FileSystem, str]:
+    """Resolve a local path or URI to a pyarrow filesystem and a path on it."""
+    if "://" not in uri:
+        uri = str(PurePosixPath(uri)) if uri.startswith("/") else os.path.abspath(uri)
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"{uri}: cannot open: {exc}") from exc
+
+
+def _uri_of(filesystem: pafs.FileSystem, path: str, original: str) -> str:
+    if "://" in original:
+        return f"{original.split('://', 1)[0]}://{path}"
+    return path
+
+
+def expand_input(spec: str) -> list[str]:
+    """One input spec -> sorted file URIs."""
+    filesystem, path = filesystem_and_path(spec)
+    if GLOB_CHARS.search(path):
+        base = path[:GLOB_CHARS.search(path).start()].rsplit("/", 1)[0] or "/"
+        infos = _list_recursive(filesystem, base, spec)
+        matches = [i.path for i in infos if i.is_file and fnmatch.fnmatchcase(i.path, path)]
+    else:
+        info = filesystem.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise InputError(f"{spec}: no such file or directory")
+        if info.type == pafs.FileType.Directory:
+            infos = _list_recursive(filesystem, path, spec)
+            matches = [i.path for i in infos if i.is_file and i.path.endswith(".parquet")]
+        else:
+            matches = [path]
+    return sorted(_uri_of(filesystem, m, spec) for m in matches)
+
+
+def _list_recursive(filesystem: pafs.FileSystem, base: str, spec: str) -> list[pafs.FileInfo]:
+    try:
+        return filesystem.get_file_info(pafs.FileSelector(base, recursive=True))
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{spec}: cannot list {base}: {exc}") from exc
+
+
+def expand_inputs(specs: tuple[str, ...] | list[str]) -> list[str]:
+    files: list[str] = []
+    for spec in specs:
+        files.extend(expand_input(spec))
+    unique = sorted(set(files))
+    if not unique:
+        raise InputError(f"inputs {list(specs)}: no parquet file matches")
+    return unique
+
+
+def open_parquet(uri: str) -> pq.ParquetFile:
+    filesystem, path = filesystem_and_path(uri)
+    try:
+        return pq.ParquetFile(filesystem.open_input_file(path))
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{uri}: not a readable parquet file: {exc}") from exc
+
+
+def unit_name(uri: str, start: int, stop: int) -> str:
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", PurePosixPath(uri).name.removesuffix(".parquet"))
+    digest = hashlib.sha1(uri.encode()).hexdigest()[:8]
+    return f"{stem[:48]}-{digest}-rg{start:05d}-{stop:05d}"
+
+
+def units_of_file(uri: str, text_column: str, unit_bytes: int) -> list[WorkUnit]:
+    """Split one file into consecutive row-group ranges of about `unit_bytes` each."""
+    parquet = open_parquet(uri)
+    columns = parquet.schema_arrow.names
+    if text_column not in columns:
+        raise InputError(f"{uri}: text column {text_column!r} not found; "
+                         f"available columns: {columns}")
+    meta = parquet.metadata
+    units: list[WorkUnit] = []
+    start, rows, size = 0, 0, 0
+    for index in range(meta.num_row_groups):
+        group = meta.row_group(index)
+        rows += group.num_rows
+        size += group.total_byte_size
+        if size >= unit_bytes or index == meta.num_row_groups - 1:
+            units.append(WorkUnit(uri, start, index + 1, rows, unit_name(uri, start, index + 1)))
+            start, rows, size = index + 1, 0, 0
+    return units
+
+
+def plan_units(inputs: tuple[str, ...] | list[str], text_column: str,
+               unit_bytes: int) -> list[WorkUnit]:
+    units: list[WorkUnit] = []
+    for uri in expand_inputs(inputs):
+        units.extend(units_of_file(uri, text_column, unit_bytes))
+    return units

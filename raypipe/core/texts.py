@@ -1,0 +1,63 @@
+"""Turn one parquet text column batch into clean Python strings, counting what is skipped.
+
+Invariant: every input row is either returned (in order) or counted under exactly one skip
+reason: `null`, `empty`, `non_string` (the column is not string/binary), `invalid_utf8`
+(binary column), `too_long` (over `max_document_chars`). rows = kept + sum(skipped).
+Cost: vectorized pyarrow filters for string columns; a per-row decode only for binary ones.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+STRING_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)
+BINARY_TYPES = (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view)
+
+
+def _is_any(kind: pa.DataType, predicates: tuple) -> bool:
+    return any(predicate(kind) for predicate in predicates)
+
+
+def decode_binary(column: pa.Array, skipped: Counter) -> pa.Array:
+    """Binary -> string, with invalid UTF-8 rows turned into nulls and counted."""
+    try:
+        return pc.cast(column, pa.large_string())
+    except pa.ArrowInvalid:
+        texts = []
+        for value in column.to_pylist():
+            try:
+                texts.append(None if value is None else value.decode("utf-8"))
+            except UnicodeDecodeError:
+                skipped["invalid_utf8"] += 1
+                texts.append(None)
+        return pa.array(texts, type=pa.large_string())
+
+
+def clean_texts(column: pa.Array | pa.ChunkedArray,
+                max_document_chars: int | None = None) -> tuple[list[str], Counter]:
+    """Kept texts in row order, and the count of skipped rows by reason."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    skipped: Counter = Counter()
+    if _is_any(column.type, BINARY_TYPES):
+        nulls_before = column.null_count
+        column = decode_binary(column, skipped)
+        skipped["null"] += nulls_before
+    elif _is_any(column.type, STRING_TYPES):
+        skipped["null"] += column.null_count
+    else:
+        skipped["null"] += column.null_count
+        skipped["non_string"] += len(column) - column.null_count
+        return [], +skipped
+    column = column.drop_null()
+    lengths = pc.utf8_length(column)
+    keep = pc.greater(lengths, 0)
+    skipped["empty"] += len(column) - pc.sum(keep).as_py() if len(column) else 0
+    if max_document_chars is not None:
+        too_long = pc.greater(lengths, max_document_chars)
+        skipped["too_long"] += pc.sum(too_long).as_py() or 0
+        keep = pc.and_(keep, pc.invert(too_long))
+    return column.filter(keep).to_pylist(), +skipped

@@ -1,0 +1,133 @@
+"""Tokenizer loading, BOS/EOS policy, and batch encoding into flat token arrays.
+
+Invariant: `DocumentEncoder.encode(texts)` returns exactly the ids `tokenizers` gives for
+each text (without the tokenizer's own post-processor specials), with BOS prepended and/or
+EOS appended per the policy, as one flat uint32 array plus per-document lengths.
+Cost: one `encode_batch_fast` call per batch (no offsets; about 2x cheaper than
+`encode_batch`) plus an O(tokens) numpy flatten, ~1% of the encode time on 2 cores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from raypipe.errors import ConfigError
+
+BOS_CANDIDATES = ("<|bos|>", "<bos>", "<s>", "<|begin_of_text|>", "<|endoftext|>")
+EOS_CANDIDATES = ("<|eos|>", "<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>")
+
+
+def single_threaded_tokenizers() -> None:
+    """One tokenizer thread per process: Ray runs one actor per core (see NOTES-RAY.md)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """A tokenizer.json path, or a Hugging Face hub name where the network allows."""
+    if Path(spec).exists():
+        return Tokenizer.from_file(str(spec))
+    try:
+        return Tokenizer.from_pretrained(spec)
+    except Exception as exc:  # the hub raises several unrelated types
+        raise ConfigError(
+            f"tokenizer: {spec!r} is neither a file nor a loadable hub name: {exc}") from exc
+
+
+def tokenizer_sha256(tokenizer: Tokenizer) -> str:
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def largest_token_id(tokenizer: Tokenizer) -> int:
+    return max(tokenizer.get_vocab(with_added_tokens=True).values())
+
+
+def resolve_special_id(tokenizer: Tokenizer, token: str | None, candidates: tuple[str, ...],
+                       role: str) -> int:
+    """The id of `token`, or of the first known candidate the tokenizer has."""
+    names = (token,) if token else candidates
+    for name in names:
+        token_id = tokenizer.token_to_id(name)
+        if token_id is not None:
+            return token_id
+    raise ConfigError(
+        f"{role}_token: the tokenizer has none of {list(names)}; "
+        f"name one with --{role}-token or disable with --no-{role}"
+    )
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the manifest records about the tokenizer."""
+
+    spec: str
+    sha256: str
+    largest_id: int
+    bos_id: int | None
+    eos_id: int | None
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def describe_tokenizer(tokenizer: Tokenizer, spec: str, bos: bool, eos: bool,
+                       bos_token: str | None = None,
+                       eos_token: str | None = None) -> TokenizerInfo:
+    return TokenizerInfo(
+        spec=spec,
+        sha256=tokenizer_sha256(tokenizer),
+        largest_id=largest_token_id(tokenizer),
+        bos_id=resolve_special_id(tokenizer, bos_token, BOS_CANDIDATES, "bos") if bos else None,
+        eos_id=resolve_special_id(tokenizer, eos_token, EOS_CANDIDATES, "eos") if eos else None,
+    )
+
+
+def ids_of(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """The tokenizer call both raypipe and the benchmark ceiling make."""
+    return [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
+
+def flatten_documents(ids: list[list[int]], bos_id: int | None,
+                      eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-document id lists -> (flat uint32 tokens with BOS/EOS, int64 document lengths)."""
+    count = len(ids)
+    content_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=count)
+    content = np.fromiter(chain.from_iterable(ids), dtype=np.uint32,
+                          count=int(content_lengths.sum()))
+    extra = int(bos_id is not None) + int(eos_id is not None)
+    if extra == 0:
+        return content, content_lengths
+    lengths = content_lengths + extra
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    tokens = np.empty(int(ends[-1]) if count else 0, dtype=np.uint32)
+    shift = np.repeat(starts + int(bos_id is not None), content_lengths)
+    within = np.arange(content.size, dtype=np.int64) - np.repeat(
+        np.cumsum(content_lengths) - content_lengths, content_lengths)
+    tokens[shift + within] = content
+    if bos_id is not None:
+        tokens[starts] = bos_id
+    if eos_id is not None:
+        tokens[ends - 1] = eos_id
+    return tokens, lengths
+
+
+class DocumentEncoder:
+    """Texts -> flat tokens + lengths under one BOS/EOS policy."""
+
+    def __init__(self, tokenizer: Tokenizer, bos_id: int | None, eos_id: int | None):
+        self.tokenizer = tokenizer
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if not texts:
+            return np.empty(0, np.uint32), np.empty(0, np.int64)
+        return flatten_documents(ids_of(self.tokenizer, texts), self.bos_id, self.eos_id)

@@ -1,0 +1,171 @@
+"""Tokenize one work unit into its shards, streaming batch by batch.
+
+Invariant: the shards of a unit depend only on the unit's rows and the output-shaping
+config. Documents are appended in row order and a shard rolls over before the document
+that would push it past `shard_tokens` (a longer document gets a shard of its own), so
+batch size and parallelism never move a boundary. Memory is bounded by one batch of rows
+plus 4 bytes per document of the open shard (Megatron's lengths), never by the shard's
+tokens or the corpus. The unit's record is written only after every shard file is renamed.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from raypipe.core.manifest import write_unit_record
+from raypipe.core.plan import WorkUnit, open_parquet
+from raypipe.core.texts import clean_texts
+from raypipe.core.tokenizer import DocumentEncoder, TokenizerInfo
+from raypipe.errors import InputError
+from raypipe.formats import Format, ShardWriter, get_format
+from raypipe.formats.base import file_sha256
+
+
+@dataclass(frozen=True)
+class UnitSettings:
+    """What a worker needs to tokenize a unit: resolved once on the driver."""
+
+    output: str
+    formats: tuple[str, ...]
+    text_column: str
+    shard_tokens: int
+    batch_size: int
+    max_document_chars: int | None
+    tokenizer: TokenizerInfo
+    fingerprint: str
+
+    def token_dtypes(self) -> dict[str, np.dtype]:
+        return {name: get_format(name).token_dtype(self.tokenizer.largest_id)
+                for name in self.formats}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["tokenizer"] = self.tokenizer.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> UnitSettings:
+        fields = dict(data)
+        fields["tokenizer"] = TokenizerInfo(**fields["tokenizer"])
+        fields["formats"] = tuple(fields["formats"])
+        return cls(**fields)
+
+
+class ShardRoller:
+    """Writes a unit's documents into shards `<unit>-0000`, `-0001`, ... of every format."""
+
+    def __init__(self, settings: UnitSettings, unit_name: str):
+        self.settings = settings
+        self.unit_name = unit_name
+        self.output = Path(settings.output)
+        self.formats: list[Format] = [get_format(name) for name in settings.formats]
+        self.dtypes = settings.token_dtypes()
+        self.writers: list[ShardWriter] = []
+        self.shards: list[dict[str, Any]] = []
+        self.open_tokens = 0
+
+    def _open(self) -> None:
+        name = f"{self.unit_name}-{len(self.shards):04d}"
+        self.writers = [fmt.writer(self.output / fmt.name, name, self.dtypes[fmt.name],
+                                   self.settings.tokenizer.bos_id) for fmt in self.formats]
+        self.open_tokens = 0
+
+    def _close(self) -> None:
+        if not self.writers:
+            return
+        files = {}
+        for fmt, writer in zip(self.formats, self.writers, strict=True):
+            names = writer.commit()
+            files[fmt.name] = [self._file_entry(fmt.name, name) for name in names]
+        first = self.writers[0]
+        self.shards.append({"name": first.name, "documents": first.num_documents,
+                            "tokens": first.num_tokens, "files": files})
+        self.writers = []
+
+    def _file_entry(self, format_name: str, file_name: str) -> dict[str, Any]:
+        path = self.output / format_name / file_name
+        return {"path": f"{format_name}/{file_name}", "bytes": path.stat().st_size,
+                "sha256": file_sha256(path)}
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        ends = np.cumsum(lengths)
+        first = 0
+        while first < len(lengths):
+            base = int(ends[first - 1]) if first else 0
+            room = self.settings.shard_tokens - self.open_tokens
+            fitting = int(np.searchsorted(ends[first:] - base, room, side="right"))
+            if fitting == 0 and self.writers and self.open_tokens > 0:
+                self._close()
+                continue
+            if not self.writers:
+                self._open()
+            count = max(fitting, 1)
+            stop = first + count
+            chunk = tokens[base:int(ends[stop - 1])]
+            for writer in self.writers:
+                writer.add(chunk, lengths[first:stop])
+            self.open_tokens += int(chunk.size)
+            first = stop
+            if first < len(lengths):
+                self._close()
+
+    def finish(self) -> list[dict[str, Any]]:
+        self._close()
+        return self.shards
+
+    def abort(self) -> None:
+        for writer in self.writers:
+            writer.abort()
+
+
+def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
+                  fault_hook: Any = None) -> dict[str, Any]:
+    """Tokenize `unit`, commit its shards and its record; return the record."""
+    started = time.perf_counter()
+    parquet = open_parquet(unit.uri)
+    roller = ShardRoller(settings, unit.name)
+    skipped: Counter = Counter()
+    rows = documents = tokens_total = 0
+    try:
+        batches = parquet.iter_batches(batch_size=settings.batch_size,
+                                       row_groups=range(unit.row_group_start, unit.row_group_stop),
+                                       columns=[settings.text_column], use_threads=False)
+        for batch in _read_batches(batches, unit):
+            texts, batch_skipped = clean_texts(batch.column(0), settings.max_document_chars)
+            skipped.update(batch_skipped)
+            tokens, lengths = encoder.encode(texts)
+            roller.add(tokens, lengths)
+            rows += batch.num_rows
+            documents += len(lengths)
+            tokens_total += int(tokens.size)
+            if fault_hook is not None:
+                fault_hook(unit, rows)
+        shards = roller.finish()
+    except BaseException:
+        roller.abort()
+        raise
+    record = {
+        "unit": unit.to_dict(), "fingerprint": settings.fingerprint, "rows": rows,
+        "documents": documents, "tokens": tokens_total, "skipped": dict(sorted(skipped.items())),
+        "shards": shards, "seconds": round(time.perf_counter() - started, 4),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    write_unit_record(Path(settings.output), record)
+    return record
+
+
+def _read_batches(batches: Any, unit: WorkUnit) -> Any:
+    """Re-raise parquet decode errors as InputError naming the file and row groups."""
+    try:
+        yield from batches
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{unit.uri}: row groups {unit.row_group_start}.."
+                         f"{unit.row_group_stop - 1} cannot be read: {exc}") from exc

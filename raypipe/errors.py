@@ -1,0 +1,37 @@
+"""One exception family. Every message names the file (or row, or field) and what is wrong.
+
+Invariant: code that detects bad input or a bad file raises one of these, never a bare
+ValueError/KeyError, so the CLI can print it as one line and exit non-zero.
+"""
+
+from __future__ import annotations
+
+
+class RaypipeError(Exception):
+    """Base class of every error raypipe raises on purpose."""
+
+
+class ConfigError(RaypipeError):
+    """A config key or value is invalid, or a rerun's config differs from the output's."""
+
+
+class InputError(RaypipeError):
+    """An input corpus file, column or row cannot be used."""
+
+
+class FormatError(RaypipeError):
+    """An output shard is corrupt, truncated or not of the format it claims."""
+
+    def __init__(self, path: object, what: str, expected: object = None, actual: object = None):
+        self.path = str(path)
+        self.what = what
+        self.expected = expected
+        self.actual = actual
+        detail = f"{self.path}: {what}"
+        if expected is not None or actual is not None:
+            detail += f" (expected {expected}, found {actual})"
+        super().__init__(detail)
+
+
+class StateError(RaypipeError):
+    """A loader state does not belong to this dataset or these loader settings."""

@@ -1,0 +1,140 @@
+"""Megatron-LM indexed dataset: `<name>.bin` (tokens) + `<name>.idx` (FORMATS.md §1).
+
+Invariant: byte-exact to megatron-core's `IndexedDataset` (version 1, one sequence per
+document, document_indices = [0..N]). dtype uint16 (code 8) when the largest id < 65500,
+else int32 (code 4). The reader checks magic, version, dtype code, the idx size implied by
+its counts (34 + 12S + 8D, before touching any array), pointer/length consistency and the
+.bin size. Cost: the writer keeps 4 bytes per document in memory until commit; reading
+opens two memmaps and does O(S) vectorized checks (~1 ms per million documents).
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from raypipe.core.atomic import commit_file, temp_path_for
+from raypipe.errors import FormatError
+from raypipe.formats.base import (
+    Format,
+    ShardReader,
+    ShardWriter,
+    check_token_range,
+    memmap_tokens,
+    require_file,
+    require_size,
+)
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+               6: np.float64, 7: np.float32, 8: np.uint16}
+CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+
+
+def megatron_dtype(largest_id: int) -> np.dtype:
+    return np.dtype(np.uint16 if largest_id < 65500 else np.int32)
+
+
+def encode_index(lengths: np.ndarray, dtype: np.dtype) -> bytes:
+    """The .idx bytes for one sequence per document."""
+    count = len(lengths)
+    pointers = np.zeros(count, dtype=np.int64)
+    if count:
+        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    header = HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[dtype], count, count + 1)
+    return b"".join((header, lengths.astype("<i4").tobytes(), pointers.astype("<i8").tobytes(),
+                     np.arange(count + 1, dtype="<i8").tobytes()))
+
+
+class MegatronWriter(ShardWriter):
+    def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None):
+        super().__init__(directory, name, token_dtype, bos_id)
+        self.bin_path = self.directory / f"{name}.bin"
+        self.idx_path = self.directory / f"{name}.idx"
+        self.bin_temp = temp_path_for(self.bin_path)
+        self.idx_temp = temp_path_for(self.idx_path)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.bin_file = open(self.bin_temp, "wb")
+        self.lengths: list[np.ndarray] = []
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        check_token_range(tokens, self.token_dtype, str(self.bin_path))
+        self.bin_file.write(tokens.astype(self.token_dtype, copy=False).data)
+        self.lengths.append(lengths.astype(np.int32))
+        self.num_tokens += int(tokens.size)
+        self.num_documents += len(lengths)
+
+    def commit(self) -> list[str]:
+        self.bin_file.close()
+        lengths = np.concatenate(self.lengths) if self.lengths else np.empty(0, np.int32)
+        self.idx_temp.write_bytes(encode_index(lengths, self.token_dtype))
+        commit_file(self.bin_temp, self.bin_path)
+        commit_file(self.idx_temp, self.idx_path)
+        return [self.bin_path.name, self.idx_path.name]
+
+    def abort(self) -> None:
+        self.bin_file.close()
+        self.bin_temp.unlink(missing_ok=True)
+        self.idx_temp.unlink(missing_ok=True)
+
+
+class MegatronReader(ShardReader):
+    """Opens `<prefix>.bin/.idx`; `prefix` is the path without suffix."""
+
+    def __init__(self, prefix: str | Path):
+        prefix = Path(prefix)
+        self.idx_path = prefix.with_name(prefix.name + ".idx")
+        self.bin_path = prefix.with_name(prefix.name + ".bin")
+        idx_size = require_file(self.idx_path)
+        bin_size = require_file(self.bin_path)
+        if idx_size < HEADER.size:
+            raise FormatError(self.idx_path, "truncated header", f">= {HEADER.size} bytes",
+                              idx_size)
+        with open(self.idx_path, "rb") as handle:
+            magic, version, code, count, doc_count = HEADER.unpack(handle.read(HEADER.size))
+        if magic != MAGIC:
+            raise FormatError(self.idx_path, "wrong magic", MAGIC, magic)
+        if version != VERSION:
+            raise FormatError(self.idx_path, "unsupported version", VERSION, version)
+        if code not in DTYPE_CODES:
+            raise FormatError(self.idx_path, "unknown dtype code", sorted(DTYPE_CODES), code)
+        expected = HEADER.size + 12 * count + 8 * doc_count
+        if idx_size not in (expected, expected + count):  # + optional int8 sequence_modes
+            require_size(self.idx_path, expected, idx_size,
+                         f"index size for S={count}, D={doc_count}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        index = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
+        self.sequence_lengths = np.frombuffer(index, "<i4", count, HEADER.size)
+        self.sequence_pointers = np.frombuffer(index, "<i8", count, HEADER.size + 4 * count)
+        self.document_indices = np.frombuffer(index, "<i8", doc_count, HEADER.size + 12 * count)
+        offsets = self._check_consistency(bin_size, count)
+        self.tokens = memmap_tokens(self.bin_path, self.dtype, 0, bin_size // self.dtype.itemsize)
+        self.document_starts = offsets[self.document_indices]
+
+    def _check_consistency(self, bin_size: int, count: int) -> np.ndarray:
+        lengths = self.sequence_lengths.astype(np.int64)
+        if count and lengths.min() < 0:
+            raise FormatError(self.idx_path, "negative sequence length", ">= 0", lengths.min())
+        offsets = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if not np.array_equal(self.sequence_pointers, offsets[:-1] * self.dtype.itemsize):
+            bad = int(np.flatnonzero(self.sequence_pointers != offsets[:-1] *
+                                     self.dtype.itemsize)[0])
+            raise FormatError(self.idx_path, f"sequence_pointers[{bad}] inconsistent with "
+                              "lengths", int(offsets[bad] * self.dtype.itemsize),
+                              int(self.sequence_pointers[bad]))
+        require_size(self.bin_path, int(offsets[-1]) * self.dtype.itemsize, bin_size,
+                     "token file size implied by the .idx")
+        indices = self.document_indices
+        if len(indices) == 0 or indices[0] != 0 or indices[-1] != count or (
+                np.diff(indices) < 0).any():
+            raise FormatError(self.idx_path, "document_indices must rise from 0 to S",
+                              f"[0 .. {count}]", indices[:1].tolist() + indices[-1:].tolist())
+        return offsets
+
+
+MEGATRON = Format("megatron", (".bin", ".idx"), MegatronWriter, MegatronReader, megatron_dtype)

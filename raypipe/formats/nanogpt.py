@@ -1,0 +1,165 @@
+"""NanoGPT token shards: `<name>.bin` (1024-byte header + tokens) + `<name>.bos.idx`
+(FORMATS.md §2).
+
+Invariant: uint16 shards carry the legacy header (magic 20240520, version 1, T, 0) that
+llm.c, modded-nanogpt and NeMo Automodel all read; uint32 shards (largest id > 65535) carry
+Automodel's header (magic 278895051, version 1, T, itemsize 4). `.bos.idx` is int32 TOKEN
+indices of every BOS (raypipe rule), written only when BOS is prepended; the reader
+spot-checks that they point at BOS tokens. Cost: the writer streams tokens and BOS
+positions straight to disk (memory bounded by one batch) and rewrites the 1 KB header at
+commit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from raypipe.core.atomic import commit_file, temp_path_for
+from raypipe.errors import FormatError
+from raypipe.formats.base import (
+    Format,
+    ShardReader,
+    ShardWriter,
+    check_token_range,
+    memmap_tokens,
+    require_file,
+    require_size,
+)
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+MAGIC_LEGACY = 20240520
+MAGIC_AUTOMODEL = 278895051
+VERSION = 1
+MAX_TOKENS = 2**31 - 1
+BOS_SPOT_CHECKS = 64
+
+
+def nanogpt_dtype(largest_id: int) -> np.dtype:
+    return np.dtype(np.uint16 if largest_id <= 0xFFFF else np.uint32)
+
+
+def encode_header(num_tokens: int, dtype: np.dtype) -> bytes:
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    legacy = dtype.itemsize == 2
+    header[0] = MAGIC_LEGACY if legacy else MAGIC_AUTOMODEL
+    header[1] = VERSION
+    header[2] = num_tokens
+    header[3] = 0 if legacy else dtype.itemsize
+    return header.tobytes()
+
+
+class NanoGPTWriter(ShardWriter):
+    def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None):
+        super().__init__(directory, name, token_dtype, bos_id)
+        self.bin_path = self.directory / f"{name}.bin"
+        self.bos_path = self.directory / f"{name}.bos.idx"
+        self.bin_temp = temp_path_for(self.bin_path)
+        self.bos_temp = temp_path_for(self.bos_path)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.bin_file = open(self.bin_temp, "wb")
+        self.bin_file.write(bytes(HEADER_BYTES))
+        self.bos_file = open(self.bos_temp, "wb") if bos_id is not None else None
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        check_token_range(tokens, self.token_dtype, str(self.bin_path))
+        if self.num_tokens + tokens.size > MAX_TOKENS:
+            raise FormatError(self.bin_path, "shard exceeds the int32 token count of the header",
+                              f"<= {MAX_TOKENS}", self.num_tokens + tokens.size)
+        if self.bos_file is not None:
+            starts = np.cumsum(lengths) - lengths + self.num_tokens
+            self.bos_file.write(starts.astype("<i4").tobytes())
+        self.bin_file.write(tokens.astype(self.token_dtype, copy=False).data)
+        self.num_tokens += int(tokens.size)
+        self.num_documents += len(lengths)
+
+    def commit(self) -> list[str]:
+        self.bin_file.seek(0)
+        self.bin_file.write(encode_header(self.num_tokens, self.token_dtype))
+        self.bin_file.close()
+        commit_file(self.bin_temp, self.bin_path)
+        names = [self.bin_path.name]
+        if self.bos_file is not None:
+            self.bos_file.close()
+            commit_file(self.bos_temp, self.bos_path)
+            names.append(self.bos_path.name)
+        return names
+
+    def abort(self) -> None:
+        for handle, temp in ((self.bin_file, self.bin_temp), (self.bos_file, self.bos_temp)):
+            if handle is not None:
+                handle.close()
+                temp.unlink(missing_ok=True)
+
+
+class NanoGPTReader(ShardReader):
+    """Opens `<prefix>.bin` and, when present, `<prefix>.bos.idx`.
+
+    Documents come from `.bos.idx`; without it, from a scan for `bos_id` when given, else
+    the whole shard is one document.
+    """
+
+    def __init__(self, prefix: str | Path, bos_id: int | None = None,
+                 require_bos_index: bool = False):
+        prefix = Path(prefix)
+        self.bin_path = prefix.with_name(prefix.name + ".bin")
+        self.bos_path = prefix.with_name(prefix.name + ".bos.idx")
+        size = require_file(self.bin_path)
+        if size < HEADER_BYTES:
+            raise FormatError(self.bin_path, "truncated header", f">= {HEADER_BYTES} bytes", size)
+        header = np.fromfile(self.bin_path, dtype="<i4", count=HEADER_INTS)
+        magic, version, count = int(header[0]), int(header[1]), int(header[2])
+        if magic not in (MAGIC_LEGACY, MAGIC_AUTOMODEL):
+            raise FormatError(self.bin_path, "wrong magic", f"{MAGIC_LEGACY} or "
+                              f"{MAGIC_AUTOMODEL}", magic)
+        if version != VERSION:
+            raise FormatError(self.bin_path, "unsupported version", VERSION, version)
+        itemsize = 2 if magic == MAGIC_LEGACY else int(header[3])
+        if itemsize not in (2, 4):
+            raise FormatError(self.bin_path, "unsupported itemsize", "2 or 4", itemsize)
+        if count < 0:
+            raise FormatError(self.bin_path, "negative token count", ">= 0", count)
+        require_size(self.bin_path, HEADER_BYTES + count * itemsize, size)
+        self.dtype = np.dtype(np.uint16 if itemsize == 2 else np.uint32)
+        self.tokens = memmap_tokens(self.bin_path, self.dtype, HEADER_BYTES, count)
+        self.document_starts = self._document_starts(bos_id, require_bos_index)
+
+    def _document_starts(self, bos_id: int | None, require_bos_index: bool) -> np.ndarray:
+        count = self.tokens.size
+        if self.bos_path.exists():
+            positions = self._read_bos_index(bos_id)
+        elif require_bos_index:
+            raise FormatError(self.bos_path, "file is missing")
+        elif bos_id is not None:
+            positions = np.flatnonzero(self.tokens == bos_id).astype(np.int64)
+        else:
+            positions = np.zeros(1 if count else 0, dtype=np.int64)
+        if positions.size == 0 or positions[0] != 0:
+            positions = np.concatenate([[0], positions]) if count else positions
+        return np.append(positions, count).astype(np.int64)
+
+    def _read_bos_index(self, bos_id: int | None) -> np.ndarray:
+        size = require_file(self.bos_path)
+        if size % 4:
+            raise FormatError(self.bos_path, "size is not a multiple of 4 (int32 positions)",
+                              "a multiple of 4", size)
+        positions = np.fromfile(self.bos_path, dtype="<i4").astype(np.int64)
+        if positions.size and (positions[-1] >= self.tokens.size or positions[0] < 0
+                               or (np.diff(positions) <= 0).any()):
+            raise FormatError(self.bos_path, "positions must ascend inside the token array",
+                              f"0 <= p < {self.tokens.size}",
+                              f"first {positions[0]}, last {positions[-1]}")
+        if bos_id is not None and positions.size:
+            picks = positions[np.linspace(0, positions.size - 1,
+                                          min(BOS_SPOT_CHECKS, positions.size)).astype(int)]
+            found = self.tokens[picks]
+            if (found != bos_id).any():
+                bad = int(picks[np.flatnonzero(found != bos_id)[0]])
+                raise FormatError(self.bos_path, f"token at position {bad} is not BOS", bos_id,
+                                  int(self.tokens[bad]))
+        return positions
+
+
+NANOGPT = Format("nanogpt", (".bin", ".bos.idx"), NanoGPTWriter, NanoGPTReader, nanogpt_dtype)

@@ -1,0 +1,1 @@
+"""The only package that imports ray: the tokenize pipeline on Ray Data and session helpers."""

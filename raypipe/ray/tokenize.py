@@ -1,0 +1,58 @@
+"""The tokenize job on Ray Data: one actor per core tokenizes and writes whole work units.
+
+Invariant: the Ray layer only moves work-unit descriptions in and small commit records out
+(`ray.data.from_items(units).map_batches(UnitTokenizer, batch_size=1)` over an actor pool);
+all reading, tokenizing and writing is `raypipe.core.unit.tokenize_unit`, so output is
+byte-identical to the serial runner at any worker count. Each actor loads the tokenizer
+once and tokenizes with one thread; token arrays never cross the object store. Actors ask
+for 1 CPU each and nothing else is scheduled, so the pool never starves a read task (the
+2-CPU deadlock in NOTES-RAY.md does not arise: `from_items` has no read tasks).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import ray
+
+from raypipe.config import TokenizeConfig
+from raypipe.core.job import JobSummary, make_encoder, run_job
+from raypipe.core.plan import WorkUnit
+from raypipe.core.unit import UnitSettings, tokenize_unit
+from raypipe.ray.session import cluster_cpus, ensure_ray
+
+
+class UnitTokenizer:
+    """Ray Data callable class: tokenizer loaded once per actor."""
+
+    def __init__(self, settings: dict[str, Any]):
+        self.settings = UnitSettings.from_dict(settings)
+        self.encoder = make_encoder(self.settings)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        records = []
+        for unit_json in batch["unit"]:
+            unit = WorkUnit.from_dict(json.loads(unit_json))
+            records.append(json.dumps(tokenize_unit(unit, self.settings, self.encoder)))
+        return {"record": np.array(records, dtype=object)}
+
+
+def ray_runner(num_workers: int | None) -> Any:
+    def run(units: list[WorkUnit], settings: UnitSettings) -> Iterable[dict[str, Any]]:
+        workers = max(1, min(num_workers or cluster_cpus(), len(units)))
+        items = [{"unit": json.dumps(u.to_dict())} for u in units]
+        dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+            UnitTokenizer, fn_constructor_kwargs={"settings": settings.to_dict()},
+            batch_size=1, concurrency=workers, num_cpus=1)
+        for row in dataset.iter_rows():
+            yield json.loads(row["record"])
+    return run
+
+
+def run_tokenize(config: TokenizeConfig) -> JobSummary:
+    """Run the job inside the caller's Ray session, or a new one (left running)."""
+    _, startup = ensure_ray(config.address)
+    return run_job(config, ray_runner(config.num_workers), startup_seconds=startup)
