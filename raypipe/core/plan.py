@@ -10,7 +10,6 @@ any task starts. Cost: one footer read per file (~1 ms locally).
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import os
 import re
@@ -60,13 +59,44 @@ def _uri_of(filesystem: pafs.FileSystem, path: str, original: str) -> str:
     return path
 
 
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """Shell glob semantics: `*` and `?` stay inside one path segment, `**` crosses them."""
+    out, index = [], 0
+    while index < len(pattern):
+        char = pattern[index]
+        if pattern.startswith("**/", index):
+            out.append("(?:.*/)?")
+            index += 3
+            continue
+        if pattern.startswith("**", index):
+            out.append(".*")
+            index += 2
+            continue
+        if char == "*":
+            out.append("[^/]*")
+        elif char == "?":
+            out.append("[^/]")
+        elif char == "[":
+            close = pattern.find("]", index + 1)
+            if close < 0:
+                out.append(re.escape(char))
+            else:
+                out.append("[" + pattern[index + 1:close].replace("!", "^", 1) + "]")
+                index = close
+        else:
+            out.append(re.escape(char))
+        index += 1
+    return re.compile("".join(out))
+
+
 def expand_input(spec: str) -> list[str]:
     """One input spec -> sorted file URIs."""
     filesystem, path = filesystem_and_path(spec)
     if GLOB_CHARS.search(path):
         base = path[:GLOB_CHARS.search(path).start()].rsplit("/", 1)[0] or "/"
         infos = _list_recursive(filesystem, base, spec)
-        matches = [i.path for i in infos if i.is_file and fnmatch.fnmatchcase(i.path, path)]
+        pattern = glob_regex(path)
+        matches = [i.path for i in infos if i.is_file and pattern.fullmatch(i.path)]
     else:
         info = filesystem.get_file_info(path)
         if info.type == pafs.FileType.NotFound:

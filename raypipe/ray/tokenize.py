@@ -46,7 +46,8 @@ def ray_runner(num_workers: int | None) -> Any:
         items = [{"unit": json.dumps(u.to_dict())} for u in units]
         dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
             UnitTokenizer, fn_constructor_kwargs={"settings": settings.to_dict()},
-            batch_size=1, concurrency=workers, num_cpus=1)
+            batch_size=1, num_cpus=1,
+            compute=ray.data.ActorPoolStrategy(size=workers))
         for row in dataset.iter_rows():
             yield json.loads(row["record"])
     return run

@@ -1,0 +1,58 @@
+"""Shared fixtures: a real-text corpus (stdlib docstrings) and a BPE tokenizer trained on it,
+built once per session in a temp dir; one local Ray session (2 CPUs, loopback) for the
+integration tests that ask for it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+from raypipe.demo.corpus import gather_docstrings  # noqa: E402
+from raypipe.demo.train_tokenizer import train_bpe  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def corpus_texts() -> list[str]:
+    return gather_docstrings(limit_chars=400_000)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(tmp_path_factory, corpus_texts) -> str:
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    train_bpe(corpus_texts, vocab_size=1024).save(str(path))
+    return str(path)
+
+
+def write_parquet(path: Path, texts: list, row_group_rows: int = 100,
+                  text_type: pa.DataType | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"id": pa.array(range(len(texts)), pa.int64()),
+                      "text": pa.array(texts, type=text_type)})
+    pq.write_table(table, path, row_group_size=row_group_rows)
+    return path
+
+
+@pytest.fixture
+def corpus_dir(tmp_path, corpus_texts) -> Path:
+    """Three parquet files, several row groups each, real docstrings."""
+    directory = tmp_path / "corpus"
+    texts = corpus_texts[:900]
+    for index in range(3):
+        write_parquet(directory / f"part-{index}.parquet", texts[index::3], row_group_rows=70)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

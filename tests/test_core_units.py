@@ -1,0 +1,103 @@
+"""Tokenizer flattening, text cleaning and input planning: fast, no Ray."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from raypipe.core.plan import expand_inputs, plan_units, unit_name
+from raypipe.core.texts import clean_texts
+from raypipe.core.tokenizer import DocumentEncoder, flatten_documents
+from raypipe.errors import InputError
+from tests.conftest import write_parquet
+
+
+@given(st.lists(st.lists(st.integers(3, 2**20), max_size=8), max_size=8),
+       st.sampled_from([(0, None), (None, 1), (0, 1)]))
+def test_flatten_matches_naive(ids, special):
+    bos, eos = special
+    tokens, lengths = flatten_documents(ids, bos, eos)
+    expected = [([bos] if bos is not None else []) + doc + ([eos] if eos is not None else [])
+                for doc in ids]
+    assert lengths.tolist() == [len(doc) for doc in expected]
+    assert tokens.tolist() == [t for doc in expected for t in doc]
+    assert tokens.dtype == np.uint32
+
+
+def test_encoder_equals_tokenizers(tokenizer_path, corpus_texts):
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    bos, eos = tokenizer.token_to_id("<|bos|>"), tokenizer.token_to_id("<|eos|>")
+    texts = corpus_texts[:50]
+    tokens, lengths = DocumentEncoder(tokenizer, bos, eos).encode(texts)
+    pieces = np.split(tokens, np.cumsum(lengths)[:-1])
+    for text, piece in zip(texts, pieces, strict=True):
+        assert piece.tolist() == [bos, *tokenizer.encode(text, add_special_tokens=False).ids, eos]
+
+
+def test_clean_texts_counts_each_reason():
+    column = pa.array(["a", None, "", "bbb", "cccc", None])
+    texts, skipped = clean_texts(column, max_document_chars=3)
+    assert texts == ["a", "bbb"]
+    assert skipped == {"null": 2, "empty": 1, "too_long": 1}
+
+
+def test_clean_texts_binary_and_non_string():
+    texts, skipped = clean_texts(pa.array([b"ok", b"\xff\xfe", None, b""], pa.binary()))
+    assert texts == ["ok"] and skipped == {"invalid_utf8": 1, "null": 1, "empty": 1}
+    texts, skipped = clean_texts(pa.array([1, 2, None], pa.int64()))
+    assert texts == [] and skipped == {"non_string": 2, "null": 1}
+
+
+def test_expand_inputs_glob_directory_list(tmp_path):
+    for name in ("a", "b"):
+        write_parquet(tmp_path / "d" / f"{name}.parquet", ["x"])
+    write_parquet(tmp_path / "d" / "sub" / "c.parquet", ["x"])
+    (tmp_path / "d" / "notes.txt").write_text("not parquet")
+    by_dir = expand_inputs([str(tmp_path / "d")])
+    assert [p.rsplit("/", 1)[1] for p in by_dir] == ["a.parquet", "b.parquet", "c.parquet"]
+    assert expand_inputs([str(tmp_path / "d" / "*.parquet")]) == by_dir[:2]
+    assert expand_inputs([by_dir[1], by_dir[0], by_dir[1]]) == by_dir[:2]
+
+
+def test_empty_glob_and_missing_path_are_errors(tmp_path):
+    with pytest.raises(InputError, match="no parquet file matches"):
+        expand_inputs([str(tmp_path / "*.parquet")])
+    with pytest.raises(InputError, match="no such file"):
+        expand_inputs([str(tmp_path / "nope.parquet")])
+
+
+def test_missing_column_names_file_and_columns(tmp_path):
+    path = write_parquet(tmp_path / "a.parquet", ["x"])
+    with pytest.raises(InputError) as info:
+        plan_units([str(path)], "content", 1 << 20)
+    assert str(path) in str(info.value) and "['id', 'text']" in str(info.value)
+
+
+def test_not_parquet_is_an_input_error(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"this is not parquet at all")
+    with pytest.raises(InputError, match="bad.parquet"):
+        plan_units([str(bad)], "text", 1 << 20)
+
+
+def test_units_follow_row_groups_and_names_are_stable(tmp_path):
+    path = write_parquet(tmp_path / "a.parquet", [f"doc {i}" for i in range(1000)],
+                         row_group_rows=100)
+    units = plan_units([str(path)], "text", 1)
+    assert [(u.row_group_start, u.row_group_stop) for u in units] == [(i, i + 1)
+                                                                       for i in range(10)]
+    assert sum(u.num_rows for u in units) == 1000
+    assert units[3].name == unit_name(str(path), 3, 4)
+    whole = plan_units([str(path)], "text", 1 << 40)
+    assert len(whole) == 1 and whole[0].num_rows == 1000
+
+
+def test_double_star_glob_crosses_directories(tmp_path):
+    write_parquet(tmp_path / "d" / "a.parquet", ["x"])
+    write_parquet(tmp_path / "d" / "sub" / "deeper" / "c.parquet", ["x"])
+    found = expand_inputs([str(tmp_path / "d" / "**" / "*.parquet")])
+    assert [p.rsplit("/", 1)[1] for p in found] == ["a.parquet", "c.parquet"]

@@ -1,0 +1,155 @@
+"""Megatron and NanoGPT shards: byte layout per FORMATS.md, round trips, corrupt files."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raypipe.errors import FormatError
+from raypipe.formats import FORMATS
+from raypipe.formats.megatron import MegatronReader, megatron_dtype
+from raypipe.formats.nanogpt import NanoGPTReader, nanogpt_dtype
+
+BOS = 0
+
+
+def make_documents(rng: np.random.Generator, count: int, high: int) -> list[np.ndarray]:
+    return [np.concatenate([[BOS], rng.integers(1, high, rng.integers(0, 50))]).astype(np.uint32)
+            for _ in range(count)]
+
+
+def write_shard(fmt_name, directory, documents, dtype, batches=3, bos_id=BOS):
+    fmt = FORMATS[fmt_name]
+    writer = fmt.writer(directory, "shard", np.dtype(dtype), bos_id)
+    for part in np.array_split(np.arange(len(documents)), batches):
+        docs = [documents[i] for i in part]
+        tokens = np.concatenate(docs) if docs else np.empty(0, np.uint32)
+        writer.add(tokens.astype(np.uint32), np.array([d.size for d in docs], np.int64))
+    return writer.commit()
+
+
+def read_shard(fmt_name, directory):
+    if fmt_name == "megatron":
+        return MegatronReader(directory / "shard")
+    return NanoGPTReader(directory / "shard", bos_id=BOS, require_bos_index=True)
+
+
+def test_megatron_layout_is_byte_exact(tmp_path):
+    docs = [np.array([0, 5, 6], np.uint32), np.array([0, 7], np.uint32)]
+    assert write_shard("megatron", tmp_path, docs, np.uint16) == ["shard.bin", "shard.idx"]
+    idx = (tmp_path / "shard.idx").read_bytes()
+    assert idx[:9] == b"MMIDIDX\x00\x00"
+    assert struct.unpack_from("<QBQQ", idx, 9) == (1, 8, 2, 3)
+    assert len(idx) == 34 + 12 * 2 + 8 * 3
+    assert np.frombuffer(idx, "<i4", 2, 34).tolist() == [3, 2]
+    assert np.frombuffer(idx, "<i8", 2, 42).tolist() == [0, 6]  # byte offsets
+    assert np.frombuffer(idx, "<i8", 3, 58).tolist() == [0, 1, 2]
+    assert (tmp_path / "shard.bin").read_bytes() == np.array([0, 5, 6, 0, 7], "<u2").tobytes()
+
+
+def test_nanogpt_layout_is_byte_exact(tmp_path):
+    docs = [np.array([0, 5, 6], np.uint32), np.array([0, 7], np.uint32)]
+    assert write_shard("nanogpt", tmp_path, docs, np.uint16) == ["shard.bin", "shard.bos.idx"]
+    data = (tmp_path / "shard.bin").read_bytes()
+    header = np.frombuffer(data, "<i4", 256)
+    assert header[:4].tolist() == [20240520, 1, 5, 0] and not header[4:].any()
+    assert data[1024:] == np.array([0, 5, 6, 0, 7], "<u2").tobytes()
+    assert np.fromfile(tmp_path / "shard.bos.idx", "<i4").tolist() == [0, 3]
+
+
+def test_nanogpt_uint32_uses_automodel_header(tmp_path):
+    docs = [np.array([0, 70000, 6], np.uint32)]
+    write_shard("nanogpt", tmp_path, docs, nanogpt_dtype(70000), batches=1)
+    header = np.fromfile(tmp_path / "shard.bin", "<i4", 4)
+    assert header.tolist() == [278895051, 1, 3, 4]
+    assert read_shard("nanogpt", tmp_path).document(0).tolist() == [0, 70000, 6]
+
+
+def test_dtype_rules():
+    assert megatron_dtype(65499) == np.uint16 and megatron_dtype(65500) == np.int32
+    assert nanogpt_dtype(65535) == np.uint16 and nanogpt_dtype(65536) == np.uint32
+
+
+def test_token_that_does_not_fit_is_an_error(tmp_path):
+    with pytest.raises(FormatError, match="does not fit uint16"):
+        write_shard("megatron", tmp_path, [np.array([0, 70000], np.uint32)], np.uint16, 1)
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+@settings(max_examples=40, deadline=None)
+@given(count=st.integers(0, 30), seed=st.integers(0, 2**31), batches=st.integers(1, 4),
+       wide=st.booleans())
+def test_round_trip(tmp_path_factory, fmt_name, count, seed, batches, wide):
+    directory = tmp_path_factory.mktemp(fmt_name)
+    high = 100_000 if wide else 60_000
+    docs = make_documents(np.random.default_rng(seed), count, high)
+    dtype = FORMATS[fmt_name].token_dtype(high)
+    write_shard(fmt_name, directory, docs, dtype, batches=batches)
+    reader = read_shard(fmt_name, directory)
+    assert reader.num_documents == count
+    assert reader.num_tokens == sum(d.size for d in docs)
+    for index, doc in enumerate(docs):
+        assert reader.document(index).tolist() == doc.tolist()
+
+
+@pytest.fixture(params=sorted(FORMATS))
+def good_shard(request, tmp_path):
+    docs = make_documents(np.random.default_rng(1), 20, 1000)
+    write_shard(request.param, tmp_path, docs, np.uint16)
+    return request.param, tmp_path
+
+
+def _corrupt(fmt_name, directory, kind):
+    main = directory / ("shard.idx" if fmt_name == "megatron" else "shard.bin")
+    data = bytearray(main.read_bytes())
+    if kind == "truncated":
+        main.write_bytes(data[:-1])
+    elif kind == "magic":
+        data[0:4] = b"XXXX"
+        main.write_bytes(bytes(data))
+    elif kind == "claims_more":
+        if fmt_name == "megatron":
+            struct.pack_into("<Q", data, 18, 2**40)   # S
+        else:
+            struct.pack_into("<i", data, 8, 2**31 - 1)  # T
+        main.write_bytes(bytes(data))
+    elif kind == "missing_sidecar":
+        (directory / ("shard.bin" if fmt_name == "megatron" else "shard.bos.idx")).unlink()
+    elif kind == "header_only":
+        main.write_bytes(data[:5])
+
+
+@pytest.mark.parametrize("kind", ["truncated", "magic", "claims_more", "missing_sidecar",
+                                  "header_only"])
+def test_corrupt_shards_fail_naming_the_file(good_shard, kind):
+    fmt_name, directory = good_shard
+    _corrupt(fmt_name, directory, kind)
+    started = time.perf_counter()
+    with pytest.raises(FormatError) as info:
+        read_shard(fmt_name, directory)
+    assert str(directory / "shard") in str(info.value)
+    assert time.perf_counter() - started < 5
+
+
+def test_bos_index_pointing_elsewhere_is_detected(tmp_path):
+    docs = make_documents(np.random.default_rng(2), 10, 1000)
+    write_shard("nanogpt", tmp_path, docs, np.uint16)
+    positions = np.fromfile(tmp_path / "shard.bos.idx", "<i4")
+    (positions + 1).astype("<i4").tofile(tmp_path / "shard.bos.idx")
+    with pytest.raises(FormatError, match="not BOS"):
+        read_shard("nanogpt", tmp_path)
+
+
+def test_megatron_core_opens_our_files(tmp_path):
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    docs = make_documents(np.random.default_rng(3), 25, 1000)
+    write_shard("megatron", tmp_path, docs, np.uint16)
+    dataset = indexed.IndexedDataset(str(tmp_path / "shard"))
+    assert len(dataset) == 25
+    for index, doc in enumerate(docs):
+        assert dataset[index].tolist() == doc.tolist()

@@ -1,0 +1,131 @@
+"""The tokenize job with the serial runner (no Ray): round trip, determinism, reruns,
+config changes, bad input, shard rolling, conservation."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from raypipe.config import load_config
+from raypipe.core.dataset import TokenDataset
+from raypipe.core.job import run_job
+from raypipe.errors import ConfigError, InputError
+from tests.conftest import write_parquet
+from tests.helpers import expected_documents, file_identities, shard_files
+
+
+def config_for(corpus, output, tokenizer_path, **options):
+    options = {"unit_bytes": 1, "formats": ["megatron", "nanogpt"], **options}
+    return load_config(None, inputs=[str(corpus)], output=str(output), tokenizer=tokenizer_path,
+                       **options)
+
+
+@pytest.mark.parametrize("bos,eos", [(True, False), (False, True), (True, True)])
+def test_round_trip_equals_direct_tokenization(tmp_path, corpus_dir, tokenizer_path, bos, eos):
+    config = config_for(corpus_dir, tmp_path / "out", tokenizer_path, bos=bos, eos=eos)
+    summary = run_job(config)
+    expected = expected_documents(corpus_dir, tokenizer_path, bos, eos)
+    for fmt in ("megatron", "nanogpt"):
+        if fmt == "nanogpt" and not bos:
+            continue  # without BOS a NanoGPT shard has no document boundaries to compare
+        got = [doc.tolist() for doc in TokenDataset(tmp_path / "out", fmt).iter_documents()]
+        assert got == expected, fmt
+    assert summary.documents == len(expected)
+    assert summary.tokens == sum(map(len, expected))
+
+
+def test_output_is_independent_of_batch_size(tmp_path, corpus_dir, tokenizer_path):
+    run_job(config_for(corpus_dir, tmp_path / "a", tokenizer_path, batch_size=7))
+    run_job(config_for(corpus_dir, tmp_path / "b", tokenizer_path, batch_size=1000))
+    assert shard_files(tmp_path / "a") == shard_files(tmp_path / "b")
+
+
+def test_shards_roll_at_shard_tokens_without_splitting_documents(tmp_path, corpus_dir,
+                                                                 tokenizer_path):
+    config = config_for(corpus_dir, tmp_path / "out", tokenizer_path, shard_tokens=3000,
+                        unit_bytes=1 << 30)
+    run_job(config)
+    dataset = TokenDataset(tmp_path / "out")
+    assert dataset.num_shards > 3
+    lengths = [dataset.reader(i).document_lengths for i in range(dataset.num_shards)]
+    for shard_lengths in lengths:
+        assert shard_lengths.sum() <= 3000 or len(shard_lengths) == 1
+    got = [d.tolist() for d in dataset.iter_documents()]
+    assert got == expected_documents(corpus_dir, tokenizer_path)
+
+
+def test_rerun_of_finished_job_rewrites_nothing(tmp_path, corpus_dir, tokenizer_path):
+    config = config_for(corpus_dir, tmp_path / "out", tokenizer_path)
+    run_job(config)
+    before = file_identities(tmp_path / "out")
+    summary = run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, batch_size=3))
+    assert summary.units_run == 0
+    assert file_identities(tmp_path / "out") == before
+
+
+def test_rerun_after_partial_run_only_runs_missing_units(tmp_path, corpus_dir, tokenizer_path):
+    config = config_for(corpus_dir, tmp_path / "out", tokenizer_path)
+    first = run_job(config)
+    clean = shard_files(tmp_path / "out")
+    (tmp_path / "out" / "manifest.json").unlink()
+    records = sorted((tmp_path / "out" / "_units").glob("part-1*.json"))
+    for record in records:
+        record.unlink()
+    kept = {k: v for k, v in file_identities(tmp_path / "out").items() if "part-0" in k}
+    second = run_job(config)
+    assert second.units_run == len(records) < first.units
+    assert shard_files(tmp_path / "out") == clean
+    now = file_identities(tmp_path / "out")
+    assert all(now[k] == v for k, v in kept.items())
+
+
+def test_rerun_with_other_config_is_refused_unless_overwrite(tmp_path, corpus_dir,
+                                                             tokenizer_path):
+    run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path))
+    before = file_identities(tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"eos: False -> True"):
+        run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, eos=True))
+    assert file_identities(tmp_path / "out") == before
+    run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, eos=True, overwrite=True))
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["config"]["eos"] is True
+
+
+def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer_path):
+    corpus = tmp_path / "corpus"
+    write_parquet(corpus / "a.parquet", ["hello world", None, "", "more text", None])
+    write_parquet(corpus / "b.parquet", [1, 2, 3], text_type=pa.int64())
+    write_parquet(corpus / "c.parquet", [b"bytes ok", b"\xff\xfe"], text_type=pa.binary())
+    summary = run_job(config_for(corpus, tmp_path / "out", tokenizer_path))
+    assert summary.skipped == {"empty": 1, "invalid_utf8": 1, "non_string": 3, "null": 2}
+    assert summary.documents == 3 and summary.rows == 10
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    totals = manifest["totals"]
+    assert totals["rows"] == totals["documents"] + sum(totals["skipped"].values())
+    assert "non_string=3" in summary.render()
+
+
+def test_missing_column_fails_before_any_work(tmp_path, corpus_dir, tokenizer_path):
+    config = config_for(corpus_dir, tmp_path / "out", tokenizer_path, text_column="body")
+    with pytest.raises(InputError, match=r"'body' not found; available columns: \['id', 'text'\]"):
+        run_job(config)
+    assert not list((tmp_path / "out").glob("megatron/*"))
+
+
+def test_manifest_records_counts_checksums_and_config(tmp_path, corpus_dir, tokenizer_path):
+    run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path))
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["tokenizer"]["bos_id"] == 0 and manifest["tokenizer"]["largest_id"] == 1023
+    assert manifest["formats"]["megatron"]["dtype"] == "uint16"
+    assert manifest["config"]["formats"] == ["megatron", "nanogpt"]
+    assert {"raypipe", "pyarrow", "tokenizers"} <= set(manifest["versions"])
+    shard = manifest["formats"]["nanogpt"]["shards"][0]
+    entry = shard["files"][0]
+    import hashlib
+
+    data = (tmp_path / "out" / entry["path"]).read_bytes()
+    assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "out" / "config.yaml").exists()
+    assert not list((tmp_path / "out").rglob("*.tmp"))

@@ -1,0 +1,82 @@
+"""The tokenize job on a local Ray (2 CPUs): same bytes at any parallelism, CLI, job
+script config, Python API."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+
+import pytest
+import yaml
+
+import raypipe
+from raypipe.cli import main
+from raypipe.config import load_config
+from raypipe.core.dataset import TokenDataset
+from raypipe.core.job import run_job
+from raypipe.ray.tokenize import run_tokenize
+from tests.helpers import expected_documents, file_identities, shard_files
+
+pytestmark = pytest.mark.ray
+
+
+def test_same_bytes_at_one_and_two_workers_and_any_batch_size(ray_session, tmp_path,
+                                                              corpus_dir, tokenizer_path):
+    outputs = {}
+    for name, workers, batch in (("w1", 1, 64), ("w2", 2, 5), ("w2b", 2, 4096)):
+        config = load_config(None, inputs=[str(corpus_dir / "*.parquet")],
+                             output=str(tmp_path / name), tokenizer=tokenizer_path,
+                             unit_bytes=1, num_workers=workers, batch_size=batch)
+        summary = run_tokenize(config)
+        assert summary.units_run == summary.units > 4
+        outputs[name] = shard_files(tmp_path / name)
+    serial = load_config(None, inputs=[str(corpus_dir)], output=str(tmp_path / "serial"),
+                         tokenizer=tokenizer_path, unit_bytes=1)
+    run_job(serial)
+    assert outputs["w1"] == outputs["w2"] == outputs["w2b"] == shard_files(tmp_path / "serial")
+    got = [d.tolist() for d in TokenDataset(tmp_path / "w2").iter_documents()]
+    assert got == expected_documents(corpus_dir, tokenizer_path)
+
+
+def test_python_api_and_rerun(ray_session, tmp_path, corpus_dir, tokenizer_path):
+    summary = raypipe.tokenize(str(corpus_dir), str(tmp_path / "out"), tokenizer=tokenizer_path,
+                               formats="megatron", unit_bytes=1)
+    assert summary.tokens > 0 and summary.shards == summary.units
+    before = file_identities(tmp_path / "out")
+    again = raypipe.tokenize(str(corpus_dir), str(tmp_path / "out"), tokenizer=tokenizer_path,
+                             formats="megatron", unit_bytes=1, num_workers=1)
+    assert again.units_run == 0 and file_identities(tmp_path / "out") == before
+    assert not (tmp_path / "out" / "nanogpt").exists()
+
+
+def test_cli_and_job_script_share_the_config(ray_session, tmp_path, corpus_dir, tokenizer_path,
+                                             capsys, monkeypatch):
+    code = main(["tokenize", str(corpus_dir), "--tokenizer", tokenizer_path, "--format",
+                 "megatron,nanogpt", "--output", str(tmp_path / "cli"), "--eos",
+                 "--shard-tokens", "5000", "--unit-bytes", "1"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "documents" in printed and "tokens/s" in printed
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "inputs": [str(corpus_dir)], "tokenizer": tokenizer_path, "output": str(tmp_path / "x"),
+        "eos": True, "shard_tokens": 5000, "unit_bytes": 1}))
+    monkeypatch.setattr(sys, "argv", ["jobs/tokenize.py", "--config", str(config_file),
+                                      "--output", str(tmp_path / "job")])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path("jobs/tokenize.py", run_name="__main__")
+    assert exit_info.value.code == 0
+    assert shard_files(tmp_path / "cli") == shard_files(tmp_path / "job")
+    recorded = yaml.safe_load((tmp_path / "job" / "config.yaml").read_text())
+    assert recorded["eos"] is True and recorded["output"] == str(tmp_path / "job")
+    manifest = json.loads((tmp_path / "job" / "manifest.json").read_text())
+    assert manifest["config"]["shard_tokens"] == 5000
+
+
+def test_cli_missing_column_exits_2_listing_columns(ray_session, tmp_path, corpus_dir,
+                                                    tokenizer_path, capsys):
+    code = main(["tokenize", str(corpus_dir), "--tokenizer", tokenizer_path,
+                 "--output", str(tmp_path / "o"), "--text-column", "body"])
+    assert code == 2
+    assert "available columns: ['id', 'text']" in capsys.readouterr().err
