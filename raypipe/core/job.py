@@ -14,7 +14,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -62,11 +62,15 @@ class JobSummary:
     run_seconds: float
     startup_seconds: float = 0.0
     peak_rss_bytes: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    steady_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.run_seconds if self.run_seconds > 0 else 0.0
+
+    @property
+    def steady_tokens_per_second(self) -> float:
+        return self.tokens / self.steady_seconds if self.steady_seconds > 0 else 0.0
 
     def render(self) -> str:
         skipped = ", ".join(f"{k}={v}" for k, v in self.skipped.items()) or "none"
@@ -80,9 +84,17 @@ class JobSummary:
             f"  tokens     {self.tokens:,}",
             f"  shards     {self.shards} per format, {self.bytes / 1e6:,.1f} MB on disk",
             f"  wall time  {self.wall_seconds:.2f} s (Ray start-up {self.startup_seconds:.2f} s)",
-            f"  throughput {self.tokens_per_second / 1e6:.3f} M tokens/s over the units run",
+            f"  throughput {self.tokens_per_second / 1e6:.3f} M tokens/s over the units run "
+            f"({self.steady_tokens_per_second / 1e6:.3f} M/s once workers are up)",
             f"  peak RSS   {self.peak_rss_bytes / 2**20:.0f} MiB per worker (max)",
         ])
+
+
+def steady_seconds(records: list[dict[str, Any]]) -> float:
+    """From the first unit's start to the last unit's end: the run without worker start-up."""
+    if not records:
+        return 0.0
+    return max(r["finished_at"] for r in records) - min(r["started_at"] for r in records)
 
 
 def resolve_settings(config: TokenizeConfig) -> UnitSettings:
@@ -180,7 +192,7 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner,
         wall_seconds=time.perf_counter() - started + startup_seconds,
         run_seconds=run_seconds, startup_seconds=startup_seconds,
         peak_rss_bytes=max((r["peak_rss_bytes"] for r in fresh), default=0),
-        extra={"total_tokens": totals["tokens"]})
+        steady_seconds=steady_seconds(fresh))
 
 
 def build_manifest(config: TokenizeConfig, settings: UnitSettings,

@@ -129,7 +129,7 @@ class ShardRoller:
 def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
                   fault_hook: Any = None) -> dict[str, Any]:
     """Tokenize `unit`, commit its shards and its record; return the record."""
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     parquet = open_parquet(unit.uri)
     roller = ShardRoller(settings, unit.name)
     skipped: Counter = Counter()
@@ -156,6 +156,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
         "unit": unit.to_dict(), "fingerprint": settings.fingerprint, "rows": rows,
         "documents": documents, "tokens": tokens_total, "skipped": dict(sorted(skipped.items())),
         "shards": shards, "seconds": round(time.perf_counter() - started, 4),
+        "started_at": started_at, "finished_at": time.time(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     write_unit_record(Path(settings.output), record)

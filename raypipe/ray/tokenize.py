@@ -47,7 +47,7 @@ def ray_runner(num_workers: int | None) -> Any:
         dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
             UnitTokenizer, fn_constructor_kwargs={"settings": settings.to_dict()},
             batch_size=1, num_cpus=1,
-            compute=ray.data.ActorPoolStrategy(size=workers))
+            compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=2))
         for row in dataset.iter_rows():
             yield json.loads(row["record"])
     return run
