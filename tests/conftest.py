@@ -56,3 +56,19 @@ def ray_session():
              log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def token_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
+    """A tokenized dataset (both formats, several shards) built once with the serial runner."""
+    from raypipe.config import load_config
+    from raypipe.core.job import run_job
+
+    root = tmp_path_factory.mktemp("dataset")
+    for index in range(3):
+        write_parquet(root / "corpus" / f"part-{index}.parquet", corpus_texts[index:600:3],
+                      row_group_rows=50)
+    config = load_config(None, inputs=[str(root / "corpus")], output=str(root / "tokens"),
+                         tokenizer=tokenizer_path, shard_tokens=15_000, unit_bytes=1 << 30)
+    run_job(config)
+    return root / "tokens"

@@ -1,0 +1,5 @@
+"""The training-side loader (torch). Importing this package imports torch."""
+
+from raypipe.loader.token_loader import Batch, TokenLoader
+
+__all__ = ["Batch", "TokenLoader"]

@@ -1,0 +1,192 @@
+"""TokenLoader: shuffled, packed, pinned batches for one data-parallel rank, with a small
+state that resumes exactly, at any world size.
+
+Invariant: observations of epoch e are ordered by a pure function of (dataset, seed, e)
+(raypipe.core.epoch). A global step consumes G = world_size x batch_size consecutive
+positions; position p + i*W + r goes to row i of rank r. `state_dict()` is the same on every
+rank: {epoch, position = observations consumed by all ranks}, plus the dataset fingerprint
+and the knobs that shape observations. Loading it on any rank of any world size continues
+the same global order, so over a run every observation of an epoch is consumed exactly once,
+except the last (size mod G) positions of each epoch (drop-last; `packing_report` and
+`steps_in_epoch` say how many). Cost: see raypipe.core.batches and raypipe.loader.prefetch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from raypipe.core.batches import BatchBuffers, BatchBuilder, TokenSource
+from raypipe.core.dataset import TokenDataset
+from raypipe.core.epoch import BestFitPlan, DocumentPlan, PackingReport, WindowPlan
+from raypipe.errors import ConfigError, StateError
+from raypipe.loader.prefetch import HostRing, Prefetcher
+
+STATE_VERSION = 1
+MODES = ("windows", "bestfit", "documents")
+
+
+@dataclass
+class Batch:
+    """One rank's batch. inputs/targets: [B, T]; position_ids: [B, T] restarting at each
+    document; cu_seqlens: document starts over the flattened inputs (int, length
+    num_sequences + 1); mask: [B, T], 1 where the target is a real token (documents mode
+    pads). Tensors are views of one device buffer."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    mask: torch.Tensor
+    observation_ids: np.ndarray
+    positions: np.ndarray
+    epoch: int
+    step: int
+
+
+class TokenLoader:
+    def __init__(self, path: str | Path, seq_len: int, batch_size: int, mode: str = "bestfit",
+                 seed: int = 0, rank: int | None = None, world_size: int | None = None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.int64,
+                 prefetch: int = 4, format: str | None = None, block_documents: int = 4096,
+                 pad_id: int = 0):
+        if mode not in MODES:
+            raise ConfigError(f"mode: {mode!r} not among {list(MODES)}")
+        if dtype not in (torch.int32, torch.int64):
+            raise ConfigError(f"dtype: {dtype} must be torch.int32 or torch.int64")
+        if seq_len < 1 or batch_size < 1 or prefetch < 1:
+            raise ConfigError("seq_len, batch_size and prefetch must be >= 1")
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.dataset = TokenDataset(path, format)
+        self.source = TokenSource(self.dataset)
+        self.seq_len, self.batch_size, self.mode, self.seed = seq_len, batch_size, mode, seed
+        self.block_documents, self.pad_id, self.prefetch = block_documents, pad_id, prefetch
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device: {device} asked for but CUDA is not available")
+        self.dtype = dtype
+        self.epoch, self.position = 0, 0
+        self._plan: tuple[int, Any] | None = None
+        self._lengths: np.ndarray | None = None
+
+    # ----- the epoch plan -------------------------------------------------------------
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.batch_size
+
+    def _document_lengths(self) -> np.ndarray:
+        if self._lengths is None:
+            self._lengths = self.dataset.document_lengths()
+        return self._lengths
+
+    def plan(self, epoch: int | None = None) -> WindowPlan | BestFitPlan | DocumentPlan:
+        epoch = self.epoch if epoch is None else epoch
+        if self._plan is None or self._plan[0] != epoch:
+            if self.mode == "windows":
+                plan: Any = WindowPlan(self.dataset.num_tokens, self.seq_len, self.seed, epoch)
+            elif self.mode == "bestfit":
+                plan = BestFitPlan(self._document_lengths(), self.seq_len, self.seed, epoch,
+                                   self.block_documents)
+            else:
+                plan = DocumentPlan(self._document_lengths(), self.seq_len, self.seed, epoch)
+            self._plan = (epoch, plan)
+        return self._plan[1]
+
+    def steps_in_epoch(self, epoch: int | None = None) -> int:
+        return self.plan(epoch).size // self.global_batch
+
+    def __len__(self) -> int:
+        """Steps left in the current epoch."""
+        return max(0, (self.plan().size - self.position) // self.global_batch)
+
+    def packing_report(self, epoch: int | None = None) -> PackingReport:
+        return self.plan(epoch).report()
+
+    # ----- iteration --------------------------------------------------------------------
+    def _jobs(self, epoch: int, start: int) -> Iterator[tuple[int, np.ndarray]]:
+        offsets = np.arange(self.batch_size, dtype=np.int64) * self.world_size + self.rank
+        steps = (self.plan(epoch).size - start) // self.global_batch
+        for step in range(steps):
+            yield start + step * self.global_batch, start + step * self.global_batch + offsets
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The remaining batches of the current epoch; afterwards the epoch advances."""
+        epoch, start = self.epoch, self.position
+        builder = BatchBuilder(self.source, self.plan(epoch), self.seq_len, self.pad_id)
+        numel = BatchBuffers.size(self.batch_size, self.seq_len)
+        ring = HostRing(self.prefetch + 2, numel, self.dtype, pin=self.device.type == "cuda")
+        first_step = start // self.global_batch
+
+        def build(job: tuple[int, np.ndarray], host: np.ndarray) -> tuple:
+            step_start, positions = job
+            ids, sequences = builder.fill(
+                positions, BatchBuffers.over(host, self.batch_size, self.seq_len))
+            return step_start, positions, ids, sequences
+
+        def wrap(flat: torch.Tensor, meta: tuple) -> tuple[int, Batch]:
+            step_start, positions, ids, sequences = meta
+            views = BatchBuffers.over(flat, self.batch_size, self.seq_len)
+            batch = Batch(inputs=views.tokens[:, :-1], targets=views.tokens[:, 1:],
+                          position_ids=views.position_ids,
+                          cu_seqlens=views.cu_seqlens[:sequences + 1], mask=views.mask,
+                          observation_ids=ids, positions=positions, epoch=epoch,
+                          step=first_step + (step_start - start) // self.global_batch)
+            return step_start, batch
+
+        prefetcher = Prefetcher(self._jobs(epoch, start), build, wrap, ring, self.device,
+                                self.prefetch)
+        try:
+            for step_start, batch in prefetcher:
+                self.position = step_start + self.global_batch
+                yield batch
+            self.epoch, self.position = epoch + 1, 0
+        finally:
+            prefetcher.close()
+
+    # ----- state ------------------------------------------------------------------------
+    def _knobs(self) -> dict[str, Any]:
+        knobs: dict[str, Any] = {"mode": self.mode, "seq_len": self.seq_len, "seed": self.seed}
+        if self.mode == "bestfit":
+            knobs["block_documents"] = self.block_documents
+        return knobs
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "dataset": self.dataset.fingerprint,
+                "format": self.dataset.format_name, "knobs": self._knobs(),
+                "epoch": self.epoch, "position": self.position,
+                "saved_with": {"world_size": self.world_size, "batch_size": self.batch_size}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise StateError(f"loader state version {state.get('version')!r} is not "
+                             f"{STATE_VERSION}")
+        if state.get("dataset") != self.dataset.fingerprint:
+            raise StateError(
+                f"loader state was made for dataset {state.get('dataset')!r} but "
+                f"{self.dataset.root} is {self.dataset.fingerprint!r}: a shard or the manifest "
+                "changed since the checkpoint")
+        if state.get("knobs") != self._knobs():
+            raise StateError(f"loader state knobs {state.get('knobs')} differ from this "
+                             f"loader's {self._knobs()}")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if position < 0 or position > self.plan(epoch).size:
+            raise StateError(f"loader state position {position} outside epoch {epoch} "
+                             f"(size {self.plan(epoch).size})")
+        self.epoch, self.position = epoch, position
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        distributed = torch.distributed
+        if distributed.is_available() and distributed.is_initialized():
+            rank = distributed.get_rank() if rank is None else rank
+            world_size = distributed.get_world_size() if world_size is None else world_size
+    rank, world_size = rank or 0, world_size or 1
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} not in [0, world_size={world_size})")
+    return rank, world_size

@@ -1,0 +1,212 @@
+"""TokenLoader: row contents per mode, exactly-once resume at any world size, state checks,
+multi-process DDP-style run (CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from raypipe.core.dataset import TokenDataset
+from raypipe.errors import StateError
+from raypipe.loader import TokenLoader
+
+T, B = 32, 2
+
+
+def stream_of(path) -> np.ndarray:
+    return np.concatenate(list(TokenDataset(path).iter_documents())).astype(np.int64)
+
+
+def documents_of(path) -> list[np.ndarray]:
+    return [d.astype(np.int64) for d in TokenDataset(path).iter_documents()]
+
+
+def run_ranks(path, world, state=None, steps=None, **options):
+    """Simulate `world` ranks in lockstep; return (observation ids consumed, common state)."""
+    loaders = [TokenLoader(path, T, B, rank=r, world_size=world, **options)
+               for r in range(world)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    iterators = [iter(loader) for loader in loaders]
+    consumed, done = [], 0
+    while steps is None or done < steps:
+        batches = [next(it, None) for it in iterators]
+        if batches[0] is None:
+            break
+        for batch in batches:
+            consumed.extend(batch.observation_ids.tolist())
+        done += 1
+    for iterator in iterators:
+        iterator.close()
+    states = [loader.state_dict() for loader in loaders]
+    assert all(s == states[0] for s in states)
+    return consumed, states[0]
+
+
+def test_windows_rows_are_slices_of_the_stream(token_dataset):
+    stream = stream_of(token_dataset)
+    loader = TokenLoader(token_dataset, T, B, mode="windows", seed=3)
+    assert TokenDataset(token_dataset).num_shards > 3  # windows cross shard boundaries
+    seen = 0
+    for batch in loader:
+        for row, window in enumerate(batch.observation_ids.tolist()):
+            expected = stream[window * T: window * T + T + 1]
+            assert batch.inputs[row].tolist() == expected[:-1].tolist()
+            assert batch.targets[row].tolist() == expected[1:].tolist()
+        seen += 1
+    assert seen == (stream.size - 1) // T // B
+
+
+def test_bestfit_rows_start_with_bos_and_follow_the_plan(token_dataset):
+    documents = documents_of(token_dataset)
+    loader = TokenLoader(token_dataset, T, B, mode="bestfit", seed=9, block_documents=128)
+    plan = loader.plan()
+    for batch in loader:
+        rows = plan.rows(batch.positions)
+        for row, (row_id, doc_ids, take) in enumerate(rows):
+            tokens = torch.cat([batch.inputs[row], batch.targets[row, -1:]]).tolist()
+            assert tokens[0] == 0  # BOS
+            expected = np.concatenate([documents[d][:n] for d, n in zip(doc_ids, take,
+                                                                        strict=True)])
+            assert tokens == expected.tolist()  # no padding: exactly the named documents
+            assert batch.observation_ids[row] == row_id
+        starts = batch.cu_seqlens[:-1].tolist()
+        flat_positions = batch.position_ids.reshape(-1).tolist()
+        assert all(flat_positions[s] == 0 for s in starts)
+        assert sum(1 for p in flat_positions if p == 0) == len(starts)
+    report = loader.packing_report()
+    assert report.padded_tokens == 0
+    assert report.used_tokens + report.cropped_tokens + report.dropped_tokens == \
+        sum(d.size for d in documents)
+
+
+def test_documents_mode_pads_and_masks(token_dataset):
+    documents = documents_of(token_dataset)
+    loader = TokenLoader(token_dataset, T, B, mode="documents", seed=1, pad_id=2,
+                         dtype=torch.int32)
+    batch = next(iter(loader))
+    assert batch.inputs.dtype == torch.int32
+    for row, doc in enumerate(batch.observation_ids.tolist()):
+        kept = min(documents[doc].size, T + 1)
+        tokens = torch.cat([batch.inputs[row], batch.targets[row, -1:]]).tolist()
+        assert tokens[:kept] == documents[doc][:kept].tolist()
+        assert all(t == 2 for t in tokens[kept:])
+        assert batch.mask[row].sum().item() == kept - 1
+
+
+@pytest.mark.parametrize("mode", ["windows", "bestfit"])
+@pytest.mark.parametrize("new_world", [1, 2, 3, 4, 8])
+def test_exactly_once_across_resume_at_any_world_size(token_dataset, mode, new_world):
+    probe = TokenLoader(token_dataset, T, B, mode=mode, seed=11, world_size=2)
+    plan, size, last = probe.plan(), probe.plan().size, probe.steps_in_epoch()
+    for stop in sorted({0, 1, last // 2, last - 1, last}):
+        first, state = run_ranks(token_dataset, 2, steps=stop, mode=mode, seed=11)
+        rest, final = run_ranks(token_dataset, new_world, state=state, mode=mode, seed=11)
+        consumed = first + rest
+        assert len(consumed) == len(set(consumed)), f"duplicate after stop at {stop}"
+        end = stop * 2 * B + (size - stop * 2 * B) // (new_world * B) * new_world * B
+        positions = np.arange(end)
+        expected = (plan.window_starts(positions)[0] if mode == "windows"
+                    else np.array([r[0] for r in plan.rows(positions)]))
+        assert sorted(consumed) == sorted(expected.tolist())
+        assert size - end < max(2, new_world) * B  # only the drop-last tail is missing
+        assert final["epoch"] == 1 and final["position"] == 0
+
+
+def test_resume_twice_in_a_row_still_advances(token_dataset):
+    first, state = run_ranks(token_dataset, 2, steps=3, mode="bestfit")
+    second, state2 = run_ranks(token_dataset, 3, state=state, steps=1, mode="bestfit")
+    third, state3 = run_ranks(token_dataset, 1, state=state2, steps=1, mode="bestfit")
+    assert state["position"] < state2["position"] < state3["position"]
+    assert not set(first) & set(second) and not set(second) & set(third)
+
+
+def test_resumed_rows_equal_uninterrupted_rows(token_dataset):
+    def rows_by_position(world, state=None, steps=None):
+        loaders = [TokenLoader(token_dataset, T, B, rank=r, world_size=world, seed=4)
+                   for r in range(world)]
+        out = {}
+        for loader in loaders:
+            if state:
+                loader.load_state_dict(state)
+            for step, batch in enumerate(loader):
+                if steps is not None and step >= steps:
+                    break
+                for row, position in enumerate(batch.positions.tolist()):
+                    out[position] = batch.inputs[row].tolist()
+        return out, loaders[0].state_dict()
+
+    whole, _ = rows_by_position(1)
+    head, state = rows_by_position(2, steps=5)
+    tail, _ = rows_by_position(3, state=state)
+    for position, row in {**head, **tail}.items():
+        assert whole[position] == row
+
+
+def test_state_is_small_json_and_checked(token_dataset, tmp_path):
+    loader = TokenLoader(token_dataset, T, B, mode="windows")
+    state = loader.state_dict()
+    assert len(json.dumps(state)) < 4096
+    with pytest.raises(StateError, match="knobs"):
+        TokenLoader(token_dataset, T + 1, B, mode="windows").load_state_dict(state)
+    with pytest.raises(StateError, match="knobs"):
+        TokenLoader(token_dataset, T, B, mode="bestfit").load_state_dict(state)
+    with pytest.raises(StateError, match="version"):
+        loader.load_state_dict({**state, "version": 99})
+    copy = tmp_path / "copy"
+    shutil.copytree(token_dataset, copy)
+    shard = sorted((copy / "megatron").glob("*.bin"))[0]
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 1
+    shard.write_bytes(bytes(data))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    import hashlib
+
+    for entry in manifest["formats"]["megatron"]["shards"][0]["files"]:
+        entry["sha256"] = hashlib.sha256((copy / entry["path"]).read_bytes()).hexdigest()
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StateError, match="changed since the checkpoint"):
+        TokenLoader(copy, T, B, mode="windows").load_state_dict(state)
+
+
+def test_nanogpt_format_gives_the_same_rows(token_dataset):
+    megatron = next(iter(TokenLoader(token_dataset, T, B, mode="bestfit", format="megatron")))
+    nanogpt = next(iter(TokenLoader(token_dataset, T, B, mode="bestfit", format="nanogpt")))
+    assert torch.equal(megatron.inputs, nanogpt.inputs)
+
+
+def _ddp_worker(rank, world, path, queue):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29581", rank=rank,
+                            world_size=world)
+    loader = TokenLoader(path, T, B, mode="bestfit", seed=2)  # rank/world from torch.distributed
+    ids = []
+    for batch in loader:
+        ids.extend(batch.observation_ids.tolist())
+        dist.barrier()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, ids)
+    if rank == 0:
+        queue.put((gathered, loader.plan().size))
+    dist.destroy_process_group()
+
+
+def test_ddp_style_spawned_ranks_partition_the_epoch(token_dataset):
+    context = torch.multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    processes = [context.Process(target=_ddp_worker, args=(r, 2, str(token_dataset), queue))
+                 for r in range(2)]
+    for process in processes:
+        process.start()
+    gathered, size = queue.get(timeout=120)
+    for process in processes:
+        process.join(timeout=60)
+    ids = gathered[0] + gathered[1]
+    assert not set(gathered[0]) & set(gathered[1])
+    assert len(ids) == len(set(ids)) == size // (2 * B) * 2 * B
