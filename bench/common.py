@@ -43,3 +43,49 @@ def print_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+
+
+def synthetic_token_dataset(directory: Path, total_tokens: int, seed: int = 0,
+                            shard_tokens: int = 1 << 28) -> Path:
+    """A Megatron-format raypipe dataset of random uint16 tokens (BOS = 0 at every document
+    start, lognormal document lengths with median ~400), written through raypipe's own shard
+    writers and manifest; built once and cached in `directory`."""
+    import numpy as np
+
+    from raypipe.core.manifest import MANIFEST_VERSION, shard_table, write_manifest
+    from raypipe.core.tokenizer import TokenizerInfo
+    from raypipe.core.unit import ShardRoller, UnitSettings
+
+    output = directory / f"tokens-{total_tokens // 1_000_000}M-seed{seed}"
+    if (output / "manifest.json").exists():
+        return output
+    info = TokenizerInfo("synthetic", "0" * 64, 32767, 0, None)
+    settings = UnitSettings(str(output), ("megatron",), "text", shard_tokens, 1, None, info,
+                            f"synthetic-{seed}")
+    roller = ShardRoller(settings, "synthetic")
+    rng = np.random.default_rng(seed)
+    written = 0
+    while written < total_tokens:
+        lengths = np.clip(rng.lognormal(6.0, 1.0, 20_000).astype(np.int64) + 2, 2, 100_000)
+        tokens = rng.integers(1, 32768, int(lengths.sum()), dtype=np.uint32)
+        tokens[np.cumsum(lengths) - lengths] = 0
+        roller.add(tokens, lengths)
+        written += tokens.size
+    shards = roller.finish()
+    record = {"shards": shards}
+    write_manifest(output, {
+        "manifest_version": MANIFEST_VERSION, "kind": "raypipe-tokens",
+        "fingerprint": settings.fingerprint, "tokenizer": info.to_dict(),
+        "formats": {"megatron": {"dtype": "uint16", "shards": shard_table([record],
+                                                                          "megatron")}},
+    })
+    return output
+
+
+def anon_rss_mib() -> float:
+    """Private (anonymous) resident memory: excludes file pages a memmap maps from the page
+    cache, which RSS counts but which the kernel can drop at any time."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")

@@ -110,15 +110,15 @@ def main() -> None:
     ceiling_wall, ceiling_tokens = min(ceilings)
     job = max(jobs, key=lambda j: j.steady_tokens_per_second)
     ceiling_rate = ceiling_tokens / ceiling_wall
-    job_rate = job.tokens / job.run_seconds
+    job_rate = job.tokens_run / job.run_seconds
     steady_rate = job.steady_tokens_per_second
     print_table([
         ("what", "tokens", "seconds", "M tokens/s", "vs ceiling"),
         ("ceiling: 2 processes x 1 thread", f"{ceiling_tokens:,}", f"{ceiling_wall:.2f}",
          f"{ceiling_rate / 1e6:.3f}", "1.00"),
-        ("raypipe job, steady state", f"{job.tokens:,}", f"{job.steady_seconds:.2f}",
+        ("raypipe job, steady state", f"{job.tokens_run:,}", f"{job.steady_seconds:.2f}",
          f"{steady_rate / 1e6:.3f}", f"{steady_rate / ceiling_rate:.2f}"),
-        ("raypipe job incl. actor start", f"{job.tokens:,}", f"{job.run_seconds:.2f}",
+        ("raypipe job incl. actor start", f"{job.tokens_run:,}", f"{job.run_seconds:.2f}",
          f"{job_rate / 1e6:.3f}", f"{job_rate / ceiling_rate:.2f}"),
     ])
     print(f"Ray start-up (ray.init): {startup:.2f} s; actor pool start-up inside the job: "

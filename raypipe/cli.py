@@ -62,6 +62,23 @@ def command_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_pack_report(args: argparse.Namespace) -> int:
+    from raypipe.core.dataset import TokenDataset
+    from raypipe.core.epoch import make_plan
+
+    dataset = TokenDataset(args.dataset, args.format)
+    print(f"{args.dataset}: {args.mode} rows of {args.seq_len} + 1 tokens, seed {args.seed}, "
+          f"epoch {args.epoch} ({dataset.num_documents:,} documents, format "
+          f"{dataset.format_name})")
+    for epoch in range(args.epoch, args.epoch + args.epochs):
+        plan = make_plan(args.mode, dataset.num_tokens, dataset.document_lengths, args.seq_len,
+                         args.seed, epoch, args.block_documents)
+        if args.epochs > 1:
+            print(f"-- epoch {epoch}")
+        print(plan.report().render())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raypipe", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", default="demo_out")
     demo.add_argument("--num-workers", type=int, default=None)
     demo.set_defaults(handler=command_demo)
+    report = commands.add_parser("pack-report", help="tokens used/cropped/padded per epoch")
+    report.add_argument("dataset", help="a raypipe output directory")
+    report.add_argument("--seq-len", type=int, default=2048)
+    report.add_argument("--mode", default="bestfit", choices=["bestfit", "windows", "documents"])
+    report.add_argument("--seed", type=int, default=0)
+    report.add_argument("--epoch", type=int, default=0)
+    report.add_argument("--epochs", type=int, default=1)
+    report.add_argument("--block-documents", type=int, default=4096)
+    report.add_argument("--format", default=None, help="megatron or nanogpt (default: any)")
+    report.set_defaults(handler=command_pack_report)
     return parser
 
 

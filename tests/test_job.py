@@ -129,3 +129,16 @@ def test_manifest_records_counts_checksums_and_config(tmp_path, corpus_dir, toke
     assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
     assert (tmp_path / "out" / "config.yaml").exists()
     assert not list((tmp_path / "out").rglob("*.tmp"))
+
+
+def test_rerun_of_finished_job_does_not_touch_ray(tmp_path, corpus_dir, tokenizer_path):
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("a Ray session is already running in this process")
+    from raypipe.ray.tokenize import run_tokenize
+
+    config = config_for(corpus_dir, tmp_path / "out", tokenizer_path)
+    run_job(config)
+    summary = run_tokenize(config)
+    assert summary.units_run == 0 and not ray.is_initialized()
+    assert "nothing to run" in summary.render()

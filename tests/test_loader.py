@@ -210,3 +210,27 @@ def test_ddp_style_spawned_ranks_partition_the_epoch(token_dataset):
     ids = gathered[0] + gathered[1]
     assert not set(gathered[0]) & set(gathered[1])
     assert len(ids) == len(set(ids)) == size // (2 * B) * 2 * B
+
+
+def test_windows_boundaries_follow_bos_when_asked(token_dataset):
+    loader = TokenLoader(token_dataset, T, B, mode="windows", seed=5, boundaries=True)
+    for batch in loader:
+        flat_inputs = batch.inputs.reshape(-1)
+        expected = sorted({i for i in range(B * T) if flat_inputs[i] == 0 or i % T == 0})
+        assert batch.cu_seqlens[:-1].tolist() == expected
+        assert batch.cu_seqlens[-1].item() == B * T
+        positions = batch.position_ids.reshape(-1).tolist()
+        for start, stop in zip(expected, expected[1:] + [B * T], strict=True):
+            assert positions[start:stop] == list(range(stop - start))
+    plain = next(iter(TokenLoader(token_dataset, T, B, mode="windows", seed=5)))
+    assert plain.cu_seqlens.tolist() == [i * T for i in range(B + 1)]
+
+
+def test_pack_report_cli(token_dataset, capsys):
+    from raypipe.cli import main
+
+    assert main(["pack-report", str(token_dataset), "--seq-len", str(T)]) == 0
+    printed = capsys.readouterr().out
+    report = TokenLoader(token_dataset, T, B, mode="bestfit").packing_report()
+    assert f"cropped         {report.cropped_tokens:,}" in printed
+    assert "padded          0" in printed

@@ -149,12 +149,39 @@ class BestFitPlan:
                                                           salt=1000 + block)}
         return self._row_orders[block]
 
-    def rows(self, positions: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """For each position: (row id, document ids, tokens taken from each)."""
+    def row_ids(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(block, row id within the block) of each position; one permutation call per
+        block touched."""
         blocks = np.searchsorted(self.row_offsets, positions, side="right") - 1
+        local = positions - self.row_offsets[blocks]
+        for block in np.unique(blocks).tolist():
+            chosen = blocks == block
+            local[chosen] = self._row_order(block)(local[chosen])
+        return blocks, local
+
+    def rows(self, positions: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """For each position: (global row id, document ids, tokens taken from each)."""
+        blocks, local = self.row_ids(positions)
         out = []
-        for position, block in zip(positions.tolist(), blocks.tolist(), strict=True):
-            local = self._row_order(block)(position - int(self.row_offsets[block]))
-            doc_ids, take = self.pack(block).row(local)
-            out.append((int(self.row_offsets[block]) + local, doc_ids, take))
+        for block, row in zip(blocks.tolist(), local.tolist(), strict=True):
+            doc_ids, take = self.pack(block).row(row)
+            out.append((int(self.row_offsets[block]) + row, doc_ids, take))
         return out
+
+
+Plan = WindowPlan | BestFitPlan | DocumentPlan
+MODES = ("windows", "bestfit", "documents")
+
+
+def make_plan(mode: str, num_tokens: int, lengths: object, seq_len: int, seed: int,
+              epoch: int, block_documents: int = 4096) -> Plan:
+    """The plan of one epoch. `lengths` (document lengths) may be a zero-argument callable,
+    called only by the modes that need it."""
+    if mode == "windows":
+        return WindowPlan(num_tokens, seq_len, seed, epoch)
+    values = lengths() if callable(lengths) else lengths
+    if mode == "bestfit":
+        return BestFitPlan(values, seq_len, seed, epoch, block_documents)
+    if mode == "documents":
+        return DocumentPlan(values, seq_len, seed, epoch)
+    raise ValueError(f"mode {mode!r} not among {list(MODES)}")

@@ -55,6 +55,7 @@ class JobSummary:
     rows: int
     documents: int
     tokens: int
+    tokens_run: int
     skipped: dict[str, int]
     shards: int
     bytes: int
@@ -66,11 +67,11 @@ class JobSummary:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.tokens / self.run_seconds if self.run_seconds > 0 else 0.0
+        return self.tokens_run / self.run_seconds if self.run_seconds > 0 else 0.0
 
     @property
     def steady_tokens_per_second(self) -> float:
-        return self.tokens / self.steady_seconds if self.steady_seconds > 0 else 0.0
+        return self.tokens_run / self.steady_seconds if self.steady_seconds > 0 else 0.0
 
     def render(self) -> str:
         skipped = ", ".join(f"{k}={v}" for k, v in self.skipped.items()) or "none"
@@ -81,13 +82,14 @@ class JobSummary:
             f"  rows       {self.rows:,}",
             f"  documents  {self.documents:,}",
             f"  skipped    {skipped}",
-            f"  tokens     {self.tokens:,}",
+            f"  tokens     {self.tokens:,} ({self.tokens_run:,} this run)",
             f"  shards     {self.shards} per format, {self.bytes / 1e6:,.1f} MB on disk",
             f"  wall time  {self.wall_seconds:.2f} s (Ray start-up {self.startup_seconds:.2f} s)",
+        ] + ([
             f"  throughput {self.tokens_per_second / 1e6:.3f} M tokens/s over the units run "
             f"({self.steady_tokens_per_second / 1e6:.3f} M/s once workers are up)",
             f"  peak RSS   {self.peak_rss_bytes / 2**20:.0f} MiB per worker (max)",
-        ])
+        ] if self.units_run else ["  nothing to run: every unit was already committed"]))
 
 
 def steady_seconds(records: list[dict[str, Any]]) -> float:
@@ -161,8 +163,7 @@ def clear_output(output: Path, formats: tuple[str, ...]) -> None:
         shutil.rmtree(output / name, ignore_errors=True)
 
 
-def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner,
-            startup_seconds: float = 0.0) -> JobSummary:
+def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSummary:
     started = time.perf_counter()
     settings = resolve_settings(config)
     output = prepare_output(config, settings)
@@ -187,10 +188,10 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner,
     totals = manifest["totals"]
     return JobSummary(
         output=str(output), units=len(units), units_run=len(pending), rows=totals["rows"],
-        documents=totals["documents"], tokens=sum(r["tokens"] for r in fresh),
+        documents=totals["documents"], tokens=totals["tokens"],
+        tokens_run=sum(r["tokens"] for r in fresh),
         skipped=totals["skipped"], shards=totals["shards"], bytes=totals["bytes"],
-        wall_seconds=time.perf_counter() - started + startup_seconds,
-        run_seconds=run_seconds, startup_seconds=startup_seconds,
+        wall_seconds=time.perf_counter() - started, run_seconds=run_seconds,
         peak_rss_bytes=max((r["peak_rss_bytes"] for r in fresh), default=0),
         steady_seconds=steady_seconds(fresh))
 

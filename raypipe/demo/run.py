@@ -1,5 +1,6 @@
 """`raypipe demo`: gather the docstring corpus, tokenize it on a local Ray into Megatron and
-NanoGPT shards, read a document back from both, and print the summary."""
+NanoGPT shards, read a document back from both, print the summary, then feed a few packed
+batches through the loader, checkpoint its position and resume it at two ranks."""
 
 from __future__ import annotations
 
@@ -34,3 +35,24 @@ def run_demo(output: Path, num_workers: int | None = None) -> None:
     text = Tokenizer.from_file(str(SHIPPED)).decode(megatron.document(0).tolist())
     print(f"first document of {first.name} ({megatron.document(0).size} tokens): "
           f"{text[:160]!r}...")
+    demo_loader(output / "tokens")
+
+
+def demo_loader(tokens: Path) -> None:
+    """Feed a few best-fit packed batches, checkpoint the position, resume at 2 ranks."""
+    from raypipe.loader import TokenLoader
+
+    loader = TokenLoader(tokens, seq_len=512, batch_size=4, mode="bestfit", seed=1234)
+    print(loader.packing_report().render())
+    for step, batch in enumerate(loader):
+        print(f"step {step}: inputs {tuple(batch.inputs.shape)}, "
+              f"{batch.cu_seqlens.numel() - 1} documents, rows {batch.observation_ids.tolist()}")
+        if step == 2:
+            break
+    state = loader.state_dict()
+    print(f"checkpointed loader state: {state}")
+    for rank in range(2):
+        resumed = TokenLoader(tokens, seq_len=512, batch_size=2, mode="bestfit", seed=1234,
+                              rank=rank, world_size=2)
+        resumed.load_state_dict(state)
+        print(f"resumed rank {rank}/2 next rows: {next(iter(resumed)).observation_ids.tolist()}")

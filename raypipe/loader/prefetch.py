@@ -34,11 +34,11 @@ class HostRing:
 
 
 class Prefetcher:
-    """Runs `build(job, host_array) -> meta` for each job on a thread; yields
-    `wrap(device_tensor, meta)` in order."""
+    """Runs `build(job, slot) -> meta` for each job on a thread (filling host slot `slot`);
+    yields `wrap(device_tensor, slot, meta)` in order."""
 
-    def __init__(self, jobs: Iterator[Any], build: Callable[[Any, Any], Any],
-                 wrap: Callable[[torch.Tensor, Any], Any], ring: HostRing,
+    def __init__(self, jobs: Iterator[Any], build: Callable[[Any, int], Any],
+                 wrap: Callable[[torch.Tensor, int, Any], Any], ring: HostRing,
                  device: torch.device, depth: int):
         self.jobs, self.build, self.wrap, self.ring = jobs, build, wrap, ring
         self.device = device
@@ -75,8 +75,8 @@ class Prefetcher:
         try:
             for index, job in enumerate(self.jobs):
                 slot = index % len(self.ring)
-                meta = self.build(job, self.ring.arrays[slot])
-                item = self.wrap(self._to_device(self.ring.slots[slot]), meta)
+                meta = self.build(job, slot)
+                item = self.wrap(self._to_device(self.ring.slots[slot]), slot, meta)
                 if not self._put(item):
                     return
             self._put(_DONE)

@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from raypipe.core.batches import BatchBuffers, BatchBuilder, TokenSource
+from raypipe.core.batches import BatchBuffers, BatchBuilder, BatchPlan, TokenSource
 from raypipe.core.dataset import TokenDataset
-from raypipe.core.epoch import BestFitPlan, DocumentPlan, PackingReport, WindowPlan
+from raypipe.core.epoch import MODES, PackingReport, Plan, make_plan
 from raypipe.errors import ConfigError, StateError
 from raypipe.loader.prefetch import HostRing, Prefetcher
 
 STATE_VERSION = 1
-MODES = ("windows", "bestfit", "documents")
+DESCRIBE_STEPS = 64
 
 
 @dataclass
@@ -54,7 +54,7 @@ class TokenLoader:
                  seed: int = 0, rank: int | None = None, world_size: int | None = None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.int64,
                  prefetch: int = 4, format: str | None = None, block_documents: int = 4096,
-                 pad_id: int = 0):
+                 pad_id: int = 0, boundaries: bool | None = None):
         if mode not in MODES:
             raise ConfigError(f"mode: {mode!r} not among {list(MODES)}")
         if dtype not in (torch.int32, torch.int64):
@@ -66,6 +66,9 @@ class TokenLoader:
         self.source = TokenSource(self.dataset)
         self.seq_len, self.batch_size, self.mode, self.seed = seq_len, batch_size, mode, seed
         self.block_documents, self.pad_id, self.prefetch = block_documents, pad_id, prefetch
+        # document boundaries (position_ids, cu_seqlens): on for packed/document rows; for
+        # windows only when asked (a BOS scan per batch)
+        self.boundaries = mode != "windows" if boundaries is None else boundaries
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device: {device} asked for but CUDA is not available")
@@ -84,16 +87,11 @@ class TokenLoader:
             self._lengths = self.dataset.document_lengths()
         return self._lengths
 
-    def plan(self, epoch: int | None = None) -> WindowPlan | BestFitPlan | DocumentPlan:
+    def plan(self, epoch: int | None = None) -> Plan:
         epoch = self.epoch if epoch is None else epoch
         if self._plan is None or self._plan[0] != epoch:
-            if self.mode == "windows":
-                plan: Any = WindowPlan(self.dataset.num_tokens, self.seq_len, self.seed, epoch)
-            elif self.mode == "bestfit":
-                plan = BestFitPlan(self._document_lengths(), self.seq_len, self.seed, epoch,
-                                   self.block_documents)
-            else:
-                plan = DocumentPlan(self._document_lengths(), self.seq_len, self.seed, epoch)
+            plan = make_plan(self.mode, self.dataset.num_tokens, self._document_lengths,
+                             self.seq_len, self.seed, epoch, self.block_documents)
             self._plan = (epoch, plan)
         return self._plan[1]
 
@@ -108,41 +106,47 @@ class TokenLoader:
         return self.plan(epoch).report()
 
     # ----- iteration --------------------------------------------------------------------
-    def _jobs(self, epoch: int, start: int) -> Iterator[tuple[int, np.ndarray]]:
+    def _jobs(self, builder: BatchBuilder, epoch: int, start: int) -> Iterator[BatchPlan]:
+        """BatchPlans of this rank for the rest of the epoch, described DESCRIBE_STEPS at a
+        time (one vectorized permutation call per chunk, not per batch)."""
         offsets = np.arange(self.batch_size, dtype=np.int64) * self.world_size + self.rank
         steps = (self.plan(epoch).size - start) // self.global_batch
-        for step in range(steps):
-            yield start + step * self.global_batch, start + step * self.global_batch + offsets
+        for first in range(0, steps, DESCRIBE_STEPS):
+            chunk = np.arange(first, min(steps, first + DESCRIBE_STEPS), dtype=np.int64)
+            yield from builder.describe(start + chunk[:, None] * self.global_batch + offsets)
 
     def __iter__(self) -> Iterator[Batch]:
         """The remaining batches of the current epoch; afterwards the epoch advances."""
         epoch, start = self.epoch, self.position
-        builder = BatchBuilder(self.source, self.plan(epoch), self.seq_len, self.pad_id)
+        builder = BatchBuilder(self.source, self.plan(epoch), self.seq_len, self.pad_id,
+                               self.boundaries)
         numel = BatchBuffers.size(self.batch_size, self.seq_len)
         ring = HostRing(self.prefetch + 2, numel, self.dtype, pin=self.device.type == "cuda")
-        first_step = start // self.global_batch
+        host_views = [BatchBuffers.over(a, self.batch_size, self.seq_len) for a in ring.arrays]
+        for views in host_views:
+            builder.prepare(views)
+        slot_views = [BatchBuffers.over(t, self.batch_size, self.seq_len) for t in ring.slots]
 
-        def build(job: tuple[int, np.ndarray], host: np.ndarray) -> tuple:
-            step_start, positions = job
-            ids, sequences = builder.fill(
-                positions, BatchBuffers.over(host, self.batch_size, self.seq_len))
-            return step_start, positions, ids, sequences
+        def build(job: BatchPlan, slot: int) -> tuple[BatchPlan, int]:
+            return job, builder.fill(job, host_views[slot])
 
-        def wrap(flat: torch.Tensor, meta: tuple) -> tuple[int, Batch]:
-            step_start, positions, ids, sequences = meta
-            views = BatchBuffers.over(flat, self.batch_size, self.seq_len)
-            batch = Batch(inputs=views.tokens[:, :-1], targets=views.tokens[:, 1:],
-                          position_ids=views.position_ids,
-                          cu_seqlens=views.cu_seqlens[:sequences + 1], mask=views.mask,
-                          observation_ids=ids, positions=positions, epoch=epoch,
-                          step=first_step + (step_start - start) // self.global_batch)
-            return step_start, batch
+        def wrap(flat: torch.Tensor, slot: int, meta: tuple[BatchPlan, int]) -> Batch:
+            job, sequences = meta
+            views = (slot_views[slot] if flat is ring.slots[slot]
+                     else BatchBuffers.over(flat, self.batch_size, self.seq_len))
+            step_start = int(job.positions[0]) - self.rank
+            step = start // self.global_batch + (step_start - start) // self.global_batch
+            return Batch(inputs=views.tokens[:, :-1], targets=views.tokens[:, 1:],
+                         position_ids=views.position_ids,
+                         cu_seqlens=views.cu_seqlens[:sequences + 1], mask=views.mask,
+                         observation_ids=job.observation_ids, positions=job.positions,
+                         epoch=epoch, step=step)
 
-        prefetcher = Prefetcher(self._jobs(epoch, start), build, wrap, ring, self.device,
-                                self.prefetch)
+        prefetcher = Prefetcher(self._jobs(builder, epoch, start), build, wrap, ring,
+                                self.device, self.prefetch)
         try:
-            for step_start, batch in prefetcher:
-                self.position = step_start + self.global_batch
+            for batch in prefetcher:
+                self.position = int(batch.positions[0]) - self.rank + self.global_batch
                 yield batch
             self.epoch, self.position = epoch + 1, 0
         finally:

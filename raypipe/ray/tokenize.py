@@ -40,8 +40,11 @@ class UnitTokenizer:
         return {"record": np.array(records, dtype=object)}
 
 
-def ray_runner(num_workers: int | None) -> Any:
+def ray_runner(num_workers: int | None, address: str | None = None) -> Any:
+    """A unit runner that connects to (or starts) Ray only when there is work to run."""
+
     def run(units: list[WorkUnit], settings: UnitSettings) -> Iterable[dict[str, Any]]:
+        _, run.startup_seconds = ensure_ray(address)
         workers = max(1, min(num_workers or cluster_cpus(), len(units)))
         items = [{"unit": json.dumps(u.to_dict())} for u in units]
         dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
@@ -50,10 +53,15 @@ def ray_runner(num_workers: int | None) -> Any:
             compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=2))
         for row in dataset.iter_rows():
             yield json.loads(row["record"])
+    run.startup_seconds = 0.0
     return run
 
 
 def run_tokenize(config: TokenizeConfig) -> JobSummary:
-    """Run the job inside the caller's Ray session, or a new one (left running)."""
-    _, startup = ensure_ray(config.address)
-    return run_job(config, ray_runner(config.num_workers), startup_seconds=startup)
+    """Run the job inside the caller's Ray session, or a new one (left running); a rerun
+    with nothing left to do never touches Ray."""
+    runner = ray_runner(config.num_workers, config.address)
+    summary = run_job(config, runner)
+    summary.startup_seconds = runner.startup_seconds
+    summary.run_seconds -= runner.startup_seconds
+    return summary
