@@ -76,7 +76,7 @@ def run_raypipe(corpus: Path, output: Path, batch_size: int = BATCH):
 
     shutil.rmtree(output, ignore_errors=True)
     config = load_config(None, inputs=[str(corpus)], output=str(output), tokenizer=str(SHIPPED),
-                         formats=["megatron"], num_workers=2, batch_size=batch_size,
+                         formats=["megatron"], num_workers=2, encode_batch_rows=batch_size,
                          unit_bytes=2 << 20)
     return run_tokenize(config)
 

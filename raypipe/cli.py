@@ -17,7 +17,8 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="*", help="parquet files, directories or globs")
     parser.add_argument("--config", help="YAML config; command-line options override it")
     parser.add_argument("--tokenizer", help="tokenizer.json path or hub name")
-    parser.add_argument("--format", dest="formats", help="comma list: megatron,nanogpt")
+    parser.add_argument("--format", dest="formats",
+                        help="comma list of megatron, nanogpt, stream, llmbatch")
     parser.add_argument("--output", "-o", help="output directory")
     parser.add_argument("--text-column")
     parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
@@ -29,7 +30,17 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-tokens", type=int, help="max tokens per shard")
     parser.add_argument("--unit-bytes", type=int, help="parquet bytes per work unit")
     parser.add_argument("--max-document-chars", type=int, help="skip longer documents")
-    parser.add_argument("--batch-size", type=int, help="rows per tokenizer call")
+    parser.add_argument("--encode-batch-rows", type=int, help="rows per tokenizer call")
+    parser.add_argument("--metadata", action=argparse.BooleanOptionalAction, default=None,
+                        help="stream: write metadata records (--no-metadata: pure tokens)")
+    parser.add_argument("--metadata-columns", help="stream: comma list of per-document columns")
+    parser.add_argument("--span-column", help="stream: column of [{start, end, labels}] spans")
+    parser.add_argument("--metadata-serializer", help="json (default) or msgpack")
+    parser.add_argument("--seq-len", type=int, help="llmbatch: tokens per record")
+    parser.add_argument("--batch-size", type=int, help="llmbatch: records per batch")
+    parser.add_argument("--packing", help="llmbatch: bestfit (default) or concat")
+    parser.add_argument("--seed", type=int, help="llmbatch: record shuffle seed")
+    parser.add_argument("--batches-per-shard", type=int, help="llmbatch: batches per file")
     parser.add_argument("--num-workers", type=int, help="tokenizer actors (default: all CPUs)")
     parser.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or local)")
     parser.add_argument("--overwrite", action="store_true", default=None,
@@ -40,8 +51,10 @@ def config_from_args(args: argparse.Namespace):
     from raypipe.config import load_config
 
     fields = ("tokenizer", "formats", "output", "text_column", "bos", "eos", "bos_token",
-              "eos_token", "shard_tokens", "unit_bytes", "max_document_chars", "batch_size",
-              "num_workers", "address", "overwrite")
+              "eos_token", "shard_tokens", "unit_bytes", "max_document_chars",
+              "encode_batch_rows", "metadata", "metadata_columns", "span_column",
+              "metadata_serializer", "seq_len", "batch_size", "packing", "seed",
+              "batches_per_shard", "num_workers", "address", "overwrite")
     overrides = {name: getattr(args, name) for name in fields}
     overrides["inputs"] = args.inputs or None
     return load_config(args.config, **overrides)

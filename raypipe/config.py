@@ -21,9 +21,11 @@ import yaml
 
 from raypipe.errors import ConfigError
 
-KNOWN_FORMATS = ("megatron", "nanogpt")
+KNOWN_FORMATS = ("megatron", "nanogpt", "stream", "llmbatch")
+DOCUMENT_FORMATS = ("megatron", "nanogpt", "stream")
+PACKINGS = ("bestfit", "concat")
 # Fields that do not change output bytes: excluded from the fingerprint.
-EXECUTION_FIELDS = frozenset({"batch_size", "num_workers", "address", "overwrite"})
+EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
 
 
@@ -43,7 +45,16 @@ class TokenizeConfig:
     shard_tokens: int = 1 << 29
     unit_bytes: int = 64 << 20
     max_document_chars: int | None = None
-    batch_size: int = 1024
+    metadata: bool = True
+    metadata_columns: tuple[str, ...] = ()
+    span_column: str | None = None
+    metadata_serializer: str = "json"
+    seq_len: int | None = None
+    batch_size: int | None = None
+    packing: str = "bestfit"
+    seed: int = 0
+    batches_per_shard: int = 1024
+    encode_batch_rows: int = 1024
     num_workers: int | None = None
     address: str | None = None
     overwrite: bool = False
@@ -52,6 +63,8 @@ class TokenizeConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", _as_tuple(self.inputs, "inputs"))
         object.__setattr__(self, "formats", _as_tuple(self.formats, "formats"))
+        object.__setattr__(self, "metadata_columns",
+                           _as_tuple(self.metadata_columns, "metadata_columns"))
         if not self.inputs:
             raise ConfigError("inputs: no input given (a glob, a directory or a list of files)")
         if not self.output:
@@ -63,9 +76,14 @@ class TokenizeConfig:
             raise ConfigError(f"formats: {unknown or 'none'} not among {list(KNOWN_FORMATS)}")
         if not 1 <= self.shard_tokens <= NANOGPT_MAX_TOKENS:
             raise ConfigError(f"shard_tokens: {self.shard_tokens} not in [1, 2^31-1]")
-        for name in ("batch_size", "unit_bytes"):
+        for name in ("encode_batch_rows", "unit_bytes", "batches_per_shard"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if "llmbatch" in self.formats:
+            if not self.seq_len or not self.batch_size or self.seq_len < 2 or self.batch_size < 1:
+                raise ConfigError("llmbatch: needs --seq-len T (>= 2) and --batch-size B")
+            if self.packing not in PACKINGS:
+                raise ConfigError(f"packing: {self.packing!r} not among {list(PACKINGS)}")
         if self.num_workers is not None and self.num_workers < 1:
             raise ConfigError(f"num_workers: must be >= 1, got {self.num_workers}")
         if not self.bos and not self.eos:
@@ -78,7 +96,14 @@ class TokenizeConfig:
         data.pop("extra")
         data["inputs"] = list(self.inputs)
         data["formats"] = list(self.formats)
+        data["metadata_columns"] = list(self.metadata_columns)
         return data
+
+    @property
+    def document_formats(self) -> tuple[str, ...]:
+        """Formats written per work unit; LLMBATCH is packed afterwards from Megatron."""
+        chosen = tuple(f for f in self.formats if f in DOCUMENT_FORMATS)
+        return chosen if chosen else ("megatron",)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TokenizeConfig:
@@ -105,7 +130,7 @@ class TokenizeConfig:
 
 def _as_tuple(value: Any, name: str) -> tuple[str, ...]:
     if isinstance(value, str):
-        value = [v for v in value.split(",") if v] if name == "formats" else [value]
+        value = [v for v in value.split(",") if v] if name != "inputs" else [value]
     if not isinstance(value, list | tuple):
         raise ConfigError(f"{name}: expected a list, got {type(value).__name__}")
     return tuple(str(v) for v in value)

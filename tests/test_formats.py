@@ -14,6 +14,7 @@ from raypipe.errors import FormatError
 from raypipe.formats import FORMATS
 from raypipe.formats.megatron import MegatronReader, megatron_dtype
 from raypipe.formats.nanogpt import NanoGPTReader, nanogpt_dtype
+from raypipe.formats.stream import StreamReader
 
 BOS = 0
 
@@ -36,7 +37,13 @@ def write_shard(fmt_name, directory, documents, dtype, batches=3, bos_id=BOS):
 def read_shard(fmt_name, directory):
     if fmt_name == "megatron":
         return MegatronReader(directory / "shard")
+    if fmt_name == "stream":
+        return StreamReader(directory / "shard", bos_id=BOS, metadata=True)
     return NanoGPTReader(directory / "shard", bos_id=BOS, require_bos_index=True)
+
+
+MAIN_FILE = {"megatron": "shard.idx", "nanogpt": "shard.bin", "stream": "shard.metadata.index"}
+SIDECAR = {"megatron": "shard.bin", "nanogpt": "shard.bos.idx", "stream": "shard.metadata.bin"}
 
 
 def test_megatron_layout_is_byte_exact(tmp_path):
@@ -105,21 +112,23 @@ def good_shard(request, tmp_path):
 
 
 def _corrupt(fmt_name, directory, kind):
-    main = directory / ("shard.idx" if fmt_name == "megatron" else "shard.bin")
+    main = directory / MAIN_FILE[fmt_name]
     data = bytearray(main.read_bytes())
     if kind == "truncated":
         main.write_bytes(data[:-1])
-    elif kind == "magic":
+    elif kind == "magic":  # stream has no magic: its index's first offset must be 0
         data[0:4] = b"XXXX"
         main.write_bytes(bytes(data))
     elif kind == "claims_more":
         if fmt_name == "megatron":
             struct.pack_into("<Q", data, 18, 2**40)   # S
-        else:
+        elif fmt_name == "nanogpt":
             struct.pack_into("<i", data, 8, 2**31 - 1)  # T
+        else:
+            struct.pack_into("<Q", data, len(data) - 8, 2**62)  # index[M]
         main.write_bytes(bytes(data))
     elif kind == "missing_sidecar":
-        (directory / ("shard.bin" if fmt_name == "megatron" else "shard.bos.idx")).unlink()
+        (directory / SIDECAR[fmt_name]).unlink()
     elif kind == "header_only":
         main.write_bytes(data[:5])
 

@@ -37,8 +37,8 @@ def test_round_trip_equals_direct_tokenization(tmp_path, corpus_dir, tokenizer_p
 
 
 def test_output_is_independent_of_batch_size(tmp_path, corpus_dir, tokenizer_path):
-    run_job(config_for(corpus_dir, tmp_path / "a", tokenizer_path, batch_size=7))
-    run_job(config_for(corpus_dir, tmp_path / "b", tokenizer_path, batch_size=1000))
+    run_job(config_for(corpus_dir, tmp_path / "a", tokenizer_path, encode_batch_rows=7))
+    run_job(config_for(corpus_dir, tmp_path / "b", tokenizer_path, encode_batch_rows=1000))
     assert shard_files(tmp_path / "a") == shard_files(tmp_path / "b")
 
 
@@ -60,7 +60,7 @@ def test_rerun_of_finished_job_rewrites_nothing(tmp_path, corpus_dir, tokenizer_
     config = config_for(corpus_dir, tmp_path / "out", tokenizer_path)
     run_job(config)
     before = file_identities(tmp_path / "out")
-    summary = run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, batch_size=3))
+    summary = run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, encode_batch_rows=3))
     assert summary.units_run == 0
     assert file_identities(tmp_path / "out") == before
 

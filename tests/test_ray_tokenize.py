@@ -27,7 +27,7 @@ def test_same_bytes_at_one_and_two_workers_and_any_batch_size(ray_session, tmp_p
     for name, workers, batch in (("w1", 1, 64), ("w2", 2, 5), ("w2b", 2, 4096)):
         config = load_config(None, inputs=[str(corpus_dir / "*.parquet")],
                              output=str(tmp_path / name), tokenizer=tokenizer_path,
-                             unit_bytes=1, num_workers=workers, batch_size=batch)
+                             unit_bytes=1, num_workers=workers, encode_batch_rows=batch)
         summary = run_tokenize(config)
         assert summary.units_run == summary.units > 4
         outputs[name] = shard_files(tmp_path / name)

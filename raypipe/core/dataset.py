@@ -23,22 +23,30 @@ from raypipe.errors import FormatError
 from raypipe.formats import ShardReader
 from raypipe.formats.megatron import MegatronReader
 from raypipe.formats.nanogpt import NanoGPTReader
+from raypipe.formats.stream import StreamReader
 
-READ_PREFERENCE = ("megatron", "nanogpt")
+READ_PREFERENCE = ("megatron", "nanogpt", "stream")
 
 
 class TokenDataset:
-    def __init__(self, root: str | Path, format_name: str | None = None):
+    """The documents of one document format (megatron, nanogpt or stream) of an output."""
+
+    def __init__(self, root: str | Path, format_name: str | None = None,
+                 manifest: dict[str, Any] | None = None):
         self.root = Path(root)
-        self.manifest: dict[str, Any] = read_manifest(self.root)
-        available = list(self.manifest["formats"])
+        self.manifest: dict[str, Any] = manifest or read_manifest(self.root)
+        available = [f for f in self.manifest["formats"] if f in READ_PREFERENCE]
         if format_name is None:
-            format_name = next((f for f in READ_PREFERENCE if f in available), available[0])
+            format_name = next((f for f in READ_PREFERENCE if f in available), None)
+            if format_name is None:
+                raise FormatError(self.root / "manifest.json", "no document format to read",
+                                  list(READ_PREFERENCE), list(self.manifest["formats"]))
         if format_name not in available:
             raise FormatError(self.root / "manifest.json", f"format {format_name!r} not in "
                               "this dataset", available, format_name)
         self.format_name = format_name
-        self.shards: list[dict[str, Any]] = self.manifest["formats"][format_name]["shards"]
+        self.format_section: dict[str, Any] = self.manifest["formats"][format_name]
+        self.shards: list[dict[str, Any]] = self.format_section["shards"]
         self.bos_id: int | None = self.manifest["tokenizer"].get("bos_id")
         self.eos_id: int | None = self.manifest["tokenizer"].get("eos_id")
         self._readers: dict[int, ShardReader] = {}
@@ -72,9 +80,13 @@ class TokenDataset:
             prefix = self.shard_prefix(index)
             if self.format_name == "megatron":
                 reader: ShardReader = MegatronReader(prefix)
-            else:
+            elif self.format_name == "nanogpt":
                 reader = NanoGPTReader(prefix, bos_id=self.bos_id,
                                        require_bos_index=self.bos_id is not None)
+            else:
+                reader = StreamReader(prefix, self.bos_id, self.eos_id,
+                                      metadata=self.format_section.get("metadata", True),
+                                      serializer=self.format_section.get("serializer", "json"))
             self._check_counts(index, reader)
             self._readers[index] = reader
         return self._readers[index]

@@ -21,6 +21,7 @@ from typing import Any
 
 from raypipe.config import TokenizeConfig, dump_config_yaml
 from raypipe.core.atomic import remove_stale_temps, write_bytes_atomic, write_json_atomic
+from raypipe.core.llmbatch_writer import write_llmbatch_from_manifest
 from raypipe.core.manifest import (
     JOB_RECORD,
     MANIFEST_NAME,
@@ -104,10 +105,14 @@ def resolve_settings(config: TokenizeConfig) -> UnitSettings:
     info = describe_tokenizer(tokenizer, config.tokenizer, config.bos, config.eos,
                               config.bos_token, config.eos_token)
     return UnitSettings(
-        output=str(Path(config.output).resolve()), formats=config.formats,
+        output=str(Path(config.output).resolve()), formats=config.document_formats,
         text_column=config.text_column, shard_tokens=config.shard_tokens,
-        batch_size=config.batch_size, max_document_chars=config.max_document_chars,
-        tokenizer=info, fingerprint=config.output_fingerprint(info.sha256))
+        encode_batch_rows=config.encode_batch_rows,
+        max_document_chars=config.max_document_chars, tokenizer=info,
+        fingerprint=config.output_fingerprint(info.sha256),
+        metadata_columns=config.metadata_columns, span_column=config.span_column,
+        format_options={"stream": {"metadata": config.metadata,
+                                   "serializer": config.metadata_serializer}})
 
 
 def make_encoder(settings: UnitSettings) -> DocumentEncoder:
@@ -167,7 +172,10 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
     started = time.perf_counter()
     settings = resolve_settings(config)
     output = prepare_output(config, settings)
-    units = plan_units(config.inputs, config.text_column, config.unit_bytes)
+    extra = ()
+    if settings.wants_metadata:
+        extra = (*config.metadata_columns, *filter(None, [config.span_column]))
+    units = plan_units(config.inputs, config.text_column, config.unit_bytes, extra)
     records: dict[str, dict[str, Any]] = {}
     pending = []
     for unit in units:
@@ -183,6 +191,10 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
     ordered = [records[unit.name] for unit in units]
     manifest = build_manifest(config, settings, ordered)
     if pending or not (output / MANIFEST_NAME).exists():
+        if "llmbatch" in config.formats:
+            manifest["formats"]["llmbatch"] = write_llmbatch_from_manifest(
+                output, manifest, config.seq_len, config.batch_size, config.packing,
+                config.seed, config.batches_per_shard)
         write_bytes_atomic(output / "config.yaml", dump_config_yaml(config).encode())
         write_manifest(output, manifest)
     totals = manifest["totals"]
@@ -202,7 +214,8 @@ def build_manifest(config: TokenizeConfig, settings: UnitSettings,
     for record in records:
         skipped.update(record["skipped"])
     dtypes = settings.token_dtypes()
-    formats = {name: {"dtype": dtypes[name].name, "shards": shard_table(records, name)}
+    formats = {name: {"dtype": dtypes[name].name, "shards": shard_table(records, name),
+                      **settings.format_options.get(name, {})}
                for name in settings.formats}
     total_bytes = sum(f["bytes"] for table in formats.values() for shard in table["shards"]
                       for f in shard["files"])

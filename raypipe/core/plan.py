@@ -34,6 +34,7 @@ class WorkUnit:
     row_group_stop: int
     num_rows: int
     name: str
+    first_row: int = 0
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -140,29 +141,34 @@ def unit_name(uri: str, start: int, stop: int) -> str:
     return f"{stem[:48]}-{digest}-rg{start:05d}-{stop:05d}"
 
 
-def units_of_file(uri: str, text_column: str, unit_bytes: int) -> list[WorkUnit]:
-    """Split one file into consecutive row-group ranges of about `unit_bytes` each."""
+def units_of_file(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUnit]:
+    """Split one file into consecutive row-group ranges of about `unit_bytes` each; every
+    name in `columns` (text column first) must exist."""
     parquet = open_parquet(uri)
-    columns = parquet.schema_arrow.names
-    if text_column not in columns:
-        raise InputError(f"{uri}: text column {text_column!r} not found; "
-                         f"available columns: {columns}")
+    available = parquet.schema_arrow.names
+    for role, column in zip(["text column"] + ["column"] * len(columns), columns,
+                            strict=False):
+        if column not in available:
+            raise InputError(f"{uri}: {role} {column!r} not found; "
+                             f"available columns: {available}")
     meta = parquet.metadata
     units: list[WorkUnit] = []
-    start, rows, size = 0, 0, 0
+    start, rows, size, first_row = 0, 0, 0, 0
     for index in range(meta.num_row_groups):
         group = meta.row_group(index)
         rows += group.num_rows
         size += group.total_byte_size
         if size >= unit_bytes or index == meta.num_row_groups - 1:
-            units.append(WorkUnit(uri, start, index + 1, rows, unit_name(uri, start, index + 1)))
+            units.append(WorkUnit(uri, start, index + 1, rows, unit_name(uri, start, index + 1),
+                                  first_row))
+            first_row += rows
             start, rows, size = index + 1, 0, 0
     return units
 
 
-def plan_units(inputs: tuple[str, ...] | list[str], text_column: str,
-               unit_bytes: int) -> list[WorkUnit]:
+def plan_units(inputs: tuple[str, ...] | list[str], text_column: str, unit_bytes: int,
+               extra_columns: tuple[str, ...] = ()) -> list[WorkUnit]:
     units: list[WorkUnit] = []
     for uri in expand_inputs(inputs):
-        units.extend(units_of_file(uri, text_column, unit_bytes))
+        units.extend(units_of_file(uri, [text_column, *extra_columns], unit_bytes))
     return units

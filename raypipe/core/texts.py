@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -39,8 +40,16 @@ def decode_binary(column: pa.Array, skipped: Counter) -> pa.Array:
 def clean_texts(column: pa.Array | pa.ChunkedArray,
                 max_document_chars: int | None = None) -> tuple[list[str], Counter]:
     """Kept texts in row order, and the count of skipped rows by reason."""
+    texts, _, skipped = clean_texts_with_rows(column, max_document_chars)
+    return texts, skipped
+
+
+def clean_texts_with_rows(column: pa.Array | pa.ChunkedArray, max_document_chars: int | None
+                          = None) -> tuple[list[str], np.ndarray, Counter]:
+    """Kept texts, their row indices in `column`, and skipped rows by reason."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
+    rows = pa.array(np.arange(len(column), dtype=np.int64))
     skipped: Counter = Counter()
     if _is_any(column.type, BINARY_TYPES):
         nulls_before = column.null_count
@@ -51,8 +60,9 @@ def clean_texts(column: pa.Array | pa.ChunkedArray,
     else:
         skipped["null"] += column.null_count
         skipped["non_string"] += len(column) - column.null_count
-        return [], +skipped
-    column = column.drop_null()
+        return [], np.empty(0, np.int64), +skipped
+    valid = pc.is_valid(column)
+    column, rows = column.filter(valid), rows.filter(valid)
     lengths = pc.utf8_length(column)
     keep = pc.greater(lengths, 0)
     skipped["empty"] += len(column) - pc.sum(keep).as_py() if len(column) else 0
@@ -60,4 +70,5 @@ def clean_texts(column: pa.Array | pa.ChunkedArray,
         too_long = pc.greater(lengths, max_document_chars)
         skipped["too_long"] += pc.sum(too_long).as_py() or 0
         keep = pc.and_(keep, pc.invert(too_long))
-    return column.filter(keep).to_pylist(), +skipped
+    return (column.filter(keep).to_pylist(), rows.filter(keep).to_numpy(zero_copy_only=False),
+            +skipped)

@@ -131,3 +131,15 @@ class DocumentEncoder:
         if not texts:
             return np.empty(0, np.uint32), np.empty(0, np.int64)
         return flatten_documents(ids_of(self.tokenizer, texts), self.bos_id, self.eos_id)
+
+    def encode_with_offsets(self, texts: list[str]
+                            ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """As `encode`, plus each document's content-token character offsets [n, 2] (the
+        slower `encode_batch`, used only when spans must be mapped to tokens)."""
+        if not texts:
+            return np.empty(0, np.uint32), np.empty(0, np.int64), []
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        tokens, lengths = flatten_documents([e.ids for e in encodings], self.bos_id,
+                                            self.eos_id)
+        offsets = [np.array(e.offsets, dtype=np.int64).reshape(-1, 2) for e in encodings]
+        return tokens, lengths, offsets

@@ -6,6 +6,9 @@ that would push it past `shard_tokens` (a longer document gets a shard of its ow
 batch size and parallelism never move a boundary. Memory is bounded by one batch of rows
 plus 4 bytes per document of the open shard (Megatron's lengths), never by the shard's
 tokens or the corpus. The unit's record is written only after every shard file is renamed.
+For the stream format each document carries a metadata record (source file, row, the
+chosen columns) and each character span of `span_column` a record of its own, mapped to
+the tokens whose characters overlap it.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from __future__ import annotations
 import resource
 import time
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -22,11 +25,12 @@ import pyarrow as pa
 
 from raypipe.core.manifest import write_unit_record
 from raypipe.core.plan import WorkUnit, open_parquet
-from raypipe.core.texts import clean_texts
+from raypipe.core.texts import clean_texts_with_rows
 from raypipe.core.tokenizer import DocumentEncoder, TokenizerInfo
 from raypipe.errors import InputError
 from raypipe.formats import Format, ShardWriter, get_format
 from raypipe.formats.base import file_sha256
+from raypipe.formats.stream import DocumentMetadata
 
 
 @dataclass(frozen=True)
@@ -37,10 +41,18 @@ class UnitSettings:
     formats: tuple[str, ...]
     text_column: str
     shard_tokens: int
-    batch_size: int
+    encode_batch_rows: int
     max_document_chars: int | None
     tokenizer: TokenizerInfo
     fingerprint: str
+    metadata_columns: tuple[str, ...] = ()
+    span_column: str | None = None
+    format_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def wants_metadata(self) -> bool:
+        return "stream" in self.formats and self.format_options.get("stream", {}).get(
+            "metadata", True)
 
     def token_dtypes(self) -> dict[str, np.dtype]:
         return {name: get_format(name).token_dtype(self.tokenizer.largest_id)
@@ -56,6 +68,7 @@ class UnitSettings:
         fields = dict(data)
         fields["tokenizer"] = TokenizerInfo(**fields["tokenizer"])
         fields["formats"] = tuple(fields["formats"])
+        fields["metadata_columns"] = tuple(fields.get("metadata_columns", ()))
         return cls(**fields)
 
 
@@ -75,7 +88,9 @@ class ShardRoller:
     def _open(self) -> None:
         name = f"{self.unit_name}-{len(self.shards):04d}"
         self.writers = [fmt.writer(self.output / fmt.name, name, self.dtypes[fmt.name],
-                                   self.settings.tokenizer.bos_id) for fmt in self.formats]
+                                   self.settings.tokenizer.bos_id,
+                                   **self.settings.format_options.get(fmt.name, {}))
+                        for fmt in self.formats]
         self.open_tokens = 0
 
     def _close(self) -> None:
@@ -95,7 +110,8 @@ class ShardRoller:
         return {"path": f"{format_name}/{file_name}", "bytes": path.stat().st_size,
                 "sha256": file_sha256(path)}
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, lengths: np.ndarray,
+            metadata: list[DocumentMetadata] | None = None) -> None:
         ends = np.cumsum(lengths)
         first = 0
         while first < len(lengths):
@@ -107,11 +123,11 @@ class ShardRoller:
                 continue
             if not self.writers:
                 self._open()
-            count = max(fitting, 1)
-            stop = first + count
+            stop = first + max(fitting, 1)
             chunk = tokens[base:int(ends[stop - 1])]
+            chunk_metadata = metadata[first:stop] if metadata is not None else None
             for writer in self.writers:
-                writer.add(chunk, lengths[first:stop])
+                writer.add(chunk, lengths[first:stop], chunk_metadata)
             self.open_tokens += int(chunk.size)
             first = stop
             if first < len(lengths):
@@ -126,23 +142,84 @@ class ShardRoller:
             writer.abort()
 
 
+class MetadataBuilder:
+    """Per-document metadata records and span records for one batch of rows."""
+
+    def __init__(self, unit: WorkUnit, settings: UnitSettings, bos: bool):
+        self.unit, self.settings = unit, settings
+        self.source = PurePosixPath(unit.uri).name
+        self.shift = int(bos)
+
+    def build(self, batch: pa.RecordBatch, first_row: int, rows: np.ndarray, texts: list[str],
+              offsets: list[np.ndarray] | None) -> list[DocumentMetadata]:
+        columns = {name: batch.column(name).take(pa.array(rows)).to_pylist()
+                   for name in self.settings.metadata_columns}
+        spans = (batch.column(self.settings.span_column).take(pa.array(rows)).to_pylist()
+                 if self.settings.span_column else None)
+        documents = []
+        for index, row in enumerate(rows.tolist()):
+            absolute = self.unit.first_row + first_row + row
+            record = {"source": self.source, "row": absolute}
+            record.update({name: values[index] for name, values in columns.items()})
+            document = DocumentMetadata(record)
+            if spans is not None and spans[index]:
+                document.spans = self._map_spans(spans[index], texts[index], offsets[index],
+                                                 absolute)
+            documents.append(document)
+        return documents
+
+    def _map_spans(self, spans: list[Any], text: str, offsets: np.ndarray,
+                   row: int) -> list[tuple[int, int, dict[str, Any]]]:
+        """Character spans -> token ranges (tokens whose characters overlap the span)."""
+        mapped = []
+        token_starts, token_ends = offsets[:, 0], offsets[:, 1]
+        for span in spans:
+            if not isinstance(span, dict) or not isinstance(span.get("start"), int) or \
+                    not isinstance(span.get("end"), int):
+                raise InputError(f"{self.unit.uri}: row {row}, column "
+                                 f"{self.settings.span_column!r}: span {span!r} needs integer "
+                                 "'start' and 'end'")
+            start, end = span["start"], span["end"]
+            if not 0 <= start <= end <= len(text):
+                raise InputError(f"{self.unit.uri}: row {row}, column "
+                                 f"{self.settings.span_column!r}: span [{start}, {end}) "
+                                 f"outside the text's {len(text)} characters")
+            first = int(np.searchsorted(token_ends, start, side="right"))
+            stop = int(np.searchsorted(token_starts, end, side="left"))
+            if stop > first:
+                mapped.append((first + self.shift, stop + self.shift, dict(span)))
+        return sorted(mapped, key=lambda item: item[0])
+
+
 def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
                   fault_hook: Any = None) -> dict[str, Any]:
     """Tokenize `unit`, commit its shards and its record; return the record."""
     started, started_at = time.perf_counter(), time.time()
     parquet = open_parquet(unit.uri)
     roller = ShardRoller(settings, unit.name)
+    metadata = (MetadataBuilder(unit, settings, encoder.bos_id is not None)
+                if settings.wants_metadata else None)
+    columns = [settings.text_column]
+    if metadata is not None:
+        columns += [*settings.metadata_columns, *filter(None, [settings.span_column])]
     skipped: Counter = Counter()
     rows = documents = tokens_total = 0
     try:
-        batches = parquet.iter_batches(batch_size=settings.batch_size,
+        batches = parquet.iter_batches(batch_size=settings.encode_batch_rows,
                                        row_groups=range(unit.row_group_start, unit.row_group_stop),
-                                       columns=[settings.text_column], use_threads=False)
+                                       columns=list(dict.fromkeys(columns)), use_threads=False)
         for batch in _read_batches(batches, unit):
-            texts, batch_skipped = clean_texts(batch.column(0), settings.max_document_chars)
+            texts, kept, batch_skipped = clean_texts_with_rows(
+                batch.column(settings.text_column), settings.max_document_chars)
             skipped.update(batch_skipped)
-            tokens, lengths = encoder.encode(texts)
-            roller.add(tokens, lengths)
+            offsets = None
+            if metadata is not None and settings.span_column:
+                tokens, lengths, offsets = encoder.encode_with_offsets(texts)
+            else:
+                tokens, lengths = encoder.encode(texts)
+            records = (metadata.build(batch, rows, kept, texts, offsets)
+                       if metadata is not None else None)
+            roller.add(tokens, lengths, records)
             rows += batch.num_rows
             documents += len(lengths)
             tokens_total += int(tokens.size)

@@ -6,8 +6,9 @@ from raypipe.errors import ConfigError
 from raypipe.formats.base import Format, ShardReader, ShardWriter
 from raypipe.formats.megatron import MEGATRON
 from raypipe.formats.nanogpt import NANOGPT
+from raypipe.formats.stream import STREAM
 
-FORMATS: dict[str, Format] = {f.name: f for f in (MEGATRON, NANOGPT)}
+FORMATS: dict[str, Format] = {f.name: f for f in (MEGATRON, NANOGPT, STREAM)}
 
 
 def get_format(name: str) -> Format:

@@ -32,8 +32,9 @@ class ShardWriter(ABC):
         self.num_documents = 0
 
     @abstractmethod
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append whole documents; `tokens` is uint32 and sums to `lengths`."""
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
+        """Append whole documents; `tokens` is uint32 and sums to `lengths`; `metadata`
+        (one DocumentMetadata per document, or None) is kept by formats that store it."""
 
     @abstractmethod
     def commit(self) -> list[str]:

@@ -61,7 +61,7 @@ class MegatronWriter(ShardWriter):
         self.bin_file = open(self.bin_temp, "wb")
         self.lengths: list[np.ndarray] = []
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
         check_token_range(tokens, self.token_dtype, str(self.bin_path))
         self.bin_file.write(tokens.astype(self.token_dtype, copy=False).data)
         self.lengths.append(lengths.astype(np.int32))

@@ -63,7 +63,7 @@ class NanoGPTWriter(ShardWriter):
         self.bin_file.write(bytes(HEADER_BYTES))
         self.bos_file = open(self.bos_temp, "wb") if bos_id is not None else None
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
         check_token_range(tokens, self.token_dtype, str(self.bin_path))
         if self.num_tokens + tokens.size > MAX_TOKENS:
             raise FormatError(self.bin_path, "shard exceeds the int32 token count of the header",

@@ -1,0 +1,119 @@
+"""LLMBATCH (ZeroBatch v2, FORMATS.md §3): pre-formed [batch_size, seq_len] uint32 batches,
+each in a 4096-byte-aligned slot, so serving batch i is one slice of an mmap.
+
+Invariant: a 4096-byte header (magic `LLMBATCH`, version 1, batch_size, seq_len,
+num_batches as u64 at offset 20, dtype 0 = uint32, seed, total_records; the rest zero),
+then slot i at 4096 + i * padded where padded = ceil(B*T*4 / 4096) * 4096, zero-filled past
+the batch's bytes; file size = 4096 + num_batches * padded. The reader checks every header
+field and the size before mapping anything; `batch(i)` is a zero-copy [B, T] view.
+Cost: writing is one sequential pass; reading a batch is one memmap slice.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from raypipe.core.atomic import commit_file, temp_path_for
+from raypipe.errors import FormatError
+from raypipe.formats.base import require_file, require_size
+
+MAGIC = b"LLMBATCH"
+VERSION = 1
+PAGE = 4096
+HEADER = struct.Struct("<8sIIIQIII")  # 40 bytes, then zeros up to PAGE
+MAX_U32 = 2**32 - 1
+
+
+def slot_bytes(batch_size: int, seq_len: int) -> int:
+    raw = batch_size * seq_len * 4
+    return -(-raw // PAGE) * PAGE
+
+
+def encode_header(batch_size: int, seq_len: int, num_batches: int, seed: int,
+                  total_records: int) -> bytes:
+    packed = HEADER.pack(MAGIC, VERSION, batch_size, seq_len, num_batches, 0,
+                         seed & MAX_U32, min(total_records, MAX_U32))
+    return packed + bytes(PAGE - len(packed))
+
+
+class LLMBatchWriter:
+    """Writes whole batches ([B, T] arrays of token ids) into one `.batch` file."""
+
+    def __init__(self, path: Path, batch_size: int, seq_len: int, seed: int,
+                 total_records: int):
+        self.path = Path(path)
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.seed, self.total_records = seed, total_records
+        self.padded = slot_bytes(batch_size, seq_len)
+        self.padding = bytes(self.padded - batch_size * seq_len * 4)
+        self.temp = temp_path_for(self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.temp, "wb")
+        self.file.write(bytes(PAGE))
+        self.num_batches = 0
+
+    def add(self, batch: np.ndarray) -> None:
+        if batch.shape != (self.batch_size, self.seq_len):
+            raise FormatError(self.path, "batch shape", (self.batch_size, self.seq_len),
+                              batch.shape)
+        if batch.size and (batch.min() < 0 or batch.max() > MAX_U32):
+            raise FormatError(self.path, "token id outside uint32", f"0..{MAX_U32}",
+                              (int(batch.min()), int(batch.max())))
+        self.file.write(np.ascontiguousarray(batch, dtype="<u4").data)
+        self.file.write(self.padding)
+        self.num_batches += 1
+
+    def commit(self) -> list[str]:
+        self.file.seek(0)
+        self.file.write(encode_header(self.batch_size, self.seq_len, self.num_batches,
+                                      self.seed, self.total_records))
+        self.file.close()
+        commit_file(self.temp, self.path)
+        return [self.path.name]
+
+    def abort(self) -> None:
+        self.file.close()
+        self.temp.unlink(missing_ok=True)
+
+
+class LLMBatchReader:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        size = require_file(self.path)
+        if size < PAGE:
+            raise FormatError(self.path, "truncated header", f">= {PAGE} bytes", size)
+        with open(self.path, "rb") as handle:
+            header = handle.read(PAGE)
+        (magic, version, batch_size, seq_len, num_batches, dtype, seed,
+         total_records) = HEADER.unpack_from(header)
+        if magic != MAGIC:
+            raise FormatError(self.path, "wrong magic", MAGIC, magic)
+        if version != VERSION:
+            raise FormatError(self.path, "unsupported version", VERSION, version)
+        if dtype != 0:
+            raise FormatError(self.path, "unsupported dtype code", 0, dtype)
+        if batch_size < 1 or seq_len < 1:
+            raise FormatError(self.path, "batch_size and seq_len must be >= 1", ">= 1",
+                              (batch_size, seq_len))
+        if any(header[HEADER.size:]):
+            raise FormatError(self.path, "reserved header bytes are not zero", 0, "non-zero")
+        self.padded = slot_bytes(batch_size, seq_len)
+        require_size(self.path, PAGE + num_batches * self.padded, size)
+        self.batch_size, self.seq_len, self.num_batches = batch_size, seq_len, num_batches
+        self.seed, self.total_records = seed, total_records
+        self.data = (np.memmap(self.path, dtype=np.uint8, mode="r", offset=PAGE)
+                     if num_batches else np.empty(0, np.uint8))
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def batch(self, index: int) -> np.ndarray:
+        """Batch `index` as a read-only [B, T] uint32 view (no copy)."""
+        if not 0 <= index < self.num_batches:
+            raise IndexError(f"batch {index} out of range [0, {self.num_batches})")
+        start = index * self.padded
+        raw = self.data[start:start + self.batch_size * self.seq_len * 4]
+        return raw.view("<u4").reshape(self.batch_size, self.seq_len)

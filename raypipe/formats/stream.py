@@ -1,0 +1,187 @@
+"""Stream with metadata (FORMATS.md §4): `<name>.tokens` + `.metadata.index` + `.metadata.bin`.
+
+Invariant: `.tokens` is little-endian records {token: u32, metadata_id: u32} (or plain u32
+tokens when written without metadata); `.metadata.index` is u64[M + 1] byte offsets with
+index[0] = 0 and index[M] = size of `.metadata.bin`; metadata ids are shard-local and
+allocated in token order (a document's record, then its spans' records in span order), so
+the ids of any window form one contiguous range: a window's metadata is one index read and
+one data read. Document boundaries are not stored: readers find them by the BOS (or EOS)
+token, as NanoGPT readers do. Cost: writer keeps one batch in memory plus 8 bytes per
+record for the index; reader validation is O(1) (ids are range-checked per window read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from raypipe.core.atomic import commit_file, temp_path_for
+from raypipe.core.serialize import get_serializer
+from raypipe.errors import FormatError
+from raypipe.formats.base import (
+    Format,
+    ShardReader,
+    ShardWriter,
+    check_token_range,
+    require_file,
+    require_size,
+)
+
+RECORD = np.dtype([("token", "<u4"), ("metadata_id", "<u4")])
+PLAIN = np.dtype("<u4")
+
+
+@dataclass
+class DocumentMetadata:
+    """One document's record and its spans: (first token, stop token, record), token
+    offsets relative to the document's first token (BOS included)."""
+
+    record: dict[str, Any]
+    spans: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
+
+
+def stream_dtype(largest_id: int) -> np.dtype:
+    return np.dtype(np.uint32)
+
+
+class StreamWriter(ShardWriter):
+    def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None,
+                 metadata: bool = True, serializer: str = "json"):
+        super().__init__(directory, name, token_dtype, bos_id)
+        self.with_metadata = metadata
+        self.serializer = get_serializer(serializer)
+        self.paths = {s: self.directory / f"{name}{s}" for s in STREAM.suffixes}
+        self.temps = {s: temp_path_for(p) for s, p in self.paths.items()}
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.tokens_file = open(self.temps[".tokens"], "wb")
+        self.bin_file = open(self.temps[".metadata.bin"], "wb") if metadata else None
+        self.offsets: list[int] = [0]
+
+    def _add_record(self, record: dict[str, Any]) -> int:
+        data = self.serializer.dumps(record)
+        self.bin_file.write(data)
+        self.offsets.append(self.offsets[-1] + len(data))
+        return len(self.offsets) - 2
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray,
+            metadata: list[DocumentMetadata] | None = None) -> None:
+        check_token_range(tokens, self.token_dtype, str(self.paths[".tokens"]))
+        if not self.with_metadata:
+            self.tokens_file.write(tokens.astype(PLAIN, copy=False).data)
+        else:
+            records = np.empty(tokens.size, dtype=RECORD)
+            records["token"] = tokens
+            ends = np.cumsum(lengths)
+            for index, (start, stop) in enumerate(zip((ends - lengths).tolist(), ends.tolist(),
+                                                      strict=True)):
+                doc = metadata[index] if metadata else DocumentMetadata({})
+                ids = records["metadata_id"][start:stop]
+                document_id = self._add_record(doc.record)
+                ids[:] = document_id
+                for first, last, span in doc.spans:
+                    ids[first:last] = self._add_record({**span, "document": document_id})
+            self.tokens_file.write(records.data)
+        self.num_tokens += int(tokens.size)
+        self.num_documents += len(lengths)
+
+    def commit(self) -> list[str]:
+        self.tokens_file.close()
+        names = [self.paths[".tokens"].name]
+        if self.bin_file is not None:
+            self.bin_file.close()
+            np.array(self.offsets, dtype="<u8").tofile(self.temps[".metadata.index"])
+            commit_file(self.temps[".metadata.bin"], self.paths[".metadata.bin"])
+            commit_file(self.temps[".metadata.index"], self.paths[".metadata.index"])
+            names += [self.paths[".metadata.index"].name, self.paths[".metadata.bin"].name]
+        commit_file(self.temps[".tokens"], self.paths[".tokens"])
+        return names
+
+    def abort(self) -> None:
+        for handle in (self.tokens_file, self.bin_file):
+            if handle is not None:
+                handle.close()
+        for temp in self.temps.values():
+            temp.unlink(missing_ok=True)
+
+
+class StreamReader(ShardReader):
+    """Opens one stream shard. `metadata=None` detects it from the sidecar files."""
+
+    def __init__(self, prefix: str | Path, bos_id: int | None = None, eos_id: int | None = None,
+                 metadata: bool | None = None, serializer: str = "json"):
+        prefix = Path(prefix)
+        self.tokens_path = prefix.with_name(prefix.name + ".tokens")
+        self.index_path = prefix.with_name(prefix.name + ".metadata.index")
+        self.bin_path = prefix.with_name(prefix.name + ".metadata.bin")
+        self.serializer = get_serializer(serializer)
+        size = require_file(self.tokens_path)
+        if metadata is None:
+            metadata = self.index_path.exists() or self.bin_path.exists()
+        self.with_metadata = metadata
+        record = RECORD if metadata else PLAIN
+        if size % record.itemsize:
+            raise FormatError(self.tokens_path, f"size is not a multiple of the "
+                              f"{record.itemsize}-byte record", "a multiple", size)
+        count = size // record.itemsize
+        raw = (np.memmap(self.tokens_path, dtype=record, mode="r", shape=(count,)) if count
+               else np.empty(0, dtype=record))
+        self.records = raw
+        self.tokens = raw["token"] if metadata else raw
+        self.metadata_ids = raw["metadata_id"] if metadata else None
+        if metadata:
+            self._open_metadata()
+        self.document_starts = self._document_starts(bos_id, eos_id)
+
+    def _open_metadata(self) -> None:
+        index_size = require_file(self.index_path)
+        bin_size = require_file(self.bin_path)
+        if index_size % 8 or index_size < 8:
+            raise FormatError(self.index_path, "size must be a positive multiple of 8 (u64)",
+                              ">= 8, multiple of 8", index_size)
+        self.index = np.memmap(self.index_path, dtype="<u8", mode="r")
+        if int(self.index[0]) != 0:
+            raise FormatError(self.index_path, "index[0] must be 0", 0, int(self.index[0]))
+        require_size(self.bin_path, int(self.index[-1]), bin_size,
+                     "metadata.bin size (index[M])")
+        self.bin = (np.memmap(self.bin_path, dtype=np.uint8, mode="r") if bin_size
+                    else np.empty(0, np.uint8))
+
+    @property
+    def num_records(self) -> int:
+        return len(self.index) - 1 if self.with_metadata else 0
+
+    def _document_starts(self, bos_id: int | None, eos_id: int | None) -> np.ndarray:
+        count = self.tokens.size
+        if bos_id is not None:
+            starts = np.flatnonzero(self.tokens == bos_id)
+        elif eos_id is not None:
+            starts = np.flatnonzero(self.tokens[:-1] == eos_id) + 1
+        else:
+            starts = np.zeros(0, dtype=np.int64)
+        if count and (starts.size == 0 or starts[0] != 0):
+            starts = np.concatenate([[0], starts])
+        return np.append(starts, count).astype(np.int64)
+
+    def read_records(self, first: int, last: int) -> list[Any]:
+        """Records first..last inclusive: one index read, one data read."""
+        if not self.with_metadata:
+            return []
+        if first < 0 or last >= self.num_records:
+            raise FormatError(self.tokens_path, "metadata id outside the index",
+                              f"< {self.num_records}", last)
+        offsets = np.asarray(self.index[first:last + 2], dtype=np.int64)
+        if (np.diff(offsets) < 0).any() or offsets[-1] > self.bin.size:
+            raise FormatError(self.index_path, f"offsets of records {first}..{last} are not "
+                              "ascending inside metadata.bin", f"<= {self.bin.size}",
+                              int(offsets[-1]))
+        data = self.bin[offsets[0]:offsets[-1]].tobytes()
+        relative = (offsets - offsets[0]).tolist()
+        return [self.serializer.loads(data[a:b]) for a, b in zip(relative, relative[1:],
+                                                                 strict=False)]
+
+
+STREAM = Format("stream", (".tokens", ".metadata.index", ".metadata.bin"), StreamWriter,
+                StreamReader, stream_dtype)
