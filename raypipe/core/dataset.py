@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,19 @@ from raypipe.formats.nanogpt import NanoGPTReader
 from raypipe.formats.stream import StreamReader
 
 READ_PREFERENCE = ("megatron", "nanogpt", "stream")
+
+
+@dataclass
+class StreamWindow:
+    """A window of the global token stream: tokens, each token's global metadata id (-1
+    where the format has none) and the records of those ids."""
+
+    tokens: np.ndarray
+    metadata_ids: np.ndarray
+    records: dict[int, Any]
+
+    def record_of(self, position: int) -> Any:
+        return self.records.get(int(self.metadata_ids[position]))
 
 
 class TokenDataset:
@@ -109,6 +124,47 @@ class TokenDataset:
             reader = self.reader(index)
             for doc in range(reader.num_documents):
                 yield reader.document(doc)
+
+    @cached_property
+    def record_offsets(self) -> np.ndarray:
+        """Stream format: global id of each shard's first metadata record (from index sizes)."""
+        counts = [max(0, os.stat(self.shard_prefix(i).with_name(
+            self.shards[i]["name"] + ".metadata.index")).st_size // 8 - 1)
+            if self.format_section.get("metadata", True) else 0
+            for i in range(self.num_shards)]
+        return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    @cached_property
+    def token_offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.shard_token_counts)]).astype(np.int64)
+
+    def window(self, start: int, length: int) -> StreamWindow:
+        """Tokens [start, start + length) of the global stream with their metadata: per
+        shard touched, one index read and one data read for the window's records."""
+        if start < 0 or length < 0 or start + length > self.num_tokens:
+            raise IndexError(f"window [{start}, {start + length}) outside "
+                             f"[0, {self.num_tokens})")
+        tokens = np.empty(length, dtype=np.int64)
+        ids = np.full(length, -1, dtype=np.int64)
+        records: dict[int, Any] = {}
+        shard = int(np.searchsorted(self.token_offsets, start, side="right")) - 1
+        filled = 0
+        while filled < length:
+            reader = self.reader(shard)
+            local = start + filled - int(self.token_offsets[shard])
+            count = min(length - filled, reader.num_tokens - local)
+            tokens[filled:filled + count] = reader.tokens[local:local + count]
+            shard_ids = getattr(reader, "metadata_ids", None)
+            if shard_ids is not None and count:
+                piece = np.asarray(shard_ids[local:local + count], dtype=np.int64)
+                first, last = int(piece.min()), int(piece.max())
+                base = int(self.record_offsets[shard])
+                ids[filled:filled + count] = piece + base
+                for offset, record in enumerate(reader.read_records(first, last)):
+                    records[base + first + offset] = record
+            filled += count
+            shard += 1
+        return StreamWindow(tokens, ids, records)
 
     @cached_property
     def fingerprint(self) -> str:
