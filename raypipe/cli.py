@@ -92,6 +92,44 @@ def command_pack_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_verify(args: argparse.Namespace) -> int:
+    from raypipe.core.verify import verify_dataset
+
+    counts = verify_dataset(args.dataset)
+    print(f"{args.dataset}: OK ({counts['files']} files in {counts['shards']} shards of "
+          f"{counts['formats']} format(s) match the manifest)")
+    return 0
+
+
+def command_inspect(args: argparse.Namespace) -> int:
+    from raypipe.core.inspect import inspect_dataset
+
+    print(inspect_dataset(args.dataset, samples=args.samples, tokenizer=args.tokenizer,
+                          plot=args.plot))
+    return 0
+
+
+def command_convert(args: argparse.Namespace) -> int:
+    from raypipe.core.convert import convert_dataset
+
+    manifest = convert_dataset(args.source, args.destination, args.format, seq_len=args.seq_len,
+                               batch_size=args.batch_size, packing=args.packing, seed=args.seed,
+                               batches_per_shard=args.batches_per_shard,
+                               overwrite=args.overwrite)
+    section = manifest["formats"][args.format]
+    print(f"{args.source} -> {args.destination}: {len(section['shards'])} {args.format} shards")
+    if "llmbatch" in read_formats(args.source) and args.format != "llmbatch":
+        print("note: an LLMBATCH source yields its records (packed rows), not the original "
+              "documents")
+    return 0
+
+
+def read_formats(path: str) -> list[str]:
+    from raypipe.core.manifest import read_manifest
+
+    return list(read_manifest(path)["formats"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raypipe", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +150,27 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--block-documents", type=int, default=4096)
     report.add_argument("--format", default=None, help="megatron or nanogpt (default: any)")
     report.set_defaults(handler=command_pack_report)
+    verify = commands.add_parser("verify", help="re-check every shard against the manifest")
+    verify.add_argument("dataset")
+    verify.set_defaults(handler=command_verify)
+    inspect = commands.add_parser("inspect", help="counts, shards, lengths, samples")
+    inspect.add_argument("dataset")
+    inspect.add_argument("--samples", type=int, default=3)
+    inspect.add_argument("--tokenizer", help="tokenizer.json to decode samples with")
+    inspect.add_argument("--plot", help="write a PNG histogram of document lengths here")
+    inspect.set_defaults(handler=command_inspect)
+    convert = commands.add_parser("convert", help="convert an output to another format")
+    convert.add_argument("source")
+    convert.add_argument("destination")
+    convert.add_argument("--format", required=True,
+                         choices=["megatron", "nanogpt", "stream", "llmbatch"])
+    convert.add_argument("--seq-len", type=int)
+    convert.add_argument("--batch-size", type=int)
+    convert.add_argument("--packing", default="bestfit", choices=["bestfit", "concat"])
+    convert.add_argument("--seed", type=int, default=0)
+    convert.add_argument("--batches-per-shard", type=int, default=1024)
+    convert.add_argument("--overwrite", action="store_true")
+    convert.set_defaults(handler=command_convert)
     return parser
 
 

@@ -119,6 +119,16 @@ class TokenDataset:
         parts = [self.reader(i).document_lengths for i in range(self.num_shards)]
         return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
 
+    @cached_property
+    def document_offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.shard_document_counts)]).astype(np.int64)
+
+    def document_starts_global(self, index: int) -> int:
+        """Global token offset of document `index`."""
+        shard = int(np.searchsorted(self.document_offsets, index, side="right")) - 1
+        local = index - int(self.document_offsets[shard])
+        return int(self.token_offsets[shard]) + int(self.reader(shard).document_starts[local])
+
     def iter_documents(self) -> Iterator[np.ndarray]:
         for index in range(self.num_shards):
             reader = self.reader(index)
@@ -172,4 +182,57 @@ class TokenDataset:
         payload = {"fingerprint": self.manifest["fingerprint"], "format": self.format_name,
                    "shards": [[s["name"], [(f["path"], f["bytes"], f["sha256"])
                                            for f in s["files"]]] for s in self.shards]}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class LLMBatchDataset:
+    """The LLMBATCH shards of an output, in manifest order: batch i of the whole dataset."""
+
+    def __init__(self, root: str | Path, manifest: dict[str, Any] | None = None):
+        from raypipe.formats.llmbatch import LLMBatchReader
+
+        self.root = Path(root)
+        self.manifest = manifest or read_manifest(self.root)
+        if "llmbatch" not in self.manifest["formats"]:
+            raise FormatError(self.root / "manifest.json", "no llmbatch format in this dataset",
+                              "llmbatch", list(self.manifest["formats"]))
+        self.section = self.manifest["formats"]["llmbatch"]
+        self.shards = self.section["shards"]
+        self.batch_size, self.seq_len = self.section["batch_size"], self.section["seq_len"]
+        self.bos_id = self.manifest["tokenizer"].get("bos_id")
+        self.eos_id = self.manifest["tokenizer"].get("eos_id")
+        counts = np.array([s["batches"] for s in self.shards], dtype=np.int64)
+        self.batch_offsets = np.concatenate([[0], np.cumsum(counts)])
+        self._reader_class = LLMBatchReader
+        self._readers: dict[int, Any] = {}
+
+    @property
+    def num_batches(self) -> int:
+        return int(self.batch_offsets[-1])
+
+    def reader(self, index: int) -> Any:
+        if index not in self._readers:
+            path = safe_join(self.root, self.shards[index]["files"][0]["path"])
+            reader = self._reader_class(path)
+            expected = (self.shards[index]["batches"], self.batch_size, self.seq_len)
+            actual = (reader.num_batches, reader.batch_size, reader.seq_len)
+            if expected != actual:
+                raise FormatError(path, "(batches, batch_size, seq_len) differ from the manifest",
+                                  expected, actual)
+            self._readers[index] = reader
+        return self._readers[index]
+
+    def batch(self, index: int) -> np.ndarray:
+        shard = int(np.searchsorted(self.batch_offsets, index, side="right")) - 1
+        return self.reader(shard).batch(index - int(self.batch_offsets[shard]))
+
+    def iter_records(self) -> Iterator[np.ndarray]:
+        for index in range(self.num_batches):
+            yield from self.batch(index)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        payload = {"fingerprint": self.manifest["fingerprint"], "format": "llmbatch",
+                   "shards": [[f["path"], f["bytes"], f["sha256"]] for s in self.shards
+                              for f in s["files"]]}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

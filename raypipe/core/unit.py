@@ -75,9 +75,10 @@ class UnitSettings:
 class ShardRoller:
     """Writes a unit's documents into shards `<unit>-0000`, `-0001`, ... of every format."""
 
-    def __init__(self, settings: UnitSettings, unit_name: str):
+    def __init__(self, settings: UnitSettings, unit_name: str, number_parts: bool = True):
         self.settings = settings
         self.unit_name = unit_name
+        self.number_parts = number_parts  # False: the first shard keeps `unit_name` itself
         self.output = Path(settings.output)
         self.formats: list[Format] = [get_format(name) for name in settings.formats]
         self.dtypes = settings.token_dtypes()
@@ -87,6 +88,8 @@ class ShardRoller:
 
     def _open(self) -> None:
         name = f"{self.unit_name}-{len(self.shards):04d}"
+        if not self.number_parts and not self.shards:
+            name = self.unit_name
         self.writers = [fmt.writer(self.output / fmt.name, name, self.dtypes[fmt.name],
                                    self.settings.tokenizer.bos_id,
                                    **self.settings.format_options.get(fmt.name, {}))

@@ -1,0 +1,143 @@
+"""convert, verify and inspect: lossless round trips between document formats, LLMBATCH as
+source and target, corrupt or truncated files of every format named by verify and readers."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from raypipe.cli import main
+from raypipe.config import load_config
+from raypipe.core.convert import convert_dataset
+from raypipe.core.dataset import LLMBatchDataset, TokenDataset
+from raypipe.core.job import run_job
+from raypipe.core.verify import verify_dataset
+from raypipe.errors import FormatError
+
+
+@pytest.fixture
+def all_formats(tmp_path, corpus_dir, tokenizer_path):
+    config = load_config(None, inputs=[str(corpus_dir)], output=str(tmp_path / "all"),
+                         tokenizer=tokenizer_path, unit_bytes=1,
+                         formats=["megatron", "nanogpt", "stream", "llmbatch"], seq_len=48,
+                         batch_size=4, batches_per_shard=25, metadata_columns=["id"])
+    run_job(config)
+    return tmp_path / "all"
+
+
+def documents(path, fmt=None):
+    return [d.tolist() for d in TokenDataset(path, fmt).iter_documents()]
+
+
+@pytest.mark.parametrize("chain", [("nanogpt", "megatron"), ("stream", "megatron"),
+                                   ("megatron", "nanogpt"), ("nanogpt", "stream")])
+def test_convert_a_b_a_is_lossless(all_formats, tmp_path, chain):
+    first, second = chain
+    source = tmp_path / "src"
+    convert_dataset(all_formats, source, first)
+    convert_dataset(source, tmp_path / "b", second)
+    convert_dataset(tmp_path / "b", tmp_path / "a", first)
+    original = documents(all_formats, "megatron")
+    assert documents(tmp_path / "b") == original
+    assert documents(tmp_path / "a") == original
+    for path in (source, tmp_path / "b", tmp_path / "a"):
+        verify_dataset(path)
+    a_files = sorted(p.name for p in (tmp_path / "a" / first).iterdir())
+    src_files = sorted(p.name for p in (source / first).iterdir())
+    assert a_files == src_files
+    for name in a_files:
+        assert (tmp_path / "a" / first / name).read_bytes() == \
+            (source / first / name).read_bytes()
+
+
+def test_llmbatch_source_yields_records_and_target_packs(all_formats, tmp_path, capsys):
+    llm = LLMBatchDataset(all_formats)
+    only_llm = tmp_path / "only"
+    convert_dataset(all_formats, only_llm, "llmbatch", seq_len=48, batch_size=4)
+    assert main(["convert", str(only_llm), str(tmp_path / "rec"), "--format", "megatron"]) == 0
+    assert "records (packed rows), not the original documents" in capsys.readouterr().out
+    records = documents(tmp_path / "rec")
+    assert records == [r.tolist() for r in LLMBatchDataset(only_llm).iter_records()]
+    assert records == [r.tolist() for r in llm.iter_records()]  # same seed, same plan
+    assert all(len(r) == 48 for r in records)
+
+
+def test_verify_cli_passes_then_names_the_first_bad_file(all_formats, capsys):
+    assert main(["verify", str(all_formats)]) == 0
+    assert "OK" in capsys.readouterr().out
+    victim = sorted((all_formats / "stream").glob("*.metadata.bin"))[0]
+    data = bytearray(victim.read_bytes())
+    data[3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert main(["verify", str(all_formats)]) == 2
+    assert f"{victim}: sha256 differs from the manifest" in capsys.readouterr().err
+
+
+CORRUPTIONS = {
+    "megatron": [("*.idx", "truncate"), ("*.bin", "truncate"), ("*.idx", "magic")],
+    "nanogpt": [("*.bin", "truncate"), ("*.bin", "magic"), ("*.bos.idx", "delete")],
+    "stream": [("*.tokens", "truncate"), ("*.metadata.index", "huge"),
+               ("*.metadata.bin", "delete")],
+    "llmbatch": [("*.batch", "truncate"), ("*.batch", "magic"), ("*.batch", "huge")],
+}
+
+
+@pytest.mark.parametrize("fmt,pattern,kind", [(f, p, k) for f, cases in CORRUPTIONS.items()
+                                               for p, k in cases])
+def test_corrupt_files_fail_verify_and_readers(all_formats, fmt, pattern, kind):
+    victim = sorted((all_formats / fmt).glob(pattern))[0]
+    data = bytearray(victim.read_bytes())
+    if kind == "truncate":
+        victim.write_bytes(bytes(data[:-1]))
+    elif kind == "magic":
+        data[0:4] = b"XXXX"
+        victim.write_bytes(bytes(data))
+    elif kind == "delete":
+        victim.unlink()
+    elif kind == "huge":
+        offset = 20 if fmt == "llmbatch" else len(data) - 8  # num_batches / index[M]
+        struct.pack_into("<Q", data, offset, 2**60)
+        victim.write_bytes(bytes(data))
+    with pytest.raises(FormatError) as info:
+        verify_dataset(all_formats)
+    assert str(victim) in str(info.value)
+    # the reader alone (no checksum) also refuses the file, naming it
+    manifest = json.loads((all_formats / "manifest.json").read_text())
+    for shard in manifest["formats"][fmt]["shards"]:
+        for entry in shard["files"]:
+            entry["sha256"] = "ignored"
+    with pytest.raises(FormatError) as info:
+        if fmt == "llmbatch":
+            dataset = LLMBatchDataset(all_formats, manifest)
+            for index in range(len(dataset.shards)):
+                dataset.reader(index)
+        else:
+            dataset = TokenDataset(all_formats, fmt, manifest)
+            for index in range(dataset.num_shards):
+                dataset.reader(index)
+    assert victim.name.split(".")[0] in str(info.value)
+
+
+def test_manifest_path_cannot_escape_the_dataset(all_formats):
+    manifest = json.loads((all_formats / "manifest.json").read_text())
+    manifest["formats"]["megatron"]["shards"][0]["files"][0]["path"] = "../../etc/passwd"
+    (all_formats / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="escapes the dataset directory"):
+        verify_dataset(all_formats)
+
+
+def test_inspect_prints_tables_samples_metadata_and_plot(all_formats, tmp_path, capsys):
+    plot = tmp_path / "lengths.png"
+    assert main(["inspect", str(all_formats), "--plot", str(plot), "--samples", "2"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("format megatron", "format stream", "format llmbatch",
+                   "document length (tokens) min/p10/p50/p90/p99/max", "sample 1",
+                   "metadata: [{", "'id': 0", "records, not documents"):
+        assert needle in out, needle
+    data = plot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"IEND" in data[-12:]
+    lengths = np.array([len(d) for d in documents(all_formats)])
+    assert f"{lengths.max():,} tokens" in out
