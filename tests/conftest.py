@@ -72,3 +72,19 @@ def token_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
                          tokenizer=tokenizer_path, shard_tokens=15_000, unit_bytes=1 << 30)
     run_job(config)
     return root / "tokens"
+
+
+@pytest.fixture(scope="session")
+def rich_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
+    """Stream (with metadata), Megatron and LLMBATCH ([2, 33] batches) of one corpus."""
+    from raypipe.config import load_config
+    from raypipe.core.job import run_job
+
+    root = tmp_path_factory.mktemp("rich")
+    write_parquet(root / "corpus" / "part-0.parquet", corpus_texts[:400], row_group_rows=50)
+    config = load_config(None, inputs=[str(root / "corpus")], output=str(root / "tokens"),
+                         tokenizer=tokenizer_path, shard_tokens=6_000, unit_bytes=1 << 30,
+                         formats=["megatron", "stream", "llmbatch"], metadata_columns=["id"],
+                         seq_len=33, batch_size=2, batches_per_shard=40)
+    run_job(config)
+    return root / "tokens"

@@ -234,3 +234,57 @@ def test_pack_report_cli(token_dataset, capsys):
     report = TokenLoader(token_dataset, T, B, mode="bestfit").packing_report()
     assert f"cropped         {report.cropped_tokens:,}" in printed
     assert "padded          0" in printed
+
+
+def test_llmbatch_mode_serves_preformed_batches_exactly_once(rich_dataset):
+    from raypipe.core.dataset import LLMBatchDataset
+
+    batches = LLMBatchDataset(rich_dataset)
+    probe = TokenLoader(rich_dataset, mode="llmbatch", world_size=2, seed=3, block_batches=4)
+    assert (probe.seq_len, probe.batch_size) == (32, 2)
+    first, state = [], None
+    loaders = [TokenLoader(rich_dataset, mode="llmbatch", rank=r, world_size=2, seed=3,
+                           block_batches=4) for r in range(2)]
+    iterators = [iter(loader) for loader in loaders]
+    for _ in range(5):
+        for iterator in iterators:
+            batch = next(iterator)
+            index = int(batch.observation_ids[0])
+            record = batches.batch(index)
+            assert torch.equal(batch.inputs, torch.from_numpy(record[:, :-1].astype(np.int64)))
+            assert torch.equal(batch.targets, torch.from_numpy(record[:, 1:].astype(np.int64)))
+            first.append(index)
+    state = loaders[0].state_dict()
+    for iterator in iterators:
+        iterator.close()
+    rest = []
+    resumed = TokenLoader(rich_dataset, mode="llmbatch", seed=3, block_batches=4, world_size=3)
+    resumed.load_state_dict(state)
+    for batch in resumed:
+        rest.extend(batch.observation_ids.tolist())
+    for rank in (1, 2):
+        other = TokenLoader(rich_dataset, mode="llmbatch", seed=3, block_batches=4, rank=rank,
+                            world_size=3)
+        other.load_state_dict(state)
+        rest.extend(i for b in other for i in b.observation_ids.tolist())
+    consumed = first + rest
+    assert len(consumed) == len(set(consumed))
+    assert batches.num_batches - len(consumed) < 3  # the drop-last tail of a 3-rank step
+    epoch0 = probe.plan(0).batches(np.arange(batches.num_batches))
+    epoch1 = probe.plan(1).batches(np.arange(batches.num_batches))
+    assert sorted(epoch0.tolist()) == list(range(batches.num_batches))
+    assert not np.array_equal(epoch0, epoch1)  # blocks reshuffled per epoch
+    assert (np.diff(epoch0[:4]) == 1).all()  # inside a block, file order
+
+
+def test_windows_batches_carry_stream_metadata(rich_dataset):
+    loader = TokenLoader(rich_dataset, T, B, mode="windows", format="stream", metadata=True)
+    batch = next(iter(loader))
+    assert len(batch.metadata) == B
+    for row, window in enumerate(batch.metadata):
+        assert window.tokens[:-1].tolist() == batch.inputs[row].tolist()
+        for position in range(T):
+            record = window.record_of(position)
+            assert set(record) == {"source", "row", "id"}
+    with pytest.raises(Exception, match="metadata=True needs"):
+        TokenLoader(rich_dataset, T, B, mode="bestfit", format="stream", metadata=True)

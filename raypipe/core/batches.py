@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.core.dataset import TokenDataset
-from raypipe.core.epoch import BestFitPlan, DocumentPlan, WindowPlan
+from raypipe.core.dataset import LLMBatchDataset, StreamWindow, TokenDataset
+from raypipe.core.epoch import BestFitPlan, DocumentPlan, PreformedPlan, WindowPlan
 
 
 @dataclass
@@ -172,15 +172,11 @@ class BatchBuilder:
             self.source.copy_span(offset, buffers.tokens[row])
         if not self.boundaries:
             return len(plan.rows)
-        inputs = buffers.tokens[:, :-1]
-        if self.bos_id is not None:
-            starts = inputs == self.bos_id
-        else:
-            starts = np.zeros(inputs.shape, dtype=bool)
-            if self.eos_id is not None:
-                np.equal(inputs[:, :-1], self.eos_id, out=starts[:, 1:])
-        starts[:, 0] = True
-        return write_boundaries(np.flatnonzero(starts), buffers, self.seq_len)
+        return scan_boundaries(buffers, self.bos_id, self.eos_id)
+
+    def metadata(self, plan: BatchPlan) -> list[StreamWindow]:
+        """Windows mode over a stream dataset: each row's tokens with their metadata."""
+        return [self.source.dataset.window(offset, self.seq_len + 1) for offset in plan.rows]
 
     def _fill_bestfit(self, plan: BatchPlan, buffers: BatchBuffers) -> int:
         tokens, starts = self.source.tokens, []
@@ -203,6 +199,41 @@ class BatchBuilder:
             buffers.mask[row, max(kept - 1, 0):] = 0
         rows = np.arange(len(plan.rows), dtype=np.int64) * self.seq_len
         return write_boundaries(rows, buffers, self.seq_len)
+
+
+def scan_boundaries(buffers: BatchBuffers, bos_id: int | None, eos_id: int | None) -> int:
+    """Document starts found by the BOS (else after each EOS) token in the inputs."""
+    inputs = buffers.tokens[:, :-1]
+    if bos_id is not None:
+        starts = inputs == bos_id
+    else:
+        starts = np.zeros(inputs.shape, dtype=bool)
+        if eos_id is not None:
+            np.equal(inputs[:, :-1], eos_id, out=starts[:, 1:])
+    starts[:, 0] = True
+    return write_boundaries(np.flatnonzero(starts), buffers, inputs.shape[1])
+
+
+class PreformedBatchBuilder:
+    """LLMBATCH: a batch is one pre-formed [B, T] block, copied out of its mmap slice."""
+
+    def __init__(self, dataset: LLMBatchDataset, plan: PreformedPlan, boundaries: bool = True):
+        self.dataset, self.plan, self.boundaries = dataset, plan, boundaries
+
+    def describe(self, positions: np.ndarray) -> list[BatchPlan]:
+        ids = self.plan.batches(positions.reshape(-1)).reshape(positions.shape)
+        return [BatchPlan(positions[i], ids[i], ids[i].tolist()) for i in range(len(ids))]
+
+    def prepare(self, buffers: BatchBuffers) -> None:
+        buffers.mask[...] = 1
+        if not self.boundaries:
+            write_row_boundaries(buffers)
+
+    def fill(self, plan: BatchPlan, buffers: BatchBuffers) -> int:
+        buffers.tokens[...] = self.dataset.batch(plan.rows[0])
+        if not self.boundaries:
+            return buffers.tokens.shape[0]
+        return scan_boundaries(buffers, self.dataset.bos_id, self.dataset.eos_id)
 
 
 def write_boundaries(starts: np.ndarray, buffers: BatchBuffers, seq_len: int) -> int:

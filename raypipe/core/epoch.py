@@ -169,8 +169,36 @@ class BestFitPlan:
         return out
 
 
-Plan = WindowPlan | BestFitPlan | DocumentPlan
-MODES = ("windows", "bestfit", "documents")
+class PreformedPlan:
+    """LLMBATCH: whole pre-formed batches in a block shuffle (as ZeroBatch's loader does):
+    blocks of `block_batches` consecutive batches are visited in a Feistel order per epoch,
+    batches inside a block in file order (sequential reads); a partial last block stays
+    last. O(1) memory."""
+
+    kind = "llmbatch"
+
+    def __init__(self, num_batches: int, batch_size: int, record_len: int, seed: int,
+                 epoch: int, block_batches: int = 64):
+        self.size = num_batches
+        self.batch_size, self.record_len = batch_size, record_len
+        self.block_batches = block_batches
+        self.full_blocks = num_batches // block_batches
+        self.block_order = FeistelPermutation(self.full_blocks, seed, epoch, salt=4)
+
+    def batches(self, positions: np.ndarray) -> np.ndarray:
+        blocks, offsets = np.divmod(positions, self.block_batches)
+        result = positions.copy()
+        inside = blocks < self.full_blocks
+        result[inside] = self.block_order(blocks[inside]) * self.block_batches + offsets[inside]
+        return result
+
+    def report(self) -> PackingReport:
+        tokens = self.size * self.batch_size * self.record_len
+        return PackingReport(self.size * self.batch_size, tokens, 0, 0, 0, tokens)
+
+
+Plan = WindowPlan | BestFitPlan | DocumentPlan | PreformedPlan
+MODES = ("windows", "bestfit", "documents", "llmbatch")
 
 
 def make_plan(mode: str, num_tokens: int, lengths: object, seq_len: int, seed: int,

@@ -21,9 +21,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from raypipe.core.batches import BatchBuffers, BatchBuilder, BatchPlan, TokenSource
-from raypipe.core.dataset import TokenDataset
-from raypipe.core.epoch import MODES, PackingReport, Plan, make_plan
+from raypipe.core.batches import (
+    BatchBuffers,
+    BatchBuilder,
+    BatchPlan,
+    PreformedBatchBuilder,
+    TokenSource,
+)
+from raypipe.core.dataset import LLMBatchDataset, StreamWindow, TokenDataset
+from raypipe.core.epoch import MODES, PackingReport, Plan, PreformedPlan, make_plan
 from raypipe.errors import ConfigError, StateError
 from raypipe.loader.prefetch import HostRing, Prefetcher
 
@@ -47,23 +53,34 @@ class Batch:
     positions: np.ndarray
     epoch: int
     step: int
+    metadata: list[StreamWindow] | None = None
 
 
 class TokenLoader:
-    def __init__(self, path: str | Path, seq_len: int, batch_size: int, mode: str = "bestfit",
+    def __init__(self, path: str | Path, seq_len: int | None = None,
+                 batch_size: int | None = None, mode: str = "bestfit",
                  seed: int = 0, rank: int | None = None, world_size: int | None = None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.int64,
                  prefetch: int = 4, format: str | None = None, block_documents: int = 4096,
-                 pad_id: int = 0, boundaries: bool | None = None):
+                 pad_id: int = 0, boundaries: bool | None = None, metadata: bool = False,
+                 block_batches: int = 64):
         if mode not in MODES:
             raise ConfigError(f"mode: {mode!r} not among {list(MODES)}")
         if dtype not in (torch.int32, torch.int64):
             raise ConfigError(f"dtype: {dtype} must be torch.int32 or torch.int64")
-        if seq_len < 1 or batch_size < 1 or prefetch < 1:
-            raise ConfigError("seq_len, batch_size and prefetch must be >= 1")
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.dataset = TokenDataset(path, format)
-        self.source = TokenSource(self.dataset)
+        if mode == "llmbatch":
+            self.dataset: Any = LLMBatchDataset(path)
+            seq_len, batch_size = self._preformed_shape(seq_len, batch_size)
+            self.source = None
+        else:
+            self.dataset = TokenDataset(path, format)
+            self.source = TokenSource(self.dataset)
+        if not seq_len or not batch_size or seq_len < 1 or batch_size < 1 or prefetch < 1:
+            raise ConfigError("seq_len, batch_size and prefetch must be >= 1")
+        if metadata and (mode != "windows" or self.dataset.format_name != "stream"):
+            raise ConfigError("metadata=True needs mode='windows' over a stream dataset")
+        self.metadata, self.block_batches = metadata, block_batches
         self.seq_len, self.batch_size, self.mode, self.seed = seq_len, batch_size, mode, seed
         self.block_documents, self.pad_id, self.prefetch = block_documents, pad_id, prefetch
         # document boundaries (position_ids, cu_seqlens): on for packed/document rows; for
@@ -77,10 +94,26 @@ class TokenLoader:
         self._plan: tuple[int, Any] | None = None
         self._lengths: np.ndarray | None = None
 
+    def _preformed_shape(self, seq_len: int | None, batch_size: int | None) -> tuple[int, int]:
+        """LLMBATCH fixes the shape: records of T tokens train T - 1 positions."""
+        shape = (self.dataset.seq_len - 1, self.dataset.batch_size)
+        if (seq_len or shape[0], batch_size or shape[1]) != shape:
+            raise ConfigError(f"{self.dataset.root}: LLMBATCH batches are [{shape[1]}, "
+                              f"{shape[0] + 1}] records, i.e. seq_len={shape[0]}, "
+                              f"batch_size={shape[1]}; got seq_len={seq_len}, "
+                              f"batch_size={batch_size}")
+        return shape
+
     # ----- the epoch plan -------------------------------------------------------------
     @property
+    def observations_per_batch(self) -> int:
+        """Observations one rank takes per step: rows, or one pre-formed batch."""
+        return 1 if self.mode == "llmbatch" else self.batch_size
+
+    @property
     def global_batch(self) -> int:
-        return self.world_size * self.batch_size
+        """Observations consumed per global step."""
+        return self.world_size * self.observations_per_batch
 
     def _document_lengths(self) -> np.ndarray:
         if self._lengths is None:
@@ -90,8 +123,13 @@ class TokenLoader:
     def plan(self, epoch: int | None = None) -> Plan:
         epoch = self.epoch if epoch is None else epoch
         if self._plan is None or self._plan[0] != epoch:
-            plan = make_plan(self.mode, self.dataset.num_tokens, self._document_lengths,
-                             self.seq_len, self.seed, epoch, self.block_documents)
+            if self.mode == "llmbatch":
+                plan: Plan = PreformedPlan(self.dataset.num_batches, self.batch_size,
+                                           self.seq_len + 1, self.seed, epoch,
+                                           self.block_batches)
+            else:
+                plan = make_plan(self.mode, self.dataset.num_tokens, self._document_lengths,
+                                 self.seq_len, self.seed, epoch, self.block_documents)
             self._plan = (epoch, plan)
         return self._plan[1]
 
@@ -106,10 +144,17 @@ class TokenLoader:
         return self.plan(epoch).report()
 
     # ----- iteration --------------------------------------------------------------------
-    def _jobs(self, builder: BatchBuilder, epoch: int, start: int) -> Iterator[BatchPlan]:
+    def _builder(self, epoch: int) -> BatchBuilder | PreformedBatchBuilder:
+        if self.mode == "llmbatch":
+            return PreformedBatchBuilder(self.dataset, self.plan(epoch), self.boundaries)
+        return BatchBuilder(self.source, self.plan(epoch), self.seq_len, self.pad_id,
+                            self.boundaries)
+
+    def _jobs(self, builder: Any, epoch: int, start: int) -> Iterator[BatchPlan]:
         """BatchPlans of this rank for the rest of the epoch, described DESCRIBE_STEPS at a
         time (one vectorized permutation call per chunk, not per batch)."""
-        offsets = np.arange(self.batch_size, dtype=np.int64) * self.world_size + self.rank
+        offsets = (np.arange(self.observations_per_batch, dtype=np.int64) * self.world_size
+                   + self.rank)
         steps = (self.plan(epoch).size - start) // self.global_batch
         for first in range(0, steps, DESCRIBE_STEPS):
             chunk = np.arange(first, min(steps, first + DESCRIBE_STEPS), dtype=np.int64)
@@ -118,8 +163,7 @@ class TokenLoader:
     def __iter__(self) -> Iterator[Batch]:
         """The remaining batches of the current epoch; afterwards the epoch advances."""
         epoch, start = self.epoch, self.position
-        builder = BatchBuilder(self.source, self.plan(epoch), self.seq_len, self.pad_id,
-                               self.boundaries)
+        builder = self._builder(epoch)
         numel = BatchBuffers.size(self.batch_size, self.seq_len)
         ring = HostRing(self.prefetch + 2, numel, self.dtype, pin=self.device.type == "cuda")
         host_views = [BatchBuffers.over(a, self.batch_size, self.seq_len) for a in ring.arrays]
@@ -127,11 +171,12 @@ class TokenLoader:
             builder.prepare(views)
         slot_views = [BatchBuffers.over(t, self.batch_size, self.seq_len) for t in ring.slots]
 
-        def build(job: BatchPlan, slot: int) -> tuple[BatchPlan, int]:
-            return job, builder.fill(job, host_views[slot])
+        def build(job: BatchPlan, slot: int) -> tuple[BatchPlan, int, list | None]:
+            sequences = builder.fill(job, host_views[slot])
+            return job, sequences, builder.metadata(job) if self.metadata else None
 
-        def wrap(flat: torch.Tensor, slot: int, meta: tuple[BatchPlan, int]) -> Batch:
-            job, sequences = meta
+        def wrap(flat: torch.Tensor, slot: int, meta: tuple) -> Batch:
+            job, sequences, metadata = meta
             views = (slot_views[slot] if flat is ring.slots[slot]
                      else BatchBuffers.over(flat, self.batch_size, self.seq_len))
             step_start = int(job.positions[0]) - self.rank
@@ -140,7 +185,7 @@ class TokenLoader:
                          position_ids=views.position_ids,
                          cu_seqlens=views.cu_seqlens[:sequences + 1], mask=views.mask,
                          observation_ids=job.observation_ids, positions=job.positions,
-                         epoch=epoch, step=step)
+                         epoch=epoch, step=step, metadata=metadata)
 
         prefetcher = Prefetcher(self._jobs(builder, epoch, start), build, wrap, ring,
                                 self.device, self.prefetch)
@@ -157,11 +202,14 @@ class TokenLoader:
         knobs: dict[str, Any] = {"mode": self.mode, "seq_len": self.seq_len, "seed": self.seed}
         if self.mode == "bestfit":
             knobs["block_documents"] = self.block_documents
+        if self.mode == "llmbatch":
+            knobs["block_batches"] = self.block_batches
         return knobs
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "dataset": self.dataset.fingerprint,
-                "format": self.dataset.format_name, "knobs": self._knobs(),
+                "format": getattr(self.dataset, "format_name", "llmbatch"),
+                "knobs": self._knobs(),
                 "epoch": self.epoch, "position": self.position,
                 "saved_with": {"world_size": self.world_size, "batch_size": self.batch_size}}
 
