@@ -170,8 +170,8 @@ class TokenDataset:
                 first, last = int(piece.min()), int(piece.max())
                 base = int(self.record_offsets[shard])
                 ids[filled:filled + count] = piece + base
-                for offset, record in enumerate(reader.read_records(first, last)):
-                    records[base + first + offset] = record
+                records.update(zip(range(base + first, base + last + 1),
+                                   reader.read_records(first, last), strict=True))
             filled += count
             shard += 1
         return StreamWindow(tokens, ids, records)
