@@ -1,0 +1,52 @@
+"""Train a small GPT on raypipe output with Ray Train (TorchTrainer), checkpointing model,
+optimizer and loader state every k steps; rerunning with the same --storage/--name resumes.
+
+    python jobs/train.py --data demo_out/tokens --workers 2            # local CPU, gloo
+    ray job submit --working-dir . -- python jobs/train.py --data /mnt/tokens --use-gpu \\
+        --workers 8 --seq-len 1024 --batch-size 16 --max-steps 5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# This folder holds tokenize.py, which would shadow the standard library's `tokenize`
+# module for everything imported below: take the script's folder off the import path.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+from raypipe.examples.gpt_train import fit
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, help="a raypipe output directory")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--mode", default="bestfit")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--use-gpu", action="store_true")
+    parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--max-failures", type=int, default=2)
+    parser.add_argument("--storage", default=os.path.abspath("train_out"))
+    parser.add_argument("--name", default="tiny-gpt")
+    parser.add_argument("--address", default=None, help="Ray address (default: local)")
+    args = parser.parse_args(argv)
+    import ray
+
+    ray.init(address=args.address)
+    config = {"data": os.path.abspath(args.data), "seq_len": args.seq_len,
+              "batch_size": args.batch_size, "mode": args.mode, "seed": args.seed,
+              "max_steps": args.max_steps, "checkpoint_every": args.checkpoint_every}
+    result = fit(config, args.workers, args.storage, args.name, args.use_gpu,
+                 args.max_failures)
+    print(f"finished: {result.metrics}; checkpoint {result.checkpoint}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
