@@ -1,0 +1,118 @@
+"""The cluster launcher config against Ray's own schema, and a real two-node Ray cluster on
+this machine (`ray start --head` with the job server + a second `ray start` node) that runs
+the tokenize job through `ray job submit`, then is stopped (only its own processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from raypipe.core.verify import verify_dataset
+from tests.helpers import expected_documents
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = Path(sys.executable).with_name("ray")
+
+
+def test_cluster_yaml_matches_the_schema_shipped_with_ray():
+    jsonschema = pytest.importorskip("jsonschema")
+    import ray.autoscaler
+
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(config, schema)
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(config))  # what `ray up` runs, defaults filled in
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types
+    assert any("GPU" in t["resources"] for t in types.values())
+    assert any("GPU" not in t["resources"] and t["resources"].get("CPU", 0) > 0
+               for t in types.values())
+    assert any("pip install" in c and "raypipe" in c for c in config["setup_commands"])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cluster_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    return env
+
+
+def stop_processes_of(port: int) -> None:
+    """Kill the processes of the cluster whose GCS listens on `port`, leaving any other Ray
+    session on this machine alone (`ray stop` would stop them all)."""
+    needle = f"127.0.0.1:{port}"
+    victims = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if needle in cmdline or f"--gcs_server_port={port}" in cmdline:
+            victims.append(process)
+    for process in victims:
+        process.kill()
+    psutil.wait_procs(victims, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def real_cluster():
+    if not RAY.exists():
+        pytest.skip("the ray CLI is not installed next to this Python")
+    port, dashboard = free_port(), free_port()
+    env = cluster_env()
+    head = [str(RAY), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+            "--include-dashboard=true", "--num-cpus=1", "--disable-usage-stats"]
+    worker = [str(RAY), "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
+              "--num-cpus=1"]
+    try:
+        subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
+        subprocess.run(worker, check=True, env=env, capture_output=True, timeout=120)
+        yield {"gcs": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}",
+               "env": env}
+    finally:
+        stop_processes_of(port)
+    leftovers = [p for p in psutil.process_iter(["cmdline"])
+                 if f"127.0.0.1:{port}" in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers
+
+
+def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, corpus_dir,
+                                                      tokenizer_path):
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "inputs": [str(corpus_dir)], "output": str(tmp_path / "out"),
+        "tokenizer": tokenizer_path, "formats": ["megatron", "nanogpt"], "unit_bytes": 1}))
+    deadline = time.monotonic() + 60
+    while True:  # both nodes registered
+        status = subprocess.run([str(RAY), "status", f"--address={real_cluster['gcs']}"],
+                                capture_output=True, text=True, env=real_cluster["env"])
+        if status.stdout.count("node_") >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    submit = subprocess.run(
+        [str(RAY), "job", "submit", f"--address={real_cluster['dashboard']}",
+         "--working-dir", str(ROOT), "--", sys.executable, "jobs/tokenize.py",
+         "--config", str(config)],
+        capture_output=True, text=True, env=real_cluster["env"], timeout=400)
+    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+    assert "succeeded" in submit.stdout
+    assert "documents" in submit.stdout and "tokens/s" in submit.stdout
+    verify_dataset(tmp_path / "out")
+    from raypipe.core.dataset import TokenDataset
+
+    got = [d.tolist() for d in TokenDataset(tmp_path / "out").iter_documents()]
+    assert got == expected_documents(corpus_dir, tokenizer_path)
