@@ -72,7 +72,7 @@ def ray_data_rate(path: Path, batches: int) -> float:
     tokens = TokenDataset(path).reader(0).tokens
     rows = (batches + 20) * BATCH
     windows = np.asarray(tokens[:rows * (SEQ + 1)], dtype=np.int64).reshape(rows, SEQ + 1)
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=False)
     try:
         dataset = ray.data.from_numpy(windows).materialize()
@@ -127,6 +127,7 @@ def main() -> None:
         memory_probe(args.memory_probe)
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback
     args.workdir.mkdir(exist_ok=True)
     big = synthetic_token_dataset(args.workdir, args.tokens)
     small = synthetic_token_dataset(args.workdir, args.tokens // 10)

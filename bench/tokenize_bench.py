@@ -89,6 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     args.workdir.mkdir(exist_ok=True)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback
     corpus = docstring_corpus(args.workdir, args.mb << 20)
     size = sum(p.stat().st_size for p in corpus.glob("*.parquet"))
     print(f"corpus: {corpus} ({size / 1e6:.1f} MB parquet)")
@@ -96,7 +97,7 @@ def main() -> None:
     import ray
 
     began = time.perf_counter()
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=False)
     startup = time.perf_counter() - began
     ceilings, jobs = [], []

@@ -12,6 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray turns 127.0.0.1 into the machine's routable address unless it thinks it runs on a
+# laptop; this keeps every Ray node of the tests on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 from raypipe.demo.corpus import gather_docstrings  # noqa: E402
@@ -52,7 +55,7 @@ def corpus_dir(tmp_path, corpus_texts) -> Path:
 @pytest.fixture(scope="session")
 def ray_session():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()

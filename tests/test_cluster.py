@@ -1,6 +1,10 @@
 """The cluster launcher config against Ray's own schema, and a real two-node Ray cluster on
 this machine (`ray start --head` with the job server + a second `ray start` node) that runs
-the tokenize job through `ray job submit`, then is stopped (only its own processes)."""
+the tokenize job through `ray job submit`, then is stopped (only its own processes).
+
+Note: for a multi-node cluster Ray resolves `--node-ip-address=127.0.0.1` to this machine's
+own interface address (loopback-only mode refuses a second node), so this test's nodes
+talk over that address; nothing leaves the machine. Other Ray tests run on loopback."""
 
 from __future__ import annotations
 
@@ -41,6 +45,12 @@ def test_cluster_yaml_matches_the_schema_shipped_with_ray():
     assert any("pip install" in c and "raypipe" in c for c in config["setup_commands"])
 
 
+def _plain(text: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -50,18 +60,29 @@ def free_port() -> int:
 def cluster_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "disabled"
+    # Multi-node needs Ray's cluster mode, in which Ray resolves 127.0.0.1 to this machine's
+    # own interface address: the nodes still talk only to this machine.
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
     return env
+
+
+def _belongs(process: psutil.Process, port: int) -> bool:
+    cmdline = " ".join(process.info["cmdline"] or [])
+    return f":{port}" in cmdline or f"--gcs_server_port={port}" in cmdline
+
+
+def _forget_cluster(port: int) -> None:
+    """What `ray stop` also does: drop the record that makes a plain `ray.init()` on this
+    machine connect to the (now stopped) cluster."""
+    record = Path("/tmp/ray/ray_current_cluster")
+    if record.exists() and record.read_text().strip().endswith(f":{port}"):
+        record.unlink()
 
 
 def stop_processes_of(port: int) -> None:
     """Kill the processes of the cluster whose GCS listens on `port`, leaving any other Ray
     session on this machine alone (`ray stop` would stop them all)."""
-    needle = f"127.0.0.1:{port}"
-    victims = []
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if needle in cmdline or f"--gcs_server_port={port}" in cmdline:
-            victims.append(process)
+    victims = [p for p in psutil.process_iter(["cmdline"]) if _belongs(p, port)]
     for process in victims:
         process.kill()
     psutil.wait_procs(victims, timeout=20)
@@ -79,15 +100,16 @@ def real_cluster():
     worker = [str(RAY), "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
               "--num-cpus=1"]
     try:
-        subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
+        started = subprocess.run(head, check=True, env=env, capture_output=True, text=True,
+                                 timeout=120)
+        assert "Ray runtime started" in _plain(started.stdout + started.stderr)
         subprocess.run(worker, check=True, env=env, capture_output=True, timeout=120)
         yield {"gcs": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}",
                "env": env}
     finally:
         stop_processes_of(port)
-    leftovers = [p for p in psutil.process_iter(["cmdline"])
-                 if f"127.0.0.1:{port}" in " ".join(p.info["cmdline"] or [])]
-    assert not leftovers
+        _forget_cluster(port)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if _belongs(p, port)]
 
 
 def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, corpus_dir,
@@ -103,11 +125,15 @@ def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, co
         if status.stdout.count("node_") >= 2 or time.monotonic() > deadline:
             break
         time.sleep(1)
-    submit = subprocess.run(
-        [str(RAY), "job", "submit", f"--address={real_cluster['dashboard']}",
-         "--working-dir", str(ROOT), "--", sys.executable, "jobs/tokenize.py",
-         "--config", str(config)],
-        capture_output=True, text=True, env=real_cluster["env"], timeout=400)
+    command = [str(RAY), "job", "submit", f"--address={real_cluster['dashboard']}",
+               "--working-dir", str(ROOT), "--", sys.executable, "jobs/tokenize.py",
+               "--config", str(config)]
+    for _ in range(12):  # the job agent registers a few seconds after `ray start` returns
+        submit = subprocess.run(command, capture_output=True, text=True,
+                                env=real_cluster["env"], timeout=400)
+        if "No available agent" not in submit.stderr + submit.stdout:
+            break
+        time.sleep(5)
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "succeeded" in submit.stdout
     assert "documents" in submit.stdout and "tokens/s" in submit.stdout
