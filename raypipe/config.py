@@ -25,7 +25,8 @@ KNOWN_FORMATS = ("megatron", "nanogpt", "stream", "llmbatch")
 DOCUMENT_FORMATS = ("megatron", "nanogpt", "stream")
 PACKINGS = ("bestfit", "concat")
 # Fields that do not change output bytes: excluded from the fingerprint.
-EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite"})
+EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
+                              "test_fault"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
 
 
@@ -58,6 +59,7 @@ class TokenizeConfig:
     num_workers: int | None = None
     address: str | None = None
     overwrite: bool = False
+    test_fault: dict[str, Any] | None = None  # tests only: raypipe.core.faults
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -33,5 +33,9 @@ class FormatError(RaypipeError):
         super().__init__(detail)
 
 
+class StorageError(RaypipeError):
+    """An output file cannot be written (disk full, permissions, ...)."""
+
+
 class StateError(RaypipeError):
     """A loader state does not belong to this dataset or these loader settings."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.config import TokenizeConfig, dump_config_yaml
+from raypipe.core import faults
 from raypipe.core.atomic import remove_stale_temps, write_bytes_atomic, write_json_atomic
 from raypipe.core.llmbatch_writer import write_llmbatch_from_manifest
 from raypipe.core.manifest import (
@@ -112,7 +113,8 @@ def resolve_settings(config: TokenizeConfig) -> UnitSettings:
         fingerprint=config.output_fingerprint(info.sha256),
         metadata_columns=config.metadata_columns, span_column=config.span_column,
         format_options={"stream": {"metadata": config.metadata,
-                                   "serializer": config.metadata_serializer}})
+                                   "serializer": config.metadata_serializer}},
+        test_fault=config.test_fault)
 
 
 def make_encoder(settings: UnitSettings) -> DocumentEncoder:
@@ -170,6 +172,7 @@ def clear_output(output: Path, formats: tuple[str, ...]) -> None:
 
 def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSummary:
     started = time.perf_counter()
+    faults.activate(config.test_fault)
     settings = resolve_settings(config)
     output = prepare_output(config, settings)
     extra = ()
@@ -197,6 +200,7 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
                 config.seed, config.batches_per_shard)
         write_bytes_atomic(output / "config.yaml", dump_config_yaml(config).encode())
         write_manifest(output, manifest)
+        remove_stale_temps(output)  # left by workers killed mid-unit (their units reran)
     totals = manifest["totals"]
     return JobSummary(
         output=str(output), units=len(units), units_run=len(pending), rows=totals["rows"],

@@ -16,7 +16,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from raypipe.core.atomic import write_json_atomic
+from raypipe.core.atomic import atomic_writer, write_json_atomic
 from raypipe.errors import FormatError
 
 MANIFEST_NAME = "manifest.json"
@@ -109,4 +109,11 @@ def shard_table(records: list[dict[str, Any]], format_name: str) -> list[dict[st
 
 
 def write_manifest(output: Path, manifest: dict[str, Any]) -> None:
-    write_json_atomic(output / MANIFEST_NAME, manifest)
+    from raypipe.core import faults
+
+    final = output / MANIFEST_NAME
+    with atomic_writer(final) as handle:
+        handle.write((json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        handle.flush()
+        faults.point("manifest.before_rename", path=final)
+    faults.point("manifest.after_rename", path=final)

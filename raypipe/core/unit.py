@@ -16,6 +16,8 @@ from __future__ import annotations
 import resource
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -23,11 +25,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from raypipe.core import faults
 from raypipe.core.manifest import write_unit_record
 from raypipe.core.plan import WorkUnit, open_parquet
 from raypipe.core.texts import clean_texts_with_rows
 from raypipe.core.tokenizer import DocumentEncoder, TokenizerInfo
-from raypipe.errors import InputError
+from raypipe.errors import InputError, StorageError
 from raypipe.formats import Format, ShardWriter, get_format
 from raypipe.formats.base import file_sha256
 from raypipe.formats.stream import DocumentMetadata
@@ -48,6 +51,7 @@ class UnitSettings:
     metadata_columns: tuple[str, ...] = ()
     span_column: str | None = None
     format_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    test_fault: dict[str, Any] | None = None
 
     @property
     def wants_metadata(self) -> bool:
@@ -99,9 +103,11 @@ class ShardRoller:
     def _close(self) -> None:
         if not self.writers:
             return
+        faults.point("shard.commit", self.unit_name)
         files = {}
         for fmt, writer in zip(self.formats, self.writers, strict=True):
-            names = writer.commit()
+            with storage_errors(writer):
+                names = writer.commit()
             files[fmt.name] = [self._file_entry(fmt.name, name) for name in names]
         first = self.writers[0]
         self.shards.append({"name": first.name, "documents": first.num_documents,
@@ -130,7 +136,9 @@ class ShardRoller:
             chunk = tokens[base:int(ends[stop - 1])]
             chunk_metadata = metadata[first:stop] if metadata is not None else None
             for writer in self.writers:
-                writer.add(chunk, lengths[first:stop], chunk_metadata)
+                with storage_errors(writer):
+                    faults.point("write", self.unit_name, path=writer.directory / writer.name)
+                    writer.add(chunk, lengths[first:stop], chunk_metadata)
             self.open_tokens += int(chunk.size)
             first = stop
             if first < len(lengths):
@@ -143,6 +151,17 @@ class ShardRoller:
     def abort(self) -> None:
         for writer in self.writers:
             writer.abort()
+
+
+@contextmanager
+def storage_errors(writer: ShardWriter) -> Iterator[None]:
+    """An OSError while writing a shard becomes a StorageError naming the shard's path."""
+    try:
+        yield
+    except OSError as exc:
+        path = exc.filename or writer.directory / writer.name
+        raise StorageError(f"{path}: cannot write shard {writer.name}: "
+                           f"{exc.strerror or exc}") from exc
 
 
 class MetadataBuilder:
@@ -194,10 +213,11 @@ class MetadataBuilder:
         return sorted(mapped, key=lambda item: item[0])
 
 
-def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
-                  fault_hook: Any = None) -> dict[str, Any]:
+def tokenize_unit(unit: WorkUnit, settings: UnitSettings,
+                  encoder: DocumentEncoder) -> dict[str, Any]:
     """Tokenize `unit`, commit its shards and its record; return the record."""
     started, started_at = time.perf_counter(), time.time()
+    faults.activate(settings.test_fault)
     parquet = open_parquet(unit.uri)
     roller = ShardRoller(settings, unit.name)
     metadata = (MetadataBuilder(unit, settings, encoder.bos_id is not None)
@@ -226,8 +246,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
             rows += batch.num_rows
             documents += len(lengths)
             tokens_total += int(tokens.size)
-            if fault_hook is not None:
-                fault_hook(unit, rows)
+            faults.point("unit.rows", unit.name, rows)
         shards = roller.finish()
     except BaseException:
         roller.abort()
@@ -239,6 +258,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
         "started_at": started_at, "finished_at": time.time(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+    faults.point("unit.before_record", unit.name)
     write_unit_record(Path(settings.output), record)
     return record
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from raypipe.core import faults
 from raypipe.core.atomic import commit_file, temp_path_for
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
@@ -71,8 +72,13 @@ class MegatronWriter(ShardWriter):
     def commit(self) -> list[str]:
         self.bin_file.close()
         lengths = np.concatenate(self.lengths) if self.lengths else np.empty(0, np.int32)
-        self.idx_temp.write_bytes(encode_index(lengths, self.token_dtype))
+        index = encode_index(lengths, self.token_dtype)
+        with open(self.idx_temp, "wb") as handle:
+            handle.write(index[:len(index) // 2])
+            faults.point("megatron.mid_index", self.name)
+            handle.write(index[len(index) // 2:])
         commit_file(self.bin_temp, self.bin_path)
+        faults.point("megatron.after_bin", self.name)
         commit_file(self.idx_temp, self.idx_path)
         return [self.bin_path.name, self.idx_path.name]
 

@@ -22,6 +22,7 @@ from raypipe.config import TokenizeConfig
 from raypipe.core.job import JobSummary, make_encoder, run_job
 from raypipe.core.plan import WorkUnit
 from raypipe.core.unit import UnitSettings, tokenize_unit
+from raypipe.errors import RaypipeError
 from raypipe.ray.session import cluster_cpus, ensure_ray
 
 
@@ -57,11 +58,28 @@ def ray_runner(num_workers: int | None, address: str | None = None) -> Any:
     return run
 
 
+def raypipe_cause(exc: BaseException) -> BaseException:
+    """The RaypipeError inside a Ray task/UDF error chain (so the CLI prints one clear line),
+    or the exception itself."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, RaypipeError) and type(seen).__module__.startswith("raypipe"):
+            return seen
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    return exc
+
+
 def run_tokenize(config: TokenizeConfig) -> JobSummary:
     """Run the job inside the caller's Ray session, or a new one (left running); a rerun
     with nothing left to do never touches Ray."""
     runner = ray_runner(config.num_workers, config.address)
-    summary = run_job(config, runner)
+    try:
+        summary = run_job(config, runner)
+    except Exception as exc:
+        cause = raypipe_cause(exc)
+        if cause is exc:
+            raise
+        raise cause from None
     summary.startup_seconds = runner.startup_seconds
     summary.run_seconds -= runner.startup_seconds
     return summary

@@ -1,0 +1,62 @@
+"""Test-only fault injection: crash, kill, pause or fail with ENOSPC at named points.
+
+Invariant: without a fault configured (`TokenizeConfig.test_fault`, never set in normal
+use) every `point()` call is a dictionary lookup and nothing else. A fault fires at most
+once per marker file, in whichever process reaches its point first (a Ray actor, or the
+driver), so a retried unit or a rerun proceeds. Points: `unit.rows` (after `after_rows`
+rows of a unit), `shard.commit` (before a shard's files are renamed), `megatron.after_bin`
+(.bin renamed, .idx not), `megatron.mid_index` (half the .idx temp written),
+`unit.before_record` (shards committed, record not), `manifest.before_rename`,
+`manifest.after_rename`, `write` (any shard write: ENOSPC).
+Actions: `kill` (SIGKILL this process), `exit` (os._exit, no cleanup), `raise`,
+`enospc` (OSError 28), `pause` (write this pid to the marker and sleep: the test kills it).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+_ACTIVE: dict[str, Any] | None = None
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a fault with action `raise`."""
+
+
+def activate(spec: dict[str, Any] | None) -> None:
+    global _ACTIVE
+    _ACTIVE = spec
+
+
+def point(name: str, unit: str = "", rows: int = 0, path: object = None) -> None:
+    spec = _ACTIVE
+    if spec is None or spec.get("point") != name:
+        return
+    if spec.get("unit") and spec["unit"] not in unit:
+        return
+    if rows < spec.get("after_rows", 0):
+        return
+    marker = Path(spec["marker"])
+    try:
+        with open(marker, "x") as handle:  # exactly once across processes
+            handle.write(str(os.getpid()))
+    except FileExistsError:
+        return
+    _act(spec.get("action", "raise"), name, path)
+
+
+def _act(action: str, name: str, path: object) -> None:
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "exit":
+        os._exit(137)
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    if action == "pause":
+        time.sleep(600)
+    raise InjectedFault(f"injected fault at {name}")
