@@ -45,7 +45,7 @@ class TokenizeConfig:
     eos_token: str | None = None
     shard_tokens: int = 1 << 29
     unit_bytes: int = 64 << 20
-    max_document_chars: int | None = None
+    max_document_chars: int | None = 10_000_000
     metadata: bool = True
     metadata_columns: tuple[str, ...] = ()
     span_column: str | None = None

@@ -91,3 +91,21 @@ def rich_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
                          seq_len=33, batch_size=2, batches_per_shard=40)
     run_job(config)
     return root / "tokens"
+
+
+_FIGURES: list[tuple[str, str]] = []
+
+
+@pytest.fixture
+def figure():
+    """Record a measured figure; all are printed in the terminal summary."""
+    def record(name: str, text: str) -> None:
+        _FIGURES.append((name, text))
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FIGURES:
+        terminalreporter.section("raypipe figures")
+        for name, text in _FIGURES:
+            terminalreporter.write_line(f"{name}: {text}")

@@ -17,6 +17,11 @@ def expected_documents(corpus: Path, tokenizer_path: str, bos: bool = True,
     documents = []
     for path in sorted(Path(corpus).rglob("*.parquet")):
         for text in pq.read_table(path, columns=["text"]).column(0).to_pylist():
+            if isinstance(text, bytes):
+                try:
+                    text = text.decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
             if isinstance(text, str) and text:
                 ids = tokenizer.encode(text, add_special_tokens=False).ids
                 documents.append(([bos_id] if bos else []) + ids + ([eos_id] if eos else []))
@@ -24,10 +29,11 @@ def expected_documents(corpus: Path, tokenizer_path: str, bos: bool = True,
 
 
 def shard_files(output: Path) -> dict[str, bytes]:
-    """Every shard file's bytes, keyed by its path relative to the output."""
+    """Every shard file under a final name (hidden temp files excluded), keyed by its path
+    relative to the output."""
     files = {}
     for directory in ("megatron", "nanogpt"):
-        for path in sorted((Path(output) / directory).glob("*")):
+        for path in sorted((Path(output) / directory).glob("[!.]*")):
             files[f"{directory}/{path.name}"] = path.read_bytes()
     return files
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -87,7 +88,7 @@ CORRUPTIONS = {
 
 @pytest.mark.parametrize("fmt,pattern,kind", [(f, p, k) for f, cases in CORRUPTIONS.items()
                                                for p, k in cases])
-def test_corrupt_files_fail_verify_and_readers(all_formats, fmt, pattern, kind):
+def test_corrupt_files_fail_verify_and_readers(all_formats, fmt, pattern, kind, figure):
     victim = sorted((all_formats / fmt).glob(pattern))[0]
     data = bytearray(victim.read_bytes())
     if kind == "truncate":
@@ -109,6 +110,7 @@ def test_corrupt_files_fail_verify_and_readers(all_formats, fmt, pattern, kind):
     for shard in manifest["formats"][fmt]["shards"]:
         for entry in shard["files"]:
             entry["sha256"] = "ignored"
+    began = time.perf_counter()
     with pytest.raises(FormatError) as info:
         if fmt == "llmbatch":
             dataset = LLMBatchDataset(all_formats, manifest)
@@ -119,6 +121,8 @@ def test_corrupt_files_fail_verify_and_readers(all_formats, fmt, pattern, kind):
             for index in range(dataset.num_shards):
                 dataset.reader(index)
     assert victim.name.split(".")[0] in str(info.value)
+    figure(f"corrupt {fmt} ({pattern}, {kind})",
+           f"reader refused in {(time.perf_counter() - began) * 1000:.1f} ms: {info.value}")
 
 
 def test_manifest_path_cannot_escape_the_dataset(all_formats):

@@ -90,8 +90,21 @@ class TokenDataset:
         first = self.shards[index]["files"][0]["path"]
         return safe_join(self.root, first).with_name(self.shards[index]["name"])
 
+    def _check_files(self, index: int) -> None:
+        """Every file of the shard exists with the manifest's size (a stat each), so a shard
+        that vanished or was rewritten since the manifest is refused, naming the file."""
+        for entry in self.shards[index]["files"]:
+            path = safe_join(self.root, entry["path"])
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise FormatError(path, "file listed in the manifest is missing") from None
+            if size != entry["bytes"]:
+                raise FormatError(path, "size differs from the manifest", entry["bytes"], size)
+
     def reader(self, index: int) -> ShardReader:
         if index not in self._readers:
+            self._check_files(index)
             prefix = self.shard_prefix(index)
             if self.format_name == "megatron":
                 reader: ShardReader = MegatronReader(prefix)

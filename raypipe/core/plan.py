@@ -105,8 +105,10 @@ def expand_input(spec: str) -> list[str]:
         if info.type == pafs.FileType.Directory:
             infos = _list_recursive(filesystem, path, spec)
             matches = [i.path for i in infos if i.is_file and i.path.endswith(".parquet")]
-        else:
+        elif info.type == pafs.FileType.File:
             matches = [path]
+        else:  # a FIFO, socket or device would block or mislead the parquet reader
+            raise InputError(f"{spec}: not a regular file ({info.type.name})")
     return sorted(_uri_of(filesystem, m, spec) for m in matches)
 
 
