@@ -15,7 +15,7 @@ from raypipe.config import load_config
 from raypipe.core.convert import convert_dataset
 from raypipe.core.dataset import LLMBatchDataset, TokenDataset
 from raypipe.core.job import run_job
-from raypipe.core.verify import verify_dataset
+from raypipe.core.verify import open_every_shard, verify_dataset
 from raypipe.errors import FormatError
 
 
@@ -112,14 +112,7 @@ def test_corrupt_files_fail_verify_and_readers(all_formats, fmt, pattern, kind, 
             entry["sha256"] = "ignored"
     began = time.perf_counter()
     with pytest.raises(FormatError) as info:
-        if fmt == "llmbatch":
-            dataset = LLMBatchDataset(all_formats, manifest)
-            for index in range(len(dataset.shards)):
-                dataset.reader(index)
-        else:
-            dataset = TokenDataset(all_formats, fmt, manifest)
-            for index in range(dataset.num_shards):
-                dataset.reader(index)
+        open_every_shard(all_formats, fmt, manifest)
     assert victim.name.split(".")[0] in str(info.value)
     figure(f"corrupt {fmt} ({pattern}, {kind})",
            f"reader refused in {(time.perf_counter() - began) * 1000:.1f} ms: {info.value}")

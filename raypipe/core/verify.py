@@ -43,6 +43,21 @@ def check_stream_ids(dataset: TokenDataset, index: int) -> None:
                           "a decrease")
 
 
+def open_every_shard(root: Path, name: str, manifest: dict[str, Any]) -> None:
+    """Open each shard of format `name` in its reader (headers, indexes, counts; no
+    checksums); stream shards also get their metadata ids range-checked."""
+    if name == "llmbatch":
+        batches = LLMBatchDataset(root, manifest)
+        for index in range(len(batches.shards)):
+            batches.reader(index)
+        return
+    documents = TokenDataset(root, name, manifest)
+    for index in range(documents.num_shards):
+        documents.reader(index)
+        if name == "stream":
+            check_stream_ids(documents, index)
+
+
 def verify_dataset(root: str | Path) -> dict[str, int]:
     """Check everything; return counts of what was checked."""
     root = Path(root)
@@ -53,15 +68,6 @@ def verify_dataset(root: str | Path) -> dict[str, int]:
             for entry in shard["files"]:
                 check_file(root, entry)
                 files += 1
-        if name == "llmbatch":
-            dataset = LLMBatchDataset(root, manifest)
-            for index in range(len(dataset.shards)):
-                dataset.reader(index)
-        else:
-            documents = TokenDataset(root, name, manifest)
-            for index in range(documents.num_shards):
-                documents.reader(index)
-                if name == "stream":
-                    check_stream_ids(documents, index)
+        open_every_shard(root, name, manifest)
         shards += len(section["shards"])
     return {"formats": len(manifest["formats"]), "shards": shards, "files": files}
