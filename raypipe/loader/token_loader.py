@@ -2,8 +2,9 @@
 state that resumes exactly, at any world size.
 
 Invariant: observations of epoch e are ordered by a pure function of (dataset, seed, e)
-(raypipe.core.epoch). A global step consumes G = world_size x batch_size consecutive
-positions; position p + i*W + r goes to row i of rank r. `state_dict()` is the same on every
+(raypipe.core.epoch). A global step consumes G = world_size x k consecutive positions
+(k = batch_size rows, or k = 1 pre-formed LLMBATCH batch); position p + i*W + r goes to
+rank r as its i-th observation of the step. `state_dict()` is the same on every
 rank: {epoch, position = observations consumed by all ranks}, plus the dataset fingerprint
 and the knobs that shape observations. Loading it on any rank of any world size continues
 the same global order, so over a run every observation of an epoch is consumed exactly once,
@@ -42,7 +43,9 @@ class Batch:
     """One rank's batch. inputs/targets: [B, T]; position_ids: [B, T] restarting at each
     document; cu_seqlens: document starts over the flattened inputs (int, length
     num_sequences + 1); mask: [B, T], 1 where the target is a real token (documents mode
-    pads). Tensors are views of one device buffer."""
+    pads). Tensors are views of one device buffer. observation_ids name the rows (window,
+    packed row, document or LLMBATCH batch ids); metadata (windows over a stream dataset
+    with metadata=True): each row's StreamWindow."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
