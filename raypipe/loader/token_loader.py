@@ -36,6 +36,7 @@ from raypipe.loader.prefetch import HostRing, Prefetcher
 
 STATE_VERSION = 1
 DESCRIBE_STEPS = 64
+HANDOFF_CHUNK = 4  # batches per producer->trainer handoff
 
 
 @dataclass
@@ -168,7 +169,8 @@ class TokenLoader:
         epoch, start = self.epoch, self.position
         builder = self._builder(epoch)
         numel = BatchBuffers.size(self.batch_size, self.seq_len)
-        ring = HostRing(self.prefetch + 2, numel, self.dtype, pin=self.device.type == "cuda")
+        ring = HostRing((self.prefetch + 2) * HANDOFF_CHUNK, numel, self.dtype,
+                        pin=self.device.type == "cuda")
         host_views = [BatchBuffers.over(a, self.batch_size, self.seq_len) for a in ring.arrays]
         for views in host_views:
             builder.prepare(views)
@@ -191,7 +193,7 @@ class TokenLoader:
                          epoch=epoch, step=step, metadata=metadata)
 
         prefetcher = Prefetcher(self._jobs(builder, epoch, start), build, wrap, ring,
-                                self.device, self.prefetch)
+                                self.device, self.prefetch, HANDOFF_CHUNK)
         try:
             for batch in prefetcher:
                 self.position = int(batch.positions[0]) - self.rank + self.global_batch
