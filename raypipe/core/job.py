@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from raypipe.config import TokenizeConfig, dump_config_yaml
+from raypipe.config import KNOWN_FORMATS, TokenizeConfig, dump_config_yaml
 from raypipe.core import faults
 from raypipe.core.atomic import remove_stale_temps, write_bytes_atomic, write_json_atomic
 from raypipe.core.llmbatch_writer import write_llmbatch_from_manifest
@@ -143,7 +143,7 @@ def prepare_output(config: TokenizeConfig, settings: UnitSettings) -> Path:
                 raise ConfigError(f"{output}: made with a different config "
                                   f"({describe_difference(previous, job)}); "
                                   "pass --overwrite to replace it")
-            clear_output(output, config.formats)
+            clear_output(output)
     elif (output / MANIFEST_NAME).exists() and not config.overwrite:
         raise ConfigError(f"{output}: holds a manifest without a job record; "
                           "pass --overwrite to replace it")
@@ -162,11 +162,11 @@ def describe_difference(previous: dict[str, Any], current: dict[str, Any]) -> st
     return "; ".join(parts) or "fingerprint differs"
 
 
-def clear_output(output: Path, formats: tuple[str, ...]) -> None:
+def clear_output(output: Path) -> None:
     """Remove what raypipe wrote (never other files of the user's)."""
     (output / MANIFEST_NAME).unlink(missing_ok=True)
     (output / "config.yaml").unlink(missing_ok=True)
-    for name in {*formats, "megatron", "nanogpt", UNITS_DIR}:
+    for name in (*KNOWN_FORMATS, UNITS_DIR):
         shutil.rmtree(output / name, ignore_errors=True)
 
 
@@ -174,11 +174,12 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
     started = time.perf_counter()
     faults.activate(config.test_fault)
     settings = resolve_settings(config)
-    output = prepare_output(config, settings)
     extra = ()
     if settings.wants_metadata:
         extra = (*config.metadata_columns, *filter(None, [config.span_column]))
+    # plan first: bad input fails before the output directory is touched
     units = plan_units(config.inputs, config.text_column, config.unit_bytes, extra)
+    output = prepare_output(config, settings)
     records: dict[str, dict[str, Any]] = {}
     pending = []
     for unit in units:
