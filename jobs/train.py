@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="tiny-gpt")
     parser.add_argument("--address", default=None, help="Ray address (default: local)")
     args = parser.parse_args(argv)
-    import ray
+    from raypipe.ray.session import ensure_ray
 
-    ray.init(address=args.address)
+    ensure_ray(args.address)
     config = {"data": os.path.abspath(args.data), "seq_len": args.seq_len,
               "batch_size": args.batch_size, "mode": args.mode, "seed": args.seed,
               "max_steps": args.max_steps, "checkpoint_every": args.checkpoint_every}

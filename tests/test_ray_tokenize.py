@@ -80,3 +80,16 @@ def test_cli_missing_column_exits_2_listing_columns(ray_session, tmp_path, corpu
                  "--output", str(tmp_path / "o"), "--text-column", "body"])
     assert code == 2
     assert "available columns: ['id', 'text']" in capsys.readouterr().err
+
+
+def test_demo_runs_end_to_end(ray_session, tmp_path, capsys):
+    from raypipe.demo.run import run_demo
+
+    run_demo(tmp_path / "demo")
+    printed = capsys.readouterr().out
+    for needle in ("docstrings of Python's standard library", "documents", "tokens/s",
+                   "first document of", "checkpointed loader state", "resumed rank 1/2"):
+        assert needle in printed, needle
+    from raypipe.core.verify import verify_dataset
+
+    assert verify_dataset(tmp_path / "demo" / "tokens")["formats"] == 2

@@ -196,9 +196,12 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
     manifest = build_manifest(config, settings, ordered)
     if pending or not (output / MANIFEST_NAME).exists():
         if "llmbatch" in config.formats:
-            manifest["formats"]["llmbatch"] = write_llmbatch_from_manifest(
+            section = write_llmbatch_from_manifest(
                 output, manifest, config.seq_len, config.batch_size, config.packing,
                 config.seed, config.batches_per_shard)
+            manifest["formats"]["llmbatch"] = section
+            manifest["totals"]["bytes"] += sum(f["bytes"] for shard in section["shards"]
+                                               for f in shard["files"])
         write_bytes_atomic(output / "config.yaml", dump_config_yaml(config).encode())
         write_manifest(output, manifest)
         remove_stale_temps(output)  # left by workers killed mid-unit (their units reran)
