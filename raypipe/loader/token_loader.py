@@ -36,7 +36,8 @@ from raypipe.loader.prefetch import HostRing, Prefetcher
 
 STATE_VERSION = 1
 DESCRIBE_STEPS = 64
-HANDOFF_CHUNK = 4  # batches per producer->trainer handoff
+HANDOFF_CHUNK = 4  # at most this many batches per producer->trainer handoff
+HANDOFF_ELEMENTS = 1 << 20  # ... and only while a batch buffer is under 1 M elements
 
 
 @dataclass
@@ -169,7 +170,10 @@ class TokenLoader:
         epoch, start = self.epoch, self.position
         builder = self._builder(epoch)
         numel = BatchBuffers.size(self.batch_size, self.seq_len)
-        ring = HostRing((self.prefetch + 2) * HANDOFF_CHUNK, numel, self.dtype,
+        # hand small batches over a few at a time (thread wake-ups dominate them); large
+        # ones one by one, so the (pinned) ring stays ~(prefetch + 2) batches
+        chunk = max(1, min(HANDOFF_CHUNK, HANDOFF_ELEMENTS // numel))
+        ring = HostRing((self.prefetch + 2) * chunk, numel, self.dtype,
                         pin=self.device.type == "cuda")
         host_views = [BatchBuffers.over(a, self.batch_size, self.seq_len) for a in ring.arrays]
         for views in host_views:
@@ -193,7 +197,7 @@ class TokenLoader:
                          epoch=epoch, step=step, metadata=metadata)
 
         prefetcher = Prefetcher(self._jobs(builder, epoch, start), build, wrap, ring,
-                                self.device, self.prefetch, HANDOFF_CHUNK)
+                                self.device, self.prefetch, chunk)
         try:
             for batch in prefetcher:
                 self.position = int(batch.positions[0]) - self.rank + self.global_batch
