@@ -1,4 +1,4 @@
-"""The `raypipe` command line: tokenize, demo (and the loader/inspection commands).
+"""The `raypipe` command line: tokenize, demo, pack-report, verify, inspect, convert.
 
 Invariant: the CLI and `jobs/tokenize.py` build the same TokenizeConfig (YAML file, then
 command-line overrides); any RaypipeError prints as one line and exits with status 2.
@@ -20,7 +20,7 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", dest="formats",
                         help="comma list of megatron, nanogpt, stream, llmbatch")
     parser.add_argument("--output", "-o", help="output directory")
-    parser.add_argument("--text-column")
+    parser.add_argument("--text-column", help="column holding the documents (default: text)")
     parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
                         help="prepend BOS to every document (NanoGPT/nanochat style)")
     parser.add_argument("--eos", action=argparse.BooleanOptionalAction, default=None,
