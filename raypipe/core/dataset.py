@@ -109,7 +109,7 @@ class TokenDataset:
             if self.format_name == "megatron":
                 reader: ShardReader = MegatronReader(prefix)
             elif self.format_name == "nanogpt":
-                reader = NanoGPTReader(prefix, bos_id=self.bos_id,
+                reader = NanoGPTReader(prefix, bos_id=self.bos_id, eos_id=self.eos_id,
                                        require_bos_index=self.bos_id is not None)
             else:
                 reader = StreamReader(prefix, self.bos_id, self.eos_id,

@@ -105,6 +105,22 @@ def memmap_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.nd
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
 
 
+def starts_from_markers(tokens: np.ndarray, bos_id: int | None,
+                        eos_id: int | None) -> np.ndarray:
+    """Document starts [N + 1] of a token stream without an index: at every BOS, else after
+    every EOS, else the whole stream is one document."""
+    count = tokens.size
+    if bos_id is not None:
+        starts = np.flatnonzero(tokens == bos_id)
+    elif eos_id is not None:
+        starts = np.flatnonzero(tokens[:-1] == eos_id) + 1
+    else:
+        starts = np.zeros(0, dtype=np.int64)
+    if count and (starts.size == 0 or starts[0] != 0):
+        starts = np.concatenate([[0], starts])
+    return np.append(starts, count).astype(np.int64)
+
+
 def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

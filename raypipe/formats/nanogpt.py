@@ -26,6 +26,7 @@ from raypipe.formats.base import (
     memmap_tokens,
     require_file,
     require_size,
+    starts_from_markers,
 )
 
 HEADER_INTS = 256
@@ -97,12 +98,12 @@ class NanoGPTWriter(ShardWriter):
 class NanoGPTReader(ShardReader):
     """Opens `<prefix>.bin` and, when present, `<prefix>.bos.idx`.
 
-    Documents come from `.bos.idx`; without it, from a scan for `bos_id` when given, else
-    the whole shard is one document.
+    Documents come from `.bos.idx`; without it, from a scan for `bos_id` (else for the
+    token after each `eos_id`), else the whole shard is one document.
     """
 
     def __init__(self, prefix: str | Path, bos_id: int | None = None,
-                 require_bos_index: bool = False):
+                 require_bos_index: bool = False, eos_id: int | None = None):
         prefix = Path(prefix)
         self.bin_path = prefix.with_name(prefix.name + ".bin")
         self.bos_path = prefix.with_name(prefix.name + ".bos.idx")
@@ -124,21 +125,18 @@ class NanoGPTReader(ShardReader):
         require_size(self.bin_path, HEADER_BYTES + count * itemsize, size)
         self.dtype = np.dtype(np.uint16 if itemsize == 2 else np.uint32)
         self.tokens = memmap_tokens(self.bin_path, self.dtype, HEADER_BYTES, count)
-        self.document_starts = self._document_starts(bos_id, require_bos_index)
+        self.document_starts = self._document_starts(bos_id, eos_id, require_bos_index)
 
-    def _document_starts(self, bos_id: int | None, require_bos_index: bool) -> np.ndarray:
-        count = self.tokens.size
-        if self.bos_path.exists():
-            positions = self._read_bos_index(bos_id)
-        elif require_bos_index:
-            raise FormatError(self.bos_path, "file is missing")
-        elif bos_id is not None:
-            positions = np.flatnonzero(self.tokens == bos_id).astype(np.int64)
-        else:
-            positions = np.zeros(1 if count else 0, dtype=np.int64)
-        if positions.size == 0 or positions[0] != 0:
-            positions = np.concatenate([[0], positions]) if count else positions
-        return np.append(positions, count).astype(np.int64)
+    def _document_starts(self, bos_id: int | None, eos_id: int | None,
+                         require_bos_index: bool) -> np.ndarray:
+        if not self.bos_path.exists():
+            if require_bos_index:
+                raise FormatError(self.bos_path, "file is missing")
+            return starts_from_markers(self.tokens, bos_id, eos_id)
+        positions = self._read_bos_index(bos_id)
+        if self.tokens.size and (positions.size == 0 or positions[0] != 0):
+            positions = np.concatenate([[0], positions])
+        return np.append(positions, self.tokens.size).astype(np.int64)
 
     def _read_bos_index(self, bos_id: int | None) -> np.ndarray:
         size = require_file(self.bos_path)

@@ -28,6 +28,7 @@ from raypipe.formats.base import (
     check_token_range,
     require_file,
     require_size,
+    starts_from_markers,
 )
 
 RECORD = np.dtype([("token", "<u4"), ("metadata_id", "<u4")])
@@ -134,7 +135,7 @@ class StreamReader(ShardReader):
         self.metadata_ids = raw["metadata_id"] if metadata else None
         if metadata:
             self._open_metadata()
-        self.document_starts = self._document_starts(bos_id, eos_id)
+        self.document_starts = starts_from_markers(self.tokens, bos_id, eos_id)
 
     def _open_metadata(self) -> None:
         index_size = require_file(self.index_path)
@@ -153,18 +154,6 @@ class StreamReader(ShardReader):
     @property
     def num_records(self) -> int:
         return len(self.index) - 1 if self.with_metadata else 0
-
-    def _document_starts(self, bos_id: int | None, eos_id: int | None) -> np.ndarray:
-        count = self.tokens.size
-        if bos_id is not None:
-            starts = np.flatnonzero(self.tokens == bos_id)
-        elif eos_id is not None:
-            starts = np.flatnonzero(self.tokens[:-1] == eos_id) + 1
-        else:
-            starts = np.zeros(0, dtype=np.int64)
-        if count and (starts.size == 0 or starts[0] != 0):
-            starts = np.concatenate([[0], starts])
-        return np.append(starts, count).astype(np.int64)
 
     def read_records(self, first: int, last: int) -> list[Any]:
         """Records first..last inclusive: one index read, one data read."""
