@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import site
 import sys
 from pathlib import Path
@@ -33,10 +32,6 @@ def corpus_texts(corpus: Path) -> list[list[str]]:
     """Texts per parquet file, in file order."""
     return [pq.read_table(p, columns=["text"]).column(0).to_pylist()
             for p in sorted(corpus.glob("*.parquet"))]
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def print_table(rows: list[tuple[str, ...]]) -> None:

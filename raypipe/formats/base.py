@@ -82,9 +82,6 @@ class Format:
     def token_dtype(self, largest_id: int) -> np.dtype:
         return self.dtype_for_largest_id(largest_id)  # type: ignore[operator]
 
-    def file_names(self, shard_name: str) -> list[str]:
-        return [shard_name + suffix for suffix in self.suffixes]
-
 
 def require_file(path: Path) -> int:
     """The size of `path`, or FormatError if it is missing."""
