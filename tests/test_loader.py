@@ -180,10 +180,10 @@ def test_nanogpt_format_gives_the_same_rows(token_dataset):
     assert torch.equal(megatron.inputs, nanogpt.inputs)
 
 
-def _ddp_worker(rank, world, path, queue):
+def _ddp_worker(rank, world, path, queue, port):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29581", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     loader = TokenLoader(path, T, B, mode="bestfit", seed=2)  # rank/world from torch.distributed
     ids = []
@@ -198,9 +198,15 @@ def _ddp_worker(rank, world, path, queue):
 
 
 def test_ddp_style_spawned_ranks_partition_the_epoch(token_dataset):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     context = torch.multiprocessing.get_context("spawn")
     queue = context.Queue()
-    processes = [context.Process(target=_ddp_worker, args=(r, 2, str(token_dataset), queue))
+    processes = [context.Process(target=_ddp_worker,
+                                 args=(r, 2, str(token_dataset), queue, port))
                  for r in range(2)]
     for process in processes:
         process.start()
