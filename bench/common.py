@@ -47,9 +47,9 @@ def synthetic_token_dataset(directory: Path, total_tokens: int, seed: int = 0,
     writers and manifest; built once and cached in `directory`."""
     import numpy as np
 
-    from raypipe.core.manifest import MANIFEST_VERSION, shard_table, write_manifest
-    from raypipe.core.tokenizer import TokenizerInfo
-    from raypipe.core.unit import ShardRoller, UnitSettings
+    from raypipe.io.manifest import MANIFEST_VERSION, shard_table, write_manifest
+    from raypipe.preprocess.encoder import TokenizerInfo
+    from raypipe.preprocess.unit import ShardRoller, UnitSettings
 
     output = directory / f"tokens-{total_tokens // 1_000_000}M-seed{seed}"
     if (output / "manifest.json").exists():

@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 from common import print_table, synthetic_token_dataset
 
-from raypipe.core.dataset import LLMBatchDataset, TokenDataset
-from raypipe.core.llmbatch_writer import write_llmbatch
-from raypipe.core.manifest import MANIFEST_VERSION, shard_table, write_manifest
-from raypipe.core.tokenizer import TokenizerInfo
-from raypipe.core.unit import ShardRoller, UnitSettings
+from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.formats.stream import DocumentMetadata
+from raypipe.io.manifest import MANIFEST_VERSION, shard_table, write_manifest
+from raypipe.preprocess.encoder import TokenizerInfo
+from raypipe.preprocess.llmbatch import write_llmbatch
+from raypipe.preprocess.unit import ShardRoller, UnitSettings
 
 WINDOW, B, T = 2048, 8, 2049
 

@@ -25,15 +25,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from common import anon_rss_mib, print_table, synthetic_token_dataset
+from nanochat_reference import nanochat_bestfit_crop
 
-from raypipe.core.pack import nanochat_bestfit_crop
 from raypipe.loader import TokenLoader
 
 SEQ, BATCH = 2048, 8
 
 
 def memmap_baseline(path: Path, batches: int) -> float:
-    from raypipe.core.dataset import TokenDataset
+    from raypipe.dataset import TokenDataset
 
     tokens = TokenDataset(path).reader(0).tokens
     out = torch.empty((BATCH, SEQ + 1), dtype=torch.int64)
@@ -68,7 +68,7 @@ def loader_rate(path: Path, mode: str, batches: int) -> tuple[float, float]:
 def ray_data_rate(path: Path, batches: int) -> float:
     import ray
 
-    from raypipe.core.dataset import TokenDataset
+    from raypipe.dataset import TokenDataset
 
     tokens = TokenDataset(path).reader(0).tokens
     rows = (batches + 20) * BATCH
@@ -110,7 +110,7 @@ def crop_comparison(path: Path) -> tuple[float, float]:
     plan = loader.plan()
     order = np.concatenate([plan.block_documents_ids(b) for b in range(min(plan.num_blocks, 8))])
     lengths = plan.lengths[order]
-    from raypipe.core.epoch import BestFitPlan
+    from raypipe.sampling.plans import BestFitPlan
 
     ours = BestFitPlan(lengths, SEQ, seed=0, epoch=0).report()
     reference = nanochat_bestfit_crop(lengths, SEQ + 1)

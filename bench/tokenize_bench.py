@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 from common import corpus_texts, docstring_corpus, print_table
 
-from raypipe.core.tokenizer import flatten_documents, ids_of, single_threaded_tokenizers
 from raypipe.demo.train_tokenizer import SHIPPED
+from raypipe.preprocess.encoder import flatten_documents, ids_of, single_threaded_tokenizers
 
 BATCH = 1024
 
@@ -72,7 +72,7 @@ def run_ceiling(corpus: Path, workdir: Path) -> tuple[float, int]:
 
 def run_raypipe(corpus: Path, output: Path, batch_size: int = BATCH):
     from raypipe.config import load_config
-    from raypipe.ray.tokenize import run_tokenize
+    from raypipe.ray.executor import run_tokenize
 
     shutil.rmtree(output, ignore_errors=True)
     config = load_config(None, inputs=[str(corpus)], output=str(output), tokenizer=str(SHIPPED),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from raypipe._version import __version__
 
 
 def tokenize(inputs: str | list[str], output: str, tokenizer: str,
@@ -17,7 +17,7 @@ def tokenize(inputs: str | list[str], output: str, tokenizer: str,
     local one). Options are TokenizeConfig fields (text_column, bos, eos, shard_tokens, ...).
     Returns the JobSummary."""
     from raypipe.config import load_config
-    from raypipe.ray.tokenize import run_tokenize
+    from raypipe.ray.executor import run_tokenize
 
     config = load_config(None, inputs=inputs, output=output, tokenizer=tokenizer,
                          formats=formats, **options)
@@ -30,3 +30,6 @@ def __getattr__(name: str) -> Any:
 
         return TokenLoader
     raise AttributeError(name)
+
+
+__all__ = ["TokenLoader", "__version__", "tokenize"]

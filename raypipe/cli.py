@@ -1,67 +1,62 @@
 """The `raypipe` command line: tokenize, demo, pack-report, verify, inspect, convert.
 
-Invariant: the CLI and `jobs/tokenize.py` build the same TokenizeConfig (YAML file, then
-command-line overrides); any RaypipeError prints as one line and exits with status 2.
+Invariant: argument parsing only. The tokenize options are generated from TokenizeConfig's
+fields (name, type, default, help), so the CLI, `jobs/tokenize.py`, the YAML keys and the
+Python API never drift apart; any RaypipeError prints as one line and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
 from pathlib import Path
+from typing import Any
 
+from raypipe.config import TokenizeConfig, load_config
 from raypipe.errors import RaypipeError
 
 
-def add_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="*", help="parquet files, directories or globs")
+def _scalar_type(hint: Any) -> Any:
+    """int/str/bool of a field's type hint (`int | None` -> int, tuples -> str)."""
+    options = [h for h in typing.get_args(hint) if h is not type(None)] or [hint]
+    base = typing.get_origin(options[0]) or options[0]
+    return str if base is tuple else base
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per TokenizeConfig field; every default is None so that only what the
+    user typed overrides the YAML file."""
     parser.add_argument("--config", help="YAML config; command-line options override it")
-    parser.add_argument("--tokenizer", help="tokenizer.json path or hub name")
-    parser.add_argument("--format", dest="formats",
-                        help="comma list of megatron, nanogpt, stream, llmbatch")
-    parser.add_argument("--output", "-o", help="output directory")
-    parser.add_argument("--text-column", help="column holding the documents (default: text)")
-    parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
-                        help="prepend BOS to every document (NanoGPT/nanochat style)")
-    parser.add_argument("--eos", action=argparse.BooleanOptionalAction, default=None,
-                        help="append EOS/EOD to every document (Megatron --append-eod)")
-    parser.add_argument("--bos-token", help="BOS token string (default: detected)")
-    parser.add_argument("--eos-token", help="EOS token string (default: detected)")
-    parser.add_argument("--shard-tokens", type=int, help="max tokens per shard")
-    parser.add_argument("--unit-bytes", type=int, help="parquet bytes per work unit")
-    parser.add_argument("--max-document-chars", type=int, help="skip longer documents")
-    parser.add_argument("--encode-batch-rows", type=int, help="rows per tokenizer call")
-    parser.add_argument("--metadata", action=argparse.BooleanOptionalAction, default=None,
-                        help="stream: write metadata records (--no-metadata: pure tokens)")
-    parser.add_argument("--metadata-columns", help="stream: comma list of per-document columns")
-    parser.add_argument("--span-column", help="stream: column of [{start, end, labels}] spans")
-    parser.add_argument("--metadata-serializer", help="json (default) or msgpack")
-    parser.add_argument("--seq-len", type=int, help="llmbatch: tokens per record")
-    parser.add_argument("--batch-size", type=int, help="llmbatch: records per batch")
-    parser.add_argument("--packing", help="llmbatch: bestfit (default) or concat")
-    parser.add_argument("--seed", type=int, help="llmbatch: record shuffle seed")
-    parser.add_argument("--batches-per-shard", type=int, help="llmbatch: batches per file")
-    parser.add_argument("--num-workers", type=int, help="tokenizer actors (default: all CPUs)")
-    parser.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or local)")
-    parser.add_argument("--overwrite", action="store_true", default=None,
-                        help="replace an output made with a different config")
+    hints = typing.get_type_hints(TokenizeConfig)
+    for spec in dataclasses.fields(TokenizeConfig):
+        meta, kind = spec.metadata, _scalar_type(hints[spec.name])
+        default = spec.default if spec.default is not dataclasses.MISSING else None
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        text = meta.get("help", "") + ("" if default is None else f" (default: {shown})")
+        if meta.get("positional"):
+            parser.add_argument(spec.name, nargs="*", help=meta.get("help"))
+            continue
+        flags = [meta.get("flag", "--" + spec.name.replace("_", "-"))]
+        if meta.get("short"):
+            flags.append(meta["short"])
+        if kind is bool:
+            parser.add_argument(*flags, dest=spec.name, default=None, help=text,
+                                action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument(*flags, dest=spec.name, type=kind, default=None, help=text)
 
 
-def config_from_args(args: argparse.Namespace):
-    from raypipe.config import load_config
-
-    fields = ("tokenizer", "formats", "output", "text_column", "bos", "eos", "bos_token",
-              "eos_token", "shard_tokens", "unit_bytes", "max_document_chars",
-              "encode_batch_rows", "metadata", "metadata_columns", "span_column",
-              "metadata_serializer", "seq_len", "batch_size", "packing", "seed",
-              "batches_per_shard", "num_workers", "address", "overwrite")
-    overrides = {name: getattr(args, name) for name in fields}
-    overrides["inputs"] = args.inputs or None
+def config_from_args(args: argparse.Namespace) -> TokenizeConfig:
+    overrides = {spec.name: getattr(args, spec.name)
+                 for spec in dataclasses.fields(TokenizeConfig)}
+    overrides["inputs"] = overrides["inputs"] or None
     return load_config(args.config, **overrides)
 
 
 def command_tokenize(args: argparse.Namespace) -> int:
-    from raypipe.ray.tokenize import run_tokenize
+    from raypipe.ray.executor import run_tokenize
 
     summary = run_tokenize(config_from_args(args))
     print(summary.render())
@@ -76,33 +71,24 @@ def command_demo(args: argparse.Namespace) -> int:
 
 
 def command_pack_report(args: argparse.Namespace) -> int:
-    from raypipe.core.dataset import TokenDataset
-    from raypipe.core.epoch import make_plan
+    from raypipe.tools.pack_report import pack_report
 
-    dataset = TokenDataset(args.dataset, args.format)
-    print(f"{args.dataset}: {args.mode} rows of {args.seq_len} + 1 tokens, seed {args.seed}, "
-          f"epoch {args.epoch} ({dataset.num_documents:,} documents, format "
-          f"{dataset.format_name})")
-    for epoch in range(args.epoch, args.epoch + args.epochs):
-        plan = make_plan(args.mode, dataset.num_tokens, dataset.document_lengths, args.seq_len,
-                         args.seed, epoch, args.block_documents)
-        if args.epochs > 1:
-            print(f"-- epoch {epoch}")
-        print(plan.report().render())
+    print(pack_report(args.dataset, args.seq_len, args.mode, args.seed, args.epoch,
+                      args.epochs, args.block_documents, args.format))
     return 0
 
 
 def command_verify(args: argparse.Namespace) -> int:
-    from raypipe.core.verify import verify_dataset
+    from raypipe.tools.verify import verify_dataset
 
     counts = verify_dataset(args.dataset)
-    print(f"{args.dataset}: OK ({counts['files']} files in {counts['shards']} shards of "
-          f"{counts['formats']} format(s) match the manifest)")
+    print(f"{args.dataset}: OK ({counts.files} files in {counts.shards} shards of "
+          f"{counts.formats} format(s) match the manifest)")
     return 0
 
 
 def command_inspect(args: argparse.Namespace) -> int:
-    from raypipe.core.inspect import inspect_dataset
+    from raypipe.tools.inspect import inspect_dataset
 
     print(inspect_dataset(args.dataset, samples=args.samples, tokenizer=args.tokenizer,
                           plot=args.plot))
@@ -110,31 +96,31 @@ def command_inspect(args: argparse.Namespace) -> int:
 
 
 def command_convert(args: argparse.Namespace) -> int:
-    from raypipe.core.convert import convert_dataset
+    from raypipe.io.manifest import read_manifest
+    from raypipe.preprocess.llmbatch import LLMBatchSpec
+    from raypipe.tools.convert import convert_dataset
 
-    manifest = convert_dataset(args.source, args.destination, args.format, seq_len=args.seq_len,
-                               batch_size=args.batch_size, packing=args.packing, seed=args.seed,
-                               batches_per_shard=args.batches_per_shard,
+    spec = None
+    if args.seq_len and args.batch_size:
+        spec = LLMBatchSpec(args.seq_len, args.batch_size, args.packing, args.seed,
+                            args.batches_per_shard)
+    manifest = convert_dataset(args.source, args.destination, args.format, spec,
                                overwrite=args.overwrite)
-    section = manifest["formats"][args.format]
-    print(f"{args.source} -> {args.destination}: {len(section['shards'])} {args.format} shards")
-    if "llmbatch" in read_formats(args.source) and args.format != "llmbatch":
+    section = manifest.formats[args.format]
+    print(f"{args.source} -> {args.destination}: {len(section.shards)} {args.format} shards")
+    if "llmbatch" in read_manifest(args.source).formats and args.format != "llmbatch":
         print("note: an LLMBATCH source yields its records (packed rows), not the original "
               "documents")
     return 0
 
 
-def read_formats(path: str) -> list[str]:
-    from raypipe.core.manifest import read_manifest
-
-    return list(read_manifest(path)["formats"])
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from raypipe.formats import FORMATS
+
     parser = argparse.ArgumentParser(prog="raypipe", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     tokenize = commands.add_parser("tokenize", help="tokenize parquet into token shards")
-    add_tokenize_arguments(tokenize)
+    add_config_arguments(tokenize)
     tokenize.set_defaults(handler=command_tokenize)
     demo = commands.add_parser("demo", help="run the whole pipeline on the embedded corpus")
     demo.add_argument("--output", default="demo_out")
@@ -162,8 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="convert an output to another format")
     convert.add_argument("source")
     convert.add_argument("destination")
-    convert.add_argument("--format", required=True,
-                         choices=["megatron", "nanogpt", "stream", "llmbatch"])
+    convert.add_argument("--format", required=True, choices=list(FORMATS))
     convert.add_argument("--seq-len", type=int)
     convert.add_argument("--batch-size", type=int)
     convert.add_argument("--packing", default="bestfit", choices=["bestfit", "concat"])

@@ -20,47 +20,65 @@ from typing import Any
 import yaml
 
 from raypipe.errors import ConfigError
+from raypipe.formats import FORMATS
 
-KNOWN_FORMATS = ("megatron", "nanogpt", "stream", "llmbatch")
-DOCUMENT_FORMATS = ("megatron", "nanogpt", "stream")
 PACKINGS = ("bestfit", "concat")
 # Fields that do not change output bytes: excluded from the fingerprint.
-EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
-                              "test_fault"})
+EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
+    """A config field with its command-line help (the CLI is generated from these)."""
+    kwargs = {"default_factory": default} if callable(default) else {"default": default}
+    if default is dataclasses.MISSING:
+        kwargs = {}
+    return field(**kwargs, metadata={"help": help, **cli})
 
 
 @dataclass(frozen=True)
 class TokenizeConfig:
-    """What `raypipe tokenize` does. Field names are the YAML keys."""
+    """What `raypipe tokenize` does. Field names are the YAML keys; each field's help is
+    its command-line help."""
 
-    inputs: tuple[str, ...]
-    output: str
-    tokenizer: str
-    formats: tuple[str, ...] = ("megatron", "nanogpt")
-    text_column: str = "text"
-    bos: bool = True
-    eos: bool = False
-    bos_token: str | None = None
-    eos_token: str | None = None
-    shard_tokens: int = 1 << 29
-    unit_bytes: int = 64 << 20
-    max_document_chars: int | None = 10_000_000
-    metadata: bool = True
-    metadata_columns: tuple[str, ...] = ()
-    span_column: str | None = None
-    metadata_serializer: str = "json"
-    seq_len: int | None = None
-    batch_size: int | None = None
-    packing: str = "bestfit"
-    seed: int = 0
-    batches_per_shard: int = 1024
-    encode_batch_rows: int = 1024
-    num_workers: int | None = None
-    address: str | None = None
-    overwrite: bool = False
-    test_fault: dict[str, Any] | None = None  # tests only: raypipe.core.faults
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    inputs: tuple[str, ...] = option(help="parquet files, directories (all *.parquet below) "
+                                          "or globs (** crosses directories)", positional=True)
+    output: str = option(help="output directory", short="-o")
+    tokenizer: str = option(help="a tokenizer.json path (or a hub name where the network "
+                                 "allows)")
+    formats: tuple[str, ...] = option(("megatron", "nanogpt"),
+                                      help="comma list of " + ", ".join(FORMATS),
+                                      flag="--format")
+    text_column: str = option("text", help="column holding the documents")
+    bos: bool = option(True, help="prepend BOS to every document (NanoGPT/nanochat style)")
+    eos: bool = option(False, help="append EOS/EOD to every document (Megatron "
+                                   "--append-eod)")
+    bos_token: str | None = option(None, help="BOS token string (default: detected)")
+    eos_token: str | None = option(None, help="EOS token string (default: detected)")
+    shard_tokens: int = option(1 << 29, help="a shard rolls over before the document that "
+                                             "would exceed this many tokens")
+    unit_bytes: int = option(64 << 20, help="parquet bytes per work unit (the unit of "
+                                            "parallelism)")
+    max_document_chars: int | None = option(10_000_000, help="longer documents are skipped "
+                                                             "and counted as too_long")
+    metadata: bool = option(True, help="stream: write metadata records (--no-metadata: "
+                                       "plain tokens)")
+    metadata_columns: tuple[str, ...] = option((), help="stream: comma list of per-document "
+                                                        "columns")
+    span_column: str | None = option(None, help="stream: column of [{start, end, ...}] "
+                                                "character spans")
+    metadata_serializer: str = option("json", help="stream: json or msgpack")
+    seq_len: int | None = option(None, help="llmbatch: tokens per record (T + 1)")
+    batch_size: int | None = option(None, help="llmbatch: records per batch")
+    packing: str = option("bestfit", help="llmbatch: " + " or ".join(PACKINGS))
+    seed: int = option(0, help="llmbatch: record shuffle seed")
+    batches_per_shard: int = option(1024, help="llmbatch: batches per file")
+    encode_batch_rows: int = option(1024, help="rows per tokenizer call (bounds worker "
+                                               "memory)")
+    num_workers: int | None = option(None, help="tokenizer actors (default: all CPUs)")
+    address: str | None = option(None, help="Ray cluster address (default: RAY_ADDRESS or "
+                                            "a local Ray)")
+    overwrite: bool = option(False, help="replace an output made with a different config")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", _as_tuple(self.inputs, "inputs"))
@@ -73,15 +91,15 @@ class TokenizeConfig:
             raise ConfigError("output: no output directory given")
         if not self.tokenizer:
             raise ConfigError("tokenizer: no tokenizer given (a tokenizer.json path or hub name)")
-        unknown = [f for f in self.formats if f not in KNOWN_FORMATS]
+        unknown = [f for f in self.formats if f not in FORMATS]
         if unknown or not self.formats:
-            raise ConfigError(f"formats: {unknown or 'none'} not among {list(KNOWN_FORMATS)}")
+            raise ConfigError(f"formats: {unknown or 'none'} not among {list(FORMATS)}")
         if not 1 <= self.shard_tokens <= NANOGPT_MAX_TOKENS:
             raise ConfigError(f"shard_tokens: {self.shard_tokens} not in [1, 2^31-1]")
         for name in ("encode_batch_rows", "unit_bytes", "batches_per_shard"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if "llmbatch" in self.formats:
+        if any(FORMATS[f].holds == "batches" for f in self.formats):
             if not self.seq_len or not self.batch_size or self.seq_len < 2 or self.batch_size < 1:
                 raise ConfigError("llmbatch: needs --seq-len T (>= 2) and --batch-size B")
             if self.packing not in PACKINGS:
@@ -95,7 +113,6 @@ class TokenizeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data.pop("extra")
         data["inputs"] = list(self.inputs)
         data["formats"] = list(self.formats)
         data["metadata_columns"] = list(self.metadata_columns)
@@ -103,20 +120,29 @@ class TokenizeConfig:
 
     @property
     def document_formats(self) -> tuple[str, ...]:
-        """Formats written per work unit; LLMBATCH is packed afterwards from Megatron."""
-        chosen = tuple(f for f in self.formats if f in DOCUMENT_FORMATS)
+        """Formats written per work unit; batch formats (LLMBATCH) are packed afterwards
+        from the Megatron shards."""
+        chosen = tuple(f for f in self.formats if FORMATS[f].holds == "documents")
         return chosen if chosen else ("megatron",)
+
+    def format_options(self, name: str) -> dict[str, Any]:
+        """The writer options of format `name` that this config sets (stream: metadata,
+        serializer); other formats take none."""
+        return FORMATS[name].options({"metadata": self.metadata,
+                                      "serializer": self.metadata_serializer})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TokenizeConfig:
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; known: {sorted(names)}")
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise ConfigError(str(exc)) from exc
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in data and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"missing required option(s): {', '.join(missing)}")
+        return cls(**data)
 
     def output_fields(self) -> dict[str, Any]:
         """The fields that determine output bytes."""

@@ -65,7 +65,7 @@ def ray_session():
 def token_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
     """A tokenized dataset (both formats, several shards) built once with the serial runner."""
     from raypipe.config import load_config
-    from raypipe.core.job import run_job
+    from raypipe.preprocess.job import run_job
 
     root = tmp_path_factory.mktemp("dataset")
     for index in range(3):
@@ -81,7 +81,7 @@ def token_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
 def rich_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
     """Stream (with metadata), Megatron and LLMBATCH ([2, 33] batches) of one corpus."""
     from raypipe.config import load_config
-    from raypipe.core.job import run_job
+    from raypipe.preprocess.job import run_job
 
     root = tmp_path_factory.mktemp("rich")
     write_parquet(root / "corpus" / "part-0.parquet", corpus_texts[:400], row_group_rows=50)

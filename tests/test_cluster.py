@@ -20,7 +20,7 @@ import psutil
 import pytest
 import yaml
 
-from raypipe.core.verify import verify_dataset
+from raypipe.tools.verify import verify_dataset
 from tests.helpers import expected_documents
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, co
     assert "succeeded" in submit.stdout
     assert "documents" in submit.stdout and "tokens/s" in submit.stdout
     verify_dataset(tmp_path / "out")
-    from raypipe.core.dataset import TokenDataset
+    from raypipe.dataset import TokenDataset
 
     got = [d.tolist() for d in TokenDataset(tmp_path / "out").iter_documents()]
     assert got == expected_documents(corpus_dir, tokenizer_path)

@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from raypipe.core.plan import expand_inputs, plan_units, unit_name
-from raypipe.core.texts import clean_texts
-from raypipe.core.tokenizer import DocumentEncoder, flatten_documents
 from raypipe.errors import InputError
+from raypipe.preprocess.encoder import DocumentEncoder, flatten_documents
+from raypipe.preprocess.inputs import expand_inputs, plan_units, unit_name
+from raypipe.preprocess.texts import clean_texts
 from tests.conftest import write_parquet
 
 

@@ -1,9 +1,10 @@
-"""Megatron and NanoGPT shards: byte layout per FORMATS.md, round trips, corrupt files."""
+"""Megatron and NanoGPT shards: byte layout per docs/formats.md, round trips, corrupt files."""
 
 from __future__ import annotations
 
 import struct
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raypipe.errors import FormatError
-from raypipe.formats import FORMATS
+from raypipe.formats import FORMATS, document_formats
 from raypipe.formats.megatron import MegatronReader, megatron_dtype
 from raypipe.formats.nanogpt import NanoGPTReader, nanogpt_dtype
 from raypipe.formats.stream import StreamReader
+from raypipe.io.atomic import file_sha256
 
 BOS = 0
 
@@ -31,7 +33,11 @@ def write_shard(fmt_name, directory, documents, dtype, batches=3, bos_id=BOS):
         docs = [documents[i] for i in part]
         tokens = np.concatenate(docs) if docs else np.empty(0, np.uint32)
         writer.add(tokens.astype(np.uint32), np.array([d.size for d in docs], np.int64))
-    return writer.commit()
+    entries = writer.commit()
+    for entry in entries:  # hashed while written == hashed from disk
+        path = Path(directory) / Path(entry.path).name
+        assert (entry.bytes, entry.sha256) == (path.stat().st_size, file_sha256(path))
+    return [Path(entry.path).name for entry in entries]
 
 
 def read_shard(fmt_name, directory):
@@ -87,7 +93,7 @@ def test_token_that_does_not_fit_is_an_error(tmp_path):
         write_shard("megatron", tmp_path, [np.array([0, 70000], np.uint32)], np.uint16, 1)
 
 
-@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+@pytest.mark.parametrize("fmt_name", document_formats())
 @settings(max_examples=40, deadline=None)
 @given(count=st.integers(0, 30), seed=st.integers(0, 2**31), batches=st.integers(1, 4),
        wide=st.booleans())
@@ -104,7 +110,7 @@ def test_round_trip(tmp_path_factory, fmt_name, count, seed, batches, wide):
         assert reader.document(index).tolist() == doc.tolist()
 
 
-@pytest.fixture(params=sorted(FORMATS))
+@pytest.fixture(params=document_formats())
 def good_shard(request, tmp_path):
     docs = make_documents(np.random.default_rng(1), 20, 1000)
     write_shard(request.param, tmp_path, docs, np.uint16)

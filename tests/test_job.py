@@ -9,9 +9,9 @@ import pyarrow as pa
 import pytest
 
 from raypipe.config import load_config
-from raypipe.core.dataset import TokenDataset
-from raypipe.core.job import run_job
+from raypipe.dataset import TokenDataset
 from raypipe.errors import ConfigError, InputError
+from raypipe.preprocess.job import run_job
 from tests.conftest import write_parquet
 from tests.helpers import expected_documents, file_identities, shard_files
 
@@ -133,7 +133,7 @@ def test_rerun_of_finished_job_does_not_touch_ray(tmp_path, corpus_dir, tokenize
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         pytest.skip("a Ray session is already running in this process")
-    from raypipe.ray.tokenize import run_tokenize
+    from raypipe.ray.executor import run_tokenize
 
     config = config_for(corpus_dir, tmp_path / "out", tokenizer_path)
     run_job(config)

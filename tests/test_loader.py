@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from raypipe.core.dataset import TokenDataset
+from raypipe.dataset import TokenDataset
 from raypipe.errors import StateError
 from raypipe.loader import TokenLoader
 
@@ -243,7 +243,7 @@ def test_pack_report_cli(token_dataset, capsys):
 
 
 def test_llmbatch_mode_serves_preformed_batches_exactly_once(rich_dataset):
-    from raypipe.core.dataset import LLMBatchDataset
+    from raypipe.dataset import LLMBatchDataset
 
     batches = LLMBatchDataset(rich_dataset)
     probe = TokenLoader(rich_dataset, mode="llmbatch", world_size=2, seed=3, block_batches=4)

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raypipe.core.epoch import BestFitPlan
-from raypipe.core.pack import nanochat_bestfit_crop, pack_block
-from raypipe.core.permute import FeistelPermutation
+from bench.nanochat_reference import nanochat_bestfit_crop
+from raypipe.sampling.pack import pack_block
+from raypipe.sampling.permute import FeistelPermutation
+from raypipe.sampling.plans import BestFitPlan
 
 SIZES = [1, 2, 3, 7, 2**8, 2**8 - 1, 2**8 + 1, 2**16, 2**16 - 1, 2**16 + 1, 97, 65521, 131071,
          2**17 + 3]

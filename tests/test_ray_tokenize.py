@@ -13,9 +13,9 @@ import yaml
 import raypipe
 from raypipe.cli import main
 from raypipe.config import load_config
-from raypipe.core.dataset import TokenDataset
-from raypipe.core.job import run_job
-from raypipe.ray.tokenize import run_tokenize
+from raypipe.dataset import TokenDataset
+from raypipe.preprocess.job import run_job
+from raypipe.ray.executor import run_tokenize
 from tests.helpers import expected_documents, file_identities, shard_files
 
 pytestmark = pytest.mark.ray
@@ -90,6 +90,6 @@ def test_demo_runs_end_to_end(ray_session, tmp_path, capsys):
     for needle in ("docstrings of Python's standard library", "documents", "tokens/s",
                    "first document of", "checkpointed loader state", "resumed rank 1/2"):
         assert needle in printed, needle
-    from raypipe.core.verify import verify_dataset
+    from raypipe.tools.verify import verify_dataset
 
-    assert verify_dataset(tmp_path / "demo" / "tokens")["formats"] == 2
+    assert verify_dataset(tmp_path / "demo" / "tokens").formats == 2

@@ -15,11 +15,12 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from raypipe import _faults as faults
 from raypipe.config import load_config
-from raypipe.core.dataset import TokenDataset
-from raypipe.core.job import run_job
-from raypipe.core.verify import verify_dataset
+from raypipe.dataset import TokenDataset
 from raypipe.errors import FormatError, InputError, StorageError
+from raypipe.preprocess.job import run_job
+from raypipe.tools.verify import verify_dataset
 from tests.conftest import write_parquet
 from tests.helpers import expected_documents, file_identities, shard_files
 
@@ -48,11 +49,11 @@ def run_driver_subprocess(corpus, output, tokenizer_path, fault) -> int:
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
         "from tests.test_reliability import config_for\n"
-        "from raypipe.core.job import run_job\n"
-        f"run_job(config_for({str(corpus)!r}, {str(output)!r}, {tokenizer_path!r},\n"
-        f"                   test_fault={fault!r}))\n"
+        "from raypipe.preprocess.job import run_job\n"
+        f"run_job(config_for({str(corpus)!r}, {str(output)!r}, {tokenizer_path!r}))\n"
     )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True,
+    env = {**os.environ, faults.ENVIRONMENT_VARIABLE: json.dumps(fault)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, env=env,
                           timeout=300).returncode
 
 
@@ -69,8 +70,8 @@ def assert_visible_files_are_clean(output: Path, clean: dict[str, bytes]) -> int
                                           ("unit.rows", "pause")])
 def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus_dir,
                                                    tokenizer_path, clean_run, figure, point,
-                                                   action):
-    from raypipe.ray.tokenize import run_tokenize
+                                                   action, monkeypatch):
+    from raypipe.ray.executor import run_tokenize
 
     marker = tmp_path / "fault"
     fault = {"point": point, "unit": "part-1", "action": action, "marker": str(marker),
@@ -84,8 +85,9 @@ def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus
         killer = threading.Thread(target=kill_when_paused, daemon=True)
         killer.start()
     began = time.perf_counter()
+    monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, json.dumps(fault))
     summary = run_tokenize(config_for(corpus_dir, tmp_path / "out", tokenizer_path,
-                                      test_fault=fault, num_workers=2))
+                                      num_workers=2))
     assert marker.exists()  # the worker really died
     assert shard_files(tmp_path / "out") == clean_run
     assert temp_files(tmp_path / "out") == []
@@ -157,12 +159,15 @@ def test_crash_at_every_commit_step_converges(tmp_path, corpus_dir, tokenizer_pa
 
 
 def test_injected_disk_full_names_the_path_and_rerun_converges(tmp_path, corpus_dir,
-                                                               tokenizer_path, clean_run, figure):
+                                                               tokenizer_path, clean_run, figure,
+                                                               monkeypatch):
     output = tmp_path / "out"
     fault = {"point": "write", "unit": "part-1", "after_rows": 0, "action": "enospc",
              "marker": str(tmp_path / "fault")}
+    monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, json.dumps(fault))
     with pytest.raises(StorageError) as info:
-        run_job(config_for(corpus_dir, output, tokenizer_path, test_fault=fault))
+        run_job(config_for(corpus_dir, output, tokenizer_path))
+    monkeypatch.delenv(faults.ENVIRONMENT_VARIABLE)
     assert str(output) in str(info.value) and "No space left on device" in str(info.value)
     assert_visible_files_are_clean(output, clean_run)
     assert temp_files(output) == []

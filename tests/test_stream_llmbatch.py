@@ -12,10 +12,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from raypipe.config import load_config
-from raypipe.core.dataset import TokenDataset
-from raypipe.core.job import run_job
+from raypipe.dataset import TokenDataset
 from raypipe.errors import InputError
 from raypipe.formats.llmbatch import LLMBatchReader
+from raypipe.preprocess.job import run_job
 from tests.helpers import expected_documents
 
 WORD_SPANS_PER_DOC = 3

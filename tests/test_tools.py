@@ -12,11 +12,13 @@ import pytest
 
 from raypipe.cli import main
 from raypipe.config import load_config
-from raypipe.core.convert import convert_dataset
-from raypipe.core.dataset import LLMBatchDataset, TokenDataset
-from raypipe.core.job import run_job
-from raypipe.core.verify import open_every_shard, verify_dataset
+from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import FormatError
+from raypipe.io.manifest import Manifest
+from raypipe.preprocess.job import run_job
+from raypipe.preprocess.llmbatch import LLMBatchSpec
+from raypipe.tools.convert import convert_dataset
+from raypipe.tools.verify import open_every_shard, verify_dataset
 
 
 @pytest.fixture
@@ -57,7 +59,7 @@ def test_convert_a_b_a_is_lossless(all_formats, tmp_path, chain):
 def test_llmbatch_source_yields_records_and_target_packs(all_formats, tmp_path, capsys):
     llm = LLMBatchDataset(all_formats)
     only_llm = tmp_path / "only"
-    convert_dataset(all_formats, only_llm, "llmbatch", seq_len=48, batch_size=4)
+    convert_dataset(all_formats, only_llm, "llmbatch", LLMBatchSpec(48, 4))
     assert main(["convert", str(only_llm), str(tmp_path / "rec"), "--format", "megatron"]) == 0
     assert "records (packed rows), not the original documents" in capsys.readouterr().out
     records = documents(tmp_path / "rec")
@@ -110,9 +112,10 @@ def test_corrupt_files_fail_verify_and_readers(all_formats, fmt, pattern, kind, 
     for shard in manifest["formats"][fmt]["shards"]:
         for entry in shard["files"]:
             entry["sha256"] = "ignored"
+    edited = Manifest.from_json(manifest, "edited manifest")
     began = time.perf_counter()
     with pytest.raises(FormatError) as info:
-        open_every_shard(all_formats, fmt, manifest)
+        open_every_shard(all_formats, fmt, edited)
     assert victim.name.split(".")[0] in str(info.value)
     figure(f"corrupt {fmt} ({pattern}, {kind})",
            f"reader refused in {(time.perf_counter() - began) * 1000:.1f} ms: {info.value}")

@@ -14,7 +14,7 @@ def run_demo(output: Path, num_workers: int | None = None) -> None:
     from raypipe.demo.corpus import gather_docstrings, write_corpus
     from raypipe.formats.megatron import MegatronReader
     from raypipe.formats.nanogpt import NanoGPTReader
-    from raypipe.ray.tokenize import run_tokenize
+    from raypipe.ray.executor import run_tokenize
 
     corpus = output / "corpus"
     if not any(corpus.glob("*.parquet")):

@@ -104,7 +104,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from raypipe.core.manifest import read_manifest
+    from raypipe.io.manifest import read_manifest
     from raypipe.ray.train import save_loader_state, worker_loader
 
     loader = worker_loader(config["data"], config["seq_len"], config["batch_size"],

@@ -1,21 +1,17 @@
-"""Output formats, registered by name. Each module holds one Writer and one Reader."""
+"""Output formats, registered by name: one module per format, each with a Writer and a Reader
+(`Reader.from_manifest` opens a shard from its manifest entry). Importing this package
+registers all of them; a new format is one new module imported here."""
 
 from __future__ import annotations
 
-from raypipe.errors import ConfigError
-from raypipe.formats.base import Format, ShardReader, ShardWriter
-from raypipe.formats.megatron import MEGATRON
-from raypipe.formats.nanogpt import NANOGPT
-from raypipe.formats.stream import STREAM
+from raypipe.formats import llmbatch, megatron, nanogpt, stream  # noqa: F401  (registers)
+from raypipe.formats.base import (
+    FORMATS,
+    Format,
+    ShardReader,
+    ShardWriter,
+    document_formats,
+    get_format,
+)
 
-FORMATS: dict[str, Format] = {f.name: f for f in (MEGATRON, NANOGPT, STREAM)}
-
-
-def get_format(name: str) -> Format:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ConfigError(f"format {name!r} unknown; known: {sorted(FORMATS)}") from None
-
-
-__all__ = ["FORMATS", "Format", "ShardReader", "ShardWriter", "get_format"]
+__all__ = ["FORMATS", "Format", "ShardReader", "ShardWriter", "document_formats", "get_format"]

@@ -1,23 +1,28 @@
-"""The Writer/Reader interface every output format implements, and shared helpers.
+"""The contracts every output format implements, and the registry that names them.
 
-Invariant: a ShardWriter writes only temporary files until `commit()`, which renames every
-file of the shard to its final name (data files first, index last) and returns the final
-file names; `abort()` leaves nothing behind. A ShardReader validates headers and sizes
-before creating any array, so a corrupt or crafted file raises FormatError naming the file
-in O(1) time and memory, and then serves documents as zero-copy slices of a memmap.
+Invariant: a ShardWriter writes only temporary files (hashed as they are written) until
+`commit()`, which renames every file of the shard to its final name (data files first,
+index last) and returns their FileEntry records; `abort()` leaves nothing behind. A
+ShardReader validates headers and sizes before creating any array, so a corrupt or crafted
+file raises FormatError naming the file in O(1) time and memory, and then serves its
+contents as zero-copy slices of a memmap. `Reader.from_manifest` opens a shard from its
+manifest entry, so nothing above this package branches on a format's name: a new format is
+one module that calls `register`. Byte layouts: docs/formats.md.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
-from raypipe.errors import FormatError
+from raypipe.errors import ConfigError, FormatError
+from raypipe.io.atomic import HashedTempFile, file_sha256
+from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo, safe_join
 
 
 class ShardWriter(ABC):
@@ -30,6 +35,20 @@ class ShardWriter(ABC):
         self.bos_id = bos_id
         self.num_tokens = 0
         self.num_documents = 0
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._files: dict[str, HashedTempFile] = {}
+
+    def open_file(self, suffix: str) -> HashedTempFile:
+        """A hashed temp file for `<name><suffix>`; aborted with the shard."""
+        handle = HashedTempFile(self.directory / f"{self.name}{suffix}")
+        self._files[suffix] = handle
+        return handle
+
+    def commit_file(self, suffix: str) -> FileEntry:
+        """Commit one file; its entry's path is relative to the dataset root."""
+        handle = self._files.pop(suffix)
+        size, sha256 = handle.commit()
+        return FileEntry(f"{self.directory.name}/{handle.final.name}", size, sha256)
 
     @abstractmethod
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
@@ -37,12 +56,14 @@ class ShardWriter(ABC):
         (one DocumentMetadata per document, or None) is kept by formats that store it."""
 
     @abstractmethod
-    def commit(self) -> list[str]:
-        """Close, fsync and rename every file to its final name; return the file names."""
+    def commit(self) -> list[FileEntry]:
+        """Close, fsync and rename every file to its final name; return their entries."""
 
-    @abstractmethod
     def abort(self) -> None:
         """Remove the temporary files."""
+        for handle in self._files.values():
+            handle.abort()
+        self._files.clear()
 
 
 class ShardReader(ABC):
@@ -50,6 +71,12 @@ class ShardReader(ABC):
 
     tokens: np.ndarray          # 1-D token array (a memmap view; never a copy of the shard)
     document_starts: np.ndarray  # int64[N + 1] token offsets; document i = starts[i]:starts[i+1]
+
+    @classmethod
+    @abstractmethod
+    def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
+                      tokenizer: TokenizerInfo) -> ShardReader:
+        """Open the shard a manifest entry names (paths checked to stay inside `root`)."""
 
     @property
     def num_documents(self) -> int:
@@ -68,25 +95,72 @@ class ShardReader(ABC):
             raise IndexError(f"document {index} out of range [0, {self.num_documents})")
         return self.tokens[self.document_starts[index]:self.document_starts[index + 1]]
 
+    def check_counts(self, shard: ShardEntry, where: Path) -> None:
+        """The shard holds what its manifest entry says."""
+        for what, expected, actual in (("documents", shard.documents, self.num_documents),
+                                       ("tokens", shard.tokens, self.num_tokens)):
+            if expected != actual:
+                raise FormatError(where, f"{what} differ from the manifest", expected, actual)
+
+    def verify_contents(self) -> None:  # noqa: B027  (optional hook, nothing to check here)
+        """Checks beyond headers and sizes that need a pass over the data (verify only)."""
+
+
+def shard_prefix(root: Path, shard: ShardEntry) -> Path:
+    """`<root>/<format dir>/<shard name>`: the path every file of the shard extends."""
+    if not shard.files:
+        raise FormatError(root / shard.name, "manifest lists no files for this shard")
+    return safe_join(root, shard.files[0].path).with_name(shard.name)
+
 
 @dataclass(frozen=True)
 class Format:
-    """A format: its file suffixes, token dtype rule, writer and reader."""
+    """A format: its file suffixes, token dtype rule, writer, reader, and whether a shard
+    holds documents (megatron, nanogpt, stream) or pre-formed batches (llmbatch)."""
 
     name: str
     suffixes: tuple[str, ...]
-    writer: type[ShardWriter]
-    reader: type[ShardReader]
-    dtype_for_largest_id: object  # Callable[[int], np.dtype]
+    writer: type
+    reader: type
+    dtype_for_largest_id: Callable[[int], np.dtype]
+    holds: Literal["documents", "batches"] = "documents"
+    default_options: dict[str, Any] = field(default_factory=dict)
+    read_order: int = 100  # which document format a reader opens when several exist
 
     def token_dtype(self, largest_id: int) -> np.dtype:
-        return self.dtype_for_largest_id(largest_id)  # type: ignore[operator]
+        return self.dtype_for_largest_id(largest_id)
+
+    def options(self, section_options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The format's writer/reader options: defaults, overridden by a section's."""
+        given = section_options or {}
+        return {k: given.get(k, v) for k, v in self.default_options.items()}
+
+
+FORMATS: dict[str, Format] = {}
+
+
+def register(fmt: Format) -> Format:
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def get_format(name: str) -> Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ConfigError(f"format {name!r} unknown; known: {list(FORMATS)}") from None
+
+
+def document_formats() -> tuple[str, ...]:
+    """Names of the formats whose shards hold documents, in preference order for reading."""
+    chosen = [fmt for fmt in FORMATS.values() if fmt.holds == "documents"]
+    return tuple(fmt.name for fmt in sorted(chosen, key=lambda fmt: fmt.read_order))
 
 
 def require_file(path: Path) -> int:
     """The size of `path`, or FormatError if it is missing."""
     try:
-        return os.stat(path).st_size
+        return path.stat().st_size
     except FileNotFoundError:
         raise FormatError(path, "file is missing") from None
 
@@ -118,16 +192,12 @@ def starts_from_markers(tokens: np.ndarray, bos_id: int | None,
     return np.append(starts, count).astype(np.int64)
 
 
-def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def check_token_range(tokens: np.ndarray, dtype: np.dtype, where: str) -> None:
     """Refuse ids that do not fit the shard dtype; never truncate."""
     if tokens.size and int(tokens.max()) > np.iinfo(dtype).max:
         raise FormatError(where, f"token id {int(tokens.max())} does not fit {dtype}",
                           f"<= {np.iinfo(dtype).max}", int(tokens.max()))
+
+
+__all__ = ["FORMATS", "Format", "ShardReader", "ShardWriter", "document_formats", "file_sha256",
+           "get_format", "register", "shard_prefix"]

@@ -1,4 +1,4 @@
-"""LLMBATCH (ZeroBatch v2, FORMATS.md §3): pre-formed [batch_size, seq_len] uint32 batches,
+"""LLMBATCH (ZeroBatch v2, docs/formats.md): pre-formed [batch_size, seq_len] uint32 batches,
 each in a 4096-byte-aligned slot, so serving batch i is one slice of an mmap.
 
 Invariant: a 4096-byte header (magic `LLMBATCH`, version 1, batch_size, seq_len,
@@ -6,7 +6,9 @@ num_batches as u64 at offset 20, dtype 0 = uint32, seed, total_records; the rest
 then slot i at 4096 + i * padded where padded = ceil(B*T*4 / 4096) * 4096, zero-filled past
 the batch's bytes; file size = 4096 + num_batches * padded. The reader checks every header
 field and the size before mapping anything; `batch(i)` is a zero-copy [B, T] view.
-Cost: writing is one sequential pass; reading a batch is one memmap slice.
+The writer is told the number of batches up front (the header is written first, so the
+file is hashed as it is written). Cost: writing is one sequential pass; reading a batch is
+one memmap slice.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from raypipe.core.atomic import commit_file, temp_path_for
 from raypipe.errors import FormatError
-from raypipe.formats.base import require_file, require_size
+from raypipe.formats.base import Format, ShardWriter, register, require_file, require_size
+from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo, safe_join
 
 MAGIC = b"LLMBATCH"
 VERSION = 1
@@ -39,47 +41,58 @@ def encode_header(batch_size: int, seq_len: int, num_batches: int, seed: int,
     return packed + bytes(PAGE - len(packed))
 
 
-class LLMBatchWriter:
-    """Writes whole batches ([B, T] arrays of token ids) into one `.batch` file."""
+class LLMBatchWriter(ShardWriter):
+    """Writes `num_batches` whole batches ([B, T] arrays of token ids) into one `.batch`
+    file named `<name>.batch` in `directory`."""
 
-    def __init__(self, path: Path, batch_size: int, seq_len: int, seed: int,
-                 total_records: int):
-        self.path = Path(path)
-        self.batch_size, self.seq_len = batch_size, seq_len
-        self.seed, self.total_records = seed, total_records
+    def __init__(self, directory: Path, name: str, batch_size: int, seq_len: int,
+                 num_batches: int, seed: int, total_records: int):
+        super().__init__(directory, name, np.dtype("<u4"), None)
+        self.batch_size, self.seq_len, self.num_batches = batch_size, seq_len, num_batches
         self.padded = slot_bytes(batch_size, seq_len)
         self.padding = bytes(self.padded - batch_size * seq_len * 4)
-        self.temp = temp_path_for(self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.temp, "wb")
-        self.file.write(bytes(PAGE))
-        self.num_batches = 0
+        self.file = self.open_file(".batch")
+        self.file.write(encode_header(batch_size, seq_len, num_batches, seed, total_records))
+        self.written = 0
 
-    def add(self, batch: np.ndarray) -> None:
+    def add_batch(self, batch: np.ndarray) -> None:
         if batch.shape != (self.batch_size, self.seq_len):
-            raise FormatError(self.path, "batch shape", (self.batch_size, self.seq_len),
+            raise FormatError(self.file.final, "batch shape", (self.batch_size, self.seq_len),
                               batch.shape)
         if batch.size and (batch.min() < 0 or batch.max() > MAX_U32):
-            raise FormatError(self.path, "token id outside uint32", f"0..{MAX_U32}",
+            raise FormatError(self.file.final, "token id outside uint32", f"0..{MAX_U32}",
                               (int(batch.min()), int(batch.max())))
         self.file.write(np.ascontiguousarray(batch, dtype="<u4").data)
         self.file.write(self.padding)
-        self.num_batches += 1
+        self.written += 1
 
-    def commit(self) -> list[str]:
-        self.file.seek(0)
-        self.file.write(encode_header(self.batch_size, self.seq_len, self.num_batches,
-                                      self.seed, self.total_records))
-        self.file.close()
-        commit_file(self.temp, self.path)
-        return [self.path.name]
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
+        raise FormatError(self.file.final, "LLMBATCH holds pre-formed batches, not documents")
 
-    def abort(self) -> None:
-        self.file.close()
-        self.temp.unlink(missing_ok=True)
+    def commit(self) -> list[FileEntry]:
+        if self.written != self.num_batches:
+            raise FormatError(self.file.final, "batches written differ from the header",
+                              self.num_batches, self.written)
+        return [self.commit_file(".batch")]
 
 
 class LLMBatchReader:
+    @classmethod
+    def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
+                      tokenizer: TokenizerInfo) -> LLMBatchReader:
+        if len(shard.files) != 1:
+            raise FormatError(root / shard.name, "an LLMBATCH shard is one file", 1,
+                              len(shard.files))
+        return cls(safe_join(root, shard.files[0].path))
+
+    def check_counts(self, shard: ShardEntry, where: Path) -> None:
+        if shard.batches != self.num_batches:
+            raise FormatError(where, "batches differ from the manifest", shard.batches,
+                              self.num_batches)
+
+    def verify_contents(self) -> None:
+        """Nothing beyond the header and size checks done on open."""
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         size = require_file(self.path)
@@ -117,3 +130,11 @@ class LLMBatchReader:
         start = index * self.padded
         raw = self.data[start:start + self.batch_size * self.seq_len * 4]
         return raw.view("<u4").reshape(self.batch_size, self.seq_len)
+
+
+def llmbatch_dtype(largest_id: int) -> np.dtype:
+    return np.dtype(np.uint32)
+
+
+LLMBATCH = register(Format("llmbatch", (".batch",), LLMBatchWriter, LLMBatchReader,
+                           llmbatch_dtype, holds="batches"))

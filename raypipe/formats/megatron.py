@@ -1,4 +1,4 @@
-"""Megatron-LM indexed dataset: `<name>.bin` (tokens) + `<name>.idx` (FORMATS.md §1).
+"""Megatron-LM indexed dataset: `<name>.bin` (tokens) + `<name>.idx` (docs/formats.md).
 
 Invariant: byte-exact to megatron-core's `IndexedDataset` (version 1, one sequence per
 document, document_indices = [0..N]). dtype uint16 (code 8) when the largest id < 65500,
@@ -15,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raypipe.core import faults
-from raypipe.core.atomic import commit_file, temp_path_for
+from raypipe import _faults as faults
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
     Format,
@@ -24,9 +23,12 @@ from raypipe.formats.base import (
     ShardWriter,
     check_token_range,
     memmap_tokens,
+    register,
     require_file,
     require_size,
+    shard_prefix,
 )
+from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -54,42 +56,36 @@ def encode_index(lengths: np.ndarray, dtype: np.dtype) -> bytes:
 class MegatronWriter(ShardWriter):
     def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None):
         super().__init__(directory, name, token_dtype, bos_id)
-        self.bin_path = self.directory / f"{name}.bin"
-        self.idx_path = self.directory / f"{name}.idx"
-        self.bin_temp = temp_path_for(self.bin_path)
-        self.idx_temp = temp_path_for(self.idx_path)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.bin_file = open(self.bin_temp, "wb")
+        self.bin_file = self.open_file(".bin")
         self.lengths: list[np.ndarray] = []
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
-        check_token_range(tokens, self.token_dtype, str(self.bin_path))
+        check_token_range(tokens, self.token_dtype, str(self.bin_file.final))
         self.bin_file.write(tokens.astype(self.token_dtype, copy=False).data)
         self.lengths.append(lengths.astype(np.int32))
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
 
-    def commit(self) -> list[str]:
-        self.bin_file.close()
+    def commit(self) -> list[FileEntry]:
         lengths = np.concatenate(self.lengths) if self.lengths else np.empty(0, np.int32)
         index = encode_index(lengths, self.token_dtype)
-        with open(self.idx_temp, "wb") as handle:
-            handle.write(index[:len(index) // 2])
-            faults.point("megatron.mid_index", self.name)
-            handle.write(index[len(index) // 2:])
-        commit_file(self.bin_temp, self.bin_path)
+        idx_file = self.open_file(".idx")
+        idx_file.write(index[:len(index) // 2])
+        faults.point("megatron.mid_index", self.name)
+        idx_file.write(index[len(index) // 2:])
+        entries = [self.commit_file(".bin")]
         faults.point("megatron.after_bin", self.name)
-        commit_file(self.idx_temp, self.idx_path)
-        return [self.bin_path.name, self.idx_path.name]
-
-    def abort(self) -> None:
-        self.bin_file.close()
-        self.bin_temp.unlink(missing_ok=True)
-        self.idx_temp.unlink(missing_ok=True)
+        entries.append(self.commit_file(".idx"))
+        return entries
 
 
 class MegatronReader(ShardReader):
     """Opens `<prefix>.bin/.idx`; `prefix` is the path without suffix."""
+
+    @classmethod
+    def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
+                      tokenizer: TokenizerInfo) -> MegatronReader:
+        return cls(shard_prefix(root, shard))
 
     def __init__(self, prefix: str | Path):
         prefix = Path(prefix)
@@ -143,4 +139,5 @@ class MegatronReader(ShardReader):
         return offsets
 
 
-MEGATRON = Format("megatron", (".bin", ".idx"), MegatronWriter, MegatronReader, megatron_dtype)
+MEGATRON = register(Format("megatron", (".bin", ".idx"), MegatronWriter, MegatronReader,
+                           megatron_dtype, read_order=0))

@@ -1,5 +1,5 @@
 """NanoGPT token shards: `<name>.bin` (1024-byte header + tokens) + `<name>.bos.idx`
-(FORMATS.md §2).
+(docs/formats.md).
 
 Invariant: uint16 shards carry the legacy header (magic 20240520, version 1, T, 0) that
 llm.c, modded-nanogpt and NeMo Automodel all read; uint32 shards (largest id > 65535) carry
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 
-from raypipe.core.atomic import commit_file, temp_path_for
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
     Format,
@@ -24,10 +23,13 @@ from raypipe.formats.base import (
     ShardWriter,
     check_token_range,
     memmap_tokens,
+    register,
     require_file,
     require_size,
+    shard_prefix,
     starts_from_markers,
 )
+from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -55,20 +57,15 @@ def encode_header(num_tokens: int, dtype: np.dtype) -> bytes:
 class NanoGPTWriter(ShardWriter):
     def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None):
         super().__init__(directory, name, token_dtype, bos_id)
-        self.bin_path = self.directory / f"{name}.bin"
-        self.bos_path = self.directory / f"{name}.bos.idx"
-        self.bin_temp = temp_path_for(self.bin_path)
-        self.bos_temp = temp_path_for(self.bos_path)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.bin_file = open(self.bin_temp, "wb")
+        self.bin_file = self.open_file(".bin")
         self.bin_file.write(bytes(HEADER_BYTES))
-        self.bos_file = open(self.bos_temp, "wb") if bos_id is not None else None
+        self.bos_file = self.open_file(".bos.idx") if bos_id is not None else None
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
-        check_token_range(tokens, self.token_dtype, str(self.bin_path))
+        check_token_range(tokens, self.token_dtype, str(self.bin_file.final))
         if self.num_tokens + tokens.size > MAX_TOKENS:
-            raise FormatError(self.bin_path, "shard exceeds the int32 token count of the header",
-                              f"<= {MAX_TOKENS}", self.num_tokens + tokens.size)
+            raise FormatError(self.bin_file.final, "shard exceeds the int32 token count of "
+                              "the header", f"<= {MAX_TOKENS}", self.num_tokens + tokens.size)
         if self.bos_file is not None:
             starts = np.cumsum(lengths) - lengths + self.num_tokens
             self.bos_file.write(starts.astype("<i4").tobytes())
@@ -76,23 +73,14 @@ class NanoGPTWriter(ShardWriter):
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
 
-    def commit(self) -> list[str]:
-        self.bin_file.seek(0)
-        self.bin_file.write(encode_header(self.num_tokens, self.token_dtype))
-        self.bin_file.close()
-        commit_file(self.bin_temp, self.bin_path)
-        names = [self.bin_path.name]
+    def commit(self) -> list[FileEntry]:
+        # the header's token count is known only now: the .bin is checksummed by one read
+        # at commit (the one file that is not hashed as it is written)
+        self.bin_file.patch_start(encode_header(self.num_tokens, self.token_dtype))
+        entries = [self.commit_file(".bin")]
         if self.bos_file is not None:
-            self.bos_file.close()
-            commit_file(self.bos_temp, self.bos_path)
-            names.append(self.bos_path.name)
-        return names
-
-    def abort(self) -> None:
-        for handle, temp in ((self.bin_file, self.bin_temp), (self.bos_file, self.bos_temp)):
-            if handle is not None:
-                handle.close()
-                temp.unlink(missing_ok=True)
+            entries.append(self.commit_file(".bos.idx"))
+        return entries
 
 
 class NanoGPTReader(ShardReader):
@@ -101,6 +89,12 @@ class NanoGPTReader(ShardReader):
     Documents come from `.bos.idx`; without it, from a scan for `bos_id` (else for the
     token after each `eos_id`), else the whole shard is one document.
     """
+
+    @classmethod
+    def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
+                      tokenizer: TokenizerInfo) -> NanoGPTReader:
+        return cls(shard_prefix(root, shard), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                   require_bos_index=tokenizer.bos_id is not None)
 
     def __init__(self, prefix: str | Path, bos_id: int | None = None,
                  require_bos_index: bool = False, eos_id: int | None = None):
@@ -160,4 +154,5 @@ class NanoGPTReader(ShardReader):
         return positions
 
 
-NANOGPT = Format("nanogpt", (".bin", ".bos.idx"), NanoGPTWriter, NanoGPTReader, nanogpt_dtype)
+NANOGPT = register(Format("nanogpt", (".bin", ".bos.idx"), NanoGPTWriter, NanoGPTReader,
+                          nanogpt_dtype, read_order=1))

@@ -1,4 +1,4 @@
-"""Stream with metadata (FORMATS.md §4): `<name>.tokens` + `.metadata.index` + `.metadata.bin`.
+"""Stream with metadata: `<name>.tokens` + `.metadata.index` + `.metadata.bin` (docs/formats.md).
 
 Invariant: `.tokens` is little-endian records {token: u32, metadata_id: u32} (or plain u32
 tokens when written without metadata); `.metadata.index` is u64[M + 1] byte offsets with
@@ -18,18 +18,20 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.core.atomic import commit_file, temp_path_for
-from raypipe.core.serialize import get_serializer
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
     Format,
     ShardReader,
     ShardWriter,
     check_token_range,
+    register,
     require_file,
     require_size,
+    shard_prefix,
     starts_from_markers,
 )
+from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo
+from raypipe.io.serialize import get_serializer
 
 RECORD = np.dtype([("token", "<u4"), ("metadata_id", "<u4")])
 PLAIN = np.dtype("<u4")
@@ -54,11 +56,8 @@ class StreamWriter(ShardWriter):
         super().__init__(directory, name, token_dtype, bos_id)
         self.with_metadata = metadata
         self.serializer = get_serializer(serializer)
-        self.paths = {s: self.directory / f"{name}{s}" for s in STREAM.suffixes}
-        self.temps = {s: temp_path_for(p) for s, p in self.paths.items()}
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.tokens_file = open(self.temps[".tokens"], "wb")
-        self.bin_file = open(self.temps[".metadata.bin"], "wb") if metadata else None
+        self.tokens_file = self.open_file(".tokens")
+        self.bin_file = self.open_file(".metadata.bin") if metadata else None
         self.offsets: list[int] = [0]
 
     def _add_record(self, record: dict[str, Any]) -> int:
@@ -69,7 +68,7 @@ class StreamWriter(ShardWriter):
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray,
             metadata: list[DocumentMetadata] | None = None) -> None:
-        check_token_range(tokens, self.token_dtype, str(self.paths[".tokens"]))
+        check_token_range(tokens, self.token_dtype, str(self.tokens_file.final))
         if not self.with_metadata:
             self.tokens_file.write(tokens.astype(PLAIN, copy=False).data)
         else:
@@ -88,28 +87,23 @@ class StreamWriter(ShardWriter):
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
 
-    def commit(self) -> list[str]:
-        self.tokens_file.close()
-        names = [self.paths[".tokens"].name]
+    def commit(self) -> list[FileEntry]:
+        entries = []
         if self.bin_file is not None:
-            self.bin_file.close()
-            np.array(self.offsets, dtype="<u8").tofile(self.temps[".metadata.index"])
-            commit_file(self.temps[".metadata.bin"], self.paths[".metadata.bin"])
-            commit_file(self.temps[".metadata.index"], self.paths[".metadata.index"])
-            names += [self.paths[".metadata.index"].name, self.paths[".metadata.bin"].name]
-        commit_file(self.temps[".tokens"], self.paths[".tokens"])
-        return names
-
-    def abort(self) -> None:
-        for handle in (self.tokens_file, self.bin_file):
-            if handle is not None:
-                handle.close()
-        for temp in self.temps.values():
-            temp.unlink(missing_ok=True)
+            self.open_file(".metadata.index").write(np.array(self.offsets, dtype="<u8").data)
+            bin_entry = self.commit_file(".metadata.bin")
+            entries = [self.commit_file(".metadata.index"), bin_entry]
+        return [self.commit_file(".tokens"), *entries]
 
 
 class StreamReader(ShardReader):
     """Opens one stream shard. `metadata=None` detects it from the sidecar files."""
+
+    @classmethod
+    def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
+                      tokenizer: TokenizerInfo) -> StreamReader:
+        return cls(shard_prefix(root, shard), tokenizer.bos_id, tokenizer.eos_id,
+                   **STREAM.options(section.options))
 
     def __init__(self, prefix: str | Path, bos_id: int | None = None, eos_id: int | None = None,
                  metadata: bool | None = None, serializer: str = "json"):
@@ -151,6 +145,18 @@ class StreamReader(ShardReader):
         self.bin = (np.memmap(self.bin_path, dtype=np.uint8, mode="r").view(np.ndarray)
                     if bin_size else np.empty(0, np.uint8))
 
+    def verify_contents(self) -> None:
+        """Every metadata id points inside the index; the index ascends."""
+        if self.metadata_ids is None or not self.num_tokens:
+            return
+        largest = int(np.max(self.metadata_ids))
+        if largest >= self.num_records:
+            raise FormatError(self.tokens_path, "metadata id outside the index",
+                              f"< {self.num_records}", largest)
+        if (np.diff(self.index.astype(np.int64)) < 0).any():
+            raise FormatError(self.index_path, "offsets are not ascending", "ascending",
+                              "a decrease")
+
     @property
     def num_records(self) -> int:
         return len(self.index) - 1 if self.with_metadata else 0
@@ -175,5 +181,6 @@ class StreamReader(ShardReader):
                               f"{self.serializer.name}: {exc}") from exc
 
 
-STREAM = Format("stream", (".tokens", ".metadata.index", ".metadata.bin"), StreamWriter,
-                StreamReader, stream_dtype)
+STREAM = register(Format("stream", (".tokens", ".metadata.index", ".metadata.bin"),
+                         StreamWriter, StreamReader, stream_dtype,
+                         default_options={"metadata": True, "serializer": "json"}, read_order=2))

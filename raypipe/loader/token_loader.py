@@ -2,14 +2,14 @@
 state that resumes exactly, at any world size.
 
 Invariant: observations of epoch e are ordered by a pure function of (dataset, seed, e)
-(raypipe.core.epoch). A global step consumes G = world_size x k consecutive positions
+(raypipe.sampling.plans). A global step consumes G = world_size x k consecutive positions
 (k = batch_size rows, or k = 1 pre-formed LLMBATCH batch); position p + i*W + r goes to
 rank r as its i-th observation of the step. `state_dict()` is the same on every
 rank: {epoch, position = observations consumed by all ranks}, plus the dataset fingerprint
 and the knobs that shape observations. Loading it on any rank of any world size continues
 the same global order, so over a run every observation of an epoch is consumed exactly once,
 except the last (size mod G) positions of each epoch (drop-last; `packing_report` and
-`steps_in_epoch` say how many). Cost: see raypipe.core.batches and raypipe.loader.prefetch.
+`steps_in_epoch` say how many). Cost: see raypipe.sampling.batches and raypipe.loader.prefetch.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from raypipe.core.batches import (
+from raypipe.dataset import LLMBatchDataset, StreamWindow, TokenDataset
+from raypipe.errors import ConfigError, StateError
+from raypipe.loader.prefetch import HostRing, Prefetcher
+from raypipe.sampling.batches import (
     BatchBuffers,
     BatchBuilder,
     BatchPlan,
     PreformedBatchBuilder,
     TokenSource,
 )
-from raypipe.core.dataset import LLMBatchDataset, StreamWindow, TokenDataset
-from raypipe.core.epoch import MODES, PackingReport, Plan, PreformedPlan, make_plan
-from raypipe.errors import ConfigError, StateError
-from raypipe.loader.prefetch import HostRing, Prefetcher
+from raypipe.sampling.plans import MODES, PackingReport, Plan, PreformedPlan, make_plan
 
 STATE_VERSION = 1
 DESCRIBE_STEPS = 64

@@ -20,9 +20,9 @@ import ray.data
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from raypipe.core.batches import TokenSource
-from raypipe.core.dataset import TokenDataset
-from raypipe.core.epoch import WindowPlan
+from raypipe.dataset import TokenDataset
+from raypipe.sampling.batches import TokenSource
+from raypipe.sampling.plans import WindowPlan
 
 ROWS_PER_BLOCK = 256
 

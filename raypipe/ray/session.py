@@ -12,7 +12,7 @@ import time
 import ray
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> tuple[bool, float]:
+def ensure_ray(address: str | None = None) -> tuple[bool, float]:
     """Make sure Ray is initialized; return (started_here, seconds spent starting)."""
     if ray.is_initialized():
         return False, 0.0
@@ -21,8 +21,6 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> tuple
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         kwargs["address"] = address
-    elif num_cpus is not None:
-        kwargs["num_cpus"] = num_cpus
     ray.init(**kwargs)
     return True, time.perf_counter() - started
 

@@ -6,7 +6,7 @@ communicate. Kinds:
   windows are visited in Feistel order. O(1) memory.
 - `documents`: one document per row (cropped to T + 1 or padded); Feistel order.
 - `bestfit`: documents in Feistel order are cut into blocks of K; each block is packed
-  (raypipe.core.pack); blocks are visited in order and the rows of block j in a Feistel
+  (raypipe.sampling.pack); blocks are visited in order and the rows of block j in a Feistel
   order salted by j. Row counts per block are computed once per epoch (O(N) time, O(N/K)
   memory); a block's rows are re-packed on demand and cached, so a rank holds one block.
 Cost: windows/documents: ~70 ns per observation to permute; bestfit: ~0.5-1.5 us per
@@ -20,8 +20,8 @@ from functools import cached_property
 
 import numpy as np
 
-from raypipe.core.pack import PackedBlock, pack_block
-from raypipe.core.permute import FeistelPermutation
+from raypipe.sampling.pack import PackedBlock, pack_block
+from raypipe.sampling.permute import FeistelPermutation
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,6 @@ class PackingReport:
     @property
     def crop_fraction(self) -> float:
         return self.cropped_tokens / self.total_tokens if self.total_tokens else 0.0
-
-    def to_dict(self) -> dict[str, float]:
-        data = dict(self.__dict__)
-        data["crop_fraction"] = self.crop_fraction
-        return data
 
     def render(self) -> str:
         total = max(self.total_tokens, 1)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
@@ -19,13 +18,16 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from raypipe.errors import ConfigError
+from raypipe.io.manifest import TokenizerInfo
 
 BOS_CANDIDATES = ("<|bos|>", "<bos>", "<s>", "<|begin_of_text|>", "<|endoftext|>")
 EOS_CANDIDATES = ("<|eos|>", "<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>")
 
 
 def single_threaded_tokenizers() -> None:
-    """One tokenizer thread per process: Ray runs one actor per core (see NOTES-RAY.md)."""
+    """One tokenizer thread per process: Ray runs one actor per core, and two single-thread
+    processes measured ~1.4x faster than one process with two threads (the per-encoding
+    Python work is serial under the GIL)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
@@ -61,20 +63,6 @@ def resolve_special_id(tokenizer: Tokenizer, token: str | None, candidates: tupl
         f"{role}_token: the tokenizer has none of {list(names)}; "
         f"name one with --{role}-token or disable with --no-{role}"
     )
-
-
-@dataclass(frozen=True)
-class TokenizerInfo:
-    """What the manifest records about the tokenizer."""
-
-    spec: str
-    sha256: str
-    largest_id: int
-    bos_id: int | None
-    eos_id: int | None
-
-    def to_dict(self) -> dict[str, object]:
-        return dict(self.__dict__)
 
 
 def describe_tokenizer(tokenizer: Tokenizer, spec: str, bos: bool, eos: bool,

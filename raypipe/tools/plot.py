@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raypipe.core.atomic import write_bytes_atomic
+from raypipe.io.atomic import write_bytes_atomic
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:

@@ -12,39 +12,39 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from raypipe.config import KNOWN_FORMATS, TokenizeConfig, dump_config_yaml
-from raypipe.core import faults
-from raypipe.core.atomic import remove_stale_temps, write_bytes_atomic, write_json_atomic
-from raypipe.core.llmbatch_writer import write_llmbatch_from_manifest
-from raypipe.core.manifest import (
+from raypipe.config import TokenizeConfig, dump_config_yaml
+from raypipe.errors import ConfigError
+from raypipe.formats import FORMATS, get_format
+from raypipe.io.atomic import remove_stale_temps, write_bytes_atomic, write_json_atomic
+from raypipe.io.manifest import (
     JOB_RECORD,
     MANIFEST_NAME,
-    MANIFEST_VERSION,
     UNITS_DIR,
+    FormatSection,
+    Manifest,
+    UnitRecord,
+    WorkUnit,
     committed_unit_record,
-    library_versions,
     read_json,
     shard_table,
     write_manifest,
 )
-from raypipe.core.plan import WorkUnit, plan_units
-from raypipe.core.tokenizer import (
+from raypipe.preprocess.encoder import (
     DocumentEncoder,
     describe_tokenizer,
     load_tokenizer,
     single_threaded_tokenizers,
 )
-from raypipe.core.unit import UnitSettings, tokenize_unit
-from raypipe.errors import ConfigError
+from raypipe.preprocess.inputs import plan_units
+from raypipe.preprocess.llmbatch import LLMBatchSpec, write_llmbatch_from_manifest
+from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 
-UnitRunner = Callable[[list[WorkUnit], UnitSettings], Iterable[dict[str, Any]]]
+UnitRunner = Callable[[list[WorkUnit], UnitSettings], Iterable[UnitRecord]]
 
 
 @dataclass
@@ -94,27 +94,20 @@ class JobSummary:
         ] if self.units_run else ["  nothing to run: every unit was already committed"]))
 
 
-def steady_seconds(records: list[dict[str, Any]]) -> float:
+def steady_seconds(records: list[UnitRecord]) -> float:
     """From the first unit's start to the last unit's end: the run without worker start-up."""
     if not records:
         return 0.0
-    return max(r["finished_at"] for r in records) - min(r["started_at"] for r in records)
+    return max(r.finished_at for r in records) - min(r.started_at for r in records)
 
 
 def resolve_settings(config: TokenizeConfig) -> UnitSettings:
     tokenizer = load_tokenizer(config.tokenizer)
     info = describe_tokenizer(tokenizer, config.tokenizer, config.bos, config.eos,
                               config.bos_token, config.eos_token)
-    return UnitSettings(
-        output=str(Path(config.output).resolve()), formats=config.document_formats,
-        text_column=config.text_column, shard_tokens=config.shard_tokens,
-        encode_batch_rows=config.encode_batch_rows,
-        max_document_chars=config.max_document_chars, tokenizer=info,
-        fingerprint=config.output_fingerprint(info.sha256),
-        metadata_columns=config.metadata_columns, span_column=config.span_column,
-        format_options={"stream": {"metadata": config.metadata,
-                                   "serializer": config.metadata_serializer}},
-        test_fault=config.test_fault)
+    return UnitSettings(config=config, tokenizer=info,
+                        fingerprint=config.output_fingerprint(info.sha256),
+                        output=str(Path(config.output).resolve()))
 
 
 def make_encoder(settings: UnitSettings) -> DocumentEncoder:
@@ -123,7 +116,7 @@ def make_encoder(settings: UnitSettings) -> DocumentEncoder:
     return DocumentEncoder(tokenizer, settings.tokenizer.bos_id, settings.tokenizer.eos_id)
 
 
-def serial_runner(units: list[WorkUnit], settings: UnitSettings) -> Iterable[dict[str, Any]]:
+def serial_runner(units: list[WorkUnit], settings: UnitSettings) -> Iterable[UnitRecord]:
     """Run units one after another in this process (tests, tiny inputs, debugging)."""
     encoder = make_encoder(settings)
     for unit in units:
@@ -166,13 +159,12 @@ def clear_output(output: Path) -> None:
     """Remove what raypipe wrote (never other files of the user's)."""
     (output / MANIFEST_NAME).unlink(missing_ok=True)
     (output / "config.yaml").unlink(missing_ok=True)
-    for name in (*KNOWN_FORMATS, UNITS_DIR):
+    for name in (*FORMATS, UNITS_DIR):
         shutil.rmtree(output / name, ignore_errors=True)
 
 
 def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSummary:
     started = time.perf_counter()
-    faults.activate(config.test_fault)
     settings = resolve_settings(config)
     extra = ()
     if settings.wants_metadata:
@@ -180,7 +172,7 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
     # plan first: bad input fails before the output directory is touched
     units = plan_units(config.inputs, config.text_column, config.unit_bytes, extra)
     output = prepare_output(config, settings)
-    records: dict[str, dict[str, Any]] = {}
+    records: dict[str, UnitRecord] = {}
     pending = []
     for unit in units:
         record = committed_unit_record(output, unit.name, settings.fingerprint)
@@ -191,59 +183,42 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
     run_started = time.perf_counter()
     fresh = list(runner(pending, settings)) if pending else []
     run_seconds = time.perf_counter() - run_started
-    records.update({r["unit"]["name"]: r for r in fresh})
-    ordered = [records[unit.name] for unit in units]
-    manifest = build_manifest(config, settings, ordered)
+    records.update({r.unit.name: r for r in fresh})
+    manifest = build_manifest(config, settings, [records[unit.name] for unit in units])
     if pending or not (output / MANIFEST_NAME).exists():
-        if "llmbatch" in config.formats:
-            section = write_llmbatch_from_manifest(
-                output, manifest, config.seq_len, config.batch_size, config.packing,
-                config.seed, config.batches_per_shard)
-            manifest["formats"]["llmbatch"] = section
-            manifest["totals"]["bytes"] += sum(f["bytes"] for shard in section["shards"]
-                                               for f in shard["files"])
+        manifest = add_batch_formats(config, output, manifest)
         write_bytes_atomic(output / "config.yaml", dump_config_yaml(config).encode())
         write_manifest(output, manifest)
         remove_stale_temps(output)  # left by workers killed mid-unit (their units reran)
-    totals = manifest["totals"]
+    else:
+        manifest = Manifest.from_json(read_json(output / MANIFEST_NAME), str(output))
+    totals = manifest.totals
     return JobSummary(
-        output=str(output), units=len(units), units_run=len(pending), rows=totals["rows"],
-        documents=totals["documents"], tokens=totals["tokens"],
-        tokens_run=sum(r["tokens"] for r in fresh),
-        skipped=totals["skipped"], shards=totals["shards"], bytes=totals["bytes"],
+        output=str(output), units=len(units), units_run=len(pending), rows=totals.rows,
+        documents=totals.documents, tokens=totals.tokens,
+        tokens_run=sum(r.tokens for r in fresh),
+        skipped=totals.skipped, shards=totals.shards, bytes=totals.bytes,
         wall_seconds=time.perf_counter() - started, run_seconds=run_seconds,
-        peak_rss_bytes=max((r["peak_rss_bytes"] for r in fresh), default=0),
+        peak_rss_bytes=max((r.peak_rss_bytes for r in fresh), default=0),
         steady_seconds=steady_seconds(fresh))
 
 
+def add_batch_formats(config: TokenizeConfig, output: Path, manifest: Manifest) -> Manifest:
+    """Pack the batch formats (LLMBATCH) the config asks for from the document shards."""
+    for name in config.formats:
+        if get_format(name).holds == "batches":
+            spec = LLMBatchSpec(config.seq_len, config.batch_size, config.packing,
+                                config.seed, config.batches_per_shard)
+            manifest = manifest.with_format(
+                name, write_llmbatch_from_manifest(output, manifest, spec))
+    return manifest
+
+
 def build_manifest(config: TokenizeConfig, settings: UnitSettings,
-                   records: list[dict[str, Any]]) -> dict[str, Any]:
-    skipped: Counter = Counter()
-    for record in records:
-        skipped.update(record["skipped"])
-    dtypes = settings.token_dtypes()
-    formats = {name: {"dtype": dtypes[name].name, "shards": shard_table(records, name),
-                      **settings.format_options.get(name, {})}
+                   records: list[UnitRecord]) -> Manifest:
+    dtypes = settings.shard_spec().token_dtypes()
+    formats = {name: FormatSection(dtypes[name].name, shard_table(records, name),
+                                   config.format_options(name))
                for name in settings.formats}
-    total_bytes = sum(f["bytes"] for table in formats.values() for shard in table["shards"]
-                      for f in shard["files"])
-    return {
-        "manifest_version": MANIFEST_VERSION,
-        "kind": "raypipe-tokens",
-        "fingerprint": settings.fingerprint,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": config.to_dict(),
-        "tokenizer": settings.tokenizer.to_dict(),
-        "formats": formats,
-        "units": [{"name": r["unit"]["name"], "uri": r["unit"]["uri"],
-                   "row_groups": [r["unit"]["row_group_start"], r["unit"]["row_group_stop"]],
-                   "rows": r["rows"], "documents": r["documents"], "tokens": r["tokens"],
-                   "skipped": r["skipped"]} for r in records],
-        "totals": {"rows": sum(r["rows"] for r in records),
-                   "documents": sum(r["documents"] for r in records),
-                   "tokens": sum(r["tokens"] for r in records),
-                   "skipped": dict(sorted(skipped.items())),
-                   "shards": sum(len(r["shards"]) for r in records),
-                   "bytes": total_bytes},
-        "versions": library_versions(),
-    }
+    return Manifest.build(settings.fingerprint, settings.tokenizer, formats, config.to_dict(),
+                          records)

@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.core.dataset import LLMBatchDataset, TokenDataset
-from raypipe.core.manifest import read_manifest
+from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.formats import FORMATS
+from raypipe.io.manifest import FormatSection, Manifest, read_manifest
 
 
-def _decoder(manifest: dict[str, Any], tokenizer: str | None) -> Any:
-    spec = tokenizer or manifest["tokenizer"].get("spec")
+def _decoder(manifest: Manifest, tokenizer: str | None) -> Any:
+    spec = tokenizer or manifest.tokenizer.spec
     try:
         from tokenizers import Tokenizer
 
@@ -36,17 +37,16 @@ def inspect_dataset(root: str | Path, samples: int = 3, tokenizer: str | None = 
                     plot: str | Path | None = None) -> str:
     root = Path(root)
     manifest = read_manifest(root)
-    totals, info = manifest.get("totals", {}), manifest["tokenizer"]
+    totals, info = manifest.totals, manifest.tokenizer
     lines = [f"dataset {root}",
-             f"  tokenizer   {info.get('spec')} (largest id {info.get('largest_id')}, "
-             f"bos {info.get('bos_id')}, eos {info.get('eos_id')})",
-             f"  documents   {totals.get('documents', 0):,}   tokens {totals.get('tokens', 0):,}"
-             f"   skipped {totals.get('skipped', {}) or 'none'}"]
+             f"  tokenizer   {info.spec} (largest id {info.largest_id}, "
+             f"bos {info.bos_id}, eos {info.eos_id})",
+             f"  documents   {totals.documents:,}   tokens {totals.tokens:,}"
+             f"   skipped {totals.skipped or 'none'}"]
     decoder = _decoder(manifest, tokenizer)
-    for name, section in manifest["formats"].items():
-        lines.append(f"format {name}: dtype {section.get('dtype')}, "
-                     f"{len(section['shards'])} shards")
-        if name == "llmbatch":
+    for name, section in manifest.formats.items():
+        lines.append(f"format {name}: dtype {section.dtype}, {len(section.shards)} shards")
+        if FORMATS[name].holds == "batches":
             lines += _inspect_llmbatch(root, manifest, section, samples, decoder)
             continue
         lines += _inspect_documents(TokenDataset(root, name, manifest), samples, decoder, plot)
@@ -59,9 +59,8 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
     lines = ["  shard                                            documents       tokens"
              "        bytes"]
     for shard in dataset.shards[:20]:
-        size = sum(f["bytes"] for f in shard["files"])
-        lines.append(f"  {shard['name']:<46} {shard['documents']:>10,} {shard['tokens']:>12,} "
-                     f"{size:>12,}")
+        lines.append(f"  {shard.name:<46} {shard.documents:>10,} {shard.tokens:>12,} "
+                     f"{shard.bytes:>12,}")
     if dataset.num_shards > 20:
         lines.append(f"  ... {dataset.num_shards - 20} more shards")
     lengths = dataset.document_lengths()
@@ -70,7 +69,7 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
         lines.append("  document length (tokens) min/p10/p50/p90/p99/max: "
                      + " / ".join(f"{p:,}" for p in pct))
     if plot is not None and lengths.size:
-        from raypipe.core.png import histogram_png
+        from raypipe.tools.plot import histogram_png
 
         histogram_png(lengths, Path(plot))
         lines.append(f"  histogram of document lengths -> {plot} (60 log-spaced bins, "
@@ -79,7 +78,7 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
         if index >= samples:
             break
         lines.append(f"  sample {index} ({tokens.size} tokens): {_show(tokens, decoder)}")
-        if dataset.format_name == "stream" and dataset.format_section.get("metadata", True):
+        if dataset.format_options.get("metadata"):
             start = int(dataset.document_starts_global(index))
             window = dataset.window(start, int(tokens.size))
             records = [window.records[i] for i in sorted(set(window.metadata_ids.tolist()))]
@@ -87,12 +86,13 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
     return lines
 
 
-def _inspect_llmbatch(root: Path, manifest: dict[str, Any], section: dict[str, Any],
+def _inspect_llmbatch(root: Path, manifest: Manifest, section: FormatSection,
                       samples: int, decoder: Any) -> list[str]:
     dataset = LLMBatchDataset(root, manifest)
+    options = section.options
     lines = [f"  {dataset.num_batches:,} batches of [{dataset.batch_size}, {dataset.seq_len}] "
-             f"({section.get('packing')} packing, seed {section.get('seed')}, "
-             f"{section.get('total_records'):,} records before batching)",
+             f"({options.get('packing')} packing, seed {options.get('seed')}, "
+             f"{options.get('total_records', 0):,} records before batching)",
              "  records, not documents: each row is a packed sequence"]
     for index, record in enumerate(dataset.iter_records()):
         if index >= samples:

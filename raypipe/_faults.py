@@ -1,7 +1,8 @@
 """Test-only fault injection: crash, kill, pause or fail with ENOSPC at named points.
 
-Invariant: without a fault configured (`TokenizeConfig.test_fault`, never set in normal
-use) every `point()` call is a dictionary lookup and nothing else. A fault fires at most
+Invariant: a fault is configured only through the environment variable RAYPIPE_TEST_FAULT
+(a JSON object; tests set it, normal use never does, and no config or manifest carries it);
+without it every `point()` call is one environment lookup and nothing else. A fault fires at most
 once per marker file, in whichever process reaches its point first (a Ray actor, or the
 driver), so a retried unit or a rerun proceeds. Points: `unit.rows` (after `after_rows`
 rows of a unit), `shard.commit` (before a shard's files are renamed), `megatron.after_bin`
@@ -15,26 +16,40 @@ Actions: `kill` (SIGKILL this process), `exit` (os._exit, no cleanup), `raise`,
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
-_ACTIVE: dict[str, Any] | None = None
+ENVIRONMENT_VARIABLE = "RAYPIPE_TEST_FAULT"
+_PARSED: tuple[str, dict[str, Any]] | None = None
 
 
 class InjectedFault(RuntimeError):
     """Raised by a fault with action `raise`."""
 
 
-def activate(spec: dict[str, Any] | None) -> None:
-    global _ACTIVE
-    _ACTIVE = spec
+def active() -> dict[str, Any] | None:
+    """The fault spec from the environment, parsed once per distinct value."""
+    global _PARSED
+    raw = os.environ.get(ENVIRONMENT_VARIABLE)
+    if not raw:
+        return None
+    if _PARSED is None or _PARSED[0] != raw:
+        _PARSED = (raw, json.loads(raw))
+    return _PARSED[1]
+
+
+def environment() -> dict[str, str]:
+    """The variables a worker process needs to see the same fault (empty in normal use)."""
+    raw = os.environ.get(ENVIRONMENT_VARIABLE)
+    return {ENVIRONMENT_VARIABLE: raw} if raw else {}
 
 
 def point(name: str, unit: str = "", rows: int = 0, path: object = None) -> None:
-    spec = _ACTIVE
+    spec = active()
     if spec is None or spec.get("point") != name:
         return
     if spec.get("unit") and spec["unit"] not in unit:

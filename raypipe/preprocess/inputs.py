@@ -11,9 +11,7 @@ any task starts. Cost: one footer read per file (~1 ms locally).
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 import pyarrow as pa
@@ -21,43 +19,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raypipe.errors import InputError
+from raypipe.io.filesystem import filesystem_and_path, uri_of
+from raypipe.io.manifest import WorkUnit
 
 GLOB_CHARS = re.compile(r"[*?\[]")
-
-
-@dataclass(frozen=True)
-class WorkUnit:
-    """Row groups [row_group_start, row_group_stop) of one parquet file."""
-
-    uri: str
-    row_group_start: int
-    row_group_stop: int
-    num_rows: int
-    name: str
-    first_row: int = 0
-
-    def to_dict(self) -> dict[str, object]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, object]) -> WorkUnit:
-        return cls(**data)  # type: ignore[arg-type]
-
-
-def filesystem_and_path(uri: str) -> tuple[pafs.FileSystem, str]:
-    """Resolve a local path or URI to a pyarrow filesystem and a path on it."""
-    if "://" not in uri:
-        uri = str(PurePosixPath(uri)) if uri.startswith("/") else os.path.abspath(uri)
-    try:
-        return pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise InputError(f"{uri}: cannot open: {exc}") from exc
-
-
-def _uri_of(filesystem: pafs.FileSystem, path: str, original: str) -> str:
-    if "://" in original:
-        return f"{original.split('://', 1)[0]}://{path}"
-    return path
 
 
 def glob_regex(pattern: str) -> re.Pattern[str]:
@@ -109,7 +74,7 @@ def expand_input(spec: str) -> list[str]:
             matches = [path]
         else:  # a FIFO, socket or device would block or mislead the parquet reader
             raise InputError(f"{spec}: not a regular file ({info.type.name})")
-    return sorted(_uri_of(filesystem, m, spec) for m in matches)
+    return sorted(uri_of(m, spec) for m in matches)
 
 
 def _list_recursive(filesystem: pafs.FileSystem, base: str, spec: str) -> list[pafs.FileInfo]:

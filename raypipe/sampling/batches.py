@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.core.dataset import LLMBatchDataset, StreamWindow, TokenDataset
-from raypipe.core.epoch import BestFitPlan, DocumentPlan, PreformedPlan, WindowPlan
+from raypipe.dataset import LLMBatchDataset, StreamWindow, TokenDataset
+from raypipe.sampling.plans import BestFitPlan, DocumentPlan, PreformedPlan, WindowPlan
 
 
 @dataclass

@@ -25,69 +25,74 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from raypipe.core import faults
-from raypipe.core.manifest import write_unit_record
-from raypipe.core.plan import WorkUnit, open_parquet
-from raypipe.core.texts import clean_texts_with_rows
-from raypipe.core.tokenizer import DocumentEncoder, TokenizerInfo
+from raypipe import _faults as faults
+from raypipe.config import TokenizeConfig
 from raypipe.errors import InputError, StorageError
 from raypipe.formats import Format, ShardWriter, get_format
-from raypipe.formats.base import file_sha256
 from raypipe.formats.stream import DocumentMetadata
+from raypipe.io.manifest import (
+    TokenizerInfo,
+    UnitRecord,
+    UnitShard,
+    WorkUnit,
+    write_unit_record,
+)
+from raypipe.preprocess.encoder import DocumentEncoder
+from raypipe.preprocess.inputs import open_parquet
+from raypipe.preprocess.texts import clean_texts_with_rows
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where and how a ShardRoller writes: the output root, the formats with their options,
+    the shard size and what fixes the token dtype."""
+
+    output: str
+    formats: tuple[str, ...]
+    shard_tokens: int
+    largest_id: int
+    bos_id: int | None
+    format_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def token_dtypes(self) -> dict[str, np.dtype]:
+        return {name: get_format(name).token_dtype(self.largest_id) for name in self.formats}
 
 
 @dataclass(frozen=True)
 class UnitSettings:
-    """What a worker needs to tokenize a unit: resolved once on the driver."""
+    """What a worker needs to tokenize a unit: the config, resolved once on the driver."""
 
-    output: str
-    formats: tuple[str, ...]
-    text_column: str
-    shard_tokens: int
-    encode_batch_rows: int
-    max_document_chars: int | None
+    config: TokenizeConfig
     tokenizer: TokenizerInfo
     fingerprint: str
-    metadata_columns: tuple[str, ...] = ()
-    span_column: str | None = None
-    format_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    test_fault: dict[str, Any] | None = None
+    output: str  # the config's output, resolved to an absolute path
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return self.config.document_formats
 
     @property
     def wants_metadata(self) -> bool:
-        return "stream" in self.formats and self.format_options.get("stream", {}).get(
-            "metadata", True)
+        return "stream" in self.formats and self.config.format_options("stream")["metadata"]
 
-    def token_dtypes(self) -> dict[str, np.dtype]:
-        return {name: get_format(name).token_dtype(self.tokenizer.largest_id)
-                for name in self.formats}
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dict(self.__dict__)
-        data["tokenizer"] = self.tokenizer.to_dict()
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> UnitSettings:
-        fields = dict(data)
-        fields["tokenizer"] = TokenizerInfo(**fields["tokenizer"])
-        fields["formats"] = tuple(fields["formats"])
-        fields["metadata_columns"] = tuple(fields.get("metadata_columns", ()))
-        return cls(**fields)
+    def shard_spec(self) -> ShardSpec:
+        return ShardSpec(self.output, self.formats, self.config.shard_tokens,
+                         self.tokenizer.largest_id, self.tokenizer.bos_id,
+                         {name: self.config.format_options(name) for name in self.formats})
 
 
 class ShardRoller:
     """Writes a unit's documents into shards `<unit>-0000`, `-0001`, ... of every format."""
 
-    def __init__(self, settings: UnitSettings, unit_name: str, number_parts: bool = True):
-        self.settings = settings
+    def __init__(self, spec: ShardSpec, unit_name: str, number_parts: bool = True):
+        self.spec = spec
         self.unit_name = unit_name
         self.number_parts = number_parts  # False: the first shard keeps `unit_name` itself
-        self.output = Path(settings.output)
-        self.formats: list[Format] = [get_format(name) for name in settings.formats]
-        self.dtypes = settings.token_dtypes()
+        self.output = Path(spec.output)
+        self.formats: list[Format] = [get_format(name) for name in spec.formats]
+        self.dtypes = spec.token_dtypes()
         self.writers: list[ShardWriter] = []
-        self.shards: list[dict[str, Any]] = []
+        self.shards: list[UnitShard] = []
         self.open_tokens = 0
 
     def _open(self) -> None:
@@ -95,8 +100,7 @@ class ShardRoller:
         if not self.number_parts and not self.shards:
             name = self.unit_name
         self.writers = [fmt.writer(self.output / fmt.name, name, self.dtypes[fmt.name],
-                                   self.settings.tokenizer.bos_id,
-                                   **self.settings.format_options.get(fmt.name, {}))
+                                   self.spec.bos_id, **self.spec.format_options.get(fmt.name, {}))
                         for fmt in self.formats]
         self.open_tokens = 0
 
@@ -107,17 +111,10 @@ class ShardRoller:
         files = {}
         for fmt, writer in zip(self.formats, self.writers, strict=True):
             with storage_errors(writer):
-                names = writer.commit()
-            files[fmt.name] = [self._file_entry(fmt.name, name) for name in names]
+                files[fmt.name] = tuple(writer.commit())
         first = self.writers[0]
-        self.shards.append({"name": first.name, "documents": first.num_documents,
-                            "tokens": first.num_tokens, "files": files})
+        self.shards.append(UnitShard(first.name, first.num_documents, first.num_tokens, files))
         self.writers = []
-
-    def _file_entry(self, format_name: str, file_name: str) -> dict[str, Any]:
-        path = self.output / format_name / file_name
-        return {"path": f"{format_name}/{file_name}", "bytes": path.stat().st_size,
-                "sha256": file_sha256(path)}
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray,
             metadata: list[DocumentMetadata] | None = None) -> None:
@@ -125,7 +122,7 @@ class ShardRoller:
         first = 0
         while first < len(lengths):
             base = int(ends[first - 1]) if first else 0
-            room = self.settings.shard_tokens - self.open_tokens
+            room = self.spec.shard_tokens - self.open_tokens
             fitting = int(np.searchsorted(ends[first:] - base, room, side="right"))
             if fitting == 0 and self.writers and self.open_tokens > 0:
                 self._close()
@@ -144,7 +141,7 @@ class ShardRoller:
             if first < len(lengths):
                 self._close()
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self) -> list[UnitShard]:
         self._close()
         return self.shards
 
@@ -168,16 +165,18 @@ class MetadataBuilder:
     """Per-document metadata records and span records for one batch of rows."""
 
     def __init__(self, unit: WorkUnit, settings: UnitSettings, bos: bool):
-        self.unit, self.settings = unit, settings
+        self.unit = unit
+        self.columns = settings.config.metadata_columns
+        self.span_column = settings.config.span_column
         self.source = PurePosixPath(unit.uri).name
         self.shift = int(bos)
 
     def build(self, batch: pa.RecordBatch, first_row: int, rows: np.ndarray, texts: list[str],
               offsets: list[np.ndarray] | None) -> list[DocumentMetadata]:
         columns = {name: batch.column(name).take(pa.array(rows)).to_pylist()
-                   for name in self.settings.metadata_columns}
-        spans = (batch.column(self.settings.span_column).take(pa.array(rows)).to_pylist()
-                 if self.settings.span_column else None)
+                   for name in self.columns}
+        spans = (batch.column(self.span_column).take(pa.array(rows)).to_pylist()
+                 if self.span_column else None)
         documents = []
         for index, row in enumerate(rows.tolist()):
             absolute = self.unit.first_row + first_row + row
@@ -199,12 +198,12 @@ class MetadataBuilder:
             if not isinstance(span, dict) or not isinstance(span.get("start"), int) or \
                     not isinstance(span.get("end"), int):
                 raise InputError(f"{self.unit.uri}: row {row}, column "
-                                 f"{self.settings.span_column!r}: span {span!r} needs integer "
+                                 f"{self.span_column!r}: span {span!r} needs integer "
                                  "'start' and 'end'")
             start, end = span["start"], span["end"]
             if not 0 <= start <= end <= len(text):
                 raise InputError(f"{self.unit.uri}: row {row}, column "
-                                 f"{self.settings.span_column!r}: span [{start}, {end}) "
+                                 f"{self.span_column!r}: span [{start}, {end}) "
                                  f"outside the text's {len(text)} characters")
             first = int(np.searchsorted(token_ends, start, side="right"))
             stop = int(np.searchsorted(token_starts, end, side="left"))
@@ -214,29 +213,29 @@ class MetadataBuilder:
 
 
 def tokenize_unit(unit: WorkUnit, settings: UnitSettings,
-                  encoder: DocumentEncoder) -> dict[str, Any]:
+                  encoder: DocumentEncoder) -> UnitRecord:
     """Tokenize `unit`, commit its shards and its record; return the record."""
     started, started_at = time.perf_counter(), time.time()
-    faults.activate(settings.test_fault)
+    config = settings.config
     parquet = open_parquet(unit.uri)
-    roller = ShardRoller(settings, unit.name)
+    roller = ShardRoller(settings.shard_spec(), unit.name)
     metadata = (MetadataBuilder(unit, settings, encoder.bos_id is not None)
                 if settings.wants_metadata else None)
-    columns = [settings.text_column]
+    columns = [config.text_column]
     if metadata is not None:
-        columns += [*settings.metadata_columns, *filter(None, [settings.span_column])]
+        columns += [*config.metadata_columns, *filter(None, [config.span_column])]
     skipped: Counter = Counter()
     rows = documents = tokens_total = 0
     try:
-        batches = parquet.iter_batches(batch_size=settings.encode_batch_rows,
+        batches = parquet.iter_batches(batch_size=config.encode_batch_rows,
                                        row_groups=range(unit.row_group_start, unit.row_group_stop),
                                        columns=list(dict.fromkeys(columns)), use_threads=False)
         for batch in _read_batches(batches, unit):
             texts, kept, batch_skipped = clean_texts_with_rows(
-                batch.column(settings.text_column), settings.max_document_chars)
+                batch.column(config.text_column), config.max_document_chars)
             skipped.update(batch_skipped)
             offsets = None
-            if metadata is not None and settings.span_column:
+            if metadata is not None and config.span_column:
                 tokens, lengths, offsets = encoder.encode_with_offsets(texts)
             else:
                 tokens, lengths = encoder.encode(texts)
@@ -251,13 +250,12 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings,
     except BaseException:
         roller.abort()
         raise
-    record = {
-        "unit": unit.to_dict(), "fingerprint": settings.fingerprint, "rows": rows,
-        "documents": documents, "tokens": tokens_total, "skipped": dict(sorted(skipped.items())),
-        "shards": shards, "seconds": round(time.perf_counter() - started, 4),
-        "started_at": started_at, "finished_at": time.time(),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }
+    record = UnitRecord(
+        unit=unit, fingerprint=settings.fingerprint, rows=rows, documents=documents,
+        tokens=tokens_total, skipped=dict(sorted(skipped.items())), shards=tuple(shards),
+        seconds=round(time.perf_counter() - started, 4), started_at=started_at,
+        finished_at=time.time(),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     faults.point("unit.before_record", unit.name)
     write_unit_record(Path(settings.output), record)
     return record

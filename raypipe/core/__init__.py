@@ -1,1 +1,0 @@
-"""Core logic: numpy + pyarrow only. Importing anything here never imports ray or torch."""

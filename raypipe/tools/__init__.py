@@ -1,0 +1,1 @@
+"""User tools over finished outputs: convert, inspect, verify, pack-report, plot."""

@@ -1,0 +1,113 @@
+"""`raypipe convert SRC DST --format F`: any format into any other without re-tokenizing.
+
+Invariant: document formats convert shard by shard under the same shard names, document by
+document, so megatron <-> nanogpt <-> stream (tokens and document boundaries) round-trip
+losslessly. Metadata does not survive a trip through megatron or nanogpt (they cannot hold
+it); a stream target from another format is written without metadata. LLMBATCH as a source
+yields its records (packed rows), not the original documents; as a target it packs the
+source documents (raypipe.preprocess.llmbatch). The destination gets its own manifest
+naming its source. Cost: one sequential read and write of every token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.errors import ConfigError, FormatError
+from raypipe.formats import document_formats, get_format
+from raypipe.io.atomic import remove_stale_temps
+from raypipe.io.manifest import (
+    MANIFEST_NAME,
+    FormatSection,
+    Manifest,
+    ShardEntry,
+    read_manifest,
+    write_manifest,
+)
+from raypipe.preprocess.llmbatch import LLMBatchSpec, write_llmbatch
+from raypipe.preprocess.unit import ShardRoller, ShardSpec
+
+DOCUMENTS_PER_ADD = 4096
+NO_SHARD_LIMIT = 2**31 - 1  # one target shard per source shard
+
+
+def _source_documents(src: Path, manifest: Manifest
+                      ) -> Iterator[tuple[str, Iterable[np.ndarray]]]:
+    """(shard name, iterator of token arrays) per source shard: documents of a document
+    format, else the records of a batch format."""
+    if any(name in manifest.formats for name in document_formats()):
+        dataset = TokenDataset(src, manifest=manifest)
+        for index in range(dataset.num_shards):
+            reader = dataset.reader(index)
+            yield dataset.shards[index].name, (reader.document(d)
+                                               for d in range(reader.num_documents))
+    else:
+        batches = LLMBatchDataset(src, manifest)
+        for index, shard in enumerate(batches.shards):
+            reader = batches.reader(index)
+            yield shard.name, (row for b in range(reader.num_batches)
+                               for row in reader.batch(b))
+
+
+def _write_documents(spec: ShardSpec, name: str, documents: Iterable[np.ndarray]
+                     ) -> list[ShardEntry]:
+    roller = ShardRoller(spec, name, number_parts=False)
+    pending: list[np.ndarray] = []
+    try:
+        for document in documents:
+            pending.append(np.asarray(document, dtype=np.uint32))
+            if len(pending) == DOCUMENTS_PER_ADD:
+                _flush(roller, pending)
+        _flush(roller, pending)
+        return [shard.entry(spec.formats[0]) for shard in roller.finish()]
+    except BaseException:
+        roller.abort()
+        raise
+
+
+def _flush(roller: ShardRoller, pending: list[np.ndarray]) -> None:
+    if pending:
+        roller.add(np.concatenate(pending), np.array([d.size for d in pending], np.int64))
+        pending.clear()
+
+
+def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
+                    llmbatch: LLMBatchSpec | None = None, overwrite: bool = False) -> Manifest:
+    """Convert `src` into `format_name` at `dst`; LLMBATCH targets need `llmbatch`."""
+    src, dst = Path(src), Path(dst)
+    manifest = read_manifest(src)
+    fmt = get_format(format_name)
+    if (dst / MANIFEST_NAME).exists() and not overwrite:
+        raise ConfigError(f"{dst}: already holds a dataset; pass --overwrite to replace it")
+    if dst.resolve() == src.resolve():
+        raise ConfigError(f"{dst}: convert needs a destination other than the source")
+    shutil.rmtree(dst / format_name, ignore_errors=True)
+    remove_stale_temps(dst)
+    info = manifest.tokenizer
+    fingerprint = hashlib.sha256(f"{manifest.fingerprint}->{format_name}".encode()
+                                 ).hexdigest()[:16]
+    if fmt.holds == "batches":
+        if llmbatch is None:
+            raise ConfigError("convert to llmbatch needs --seq-len and --batch-size")
+        if not any(name in manifest.formats for name in document_formats()):
+            raise FormatError(src / MANIFEST_NAME, "llmbatch -> llmbatch is not a conversion")
+        section = write_llmbatch(TokenDataset(src, manifest=manifest), dst / format_name,
+                                 llmbatch)
+    else:
+        options = fmt.options({"metadata": False})
+        spec = ShardSpec(str(dst.resolve()), (format_name,), NO_SHARD_LIMIT, info.largest_id,
+                         info.bos_id, {format_name: options})
+        table = [entry for name, documents in _source_documents(src, manifest)
+                 for entry in _write_documents(spec, name, documents)]
+        section = FormatSection(fmt.token_dtype(info.largest_id).name, tuple(table), options)
+    out = Manifest.build(fingerprint, info, {format_name: section}, manifest.config,
+                         totals=manifest.totals,
+                         converted_from={"path": str(src), "fingerprint": manifest.fingerprint})
+    write_manifest(dst, out)
+    return out
