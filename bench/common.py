@@ -40,41 +40,52 @@ def print_table(rows: list[tuple[str, ...]]) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
 
 
+def write_synthetic_dataset(output: Path, format_name: str, batches, fingerprint: str,
+                            shard_tokens: int = 1 << 28) -> Path:
+    """A raypipe dataset of `format_name` from `batches` of (uint32 tokens, lengths,
+    metadata or None), written through raypipe's own shard writers and manifest builder.
+    The tokenizer is a stand-in: largest id 32767, BOS 0."""
+    from raypipe.formats import get_format
+    from raypipe.io.manifest import FormatSection, Manifest, TokenizerInfo, write_manifest
+    from raypipe.preprocess.unit import ShardRoller, ShardSpec
+
+    info = TokenizerInfo("synthetic", "0" * 64, 32767, 0, None)
+    fmt = get_format(format_name)
+    options = fmt.options()
+    spec = ShardSpec(str(output), (format_name,), shard_tokens, info.largest_id, info.bos_id,
+                     {format_name: options})
+    roller = ShardRoller(spec, "synthetic")
+    for tokens, lengths, metadata in batches:
+        roller.add(tokens, lengths, metadata)
+    entries = tuple(shard.entry(format_name) for shard in roller.finish())
+    section = FormatSection(fmt.token_dtype(info.largest_id).name, entries, options)
+    write_manifest(output, Manifest.build(fingerprint, info, {format_name: section}, {}))
+    return output
+
+
 def synthetic_token_dataset(directory: Path, total_tokens: int, seed: int = 0,
                             shard_tokens: int = 1 << 28) -> Path:
     """A Megatron-format raypipe dataset of random uint16 tokens (BOS = 0 at every document
-    start, lognormal document lengths with median ~400), written through raypipe's own shard
-    writers and manifest; built once and cached in `directory`."""
+    start, lognormal document lengths with median ~400); built once and cached in
+    `directory`."""
     import numpy as np
-
-    from raypipe.io.manifest import MANIFEST_VERSION, shard_table, write_manifest
-    from raypipe.preprocess.encoder import TokenizerInfo
-    from raypipe.preprocess.unit import ShardRoller, UnitSettings
 
     output = directory / f"tokens-{total_tokens // 1_000_000}M-seed{seed}"
     if (output / "manifest.json").exists():
         return output
-    info = TokenizerInfo("synthetic", "0" * 64, 32767, 0, None)
-    settings = UnitSettings(str(output), ("megatron",), "text", shard_tokens, 1, None, info,
-                            f"synthetic-{seed}")
-    roller = ShardRoller(settings, "synthetic")
-    rng = np.random.default_rng(seed)
-    written = 0
-    while written < total_tokens:
-        lengths = np.clip(rng.lognormal(6.0, 1.0, 20_000).astype(np.int64) + 2, 2, 100_000)
-        tokens = rng.integers(1, 32768, int(lengths.sum()), dtype=np.uint32)
-        tokens[np.cumsum(lengths) - lengths] = 0
-        roller.add(tokens, lengths)
-        written += tokens.size
-    shards = roller.finish()
-    record = {"shards": shards}
-    write_manifest(output, {
-        "manifest_version": MANIFEST_VERSION, "kind": "raypipe-tokens",
-        "fingerprint": settings.fingerprint, "tokenizer": info.to_dict(),
-        "formats": {"megatron": {"dtype": "uint16", "shards": shard_table([record],
-                                                                          "megatron")}},
-    })
-    return output
+
+    def batches():
+        rng = np.random.default_rng(seed)
+        written = 0
+        while written < total_tokens:
+            lengths = np.clip(rng.lognormal(6.0, 1.0, 20_000).astype(np.int64) + 2, 2, 100_000)
+            tokens = rng.integers(1, 32768, int(lengths.sum()), dtype=np.uint32)
+            tokens[np.cumsum(lengths) - lengths] = 0
+            yield tokens, lengths, None
+            written += tokens.size
+
+    return write_synthetic_dataset(output, "megatron", batches(), f"synthetic-{seed}",
+                                   shard_tokens)
 
 
 def anon_rss_mib() -> float:

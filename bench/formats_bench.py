@@ -20,14 +20,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import print_table, synthetic_token_dataset
+from common import print_table, synthetic_token_dataset, write_synthetic_dataset
 
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.formats.stream import DocumentMetadata
-from raypipe.io.manifest import MANIFEST_VERSION, shard_table, write_manifest
-from raypipe.preprocess.encoder import TokenizerInfo
-from raypipe.preprocess.llmbatch import write_llmbatch
-from raypipe.preprocess.unit import ShardRoller, UnitSettings
+from raypipe.preprocess.llmbatch import LLMBatchSpec
+from raypipe.tools.convert import convert_dataset
 
 WINDOW, B, T = 2048, 8, 2049
 
@@ -36,31 +34,25 @@ def stream_dataset(workdir: Path, total_tokens: int) -> Path:
     output = workdir / f"stream-{total_tokens // 1_000_000}M"
     if (output / "manifest.json").exists():
         return output
-    info = TokenizerInfo("synthetic", "0" * 64, 32767, 0, None)
-    settings = UnitSettings(str(output), ("stream",), "text", 1 << 26, 1, None, info,
-                            "synthetic-stream", format_options={"stream": {"metadata": True}})
-    roller = ShardRoller(settings, "synthetic")
-    rng = np.random.default_rng(1)
-    written, row = 0, 0
-    while written < total_tokens:
-        lengths = np.clip(rng.lognormal(6.0, 1.0, 5_000).astype(np.int64) + 2, 2, 50_000)
-        tokens = rng.integers(1, 32768, int(lengths.sum()), dtype=np.uint32)
-        tokens[np.cumsum(lengths) - lengths] = 0
-        metadata = []
-        for length in lengths.tolist():
-            spans = [(s, min(s + 32, length), {"label": "concept", "score": 0.5})
-                     for s in range(1, length, 64)]
-            metadata.append(DocumentMetadata({"source": "synthetic", "row": row,
-                                              "url": f"https://example.org/{row}"}, spans))
-            row += 1
-        roller.add(tokens, lengths, metadata)
-        written += tokens.size
-    write_manifest(output, {
-        "manifest_version": MANIFEST_VERSION, "kind": "raypipe-tokens",
-        "fingerprint": settings.fingerprint, "tokenizer": info.to_dict(),
-        "formats": {"stream": {"dtype": "uint32", "metadata": True, "serializer": "json",
-                               "shards": shard_table([{"shards": roller.finish()}], "stream")}}})
-    return output
+
+    def batches():
+        rng = np.random.default_rng(1)
+        written, row = 0, 0
+        while written < total_tokens:
+            lengths = np.clip(rng.lognormal(6.0, 1.0, 5_000).astype(np.int64) + 2, 2, 50_000)
+            tokens = rng.integers(1, 32768, int(lengths.sum()), dtype=np.uint32)
+            tokens[np.cumsum(lengths) - lengths] = 0
+            metadata = []
+            for length in lengths.tolist():
+                spans = [(s, min(s + 32, length), {"label": "concept", "score": 0.5})
+                         for s in range(1, length, 64)]
+                metadata.append(DocumentMetadata({"source": "synthetic", "row": row,
+                                                  "url": f"https://example.org/{row}"}, spans))
+                row += 1
+            yield tokens, lengths, metadata
+            written += tokens.size
+
+    return write_synthetic_dataset(output, "stream", batches(), "synthetic-stream", 1 << 26)
 
 
 def llmbatch_rates(dataset: LLMBatchDataset, reads: int) -> tuple[float, float]:
@@ -106,13 +98,10 @@ def main() -> None:
     parser.add_argument("--reads", type=int, default=20_000)
     args = parser.parse_args()
     args.workdir.mkdir(exist_ok=True)
-    source = TokenDataset(synthetic_token_dataset(args.workdir, args.tokens))
+    source = synthetic_token_dataset(args.workdir, args.tokens)
     llm_dir = args.workdir / f"llmbatch-{args.tokens // 1_000_000}M"
     if not (llm_dir / "manifest.json").exists():
-        section = write_llmbatch(source, llm_dir / "llmbatch", T, B, "bestfit", 1, 1 << 30)
-        write_manifest(llm_dir, {"manifest_version": MANIFEST_VERSION, "fingerprint": "bench",
-                                 "tokenizer": source.manifest["tokenizer"],
-                                 "formats": {"llmbatch": section}})
+        convert_dataset(source, llm_dir, "llmbatch", LLMBatchSpec(T, B, "bestfit", 1, 1 << 30))
     llm = LLMBatchDataset(llm_dir)
     base_llm, llm_rate = llmbatch_rates(llm, args.reads)
     stream = TokenDataset(stream_dataset(args.workdir, args.tokens // 5), "stream")

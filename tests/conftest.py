@@ -5,6 +5,7 @@ integration tests that ask for it."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,6 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# A session's own Ray temp dir: a plain `ray.init()` or `ray start` here never finds (or
+# leaves) another session's cluster record. Short, for Ray's unix socket paths.
+os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="rp-", dir="/tmp"))
 # Ray turns 127.0.0.1 into the machine's routable address unless it thinks it runs on a
 # laptop; this keeps every Ray node of the tests on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

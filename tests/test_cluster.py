@@ -74,7 +74,7 @@ def _belongs(process: psutil.Process, port: int) -> bool:
 def _forget_cluster(port: int) -> None:
     """What `ray stop` also does: drop the record that makes a plain `ray.init()` on this
     machine connect to the (now stopped) cluster."""
-    record = Path("/tmp/ray/ray_current_cluster")
+    record = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
     if record.exists() and record.read_text().strip().endswith(f":{port}"):
         record.unlink()
 

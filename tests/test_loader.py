@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raypipe.dataset import TokenDataset
-from raypipe.errors import StateError
+from raypipe.errors import ConfigError, StateError
 from raypipe.loader import TokenLoader
 
 T, B = 32, 2
@@ -292,5 +292,5 @@ def test_windows_batches_carry_stream_metadata(rich_dataset):
         for position in range(T):
             record = window.record_of(position)
             assert set(record) == {"source", "row", "id"}
-    with pytest.raises(Exception, match="metadata=True needs"):
+    with pytest.raises(ConfigError, match="metadata=True needs"):
         TokenLoader(rich_dataset, T, B, mode="bestfit", format="stream", metadata=True)

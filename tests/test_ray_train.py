@@ -63,11 +63,14 @@ def test_killed_worker_resumes_model_and_loader_exactly_once(ray_session, token_
 def test_restart_with_fewer_workers_continues_exactly_once(ray_session, token_dataset,
                                                            tmp_path):
     log = tmp_path / "log"
+    # max_failures: Ray Train can lose a run's placement group to an infrastructure hiccup
+    # on a loaded 2-core machine ("placement group was removed"); such a restart resumes
+    # from the last checkpoint, and the exactly-once checks below still hold.
     first = fit(base_config(token_dataset, log, 8), workers=2, storage=str(tmp_path / "runs"),
-                name="resize")
+                name="resize", max_failures=2)
     assert first.metrics["step"] == 8
     second = fit(base_config(token_dataset, log, 14), workers=1,
-                 storage=str(tmp_path / "runs"), name="resize")
+                 storage=str(tmp_path / "runs"), name="resize", max_failures=2)
     assert second.metrics["step"] == 14
     logs = consumed(log)
     assert {rank for rank, step in logs if step > 8} == {0}

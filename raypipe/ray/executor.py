@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import ray
 
 from raypipe import _faults as faults
@@ -35,9 +36,11 @@ class UnitTokenizer:
         self.settings = settings
         self.encoder = make_encoder(settings)
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, batch: dict[str, np.ndarray]) -> pd.DataFrame:
         records = [tokenize_unit(unit, self.settings, self.encoder) for unit in batch["unit"]]
-        return {"record": np.array(records, dtype=object)}
+        # a pandas block holds the UnitRecord objects as they are (an Arrow block would
+        # try, fail and log a conversion warning before pickling them)
+        return pd.DataFrame({"record": records})
 
 
 def ray_runner(num_workers: int | None, address: str | None = None) -> Any:
