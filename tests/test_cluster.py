@@ -112,6 +112,8 @@ def real_cluster():
     assert not [p for p in psutil.process_iter(["cmdline"]) if _belongs(p, port)]
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, corpus_dir,
                                                       tokenizer_path):
     config = tmp_path / "job.yaml"

@@ -21,6 +21,7 @@ from tests.helpers import expected_documents, file_identities, shard_files
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.slow
 def test_same_bytes_at_one_and_two_workers_and_any_batch_size(ray_session, tmp_path,
                                                               corpus_dir, tokenizer_path):
     outputs = {}
@@ -50,6 +51,7 @@ def test_python_api_and_rerun(ray_session, tmp_path, corpus_dir, tokenizer_path)
     assert not (tmp_path / "out" / "nanogpt").exists()
 
 
+@pytest.mark.slow
 def test_cli_and_job_script_share_the_config(ray_session, tmp_path, corpus_dir, tokenizer_path,
                                              capsys, monkeypatch):
     code = main(["tokenize", str(corpus_dir), "--tokenizer", tokenizer_path, "--format",
@@ -82,6 +84,7 @@ def test_cli_missing_column_exits_2_listing_columns(ray_session, tmp_path, corpu
     assert "available columns: ['id', 'text']" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(ray_session, tmp_path, capsys):
     from raypipe.demo.run import run_demo
 

@@ -13,7 +13,7 @@ import pytest
 from raypipe.examples.gpt_train import fit
 from raypipe.loader import TokenLoader
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 SEQ, BATCH = 32, 2
 
 

@@ -66,6 +66,7 @@ def assert_visible_files_are_clean(output: Path, clean: dict[str, bytes]) -> int
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 @pytest.mark.parametrize("point,action", [("unit.rows", "kill"), ("megatron.after_bin", "kill"),
                                           ("unit.rows", "pause")])
 def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus_dir,
@@ -121,6 +122,7 @@ def refusing_runner(units, settings):
     raise AssertionError(f"a rerun of a finished job ran {len(units)} units")
 
 
+@pytest.mark.slow
 def test_rerun_of_1000_shards_runs_nothing_and_rewrites_nothing(tmp_path, tokenizer_path,
                                                                 corpus_texts, figure):
     path = tmp_path / "corpus" / "many.parquet"
@@ -271,10 +273,10 @@ def test_100_mb_document_is_skipped_with_bounded_memory(tmp_path, tokenizer_path
         int, done.stdout.split("}")[1].split())
     peak_mib = peak_kib / 1024
     assert "'too_long': 1" in skipped and documents == 20
-    # the job's whole process (interpreter, tokenizer, arrow reading the 100 MB row group)
-    # stays far below what tokenizing that document would take (~17 GiB at the measured
-    # ~170 bytes of worker memory per character)
-    assert peak_mib < 1024, f"peak RSS {peak_mib:.0f} MiB"
+    # the job's whole process (interpreter, tokenizer, arrow decoding the 100 MB row group:
+    # measured 0.6-1.2 GiB) stays far below what tokenizing that document would take
+    # (~17 GiB at the ~170 bytes of worker memory per character measured at 9.9 M chars)
+    assert peak_mib < 2048, f"peak RSS {peak_mib:.0f} MiB"
     figure("100 MB document", f"skipped as too_long (limit 10,000,000 chars); the job's "
            f"process peaked at {peak_mib:.0f} MiB RSS")
 
