@@ -98,13 +98,21 @@ def _from_json(cls: type[Record], data: Any, where: str) -> Record:
     return cls(**values)
 
 
+class JsonRecord:
+    """A record read from JSON by `from_json`: required fields present, types right."""
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Any:
+        return _from_json(cls, data, where)
+
+
 def _tuple_of(cls: type[Record], items: Iterable[Any], where: str) -> tuple[Record, ...]:
     return tuple(item if isinstance(item, cls) else cls.from_json(item, where)  # type: ignore
                  for item in items)
 
 
 @dataclass(frozen=True)
-class WorkUnit:
+class WorkUnit(JsonRecord):
     """Row groups [row_group_start, row_group_stop) of one parquet file."""
 
     uri: str
@@ -114,13 +122,9 @@ class WorkUnit:
     name: str
     first_row: int = 0
 
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> WorkUnit:
-        return _from_json(cls, data, where)
-
 
 @dataclass(frozen=True)
-class TokenizerInfo:
+class TokenizerInfo(JsonRecord):
     """What the manifest records about the tokenizer."""
 
     spec: str
@@ -129,26 +133,18 @@ class TokenizerInfo:
     bos_id: int | None
     eos_id: int | None
 
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> TokenizerInfo:
-        return _from_json(cls, data, where)
-
 
 @dataclass(frozen=True)
-class FileEntry:
+class FileEntry(JsonRecord):
     """One committed file: its path relative to the dataset root, size and sha256."""
 
     path: str
     bytes: int
     sha256: str
 
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> FileEntry:
-        return _from_json(cls, data, where)
-
 
 @dataclass(frozen=True)
-class ShardEntry:
+class ShardEntry(JsonRecord):
     """One shard of one format as the manifest lists it. Document formats count documents
     and tokens; LLMBATCH counts batches (and where they start in the whole dataset)."""
 
@@ -162,9 +158,6 @@ class ShardEntry:
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", _tuple_of(FileEntry, self.files, self.name))
 
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> ShardEntry:
-        return _from_json(cls, data, where)
 
     @property
     def bytes(self) -> int:
@@ -172,7 +165,7 @@ class ShardEntry:
 
 
 @dataclass(frozen=True)
-class UnitShard:
+class UnitShard(JsonRecord):
     """One shard a unit wrote: the same documents in every format of the job."""
 
     name: str
@@ -184,9 +177,6 @@ class UnitShard:
         object.__setattr__(self, "files", {name: _tuple_of(FileEntry, entries, self.name)
                                            for name, entries in self.files.items()})
 
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> UnitShard:
-        return _from_json(cls, data, where)
 
     def entry(self, format_name: str) -> ShardEntry:
         return ShardEntry(self.name, self.files[format_name], documents=self.documents,
@@ -194,7 +184,7 @@ class UnitShard:
 
 
 @dataclass(frozen=True)
-class UnitRecord:
+class UnitRecord(JsonRecord):
     """The commit record of one work unit (`_units/<unit>.json`)."""
 
     unit: WorkUnit
@@ -214,13 +204,9 @@ class UnitRecord:
             object.__setattr__(self, "unit", WorkUnit.from_json(self.unit, "unit"))
         object.__setattr__(self, "shards", _tuple_of(UnitShard, self.shards, "shards"))
 
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> UnitRecord:
-        return _from_json(cls, data, where)
-
 
 @dataclass(frozen=True)
-class FormatSection:
+class FormatSection(JsonRecord):
     """One format of a dataset: token dtype, shards in order, and the format's own options
     (stream: metadata, serializer; llmbatch: seq_len, batch_size, packing, seed, ...)."""
 
@@ -247,7 +233,7 @@ class FormatSection:
 
 
 @dataclass(frozen=True)
-class UnitSummary:
+class UnitSummary(JsonRecord):
     """A unit as the manifest lists it."""
 
     name: str
@@ -271,7 +257,7 @@ class UnitSummary:
 
 
 @dataclass(frozen=True)
-class Totals:
+class Totals(JsonRecord):
     rows: int = 0
     documents: int = 0
     tokens: int = 0
@@ -279,13 +265,9 @@ class Totals:
     shards: int = 0
     bytes: int = 0
 
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> Totals:
-        return _from_json(cls, data, where)
-
 
 @dataclass(frozen=True)
-class Manifest:
+class Manifest(JsonRecord):
     """`manifest.json`: what a finished output holds."""
 
     fingerprint: str

@@ -74,7 +74,8 @@ class TokenLoader:
         if dtype not in (torch.int32, torch.int64):
             raise ConfigError(f"dtype: {dtype} must be torch.int32 or torch.int64")
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        if mode == "llmbatch":
+        self.preformed = mode == "llmbatch"  # rows come pre-formed, one batch per observation
+        if self.preformed:
             self.dataset: Any = LLMBatchDataset(path)
             seq_len, batch_size = self._preformed_shape(seq_len, batch_size)
             self.source = None
@@ -113,7 +114,7 @@ class TokenLoader:
     @property
     def observations_per_batch(self) -> int:
         """Observations one rank takes per step: rows, or one pre-formed batch."""
-        return 1 if self.mode == "llmbatch" else self.batch_size
+        return 1 if self.preformed else self.batch_size
 
     @property
     def global_batch(self) -> int:
@@ -128,7 +129,7 @@ class TokenLoader:
     def plan(self, epoch: int | None = None) -> Plan:
         epoch = self.epoch if epoch is None else epoch
         if self._plan is None or self._plan[0] != epoch:
-            if self.mode == "llmbatch":
+            if self.preformed:
                 plan: Plan = PreformedPlan(self.dataset.num_batches, self.batch_size,
                                            self.seq_len + 1, self.seed, epoch,
                                            self.block_batches)
@@ -150,7 +151,7 @@ class TokenLoader:
 
     # ----- iteration --------------------------------------------------------------------
     def _builder(self, epoch: int) -> BatchBuilder | PreformedBatchBuilder:
-        if self.mode == "llmbatch":
+        if self.preformed:
             return PreformedBatchBuilder(self.dataset, self.plan(epoch), self.boundaries)
         return BatchBuilder(self.source, self.plan(epoch), self.seq_len, self.pad_id,
                             self.boundaries)
@@ -211,13 +212,13 @@ class TokenLoader:
         knobs: dict[str, Any] = {"mode": self.mode, "seq_len": self.seq_len, "seed": self.seed}
         if self.mode == "bestfit":
             knobs["block_documents"] = self.block_documents
-        if self.mode == "llmbatch":
+        if self.preformed:
             knobs["block_batches"] = self.block_batches
         return knobs
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "dataset": self.dataset.fingerprint,
-                "format": getattr(self.dataset, "format_name", "llmbatch"),
+                "format": self.dataset.format_name,
                 "knobs": self._knobs(),
                 "epoch": self.epoch, "position": self.position,
                 "saved_with": {"world_size": self.world_size, "batch_size": self.batch_size}}
