@@ -74,7 +74,7 @@ def command_pack_report(args: argparse.Namespace) -> int:
     from raypipe.tools.pack_report import pack_report
 
     print(pack_report(args.dataset, args.seq_len, args.mode, args.seed, args.epoch,
-                      args.epochs, args.block_documents, args.format))
+                      args.epochs, args.block_documents, args.format, args.packing))
     return 0
 
 
@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--epoch", type=int, default=0)
     report.add_argument("--epochs", type=int, default=1)
     report.add_argument("--block-documents", type=int, default=4096)
+    report.add_argument("--packing", default="split", choices=["split", "crop"],
+                        help="bestfit mode: split keeps every token; crop is nanochat's")
     report.add_argument("--format", default=None, help="megatron or nanogpt (default: any)")
     report.set_defaults(handler=command_pack_report)
     verify = commands.add_parser("verify", help="re-check every shard against the manifest")
@@ -151,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--format", required=True, choices=list(FORMATS))
     convert.add_argument("--seq-len", type=int)
     convert.add_argument("--batch-size", type=int)
-    convert.add_argument("--packing", default="bestfit", choices=["bestfit", "concat"])
+    convert.add_argument("--packing", default="split",
+                         choices=["split", "crop", "concat", "bestfit"],
+                         help="llmbatch: split keeps every token; crop is nanochat's")
     convert.add_argument("--seed", type=int, default=0)
     convert.add_argument("--batches-per-shard", type=int, default=1024)
     convert.add_argument("--overwrite", action="store_true")

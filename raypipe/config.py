@@ -22,7 +22,7 @@ import yaml
 from raypipe.errors import ConfigError
 from raypipe.formats import FORMATS
 
-PACKINGS = ("bestfit", "concat")
+PACKINGS = ("split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
 # Fields that do not change output bytes: excluded from the fingerprint.
 EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
@@ -70,7 +70,9 @@ class TokenizeConfig:
     metadata_serializer: str = option("json", help="stream: json or msgpack")
     seq_len: int | None = option(None, help="llmbatch: tokens per record (T + 1)")
     batch_size: int | None = option(None, help="llmbatch: records per batch")
-    packing: str = option("bestfit", help="llmbatch: " + " or ".join(PACKINGS))
+    packing: str = option("split", help="llmbatch: split (every token, pieces best-fit, "
+                                        "padding marked), crop (nanochat: rows start with "
+                                        "BOS, tails cropped) or concat")
     seed: int = option(0, help="llmbatch: record shuffle seed")
     batches_per_shard: int = option(1024, help="llmbatch: batches per file")
     encode_batch_rows: int = option(1024, help="rows per tokenizer call (bounds worker "

@@ -23,6 +23,7 @@ import numpy as np
 from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, ShardReader, document_formats
 from raypipe.formats.base import shard_prefix
+from raypipe.formats.llmbatch import PAD_ID
 from raypipe.io.manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest, safe_join
 
 
@@ -219,6 +220,7 @@ class LLMBatchDataset(ShardSet):
         super().__init__(root, batch_formats[0], manifest)
         options = self.section.options
         self.batch_size, self.seq_len = options["batch_size"], options["seq_len"]
+        self.padded_tokens = int(options.get("padded_tokens", 0))
         counts = np.array([s.batches for s in self.shards], dtype=np.int64)
         self.batch_offsets = np.concatenate([[0], np.cumsum(counts)])
 
@@ -246,5 +248,7 @@ class LLMBatchDataset(ShardSet):
         return self.reader(shard).batch(index - int(self.batch_offsets[shard]))
 
     def iter_records(self) -> Iterator[np.ndarray]:
+        """Every record in order, without its padding (PAD_ID positions)."""
         for index in range(self.num_batches):
-            yield from self.batch(index)
+            for record in self.batch(index):
+                yield record[record != PAD_ID] if self.padded_tokens else record

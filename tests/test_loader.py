@@ -62,15 +62,16 @@ def test_windows_rows_are_slices_of_the_stream(token_dataset):
     assert seen == (stream.size - 1) // T // B
 
 
-def test_bestfit_rows_start_with_bos_and_follow_the_plan(token_dataset):
+def test_crop_rows_start_with_bos_and_follow_the_plan(token_dataset):
     documents = documents_of(token_dataset)
-    loader = TokenLoader(token_dataset, T, B, mode="bestfit", seed=9, block_documents=128)
+    loader = TokenLoader(token_dataset, T, B, mode="bestfit", seed=9, block_documents=128,
+                         packing="crop")
     plan = loader.plan()
     for batch in loader:
         rows = plan.rows(batch.positions)
-        for row, (row_id, doc_ids, take) in enumerate(rows):
+        for row, (row_id, doc_ids, starts, take) in enumerate(rows):
             tokens = torch.cat([batch.inputs[row], batch.targets[row, -1:]]).tolist()
-            assert tokens[0] == 0  # BOS
+            assert tokens[0] == 0 and not starts.any()  # BOS
             expected = np.concatenate([documents[d][:n] for d, n in zip(doc_ids, take,
                                                                         strict=True)])
             assert tokens == expected.tolist()  # no padding: exactly the named documents
@@ -79,10 +80,56 @@ def test_bestfit_rows_start_with_bos_and_follow_the_plan(token_dataset):
         flat_positions = batch.position_ids.reshape(-1).tolist()
         assert all(flat_positions[s] == 0 for s in starts)
         assert sum(1 for p in flat_positions if p == 0) == len(starts)
+        assert batch.document_starts.all() and batch.mask.all()
     report = loader.packing_report()
     assert report.padded_tokens == 0
     assert report.used_tokens + report.cropped_tokens + report.dropped_tokens == \
         sum(d.size for d in documents)
+
+
+def test_split_rows_hold_pieces_then_masked_padding(token_dataset):
+    documents = documents_of(token_dataset)
+    loader = TokenLoader(token_dataset, T, B, mode="bestfit", seed=9, block_documents=128,
+                         pad_id=7)
+    plan = loader.plan()
+    padded_rows = 0
+    for batch in loader:
+        for row, (_, doc_ids, starts, take) in enumerate(plan.rows(batch.positions)):
+            tokens = torch.cat([batch.inputs[row], batch.targets[row, -1:]]).tolist()
+            filled = int(take.sum())
+            expected = np.concatenate([documents[d][a:a + n] for d, a, n in
+                                       zip(doc_ids, starts, take, strict=True)])
+            assert tokens[:filled] == expected.tolist()
+            assert tokens[filled:] == [7] * (T + 1 - filled)  # padding
+            assert batch.mask[row].tolist() == [1] * (filled - 1) + [0] * (T + 1 - filled)
+            padded_rows += filled <= T
+        flat = batch.position_ids.reshape(-1).tolist()
+        starts_flat = batch.cu_seqlens[:-1].tolist()
+        assert sum(1 for p in flat if p == 0) == len(starts_flat)  # a sequence per segment
+        # a sequence starts a document iff it begins with BOS (pieces and padding do not)
+        inputs = batch.inputs.reshape(-1).tolist()
+        assert batch.document_starts.tolist() == [inputs[s] == 0 for s in starts_flat]
+    report = loader.packing_report()
+    assert padded_rows and report.cropped_tokens == report.dropped_tokens == 0
+    assert report.used_tokens == sum(d.size for d in documents)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_split_epoch_trains_at_least_99_percent_of_token_positions_once(token_dataset, world):
+    """Over one epoch at any world size, the rows served cover every token of the data at
+    most once and at least 99% of them (the rest: the drop-last tail)."""
+    documents = documents_of(token_dataset)
+    seen = [np.zeros(d.size, dtype=np.int64) for d in documents]
+    plan = TokenLoader(token_dataset, T, B, mode="bestfit", seed=2).plan()
+    consumed, _ = run_ranks(token_dataset, world, mode="bestfit", seed=2)
+    for row_id in consumed:  # a global row id names (block, row in the block)
+        block = int(np.searchsorted(plan.row_offsets, row_id, side="right")) - 1
+        doc_ids, starts, take = plan.pack(block).row(row_id - int(plan.row_offsets[block]))
+        for doc, start, count in zip(doc_ids, starts, take, strict=True):
+            seen[doc][start:start + count] += 1
+    counts = np.concatenate(seen)
+    assert counts.max() == 1
+    assert counts.mean() >= 0.99, f"{counts.mean():.2%} of tokens trained"
 
 
 def test_documents_mode_pads_and_masks(token_dataset):
@@ -238,8 +285,12 @@ def test_pack_report_cli(token_dataset, capsys):
     assert main(["pack-report", str(token_dataset), "--seq-len", str(T)]) == 0
     printed = capsys.readouterr().out
     report = TokenLoader(token_dataset, T, B, mode="bestfit").packing_report()
-    assert f"cropped         {report.cropped_tokens:,}" in printed
-    assert "padded          0" in printed
+    assert "bestfit (split)" in printed and "cropped         0 (0.00%)" in printed
+    assert f"padded          {report.padded_tokens:,}" in printed
+    assert main(["pack-report", str(token_dataset), "--seq-len", str(T), "--packing",
+                 "crop"]) == 0
+    crop = TokenLoader(token_dataset, T, B, mode="bestfit", packing="crop").packing_report()
+    assert f"cropped         {crop.cropped_tokens:,}" in capsys.readouterr().out
 
 
 def test_llmbatch_mode_serves_preformed_batches_exactly_once(rich_dataset):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.nanochat_reference import nanochat_bestfit_crop
-from raypipe.sampling.pack import pack_block
+from raypipe.sampling.pack import pack_block, pack_split
 from raypipe.sampling.permute import FeistelPermutation
 from raypipe.sampling.plans import BestFitPlan
 
@@ -67,8 +67,8 @@ def test_pack_block_rows_are_full_bos_aligned_and_conserve_tokens(lengths, capac
     assert packed.used_tokens + packed.cropped_tokens + packed.dropped_tokens == total
     seen = []
     for row in range(packed.num_rows):
-        doc_ids, take = packed.row(row)
-        assert take.sum() == capacity  # full row, no padding
+        doc_ids, starts, take = packed.row(row)
+        assert take.sum() == capacity and not starts.any()  # full row, no padding
         assert (take <= lengths[doc_ids]).all() and (take > 0).all()
         # every segment starts at its document's first token (BOS): only prefixes are taken
         seen.extend(doc_ids.tolist())
@@ -79,24 +79,90 @@ def test_pack_block_rows_are_full_bos_aligned_and_conserve_tokens(lengths, capac
 def test_pack_prefers_largest_fit_then_crops_shortest():
     packed = pack_block(np.arange(4), np.array([6, 5, 3, 9]), 10)
     # row 0: 9 fits first; nothing fits the last token, so the shortest (3) is cropped to 1
-    assert packed.row(0)[0].tolist() == [3, 2] and packed.row(0)[1].tolist() == [9, 1]
+    assert packed.row(0)[0].tolist() == [3, 2] and packed.row(0)[2].tolist() == [9, 1]
     # row 1: 6 fits; 5 does not fit the 4 left and is the shortest: cropped to 4
-    assert packed.row(1)[0].tolist() == [0, 1] and packed.row(1)[1].tolist() == [6, 4]
+    assert packed.row(1)[0].tolist() == [0, 1] and packed.row(1)[2].tolist() == [6, 4]
     assert packed.num_rows == 2 and packed.cropped_tokens == 2 + 1
 
 
-def test_bestfit_crops_no_more_than_nanochat():
+def test_crop_packing_crops_no_more_than_nanochat():
     lengths = (np.random.default_rng(0).lognormal(5.5, 1.0, 20000) + 2).astype(np.int64)
-    plan = BestFitPlan(lengths, 2048, seed=1, epoch=0)
+    plan = BestFitPlan(lengths, 2048, seed=1, epoch=0, packing="crop")
     order = np.concatenate([plan.block_documents_ids(b) for b in range(plan.num_blocks)])
     reference = nanochat_bestfit_crop(lengths[order], 2049)
     assert plan.report().cropped_tokens <= reference["cropped"]
 
 
-def test_bestfit_plan_rows_cover_blocks_once():
+def test_crop_plan_rows_cover_blocks_once():
     lengths = np.random.default_rng(3).integers(2, 400, 3000)
-    plan = BestFitPlan(lengths, 255, seed=5, epoch=2, block_documents=500)
+    plan = BestFitPlan(lengths, 255, seed=5, epoch=2, block_documents=500, packing="crop")
     rows = plan.rows(np.arange(plan.size))
     assert sorted(r[0] for r in rows) == list(range(plan.size))
     used_docs = np.concatenate([r[1] for r in rows])
     assert len(used_docs) == len(set(used_docs.tolist()))
+
+
+def assert_every_token_once(packed, lengths, capacity):
+    """The rows' segments tile every document exactly: each token in one row, once."""
+    covered = {}
+    for row in range(packed.num_rows):
+        doc_ids, starts, take = packed.row(row)
+        assert 0 < take.sum() <= capacity and (take > 0).all()
+        for doc, start, count in zip(doc_ids.tolist(), starts.tolist(), take.tolist(),
+                                     strict=True):
+            covered.setdefault(doc, []).append((start, count))
+    for doc, length in enumerate(lengths.tolist()):
+        pieces = sorted(covered.pop(doc))
+        assert pieces[0][0] == 0 and sum(c for _, c in pieces) == length
+        assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:], strict=False))
+    assert not covered
+
+
+@settings(max_examples=120, deadline=None)
+@given(lengths=st.lists(st.integers(1, 1000), min_size=1, max_size=300),
+       capacity=st.integers(2, 257))
+def test_split_packing_places_every_token_once_and_pads_the_rest(lengths, capacity):
+    lengths = np.array(lengths, dtype=np.int64)
+    ids = np.arange(len(lengths), dtype=np.int64)
+    packed = pack_split(ids, lengths, capacity)
+    assert_every_token_once(packed, lengths, capacity)
+    total = int(lengths.sum())
+    assert packed.used_tokens == total and packed.cropped_tokens == packed.dropped_tokens == 0
+    assert packed.padded_tokens == packed.num_rows * capacity - total
+    for row in range(packed.num_rows):  # a row holding a cut document's tail starts with one
+        _, starts, _ = packed.row(row)
+        assert starts[0] > 0 or not starts.any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 100), min_size=1, max_size=200))
+def test_best_fit_decreasing_puts_each_piece_in_the_tightest_open_row(sizes):
+    capacity = 100
+    lengths = np.array(sorted(sizes, reverse=True), dtype=np.int64)
+    packed = pack_split(np.arange(len(lengths)), lengths, capacity)
+    rooms: dict[int, int] = {}
+    row_of = {}
+    for row in range(packed.num_rows):
+        for doc in packed.row(row)[0].tolist():
+            row_of[doc] = row
+    for doc, size in enumerate(lengths.tolist()):  # replay: the tightest fit, else a new row
+        fitting = [r for r, room in rooms.items() if room >= size]
+        expected = min(fitting, key=lambda r: (rooms[r], r)) if fitting else len(rooms)
+        assert row_of[doc] == expected
+        rooms[expected] = rooms.get(expected, capacity) - size
+
+
+def test_split_packing_wastes_little_on_long_tailed_lengths():
+    lengths = (np.random.default_rng(7).lognormal(6.0, 1.5, 30000) + 2).astype(np.int64)
+    for seq_len in (511, 2047, 8191):
+        report = BestFitPlan(lengths, seq_len, seed=1, epoch=0).report()
+        assert report.used_tokens == report.total_tokens
+        assert report.waste_fraction < 0.005, (seq_len, report)
+
+
+def test_waste_warning_fires_for_crop_and_not_for_split(caplog):
+    lengths = (np.random.default_rng(7).lognormal(6.0, 1.5, 5000) + 2).astype(np.int64)
+    with caplog.at_level("WARNING", logger="raypipe"):
+        assert BestFitPlan(lengths, 511, 1, 0, packing="crop").report().warn_if_wasteful("crop")
+        assert not BestFitPlan(lengths, 511, 1, 0).report().warn_if_wasteful("split")
+    assert len(caplog.records) == 1 and "crop" in caplog.records[0].getMessage()

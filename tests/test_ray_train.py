@@ -29,7 +29,7 @@ def consumed(log_dir: Path) -> dict[tuple[int, int], list[int]]:
 
 def expected_ids(data: Path, positions: int) -> list[int]:
     plan = TokenLoader(data, SEQ, BATCH, mode="bestfit", seed=7).plan()
-    return sorted(row for row, _, _ in plan.rows(np.arange(positions)))
+    return sorted(row[0] for row in plan.rows(np.arange(positions)))
 
 
 def base_config(data: Path, log_dir: Path, max_steps: int) -> dict:

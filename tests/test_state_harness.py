@@ -15,6 +15,7 @@ MODES = {
     "windows": {"mode": "windows"},
     "windows+metadata": {"mode": "windows", "format": "stream", "metadata": True},
     "bestfit": {"mode": "bestfit"},
+    "bestfit-crop": {"mode": "bestfit", "packing": "crop"},
     "documents": {"mode": "documents"},
     "llmbatch": {"mode": "llmbatch", "block_batches": 4},
 }

@@ -4,6 +4,7 @@ round trips against direct tokenization, per-token metadata, spans, LLMBATCH lay
 from __future__ import annotations
 
 import struct
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
@@ -12,9 +13,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from raypipe.config import load_config
-from raypipe.dataset import TokenDataset
+from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import InputError
-from raypipe.formats.llmbatch import LLMBatchReader
+from raypipe.formats.llmbatch import PAD_ID, LLMBatchReader
 from raypipe.preprocess.job import run_job
 from tests.helpers import expected_documents
 
@@ -105,7 +106,7 @@ def test_bad_span_names_file_row_and_column(tmp_path, tokenizer_path):
             span_column="spans")
 
 
-@pytest.mark.parametrize("packing", ["bestfit", "concat"])
+@pytest.mark.parametrize("packing", ["bestfit", "crop", "concat", "split"])
 def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, tokenizer_path,
                                                       packing):
     seq_len, batch = 64, 3
@@ -147,10 +148,53 @@ def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, toke
     assert len(seen_records) == section["num_batches"] * batch
     assert section["num_batches"] == section["total_records"] // batch
     for record in seen_records[:50]:
-        if packing == "bestfit":
+        if packing in ("bestfit", "crop"):
             assert record[0] == 0  # every record starts with BOS
-        else:  # a window of the concatenated stream
+        elif packing == "concat":  # a window of the concatenated stream
             assert _is_window(stream, record, seq_len - 1)
+    counts = {k: section[f"{k}_tokens"] for k in ("used", "cropped", "padded", "dropped")}
+    assert counts["used"] + counts["cropped"] + counts["dropped"] == len(stream) or \
+        packing == "concat"  # windows share a token: their counts are per window
+    if packing == "split":  # every token in a record at most once; padding is PAD_ID
+        flat = np.array(seen_records, dtype=np.int64).reshape(-1)
+        assert int((flat == PAD_ID).sum()) == counts["padded"]
+        assert counts["cropped"] == 0
+        assert counts["used"] == int((flat != PAD_ID).sum())
+        assert counts["used"] + counts["dropped"] == len(stream)
+        assert counts["used"] >= 0.99 * len(stream) - batch * seq_len
+
+
+def test_split_llmbatch_holds_every_document_piece_once_and_the_loader_masks_padding(
+        tmp_path, corpus_dir, tokenizer_path):
+    from raypipe.loader import TokenLoader
+
+    seq_len, batch = 65, 2
+    summary = run(corpus_dir, tmp_path / "out", tokenizer_path, formats=["llmbatch"],
+                  seq_len=seq_len, batch_size=batch, batches_per_shard=7)
+    assert "llmbatch   split packing: used 99." in summary.render()
+    assert "cropped 0.00%" in summary.render()
+    documents = [tuple(d) for d in expected_documents(corpus_dir, tokenizer_path)]
+    dataset = LLMBatchDataset(tmp_path / "out")
+    pieces = [tuple(r.tolist()) for r in dataset.iter_records()]
+    # each record is pieces of documents back to back; together, with the few records left
+    # out of the last batch, they are every document's tokens exactly once
+    flat_records = [t for piece in pieces for t in piece]
+    assert PAD_ID not in flat_records  # iter_records strips the padding
+    corpus_tokens = Counter(t for d in documents for t in d)
+    assert not Counter(flat_records) - corpus_tokens  # no token invented or repeated
+    section = dataset.section.options
+    assert len(flat_records) == section["used_tokens"]
+    assert section["used_tokens"] + section["dropped_tokens"] == sum(corpus_tokens.values())
+    assert section["dropped_tokens"] < batch * seq_len  # only the last partial batch
+    loader = TokenLoader(tmp_path / "out", mode="llmbatch", pad_id=5)
+    masked = 0
+    for b in loader:
+        raw = dataset.batch(int(b.observation_ids[0])).astype(np.int64)
+        padding = raw == PAD_ID
+        assert np.array_equal(b.mask.numpy(), ~padding[:, 1:])
+        assert (b.inputs.numpy()[padding[:, :-1]] == 5).all()
+        masked += int(padding[:, 1:].sum())
+    assert masked > 0
 
 
 def _is_window(stream, record, stride):

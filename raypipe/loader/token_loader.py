@@ -32,6 +32,7 @@ from raypipe.sampling.batches import (
     PreformedBatchBuilder,
     TokenSource,
 )
+from raypipe.sampling.pack import PACKINGS
 from raypipe.sampling.plans import MODES, PackingReport, Plan, PreformedPlan, make_plan
 
 STATE_VERSION = 1
@@ -43,11 +44,13 @@ HANDOFF_ELEMENTS = 1 << 20  # ... and only while a batch buffer is under 1 M ele
 @dataclass
 class Batch:
     """One rank's batch. inputs/targets: [B, T]; position_ids: [B, T] restarting at each
-    document; cu_seqlens: document starts over the flattened inputs (int, length
-    num_sequences + 1); mask: [B, T], 1 where the target is a real token (documents mode
-    pads). Tensors are views of one device buffer. observation_ids name the rows (window,
-    packed row, document or LLMBATCH batch ids); metadata (windows over a stream dataset
-    with metadata=True): each row's StreamWindow."""
+    sequence (a document, a piece of a split document, or a row's padding); cu_seqlens:
+    sequence starts over the flattened inputs (int, length num_sequences + 1); mask:
+    [B, T], 1 where the target is a real token (0 on padding). Tensors are views of one
+    device buffer. document_starts: per sequence, whether it begins at its document's start
+    (False for a continued piece or padding; None where the mode cannot tell).
+    observation_ids name the rows (window, packed row, document or LLMBATCH batch ids);
+    metadata (windows over a stream dataset with metadata=True): each row's StreamWindow."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -59,6 +62,7 @@ class Batch:
     epoch: int
     step: int
     metadata: list[StreamWindow] | None = None
+    document_starts: np.ndarray | None = None
 
 
 class TokenLoader:
@@ -68,9 +72,11 @@ class TokenLoader:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.int64,
                  prefetch: int = 4, format: str | None = None, block_documents: int = 4096,
                  pad_id: int = 0, boundaries: bool | None = None, metadata: bool = False,
-                 block_batches: int = 64):
+                 block_batches: int = 64, packing: str = "split"):
         if mode not in MODES:
             raise ConfigError(f"mode: {mode!r} not among {list(MODES)}")
+        if packing not in PACKINGS:
+            raise ConfigError(f"packing: {packing!r} not among {list(PACKINGS)}")
         if dtype not in (torch.int32, torch.int64):
             raise ConfigError(f"dtype: {dtype} must be torch.int32 or torch.int64")
         self.rank, self.world_size = _rank_and_world(rank, world_size)
@@ -86,7 +92,8 @@ class TokenLoader:
             raise ConfigError("seq_len, batch_size and prefetch must be >= 1")
         if metadata and (mode != "windows" or self.dataset.format_name != "stream"):
             raise ConfigError("metadata=True needs mode='windows' over a stream dataset")
-        self.metadata, self.block_batches = metadata, block_batches
+        self.metadata, self.block_batches, self.packing = metadata, block_batches, packing
+        self._warned = False
         self.seq_len, self.batch_size, self.mode, self.seed = seq_len, batch_size, mode, seed
         self.block_documents, self.pad_id, self.prefetch = block_documents, pad_id, prefetch
         # document boundaries (position_ids, cu_seqlens): on for packed/document rows; for
@@ -135,8 +142,14 @@ class TokenLoader:
                                            self.block_batches)
             else:
                 plan = make_plan(self.mode, self.dataset.num_tokens, self._document_lengths,
-                                 self.seq_len, self.seed, epoch, self.block_documents)
+                                 self.seq_len, self.seed, epoch, self.block_documents,
+                                 self.packing)
             self._plan = (epoch, plan)
+            if not self._warned and self.rank == 0:  # one warning per loader, not per rank
+                self._warned = plan.report().warn_if_wasteful(
+                    f"TokenLoader({self.dataset.root}, mode={self.mode!r}"
+                    + (f", packing={self.packing!r}" if self.mode == "bestfit" else "")
+                    + f", seq_len={self.seq_len}) epoch {epoch}")
         return self._plan[1]
 
     def steps_in_epoch(self, epoch: int | None = None) -> int:
@@ -152,7 +165,8 @@ class TokenLoader:
     # ----- iteration --------------------------------------------------------------------
     def _builder(self, epoch: int) -> BatchBuilder | PreformedBatchBuilder:
         if self.preformed:
-            return PreformedBatchBuilder(self.dataset, self.plan(epoch), self.boundaries)
+            return PreformedBatchBuilder(self.dataset, self.plan(epoch), self.boundaries,
+                                         self.pad_id)
         return BatchBuilder(self.source, self.plan(epoch), self.seq_len, self.pad_id,
                             self.boundaries)
 
@@ -182,20 +196,21 @@ class TokenLoader:
         slot_views = [BatchBuffers.over(t, self.batch_size, self.seq_len) for t in ring.slots]
 
         def build(job: BatchPlan, slot: int) -> tuple[BatchPlan, int, list | None]:
-            sequences = builder.fill(job, host_views[slot])
-            return job, sequences, builder.metadata(job) if self.metadata else None
+            filled = builder.fill(job, host_views[slot])
+            return job, filled, builder.metadata(job) if self.metadata else None
 
         def wrap(flat: torch.Tensor, slot: int, meta: tuple) -> Batch:
-            job, sequences, metadata = meta
+            job, filled, metadata = meta
             views = (slot_views[slot] if flat is ring.slots[slot]
                      else BatchBuffers.over(flat, self.batch_size, self.seq_len))
             step_start = int(job.positions[0]) - self.rank
             step = start // self.global_batch + (step_start - start) // self.global_batch
             return Batch(inputs=views.tokens[:, :-1], targets=views.tokens[:, 1:],
                          position_ids=views.position_ids,
-                         cu_seqlens=views.cu_seqlens[:sequences + 1], mask=views.mask,
+                         cu_seqlens=views.cu_seqlens[:filled.sequences + 1], mask=views.mask,
                          observation_ids=job.observation_ids, positions=job.positions,
-                         epoch=epoch, step=step, metadata=metadata)
+                         epoch=epoch, step=step, metadata=metadata,
+                         document_starts=filled.starts_document)
 
         prefetcher = Prefetcher(self._jobs(builder, epoch, start), build, wrap, ring,
                                 self.device, self.prefetch, chunk)
@@ -212,6 +227,8 @@ class TokenLoader:
         knobs: dict[str, Any] = {"mode": self.mode, "seq_len": self.seq_len, "seed": self.seed}
         if self.mode == "bestfit":
             knobs["block_documents"] = self.block_documents
+            if self.packing != "crop":  # states saved before `packing` existed were crop
+                knobs["packing"] = self.packing
         if self.preformed:
             knobs["block_batches"] = self.block_batches
         return knobs

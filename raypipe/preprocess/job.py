@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ class JobSummary:
     startup_seconds: float = 0.0
     peak_rss_bytes: int = 0
     steady_seconds: float = 0.0
+    packing: dict[str, str] = field(default_factory=dict)  # batch format -> its packing line
 
     @property
     def tokens_per_second(self) -> float:
@@ -91,7 +92,8 @@ class JobSummary:
             f"  throughput {self.tokens_per_second / 1e6:.3f} M tokens/s over the units run "
             f"({self.steady_tokens_per_second / 1e6:.3f} M/s once workers are up)",
             f"  peak RSS   {self.peak_rss_bytes / 2**20:.0f} MiB per worker (max)",
-        ] if self.units_run else ["  nothing to run: every unit was already committed"]))
+        ] if self.units_run else ["  nothing to run: every unit was already committed"])
+            + [f"  {name:<10} {line}" for name, line in self.packing.items()])
 
 
 def steady_seconds(records: list[UnitRecord]) -> float:
@@ -200,7 +202,9 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
         skipped=totals.skipped, shards=totals.shards, bytes=totals.bytes,
         wall_seconds=time.perf_counter() - started, run_seconds=run_seconds,
         peak_rss_bytes=max((r.peak_rss_bytes for r in fresh), default=0),
-        steady_seconds=steady_seconds(fresh))
+        steady_seconds=steady_seconds(fresh),
+        packing={name: packing_line(section.options) for name, section in
+                 manifest.formats.items() if "used_tokens" in section.options})
 
 
 def add_batch_formats(config: TokenizeConfig, output: Path, manifest: Manifest) -> Manifest:
@@ -212,6 +216,16 @@ def add_batch_formats(config: TokenizeConfig, output: Path, manifest: Manifest) 
             manifest = manifest.with_format(
                 name, write_llmbatch_from_manifest(output, manifest, spec))
     return manifest
+
+
+def packing_line(options: dict[str, Any]) -> str:
+    """One line on what a batch format's packing kept of the corpus."""
+    used, total = options["used_tokens"], options["used_tokens"] + options["cropped_tokens"] \
+        + options["dropped_tokens"]
+    share = (lambda n: f"{n / total:.2%}") if total else (lambda n: "0")
+    return (f"{options['packing']} packing: used {share(used)}, cropped "
+            f"{share(options['cropped_tokens'])}, padded {share(options['padded_tokens'])}, "
+            f"dropped {share(options['dropped_tokens'])} of the tokens")
 
 
 def build_manifest(config: TokenizeConfig, settings: UnitSettings,

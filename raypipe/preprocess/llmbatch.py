@@ -1,10 +1,13 @@
 """Pack a tokenized dataset into LLMBATCH shards: records shuffled across the whole dataset.
 
 Invariant: records are the rows of an epoch-0 plan over ALL documents of the dataset
-(`bestfit`: BOS-aligned best-fit rows of seq_len tokens; `concat`: windows of seq_len
-tokens of the concatenated stream, consecutive windows sharing one token), taken in that
-plan's Feistel order with `seed` (a global shuffle, not per shard), grouped B at a time;
-the last total_records mod B records are dropped. Shards hold `batches_per_shard` batches
+(`split`, the default: documents cut into record-sized pieces and best-fit packed, every
+token once, unfilled positions padded with PAD_ID; `crop` (alias `bestfit`): nanochat's
+BOS-aligned rows, tails cropped; `concat`: windows of seq_len tokens of the concatenated
+stream, consecutive windows sharing one token), taken in that plan's Feistel order with
+`seed` (a global shuffle, not per shard), grouped B at a time; the last total_records mod
+B records are dropped. What the packing kept, cropped, padded and dropped is recorded in
+the manifest section and warned about past 5%. Shards hold `batches_per_shard` batches
 each, named `batches-NNNNN.batch`, listed in order in the manifest. Each shard file is
 committed atomically. Cost: one memmap read and one sequential write per token kept.
 """
@@ -17,12 +20,15 @@ from pathlib import Path
 import numpy as np
 
 from raypipe.dataset import TokenDataset
-from raypipe.formats.llmbatch import LLMBatchWriter
+from raypipe.formats.llmbatch import PAD_ID, LLMBatchWriter
 from raypipe.io.manifest import FormatSection, Manifest, ShardEntry
 from raypipe.sampling.batches import BatchBuffers, BatchBuilder, TokenSource
-from raypipe.sampling.plans import make_plan
+from raypipe.sampling.plans import BestFitPlan, PackingReport, Plan, make_plan
 
 DESCRIBE_BATCHES = 64
+# packing name -> (plan mode, bestfit packing); "bestfit" is the name `crop` had before 0.2
+PLAN_OF_PACKING = {"split": ("bestfit", "split"), "crop": ("bestfit", "crop"),
+                   "bestfit": ("bestfit", "crop"), "concat": ("windows", "split")}
 
 
 @dataclass(frozen=True)
@@ -32,18 +38,19 @@ class LLMBatchSpec:
 
     seq_len: int
     batch_size: int
-    packing: str = "bestfit"
+    packing: str = "split"
     seed: int = 0
     batches_per_shard: int = 1024
 
 
 def write_llmbatch(dataset: TokenDataset, directory: Path, spec: LLMBatchSpec) -> FormatSection:
     """Write the shards; return the manifest's `llmbatch` section."""
-    mode = "bestfit" if spec.packing == "bestfit" else "windows"
+    mode, packing = PLAN_OF_PACKING[spec.packing]
     positions_per_row = spec.seq_len - 1
     plan = make_plan(mode, dataset.num_tokens, dataset.document_lengths, positions_per_row,
-                     spec.seed, 0)
-    builder = BatchBuilder(TokenSource(dataset), plan, positions_per_row, boundaries=False)
+                     spec.seed, 0, packing=packing)
+    builder = BatchBuilder(TokenSource(dataset), plan, positions_per_row, pad_id=PAD_ID,
+                           boundaries=False)
     host = np.empty(BatchBuffers.size(spec.batch_size, positions_per_row), dtype=np.int64)
     buffers = BatchBuffers.over(host, spec.batch_size, positions_per_row)
     builder.prepare(buffers)
@@ -66,10 +73,30 @@ def write_llmbatch(dataset: TokenDataset, directory: Path, spec: LLMBatchSpec) -
             writer.abort()
             raise
         shards.append(ShardEntry(name, tuple(files), first_batch=first, batches=stop - first))
+    report = records_report(plan, num_batches * spec.batch_size, spec.seq_len)
+    report.warn_if_wasteful(f"LLMBATCH ({spec.packing} packing, records of {spec.seq_len} "
+                            "tokens)")
     options = {"seq_len": spec.seq_len, "batch_size": spec.batch_size,
                "packing": spec.packing, "seed": spec.seed, "total_records": plan.size,
-               "num_batches": num_batches, "source_format": dataset.format_name}
+               "num_batches": num_batches, "source_format": dataset.format_name,
+               "used_tokens": report.used_tokens, "cropped_tokens": report.cropped_tokens,
+               "padded_tokens": report.padded_tokens, "dropped_tokens": report.dropped_tokens}
     return FormatSection("uint32", tuple(shards), options)
+
+
+def records_report(plan: Plan, records: int, record_len: int) -> PackingReport:
+    """The plan's report, less the records left out to make whole batches: their tokens
+    count as dropped, their padding no longer as padding."""
+    report = plan.report()
+    tail = np.arange(records, plan.size, dtype=np.int64)
+    if isinstance(plan, BestFitPlan):
+        tokens = sum(int(take.sum()) for _, _, _, take in plan.rows(tail))
+        padding = tail.size * record_len - tokens
+    else:  # windows: each record adds record_len - 1 tokens of the stream
+        tokens, padding = tail.size * (record_len - 1), 0
+    return PackingReport(report.rows - tail.size, report.used_tokens - tokens,
+                         report.cropped_tokens, report.padded_tokens - padding,
+                         report.dropped_tokens + tokens, report.total_tokens)
 
 
 def write_llmbatch_from_manifest(output: Path, manifest: Manifest,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.dataset import LLMBatchDataset, StreamWindow, TokenDataset
+from raypipe.formats.llmbatch import PAD_ID
 from raypipe.sampling.plans import BestFitPlan, DocumentPlan, PreformedPlan, WindowPlan
 
 
@@ -51,6 +52,15 @@ class BatchBuffers:
             views[name] = flat[offset:offset + count].reshape(shape)
             offset += count
         return cls(**views)
+
+
+@dataclass
+class Filled:
+    """What filling a batch produced: the number of sequences (cu_seqlens[:n + 1] is valid)
+    and, per sequence, whether it begins at a document's start (None where unknown)."""
+
+    sequences: int
+    starts_document: np.ndarray | None = None
 
 
 @dataclass
@@ -135,19 +145,20 @@ class BatchBuilder:
         return [BatchPlan(positions[i], ids[i], rows[i]) for i in range(steps)]
 
     def _describe_bestfit(self, flat: np.ndarray, steps: int, batch: int):
+        """Per row: (shard, first token in the shard, count, starts a document) segments."""
         blocks, local = self.plan.row_ids(flat)
         segments, row_ids = [], []
         for block, row in zip(blocks.tolist(), local.tolist(), strict=True):
-            doc_ids, take = self.plan.pack(block).row(row)
-            segments.append((doc_ids, take))
+            segments.append(self.plan.pack(block).row(row))
             row_ids.append(int(self.plan.row_offsets[block]) + row)
-        all_docs = np.concatenate([doc_ids for doc_ids, _ in segments])
+        all_docs = np.concatenate([doc_ids for doc_ids, _, _ in segments])
         shards, firsts, _ = self.source.locate_documents(all_docs)
         rows, at = [], 0
-        for doc_ids, take in segments:
-            count = len(doc_ids)
-            rows.append(list(zip(shards[at:at + count].tolist(), firsts[at:at + count].tolist(),
-                                 take.tolist(), strict=True)))
+        for _, starts, take in segments:
+            count = len(take)
+            rows.append(list(zip(shards[at:at + count].tolist(),
+                                 (firsts[at:at + count] + starts).tolist(), take.tolist(),
+                                 (starts == 0).tolist(), strict=True)))
             at += count
         nested = [rows[i * batch:(i + 1) * batch] for i in range(steps)]
         return np.array(row_ids, dtype=np.int64), nested
@@ -158,38 +169,52 @@ class BatchBuilder:
         if not self.boundaries:
             write_row_boundaries(buffers)
 
-    def fill(self, plan: BatchPlan, buffers: BatchBuffers) -> int:
-        """Write the batch into a `prepare`d buffer; return the number of sequences
-        (cu_seqlens[:n + 1] is valid)."""
+    def fill(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
+        """Write the batch into a `prepare`d buffer."""
         if isinstance(self.plan, WindowPlan):
             return self._fill_windows(plan, buffers)
         if isinstance(self.plan, BestFitPlan):
             return self._fill_bestfit(plan, buffers)
         return self._fill_documents(plan, buffers)
 
-    def _fill_windows(self, plan: BatchPlan, buffers: BatchBuffers) -> int:
+    def _fill_windows(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
         for row, offset in enumerate(plan.rows):
             self.source.copy_span(offset, buffers.tokens[row])
         if not self.boundaries:
-            return len(plan.rows)
+            return Filled(len(plan.rows))
         return scan_boundaries(buffers, self.bos_id, self.eos_id)
 
     def metadata(self, plan: BatchPlan) -> list[StreamWindow]:
         """Windows mode over a stream dataset: each row's tokens with their metadata."""
         return [self.source.dataset.window(offset, self.seq_len + 1) for offset in plan.rows]
 
-    def _fill_bestfit(self, plan: BatchPlan, buffers: BatchBuffers) -> int:
-        tokens, starts = self.source.tokens, []
+    def _fill_bestfit(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
+        """Segments back to back; a row's unfilled tail is padding: pad_id tokens, masked
+        targets, a sequence of its own (attention never crosses a segment)."""
+        tokens, starts, flags = self.source.tokens, [], []
+        width = self.seq_len + 1
         for row, segments in enumerate(plan.rows):
             out, at = buffers.tokens[row], 0
-            for shard, first, count in segments:
+            for shard, first, count, starts_document in segments:
                 out[at:at + count] = tokens[shard][first:first + count]
                 if at < self.seq_len:
                     starts.append(row * self.seq_len + at)
+                    flags.append(starts_document)
                 at += count
-        return write_boundaries(np.array(starts, dtype=np.int64), buffers, self.seq_len)
+            mask = buffers.mask[row]
+            if at < width:  # padding: targets from position at - 1 on are not real
+                out[at:] = self.pad_id
+                mask[:max(at - 1, 0)] = 1
+                mask[max(at - 1, 0):] = 0
+                if at < self.seq_len:
+                    starts.append(row * self.seq_len + at)
+                    flags.append(False)
+            else:
+                mask[:] = 1
+        count = write_boundaries(np.array(starts, dtype=np.int64), buffers, self.seq_len)
+        return Filled(count, np.array(flags, dtype=bool))
 
-    def _fill_documents(self, plan: BatchPlan, buffers: BatchBuffers) -> int:
+    def _fill_documents(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
         tokens, width = self.source.tokens, self.seq_len + 1
         for row, (shard, first, count) in enumerate(plan.rows):
             kept = min(count, width)
@@ -198,11 +223,13 @@ class BatchBuilder:
             buffers.mask[row, :max(kept - 1, 0)] = 1
             buffers.mask[row, max(kept - 1, 0):] = 0
         rows = np.arange(len(plan.rows), dtype=np.int64) * self.seq_len
-        return write_boundaries(rows, buffers, self.seq_len)
+        count = write_boundaries(rows, buffers, self.seq_len)
+        return Filled(count, np.ones(count, dtype=bool))
 
 
-def scan_boundaries(buffers: BatchBuffers, bos_id: int | None, eos_id: int | None) -> int:
-    """Document starts found by the BOS (else after each EOS) token in the inputs."""
+def scan_boundaries(buffers: BatchBuffers, bos_id: int | None, eos_id: int | None) -> Filled:
+    """Document starts found by the BOS (else after each EOS) token in the inputs; with BOS
+    each sequence is known to start a document or not (a row can begin mid-document)."""
     inputs = buffers.tokens[:, :-1]
     if bos_id is not None:
         starts = inputs == bos_id
@@ -211,14 +238,20 @@ def scan_boundaries(buffers: BatchBuffers, bos_id: int | None, eos_id: int | Non
         if eos_id is not None:
             np.equal(inputs[:, :-1], eos_id, out=starts[:, 1:])
     starts[:, 0] = True
-    return write_boundaries(np.flatnonzero(starts), buffers, inputs.shape[1])
+    positions = np.flatnonzero(starts)
+    count = write_boundaries(positions, buffers, inputs.shape[1])
+    flags = inputs.reshape(-1)[positions] == bos_id if bos_id is not None else None
+    return Filled(count, flags)
 
 
 class PreformedBatchBuilder:
     """LLMBATCH: a batch is one pre-formed [B, T] block, copied out of its mmap slice."""
 
-    def __init__(self, dataset: LLMBatchDataset, plan: PreformedPlan, boundaries: bool = True):
+    def __init__(self, dataset: LLMBatchDataset, plan: PreformedPlan, boundaries: bool = True,
+                 pad_id: int = 0):
         self.dataset, self.plan, self.boundaries = dataset, plan, boundaries
+        self.pad_id = pad_id
+        self.padded = dataset.padded_tokens > 0
 
     def describe(self, positions: np.ndarray) -> list[BatchPlan]:
         ids = self.plan.batches(positions.reshape(-1)).reshape(positions.shape)
@@ -229,10 +262,14 @@ class PreformedBatchBuilder:
         if not self.boundaries:
             write_row_boundaries(buffers)
 
-    def fill(self, plan: BatchPlan, buffers: BatchBuffers) -> int:
+    def fill(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
         buffers.tokens[...] = self.dataset.batch(plan.rows[0])
+        if self.padded:  # padding slots hold PAD_ID (never a token id): mask, then pad_id
+            padding = buffers.tokens == PAD_ID
+            np.logical_not(padding[:, 1:], out=buffers.mask)
+            buffers.tokens[padding] = self.pad_id
         if not self.boundaries:
-            return buffers.tokens.shape[0]
+            return Filled(buffers.tokens.shape[0])
         return scan_boundaries(buffers, self.dataset.bos_id, self.dataset.eos_id)
 
 

@@ -6,22 +6,29 @@ communicate. Kinds:
   windows are visited in Feistel order. O(1) memory.
 - `documents`: one document per row (cropped to T + 1 or padded); Feistel order.
 - `bestfit`: documents in Feistel order are cut into blocks of K; each block is packed
-  (raypipe.sampling.pack); blocks are visited in order and the rows of block j in a Feistel
-  order salted by j. Row counts per block are computed once per epoch (O(N) time, O(N/K)
-  memory); a block's rows are re-packed on demand and cached, so a rank holds one block.
-Cost: windows/documents: ~70 ns per observation to permute; bestfit: ~0.5-1.5 us per
-document per epoch to plan, then O(1) per row.
+  (raypipe.sampling.pack: `split`, the default, keeps every token; `crop` is nanochat's);
+  blocks are visited in order and the rows of block j in a Feistel order salted by j. Row
+  counts per block are computed once per epoch (O(N) time, O(N/K) memory); a block's rows
+  are re-packed on demand and cached, so a rank holds one block.
+Every plan reports what it keeps, crops, pads and drops (`report()`); the loader and the
+LLMBATCH writer warn once when that waste passes 5%.
+Cost: windows/documents: ~70 ns per observation to permute; bestfit: see
+bench/packing_bench.py for planner documents per second, then O(1) per row.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
-from raypipe.sampling.pack import PackedBlock, pack_block
+from raypipe.sampling.pack import PackedBlock, pack
 from raypipe.sampling.permute import FeistelPermutation
+
+logger = logging.getLogger("raypipe")
+WASTE_WARNING = 0.05  # warn once when an epoch would not train this share of the tokens
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,23 @@ class PackingReport:
     def crop_fraction(self) -> float:
         return self.cropped_tokens / self.total_tokens if self.total_tokens else 0.0
 
+    @property
+    def waste_fraction(self) -> float:
+        """Tokens of the data not trained this epoch, plus padding, per token of the data."""
+        wasted = self.cropped_tokens + self.dropped_tokens + self.padded_tokens
+        return wasted / self.total_tokens if self.total_tokens else 0.0
+
+    def warn_if_wasteful(self, what: str, threshold: float = WASTE_WARNING) -> bool:
+        """Log one warning when the waste passes `threshold`; True when it did."""
+        if self.waste_fraction <= threshold:
+            return False
+        logger.warning(
+            "%s: %.1f%% of the tokens are not trained (cropped %s, dropped %s, padded %s of "
+            "%s); packing='split' keeps every token", what, 100 * self.waste_fraction,
+            f"{self.cropped_tokens:,}", f"{self.dropped_tokens:,}", f"{self.padded_tokens:,}",
+            f"{self.total_tokens:,}")
+        return True
+
     def render(self) -> str:
         total = max(self.total_tokens, 1)
         return "\n".join([
@@ -44,7 +68,7 @@ class PackingReport:
             f"tokens in data  {self.total_tokens:,}",
             f"used            {self.used_tokens:,} ({self.used_tokens / total:.2%})",
             f"cropped         {self.cropped_tokens:,} ({self.cropped_tokens / total:.2%})",
-            f"padded          {self.padded_tokens:,}",
+            f"padded          {self.padded_tokens:,} ({self.padded_tokens / total:.2%})",
             f"dropped         {self.dropped_tokens:,} ({self.dropped_tokens / total:.2%})",
         ])
 
@@ -91,8 +115,9 @@ class BestFitPlan:
     kind = "bestfit"
 
     def __init__(self, lengths: np.ndarray, seq_len: int, seed: int, epoch: int,
-                 block_documents: int = 4096):
+                 block_documents: int = 4096, packing: str = "split"):
         self.lengths = lengths
+        self.packing = packing
         self.capacity = seq_len + 1
         self.seed, self.epoch = seed, epoch
         self.block_documents = block_documents
@@ -109,20 +134,21 @@ class BestFitPlan:
     def pack(self, block: int) -> PackedBlock:
         if self._cached is None or self._cached[0] != block:
             ids = self.block_documents_ids(block)
-            self._cached = (block, pack_block(ids, self.lengths[ids], self.capacity))
+            self._cached = (block, pack(self.packing, ids, self.lengths[ids], self.capacity))
         return self._cached[1]
 
     @cached_property
     def _summary(self) -> tuple[np.ndarray, PackingReport]:
         rows = np.zeros(self.num_blocks + 1, dtype=np.int64)
-        used = cropped = dropped = 0
+        used = cropped = dropped = padded = 0
         for block in range(self.num_blocks):
             packed = self.pack(block)
             rows[block + 1] = packed.num_rows
             used += packed.used_tokens
             cropped += packed.cropped_tokens
             dropped += packed.dropped_tokens
-        report = PackingReport(int(rows.sum()), used, cropped, 0, dropped,
+            padded += packed.padded_tokens
+        report = PackingReport(int(rows.sum()), used, cropped, padded, dropped,
                                int(self.lengths.sum()))
         return np.cumsum(rows), report
 
@@ -154,13 +180,15 @@ class BestFitPlan:
             local[chosen] = self._row_order(block)(local[chosen])
         return blocks, local
 
-    def rows(self, positions: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """For each position: (global row id, document ids, tokens taken from each)."""
+    def rows(self, positions: np.ndarray
+             ) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """For each position: (global row id, document ids, start in each document, tokens
+        taken from each)."""
         blocks, local = self.row_ids(positions)
         out = []
         for block, row in zip(blocks.tolist(), local.tolist(), strict=True):
-            doc_ids, take = self.pack(block).row(row)
-            out.append((int(self.row_offsets[block]) + row, doc_ids, take))
+            doc_ids, starts, take = self.pack(block).row(row)
+            out.append((int(self.row_offsets[block]) + row, doc_ids, starts, take))
         return out
 
 
@@ -197,14 +225,14 @@ MODES = ("windows", "bestfit", "documents", "llmbatch")
 
 
 def make_plan(mode: str, num_tokens: int, lengths: object, seq_len: int, seed: int,
-              epoch: int, block_documents: int = 4096) -> Plan:
+              epoch: int, block_documents: int = 4096, packing: str = "split") -> Plan:
     """The plan of one epoch. `lengths` (document lengths) may be a zero-argument callable,
     called only by the modes that need it."""
     if mode == "windows":
         return WindowPlan(num_tokens, seq_len, seed, epoch)
     values = lengths() if callable(lengths) else lengths
     if mode == "bestfit":
-        return BestFitPlan(values, seq_len, seed, epoch, block_documents)
+        return BestFitPlan(values, seq_len, seed, epoch, block_documents, packing)
     if mode == "documents":
         return DocumentPlan(values, seq_len, seed, epoch)
     raise ValueError(f"mode {mode!r} not among {list(MODES)}")

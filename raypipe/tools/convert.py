@@ -21,6 +21,7 @@ import numpy as np
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import ConfigError, FormatError
 from raypipe.formats import document_formats, get_format
+from raypipe.formats.llmbatch import PAD_ID
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.manifest import (
     MANIFEST_NAME,
@@ -49,10 +50,15 @@ def _source_documents(src: Path, manifest: Manifest
                                                for d in range(reader.num_documents))
     else:
         batches = LLMBatchDataset(src, manifest)
+        offsets = batches.batch_offsets
         for index, shard in enumerate(batches.shards):
-            reader = batches.reader(index)
-            yield shard.name, (row for b in range(reader.num_batches)
-                               for row in reader.batch(b))
+            yield shard.name, (record for batch in range(offsets[index], offsets[index + 1])
+                               for record in _without_padding(batches.batch(batch)))
+
+
+def _without_padding(batch: np.ndarray) -> Iterator[np.ndarray]:
+    for record in batch:
+        yield record[record != PAD_ID]
 
 
 def _write_documents(spec: ShardSpec, name: str, documents: Iterable[np.ndarray]

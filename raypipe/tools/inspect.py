@@ -15,6 +15,7 @@ import numpy as np
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.formats import FORMATS
 from raypipe.io.manifest import FormatSection, Manifest, read_manifest
+from raypipe.preprocess.job import packing_line
 
 
 def _decoder(manifest: Manifest, tokenizer: str | None) -> Any:
@@ -94,6 +95,8 @@ def _inspect_llmbatch(root: Path, manifest: Manifest, section: FormatSection,
              f"({options.get('packing')} packing, seed {options.get('seed')}, "
              f"{options.get('total_records', 0):,} records before batching)",
              "  records, not documents: each row is a packed sequence"]
+    if "used_tokens" in options:
+        lines.append(f"  {packing_line(options)}")
     for index, record in enumerate(dataset.iter_records()):
         if index >= samples:
             break

@@ -15,15 +15,17 @@ from raypipe.sampling.plans import make_plan
 
 def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", seed: int = 0,
                 epoch: int = 0, epochs: int = 1, block_documents: int = 4096,
-                format_name: str | None = None) -> str:
+                format_name: str | None = None, packing: str = "split") -> str:
     """The report for `epochs` epochs from `epoch`, as printed text."""
     dataset = TokenDataset(dataset_path, format_name)
-    lines = [f"{dataset_path}: {mode} rows of {seq_len} + 1 tokens, seed {seed}, "
+    shape = f"{mode} ({packing})" if mode == "bestfit" else mode
+    lines = [f"packing report: {dataset_path}",
+             f"{shape} rows of {seq_len} + 1 tokens, seed {seed}, "
              f"epoch {epoch} ({dataset.num_documents:,} documents, format "
              f"{dataset.format_name})"]
     for current in range(epoch, epoch + epochs):
         plan = make_plan(mode, dataset.num_tokens, dataset.document_lengths, seq_len, seed,
-                         current, block_documents)
+                         current, block_documents, packing)
         if epochs > 1:
             lines.append(f"-- epoch {current}")
         lines.append(plan.report().render())
