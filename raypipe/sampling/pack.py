@@ -97,13 +97,20 @@ def pack_split(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> Packe
 def _best_fit_decreasing(sizes: list[int], capacity: int) -> np.ndarray:
     """Row of each item (sizes in decreasing order): the open row with the least room that
     holds it (the lowest row number among equals), else a new row. Open rows live in one
-    sorted list of keys room << 32 | row; a full row leaves the list."""
+    sorted list of keys room << 32 | row; a full row leaves the list. Items larger than half
+    a row each open a row of their own (every open row already holds one such item, so none
+    has room for another): that prefix is placed without the loop."""
+    big = 0
+    while big < len(sizes) and 2 * sizes[big] > capacity:
+        big += 1
+    rooms = capacity - np.array(sizes[:big], dtype=np.int64)
+    open_rows = np.flatnonzero(rooms > 0)
+    keys = np.sort((rooms[open_rows] << 32) | open_rows).tolist()
+    rows = list(range(big))
     mask = (1 << 32) - 1
-    keys: list[int] = []
-    rows: list[int] = []
     append, pop = rows.append, keys.pop
-    opened = 0
-    for size in sizes:
+    opened = big
+    for size in sizes[big:]:
         at = bisect_left(keys, size << 32)
         if at == len(keys):
             row, room = opened, capacity - size
