@@ -145,21 +145,23 @@ class BatchBuilder:
         return [BatchPlan(positions[i], ids[i], rows[i]) for i in range(steps)]
 
     def _describe_bestfit(self, flat: np.ndarray, steps: int, batch: int):
-        """Per row: (shard, first token in the shard, count, starts a document) segments."""
+        """Per row: (shard, first token in the shard, count, starts a document) segments,
+        located for all rows of all steps in one vectorized pass."""
         blocks, local = self.plan.row_ids(flat)
         segments, row_ids = [], []
         for block, row in zip(blocks.tolist(), local.tolist(), strict=True):
             segments.append(self.plan.pack(block).row(row))
             row_ids.append(int(self.plan.row_offsets[block]) + row)
-        all_docs = np.concatenate([doc_ids for doc_ids, _, _ in segments])
-        shards, firsts, _ = self.source.locate_documents(all_docs)
+        shards, firsts, _ = self.source.locate_documents(
+            np.concatenate([doc_ids for doc_ids, _, _ in segments]))
+        starts = np.concatenate([offsets for _, offsets, _ in segments])
+        described = list(zip(shards.tolist(), (firsts + starts).tolist(),
+                             np.concatenate([take for _, _, take in segments]).tolist(),
+                             (starts == 0).tolist(), strict=True))
         rows, at = [], 0
-        for _, starts, take in segments:
-            count = len(take)
-            rows.append(list(zip(shards[at:at + count].tolist(),
-                                 (firsts[at:at + count] + starts).tolist(), take.tolist(),
-                                 (starts == 0).tolist(), strict=True)))
-            at += count
+        for _, _, take in segments:
+            rows.append(described[at:at + len(take)])
+            at += len(take)
         nested = [rows[i * batch:(i + 1) * batch] for i in range(steps)]
         return np.array(row_ids, dtype=np.int64), nested
 
@@ -209,7 +211,7 @@ class BatchBuilder:
                 if at < self.seq_len:
                     starts.append(row * self.seq_len + at)
                     flags.append(False)
-            else:
+            elif not mask[-1]:  # this ring slot's row was padded in an earlier batch
                 mask[:] = 1
         count = write_boundaries(np.array(starts, dtype=np.int64), buffers, self.seq_len)
         return Filled(count, np.array(flags, dtype=bool))
