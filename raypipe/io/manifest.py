@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from raypipe import _faults as faults
@@ -99,15 +99,40 @@ def _from_json(cls: type[Record], data: Any, where: str) -> Record:
 
 
 class JsonRecord:
-    """A record read from JSON by `from_json`: required fields present, types right."""
+    """A record read from JSON by `from_json`: required fields present, types right, and
+    the record's own rules (`check`) hold."""
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> Any:
-        return _from_json(cls, data, where)
+        record = _from_json(cls, data, where)
+        record.check(where)
+        return record
+
+    def check(self, where: str) -> None:
+        """Refuse values a record must never carry (FormatError naming `where`)."""
+
+
+def plain_name(name: str, where: str, field_name: str = "name") -> str:
+    """`name` if it is a plain file name (no directory part, not . or .., no NUL), else a
+    FormatError: names read from a manifest become file names on the reader's disk."""
+    if (not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name
+            or len(name.encode()) > 255):
+        raise FormatError(where, f"{field_name} {name!r} is not a plain file name")
+    return name
+
+
+def relative_path(path: str, where: str) -> str:
+    """`path` if it is relative and has no `..` part (checked again against the real
+    directory by `safe_join` before any use)."""
+    parts = PurePosixPath(path).parts
+    if not path or path.startswith("/") or "\x00" in path or ".." in parts or not parts:
+        raise FormatError(where, f"path {path!r} must be relative to the dataset, without ..")
+    return path
 
 
 def _tuple_of(cls: type[Record], items: Iterable[Any], where: str) -> tuple[Record, ...]:
-    return tuple(item if isinstance(item, cls) else cls.from_json(item, where)  # type: ignore
+    """Records built from JSON items (their rules are checked by the enclosing record)."""
+    return tuple(item if isinstance(item, cls) else _from_json(cls, item, where)
                  for item in items)
 
 
@@ -121,6 +146,9 @@ class WorkUnit(JsonRecord):
     num_rows: int
     name: str
     first_row: int = 0
+
+    def check(self, where: str) -> None:
+        plain_name(self.name, where, "unit name")
 
 
 @dataclass(frozen=True)
@@ -142,6 +170,11 @@ class FileEntry(JsonRecord):
     bytes: int
     sha256: str
 
+    def check(self, where: str) -> None:
+        relative_path(self.path, where)
+        if self.bytes < 0:
+            raise FormatError(where, f"{self.path}: negative size", ">= 0", self.bytes)
+
 
 @dataclass(frozen=True)
 class ShardEntry(JsonRecord):
@@ -158,6 +191,10 @@ class ShardEntry(JsonRecord):
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", _tuple_of(FileEntry, self.files, self.name))
 
+    def check(self, where: str) -> None:
+        plain_name(self.name, where, "shard name")
+        for entry in self.files:
+            entry.check(where)
 
     @property
     def bytes(self) -> int:
@@ -176,6 +213,12 @@ class UnitShard(JsonRecord):
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", {name: _tuple_of(FileEntry, entries, self.name)
                                            for name, entries in self.files.items()})
+
+    def check(self, where: str) -> None:
+        plain_name(self.name, where, "shard name")
+        for entries in self.files.values():
+            for entry in entries:
+                entry.check(where)
 
 
     def entry(self, format_name: str) -> ShardEntry:
@@ -204,6 +247,11 @@ class UnitRecord(JsonRecord):
             object.__setattr__(self, "unit", WorkUnit.from_json(self.unit, "unit"))
         object.__setattr__(self, "shards", _tuple_of(UnitShard, self.shards, "shards"))
 
+    def check(self, where: str) -> None:
+        self.unit.check(where)
+        for shard in self.shards:
+            shard.check(where)
+
 
 @dataclass(frozen=True)
 class FormatSection(JsonRecord):
@@ -221,7 +269,10 @@ class FormatSection(JsonRecord):
         core = {"dtype": data.get("dtype"), "shards": data.get("shards")}
         section = _from_json(cls, core, where)
         options = {k: v for k, v in data.items() if k not in ("dtype", "shards")}
-        return cls(section.dtype, _tuple_of(ShardEntry, section.shards, where), options)
+        shards = _tuple_of(ShardEntry, section.shards, where)
+        for shard in shards:
+            shard.check(where)
+        return cls(section.dtype, shards, options)
 
     def to_json(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "shards": [_plain(s) for s in self.shards],
@@ -243,6 +294,9 @@ class UnitSummary(JsonRecord):
     documents: int
     tokens: int
     skipped: dict[str, int]
+
+    def check(self, where: str) -> None:
+        plain_name(self.name, where, "unit name")
 
     @classmethod
     def of(cls, record: UnitRecord) -> UnitSummary:
@@ -316,13 +370,18 @@ class Manifest(JsonRecord):
         formats = plain.formats
         if not isinstance(formats, dict) or not formats:
             raise FormatError(where, "field 'formats' must name at least one format")
-        return dataclasses.replace(
+        manifest = dataclasses.replace(
             plain, tokenizer=TokenizerInfo.from_json(plain.tokenizer, where),
             formats={name: FormatSection.from_json(section, f"{where}: formats.{name}")
                      for name, section in formats.items()},
             units=_tuple_of(UnitSummary, plain.units, where),
             totals=Totals.from_json(plain.totals, where) if isinstance(plain.totals, dict)
             else plain.totals)
+        for unit in manifest.units:
+            unit.check(where)
+        for name in manifest.formats:
+            plain_name(name, where, "format name")
+        return manifest
 
     def to_json(self) -> dict[str, Any]:
         data = _plain(self)

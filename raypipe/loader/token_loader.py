@@ -25,6 +25,7 @@ import torch
 from raypipe.dataset import LLMBatchDataset, StreamWindow, TokenDataset
 from raypipe.errors import ConfigError, StateError
 from raypipe.loader.prefetch import HostRing, Prefetcher
+from raypipe.loader.state import STATE_VERSION, LoaderState
 from raypipe.sampling.batches import (
     BatchBuffers,
     BatchBuilder,
@@ -35,7 +36,6 @@ from raypipe.sampling.batches import (
 from raypipe.sampling.pack import PACKINGS
 from raypipe.sampling.plans import MODES, PackingReport, Plan, PreformedPlan, make_plan
 
-STATE_VERSION = 1
 DESCRIBE_STEPS = 64
 HANDOFF_CHUNK = 4  # at most this many batches per producer->trainer handoff
 HANDOFF_ELEMENTS = 1 << 20  # ... and only while a batch buffer is under 1 M elements
@@ -83,6 +83,8 @@ class TokenLoader:
         self.preformed = mode == "llmbatch"  # rows come pre-formed, one batch per observation
         if self.preformed:
             self.dataset: Any = LLMBatchDataset(path)
+            for index in range(self.dataset.num_shards):  # every file checked up front
+                self.dataset.reader(index)
             seq_len, batch_size = self._preformed_shape(seq_len, batch_size)
             self.source = None
         else:
@@ -145,6 +147,11 @@ class TokenLoader:
                                  self.seq_len, self.seed, epoch, self.block_documents,
                                  self.packing)
             self._plan = (epoch, plan)
+            if plan.size < self.global_batch:
+                raise ConfigError(
+                    f"{self.dataset.root}: epoch {epoch} has {plan.size} observations, fewer "
+                    f"than one global step (world_size {self.world_size} x batch_size "
+                    f"{self.observations_per_batch}): every rank would get no batch")
             if not self._warned and self.rank == 0:  # one warning per loader, not per rank
                 self._warned = plan.report().warn_if_wasteful(
                     f"TokenLoader({self.dataset.root}, mode={self.mode!r}"
@@ -234,26 +241,24 @@ class TokenLoader:
         return knobs
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "dataset": self.dataset.fingerprint,
-                "format": self.dataset.format_name,
-                "knobs": self._knobs(),
-                "epoch": self.epoch, "position": self.position,
-                "saved_with": {"world_size": self.world_size, "batch_size": self.batch_size}}
+        return LoaderState(STATE_VERSION, self.dataset.fingerprint, self.dataset.format_name,
+                           self._knobs(), self.epoch, self.position,
+                           {"world_size": self.world_size, "batch_size": self.batch_size}
+                           ).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise StateError(f"loader state version {state.get('version')!r} is not "
-                             f"{STATE_VERSION}")
-        if state.get("dataset") != self.dataset.fingerprint:
+        """Resume from `state` (any rank's `state_dict()`, any world size)."""
+        checked = LoaderState.from_dict(state)
+        if checked.dataset != self.dataset.fingerprint:
             raise StateError(
-                f"loader state was made for dataset {state.get('dataset')!r} but "
+                f"loader state was made for dataset {checked.dataset!r} but "
                 f"{self.dataset.root} is {self.dataset.fingerprint!r}: a shard or the manifest "
                 "changed since the checkpoint")
-        if state.get("knobs") != self._knobs():
-            raise StateError(f"loader state knobs {state.get('knobs')} differ from this "
+        if checked.knobs != self._knobs():
+            raise StateError(f"loader state knobs {checked.knobs} differ from this "
                              f"loader's {self._knobs()}")
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if position < 0 or position > self.plan(epoch).size:
+        epoch, position = checked.epoch, checked.position
+        if position > self.plan(epoch).size:
             raise StateError(f"loader state position {position} outside epoch {epoch} "
                              f"(size {self.plan(epoch).size})")
         self.epoch, self.position = epoch, position

@@ -11,6 +11,7 @@ any task starts. Cost: one footer read per file (~1 ms locally).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import PurePosixPath
 
@@ -21,6 +22,7 @@ import pyarrow.parquet as pq
 from raypipe.errors import InputError
 from raypipe.io.filesystem import filesystem_and_path, uri_of
 from raypipe.io.manifest import WorkUnit
+from raypipe.preprocess.texts import can_hold_text
 
 GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -56,32 +58,52 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
 
 
 def expand_input(spec: str) -> list[str]:
-    """One input spec -> sorted file URIs."""
+    """One input spec -> sorted file URIs (local files by their resolved path)."""
     filesystem, path = filesystem_and_path(spec)
     if GLOB_CHARS.search(path):
         base = path[:GLOB_CHARS.search(path).start()].rsplit("/", 1)[0] or "/"
-        infos = _list_recursive(filesystem, base, spec)
         pattern = glob_regex(path)
-        matches = [i.path for i in infos if i.is_file and pattern.fullmatch(i.path)]
+        matches = [p for p in _list_files(filesystem, base, spec) if pattern.fullmatch(p)]
     else:
         info = filesystem.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise InputError(f"{spec}: no such file or directory")
         if info.type == pafs.FileType.Directory:
-            infos = _list_recursive(filesystem, path, spec)
-            matches = [i.path for i in infos if i.is_file and i.path.endswith(".parquet")]
+            matches = [p for p in _list_files(filesystem, path, spec) if p.endswith(".parquet")]
         elif info.type == pafs.FileType.File:
             matches = [path]
         else:  # a FIFO, socket or device would block or mislead the parquet reader
             raise InputError(f"{spec}: not a regular file ({info.type.name})")
-    return sorted(uri_of(m, spec) for m in matches)
+    if isinstance(filesystem, pafs.LocalFileSystem):  # one identity per file
+        matches = [os.path.realpath(m) for m in matches]
+    return sorted({uri_of(m, spec) for m in matches})
 
 
-def _list_recursive(filesystem: pafs.FileSystem, base: str, spec: str) -> list[pafs.FileInfo]:
+def _list_files(filesystem: pafs.FileSystem, base: str, spec: str) -> list[str]:
+    """Every file below `base`. Locally a walk that follows directory links but enters each
+    directory (by device and inode) once, so a link loop ends instead of multiplying."""
     try:
-        return filesystem.get_file_info(pafs.FileSelector(base, recursive=True))
+        if isinstance(filesystem, pafs.LocalFileSystem):
+            return _walk_local(base)
+        infos = filesystem.get_file_info(pafs.FileSelector(base, recursive=True))
+        return [info.path for info in infos if info.is_file]
     except (OSError, pa.ArrowException) as exc:
         raise InputError(f"{spec}: cannot list {base}: {exc}") from exc
+
+
+def _walk_local(base: str) -> list[str]:
+    seen: set[tuple[int, int]] = set()
+    files = []
+    for root, directories, names in os.walk(base, followlinks=True):
+        status = os.stat(root)
+        if (status.st_dev, status.st_ino) in seen:
+            directories[:] = []
+            continue
+        seen.add((status.st_dev, status.st_ino))
+        directories.sort()
+        files.extend(os.path.join(root, name) for name in sorted(names)
+                     if os.path.isfile(os.path.join(root, name)))
+    return files
 
 
 def expand_inputs(specs: tuple[str, ...] | list[str]) -> list[str]:
@@ -112,12 +134,17 @@ def units_of_file(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUni
     """Split one file into consecutive row-group ranges of about `unit_bytes` each; every
     name in `columns` (text column first) must exist."""
     parquet = open_parquet(uri)
-    available = parquet.schema_arrow.names
+    schema = parquet.schema_arrow
+    available = schema.names
     for role, column in zip(["text column"] + ["column"] * len(columns), columns,
                             strict=False):
         if column not in available:
             raise InputError(f"{uri}: {role} {column!r} not found; "
                              f"available columns: {available}")
+    text_type = schema.field(columns[0]).type
+    if not can_hold_text(text_type):
+        raise InputError(f"{uri}: text column {columns[0]!r} has type {text_type}, which "
+                         "cannot hold text (expected string, binary or a dictionary of them)")
     meta = parquet.metadata
     units: list[WorkUnit] = []
     start, rows, size, first_row = 0, 0, 0, 0

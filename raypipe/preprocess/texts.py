@@ -22,6 +22,25 @@ def _is_any(kind: pa.DataType, predicates: tuple) -> bool:
     return any(predicate(kind) for predicate in predicates)
 
 
+def can_hold_text(kind: pa.DataType) -> bool:
+    """String or binary (plain, large, view), a dictionary of those, or all-null."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_null(kind) or _is_any(kind, STRING_TYPES + BINARY_TYPES)
+
+
+def plain_text_column(column: pa.Array) -> pa.Array:
+    """Dictionary-encoded columns decoded; view types cast to their large form (the compute
+    kernels used below have no view kernels)."""
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if pa.types.is_string_view(column.type):
+        column = pc.cast(column, pa.large_string())
+    elif pa.types.is_binary_view(column.type):
+        column = pc.cast(column, pa.large_binary())
+    return column
+
+
 def decode_binary(column: pa.Array, skipped: Counter) -> pa.Array:
     """Binary -> string, with invalid UTF-8 rows turned into nulls and counted."""
     try:
@@ -49,6 +68,7 @@ def clean_texts_with_rows(column: pa.Array | pa.ChunkedArray, max_document_chars
     """Kept texts, their row indices in `column`, and skipped rows by reason."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
+    column = plain_text_column(column)
     rows = pa.array(np.arange(len(column), dtype=np.int64))
     skipped: Counter = Counter()
     if _is_any(column.type, BINARY_TYPES):

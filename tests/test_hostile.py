@@ -1,0 +1,156 @@
+"""Hostile and odd inputs and outputs: every name and path read from a manifest is checked
+before use, and nothing is written outside the destination; loader states are checked field
+by field; impossible world sizes are refused; odd text columns are tokenized or refused at
+planning; special-token literals in text cannot forge a special id."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raypipe.errors import ConfigError, FormatError, InputError, StateError
+from raypipe.loader import TokenLoader
+from raypipe.tools.convert import convert_dataset
+from raypipe.tools.inspect import inspect_dataset
+from raypipe.tools.verify import verify_dataset
+
+HOSTILE_NAMES = ["../../../outside/PWNED", "/tmp/abs-PWNED", "a/b", "..", ".", "", "x\x00y"]
+
+
+def edit_manifest(root, edit) -> None:
+    manifest = json.loads((root / "manifest.json").read_text())
+    edit(manifest)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def crafted_fields():
+    """(label, the format it breaks or None for all, edit) for every name or path field."""
+    for name in HOSTILE_NAMES:
+        for fmt in ("megatron", "stream", "llmbatch"):
+            yield (f"{fmt} shard name {name!r}", fmt,
+                   lambda m, f=fmt, n=name: m["formats"][f]["shards"][0].update(name=n))
+            yield (f"{fmt} file path {name!r}", fmt,
+                   lambda m, f=fmt, n=name: m["formats"][f]["shards"][0]["files"][0].update(
+                       path=n))
+        yield (f"unit name {name!r}", None, lambda m, n=name: m["units"][0].update(name=n))
+
+
+def users_of(root, destination, fmt):
+    """Everything that reads the dataset's format `fmt` (None: any format)."""
+    readers = {
+        "megatron": [lambda: TokenLoader(root, 16, 2, mode="windows", format="megatron"),
+                     lambda: convert_dataset(root, destination, "nanogpt")],
+        "stream": [lambda: TokenLoader(root, 16, 2, mode="windows", format="stream")],
+        "llmbatch": [lambda: TokenLoader(root, mode="llmbatch")],
+    }
+    chosen = [use for name, uses in readers.items() if fmt in (None, name) for use in uses]
+    return [lambda: verify_dataset(root), lambda: inspect_dataset(root), *chosen]
+
+
+@pytest.mark.parametrize("label,fmt,edit", list(crafted_fields()), ids=lambda v: str(v)[:40])
+def test_every_manifest_name_and_path_is_checked_before_use(rich_dataset, tmp_path, label,
+                                                            fmt, edit):
+    root = tmp_path / "data"
+    shutil.copytree(rich_dataset, root)
+    edit_manifest(root, edit)
+    destination = tmp_path / "deep" / "er" / "dst"
+    for use in users_of(root, destination, fmt):
+        with pytest.raises(FormatError):
+            use()
+    outside = [p for p in tmp_path.rglob("*PWNED*")]
+    assert outside == [], label
+    assert not destination.exists() or not any((destination).rglob("*.bin")), label
+
+
+def test_unknown_fields_types_and_versions_are_refused(rich_dataset, tmp_path):
+    root = tmp_path / "data"
+    shutil.copytree(rich_dataset, root)
+    cases = {
+        "documents": lambda m: m["formats"]["megatron"]["shards"][0].update(documents="7"),
+        "bytes": lambda m: m["formats"]["megatron"]["shards"][0]["files"][0].update(
+            bytes=-1),
+        "tokenizer": lambda m: m.update(tokenizer=[]),
+        "manifest_version": lambda m: m.update(manifest_version=2),
+    }
+    original = (root / "manifest.json").read_text()
+    for field, edit in cases.items():
+        (root / "manifest.json").write_text(original)
+        edit_manifest(root, edit)
+        with pytest.raises(FormatError) as info:
+            verify_dataset(root)
+        assert "manifest.json" in str(info.value), field
+
+
+@pytest.mark.parametrize("field,value", [
+    ("position", 12.7), ("position", "12"), ("position", True), ("position", -1),
+    ("epoch", -1), ("epoch", 0.5), ("epoch", "0"), ("epoch", 10**30), ("epoch", None),
+    ("version", "1"), ("knobs", "bestfit"), ("dataset", 7), ("saved_with", 3)])
+def test_loader_state_fields_are_type_and_range_checked(token_dataset, field, value):
+    loader = TokenLoader(token_dataset, 16, 2, mode="windows")
+    state = {**loader.state_dict(), field: value}
+    with pytest.raises(StateError, match=field):
+        TokenLoader(token_dataset, 16, 2, mode="windows").load_state_dict(state)
+
+
+@pytest.mark.parametrize("missing", ["version", "dataset", "knobs", "epoch", "position"])
+def test_loader_state_with_a_missing_key_names_it(token_dataset, missing):
+    state = TokenLoader(token_dataset, 16, 2, mode="windows").state_dict()
+    del state[missing]
+    with pytest.raises(StateError, match=missing):
+        TokenLoader(token_dataset, 16, 2, mode="windows").load_state_dict(state)
+
+
+def test_fewer_observations_than_ranks_times_batch_is_an_error(token_dataset):
+    loader = TokenLoader(token_dataset, 16, 4, mode="documents", world_size=1000)
+    with pytest.raises(ConfigError, match=r"world_size 1000 x batch_size 4"):
+        next(iter(loader))
+
+
+def write_column(path, column: pa.Array) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": column}), path)
+
+
+@pytest.mark.parametrize("kind", ["dictionary", "large_string", "string_view"])
+def test_odd_string_columns_are_tokenized(tmp_path, tokenizer_path, corpus_texts, kind):
+    from raypipe.config import load_config
+    from raypipe.preprocess.job import run_job
+
+    texts = corpus_texts[:30] + corpus_texts[:10]  # repeats: a real dictionary
+    column = {"dictionary": pa.array(texts).dictionary_encode(),
+              "large_string": pa.array(texts, pa.large_string()),
+              "string_view": pa.array(texts, pa.string_view())}[kind]
+    write_column(tmp_path / "in" / "a.parquet", column)
+    summary = run_job(load_config(None, inputs=[str(tmp_path / "in")],
+                                  output=str(tmp_path / "out"), tokenizer=tokenizer_path))
+    assert summary.documents == len(texts) and summary.skipped == {}
+
+
+@pytest.mark.parametrize("column", [pa.array([[1, 2], [3]]), pa.array([{"a": 1}, {"a": 2}]),
+                                    pa.array([1.5, 2.5])])
+def test_a_column_that_cannot_hold_text_is_refused_at_planning(tmp_path, tokenizer_path,
+                                                               column):
+    from raypipe.config import load_config
+    from raypipe.preprocess.job import run_job
+
+    write_column(tmp_path / "in" / "a.parquet", column)
+    with pytest.raises(InputError, match=r"a.parquet: text column 'text' has type"):
+        run_job(load_config(None, inputs=[str(tmp_path / "in")],
+                            output=str(tmp_path / "out"), tokenizer=tokenizer_path))
+    assert not (tmp_path / "out").exists()  # refused before the output was touched
+
+
+def test_a_symlink_loop_and_two_spellings_take_each_file_once(tmp_path, tokenizer_path,
+                                                               corpus_texts):
+    from raypipe.preprocess.inputs import expand_inputs
+
+    write_column(tmp_path / "in" / "sub" / "a.parquet", pa.array(corpus_texts[:3]))
+    (tmp_path / "in" / "sub" / "back").symlink_to(tmp_path / "in")
+    (tmp_path / "in" / "alias").symlink_to(tmp_path / "in" / "sub")
+    files = expand_inputs([str(tmp_path / "in"), str(tmp_path / "in" / "sub" / "a.parquet"),
+                           str(tmp_path / "in" / "alias" / "a.parquet")])
+    assert files == [str((tmp_path / "in" / "sub" / "a.parquet").resolve())]
