@@ -26,6 +26,8 @@ PACKINGS = ("split", "crop", "concat", "bestfit")  # bestfit: the old name of cr
 # Fields that do not change output bytes: excluded from the fingerprint.
 EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
+# fields added after 0.1 -> the value that behaves as 0.1 did (not part of the fingerprint)
+LEGACY_VALUES = {"special_tokens_in_text": "special"}
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
@@ -75,6 +77,10 @@ class TokenizeConfig:
                                         "BOS, tails cropped) or concat")
     seed: int = option(0, help="llmbatch: record shuffle seed")
     batches_per_shard: int = option(1024, help="llmbatch: batches per file")
+    special_tokens_in_text: str = option(
+        "text", help="a special token's literal typed in a document (e.g. <|endoftext|>): "
+                     "text (encode its characters; no document can forge a BOS/EOS id) or "
+                     "special (the special id, tokenizers' default)")
     encode_batch_rows: int = option(1024, help="rows per tokenizer call (bounds worker "
                                                "memory)")
     num_workers: int | None = option(None, help="tokenizer actors (default: all CPUs)")
@@ -106,6 +112,9 @@ class TokenizeConfig:
                 raise ConfigError("llmbatch: needs --seq-len T (>= 2) and --batch-size B")
             if self.packing not in PACKINGS:
                 raise ConfigError(f"packing: {self.packing!r} not among {list(PACKINGS)}")
+        if self.special_tokens_in_text not in ("text", "special"):
+            raise ConfigError(f"special_tokens_in_text: {self.special_tokens_in_text!r} not "
+                              "among ['text', 'special']")
         if self.num_workers is not None and self.num_workers < 1:
             raise ConfigError(f"num_workers: must be >= 1, got {self.num_workers}")
         if not self.bos and not self.eos:
@@ -147,8 +156,10 @@ class TokenizeConfig:
         return cls(**data)
 
     def output_fields(self) -> dict[str, Any]:
-        """The fields that determine output bytes."""
-        return {k: v for k, v in self.to_dict().items() if k not in EXECUTION_FIELDS}
+        """The fields that determine output bytes. A field added after 0.1 is left out at the
+        value that reproduces 0.1's bytes, so outputs made then keep their fingerprint."""
+        return {k: v for k, v in self.to_dict().items() if k not in EXECUTION_FIELDS
+                and LEGACY_VALUES.get(k, object()) != v}
 
     def output_fingerprint(self, tokenizer_sha256: str) -> str:
         payload = json.dumps(

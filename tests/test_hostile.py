@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -154,3 +155,45 @@ def test_a_symlink_loop_and_two_spellings_take_each_file_once(tmp_path, tokenize
     files = expand_inputs([str(tmp_path / "in"), str(tmp_path / "in" / "sub" / "a.parquet"),
                            str(tmp_path / "in" / "alias" / "a.parquet")])
     assert files == [str((tmp_path / "in" / "sub" / "a.parquet").resolve())]
+
+
+@pytest.mark.parametrize("policy", ["text", "special"])
+def test_special_token_literals_in_text_cannot_forge_a_bos_by_default(tmp_path, tokenizer_path,
+                                                                      policy):
+    from tokenizers import Tokenizer
+
+    from raypipe.config import load_config
+    from raypipe.dataset import TokenDataset
+    from raypipe.preprocess.job import run_job
+
+    texts = ["Hello<|bos|>World", "plain text", "two <|eos|> and <|bos|>"]
+    write_column(tmp_path / "in" / "a.parquet", pa.array(texts))
+    summary = run_job(load_config(None, inputs=[str(tmp_path / "in")],
+                                  output=str(tmp_path / "out"), tokenizer=tokenizer_path,
+                                  special_tokens_in_text=policy))
+    reference = Tokenizer.from_file(tokenizer_path)
+    reference.encode_special_tokens = policy == "text"
+    expected = [[0] + reference.encode(t, add_special_tokens=False).ids for t in texts]
+    documents = [d.tolist() for d in TokenDataset(tmp_path / "out").iter_documents()]
+    forged = sum(d[1:].count(0) for d in expected)
+    if policy == "text":  # no document holds a BOS (id 0) but its first token
+        assert documents == expected and forged == 0
+    else:  # tokenizers' default: the literal becomes the special id, so a trainer that
+        # finds documents by scanning for BOS sees more documents than raypipe's index
+        from raypipe.formats.base import starts_from_markers
+
+        assert documents == expected and forged == 2
+        stream = np.concatenate([np.array(d) for d in documents])
+        assert len(starts_from_markers(stream, 0, None)) - 1 == len(texts) + forged
+    assert summary.special_literals == 2 and "special-token literals in 2" in summary.render()
+
+
+def test_the_special_literal_policy_of_older_outputs_keeps_their_fingerprint():
+    from raypipe.config import load_config
+
+    old = load_config(None, inputs=["x"], output="o", tokenizer="t",
+                      special_tokens_in_text="special")
+    new = load_config(None, inputs=["x"], output="o", tokenizer="t")
+    assert "special_tokens_in_text" not in old.output_fields()
+    assert new.output_fields()["special_tokens_in_text"] == "text"
+    assert old.output_fingerprint("s") != new.output_fingerprint("s")

@@ -241,6 +241,7 @@ class UnitRecord(JsonRecord):
     started_at: float = 0.0
     finished_at: float = 0.0
     peak_rss_bytes: int = 0
+    special_literals: int = 0  # documents whose text contains a special token's literal
 
     def __post_init__(self) -> None:
         if isinstance(self.unit, dict):
@@ -318,6 +319,7 @@ class Totals(JsonRecord):
     skipped: dict[str, int] = field(default_factory=dict)
     shards: int = 0
     bytes: int = 0
+    special_literals: int = 0
 
 
 @dataclass(frozen=True)
@@ -351,7 +353,8 @@ class Manifest(JsonRecord):
                             documents=sum(r.documents for r in records),
                             tokens=sum(r.tokens for r in records),
                             skipped=dict(sorted(skipped.items())),
-                            shards=sum(len(r.shards) for r in records))
+                            shards=sum(len(r.shards) for r in records),
+                            special_literals=sum(r.special_literals for r in records))
         totals = dataclasses.replace(totals, bytes=sum(s.bytes for s in formats.values()))
         return cls(fingerprint=fingerprint, tokenizer=tokenizer, formats=dict(formats),
                    config=config, units=tuple(UnitSummary.of(r) for r in records),

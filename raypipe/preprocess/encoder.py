@@ -107,13 +107,32 @@ def flatten_documents(ids: list[list[int]], bos_id: int | None,
     return tokens, lengths
 
 
-class DocumentEncoder:
-    """Texts -> flat tokens + lengths under one BOS/EOS policy."""
+SPECIAL_TOKEN_POLICIES = ("text", "special")
 
-    def __init__(self, tokenizer: Tokenizer, bos_id: int | None, eos_id: int | None):
+
+class DocumentEncoder:
+    """Texts -> flat tokens + lengths under one BOS/EOS policy and one policy for special-
+    token literals in the text: `text` (default) encodes `<|endoftext|>` typed into a
+    document as the plain characters it is (tokenizers' `encode_special_tokens=True`, as
+    tiktoken's `encode_ordinary`), so no document can forge a BOS/EOS or other special id;
+    `special` turns it into the special id (tokenizers' default)."""
+
+    def __init__(self, tokenizer: Tokenizer, bos_id: int | None, eos_id: int | None,
+                 special_tokens_in_text: str = "text"):
+        if special_tokens_in_text not in SPECIAL_TOKEN_POLICIES:
+            raise ConfigError(f"special_tokens_in_text: {special_tokens_in_text!r} not among "
+                              f"{list(SPECIAL_TOKEN_POLICIES)}")
         self.tokenizer = tokenizer
+        self.tokenizer.encode_special_tokens = special_tokens_in_text == "text"
         self.bos_id = bos_id
         self.eos_id = eos_id
+        self.special_literals = [token.content for token in
+                                 tokenizer.get_added_tokens_decoder().values() if token.special]
+
+    def count_special_literals(self, texts: list[str]) -> int:
+        """How many texts contain a special token's literal (e.g. `<|endoftext|>`)."""
+        literals = self.special_literals
+        return sum(1 for text in texts if any(literal in text for literal in literals))
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         if not texts:

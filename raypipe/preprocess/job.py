@@ -67,6 +67,8 @@ class JobSummary:
     peak_rss_bytes: int = 0
     steady_seconds: float = 0.0
     packing: dict[str, str] = field(default_factory=dict)  # batch format -> its packing line
+    special_literals: int = 0
+    special_policy: str = "text"
 
     @property
     def tokens_per_second(self) -> float:
@@ -85,6 +87,8 @@ class JobSummary:
             f"  rows       {self.rows:,}",
             f"  documents  {self.documents:,}",
             f"  skipped    {skipped}",
+            f"  special-token literals in {self.special_literals:,} documents (encoded as "
+            f"{'plain text' if self.special_policy == 'text' else 'special ids'})",
             f"  tokens     {self.tokens:,} ({self.tokens_run:,} this run)",
             f"  shards     {self.shards} per format, {self.bytes / 1e6:,.1f} MB on disk",
             f"  wall time  {self.wall_seconds:.2f} s (Ray start-up {self.startup_seconds:.2f} s)",
@@ -115,7 +119,8 @@ def resolve_settings(config: TokenizeConfig) -> UnitSettings:
 def make_encoder(settings: UnitSettings) -> DocumentEncoder:
     single_threaded_tokenizers()
     tokenizer = load_tokenizer(settings.tokenizer.spec)
-    return DocumentEncoder(tokenizer, settings.tokenizer.bos_id, settings.tokenizer.eos_id)
+    return DocumentEncoder(tokenizer, settings.tokenizer.bos_id, settings.tokenizer.eos_id,
+                           settings.config.special_tokens_in_text)
 
 
 def serial_runner(units: list[WorkUnit], settings: UnitSettings) -> Iterable[UnitRecord]:
@@ -204,7 +209,9 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
         peak_rss_bytes=max((r.peak_rss_bytes for r in fresh), default=0),
         steady_seconds=steady_seconds(fresh),
         packing={name: packing_line(section.options) for name, section in
-                 manifest.formats.items() if "used_tokens" in section.options})
+                 manifest.formats.items() if "used_tokens" in section.options},
+        special_literals=totals.special_literals,
+        special_policy=config.special_tokens_in_text)
 
 
 def add_batch_formats(config: TokenizeConfig, output: Path, manifest: Manifest) -> Manifest:

@@ -225,7 +225,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings,
     if metadata is not None:
         columns += [*config.metadata_columns, *filter(None, [config.span_column])]
     skipped: Counter = Counter()
-    rows = documents = tokens_total = 0
+    rows = documents = tokens_total = special_literals = 0
     try:
         batches = parquet.iter_batches(batch_size=config.encode_batch_rows,
                                        row_groups=range(unit.row_group_start, unit.row_group_stop),
@@ -234,6 +234,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings,
             texts, kept, batch_skipped = clean_texts_with_rows(
                 batch.column(config.text_column), config.max_document_chars)
             skipped.update(batch_skipped)
+            special_literals += encoder.count_special_literals(texts)
             offsets = None
             if metadata is not None and config.span_column:
                 tokens, lengths, offsets = encoder.encode_with_offsets(texts)
@@ -253,6 +254,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings,
     record = UnitRecord(
         unit=unit, fingerprint=settings.fingerprint, rows=rows, documents=documents,
         tokens=tokens_total, skipped=dict(sorted(skipped.items())), shards=tuple(shards),
+        special_literals=special_literals,
         seconds=round(time.perf_counter() - started, 4), started_at=started_at,
         finished_at=time.time(),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
