@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,7 +23,14 @@ from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, ShardReader, document_formats
 from raypipe.formats.base import shard_prefix
 from raypipe.formats.llmbatch import PAD_ID
-from raypipe.io.manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest, safe_join
+from raypipe.io.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardEntry,
+    file_problem,
+    read_manifest,
+    safe_join,
+)
 
 
 @dataclass
@@ -64,16 +70,13 @@ class ShardSet:
         return len(self.shards)
 
     def _check_files(self, index: int) -> None:
-        """Every file of the shard exists with the manifest's size (a stat each), so a shard
-        that vanished or was rewritten since the manifest is refused, naming the file."""
+        """Every file of the shard is the one committed (a stat each: size and modification
+        time; a changed time is settled by sha256), so a shard that vanished or was edited
+        since the manifest is refused, naming the file."""
         for entry in self.shards[index].files:
-            path = safe_join(self.root, entry.path)
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                raise FormatError(path, "file listed in the manifest is missing") from None
-            if size != entry.bytes:
-                raise FormatError(path, "size differs from the manifest", entry.bytes, size)
+            problem = file_problem(self.root, entry)
+            if problem is not None:
+                raise FormatError(safe_join(self.root, entry.path), problem)
 
     def reader(self, index: int) -> Any:
         if index not in self._readers:

@@ -197,3 +197,85 @@ def test_the_special_literal_policy_of_older_outputs_keeps_their_fingerprint():
     assert "special_tokens_in_text" not in old.output_fields()
     assert new.output_fields()["special_tokens_in_text"] == "text"
     assert old.output_fingerprint("s") != new.output_fingerprint("s")
+
+
+def test_a_byte_flipped_in_a_committed_shard_is_caught_by_the_rerun_and_the_loader(
+        tmp_path, corpus_dir, tokenizer_path, caplog):
+    from raypipe.config import load_config
+    from raypipe.preprocess.job import run_job
+    from tests.helpers import shard_files
+
+    config = load_config(None, inputs=[str(corpus_dir)], output=str(tmp_path / "out"),
+                         tokenizer=tokenizer_path, unit_bytes=1)
+    first = run_job(config)
+    clean = shard_files(tmp_path / "out")
+    state = TokenLoader(tmp_path / "out", 16, 2, mode="windows").state_dict()
+    victim = sorted((tmp_path / "out" / "megatron").glob("*.bin"))[2]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size
+    victim.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="contents changed since the commit") as refused:
+        TokenLoader(tmp_path / "out", 16, 2, mode="windows").load_state_dict(state)
+    assert str(victim) in str(refused.value)
+    with caplog.at_level("WARNING", logger="raypipe"):
+        again = run_job(config)
+    assert again.units_run == 1 and first.units > 1  # only the edited unit, and it says so
+    assert any(str(victim) in r.getMessage() for r in caplog.records)
+    assert shard_files(tmp_path / "out") == clean
+    TokenLoader(tmp_path / "out", 16, 2, mode="windows").load_state_dict(state)
+
+
+def test_a_copy_that_did_not_keep_modification_times_still_opens(token_dataset, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(token_dataset, copy, copy_function=shutil.copy)  # new mtimes
+    state = TokenLoader(token_dataset, 16, 2, mode="windows").state_dict()
+    TokenLoader(copy, 16, 2, mode="windows").load_state_dict(state)  # settled by sha256
+    verify_dataset(copy)
+
+
+def test_a_second_job_on_the_same_output_is_refused_naming_the_first(tmp_path, corpus_dir,
+                                                                     tokenizer_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from raypipe import _faults as faults
+    from raypipe.config import load_config
+    from raypipe.errors import ConfigError
+    from raypipe.preprocess.job import run_job
+    from tests.helpers import shard_files
+
+    root = Path(__file__).resolve().parents[1]
+    output, marker = tmp_path / "out", tmp_path / "paused"
+    fault = {"point": "unit.rows", "unit": "part-1", "action": "pause", "marker": str(marker)}
+    code = (f"import sys; sys.path.insert(0, {str(root)!r})\n"
+            "from raypipe.config import load_config\n"
+            "from raypipe.preprocess.job import run_job\n"
+            f"run_job(load_config(None, inputs=[{str(corpus_dir)!r}], output={str(output)!r}, "
+            f"tokenizer={tokenizer_path!r}, unit_bytes=1))\n")
+    first = subprocess.Popen([sys.executable, "-c", code], env={
+        **os.environ, faults.ENVIRONMENT_VARIABLE: json.dumps(fault)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the first job did not reach its pause point"
+        config = load_config(None, inputs=[str(corpus_dir)], output=str(output),
+                             tokenizer=tokenizer_path, unit_bytes=1)
+        temps_before = sorted(output.rglob("*.raypipe.tmp"))
+        with pytest.raises(ConfigError, match=f"pid {first.pid} on this host"):
+            run_job(config)
+        assert sorted(output.rglob("*.raypipe.tmp")) == temps_before  # its temps untouched
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    summary = run_job(config)  # the dead job's lock is taken over; the output converges
+    assert summary.units_run >= 1 and not list(output.rglob("*.raypipe.tmp"))
+    assert not (output / ".raypipe-lock.json").exists()
+    clean = tmp_path / "clean"
+    run_job(load_config(None, inputs=[str(corpus_dir)], output=str(clean),
+                        tokenizer=tokenizer_path, unit_bytes=1))
+    assert shard_files(output) == shard_files(clean)

@@ -54,8 +54,8 @@ class ShardWriter(ABC):
     def commit_file(self, suffix: str) -> FileEntry:
         """Commit one file; its entry's path is relative to the dataset root."""
         handle = self._files.pop(suffix)
-        size, sha256 = handle.commit()
-        return FileEntry(f"{self.directory.name}/{handle.final.name}", size, sha256)
+        size, sha256, mtime_ns = handle.commit()
+        return FileEntry(f"{self.directory.name}/{handle.final.name}", size, sha256, mtime_ns)
 
     @abstractmethod
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:

@@ -94,12 +94,12 @@ class HashedTempFile:
         self.handle.seek(0, os.SEEK_END)
         self.patched = True
 
-    def commit(self) -> tuple[int, str]:
-        """Close, fsync, rename onto the final name; return (size, sha256)."""
+    def commit(self) -> tuple[int, str, int]:
+        """Close, fsync, rename onto the final name; return (size, sha256, mtime_ns)."""
         self.handle.close()
         digest = file_sha256(self.temp) if self.patched else self.digest.hexdigest()
         commit_file(self.temp, self.final)
-        return self.size, digest
+        return self.size, digest, os.stat(self.final).st_mtime_ns
 
     def abort(self) -> None:
         self.handle.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import platform
 import types
@@ -30,6 +31,8 @@ from typing import Any, TypeVar
 from raypipe import _faults as faults
 from raypipe.errors import FormatError
 from raypipe.io.atomic import atomic_writer, write_json_atomic
+
+logger = logging.getLogger("raypipe")
 
 MANIFEST_NAME = "manifest.json"
 UNITS_DIR = "_units"
@@ -169,6 +172,7 @@ class FileEntry(JsonRecord):
     path: str
     bytes: int
     sha256: str
+    mtime_ns: int | None = None  # at commit; None in outputs of raypipe 0.1
 
     def check(self, where: str) -> None:
         relative_path(self.path, where)
@@ -449,16 +453,35 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def record_files_present(output: Path, record: UnitRecord) -> bool:
+def file_problem(root: Path, entry: FileEntry) -> str | None:
+    """Why the file an entry names is not the file that was committed, or None. A stat
+    decides when size and modification time match the record; a changed modification time
+    (an edit in place, or a copy that did not keep times) is settled by the file's sha256."""
+    path = safe_join(root, entry.path)
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        return "file listed in the manifest is missing"
+    if status.st_size != entry.bytes:
+        return f"size differs from the manifest (expected {entry.bytes}, found " \
+               f"{status.st_size})"
+    if entry.mtime_ns is not None and status.st_mtime_ns != entry.mtime_ns:
+        from raypipe.io.atomic import file_sha256
+
+        if file_sha256(path) != entry.sha256:
+            return "contents changed since the commit (sha256 differs from the manifest)"
+    return None
+
+
+def record_problem(output: Path, record: UnitRecord) -> str | None:
+    """The first file of a unit's record that is not intact, described, or None."""
     for shard in record.shards:
         for entries in shard.files.values():
             for entry in entries:
-                try:
-                    if os.stat(safe_join(output, entry.path)).st_size != entry.bytes:
-                        return False
-                except FileNotFoundError:
-                    return False
-    return True
+                problem = file_problem(output, entry)
+                if problem is not None:
+                    return f"{safe_join(output, entry.path)}: {problem}"
+    return None
 
 
 def committed_unit_record(output: Path, unit_name: str, fingerprint: str
@@ -468,7 +491,11 @@ def committed_unit_record(output: Path, unit_name: str, fingerprint: str
     if not path.exists():
         return None
     record = UnitRecord.from_json(read_json(path), str(path))
-    if record.fingerprint != fingerprint or not record_files_present(output, record):
+    if record.fingerprint != fingerprint:
+        return None
+    problem = record_problem(output, record)
+    if problem is not None:
+        logger.warning("re-running unit %s: %s", unit_name, problem)
         return None
     return record
 

@@ -21,6 +21,7 @@ from raypipe.config import TokenizeConfig, dump_config_yaml
 from raypipe.errors import ConfigError
 from raypipe.formats import FORMATS, get_format
 from raypipe.io.atomic import remove_stale_temps, write_bytes_atomic, write_json_atomic
+from raypipe.io.lock import output_lock
 from raypipe.io.manifest import (
     JOB_RECORD,
     MANIFEST_NAME,
@@ -178,6 +179,13 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
         extra = (*config.metadata_columns, *filter(None, [config.span_column]))
     # plan first: bad input fails before the output directory is touched
     units = plan_units(config.inputs, config.text_column, config.unit_bytes, extra)
+    with output_lock(Path(settings.output)):
+        return _run_locked(config, settings, units, runner, started)
+
+
+def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[WorkUnit],
+                runner: UnitRunner, started: float) -> JobSummary:
+    """The job while it holds the output's lock (nothing else writes there)."""
     output = prepare_output(config, settings)
     records: dict[str, UnitRecord] = {}
     pending = []
