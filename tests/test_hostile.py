@@ -279,3 +279,27 @@ def test_a_second_job_on_the_same_output_is_refused_naming_the_first(tmp_path, c
     run_job(load_config(None, inputs=[str(corpus_dir)], output=str(clean),
                         tokenizer=tokenizer_path, unit_bytes=1))
     assert shard_files(output) == shard_files(clean)
+
+
+def test_an_input_rewritten_under_the_same_name_is_re_run(tmp_path, tokenizer_path,
+                                                          corpus_texts, caplog):
+    from raypipe.config import load_config
+    from raypipe.dataset import TokenDataset
+    from raypipe.preprocess.job import run_job
+    from tests.conftest import write_parquet
+    from tests.helpers import expected_documents
+
+    corpus = tmp_path / "in"
+    write_parquet(corpus / "a.parquet", corpus_texts[:60], row_group_rows=20)
+    write_parquet(corpus / "b.parquet", corpus_texts[60:120], row_group_rows=20)
+    config = load_config(None, inputs=[str(corpus)], output=str(tmp_path / "out"),
+                         tokenizer=tokenizer_path, unit_bytes=1)
+    first = run_job(config)
+    write_parquet(corpus / "b.parquet", corpus_texts[200:260], row_group_rows=20)  # new text
+    with caplog.at_level("WARNING", logger="raypipe"):
+        again = run_job(config)
+    assert again.units_run == first.units // 2  # b's units only, and it says why
+    assert any("b.parquet changed" in r.getMessage() for r in caplog.records)
+    got = [d.tolist() for d in TokenDataset(tmp_path / "out").iter_documents()]
+    assert got == expected_documents(corpus, tokenizer_path)
+    assert run_job(config).units_run == 0  # unchanged inputs: nothing to redo

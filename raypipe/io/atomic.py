@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
 
@@ -102,7 +102,10 @@ class HashedTempFile:
         return self.size, digest, os.stat(self.final).st_mtime_ns
 
     def abort(self) -> None:
-        self.handle.close()
+        """Remove the temp file. Closing may fail (a full disk fails the final flush): the
+        file is discarded anyway, and the error that made us abort is the one to report."""
+        with suppress(OSError):
+            self.handle.close()
         self.temp.unlink(missing_ok=True)
 
 

@@ -149,6 +149,7 @@ class WorkUnit(JsonRecord):
     num_rows: int
     name: str
     first_row: int = 0
+    source: str = ""  # identity of the input file read (size + footer hash); "" = unknown
 
     def check(self, where: str) -> None:
         plain_name(self.name, where, "unit name")
@@ -484,15 +485,21 @@ def record_problem(output: Path, record: UnitRecord) -> str | None:
     return None
 
 
-def committed_unit_record(output: Path, unit_name: str, fingerprint: str
+def committed_unit_record(output: Path, unit: WorkUnit, fingerprint: str
                           ) -> UnitRecord | None:
-    """The unit's record if the unit is fully committed for this fingerprint, else None."""
-    path = unit_record_path(output, unit_name)
+    """The unit's record if the unit is fully committed for this fingerprint from the same
+    input (a record from before input identities were kept is taken as is), else None."""
+    path = unit_record_path(output, unit.name)
     if not path.exists():
         return None
     record = UnitRecord.from_json(read_json(path), str(path))
     if record.fingerprint != fingerprint:
         return None
+    if record.unit.source and unit.source and record.unit.source != unit.source:
+        logger.warning("re-running unit %s: %s changed since it was tokenized", unit.name,
+                       unit.uri)
+        return None
+    unit_name = unit.name
     problem = record_problem(output, record)
     if problem is not None:
         logger.warning("re-running unit %s: %s", unit_name, problem)

@@ -117,9 +117,25 @@ def expand_inputs(specs: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def open_parquet(uri: str) -> pq.ParquetFile:
+    return _open_with_identity(uri)[0]
+
+
+def _open_with_identity(uri: str) -> tuple[pq.ParquetFile, str]:
+    """The parquet file, and its identity: sha256 of its size and footer (the footer holds
+    every row group's offsets, sizes and statistics, so a rewrite changes it). Two small
+    reads; no timestamps, so a copy of an unchanged file keeps its identity."""
     filesystem, path = filesystem_and_path(uri)
     try:
-        return pq.ParquetFile(filesystem.open_input_file(path))
+        handle = filesystem.open_input_file(path)
+        size = handle.size()
+        handle.seek(max(size - 8, 0))
+        tail = handle.read(8)
+        footer_length = int.from_bytes(tail[:4], "little") if len(tail) == 8 else 0
+        handle.seek(max(size - 8 - footer_length, 0))
+        footer = handle.read(min(footer_length, size))
+        identity = hashlib.sha256(f"{size}:".encode() + footer).hexdigest()[:16]
+        handle.seek(0)
+        return pq.ParquetFile(handle), identity
     except (OSError, pa.ArrowException) as exc:
         raise InputError(f"{uri}: not a readable parquet file: {exc}") from exc
 
@@ -133,7 +149,7 @@ def unit_name(uri: str, start: int, stop: int) -> str:
 def units_of_file(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUnit]:
     """Split one file into consecutive row-group ranges of about `unit_bytes` each; every
     name in `columns` (text column first) must exist."""
-    parquet = open_parquet(uri)
+    parquet, identity = _open_with_identity(uri)
     schema = parquet.schema_arrow
     available = schema.names
     for role, column in zip(["text column"] + ["column"] * len(columns), columns,
@@ -154,7 +170,7 @@ def units_of_file(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUni
         size += group.total_byte_size
         if size >= unit_bytes or index == meta.num_row_groups - 1:
             units.append(WorkUnit(uri, start, index + 1, rows, unit_name(uri, start, index + 1),
-                                  first_row))
+                                  first_row, identity))
             first_row += rows
             start, rows, size = index + 1, 0, 0
     return units

@@ -190,7 +190,7 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
     records: dict[str, UnitRecord] = {}
     pending = []
     for unit in units:
-        record = committed_unit_record(output, unit.name, settings.fingerprint)
+        record = committed_unit_record(output, unit, settings.fingerprint)
         if record is None:
             pending.append(unit)
         else:
