@@ -27,7 +27,10 @@ PACKINGS = ("split", "crop", "concat", "bestfit")  # bestfit: the old name of cr
 EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
 # fields added after 0.1 -> the value that behaves as 0.1 did (not part of the fingerprint)
-LEGACY_VALUES = {"special_tokens_in_text": "special"}
+LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 << 30}
+# worker memory to tokenize one document, per character: measured 122 B (8k BPE) and ~180 B
+# (GPT-2 vocabulary) at 2-10 M characters; planned with 200 B
+BYTES_PER_CHARACTER = 200
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
@@ -63,6 +66,9 @@ class TokenizeConfig:
                                             "parallelism)")
     max_document_chars: int | None = option(10_000_000, help="longer documents are skipped "
                                                              "and counted as too_long")
+    worker_memory_budget: int = option(2 << 30, help="bytes a worker may spend tokenizing one "
+                                                     "document; documents over budget / 200 "
+                                                     "characters are skipped as too_long")
     metadata: bool = option(True, help="stream: write metadata records (--no-metadata: "
                                        "plain tokens)")
     metadata_columns: tuple[str, ...] = option((), help="stream: comma list of per-document "
@@ -104,7 +110,8 @@ class TokenizeConfig:
             raise ConfigError(f"formats: {unknown or 'none'} not among {list(FORMATS)}")
         if not 1 <= self.shard_tokens <= NANOGPT_MAX_TOKENS:
             raise ConfigError(f"shard_tokens: {self.shard_tokens} not in [1, 2^31-1]")
-        for name in ("encode_batch_rows", "unit_bytes", "batches_per_shard"):
+        for name in ("encode_batch_rows", "unit_bytes", "batches_per_shard",
+                     "worker_memory_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if any(FORMATS[f].holds == "batches" for f in self.formats):
@@ -135,6 +142,15 @@ class TokenizeConfig:
         from the Megatron shards."""
         chosen = tuple(f for f in self.formats if FORMATS[f].holds == "documents")
         return chosen if chosen else ("megatron",)
+
+    @property
+    def document_char_limit(self) -> int:
+        """The longest document tokenized: the explicit limit, or what the worker memory
+        budget allows, whichever is smaller."""
+        budget_chars = self.worker_memory_budget // BYTES_PER_CHARACTER
+        if self.max_document_chars is None:
+            return budget_chars
+        return min(self.max_document_chars, budget_chars)
 
     def format_options(self, name: str) -> dict[str, Any]:
         """The writer options of format `name` that this config sets (stream: metadata,

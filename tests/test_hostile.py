@@ -303,3 +303,21 @@ def test_an_input_rewritten_under_the_same_name_is_re_run(tmp_path, tokenizer_pa
     got = [d.tolist() for d in TokenDataset(tmp_path / "out").iter_documents()]
     assert got == expected_documents(corpus, tokenizer_path)
     assert run_job(config).units_run == 0  # unchanged inputs: nothing to redo
+
+
+def test_the_worker_memory_budget_bounds_the_longest_document(tmp_path, tokenizer_path,
+                                                               corpus_texts):
+    from raypipe.config import load_config
+    from raypipe.preprocess.job import run_job
+
+    long_text = "word " * 40_000  # 200,000 characters: ~40 MB of worker memory budgeted
+    write_column(tmp_path / "in" / "a.parquet", pa.array(corpus_texts[:5] + [long_text]))
+    small = run_job(load_config(None, inputs=[str(tmp_path / "in")],
+                                output=str(tmp_path / "small"), tokenizer=tokenizer_path,
+                                worker_memory_budget=200 * 100_000))
+    assert small.skipped == {"too_long": 1} and small.documents == 5
+    roomy = run_job(load_config(None, inputs=[str(tmp_path / "in")],
+                                output=str(tmp_path / "roomy"), tokenizer=tokenizer_path))
+    assert roomy.skipped == {} and roomy.documents == 6
+    assert "worker_memory_budget" not in load_config(
+        None, inputs=["x"], output="o", tokenizer="t").output_fields()  # 0.1 fingerprints

@@ -232,7 +232,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings,
                                        columns=list(dict.fromkeys(columns)), use_threads=False)
         for batch in _read_batches(batches, unit):
             texts, kept, batch_skipped = clean_texts_with_rows(
-                batch.column(config.text_column), config.max_document_chars)
+                batch.column(config.text_column), config.document_char_limit)
             skipped.update(batch_skipped)
             special_literals += encoder.count_special_literals(texts)
             offsets = None
