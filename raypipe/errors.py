@@ -32,6 +32,10 @@ class FormatError(RaypipeError):
             detail += f" (expected {expected}, found {actual})"
         super().__init__(detail)
 
+    def __reduce__(self) -> tuple:
+        """Pickle by the constructor's own arguments (errors cross Ray's object store)."""
+        return (type(self), (self.path, self.what, self.expected, self.actual))
+
 
 class StorageError(RaypipeError):
     """An output file cannot be written (disk full, permissions, ...)."""

@@ -321,3 +321,24 @@ def test_the_worker_memory_budget_bounds_the_longest_document(tmp_path, tokenize
     assert roomy.skipped == {} and roomy.documents == 6
     assert "worker_memory_budget" not in load_config(
         None, inputs=["x"], output="o", tokenizer="t").output_fields()  # 0.1 fingerprints
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_an_error_inside_a_ray_worker_is_one_line_naming_the_file(ray_session, tmp_path,
+                                                                  tokenizer_path, corpus_texts,
+                                                                  capsys):
+    from raypipe.cli import main
+    from tests.conftest import write_parquet
+
+    path = write_parquet(tmp_path / "in" / "bad.parquet", corpus_texts[:200], row_group_rows=50)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 3  # a data page: the footer (planning) stays readable
+    data[middle:middle + 64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
+    code = main(["tokenize", str(tmp_path / "in"), "--tokenizer", tokenizer_path,
+                 "--output", str(tmp_path / "out"), "--unit-bytes", "1"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert error[-1].startswith("raypipe: error: ") and str(path) in error[-1]
+    assert "Traceback" not in "\n".join(error)

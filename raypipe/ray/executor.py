@@ -37,9 +37,14 @@ class UnitTokenizer:
         self.encoder = make_encoder(settings)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pd.DataFrame:
-        records = [tokenize_unit(unit, self.settings, self.encoder) for unit in batch["unit"]]
-        # a pandas block holds the UnitRecord objects as they are (an Arrow block would
-        # try, fail and log a conversion warning before pickling them)
+        records: list[UnitRecord | RaypipeError] = []
+        for unit in batch["unit"]:
+            try:
+                records.append(tokenize_unit(unit, self.settings, self.encoder))
+            except RaypipeError as exc:  # bad input: no retry; raised as itself on the driver
+                records.append(exc)
+        # a pandas block holds the objects as they are (an Arrow block would try, fail and
+        # log a conversion warning before pickling them)
         return pd.DataFrame({"record": records})
 
 
@@ -59,6 +64,8 @@ def ray_runner(num_workers: int | None, address: str | None = None) -> Any:
             compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=2),
             **remote_args)
         for row in dataset.iter_rows():
+            if isinstance(row["record"], RaypipeError):
+                raise row["record"]
             yield row["record"]
     run.startup_seconds = 0.0
     return run
