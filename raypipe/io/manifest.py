@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from raypipe import _faults as faults
 from raypipe.errors import FormatError
-from raypipe.io.atomic import atomic_writer, write_json_atomic
+from raypipe.io.atomic import atomic_writer, file_sha256, write_json_atomic
 
 logger = logging.getLogger("raypipe")
 
@@ -466,11 +466,9 @@ def file_problem(root: Path, entry: FileEntry) -> str | None:
     if status.st_size != entry.bytes:
         return f"size differs from the manifest (expected {entry.bytes}, found " \
                f"{status.st_size})"
-    if entry.mtime_ns is not None and status.st_mtime_ns != entry.mtime_ns:
-        from raypipe.io.atomic import file_sha256
-
-        if file_sha256(path) != entry.sha256:
-            return "contents changed since the commit (sha256 differs from the manifest)"
+    moved = entry.mtime_ns is not None and status.st_mtime_ns != entry.mtime_ns
+    if moved and file_sha256(path) != entry.sha256:
+        return "contents changed since the commit (sha256 differs from the manifest)"
     return None
 
 
