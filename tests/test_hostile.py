@@ -342,3 +342,20 @@ def test_an_error_inside_a_ray_worker_is_one_line_naming_the_file(ray_session, t
     assert code == 2
     assert error[-1].startswith("raypipe: error: ") and str(path) in error[-1]
     assert "Traceback" not in "\n".join(error)
+
+
+def test_the_temp_sweep_touches_only_raypipes_own_temp_names(tmp_path, corpus_dir,
+                                                             tokenizer_path):
+    from raypipe.config import load_config
+    from raypipe.preprocess.job import run_job
+
+    output = tmp_path / "out"
+    output.mkdir()
+    mine = output / ".notes.tmp"
+    mine.write_text("the user's")
+    stale = output / "megatron" / ".x.bin.123.raypipe.tmp"
+    stale.parent.mkdir()
+    stale.write_bytes(b"left by a killed writer")
+    run_job(load_config(None, inputs=[str(corpus_dir)], output=str(output),
+                        tokenizer=tokenizer_path))
+    assert mine.read_text() == "the user's" and not stale.exists()
