@@ -129,13 +129,25 @@ def test_manifest_records_counts_checksums_and_config(tmp_path, corpus_dir, toke
 
 
 def test_rerun_of_finished_job_does_not_touch_ray(tmp_path, corpus_dir, tokenizer_path):
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        pytest.skip("a Ray session is already running in this process")
-    from raypipe.ray.executor import run_tokenize
+    """In a fresh process (this one may hold the shared Ray session): the rerun through the
+    Ray entry point finishes without ever initializing Ray."""
+    import subprocess
+    import sys
+    from pathlib import Path
 
+    pytest.importorskip("ray")
     config = config_for(corpus_dir, tmp_path / "out", tokenizer_path)
     run_job(config)
-    summary = run_tokenize(config)
-    assert summary.units_run == 0 and not ray.is_initialized()
-    assert "nothing to run" in summary.render()
+    root = Path(__file__).resolve().parents[1]
+    code = (f"import sys; sys.path.insert(0, {str(root)!r})\n"
+            "import ray\n"
+            "from tests.test_job import config_for\n"
+            "from raypipe.ray.executor import run_tokenize\n"
+            f"summary = run_tokenize(config_for({str(corpus_dir)!r}, {str(tmp_path / 'out')!r}, "
+            f"{tokenizer_path!r}))\n"
+            "print(summary.units_run, ray.is_initialized())\n"
+            "print(summary.render())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.splitlines()[0] == "0 False"
+    assert "nothing to run" in done.stdout
