@@ -1,11 +1,12 @@
 """The tokenize job, independent of where units run: plan, skip committed, run, manifest.
 
-Invariant: a job (1) resolves the tokenizer and fingerprint, (2) refuses an output made
-with a different output-shaping config unless `overwrite`, (3) plans units and checks the
-text column of every file before running anything, (4) runs only units without a valid
-commit record, (5) writes `manifest.json` last. Rerunning a finished job launches nothing
-and rewrites nothing. `run_units` is the only part that differs between executors (serial
-here, a Ray actor pool in raypipe.ray).
+Invariant: a job (1) resolves the tokenizer and fingerprint, (2) plans units and checks the
+text column of every file before touching the output, (3) takes the output's lock (one job
+per output), (4) refuses an output made with a different output-shaping config unless
+`overwrite`, (5) runs only units without a valid commit record (same fingerprint, same
+input identity, files intact), (6) writes `manifest.json` last. Rerunning a finished job
+launches nothing and rewrites nothing. The unit runner is the only part that differs
+between executors (serial here, a Ray actor pool in raypipe.ray).
 """
 
 from __future__ import annotations
