@@ -11,6 +11,7 @@ create and one unlink per job.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 from raypipe.errors import ConfigError
 
 LOCK_NAME = ".raypipe-lock.json"
+logger = logging.getLogger("raypipe")
 
 
 def _alive(pid: int) -> bool:
@@ -63,7 +65,9 @@ def output_lock(directory: Path) -> Iterator[None]:
         same_host = holder.get("host") == socket.gethostname()
         pid = holder.get("pid")
         if same_host and isinstance(pid, int) and not _alive(pid):
-            path.unlink(missing_ok=True)  # a killed job's lock: take it over
+            logger.warning("%s: taking over the lock of a job that died (pid %s)", directory,
+                           pid)
+            path.unlink(missing_ok=True)
             continue
         where = "this host" if same_host else f"host {holder.get('host')!r}"
         since = time.strftime("%H:%M:%S", time.localtime(holder.get("started_at", 0)))
