@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -23,14 +25,19 @@ from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, ShardReader, document_formats
 from raypipe.formats.base import shard_prefix
 from raypipe.formats.llmbatch import PAD_ID
+from raypipe.io.cache import ShardCache
 from raypipe.io.manifest import (
     MANIFEST_NAME,
+    FileEntry,
     Manifest,
     ShardEntry,
+    as_store,
     file_problem,
     read_manifest,
-    safe_join,
 )
+from raypipe.io.store import Store, dataset_key
+
+PREFETCH_THREADS = 4
 
 
 @dataclass
@@ -47,23 +54,41 @@ class StreamWindow:
 
 
 class ShardSet:
-    """The shards of one format of an output, opened lazily through the registry: each
-    opened shard's files are first checked against the manifest (a stat each), then its
-    reader's counts."""
+    """The shards of one format of an output, opened lazily through the registry.
 
-    def __init__(self, root: str | Path, format_name: str, manifest: Manifest):
-        self.root = Path(root)
+    Local outputs: each opened shard's files are first checked against the manifest (a stat
+    each), then its reader's counts. Outputs on object storage: a shard's files come into the
+    node-local `cache` (size and sha256 checked on arrival) before its reader opens them;
+    `prefetch` fetches shards ahead on background threads, and the least recently used open
+    shards are closed once they hold more than half the cache's budget, so eviction can
+    reclaim their space."""
+
+    def __init__(self, root: str | Path | Store, format_name: str, manifest: Manifest,
+                 cache: ShardCache | None = None):
+        self.store = as_store(root)
+        self.root = self.store.uri
         self.manifest = manifest
         if format_name not in manifest.formats:
-            raise FormatError(self.root / MANIFEST_NAME, f"format {format_name!r} not in "
-                              "this dataset", list(manifest.formats), format_name)
+            raise FormatError(self.store.uri_of(MANIFEST_NAME), f"format {format_name!r} not "
+                              "in this dataset", list(manifest.formats), format_name)
         self.format_name = format_name
         self.format = FORMATS[format_name]
         self.section = manifest.formats[format_name]
         self.shards: tuple[ShardEntry, ...] = self.section.shards
         self.bos_id: int | None = manifest.tokenizer.bos_id
         self.eos_id: int | None = manifest.tokenizer.eos_id
-        self._readers: dict[int, Any] = {}
+        self._readers: OrderedDict[int, Any] = OrderedDict()
+        self.cache: ShardCache | None = None
+        if self.store.local:
+            self.local_root = self.store.root
+        else:
+            self.cache = cache or ShardCache()
+            self.key = dataset_key(self.store.uri, json.dumps(
+                manifest.to_json(), sort_keys=True).encode())
+            self.local_root = self.cache.dataset_dir(self.key)
+        self._fetching: dict[int, Future] = {}
+        self._pinned: dict[int, list[Path]] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def num_shards(self) -> int:
@@ -74,24 +99,78 @@ class ShardSet:
         time; a changed time is settled by sha256), so a shard that vanished or was edited
         since the manifest is refused, naming the file."""
         for entry in self.shards[index].files:
-            problem = file_problem(self.root, entry)
+            problem = file_problem(self.store, entry)
             if problem is not None:
-                raise FormatError(safe_join(self.root, entry.path), problem)
+                raise FormatError(self.store.uri_of(entry.path), problem)
+
+    # ----- object storage: fetching into the cache ---------------------------------------
+    def _fetch(self, entries: tuple[FileEntry, ...]) -> list[Path]:
+        assert self.cache is not None
+        return [self.cache.fetch(self.store, self.key, entry) for entry in entries]
+
+    def prefetch(self, indices: Iterable[int]) -> None:
+        """Start fetching these shards into the cache (object storage; no-op locally)."""
+        if self.cache is None:
+            return
+        for index in indices:
+            if index in self._readers or index in self._fetching:
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(PREFETCH_THREADS, "raypipe-fetch")
+            self._fetching[index] = self._pool.submit(self._fetch, self.shards[index].files)
+
+    def close(self) -> None:
+        """Stop background fetches and close every open shard."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._fetching.clear()
+        while self._readers:
+            self._close_oldest()
+
+    def _close_oldest(self) -> None:
+        index, _ = self._readers.popitem(last=False)
+        if self.cache is not None:
+            self.cache.unpin(self._pinned.pop(index, []))
+
+    def _shard_bytes(self, index: int) -> int:
+        return sum(entry.bytes for entry in self.shards[index].files)
 
     def reader(self, index: int) -> Any:
-        if index not in self._readers:
-            shard = self.shards[index]
+        reader = self._readers.get(index)
+        if reader is not None:
+            if self.cache is not None:
+                self._readers.move_to_end(index)
+            return reader
+        return self._open(index)
+
+    def _open(self, index: int) -> Any:
+        shard = self.shards[index]
+        if self.cache is None:
             self._check_files(index)
-            reader = self.format.reader.from_manifest(self.root, shard, self.section,
-                                                      self.manifest.tokenizer)
-            self.check_reader(reader, shard)
-            self._readers[index] = reader
-        return self._readers[index]
+        else:
+            future = self._fetching.pop(index, None)
+            paths = future.result() if future is not None else self._fetch(shard.files)
+            self.cache.pin(paths)
+            self._pinned[index] = paths
+        reader = self.format.reader.from_manifest(self.local_root, shard, self.section,
+                                                  self.manifest.tokenizer)
+        self.check_reader(reader, shard)
+        self._readers[index] = reader
+        if self.cache is not None:
+            self._close_over_budget()
+        return reader
+
+    def _close_over_budget(self) -> None:
+        assert self.cache is not None
+        open_bytes = sum(self._shard_bytes(index) for index in self._readers)
+        while len(self._readers) > 1 and open_bytes > self.cache.budget_bytes // 2:
+            open_bytes -= self._shard_bytes(next(iter(self._readers)))
+            self._close_oldest()
 
     def check_reader(self, reader: Any, shard: ShardEntry) -> None:
         """Once per opened shard: its contents match its manifest entry."""
-        reader.check_counts(shard, safe_join(self.root, shard.files[0].path))
-
+        reader.check_counts(shard, self.store.uri_of(shard.files[0].path))
 
     @cached_property
     def fingerprint(self) -> str:
@@ -102,16 +181,16 @@ class ShardSet:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def choose_document_format(root: Path, manifest: Manifest, format_name: str | None) -> str:
+def choose_document_format(root: Store, manifest: Manifest, format_name: str | None) -> str:
     """The document format to read: the one named, else the first the output has."""
     available = [name for name in document_formats() if name in manifest.formats]
     if format_name is None:
         if not available:
-            raise FormatError(root / MANIFEST_NAME, "no document format to read",
+            raise FormatError(root.uri_of(MANIFEST_NAME), "no document format to read",
                               list(document_formats()), list(manifest.formats))
         return available[0]
     if format_name not in available:
-        raise FormatError(root / MANIFEST_NAME, f"format {format_name!r} is not a document "
+        raise FormatError(root.uri_of(MANIFEST_NAME), f"format {format_name!r} is not a document "
                           "format of this dataset", available, format_name)
     return format_name
 
@@ -119,11 +198,12 @@ def choose_document_format(root: Path, manifest: Manifest, format_name: str | No
 class TokenDataset(ShardSet):
     """The documents of one document format (megatron, nanogpt or stream) of an output."""
 
-    def __init__(self, root: str | Path, format_name: str | None = None,
-                 manifest: Manifest | None = None):
-        manifest = manifest or read_manifest(root)
-        super().__init__(root, choose_document_format(Path(root), manifest, format_name),
-                         manifest)
+    def __init__(self, root: str | Path | Store, format_name: str | None = None,
+                 manifest: Manifest | None = None, cache: ShardCache | None = None):
+        store = as_store(root)
+        manifest = manifest or read_manifest(store)
+        super().__init__(store, choose_document_format(store, manifest, format_name),
+                         manifest, cache)
         self.format_options = self.format.options(self.section.options)
 
     def reader(self, index: int) -> ShardReader:
@@ -146,11 +226,25 @@ class TokenDataset(ShardSet):
         return int(self.shard_token_counts.sum())
 
     def shard_prefix(self, index: int) -> Path:
-        return shard_prefix(self.root, self.shards[index])
+        """The local path prefix of a shard's files (in the cache for object storage)."""
+        if self.cache is not None:
+            self.reader(index)
+        return shard_prefix(self.local_root, self.shards[index])
+
+    def shard_document_lengths(self, index: int) -> np.ndarray:
+        """One shard's document lengths. On object storage a shard not open yet is read
+        from its index files alone (Megatron .idx, NanoGPT .bos.idx: ~1% of its bytes)."""
+        if self.cache is None or index in self._readers or not self.format.index_suffixes:
+            return self.reader(index).document_lengths
+        shard = self.shards[index]
+        self._fetch(tuple(entry for entry in shard.files
+                          if entry.path.endswith(self.format.index_suffixes)))
+        return self.format.reader.index_document_lengths(self.local_root, shard,
+                                                         self.manifest.tokenizer)
 
     def document_lengths(self) -> np.ndarray:
         """int64 length of every document, in global order."""
-        parts = [self.reader(i).document_lengths for i in range(self.num_shards)]
+        parts = [self.shard_document_lengths(i) for i in range(self.num_shards)]
         return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
 
     @cached_property
@@ -213,14 +307,16 @@ class TokenDataset(ShardSet):
 class LLMBatchDataset(ShardSet):
     """The LLMBATCH shards of an output, in manifest order: batch i of the whole dataset."""
 
-    def __init__(self, root: str | Path, manifest: Manifest | None = None):
-        manifest = manifest or read_manifest(root)
+    def __init__(self, root: str | Path | Store, manifest: Manifest | None = None,
+                 cache: ShardCache | None = None):
+        store = as_store(root)
+        manifest = manifest or read_manifest(store)
         batch_formats = [n for n, f in FORMATS.items() if f.holds == "batches"
                          and n in manifest.formats]
         if not batch_formats:
-            raise FormatError(Path(root) / MANIFEST_NAME, "no llmbatch format in this dataset",
-                              "llmbatch", list(manifest.formats))
-        super().__init__(root, batch_formats[0], manifest)
+            raise FormatError(store.uri_of(MANIFEST_NAME), "no llmbatch format in this "
+                              "dataset", "llmbatch", list(manifest.formats))
+        super().__init__(store, batch_formats[0], manifest, cache)
         options = self.section.options
         self.batch_size, self.seq_len = options["batch_size"], options["seq_len"]
         self.padded_tokens = int(options.get("padded_tokens", 0))

@@ -4,8 +4,13 @@ integration tests that ask for it."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,6 +25,22 @@ os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="rp-", dir="/tmp"))
 # laptop; this keeps every Ray node of the tests on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# Object storage: a moto S3 server on loopback (started by the `s3_server` fixture). Set
+# before any Ray worker starts so workers inherit it; never a real endpoint or credential.
+S3_PORT = _free_port()
+os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{S3_PORT}", AWS_ACCESS_KEY_ID="testing",
+                  AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                  AWS_EC2_METADATA_DISABLED="true")
+for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+    os.environ.pop(_name, None)
 
 from raypipe.demo.corpus import gather_docstrings  # noqa: E402
 from raypipe.demo.train_tokenizer import train_bpe  # noqa: E402
@@ -63,6 +84,40 @@ def ray_session():
              log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-protocol server (moto's server mode) on 127.0.0.1 for the whole session."""
+    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                str(S3_PORT)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", S3_PORT), timeout=0.2).close()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                pytest.fail("moto S3 server did not start")
+            time.sleep(0.1)
+    yield os.environ["AWS_ENDPOINT_URL"]
+    process.terminate()
+    process.wait(timeout=10)
+
+
+_BUCKETS = itertools.count()
+
+
+@pytest.fixture
+def bucket(s3_server) -> str:
+    """A fresh, empty bucket; returns its name."""
+    import boto3
+
+    name = f"rp-{os.getpid()}-{next(_BUCKETS)}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    return name
 
 
 @pytest.fixture(scope="session")

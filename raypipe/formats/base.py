@@ -85,6 +85,13 @@ class ShardReader(ABC):
                       tokenizer: TokenizerInfo) -> ShardReader:
         """Open the shard a manifest entry names (paths checked to stay inside `root`)."""
 
+    @classmethod
+    def index_document_lengths(cls, root: Path, shard: ShardEntry,
+                               tokenizer: TokenizerInfo) -> np.ndarray:
+        """Document lengths from the shard's index files alone (the files of
+        `Format.index_suffixes`), for formats that have such an index."""
+        raise NotImplementedError(f"{cls.__name__} keeps no document index")
+
     @property
     def num_documents(self) -> int:
         return len(self.document_starts) - 1
@@ -133,6 +140,7 @@ class Format:
     holds: Literal["documents", "batches"] = "documents"
     default_options: dict[str, Any] = field(default_factory=dict)
     read_order: int = 100  # which document format a reader opens when several exist
+    index_suffixes: tuple[str, ...] = ()  # files enough for document lengths (no tokens)
 
     def token_dtype(self, largest_id: int) -> np.dtype:
         return self.dtype_for_largest_id(largest_id)

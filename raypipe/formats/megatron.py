@@ -87,33 +87,30 @@ class MegatronReader(ShardReader):
                       tokenizer: TokenizerInfo) -> MegatronReader:
         return cls(shard_prefix(root, shard))
 
+    @classmethod
+    def index_document_lengths(cls, root: Path, shard: ShardEntry,
+                               tokenizer: TokenizerInfo) -> np.ndarray:
+        prefix = shard_prefix(root, shard)
+        index = MegatronIndex(prefix.with_name(prefix.name + ".idx"))
+        lengths = index.sequence_lengths.astype(np.int64)
+        if lengths.size and lengths.min() < 0:
+            raise FormatError(index.idx_path, "negative sequence length", ">= 0", lengths.min())
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        index.check_documents(lengths.size)
+        return np.diff(offsets[index.document_indices])
+
     def __init__(self, prefix: str | Path):
         prefix = Path(prefix)
         self.idx_path = prefix.with_name(prefix.name + ".idx")
         self.bin_path = prefix.with_name(prefix.name + ".bin")
-        idx_size = require_file(self.idx_path)
+        index = MegatronIndex(self.idx_path)
         bin_size = require_file(self.bin_path)
-        if idx_size < HEADER.size:
-            raise FormatError(self.idx_path, "truncated header", f">= {HEADER.size} bytes",
-                              idx_size)
-        with open(self.idx_path, "rb") as handle:
-            magic, version, code, count, doc_count = HEADER.unpack(handle.read(HEADER.size))
-        if magic != MAGIC:
-            raise FormatError(self.idx_path, "wrong magic", MAGIC, magic)
-        if version != VERSION:
-            raise FormatError(self.idx_path, "unsupported version", VERSION, version)
-        if code not in DTYPE_CODES:
-            raise FormatError(self.idx_path, "unknown dtype code", sorted(DTYPE_CODES), code)
-        expected = HEADER.size + 12 * count + 8 * doc_count
-        if idx_size not in (expected, expected + count):  # + optional int8 sequence_modes
-            require_size(self.idx_path, expected, idx_size,
-                         f"index size for S={count}, D={doc_count}")
-        self.dtype = np.dtype(DTYPE_CODES[code])
-        index = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
-        self.sequence_lengths = np.frombuffer(index, "<i4", count, HEADER.size)
-        self.sequence_pointers = np.frombuffer(index, "<i8", count, HEADER.size + 4 * count)
-        self.document_indices = np.frombuffer(index, "<i8", doc_count, HEADER.size + 12 * count)
-        offsets = self._check_consistency(bin_size, count)
+        self.dtype = index.dtype
+        self.sequence_lengths = index.sequence_lengths
+        self.sequence_pointers = index.sequence_pointers
+        self.document_indices = index.document_indices
+        offsets = self._check_consistency(bin_size, index.sequence_lengths.size)
+        index.check_documents(index.sequence_lengths.size)
         self.tokens = memmap_tokens(self.bin_path, self.dtype, 0, bin_size // self.dtype.itemsize)
         self.document_starts = offsets[self.document_indices]
 
@@ -131,13 +128,41 @@ class MegatronReader(ShardReader):
                               int(self.sequence_pointers[bad]))
         require_size(self.bin_path, int(offsets[-1]) * self.dtype.itemsize, bin_size,
                      "token file size implied by the .idx")
+        return offsets
+
+
+class MegatronIndex:
+    """The arrays of a `.idx` file, header and size checked (views of one memmap)."""
+
+    def __init__(self, idx_path: Path):
+        self.idx_path = idx_path
+        idx_size = require_file(idx_path)
+        if idx_size < HEADER.size:
+            raise FormatError(idx_path, "truncated header", f">= {HEADER.size} bytes", idx_size)
+        with open(idx_path, "rb") as handle:
+            magic, version, code, count, doc_count = HEADER.unpack(handle.read(HEADER.size))
+        if magic != MAGIC:
+            raise FormatError(idx_path, "wrong magic", MAGIC, magic)
+        if version != VERSION:
+            raise FormatError(idx_path, "unsupported version", VERSION, version)
+        if code not in DTYPE_CODES:
+            raise FormatError(idx_path, "unknown dtype code", sorted(DTYPE_CODES), code)
+        expected = HEADER.size + 12 * count + 8 * doc_count
+        if idx_size not in (expected, expected + count):  # + optional int8 sequence_modes
+            require_size(idx_path, expected, idx_size, f"index size for S={count}, D={doc_count}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        index = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        self.sequence_lengths = np.frombuffer(index, "<i4", count, HEADER.size)
+        self.sequence_pointers = np.frombuffer(index, "<i8", count, HEADER.size + 4 * count)
+        self.document_indices = np.frombuffer(index, "<i8", doc_count, HEADER.size + 12 * count)
+
+    def check_documents(self, count: int) -> None:
         indices = self.document_indices
         if len(indices) == 0 or indices[0] != 0 or indices[-1] != count or (
                 np.diff(indices) < 0).any():
             raise FormatError(self.idx_path, "document_indices must rise from 0 to S",
                               f"[0 .. {count}]", indices[:1].tolist() + indices[-1:].tolist())
-        return offsets
 
 
 MEGATRON = register(Format("megatron", (".bin", ".idx"), MegatronWriter, MegatronReader,
-                           megatron_dtype, read_order=0))
+                           megatron_dtype, read_order=0, index_suffixes=(".idx",)))

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 
 from raypipe import _faults as faults
 from raypipe.errors import FormatError
-from raypipe.io.atomic import atomic_writer, file_sha256, write_json_atomic
+from raypipe.io.atomic import atomic_writer
+from raypipe.io.store import Store
 
 logger = logging.getLogger("raypipe")
 
@@ -436,12 +437,16 @@ def safe_join(root: Path, relative: str) -> Path:
     return root / relative
 
 
-def unit_record_path(output: Path, unit_name: str) -> Path:
-    return output / UNITS_DIR / f"{unit_name}.json"
+def as_store(location: Store | str | Path) -> Store:
+    return location if isinstance(location, Store) else Store(location)
 
 
-def write_unit_record(output: Path, record: UnitRecord) -> None:
-    write_json_atomic(unit_record_path(output, record.unit.name), to_json(record))
+def unit_record_name(unit_name: str) -> str:
+    return f"{UNITS_DIR}/{unit_name}.json"
+
+
+def write_unit_record(output: Store, record: UnitRecord) -> None:
+    output.write_json(unit_record_name(record.unit.name), to_json(record))
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -454,62 +459,62 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def file_problem(root: Path, entry: FileEntry) -> str | None:
+def file_problem(root: Store | str | Path, entry: FileEntry) -> str | None:
     """Why the file an entry names is not the file that was committed, or None. A stat
-    decides when size and modification time match the record; a changed modification time
-    (an edit in place, or a copy that did not keep times) is settled by the file's sha256."""
-    path = safe_join(root, entry.path)
-    try:
-        status = os.stat(path)
-    except FileNotFoundError:
+    (a HEAD on object storage) decides when size and modification time match the record; a
+    changed modification time (an edit in place, a copy that did not keep times) is settled
+    by the file's sha256."""
+    store = as_store(root)
+    found = store.info(entry.path)
+    if found is None:
         return "file listed in the manifest is missing"
-    if status.st_size != entry.bytes:
-        return f"size differs from the manifest (expected {entry.bytes}, found " \
-               f"{status.st_size})"
-    moved = entry.mtime_ns is not None and status.st_mtime_ns != entry.mtime_ns
-    if moved and file_sha256(path) != entry.sha256:
+    size, mtime_ns = found
+    if size != entry.bytes:
+        return f"size differs from the manifest (expected {entry.bytes}, found {size})"
+    moved = entry.mtime_ns is not None and mtime_ns != entry.mtime_ns
+    if moved and store.sha256(entry.path) != entry.sha256:
         return "contents changed since the commit (sha256 differs from the manifest)"
     return None
 
 
-def record_problem(output: Path, record: UnitRecord) -> str | None:
+def record_problem(output: Store, record: UnitRecord) -> str | None:
     """The first file of a unit's record that is not intact, described, or None."""
     for shard in record.shards:
         for entries in shard.files.values():
             for entry in entries:
                 problem = file_problem(output, entry)
                 if problem is not None:
-                    return f"{safe_join(output, entry.path)}: {problem}"
+                    return f"{output.uri_of(entry.path)}: {problem}"
     return None
 
 
-def committed_unit_record(output: Path, unit: WorkUnit, fingerprint: str
+def committed_unit_record(output: Store, unit: WorkUnit, fingerprint: str
                           ) -> UnitRecord | None:
     """The unit's record if the unit is fully committed for this fingerprint from the same
     input (a record from before input identities were kept is taken as is), else None."""
-    path = unit_record_path(output, unit.name)
-    if not path.exists():
+    name = unit_record_name(unit.name)
+    if not output.exists(name):
         return None
-    record = UnitRecord.from_json(read_json(path), str(path))
+    record = UnitRecord.from_json(output.read_json(name), output.uri_of(name))
     if record.fingerprint != fingerprint:
         return None
     if record.unit.source and unit.source and record.unit.source != unit.source:
         logger.warning("re-running unit %s: %s changed since it was tokenized", unit.name,
                        unit.uri)
         return None
-    unit_name = unit.name
     problem = record_problem(output, record)
     if problem is not None:
-        logger.warning("re-running unit %s: %s", unit_name, problem)
+        logger.warning("re-running unit %s: %s", unit.name, problem)
         return None
     return record
 
 
-def read_manifest(output: str | Path) -> Manifest:
-    path = Path(output) / MANIFEST_NAME
-    if not path.exists():
-        raise FormatError(path, "no manifest: the dataset is incomplete or not a raypipe output")
-    return Manifest.from_json(read_json(path), str(path))
+def read_manifest(output: Store | str | Path) -> Manifest:
+    store = as_store(output)
+    if not store.exists(MANIFEST_NAME):
+        raise FormatError(store.uri_of(MANIFEST_NAME),
+                          "no manifest: the dataset is incomplete or not a raypipe output")
+    return Manifest.from_json(store.read_json(MANIFEST_NAME), store.uri_of(MANIFEST_NAME))
 
 
 def library_versions() -> dict[str, str]:
@@ -531,10 +536,17 @@ def shard_table(records: list[UnitRecord], format_name: str) -> tuple[ShardEntry
     return tuple(shard.entry(format_name) for record in records for shard in record.shards)
 
 
-def write_manifest(output: Path, manifest: Manifest) -> None:
-    final = output / MANIFEST_NAME
-    with atomic_writer(final) as handle:
-        handle.write((json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n").encode())
-        handle.flush()
-        faults.point("manifest.before_rename", path=final)
-    faults.point("manifest.after_rename", path=final)
+def write_manifest(output: Store | str | Path, manifest: Manifest) -> None:
+    """Write the manifest: the record that the whole dataset is complete (written last)."""
+    store = as_store(output)
+    data = (json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n").encode()
+    if store.local:
+        final = store.root / MANIFEST_NAME
+        with atomic_writer(final) as handle:
+            handle.write(data)
+            handle.flush()
+            faults.point("manifest.before_rename", path=final)
+    else:
+        faults.point("manifest.before_rename", path=store.uri_of(MANIFEST_NAME))
+        store.write_bytes(MANIFEST_NAME, data)
+    faults.point("manifest.after_rename", path=store.uri_of(MANIFEST_NAME))

@@ -24,6 +24,8 @@ import torch
 
 from raypipe.dataset import LLMBatchDataset, StreamWindow, TokenDataset
 from raypipe.errors import ConfigError, StateError
+from raypipe.io.cache import CacheStats, ShardCache
+from raypipe.io.store import Store
 from raypipe.loader.prefetch import HostRing, Prefetcher
 from raypipe.loader.state import STATE_VERSION, LoaderState
 from raypipe.sampling.batches import (
@@ -34,7 +36,15 @@ from raypipe.sampling.batches import (
     TokenSource,
 )
 from raypipe.sampling.pack import PACKINGS
-from raypipe.sampling.plans import MODES, PackingReport, Plan, PreformedPlan, make_plan
+from raypipe.sampling.plans import (
+    MODES,
+    SHUFFLES,
+    PackingReport,
+    Plan,
+    PreformedPlan,
+    ShardGroups,
+    make_plan,
+)
 
 DESCRIBE_STEPS = 64
 HANDOFF_CHUNK = 4  # at most this many batches per producer->trainer handoff
@@ -72,24 +82,39 @@ class TokenLoader:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.int64,
                  prefetch: int = 4, format: str | None = None, block_documents: int = 4096,
                  pad_id: int = 0, boundaries: bool | None = None, metadata: bool = False,
-                 block_batches: int = 64, packing: str = "split"):
+                 block_batches: int = 64, packing: str = "split", shuffle: str = "global",
+                 group_shards: int = 4, cache_dir: str | Path | None = None,
+                 cache_bytes: int | str | None = None):
+        """`path`: a dataset directory or URI (s3://, gs://, ...: shards come through the
+        node-local cache at `cache_dir`, default $RAYPIPE_CACHE_DIR or ~/.cache/raypipe,
+        holding at most `cache_bytes`, default $RAYPIPE_CACHE_BYTES or 64 GiB). `shuffle`:
+        "global" (every observation anywhere) or "shard_local" (groups of `group_shards`
+        consecutive shards, one group at a time: see raypipe.sampling.plans)."""
         if mode not in MODES:
             raise ConfigError(f"mode: {mode!r} not among {list(MODES)}")
+        if shuffle not in SHUFFLES:
+            raise ConfigError(f"shuffle: {shuffle!r} not among {list(SHUFFLES)}")
+        if shuffle == "shard_local" and (mode == "llmbatch" or group_shards < 1):
+            raise ConfigError("shuffle='shard_local' needs a document mode and group_shards "
+                              ">= 1 (llmbatch already reads blocks of consecutive batches)")
         if packing not in PACKINGS:
             raise ConfigError(f"packing: {packing!r} not among {list(PACKINGS)}")
         if dtype not in (torch.int32, torch.int64):
             raise ConfigError(f"dtype: {dtype} must be torch.int32 or torch.int64")
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.preformed = mode == "llmbatch"  # rows come pre-formed, one batch per observation
+        store = Store(path)
+        cache = None if store.local else ShardCache(cache_dir, cache_bytes)
         if self.preformed:
-            self.dataset: Any = LLMBatchDataset(path)
-            for index in range(self.dataset.num_shards):  # every file checked up front
-                self.dataset.reader(index)
+            self.dataset: Any = LLMBatchDataset(store, cache=cache)
+            for index in range(self.dataset.num_shards if cache is None else 0):
+                self.dataset.reader(index)  # every local file checked up front
             seq_len, batch_size = self._preformed_shape(seq_len, batch_size)
             self.source = None
         else:
-            self.dataset = TokenDataset(path, format)
+            self.dataset = TokenDataset(store, format, cache=cache)
             self.source = TokenSource(self.dataset)
+        self.shuffle, self.group_shards = shuffle, group_shards
         if not seq_len or not batch_size or seq_len < 1 or batch_size < 1 or prefetch < 1:
             raise ConfigError("seq_len, batch_size and prefetch must be >= 1")
         if metadata and (mode != "windows" or self.dataset.format_name != "stream"):
@@ -135,6 +160,12 @@ class TokenLoader:
             self._lengths = self.dataset.document_lengths()
         return self._lengths
 
+    def _groups(self) -> ShardGroups | None:
+        if self.shuffle == "global":
+            return None
+        return ShardGroups.of(self.dataset.shard_token_counts,
+                              self.dataset.shard_document_counts, self.group_shards)
+
     def plan(self, epoch: int | None = None) -> Plan:
         epoch = self.epoch if epoch is None else epoch
         if self._plan is None or self._plan[0] != epoch:
@@ -145,7 +176,7 @@ class TokenLoader:
             else:
                 plan = make_plan(self.mode, self.dataset.num_tokens, self._document_lengths,
                                  self.seq_len, self.seed, epoch, self.block_documents,
-                                 self.packing)
+                                 self.packing, self._groups())
             self._plan = (epoch, plan)
             if plan.size < self.global_batch:
                 raise ConfigError(
@@ -183,9 +214,18 @@ class TokenLoader:
         offsets = (np.arange(self.observations_per_batch, dtype=np.int64) * self.world_size
                    + self.rank)
         steps = (self.plan(epoch).size - start) // self.global_batch
+
+        def chunk(first: int) -> np.ndarray:
+            steps_here = np.arange(first, min(steps, first + DESCRIBE_STEPS), dtype=np.int64)
+            return start + steps_here[:, None] * self.global_batch + offsets
+
         for first in range(0, steps, DESCRIBE_STEPS):
-            chunk = np.arange(first, min(steps, first + DESCRIBE_STEPS), dtype=np.int64)
-            yield from builder.describe(start + chunk[:, None] * self.global_batch + offsets)
+            positions = chunk(first)
+            if self.dataset.cache is not None:  # fetch this chunk's and the next's shards
+                self.dataset.prefetch(builder.shards(positions).tolist())
+                if first + DESCRIBE_STEPS < steps:
+                    self.dataset.prefetch(builder.shards(chunk(first + DESCRIBE_STEPS)).tolist())
+            yield from builder.describe(positions)
 
     def __iter__(self) -> Iterator[Batch]:
         """The remaining batches of the current epoch; afterwards the epoch advances."""
@@ -229,6 +269,15 @@ class TokenLoader:
         finally:
             prefetcher.close()
 
+    def close(self) -> None:
+        """Stop background shard fetches and close open shards (object storage)."""
+        self.dataset.close()
+
+    @property
+    def cache_stats(self) -> CacheStats | None:
+        """Downloads, hits and evictions of this loader's shard cache (None when local)."""
+        return None if self.dataset.cache is None else self.dataset.cache.stats
+
     # ----- state ------------------------------------------------------------------------
     def _knobs(self) -> dict[str, Any]:
         knobs: dict[str, Any] = {"mode": self.mode, "seq_len": self.seq_len, "seed": self.seed}
@@ -238,6 +287,8 @@ class TokenLoader:
                 knobs["packing"] = self.packing
         if self.preformed:
             knobs["block_batches"] = self.block_batches
+        if self.shuffle != "global":  # states saved before `shuffle` existed were global
+            knobs["shuffle"], knobs["group_shards"] = self.shuffle, self.group_shards
         return knobs
 
     def state_dict(self) -> dict[str, Any]:

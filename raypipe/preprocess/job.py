@@ -11,17 +11,15 @@ between executors (serial here, a Ray actor pool in raypipe.ray).
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from raypipe.config import TokenizeConfig, dump_config_yaml
 from raypipe.errors import ConfigError
 from raypipe.formats import FORMATS, get_format
-from raypipe.io.atomic import remove_stale_temps, write_bytes_atomic, write_json_atomic
+from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.lock import output_lock
 from raypipe.io.manifest import (
     JOB_RECORD,
@@ -32,10 +30,11 @@ from raypipe.io.manifest import (
     UnitRecord,
     WorkUnit,
     committed_unit_record,
-    read_json,
+    read_manifest,
     shard_table,
     write_manifest,
 )
+from raypipe.io.store import Store
 from raypipe.preprocess.encoder import (
     DocumentEncoder,
     describe_tokenizer,
@@ -46,6 +45,7 @@ from raypipe.preprocess.inputs import plan_units
 from raypipe.preprocess.llmbatch import LLMBatchSpec, write_llmbatch_from_manifest
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 
+JOB_PATH = f"{UNITS_DIR}/{JOB_RECORD}"
 UnitRunner = Callable[[list[WorkUnit], UnitSettings], Iterable[UnitRecord]]
 
 
@@ -115,7 +115,7 @@ def resolve_settings(config: TokenizeConfig) -> UnitSettings:
                               config.bos_token, config.eos_token)
     return UnitSettings(config=config, tokenizer=info,
                         fingerprint=config.output_fingerprint(info.sha256),
-                        output=str(Path(config.output).resolve()))
+                        output=Store(config.output).uri)
 
 
 def make_encoder(settings: UnitSettings) -> DocumentEncoder:
@@ -132,26 +132,26 @@ def serial_runner(units: list[WorkUnit], settings: UnitSettings) -> Iterable[Uni
         yield tokenize_unit(unit, settings, encoder)
 
 
-def prepare_output(config: TokenizeConfig, settings: UnitSettings) -> Path:
+def prepare_output(config: TokenizeConfig, settings: UnitSettings) -> Store:
     """Create the output; refuse one made with another config unless `overwrite`."""
-    output = Path(settings.output)
-    job_path = output / UNITS_DIR / JOB_RECORD
+    output = Store(settings.output)
     job = {"fingerprint": settings.fingerprint, "config": config.output_fields(),
            "tokenizer_sha256": settings.tokenizer.sha256}
-    if job_path.exists():
-        previous = read_json(job_path)
+    if output.exists(JOB_PATH):
+        previous = output.read_json(JOB_PATH)
         if previous.get("fingerprint") != settings.fingerprint:
             if not config.overwrite:
                 raise ConfigError(f"{output}: made with a different config "
                                   f"({describe_difference(previous, job)}); "
                                   "pass --overwrite to replace it")
             clear_output(output)
-    elif (output / MANIFEST_NAME).exists() and not config.overwrite:
+    elif output.exists(MANIFEST_NAME) and not config.overwrite:
         raise ConfigError(f"{output}: holds a manifest without a job record; "
                           "pass --overwrite to replace it")
-    remove_stale_temps(output)
-    if not job_path.exists():
-        write_json_atomic(job_path, job)
+    if output.local:
+        remove_stale_temps(output.root)
+    if not output.exists(JOB_PATH):
+        output.write_json(JOB_PATH, job)
     return output
 
 
@@ -164,12 +164,12 @@ def describe_difference(previous: dict[str, Any], current: dict[str, Any]) -> st
     return "; ".join(parts) or "fingerprint differs"
 
 
-def clear_output(output: Path) -> None:
+def clear_output(output: Store) -> None:
     """Remove what raypipe wrote (never other files of the user's)."""
-    (output / MANIFEST_NAME).unlink(missing_ok=True)
-    (output / "config.yaml").unlink(missing_ok=True)
+    output.delete(MANIFEST_NAME)
+    output.delete("config.yaml")
     for name in (*FORMATS, UNITS_DIR):
-        shutil.rmtree(output / name, ignore_errors=True)
+        output.delete_tree(name)
 
 
 def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSummary:
@@ -180,7 +180,7 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
         extra = (*config.metadata_columns, *filter(None, [config.span_column]))
     # plan first: bad input fails before the output directory is touched
     units = plan_units(config.inputs, config.text_column, config.unit_bytes, extra)
-    with output_lock(Path(settings.output)):
+    with output_lock(Store(settings.output)):
         return _run_locked(config, settings, units, runner, started)
 
 
@@ -201,16 +201,17 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
     run_seconds = time.perf_counter() - run_started
     records.update({r.unit.name: r for r in fresh})
     manifest = build_manifest(config, settings, [records[unit.name] for unit in units])
-    if pending or not (output / MANIFEST_NAME).exists():
+    if pending or not output.exists(MANIFEST_NAME):
         manifest = add_batch_formats(config, output, manifest)
-        write_bytes_atomic(output / "config.yaml", dump_config_yaml(config).encode())
+        output.write_bytes("config.yaml", dump_config_yaml(config).encode())
         write_manifest(output, manifest)
-        remove_stale_temps(output)  # left by workers killed mid-unit (their units reran)
+        if output.local:
+            remove_stale_temps(output.root)  # left by workers killed mid-unit
     else:
-        manifest = Manifest.from_json(read_json(output / MANIFEST_NAME), str(output))
+        manifest = read_manifest(output)
     totals = manifest.totals
     return JobSummary(
-        output=str(output), units=len(units), units_run=len(pending), rows=totals.rows,
+        output=output.uri, units=len(units), units_run=len(pending), rows=totals.rows,
         documents=totals.documents, tokens=totals.tokens,
         tokens_run=sum(r.tokens for r in fresh),
         skipped=totals.skipped, shards=totals.shards, bytes=totals.bytes,
@@ -223,7 +224,7 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
         special_policy=config.special_tokens_in_text)
 
 
-def add_batch_formats(config: TokenizeConfig, output: Path, manifest: Manifest) -> Manifest:
+def add_batch_formats(config: TokenizeConfig, output: Store, manifest: Manifest) -> Manifest:
     """Pack the batch formats (LLMBATCH) the config asks for from the document shards."""
     for name in config.formats:
         if get_format(name).holds == "batches":

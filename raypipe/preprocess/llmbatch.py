@@ -22,6 +22,8 @@ import numpy as np
 from raypipe.dataset import TokenDataset
 from raypipe.formats.llmbatch import PAD_ID, LLMBatchWriter
 from raypipe.io.manifest import FormatSection, Manifest, ShardEntry
+from raypipe.io.staging import Staging
+from raypipe.io.store import Store
 from raypipe.sampling.batches import BatchBuffers, BatchBuilder, TokenSource
 from raypipe.sampling.plans import BestFitPlan, PackingReport, Plan, make_plan
 
@@ -43,8 +45,15 @@ class LLMBatchSpec:
     batches_per_shard: int = 1024
 
 
-def write_llmbatch(dataset: TokenDataset, directory: Path, spec: LLMBatchSpec) -> FormatSection:
-    """Write the shards; return the manifest's `llmbatch` section."""
+def write_llmbatch(dataset: TokenDataset, output: Store, spec: LLMBatchSpec,
+                   format_name: str = "llmbatch") -> FormatSection:
+    """Write the shards into `output/<format_name>`; return the manifest's section."""
+    with Staging(output) as staging:
+        return _write_llmbatch(dataset, staging, staging.directory / format_name, spec)
+
+
+def _write_llmbatch(dataset: TokenDataset, staging: Staging, directory: Path,
+                    spec: LLMBatchSpec) -> FormatSection:
     mode, packing = PLAN_OF_PACKING[spec.packing]
     positions_per_row = spec.seq_len - 1
     plan = make_plan(mode, dataset.num_tokens, dataset.document_lengths, positions_per_row,
@@ -68,7 +77,7 @@ def write_llmbatch(dataset: TokenDataset, directory: Path, spec: LLMBatchSpec) -
                 for batch_plan in builder.describe(positions):
                     builder.fill(batch_plan, buffers)
                     writer.add_batch(buffers.tokens)
-            files = writer.commit()
+            files = staging.publish(writer.commit())
         except BaseException:
             writer.abort()
             raise
@@ -99,7 +108,7 @@ def records_report(plan: Plan, records: int, record_len: int) -> PackingReport:
                          report.dropped_tokens + tokens, report.total_tokens)
 
 
-def write_llmbatch_from_manifest(output: Path, manifest: Manifest,
+def write_llmbatch_from_manifest(output: Store, manifest: Manifest,
                                  spec: LLMBatchSpec) -> FormatSection:
     dataset = TokenDataset(output, manifest=manifest)
-    return write_llmbatch(dataset, Path(output) / "llmbatch", spec)
+    return write_llmbatch(dataset, output, spec)

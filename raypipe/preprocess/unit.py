@@ -37,6 +37,8 @@ from raypipe.io.manifest import (
     WorkUnit,
     write_unit_record,
 )
+from raypipe.io.staging import Staging
+from raypipe.io.store import Store
 from raypipe.preprocess.encoder import DocumentEncoder
 from raypipe.preprocess.inputs import open_parquet
 from raypipe.preprocess.texts import clean_texts_with_rows
@@ -65,7 +67,7 @@ class UnitSettings:
     config: TokenizeConfig
     tokenizer: TokenizerInfo
     fingerprint: str
-    output: str  # the config's output, resolved to an absolute path
+    output: str  # the config's output as a URI or absolute local path (Store.uri)
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -84,11 +86,13 @@ class UnitSettings:
 class ShardRoller:
     """Writes a unit's documents into shards `<unit>-0000`, `-0001`, ... of every format."""
 
-    def __init__(self, spec: ShardSpec, unit_name: str, number_parts: bool = True):
+    def __init__(self, spec: ShardSpec, unit_name: str, number_parts: bool = True,
+                 staging: Staging | None = None):
         self.spec = spec
         self.unit_name = unit_name
         self.number_parts = number_parts  # False: the first shard keeps `unit_name` itself
-        self.output = Path(spec.output)
+        self.staging = staging  # None: `spec.output` is a local directory written in place
+        self.output = staging.directory if staging is not None else Path(spec.output)
         self.formats: list[Format] = [get_format(name) for name in spec.formats]
         self.dtypes = spec.token_dtypes()
         self.writers: list[ShardWriter] = []
@@ -113,8 +117,15 @@ class ShardRoller:
             with storage_errors(writer):
                 files[fmt.name] = tuple(writer.commit())
         first = self.writers[0]
-        self.shards.append(UnitShard(first.name, first.num_documents, first.num_tokens, files))
+        shard = UnitShard(first.name, first.num_documents, first.num_tokens, files)
         self.writers = []
+        if self.staging is not None:
+            try:
+                shard = self.staging.publish_shard(shard)
+            except OSError as exc:
+                raise StorageError(f"{self.staging.store}: cannot upload shard {shard.name}: "
+                                   f"{exc}") from exc
+        self.shards.append(shard)
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray,
             metadata: list[DocumentMetadata] | None = None) -> None:
@@ -218,7 +229,9 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings,
     started, started_at = time.perf_counter(), time.time()
     config = settings.config
     parquet = open_parquet(unit.uri)
-    roller = ShardRoller(settings.shard_spec(), unit.name)
+    store = Store(settings.output)
+    staging = Staging(store)
+    roller = ShardRoller(settings.shard_spec(), unit.name, staging=staging)
     metadata = (MetadataBuilder(unit, settings, encoder.bos_id is not None)
                 if settings.wants_metadata else None)
     columns = [config.text_column]
@@ -251,6 +264,8 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings,
     except BaseException:
         roller.abort()
         raise
+    finally:
+        staging.close()
     record = UnitRecord(
         unit=unit, fingerprint=settings.fingerprint, rows=rows, documents=documents,
         tokens=tokens_total, skipped=dict(sorted(skipped.items())), shards=tuple(shards),
@@ -259,7 +274,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings,
         finished_at=time.time(),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     faults.point("unit.before_record", unit.name)
-    write_unit_record(Path(settings.output), record)
+    write_unit_record(store, record)
     return record
 
 

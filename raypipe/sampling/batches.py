@@ -73,6 +73,25 @@ class BatchPlan:
     rows: list[Any]
 
 
+class ShardArrays:
+    """`arrays[shard]`: one array of each shard's reader, opened on first use. A local
+    dataset's arrays are all taken up front (every shard checked before the first batch);
+    on object storage each access goes through the dataset, which fetches and may close
+    shards (~0.3 us per access)."""
+
+    def __init__(self, dataset: TokenDataset, attribute: str, eager: bool):
+        self.dataset, self.attribute = dataset, attribute
+        self.arrays = [self._of(i) for i in range(dataset.num_shards)] if eager else None
+
+    def _of(self, shard: int) -> np.ndarray:
+        array = getattr(self.dataset.reader(shard), self.attribute)
+        # plain ndarray views: slicing a np.memmap subclass costs ~1 us more per slice
+        return np.asarray(array).view(np.ndarray)
+
+    def __getitem__(self, shard: int) -> np.ndarray:
+        return self.arrays[shard] if self.arrays is not None else self._of(shard)
+
+
 class TokenSource:
     """Global token and document access over a dataset's shard memmaps."""
 
@@ -80,10 +99,18 @@ class TokenSource:
         self.dataset = dataset
         self.token_offsets = np.concatenate([[0], np.cumsum(dataset.shard_token_counts)])
         self.document_offsets = np.concatenate([[0], np.cumsum(dataset.shard_document_counts)])
-        readers = [dataset.reader(i) for i in range(dataset.num_shards)]
-        # plain ndarray views: slicing a np.memmap subclass costs ~1 us more per slice
-        self.tokens = [np.asarray(reader.tokens).view(np.ndarray) for reader in readers]
-        self.document_starts = [reader.document_starts for reader in readers]
+        eager = dataset.cache is None
+        self.tokens = ShardArrays(dataset, "tokens", eager)
+        self.document_starts = ShardArrays(dataset, "document_starts", eager)
+
+    def shards_of_tokens(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """The shards that token spans [start, start + length) touch."""
+        first = np.searchsorted(self.token_offsets, starts, side="right") - 1
+        last = np.searchsorted(self.token_offsets, starts + length - 1, side="right") - 1
+        return np.unique(np.concatenate([first, last]))
+
+    def shards_of_documents(self, doc_ids: np.ndarray) -> np.ndarray:
+        return np.unique(np.searchsorted(self.document_offsets, doc_ids, side="right") - 1)
 
     def copy_span(self, start: int, out: np.ndarray) -> None:
         """out[:] = global tokens [start, start + len(out)), crossing shards as needed."""
@@ -143,6 +170,20 @@ class BatchBuilder:
             ids, rows = self._describe_bestfit(flat, steps, batch)
         ids = ids.reshape(steps, batch)
         return [BatchPlan(positions[i], ids[i], rows[i]) for i in range(steps)]
+
+    def shards(self, positions: np.ndarray) -> np.ndarray:
+        """The shards the observations at `positions` read (for fetching them ahead)."""
+        flat = positions.reshape(-1)
+        if isinstance(self.plan, WindowPlan):
+            return self.source.shards_of_tokens(self.plan.window_starts(flat)[1],
+                                                self.seq_len + 1)
+        if isinstance(self.plan, DocumentPlan):
+            return self.source.shards_of_documents(self.plan.documents(flat))
+        blocks, local = self.plan.row_ids(flat)
+        doc_ids = [self.plan.pack(block).row(row)[0]
+                   for block, row in zip(blocks.tolist(), local.tolist(), strict=True)]
+        return self.source.shards_of_documents(np.concatenate(doc_ids) if doc_ids
+                                               else np.empty(0, np.int64))
 
     def _describe_bestfit(self, flat: np.ndarray, steps: int, batch: int):
         """Per row: (shard, first token in the shard, count, starts a document) segments,
@@ -254,6 +295,10 @@ class PreformedBatchBuilder:
         self.dataset, self.plan, self.boundaries = dataset, plan, boundaries
         self.pad_id = pad_id
         self.padded = dataset.padded_tokens > 0
+
+    def shards(self, positions: np.ndarray) -> np.ndarray:
+        ids = self.plan.batches(positions.reshape(-1))
+        return np.unique(np.searchsorted(self.dataset.batch_offsets, ids, side="right") - 1)
 
     def describe(self, positions: np.ndarray) -> list[BatchPlan]:
         ids = self.plan.batches(positions.reshape(-1)).reshape(positions.shape)

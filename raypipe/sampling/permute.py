@@ -93,3 +93,46 @@ class FeistelPermutation:
 
     def __len__(self) -> int:
         return self.n
+
+
+class GroupedPermutation:
+    """A permutation of [0, sum(sizes)) that keeps groups together: the ids of group g are
+    the range [starts[g], starts[g + 1]); groups are visited in a Feistel order, and the ids
+    inside each group in a Feistel order of their own. Consecutive positions therefore stay
+    inside one group (a few shards) until it is exhausted. Memory O(groups); cost one
+    Feistel call per group touched by a call."""
+
+    def __init__(self, sizes: np.ndarray, seed: int, epoch: int = 0, salt: int = 0):
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.seed, self.epoch, self.salt = seed, epoch, salt
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        groups = len(self.sizes)
+        self.order = FeistelPermutation(groups, seed, epoch, salt)(
+            np.arange(groups, dtype=np.int64))
+        self.visit_starts = np.concatenate([[0], np.cumsum(self.sizes[self.order])]
+                                           ).astype(np.int64)
+        self._inner: dict[int, FeistelPermutation] = {}
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _within(self, group: int) -> FeistelPermutation:
+        if group not in self._inner:
+            if len(self._inner) > 64:
+                self._inner.clear()
+            self._inner[group] = FeistelPermutation(int(self.sizes[group]), self.seed,
+                                                    self.epoch, self.salt * 7919 + group + 1)
+        return self._inner[group]
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
+            raise IndexError(f"positions outside [0, {len(self)})")
+        slots = np.searchsorted(self.visit_starts, positions, side="right") - 1
+        groups = self.order[slots]
+        local = positions - self.visit_starts[slots]
+        out = np.empty_like(positions)
+        for group in np.unique(groups).tolist():
+            chosen = groups == group
+            out[chosen] = self.starts[group] + self._within(group)(local[chosen])
+        return out

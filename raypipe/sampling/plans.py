@@ -10,6 +10,14 @@ communicate. Kinds:
   blocks are visited in order and the rows of block j in a Feistel order salted by j. Row
   counts per block are computed once per epoch (O(N) time, O(N/K) memory); a block's rows
   are re-packed on demand and cached, so a rank holds one block.
+Shuffles: `global` (above) touches every shard in every stretch of the epoch. `shard_local`
+(ShardGroups) cuts the shards into groups of consecutive shards; the observations of a group
+are contiguous positions (groups in a Feistel order, observations inside a group in another),
+so a rank reads one group (two for bestfit, whose blocks may straddle) at a time and, on
+object storage, fetches each shard once per epoch. Its statistical cost: a batch mixes
+documents of only G shards, and consecutive batches stay in one group for
+(group tokens / global batch tokens) steps; windows also drop the < T + 1 tail tokens of each
+group instead of the stream's.
 Every plan reports what it keeps, crops, pads and drops (`report()`); the loader and the
 LLMBATCH writer warn once when that waste passes 5%.
 Cost: windows/documents: ~70 ns per observation to permute; bestfit: see
@@ -25,7 +33,7 @@ from functools import cached_property
 import numpy as np
 
 from raypipe.sampling.pack import PackedBlock, pack
-from raypipe.sampling.permute import FeistelPermutation
+from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
 
 logger = logging.getLogger("raypipe")
 MIN_ROWS_PER_BLOCK = 256
@@ -74,19 +82,67 @@ class PackingReport:
         ])
 
 
+SHUFFLES = ("global", "shard_local")
+
+
+@dataclass(frozen=True)
+class ShardGroups:
+    """The shard-local shuffle's groups of `group_shards` consecutive shards: the global
+    token and document offsets where each group starts, and the totals at the end."""
+
+    tokens: np.ndarray
+    documents: np.ndarray
+
+    @classmethod
+    def of(cls, shard_tokens: np.ndarray, shard_documents: np.ndarray,
+           group_shards: int) -> ShardGroups:
+        if group_shards < 1:
+            raise ValueError(f"group_shards must be >= 1, got {group_shards}")
+        count = len(shard_tokens)
+        bounds = np.append(np.arange(0, count, group_shards), count)
+        tokens = np.concatenate([[0], np.cumsum(shard_tokens)]).astype(np.int64)
+        documents = np.concatenate([[0], np.cumsum(shard_documents)]).astype(np.int64)
+        return cls(tokens[bounds], documents[bounds])
+
+    @property
+    def document_counts(self) -> np.ndarray:
+        return np.diff(self.documents)
+
+
+def document_permutation(count: int, seed: int, epoch: int, salt: int,
+                         groups: ShardGroups | None) -> FeistelPermutation | GroupedPermutation:
+    if groups is None:
+        return FeistelPermutation(count, seed, epoch, salt=salt)
+    return GroupedPermutation(groups.document_counts, seed, epoch, salt=salt)
+
+
 class WindowPlan:
     kind = "windows"
 
-    def __init__(self, total_tokens: int, seq_len: int, seed: int, epoch: int):
+    def __init__(self, total_tokens: int, seq_len: int, seed: int, epoch: int,
+                 groups: ShardGroups | None = None):
         self.seq_len = seq_len
         self.total_tokens = total_tokens
-        self.size = max(0, (total_tokens - 1) // seq_len)
-        self.permutation = FeistelPermutation(self.size, seed, epoch, salt=1)
+        self.group_tokens: np.ndarray | None = None
+        if groups is None:
+            self.size = max(0, (total_tokens - 1) // seq_len)
+            self.permutation: FeistelPermutation | GroupedPermutation = FeistelPermutation(
+                self.size, seed, epoch, salt=1)
+            return
+        counts = np.maximum(0, (np.diff(groups.tokens) - 1) // seq_len)
+        self.size = int(counts.sum())
+        self.group_tokens = groups.tokens[:-1]
+        self.permutation = GroupedPermutation(counts, seed, epoch, salt=1)
 
     def window_starts(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(window ids, global token offsets) of the observations at `positions`."""
         ids = self.permutation(positions)
-        return ids, ids * self.seq_len
+        if self.group_tokens is None:
+            return ids, ids * self.seq_len
+        assert isinstance(self.permutation, GroupedPermutation)
+        group = np.searchsorted(self.permutation.starts, ids, side="right") - 1
+        local = ids - self.permutation.starts[group]
+        return ids, self.group_tokens[group] + local * self.seq_len
 
     def report(self) -> PackingReport:
         used = self.size * self.seq_len
@@ -96,11 +152,12 @@ class WindowPlan:
 class DocumentPlan:
     kind = "documents"
 
-    def __init__(self, lengths: np.ndarray, seq_len: int, seed: int, epoch: int):
+    def __init__(self, lengths: np.ndarray, seq_len: int, seed: int, epoch: int,
+                 groups: ShardGroups | None = None):
         self.lengths = lengths
         self.capacity = seq_len + 1
         self.size = len(lengths)
-        self.permutation = FeistelPermutation(self.size, seed, epoch, salt=2)
+        self.permutation = document_permutation(self.size, seed, epoch, 2, groups)
 
     def documents(self, positions: np.ndarray) -> np.ndarray:
         return self.permutation(positions)
@@ -116,13 +173,14 @@ class BestFitPlan:
     kind = "bestfit"
 
     def __init__(self, lengths: np.ndarray, seq_len: int, seed: int, epoch: int,
-                 block_documents: int = 4096, packing: str = "split"):
+                 block_documents: int = 4096, packing: str = "split",
+                 groups: ShardGroups | None = None):
         self.lengths = lengths
         self.packing = packing
         self.capacity = seq_len + 1
         self.seed, self.epoch = seed, epoch
         self.block_documents = block_size(lengths, self.capacity, block_documents, packing)
-        self.document_order = FeistelPermutation(len(lengths), seed, epoch, salt=3)
+        self.document_order = document_permutation(len(lengths), seed, epoch, 3, groups)
         self.num_blocks = -(-len(lengths) // self.block_documents)
         self._cached: tuple[int, PackedBlock] | None = None
         self._row_orders: dict[int, FeistelPermutation] = {}
@@ -236,14 +294,15 @@ MODES = ("windows", "bestfit", "documents", "llmbatch")
 
 
 def make_plan(mode: str, num_tokens: int, lengths: object, seq_len: int, seed: int,
-              epoch: int, block_documents: int = 4096, packing: str = "split") -> Plan:
+              epoch: int, block_documents: int = 4096, packing: str = "split",
+              groups: ShardGroups | None = None) -> Plan:
     """The plan of one epoch. `lengths` (document lengths) may be a zero-argument callable,
-    called only by the modes that need it."""
+    called only by the modes that need it; `groups` makes the shuffle shard-local."""
     if mode == "windows":
-        return WindowPlan(num_tokens, seq_len, seed, epoch)
+        return WindowPlan(num_tokens, seq_len, seed, epoch, groups)
     values = lengths() if callable(lengths) else lengths
     if mode == "bestfit":
-        return BestFitPlan(values, seq_len, seed, epoch, block_documents, packing)
+        return BestFitPlan(values, seq_len, seed, epoch, block_documents, packing, groups)
     if mode == "documents":
-        return DocumentPlan(values, seq_len, seed, epoch)
+        return DocumentPlan(values, seq_len, seed, epoch, groups)
     raise ValueError(f"mode {mode!r} not among {list(MODES)}")

@@ -12,7 +12,6 @@ naming its source. Cost: one sequential read and write of every token.
 from __future__ import annotations
 
 import hashlib
-import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -28,9 +27,12 @@ from raypipe.io.manifest import (
     FormatSection,
     Manifest,
     ShardEntry,
+    as_store,
     read_manifest,
     write_manifest,
 )
+from raypipe.io.staging import Staging
+from raypipe.io.store import Store
 from raypipe.preprocess.llmbatch import LLMBatchSpec, write_llmbatch
 from raypipe.preprocess.unit import ShardRoller, ShardSpec
 
@@ -38,7 +40,7 @@ DOCUMENTS_PER_ADD = 4096
 NO_SHARD_LIMIT = 2**31 - 1  # one target shard per source shard
 
 
-def _source_documents(src: Path, manifest: Manifest
+def _source_documents(src: Store, manifest: Manifest
                       ) -> Iterator[tuple[str, Iterable[np.ndarray]]]:
     """(shard name, iterator of token arrays) per source shard: documents of a document
     format, else the records of a batch format."""
@@ -61,9 +63,9 @@ def _without_padding(batch: np.ndarray) -> Iterator[np.ndarray]:
         yield record[record != PAD_ID]
 
 
-def _write_documents(spec: ShardSpec, name: str, documents: Iterable[np.ndarray]
-                     ) -> list[ShardEntry]:
-    roller = ShardRoller(spec, name, number_parts=False)
+def _write_documents(spec: ShardSpec, name: str, documents: Iterable[np.ndarray],
+                     staging: Staging) -> list[ShardEntry]:
+    roller = ShardRoller(spec, name, number_parts=False, staging=staging)
     pending: list[np.ndarray] = []
     try:
         for document in documents:
@@ -85,16 +87,18 @@ def _flush(roller: ShardRoller, pending: list[np.ndarray]) -> None:
 
 def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
                     llmbatch: LLMBatchSpec | None = None, overwrite: bool = False) -> Manifest:
-    """Convert `src` into `format_name` at `dst`; LLMBATCH targets need `llmbatch`."""
-    src, dst = Path(src), Path(dst)
-    manifest = read_manifest(src)
+    """Convert `src` into `format_name` at `dst` (paths or URIs); LLMBATCH targets need
+    `llmbatch`."""
+    source, target = as_store(src), as_store(dst)
+    manifest = read_manifest(source)
     fmt = get_format(format_name)
-    if (dst / MANIFEST_NAME).exists() and not overwrite:
-        raise ConfigError(f"{dst}: already holds a dataset; pass --overwrite to replace it")
-    if dst.resolve() == src.resolve():
-        raise ConfigError(f"{dst}: convert needs a destination other than the source")
-    shutil.rmtree(dst / format_name, ignore_errors=True)
-    remove_stale_temps(dst)
+    if target.exists(MANIFEST_NAME) and not overwrite:
+        raise ConfigError(f"{target}: already holds a dataset; pass --overwrite to replace it")
+    if target.uri == source.uri:
+        raise ConfigError(f"{target}: convert needs a destination other than the source")
+    target.delete_tree(format_name)
+    if target.local:
+        remove_stale_temps(target.root)
     info = manifest.tokenizer
     fingerprint = hashlib.sha256(f"{manifest.fingerprint}->{format_name}".encode()
                                  ).hexdigest()[:16]
@@ -102,18 +106,20 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
         if llmbatch is None:
             raise ConfigError("convert to llmbatch needs --seq-len and --batch-size")
         if not any(name in manifest.formats for name in document_formats()):
-            raise FormatError(src / MANIFEST_NAME, "llmbatch -> llmbatch is not a conversion")
-        section = write_llmbatch(TokenDataset(src, manifest=manifest), dst / format_name,
-                                 llmbatch)
+            raise FormatError(source.uri_of(MANIFEST_NAME),
+                              "llmbatch -> llmbatch is not a conversion")
+        section = write_llmbatch(TokenDataset(source, manifest=manifest), target, llmbatch,
+                                 format_name)
     else:
         options = fmt.options({"metadata": False})
-        spec = ShardSpec(str(dst.resolve()), (format_name,), NO_SHARD_LIMIT, info.largest_id,
+        spec = ShardSpec(target.uri, (format_name,), NO_SHARD_LIMIT, info.largest_id,
                          info.bos_id, {format_name: options})
-        table = [entry for name, documents in _source_documents(src, manifest)
-                 for entry in _write_documents(spec, name, documents)]
+        with Staging(target) as staging:
+            table = [entry for name, documents in _source_documents(source, manifest)
+                     for entry in _write_documents(spec, name, documents, staging)]
         section = FormatSection(fmt.token_dtype(info.largest_id).name, tuple(table), options)
     out = Manifest.build(fingerprint, info, {format_name: section}, manifest.config,
                          totals=manifest.totals,
-                         converted_from={"path": str(src), "fingerprint": manifest.fingerprint})
-    write_manifest(dst, out)
+                         converted_from={"path": source.uri, "fingerprint": manifest.fingerprint})
+    write_manifest(target, out)
     return out

@@ -14,7 +14,8 @@ import numpy as np
 
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.formats import FORMATS
-from raypipe.io.manifest import FormatSection, Manifest, read_manifest
+from raypipe.io.manifest import FormatSection, Manifest, as_store, read_manifest
+from raypipe.io.store import Store
 from raypipe.preprocess.job import packing_line
 
 
@@ -34,9 +35,9 @@ def _show(tokens: np.ndarray, decoder: Any, chars: int = 200) -> str:
     return repr(decoder.decode(tokens.tolist(), skip_special_tokens=False)[:chars])
 
 
-def inspect_dataset(root: str | Path, samples: int = 3, tokenizer: str | None = None,
+def inspect_dataset(root: str | Path | Store, samples: int = 3, tokenizer: str | None = None,
                     plot: str | Path | None = None) -> str:
-    root = Path(root)
+    root = as_store(root)
     manifest = read_manifest(root)
     totals, info = manifest.totals, manifest.tokenizer
     lines = [f"dataset {root}",
@@ -87,7 +88,7 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
     return lines
 
 
-def _inspect_llmbatch(root: Path, manifest: Manifest, section: FormatSection,
+def _inspect_llmbatch(root: Store, manifest: Manifest, section: FormatSection,
                       samples: int, decoder: Any) -> list[str]:
     dataset = LLMBatchDataset(root, manifest)
     options = section.options

@@ -4,8 +4,9 @@ Invariant: a dataset passes only if every file the manifest lists exists inside 
 directory with the recorded size and sha256, every shard opens in its format's reader
 (headers, index consistency) with the manifest's document/token/batch counts, and every
 stream metadata id is inside its shard's index. The first failure raises FormatError naming
-the file and the expected versus actual value. Cost: one full read of every file (sha256
-at ~1 GB/s) plus O(tokens) id checks for stream shards.
+the file (its URI on object storage) and the expected versus actual value. Cost: one full
+read of every file (sha256 at ~1 GB/s; on object storage, one download) plus O(tokens) id
+checks for stream shards.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from pathlib import Path
 from raypipe.dataset import LLMBatchDataset, ShardSet, TokenDataset
 from raypipe.errors import FormatError
 from raypipe.formats import FORMATS
-from raypipe.formats.base import require_file, require_size
-from raypipe.io.atomic import file_sha256
-from raypipe.io.manifest import FileEntry, Manifest, read_manifest, safe_join
+from raypipe.formats.base import require_size
+from raypipe.io.cache import ShardCache
+from raypipe.io.manifest import FileEntry, Manifest, as_store, read_manifest
+from raypipe.io.store import Store
 
 
 @dataclass(frozen=True)
@@ -28,42 +30,52 @@ class VerifyCounts:
     files: int
 
 
-def check_file(root: Path, entry: FileEntry) -> None:
-    path = safe_join(root, entry.path)
-    require_size(path, entry.bytes, require_file(path))
-    digest = file_sha256(path)
+def check_file(root: Store, entry: FileEntry) -> None:
+    """The file exists with the manifest's size and sha256 (one full read)."""
+    found = root.info(entry.path)
+    if found is None:
+        raise FormatError(root.uri_of(entry.path), "file listed in the manifest is missing")
+    require_size(root.uri_of(entry.path), entry.bytes, found[0])
+    digest = root.sha256(entry.path)
     if digest != entry.sha256:
-        raise FormatError(path, "sha256 differs from the manifest", entry.sha256, digest)
+        raise FormatError(root.uri_of(entry.path), "sha256 differs from the manifest",
+                          entry.sha256, digest)
 
 
-def shard_set(root: Path, name: str, manifest: Manifest) -> ShardSet:
+def shard_set(root: Store, name: str, manifest: Manifest, cache: ShardCache | None = None
+              ) -> ShardSet:
     """The shards of format `name`, opened the way the loader opens them."""
     if FORMATS[name].holds == "batches":
-        return LLMBatchDataset(root, manifest)
-    return TokenDataset(root, name, manifest)
+        return LLMBatchDataset(root, manifest, cache)
+    return TokenDataset(root, name, manifest, cache)
 
 
-def open_every_shard(root: Path, name: str, manifest: Manifest) -> None:
+def open_every_shard(root: Store, name: str, manifest: Manifest,
+                     cache: ShardCache | None = None) -> None:
     """Open each shard of format `name` in its reader (headers, indexes, counts; no
     checksums) and run the format's own content checks."""
-    shards = shard_set(root, name, manifest)
-    for index in range(shards.num_shards):
-        shards.reader(index).verify_contents()
+    shards = shard_set(root, name, manifest, cache)
+    try:
+        for index in range(shards.num_shards):
+            shards.reader(index).verify_contents()
+    finally:
+        shards.close()
 
 
-def verify_dataset(root: str | Path) -> VerifyCounts:
-    """Check everything; return counts of what was checked."""
-    root = Path(root)
-    manifest = read_manifest(root)
+def verify_dataset(root: str | Path, cache: ShardCache | None = None) -> VerifyCounts:
+    """Check everything; return counts of what was checked. On object storage every object
+    is read once for its checksum, then shards are opened through the node-local cache."""
+    store = as_store(root)
+    manifest = read_manifest(store)
     files = shards = 0
     for name, section in manifest.formats.items():
         if name not in FORMATS:
-            raise FormatError(root / "manifest.json", f"format {name!r} unknown",
+            raise FormatError(store.uri_of("manifest.json"), f"format {name!r} unknown",
                               list(FORMATS), name)
         for shard in section.shards:
             for entry in shard.files:
-                check_file(root, entry)
+                check_file(store, entry)
                 files += 1
-        open_every_shard(root, name, manifest)
+        open_every_shard(store, name, manifest, cache)
         shards += len(section.shards)
     return VerifyCounts(len(manifest.formats), shards, files)

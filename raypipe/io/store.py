@@ -1,0 +1,212 @@
+"""A dataset's root directory on any filesystem pyarrow opens: a local path, `file://`,
+`s3://`, `gs://`, `hdfs://` ..., addressed by paths relative to the root.
+
+Invariant: every object under a root appears whole or not at all. Locally a file is written
+to a hidden temporary name and renamed (raypipe.io.atomic). On object storage, where there is
+no rename, a file is uploaded from a complete local file (one PUT, or a multipart upload that
+the store completes only on close); a killed process never completes it, and an upload that
+fails in this process is deleted again (pyarrow completes a stream even when it is closed on
+an error). Small records (JSON) are one PUT of their bytes. Commit order (shards -> unit
+record -> manifest) then makes a half-written shard invisible: nothing lists it.
+A URI whose scheme pyarrow cannot open is a ConfigError naming the URI, never a local
+directory named after it. Endpoints and credentials come from pyarrow's standard environment
+(`AWS_ENDPOINT_URL`, `AWS_*`, `GOOGLE_APPLICATION_CREDENTIALS`); the root's URI carries none
+and is what manifests and logs print. Cost: one HEAD per `info`, one GET/PUT per small record;
+an upload streams at the link's speed in 8 MiB parts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from contextlib import suppress
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from raypipe.errors import ConfigError, FormatError
+from raypipe.io.atomic import file_sha256, write_bytes_atomic
+
+CHUNK = 8 << 20
+# "s3:/bucket" (one slash) is a URI with a typo; as a local path it would make a dir "s3:"
+_SCHEME_TYPO = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/(?!/)")
+
+
+def is_uri(location: str) -> bool:
+    return "://" in location
+
+
+def check_location(location: str) -> None:
+    """Refuse `s3:/x`-like strings that mean a URI but would make a local directory."""
+    if _SCHEME_TYPO.match(location) and not os.path.exists(location.split("/", 1)[0]):
+        scheme = location.split(":", 1)[0]
+        raise ConfigError(f"{location}: looks like a {scheme}:// URI with one slash; write "
+                          f"{scheme}://{location.split(':/', 1)[1]} (or ./{location} for a "
+                          "local directory)")
+
+
+class Store:
+    """The root directory of a dataset, local or on object storage."""
+
+    def __init__(self, location: str | Path):
+        location = str(location)
+        check_location(location)
+        if is_uri(location) and location.startswith("file://"):
+            location = location[len("file://"):]
+        if is_uri(location):
+            try:
+                self.fs, self.base = pafs.FileSystem.from_uri(location)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
+                scheme = location.split("://", 1)[0]
+                raise ConfigError(f"{location}: raypipe cannot open {scheme}:// here "
+                                  f"({exc})") from exc
+            self.base = self.base.rstrip("/")
+            self.uri = f"{location.split('://', 1)[0]}://{self.base}"
+        else:
+            self.fs, self.base = pafs.LocalFileSystem(), os.path.abspath(location)
+            self.uri = self.base
+        self.local = isinstance(self.fs, pafs.LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"Store({self.uri!r})"
+
+    def __str__(self) -> str:
+        return self.uri
+
+    # ----- names -------------------------------------------------------------------------
+    @property
+    def root(self) -> Path:
+        """The local directory (local stores only)."""
+        if not self.local:
+            raise ConfigError(f"{self.uri}: not a local directory")
+        return Path(self.base)
+
+    def path(self, relative: str) -> str:
+        """The path on `self.fs` of a relative path, refusing escapes from the root."""
+        parts = PurePosixPath(relative).parts
+        if not parts or relative.startswith("/") or ".." in parts:
+            raise FormatError(self.uri_of(relative), "path escapes the dataset directory",
+                              self.uri, relative)
+        return f"{self.base}/{relative}"
+
+    def uri_of(self, relative: str) -> str:
+        return f"{self.uri}/{relative}"
+
+    # ----- reading -----------------------------------------------------------------------
+    def info(self, relative: str) -> tuple[int, int | None] | None:
+        """(size, modification time in ns) of a file, or None when it is absent."""
+        found = self.fs.get_file_info(self.path(relative))
+        if found.type != pafs.FileType.File:
+            return None
+        return found.size, found.mtime_ns
+
+    def exists(self, relative: str) -> bool:
+        return self.info(relative) is not None
+
+    def read_bytes(self, relative: str) -> bytes:
+        with self.fs.open_input_stream(self.path(relative)) as stream:
+            return stream.read()
+
+    def read_json(self, relative: str) -> dict[str, Any]:
+        try:
+            data = json.loads(self.read_bytes(relative))
+        except json.JSONDecodeError as exc:
+            raise FormatError(self.uri_of(relative), f"not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise FormatError(self.uri_of(relative), "top level is not a JSON object")
+        return data
+
+    def sha256(self, relative: str) -> str:
+        if self.local:
+            return file_sha256(self.root / relative)
+        digest = hashlib.sha256()
+        with self.fs.open_input_stream(self.path(relative)) as stream:
+            while block := stream.read(CHUNK):
+                digest.update(block)
+        return digest.hexdigest()
+
+    def download(self, relative: str, target: Path) -> tuple[int, str]:
+        """Copy a file to the local `target` (opened by the caller's rules); return
+        (size, sha256) of what arrived."""
+        digest, size = hashlib.sha256(), 0
+        with self.fs.open_input_stream(self.path(relative)) as stream, open(target, "wb") as out:
+            while block := stream.read(CHUNK):
+                out.write(block)
+                digest.update(block)
+                size += len(block)
+        return size, digest.hexdigest()
+
+    def list_files(self, relative: str = "") -> list[str]:
+        """Relative paths of every file under `relative` (recursive; empty if absent)."""
+        where = self.path(relative) if relative else self.base
+        selector = pafs.FileSelector(where, recursive=True, allow_not_found=True)
+        prefix = self.base + "/"
+        return sorted(info.path[len(prefix):] for info in self.fs.get_file_info(selector)
+                      if info.type == pafs.FileType.File)
+
+    # ----- writing -----------------------------------------------------------------------
+    def write_bytes(self, relative: str, data: bytes) -> None:
+        """Replace a small file whole (local: temp + rename; object storage: one PUT)."""
+        if self.local:
+            write_bytes_atomic(self.root / relative, data)
+            return
+        self._stream_in(relative, [data])
+
+    def write_json(self, relative: str, obj: Any) -> None:
+        self.write_bytes(relative, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+    def upload(self, local: Path, relative: str) -> int | None:
+        """Put the complete local file `local` under `relative`; return the object's
+        modification time (ns). On a local store this is a rename."""
+        if self.local:
+            final = self.root / relative
+            final.parent.mkdir(parents=True, exist_ok=True)
+            if Path(local) != final:
+                os.replace(local, final)
+            return os.stat(final).st_mtime_ns
+        with open(local, "rb") as source:
+            self._stream_in(relative, iter(lambda: source.read(CHUNK), b""))
+        info = self.info(relative)
+        if info is None or info[0] != os.path.getsize(local):
+            raise OSError(f"{self.uri_of(relative)}: upload did not arrive whole")
+        return info[1]
+
+    def _stream_in(self, relative: str, blocks: Any) -> None:
+        path = self.path(relative)
+        stream = self.fs.open_output_stream(path)
+        try:
+            for block in blocks:
+                stream.write(block)
+        except BaseException:
+            with suppress(Exception):
+                stream.close()  # pyarrow completes even a failed stream: delete it again
+            with suppress(Exception):
+                self.fs.delete_file(path)
+            raise
+        stream.close()
+
+    def delete(self, relative: str) -> None:
+        with suppress(FileNotFoundError):
+            if self.local:
+                (self.root / relative).unlink(missing_ok=True)
+            elif self.exists(relative):
+                self.fs.delete_file(self.path(relative))
+
+    def delete_tree(self, relative: str) -> None:
+        if self.local:
+            shutil.rmtree(self.root / relative, ignore_errors=True)
+            return
+        for name in self.list_files(relative):
+            self.delete(name)
+
+
+def dataset_key(uri: str, manifest_bytes: bytes) -> str:
+    """A cache directory name for one version of a dataset: its URI and its manifest's bytes
+    (which list every file's sha256), so a rewritten dataset never reuses old files."""
+    digest = hashlib.sha256(uri.encode() + b"\n" + manifest_bytes).hexdigest()
+    return digest[:20]
