@@ -105,16 +105,29 @@ class ShardSet:
 
     # ----- object storage: fetching into the cache ---------------------------------------
     def _fetch(self, entries: tuple[FileEntry, ...]) -> list[Path]:
+        """Fetch files into the cache, pinned (the caller unpins them)."""
         assert self.cache is not None
-        return [self.cache.fetch(self.store, self.key, entry) for entry in entries]
+        paths: list[Path] = []
+        try:
+            for entry in entries:
+                paths.append(self.cache.fetch(self.store, self.key, entry, pin=True))
+        except BaseException:
+            self.cache.unpin(paths)
+            raise
+        return paths
 
     def prefetch(self, indices: Iterable[int]) -> None:
-        """Start fetching these shards into the cache (object storage; no-op locally)."""
+        """Start fetching these shards into the cache (object storage; no-op locally), while
+        open and pending shards hold at most half the cache's budget."""
         if self.cache is None:
             return
+        held = sum(self._shard_bytes(i) for i in (*self._readers, *self._fetching))
         for index in indices:
             if index in self._readers or index in self._fetching:
                 continue
+            held += self._shard_bytes(index)
+            if held > self.cache.budget_bytes // 2:
+                break
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(PREFETCH_THREADS, "raypipe-fetch")
             self._fetching[index] = self._pool.submit(self._fetch, self.shards[index].files)
@@ -124,6 +137,9 @@ class ShardSet:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        for future in self._fetching.values():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.cache.unpin(future.result())
         self._fetching.clear()
         while self._readers:
             self._close_oldest()
@@ -151,7 +167,6 @@ class ShardSet:
         else:
             future = self._fetching.pop(index, None)
             paths = future.result() if future is not None else self._fetch(shard.files)
-            self.cache.pin(paths)
             self._pinned[index] = paths
         reader = self.format.reader.from_manifest(self.local_root, shard, self.section,
                                                   self.manifest.tokenizer)
@@ -237,10 +252,13 @@ class TokenDataset(ShardSet):
         if self.cache is None or index in self._readers or not self.format.index_suffixes:
             return self.reader(index).document_lengths
         shard = self.shards[index]
-        self._fetch(tuple(entry for entry in shard.files
-                          if entry.path.endswith(self.format.index_suffixes)))
-        return self.format.reader.index_document_lengths(self.local_root, shard,
-                                                         self.manifest.tokenizer)
+        paths = self._fetch(tuple(entry for entry in shard.files
+                                  if entry.path.endswith(self.format.index_suffixes)))
+        try:
+            return self.format.reader.index_document_lengths(self.local_root, shard,
+                                                             self.manifest.tokenizer)
+        finally:
+            self.cache.unpin(paths)
 
     def document_lengths(self) -> np.ndarray:
         """int64 length of every document, in global order."""

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from bench.nanochat_reference import nanochat_bestfit_crop
 from raypipe.sampling.pack import pack_block, pack_split
-from raypipe.sampling.permute import FeistelPermutation
-from raypipe.sampling.plans import BestFitPlan
+from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
+from raypipe.sampling.plans import BestFitPlan, ShardGroups, WindowPlan
 
 SIZES = [1, 2, 3, 7, 2**8, 2**8 - 1, 2**8 + 1, 2**16, 2**16 - 1, 2**16 + 1, 97, 65521, 131071,
          2**17 + 3]
@@ -169,3 +169,35 @@ def test_waste_warning_fires_for_crop_and_not_for_split(caplog):
         assert BestFitPlan(lengths, 511, 1, 0, packing="crop").report().warn_if_wasteful("crop")
         assert not BestFitPlan(lengths, 511, 1, 0).report().warn_if_wasteful("split")
     assert len(caplog.records) == 1 and "crop" in caplog.records[0].getMessage()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(0, 2**32),
+       st.integers(0, 3))
+def test_grouped_permutation_is_a_bijection_that_visits_one_group_at_a_time(sizes, seed,
+                                                                           epoch):
+    permutation = GroupedPermutation(np.array(sizes), seed, epoch, salt=3)
+    total = sum(sizes)
+    ids = permutation(np.arange(total, dtype=np.int64))
+    assert sorted(ids.tolist()) == list(range(total))
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    groups = np.searchsorted(starts, ids, side="right") - 1
+    changes = int(np.count_nonzero(np.diff(groups))) if total else 0
+    assert changes <= max(0, np.count_nonzero(sizes) - 1), "a group was left and re-entered"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=10), st.integers(1, 4),
+       st.integers(2, 40), st.integers(0, 1000))
+def test_shard_local_windows_stay_inside_their_group(shard_tokens, group_shards, seq_len,
+                                                    seed):
+    tokens = np.array(shard_tokens)
+    groups = ShardGroups.of(tokens, np.ones_like(tokens), group_shards)
+    plan = WindowPlan(int(tokens.sum()), seq_len, seed, 0, groups)
+    _, starts = plan.window_starts(np.arange(plan.size, dtype=np.int64))
+    assert len(set(starts.tolist())) == plan.size
+    group_of_first = np.searchsorted(groups.tokens, starts, side="right") - 1
+    group_of_last = np.searchsorted(groups.tokens, starts + seq_len, side="right") - 1
+    assert np.array_equal(group_of_first, group_of_last), "a window crosses its group"
+    report = plan.report()
+    assert report.used_tokens + report.dropped_tokens == tokens.sum()

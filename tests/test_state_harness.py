@@ -18,6 +18,10 @@ MODES = {
     "bestfit-crop": {"mode": "bestfit", "packing": "crop"},
     "documents": {"mode": "documents"},
     "llmbatch": {"mode": "llmbatch", "block_batches": 4},
+    "windows-shard-local": {"mode": "windows", "shuffle": "shard_local", "group_shards": 2},
+    "bestfit-shard-local": {"mode": "bestfit", "shuffle": "shard_local", "group_shards": 2},
+    "documents-shard-local": {"mode": "documents", "shuffle": "shard_local",
+                              "group_shards": 3},
 }
 
 
@@ -63,28 +67,35 @@ def run_segment(path, options, world, state, steps=None):
     return consumed, states[0]
 
 
-@pytest.mark.parametrize("first_stop", [0, 1, 3])
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_every_mode_resumes_exactly_once_from_1_to_2_to_3_ranks(rich_dataset, mode,
-                                                                first_stop):
+def check_resume_1_2_3(path, mode: str, first_stop: int, reference_path=None) -> None:
+    """Stop after `first_stop` steps at 1 rank, resume 2 steps at 2 ranks, finish at 3; the
+    epoch is served exactly once (less the drop-last tail), each row as in an uninterrupted
+    run over `reference_path` (default: `path` itself)."""
     options = MODES[mode]
-    whole, end_state = run_segment(rich_dataset, options, 1, None)
+    whole, end_state = run_segment(reference_path or path, options, 1, None)
     reference = dict(whole)
     assert end_state["epoch"] == 1 and end_state["position"] == 0
-    first, state = run_segment(rich_dataset, options, 1, None, steps=first_stop)
-    second, state = run_segment(rich_dataset, options, 2, state, steps=2)
-    third, final = run_segment(rich_dataset, options, 3, state)
+    first, state = run_segment(path, options, 1, None, steps=first_stop)
+    second, state = run_segment(path, options, 2, state, steps=2)
+    third, final = run_segment(path, options, 3, state)
     consumed = first + second + third
     ids = [observation for observation, _ in consumed]
     assert len(ids) == len(set(ids)), f"{mode}: an observation was served twice"
     assert set(ids) <= set(reference), f"{mode}: an observation outside the epoch"
     for observation, tokens in consumed:
         assert tokens == reference[observation], f"{mode}: resumed row {observation} differs"
-    probe = make_loader(rich_dataset, options, 0, 3)
+    probe = make_loader(path, options, 0, 3)
     size, per_step = probe.plan(0).size, probe.global_batch
     missing = size - len(ids)
     assert 0 <= missing < per_step, f"{mode}: {missing} observations lost beyond the tail"
     assert final["epoch"] == 1 and final["position"] == 0
+
+
+@pytest.mark.parametrize("first_stop", [0, 1, 3])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_every_mode_resumes_exactly_once_from_1_to_2_to_3_ranks(rich_dataset, mode,
+                                                                first_stop):
+    check_resume_1_2_3(rich_dataset, mode, first_stop)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

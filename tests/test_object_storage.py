@@ -1,0 +1,270 @@
+"""Object storage end to end, against a real S3-protocol server (moto) on 127.0.0.1:
+tokenize writes only objects, reruns change none, a killed job's rerun converges, verify
+names a damaged object, the loader reads through a node-local cache (shared, bounded,
+checked) and resumes exactly at another world size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raypipe.config import load_config
+from raypipe.errors import ConfigError, FormatError
+from raypipe.formats.megatron import MegatronReader
+from raypipe.io.cache import ShardCache
+from raypipe.io.manifest import read_manifest
+from raypipe.io.store import Store
+from raypipe.loader import TokenLoader
+from raypipe.preprocess.job import run_job
+from raypipe.tools.verify import verify_dataset
+from tests import test_state_harness as harness
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def objects(uri: str) -> dict[str, tuple[int, int | None]]:
+    """Every object under `uri`: relative key -> (size, modification time)."""
+    store = Store(uri)
+    return {name: store.info(name) for name in store.list_files()}
+
+
+def tokenize_to(uri: str, corpus: Path, tokenizer: str, **overrides):
+    config = load_config(None, inputs=[str(corpus)], output=uri, tokenizer=tokenizer,
+                         shard_tokens=8_000, unit_bytes=40_000, **overrides)
+    return run_job(config)
+
+
+def upload_tree(local: Path, uri: str) -> None:
+    """Copy a finished local dataset to object storage (file by file, manifest last)."""
+    store = Store(uri)
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != "manifest.json")
+    for path in [*files, local / "manifest.json"]:
+        store.write_bytes(str(path.relative_to(local)), path.read_bytes())
+
+
+@pytest.fixture
+def in_tmp_cwd(tmp_path, monkeypatch) -> Path:
+    """Run from an empty directory, so a stray local directory named after a URI shows."""
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    return workdir
+
+
+def test_tokenize_to_s3_writes_only_objects_and_a_rerun_changes_none(
+        bucket, corpus_dir, tokenizer_path, in_tmp_cwd, tmp_path, figure):
+    uri = f"s3://{bucket}/tokens"
+    first = tokenize_to(uri, corpus_dir, tokenizer_path, formats=["megatron", "llmbatch"],
+                        seq_len=33, batch_size=2)
+    assert list(in_tmp_cwd.iterdir()) == [], "a local directory appeared in the cwd"
+    before = objects(uri)
+    manifest = read_manifest(uri)
+    listed = {f.path for s in manifest.formats["megatron"].shards for f in s.files}
+    assert listed <= set(before) and "manifest.json" in before
+    assert not any(".raypipe.tmp" in name for name in before)
+    second = tokenize_to(uri, corpus_dir, tokenizer_path, formats=["megatron", "llmbatch"],
+                         seq_len=33, batch_size=2)
+    assert second.units_run == 0 and second.tokens == first.tokens
+    assert objects(uri) == before, "a no-op rerun rewrote objects"
+    # the objects, downloaded, are a Megatron dataset holding the same tokens
+    local = tmp_path / "downloaded"
+    store = Store(uri)
+    for name in listed:
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        store.download(name, local / name)
+    tokens = 0
+    for shard in manifest.formats["megatron"].shards:
+        reader = MegatronReader(local / shard.files[0].path[:-len(".bin")])
+        assert reader.num_documents == shard.documents
+        tokens += reader.num_tokens
+    assert tokens == first.tokens
+    figure("tokenize to s3", f"{first.units} units, {len(before)} objects, "
+           f"{first.tokens:,} tokens; rerun ran {second.units_run} units, 0 objects changed")
+
+
+def test_output_uris_raypipe_cannot_write_fail_without_a_local_directory(in_tmp_cwd,
+                                                                        tokenizer_path):
+    for output, words in (("s3:/bucket/out", "one slash"), ("nosuch://bucket/out",
+                                                            "cannot open nosuch://")):
+        with pytest.raises(ConfigError, match=words):
+            Store(output)
+    assert list(in_tmp_cwd.iterdir()) == []
+
+
+def test_killed_job_rerun_converges_to_the_same_objects(bucket, corpus_dir, tokenizer_path,
+                                                        tmp_path):
+    clean, killed = f"s3://{bucket}/clean", f"s3://{bucket}/killed"
+    tokenize_to(clean, corpus_dir, tokenizer_path)
+    fault = {"point": "unit.rows", "action": "kill", "after_rows": 100,
+             "marker": str(tmp_path / "fault-marker")}
+    script = ("import sys; from raypipe.config import load_config; "
+              "from raypipe.preprocess.job import run_job; "
+              f"run_job(load_config(None, inputs=[{str(corpus_dir)!r}], output={killed!r}, "
+              f"tokenizer={tokenizer_path!r}, shard_tokens=8_000, unit_bytes=40_000))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, timeout=300,
+                            env={**os.environ, "RAYPIPE_TEST_FAULT": json.dumps(fault)})
+    assert result.returncode == -9, "the fault did not kill the job"
+    assert not Store(killed).exists("manifest.json")
+    summary = tokenize_to(killed, corpus_dir, tokenizer_path)
+    assert summary.units_run >= 1
+    clean_store, killed_store = Store(clean), Store(killed)
+    shard_names = [n for n in clean_store.list_files() if not n.startswith("_units/")
+                   and n not in ("manifest.json", "config.yaml")]
+    assert [n for n in killed_store.list_files() if n in shard_names or not (
+        n.startswith("_units/") or n in ("manifest.json", "config.yaml"))] == shard_names
+    for name in shard_names:
+        assert killed_store.sha256(name) == clean_store.sha256(name), name
+    assert read_manifest(killed).totals == read_manifest(clean).totals
+
+
+def test_verify_passes_then_names_a_truncated_object(bucket, corpus_dir, tokenizer_path,
+                                                     tmp_path):
+    uri = f"s3://{bucket}/tokens"
+    tokenize_to(uri, corpus_dir, tokenizer_path)
+    counts = verify_dataset(uri, ShardCache(tmp_path / "cache"))
+    assert counts.files > 0
+    store = Store(uri)
+    victim = read_manifest(uri).formats["megatron"].shards[1].files[0].path
+    store.write_bytes(victim, store.read_bytes(victim)[:-7])
+    with pytest.raises(FormatError) as caught:
+        verify_dataset(uri, ShardCache(tmp_path / "cache2"))
+    assert f"s3://{bucket}/tokens/{victim}" in str(caught.value)
+    assert "size" in str(caught.value)
+
+
+def test_cache_refuses_an_object_whose_checksum_differs(bucket, token_dataset, tmp_path):
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    manifest = read_manifest(uri)
+    entry = manifest.formats["megatron"].shards[0].files[0]
+    store = Store(uri)
+    data = bytearray(store.read_bytes(entry.path))
+    data[-1] ^= 0xFF  # same size, other contents
+    store.write_bytes(entry.path, bytes(data))
+    cache = ShardCache(tmp_path / "cache")
+    with pytest.raises(FormatError, match="sha256 differs") as caught:
+        cache.fetch(store, "key", entry)
+    assert store.uri_of(entry.path) in str(caught.value)
+    assert cache.cached_files() == [], "a refused object was cached"
+
+
+def test_loader_from_s3_resumes_exactly_at_other_world_sizes(bucket, rich_dataset, tmp_path,
+                                                             monkeypatch):
+    uri = f"s3://{bucket}/rich"
+    upload_tree(rich_dataset, uri)
+    monkeypatch.setenv("RAYPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    for mode in ("windows+metadata", "bestfit", "llmbatch", "bestfit-shard-local"):
+        harness.check_resume_1_2_3(uri, mode, first_stop=1, reference_path=rich_dataset)
+
+
+def _fetch_every_file(store: Store, key: str, cache: ShardCache) -> list:
+    manifest = read_manifest(store)
+    entries = [f for s in manifest.formats["megatron"].shards for f in s.files]
+    return [(entry, cache.fetch(store, key, entry)) for entry in entries]
+
+
+def test_cache_evicts_least_recently_used_files_to_its_budget(bucket, token_dataset,
+                                                              tmp_path):
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    store = Store(uri)
+    entries = [f for s in read_manifest(uri).formats["megatron"].shards for f in s.files]
+    total = sum(entry.bytes for entry in entries)
+    budget = total // 3
+    cache = ShardCache(tmp_path / "cache", budget)
+    fetched = _fetch_every_file(store, "k", cache)
+    assert cache.used_bytes() <= budget
+    assert cache.stats.downloaded_bytes == total and cache.stats.evicted_files > 0
+    newest = fetched[-1][1]
+    assert newest.exists(), "the file just fetched was evicted"
+    oldest_entry, oldest = fetched[0]
+    assert not oldest.exists(), "the least recently used file survived"
+    cache.pin([newest])
+    again = cache.fetch(store, "k", oldest_entry)  # evicted: downloaded again, checked
+    assert again.read_bytes() == store.read_bytes(oldest_entry.path)
+    assert newest.exists(), "a pinned file was evicted"
+
+
+SHARED_CACHE_READER = """
+import sys, hashlib
+from raypipe.loader import TokenLoader
+loader = TokenLoader(sys.argv[1], 32, 4, mode="bestfit", cache_dir=sys.argv[2], seed=3)
+digest = hashlib.sha256()
+for batch in loader:
+    digest.update(batch.inputs.numpy().tobytes())
+print(digest.hexdigest(), loader.cache_stats.downloads)
+"""
+
+
+def test_two_processes_share_one_cache_without_corrupting_it(bucket, token_dataset,
+                                                             tmp_path):
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    cache_dir = tmp_path / "shared-cache"
+    readers = [subprocess.Popen([sys.executable, "-c", SHARED_CACHE_READER, uri,
+                                 str(cache_dir)], stdout=subprocess.PIPE, text=True,
+                                cwd=ROOT) for _ in range(2)]
+    outputs = [reader.communicate(timeout=300)[0].split() for reader in readers]
+    assert all(reader.returncode == 0 for reader in readers)
+    local = TokenLoader(token_dataset, 32, 4, mode="bestfit", seed=3)
+    import hashlib
+    digest = hashlib.sha256()
+    for batch in local:
+        digest.update(batch.inputs.numpy().tobytes())
+    assert outputs[0][0] == outputs[1][0] == digest.hexdigest()
+    entries = [f for s in read_manifest(uri).formats["megatron"].shards for f in s.files]
+    assert sum(int(o[1]) for o in outputs) == len(entries), \
+        "a file was downloaded by both processes"
+    cached = ShardCache(cache_dir).cached_files()
+    assert len(cached) == len(entries)
+    assert not list(cache_dir.rglob("*.raypipe.tmp"))
+
+
+def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_dataset,
+                                                                 tmp_path, figure):
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    entries = [f for s in read_manifest(uri).formats["megatron"].shards for f in s.files]
+    data_bytes = sum(e.bytes for e in entries)
+    shards = read_manifest(uri).formats["megatron"].shards
+    largest = max(sum(f.bytes for f in shard.files) for shard in shards)
+    assert len(shards) >= 5
+    downloaded = {}
+    for shuffle in ("global", "shard_local"):
+        loader = TokenLoader(uri, 32, 4, mode="windows", shuffle=shuffle, group_shards=1,
+                             cache_dir=tmp_path / shuffle, cache_bytes=2 * largest)
+        assert sum(1 for _ in loader) > 0
+        downloaded[shuffle] = loader.cache_stats.downloaded_bytes
+        loader.close()
+    assert downloaded["shard_local"] == data_bytes, "a shard was fetched twice in one epoch"
+    assert downloaded["global"] > downloaded["shard_local"]
+    figure("bytes downloaded per epoch / dataset",
+           f"global {downloaded['global'] / data_bytes:.2f}x, shard-local "
+           f"{downloaded['shard_local'] / data_bytes:.2f}x (cache of 2 of {len(shards)} shards)")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_workers_upload_the_same_shards_a_local_run_writes(ray_session, bucket,
+                                                               corpus_dir, tokenizer_path,
+                                                               tmp_path, in_tmp_cwd):
+    from raypipe.ray.executor import run_tokenize
+    from tests.helpers import shard_files
+
+    uri = f"s3://{bucket}/tokens"
+    config = load_config(None, inputs=[str(corpus_dir)], output=uri, tokenizer=tokenizer_path,
+                         unit_bytes=1, num_workers=2)
+    summary = run_tokenize(config)
+    assert summary.units_run == summary.units > 2
+    local = tmp_path / "local"
+    run_job(load_config(None, inputs=[str(corpus_dir)], output=str(local),
+                        tokenizer=tokenizer_path, unit_bytes=1))
+    store = Store(uri)
+    expected = shard_files(local)
+    assert {name: store.read_bytes(name) for name in expected} == expected
+    assert list(in_tmp_cwd.iterdir()) == []
