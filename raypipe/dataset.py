@@ -87,6 +87,7 @@ class ShardSet:
                 manifest.to_json(), sort_keys=True).encode())
             self.local_root = self.cache.dataset_dir(self.key)
         self._fetching: dict[int, Future] = {}
+        self.closes = 0  # shards closed so far: holders of shard arrays drop theirs on change
         self._pinned: dict[int, list[Path]] = {}
         self._pool: ThreadPoolExecutor | None = None
 
@@ -146,6 +147,7 @@ class ShardSet:
 
     def _close_oldest(self) -> None:
         index, _ = self._readers.popitem(last=False)
+        self.closes += 1
         if self.cache is not None:
             self.cache.unpin(self._pinned.pop(index, []))
 

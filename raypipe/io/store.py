@@ -22,14 +22,15 @@ import json
 import os
 import re
 import shutil
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raypipe.errors import ConfigError, FormatError
+from raypipe.errors import ConfigError, FormatError, StorageError
 from raypipe.io.atomic import file_sha256, write_bytes_atomic
 
 CHUNK = 8 << 20
@@ -48,6 +49,18 @@ def check_location(location: str) -> None:
         raise ConfigError(f"{location}: looks like a {scheme}:// URI with one slash; write "
                           f"{scheme}://{location.split(':/', 1)[1]} (or ./{location} for a "
                           "local directory)")
+
+
+@contextmanager
+def storage_errors(uri: str, doing: str) -> Iterator[None]:
+    """An OSError of the filesystem (no bucket, no permission, network) becomes a
+    StorageError naming the URI; a missing file stays FileNotFoundError for callers."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise StorageError(f"{uri}: cannot {doing}: {exc}") from exc
 
 
 class Store:
@@ -100,7 +113,8 @@ class Store:
     # ----- reading -----------------------------------------------------------------------
     def info(self, relative: str) -> tuple[int, int | None] | None:
         """(size, modification time in ns) of a file, or None when it is absent."""
-        found = self.fs.get_file_info(self.path(relative))
+        with storage_errors(self.uri_of(relative), "read"):
+            found = self.fs.get_file_info(self.path(relative))
         if found.type != pafs.FileType.File:
             return None
         return found.size, found.mtime_ns
@@ -109,7 +123,8 @@ class Store:
         return self.info(relative) is not None
 
     def read_bytes(self, relative: str) -> bytes:
-        with self.fs.open_input_stream(self.path(relative)) as stream:
+        with storage_errors(self.uri_of(relative), "read"), \
+                self.fs.open_input_stream(self.path(relative)) as stream:
             return stream.read()
 
     def read_json(self, relative: str) -> dict[str, Any]:
@@ -125,7 +140,8 @@ class Store:
         if self.local:
             return file_sha256(self.root / relative)
         digest = hashlib.sha256()
-        with self.fs.open_input_stream(self.path(relative)) as stream:
+        with storage_errors(self.uri_of(relative), "read"), \
+                self.fs.open_input_stream(self.path(relative)) as stream:
             while block := stream.read(CHUNK):
                 digest.update(block)
         return digest.hexdigest()
@@ -134,7 +150,9 @@ class Store:
         """Copy a file to the local `target` (opened by the caller's rules); return
         (size, sha256) of what arrived."""
         digest, size = hashlib.sha256(), 0
-        with self.fs.open_input_stream(self.path(relative)) as stream, open(target, "wb") as out:
+        with storage_errors(self.uri_of(relative), "download"), \
+                self.fs.open_input_stream(self.path(relative)) as stream, \
+                open(target, "wb") as out:
             while block := stream.read(CHUNK):
                 out.write(block)
                 digest.update(block)
@@ -146,7 +164,9 @@ class Store:
         where = self.path(relative) if relative else self.base
         selector = pafs.FileSelector(where, recursive=True, allow_not_found=True)
         prefix = self.base + "/"
-        return sorted(info.path[len(prefix):] for info in self.fs.get_file_info(selector)
+        with storage_errors(self.uri_of(relative) if relative else self.uri, "list"):
+            found = self.fs.get_file_info(selector)
+        return sorted(info.path[len(prefix):] for info in found
                       if info.type == pafs.FileType.File)
 
     # ----- writing -----------------------------------------------------------------------
@@ -173,22 +193,23 @@ class Store:
             self._stream_in(relative, iter(lambda: source.read(CHUNK), b""))
         info = self.info(relative)
         if info is None or info[0] != os.path.getsize(local):
-            raise OSError(f"{self.uri_of(relative)}: upload did not arrive whole")
+            raise StorageError(f"{self.uri_of(relative)}: upload did not arrive whole")
         return info[1]
 
     def _stream_in(self, relative: str, blocks: Any) -> None:
         path = self.path(relative)
-        stream = self.fs.open_output_stream(path)
-        try:
-            for block in blocks:
-                stream.write(block)
-        except BaseException:
-            with suppress(Exception):
-                stream.close()  # pyarrow completes even a failed stream: delete it again
-            with suppress(Exception):
-                self.fs.delete_file(path)
-            raise
-        stream.close()
+        with storage_errors(self.uri_of(relative), "write"):
+            stream = self.fs.open_output_stream(path)
+            try:
+                for block in blocks:
+                    stream.write(block)
+            except BaseException:
+                with suppress(Exception):
+                    stream.close()  # pyarrow completes even a failed stream: delete it
+                with suppress(Exception):
+                    self.fs.delete_file(path)
+                raise
+            stream.close()
 
     def delete(self, relative: str) -> None:
         with suppress(FileNotFoundError):
