@@ -2,8 +2,8 @@
 optimizer and loader state every k steps; rerunning with the same --storage/--name resumes.
 
     python jobs/train.py --data demo_out/tokens --workers 2            # local CPU, gloo
-    ray job submit --working-dir . -- python jobs/train.py --data /mnt/tokens --use-gpu \\
-        --workers 8 --seq-len 1024 --batch-size 16 --max-steps 5000
+    ray job submit --working-dir . -- python jobs/train.py --data s3://bucket/tokens \\
+        --use-gpu --workers 8 --seq-len 1024 --batch-size 16 --shuffle shard_local
 """
 
 from __future__ import annotations
@@ -22,11 +22,17 @@ from raypipe.examples.gpt_train import fit
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help="a raypipe output directory")
+    parser.add_argument("--data", required=True,
+                        help="a raypipe output: a directory or a URI (s3://, gs://, ...)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--mode", default="bestfit")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shuffle", default="global", choices=["global", "shard_local"],
+                        help="shard_local: each node downloads each shard once per epoch")
+    parser.add_argument("--cache-dir", default=None,
+                        help="node-local shard cache for URI data (default: "
+                        "$RAYPIPE_CACHE_DIR, else ~/.cache/raypipe)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--use-gpu", action="store_true")
     parser.add_argument("--max-steps", type=int, default=60)
@@ -39,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     from raypipe.ray.session import ensure_ray
 
     ensure_ray(args.address)
-    config = {"data": os.path.abspath(args.data), "seq_len": args.seq_len,
+    data = args.data if "://" in args.data else os.path.abspath(args.data)
+    config = {"data": data, "seq_len": args.seq_len, "shuffle": args.shuffle,
+              "cache_dir": args.cache_dir,
               "batch_size": args.batch_size, "mode": args.mode, "seed": args.seed,
               "max_steps": args.max_steps, "checkpoint_every": args.checkpoint_every}
     result = fit(config, args.workers, args.storage, args.name, args.use_gpu,

@@ -74,7 +74,8 @@ def command_pack_report(args: argparse.Namespace) -> int:
     from raypipe.tools.pack_report import pack_report
 
     print(pack_report(args.dataset, args.seq_len, args.mode, args.seed, args.epoch,
-                      args.epochs, args.block_documents, args.format, args.packing))
+                      args.epochs, args.block_documents, args.format, args.packing,
+                      args.shuffle, args.group_shards))
     return 0
 
 
@@ -114,6 +115,9 @@ def command_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+DATASET_HELP = "a raypipe output: a directory or a URI (s3://, gs://, ...)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from raypipe.formats import FORMATS
 
@@ -127,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-workers", type=int, default=None)
     demo.set_defaults(handler=command_demo)
     report = commands.add_parser("pack-report", help="tokens used/cropped/padded per epoch")
-    report.add_argument("dataset", help="a raypipe output directory")
+    report.add_argument("dataset", help=DATASET_HELP)
     report.add_argument("--seq-len", type=int, default=2048)
     report.add_argument("--mode", default="bestfit", choices=["bestfit", "windows", "documents"])
     report.add_argument("--seed", type=int, default=0)
@@ -137,19 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--packing", default="split", choices=["split", "crop"],
                         help="bestfit mode: split keeps every token; crop is nanochat's")
     report.add_argument("--format", default=None, help="megatron or nanogpt (default: any)")
+    report.add_argument("--shuffle", default="global", choices=["global", "shard_local"])
+    report.add_argument("--group-shards", type=int, default=4,
+                        help="shard_local: consecutive shards per group")
     report.set_defaults(handler=command_pack_report)
     verify = commands.add_parser("verify", help="re-check every shard against the manifest")
-    verify.add_argument("dataset")
+    verify.add_argument("dataset", help=DATASET_HELP)
     verify.set_defaults(handler=command_verify)
     inspect = commands.add_parser("inspect", help="counts, shards, lengths, samples")
-    inspect.add_argument("dataset")
+    inspect.add_argument("dataset", help=DATASET_HELP)
     inspect.add_argument("--samples", type=int, default=3)
     inspect.add_argument("--tokenizer", help="tokenizer.json to decode samples with")
     inspect.add_argument("--plot", help="write a PNG histogram of document lengths here")
     inspect.set_defaults(handler=command_inspect)
     convert = commands.add_parser("convert", help="convert an output to another format")
-    convert.add_argument("source")
-    convert.add_argument("destination")
+    convert.add_argument("source", help=DATASET_HELP)
+    convert.add_argument("destination", help="a directory or URI for the converted dataset")
     convert.add_argument("--format", required=True, choices=list(FORMATS))
     convert.add_argument("--seq-len", type=int)
     convert.add_argument("--batch-size", type=int)

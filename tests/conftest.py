@@ -37,7 +37,7 @@ def _free_port() -> int:
 # before any Ray worker starts so workers inherit it; never a real endpoint or credential.
 S3_PORT = _free_port()
 os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{S3_PORT}", AWS_ACCESS_KEY_ID="testing",
-                  AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                  AWS_SECRET_ACCESS_KEY="rp-secret-7f3a9c", AWS_DEFAULT_REGION="us-east-1",
                   AWS_EC2_METADATA_DISABLED="true")
 for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
     os.environ.pop(_name, None)

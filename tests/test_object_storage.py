@@ -67,13 +67,18 @@ def test_tokenize_to_s3_writes_only_objects_and_a_rerun_changes_none(
     listed = {f.path for s in manifest.formats["megatron"].shards for f in s.files}
     assert listed <= set(before) and "manifest.json" in before
     assert not any(".raypipe.tmp" in name for name in before)
+    store = Store(uri)
+    for name in before:  # no endpoint or credential in any record
+        if name.endswith((".json", ".yaml")):
+            text = store.read_bytes(name).decode()
+            assert os.environ["AWS_SECRET_ACCESS_KEY"] not in text, name
+            assert os.environ["AWS_ENDPOINT_URL"] not in text, name
     second = tokenize_to(uri, corpus_dir, tokenizer_path, formats=["megatron", "llmbatch"],
                          seq_len=33, batch_size=2)
     assert second.units_run == 0 and second.tokens == first.tokens
     assert objects(uri) == before, "a no-op rerun rewrote objects"
     # the objects, downloaded, are a Megatron dataset holding the same tokens
     local = tmp_path / "downloaded"
-    store = Store(uri)
     for name in listed:
         (local / name).parent.mkdir(parents=True, exist_ok=True)
         store.download(name, local / name)

@@ -92,7 +92,7 @@ class JobSummary:
             f"  special-token literals in {self.special_literals:,} documents (encoded as "
             f"{'plain text' if self.special_policy == 'text' else 'special ids'})",
             f"  tokens     {self.tokens:,} ({self.tokens_run:,} this run)",
-            f"  shards     {self.shards} per format, {self.bytes / 1e6:,.1f} MB on disk",
+            f"  shards     {self.shards} per format, {self.bytes / 1e6:,.1f} MB stored",
             f"  wall time  {self.wall_seconds:.2f} s (Ray start-up {self.startup_seconds:.2f} s)",
         ] + ([
             f"  throughput {self.tokens_per_second / 1e6:.3f} M tokens/s over the units run "
