@@ -41,3 +41,14 @@ def shard_files(output: Path) -> dict[str, bytes]:
 def file_identities(output: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(output)): (os.stat(p).st_ino, os.stat(p).st_mtime_ns)
             for p in sorted(Path(output).rglob("*")) if p.is_file()}
+
+
+def upload_tree(local: Path, uri: str) -> str:
+    """Copy a finished local dataset to object storage (file by file, manifest last)."""
+    from raypipe.io.store import Store
+
+    store = Store(uri)
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != "manifest.json")
+    for path in [*files, local / "manifest.json"]:
+        store.write_bytes(str(path.relative_to(local)), path.read_bytes())
+    return uri

@@ -23,6 +23,7 @@ from raypipe.loader import TokenLoader
 from raypipe.preprocess.job import run_job
 from raypipe.tools.verify import verify_dataset
 from tests import test_state_harness as harness
+from tests.helpers import upload_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,14 +38,6 @@ def tokenize_to(uri: str, corpus: Path, tokenizer: str, **overrides):
     config = load_config(None, inputs=[str(corpus)], output=uri, tokenizer=tokenizer,
                          shard_tokens=8_000, unit_bytes=40_000, **overrides)
     return run_job(config)
-
-
-def upload_tree(local: Path, uri: str) -> None:
-    """Copy a finished local dataset to object storage (file by file, manifest last)."""
-    store = Store(uri)
-    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != "manifest.json")
-    for path in [*files, local / "manifest.json"]:
-        store.write_bytes(str(path.relative_to(local)), path.read_bytes())
 
 
 @pytest.fixture
@@ -102,8 +95,10 @@ def test_output_uris_raypipe_cannot_write_fail_without_a_local_directory(in_tmp_
 
 
 def test_killed_job_rerun_converges_to_the_same_objects(bucket, corpus_dir, tokenizer_path,
-                                                        tmp_path):
+                                                        tmp_path, monkeypatch):
     clean, killed = f"s3://{bucket}/clean", f"s3://{bucket}/killed"
+    staging = tmp_path / "staging"
+    monkeypatch.setenv("RAYPIPE_STAGING_DIR", str(staging))
     tokenize_to(clean, corpus_dir, tokenizer_path)
     fault = {"point": "unit.rows", "action": "kill", "after_rows": 100,
              "marker": str(tmp_path / "fault-marker")}
@@ -115,8 +110,10 @@ def test_killed_job_rerun_converges_to_the_same_objects(bucket, corpus_dir, toke
                             env={**os.environ, "RAYPIPE_TEST_FAULT": json.dumps(fault)})
     assert result.returncode == -9, "the fault did not kill the job"
     assert not Store(killed).exists("manifest.json")
+    assert len(list(staging.iterdir())) == 1, "the killed job left no staging directory"
     summary = tokenize_to(killed, corpus_dir, tokenizer_path)
     assert summary.units_run >= 1
+    assert list(staging.iterdir()) == [], "the dead job's staging directory was not swept"
     clean_store, killed_store = Store(clean), Store(killed)
     shard_names = [n for n in clean_store.list_files() if not n.startswith("_units/")
                    and n not in ("manifest.json", "config.yaml")]
@@ -163,7 +160,7 @@ def test_loader_from_s3_resumes_exactly_at_other_world_sizes(bucket, rich_datase
     uri = f"s3://{bucket}/rich"
     upload_tree(rich_dataset, uri)
     monkeypatch.setenv("RAYPIPE_CACHE_DIR", str(tmp_path / "cache"))
-    for mode in ("windows+metadata", "bestfit", "llmbatch", "bestfit-shard-local"):
+    for mode in ("windows+metadata", "bestfit", "documents", "llmbatch", "bestfit-shard-local"):
         harness.check_resume_1_2_3(uri, mode, first_stop=1, reference_path=rich_dataset)
 
 
@@ -273,3 +270,33 @@ def test_ray_workers_upload_the_same_shards_a_local_run_writes(ray_session, buck
     expected = shard_files(local)
     assert {name: store.read_bytes(name) for name in expected} == expected
     assert list(in_tmp_cwd.iterdir()) == []
+
+
+def test_inspect_pack_report_and_convert_take_uris(bucket, token_dataset, tmp_path, capsys,
+                                                   monkeypatch):
+    from raypipe.cli import main
+    from raypipe.dataset import TokenDataset
+
+    monkeypatch.setenv("RAYPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    uri = upload_tree(token_dataset, f"s3://{bucket}/tokens")
+    assert main(["inspect", uri, "--samples", "1"]) == 0
+    assert f"dataset {uri}" in capsys.readouterr().out
+    assert main(["pack-report", uri, "--seq-len", "64", "--shuffle", "shard_local"]) == 0
+    report = capsys.readouterr().out
+    assert "shard_local shuffle" in report and "used" in report
+    converted = f"s3://{bucket}/as-nanogpt"
+    assert main(["convert", uri, converted, "--format", "nanogpt"]) == 0
+    assert main(["verify", converted]) == 0
+    got = [d.tolist() for d in TokenDataset(converted).iter_documents()]
+    assert got == [d.tolist() for d in TokenDataset(token_dataset).iter_documents()]
+
+
+def test_a_missing_bucket_is_one_line_naming_the_uri(s3_server, tmp_path, corpus_dir,
+                                                      tokenizer_path, capsys):
+    from raypipe.cli import main
+
+    code = main(["tokenize", str(corpus_dir), "--tokenizer", tokenizer_path, "--output",
+                 "s3://no-such-bucket-rp/out", "--num-workers", "1"])
+    error = capsys.readouterr().err
+    assert code == 2 and "s3://no-such-bucket-rp/out" in error
+    assert len(error.strip().splitlines()) == 1

@@ -1,5 +1,6 @@
 """Ray Train: a TorchTrainer on 2 CPU workers (gloo) resumes model and loader from the same
-step after a worker is killed, and from a checkpoint with another worker count; the log of
+step after a worker is killed, and from a checkpoint with another worker count (reading the
+dataset from s3:// through the node-local cache); the log of
 consumed observation ids shows every observation exactly once. Plus the Ray Data path."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 
 from raypipe.examples.gpt_train import fit
 from raypipe.loader import TokenLoader
+from tests.helpers import upload_tree
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 SEQ, BATCH = 32, 2
@@ -60,17 +62,21 @@ def test_killed_worker_resumes_model_and_loader_exactly_once(ray_session, token_
     assert sorted(ids) == expected_ids(token_dataset, 12 * 2 * BATCH)
 
 
-def test_restart_with_fewer_workers_continues_exactly_once(ray_session, token_dataset,
-                                                           tmp_path):
+def test_restart_with_fewer_workers_continues_exactly_once_reading_s3(
+        ray_session, token_dataset, bucket, tmp_path):
+    """The data is read from a bucket (moto on loopback) through each worker's cache."""
+    data = upload_tree(token_dataset, f"s3://{bucket}/tokens")
     log = tmp_path / "log"
     # max_failures: Ray Train can lose a run's placement group to an infrastructure hiccup
     # on a loaded 2-core machine ("placement group was removed"); such a restart resumes
     # from the last checkpoint, and the exactly-once checks below still hold.
-    first = fit(base_config(token_dataset, log, 8), workers=2, storage=str(tmp_path / "runs"),
-                name="resize", max_failures=2)
+    config = {**base_config(data, log, 8), "cache_dir": str(tmp_path / "cache")}
+    first = fit(config, workers=2, storage=str(tmp_path / "runs"), name="resize",
+                max_failures=2)
     assert first.metrics["step"] == 8
-    second = fit(base_config(token_dataset, log, 14), workers=1,
-                 storage=str(tmp_path / "runs"), name="resize", max_failures=2)
+    config = {**base_config(data, log, 14), "cache_dir": str(tmp_path / "cache")}
+    second = fit(config, workers=1, storage=str(tmp_path / "runs"), name="resize",
+                 max_failures=2)
     assert second.metrics["step"] == 14
     logs = consumed(log)
     assert {rank for rank, step in logs if step > 8} == {0}

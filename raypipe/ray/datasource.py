@@ -21,6 +21,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from raypipe.dataset import TokenDataset
+from raypipe.io.store import Store
 from raypipe.sampling.batches import TokenSource
 from raypipe.sampling.plans import WindowPlan
 
@@ -47,7 +48,7 @@ def _read_windows(root: str, format_name: str | None, seq_len: int, seed: int, e
 class RaypipeWindowsDatasource(Datasource):
     def __init__(self, path: str | Path, seq_len: int, seed: int = 0, epoch: int = 0,
                  format_name: str | None = None):
-        self.root = str(Path(path).resolve())
+        self.root = Store(path).uri  # a URI stays a URI: read tasks fetch into their cache
         self.seq_len, self.seed, self.epoch, self.format_name = seq_len, seed, epoch, format_name
         dataset = TokenDataset(self.root, format_name)
         self.num_windows = WindowPlan(dataset.num_tokens, seq_len, seed, epoch).size
