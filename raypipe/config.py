@@ -24,7 +24,9 @@ from raypipe.formats import FORMATS
 
 PACKINGS = ("split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
 # Fields that do not change output bytes: excluded from the fingerprint.
-EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite"})
+EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
+                              "tokenizer_backend"})
+TOKENIZER_BACKENDS = ("auto", "tiktoken", "tokenizers")
 NANOGPT_MAX_TOKENS = 2**31 - 1
 # fields added after 0.1 -> the value that behaves as 0.1 did (not part of the fingerprint)
 LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 << 30}
@@ -87,6 +89,10 @@ class TokenizeConfig:
         "text", help="a special token's literal typed in a document (e.g. <|endoftext|>): "
                      "text (encode its characters; no document can forge a BOS/EOS id) or "
                      "special (the special id, tokenizers' default)")
+    tokenizer_backend: str = option(
+        "auto", help="auto (tiktoken when it reproduces the tokenizer.json exactly and the "
+                     "start-up self-check agrees, else tokenizers), tiktoken or tokenizers; "
+                     "the shards are the same bytes either way")
     encode_batch_rows: int = option(1024, help="rows per tokenizer call (bounds worker "
                                                "memory)")
     num_workers: int | None = option(None, help="tokenizer actors (default: all CPUs)")
@@ -122,6 +128,9 @@ class TokenizeConfig:
         if self.special_tokens_in_text not in ("text", "special"):
             raise ConfigError(f"special_tokens_in_text: {self.special_tokens_in_text!r} not "
                               "among ['text', 'special']")
+        if self.tokenizer_backend not in TOKENIZER_BACKENDS:
+            raise ConfigError(f"tokenizer_backend: {self.tokenizer_backend!r} not among "
+                              f"{list(TOKENIZER_BACKENDS)}")
         if self.num_workers is not None and self.num_workers < 1:
             raise ConfigError(f"num_workers: must be >= 1, got {self.num_workers}")
         if not self.bos and not self.eos:

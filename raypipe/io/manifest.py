@@ -165,6 +165,7 @@ class TokenizerInfo(JsonRecord):
     largest_id: int
     bos_id: int | None
     eos_id: int | None
+    backend: str = "tokenizers"  # the library that encoded (same ids either way)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ between executors (serial here, a Ray actor pool in raypipe.ray).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from raypipe.preprocess.encoder import (
 )
 from raypipe.preprocess.inputs import plan_units
 from raypipe.preprocess.llmbatch import LLMBatchSpec, write_llmbatch_from_manifest
+from raypipe.preprocess.self_check import BackendChoice, choose_backend, sample_texts
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 
 JOB_PATH = f"{UNITS_DIR}/{JOB_RECORD}"
@@ -71,6 +73,8 @@ class JobSummary:
     packing: dict[str, str] = field(default_factory=dict)  # batch format -> its packing line
     special_literals: int = 0
     special_policy: str = "text"
+    backend: str = "tokenizers"
+    backend_reason: str = ""
 
     @property
     def tokens_per_second(self) -> float:
@@ -92,6 +96,8 @@ class JobSummary:
             f"  special-token literals in {self.special_literals:,} documents (encoded as "
             f"{'plain text' if self.special_policy == 'text' else 'special ids'})",
             f"  tokens     {self.tokens:,} ({self.tokens_run:,} this run)",
+            f"  encoder    {self.backend}" + (f" ({self.backend_reason})"
+                                              if self.backend_reason else ""),
             f"  shards     {self.shards} per format, {self.bytes / 1e6:,.1f} MB stored",
             f"  wall time  {self.wall_seconds:.2f} s (Ray start-up {self.startup_seconds:.2f} s)",
         ] + ([
@@ -122,7 +128,20 @@ def make_encoder(settings: UnitSettings) -> DocumentEncoder:
     single_threaded_tokenizers()
     tokenizer = load_tokenizer(settings.tokenizer.spec)
     return DocumentEncoder(tokenizer, settings.tokenizer.bos_id, settings.tokenizer.eos_id,
-                           settings.config.special_tokens_in_text)
+                           settings.config.special_tokens_in_text, settings.tokenizer.backend)
+
+
+def with_backend(config: TokenizeConfig, settings: UnitSettings,
+                 unit: WorkUnit | None) -> tuple[UnitSettings, BackendChoice]:
+    """Settings whose tokenizer names the backend the job encodes with (self-checked on a
+    sample of `unit`'s texts)."""
+    tokenizer = load_tokenizer(settings.tokenizer.spec)
+    checking = config.tokenizer_backend != "tokenizers" and unit is not None
+    sample = sample_texts(unit, config.text_column) if checking else []
+    choice = choose_backend(config.tokenizer_backend, tokenizer,
+                            config.special_tokens_in_text, sample)
+    info = dataclasses.replace(settings.tokenizer, backend=choice.backend)
+    return dataclasses.replace(settings, tokenizer=info), choice
 
 
 def serial_runner(units: list[WorkUnit], settings: UnitSettings) -> Iterable[UnitRecord]:
@@ -196,12 +215,17 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
             pending.append(unit)
         else:
             records[unit.name] = record
+    writes_manifest = bool(pending) or not output.exists(MANIFEST_NAME)
+    choice = None
+    if writes_manifest:
+        settings, choice = with_backend(config, settings, pending[0] if pending else units[0]
+                                        if units else None)
     run_started = time.perf_counter()
     fresh = list(runner(pending, settings)) if pending else []
     run_seconds = time.perf_counter() - run_started
     records.update({r.unit.name: r for r in fresh})
     manifest = build_manifest(config, settings, [records[unit.name] for unit in units])
-    if pending or not output.exists(MANIFEST_NAME):
+    if writes_manifest:
         manifest = add_batch_formats(config, output, manifest)
         output.write_bytes("config.yaml", dump_config_yaml(config).encode())
         write_manifest(output, manifest)
@@ -221,7 +245,9 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
         packing={name: packing_line(section.options) for name, section in
                  manifest.formats.items() if "used_tokens" in section.options},
         special_literals=totals.special_literals,
-        special_policy=config.special_tokens_in_text)
+        special_policy=config.special_tokens_in_text,
+        backend=manifest.tokenizer.backend,
+        backend_reason=choice.reason if choice is not None else "recorded in the manifest")
 
 
 def add_batch_formats(config: TokenizeConfig, output: Store, manifest: Manifest) -> Manifest:

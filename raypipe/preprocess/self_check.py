@@ -1,0 +1,137 @@
+"""Which library encodes a job: tiktoken where it gives `tokenizers`' exact ids, checked.
+
+Invariant: a job encodes with tiktoken only when (1) tiktoken is installed, (2) the
+tokenizer.json converts exactly (raypipe.preprocess.tiktoken_backend.why_not), and (3) at
+job start both backends, under the job's special-token policy, give the same ids for a
+sample of the job's own texts (up to SAMPLE_CHARS characters from its first pending unit)
+and for a fixed adversarial set: the tokenizer's special-token literals, characters of every
+Unicode general category, combining marks, emoji sequences, CJK, `\\r\\n`, long whitespace
+runs, a 1 MB run without whitespace, contractions with ' and ’, digits in several scripts.
+Any difference falls back to `tokenizers` with one log line naming the first differing
+text; `auto` does the same for (1) and (2). `tokenizers` asked for is never checked.
+The choice is recorded in the manifest (`tokenizer.backend`). Cost: both backends over the
+sample and the set, ~1 s at job start; nothing on a rerun with no unit left to run.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import unicodedata
+from dataclasses import dataclass
+from functools import cache
+
+from tokenizers import Tokenizer
+
+from raypipe.errors import ConfigError
+from raypipe.io.manifest import WorkUnit
+from raypipe.preprocess.encoder import DocumentEncoder
+from raypipe.preprocess.inputs import open_parquet
+from raypipe.preprocess.texts import clean_texts_with_rows
+from raypipe.preprocess.tiktoken_backend import why_not
+
+logger = logging.getLogger("raypipe")
+SAMPLE_CHARS = 256_000
+SAMPLE_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    backend: str
+    reason: str  # why, in a few words (shown in the job summary)
+    checked_texts: int = 0
+
+
+@cache
+def unicode_categories_text() -> str:
+    """Up to 8 characters of every Unicode general category (Cn, Cs, Co excluded: not
+    valid in a Python str that round-trips UTF-8), in code point order."""
+    found: dict[str, list[str]] = {}
+    for code in range(0x30000):
+        char = chr(code)
+        category = unicodedata.category(char)
+        if category in ("Cs", "Cn", "Co") or len(found.get(category, ())) >= 8:
+            continue
+        found.setdefault(category, []).append(char)
+    return " ".join("".join(chars) for _, chars in sorted(found.items()))
+
+
+def adversarial_texts(special_literals: list[str]) -> list[str]:
+    literals = special_literals + ["<|endoftext|>", "<s>", "</s>", "<|im_start|>"]
+    return [
+        " ".join(literals), "".join(literals), f"a{literals[0]}b {literals[0]}\n{literals[0]}",
+        unicode_categories_text(),
+        "e\u0301 a\u0300\u0316 \u1100\u1161\u11a8 n\u0303o\u0308 \u0915\u094d\u0937",
+        "👩\u200d👩\u200d👧 🇫🇷🇯🇵 👍🏽 ❤️ 🏳️\u200d🌈 😀😃😄",
+        "漢字かなカナ한국어 中文，标点。 日本語のテキスト ไทย العربية עברית",
+        "line one\r\nline two\r\n\r\n\ttabbed\r", " " * 300 + "x" + "\n" * 200 + "\t \u3000 y",
+        "a" * 1_000_000,
+        "don't it's we'll I'm they've she'd DON'T don’t it’s we’ll ’twas o'clock",
+        "0123456789 3.14159 1,000,000 1e-9 ٠١٢٣٤٥٦٧٨٩ ०१२३ ①②③ ½ 2²",
+        "mixedCase123_snake-case kebab/path\\to\\file.py?x=1&y=2#frag",
+    ]
+
+
+def sample_texts(unit: WorkUnit, text_column: str) -> list[str]:
+    """Valid texts from the start of one unit, up to SAMPLE_CHARS characters."""
+    parquet = open_parquet(unit.uri)
+    texts: list[str] = []
+    chars = 0
+    batches = parquet.iter_batches(batch_size=256, columns=[text_column], use_threads=False,
+                                   row_groups=range(unit.row_group_start, unit.row_group_stop))
+    for batch in batches:
+        kept, _, _ = clean_texts_with_rows(batch.column(text_column), None)
+        for text in kept:
+            texts.append(text)
+            chars += len(text)
+            if chars >= SAMPLE_CHARS or len(texts) >= SAMPLE_ROWS:
+                return texts
+    return texts
+
+
+def first_difference(tokenizer: Tokenizer, policy: str, texts: list[str]) -> str | None:
+    """None if both backends give the same ids for every text, else which text differs."""
+    reference = DocumentEncoder(tokenizer, None, None, policy, backend="tokenizers")
+    candidate = DocumentEncoder(tokenizer, None, None, policy, backend="tiktoken")
+    expected, expected_lengths = reference.encode(texts)
+    got, got_lengths = candidate.encode(texts)
+    if expected.size == got.size and (expected == got).all():
+        return None
+    mismatched = [i for i, (a, b) in enumerate(zip(expected_lengths, got_lengths, strict=True))
+                  if a != b]
+    index = mismatched[0] if mismatched else _first_token_mismatch(expected, got,
+                                                                   expected_lengths)
+    return f"text {index} ({texts[index][:40]!r}...) encodes differently"
+
+
+def _first_token_mismatch(expected, got, lengths) -> int:
+    position = int((expected != got).nonzero()[0][0])
+    return int((lengths.cumsum() > position).nonzero()[0][0])
+
+
+def choose_backend(requested: str, tokenizer: Tokenizer, policy: str,
+                   sample: list[str]) -> BackendChoice:
+    """The backend a job encodes with (see the module docstring)."""
+    if requested == "tokenizers":
+        return BackendChoice("tokenizers", "asked for")
+    if "tiktoken" not in sys.modules:
+        try:
+            import tiktoken  # noqa: F401
+        except ImportError:
+            if requested == "tiktoken":
+                raise ConfigError("tokenizer_backend: tiktoken is not installed "
+                                  "(pip install tiktoken)") from None
+            return BackendChoice("tokenizers", "tiktoken is not installed")
+    reason = why_not(tokenizer)
+    if reason is not None:
+        if requested == "tiktoken":
+            raise ConfigError(f"tokenizer_backend: tiktoken cannot reproduce this tokenizer: "
+                              f"{reason}")
+        return BackendChoice("tokenizers", f"tiktoken cannot reproduce it: {reason}")
+    literals = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+    texts = sample + adversarial_texts(literals)
+    difference = first_difference(tokenizer, policy, texts)
+    if difference is not None:
+        logger.warning("tiktoken self-check failed (%s); encoding with tokenizers", difference)
+        return BackendChoice("tokenizers", f"self-check failed: {difference}", len(texts))
+    return BackendChoice("tiktoken", "self-check passed", len(texts))

@@ -1,0 +1,137 @@
+"""The tiktoken backend: exact conversion of byte-level BPE tokenizer.json files, shards
+byte-identical to `tokenizers` under both special-token policies (real and adversarial
+text), refusals with reasons, and the start-up self-check falling back on a difference."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+from raypipe.config import load_config
+from raypipe.errors import ConfigError
+from raypipe.io.manifest import read_manifest
+from raypipe.preprocess.encoder import DocumentEncoder
+from raypipe.preprocess.job import run_job
+from raypipe.preprocess.self_check import adversarial_texts, choose_backend
+from raypipe.preprocess.tiktoken_backend import why_not
+from tests.conftest import write_parquet
+from tests.helpers import expected_documents, shard_files
+
+DEMO_TOKENIZER = "raypipe/demo/tokenizer.json"
+
+
+def tokenize(corpus, output, tokenizer_path, backend, policy, formats=("megatron",)):
+    config = load_config(None, inputs=[str(corpus)], output=str(output),
+                         tokenizer=tokenizer_path, shard_tokens=20_000, unit_bytes=1 << 30,
+                         tokenizer_backend=backend, special_tokens_in_text=policy,
+                         formats=list(formats), eos=True)
+    return run_job(config)
+
+
+@pytest.fixture
+def adversarial_corpus(tmp_path, tokenizer_path):
+    """The self-check's adversarial texts (with the tokenizer's literals), each also
+    embedded in ordinary prose, as a parquet corpus."""
+    literals = [t.content for t in Tokenizer.from_file(tokenizer_path)
+                .get_added_tokens_decoder().values() if t.special]
+    texts = adversarial_texts(literals)
+    texts += [f"Before {text[:5000]} after, and <|bos|> again." for text in texts]
+    return write_parquet(tmp_path / "adversarial" / "a.parquet", texts, row_group_rows=8)
+
+
+@pytest.mark.parametrize("policy", ["text", "special"])
+def test_shards_are_byte_identical_between_backends(tmp_path, corpus_dir, adversarial_corpus,
+                                                    tokenizer_path, policy, figure):
+    for name, corpus in (("docstrings", corpus_dir), ("adversarial", adversarial_corpus)):
+        fast = tokenize(corpus, tmp_path / f"{name}-tiktoken", tokenizer_path, "tiktoken",
+                        policy, ("megatron", "nanogpt"))
+        slow = tokenize(corpus, tmp_path / f"{name}-tokenizers", tokenizer_path,
+                        "tokenizers", policy, ("megatron", "nanogpt"))
+        assert fast.backend == "tiktoken" and slow.backend == "tokenizers"
+        assert read_manifest(tmp_path / f"{name}-tiktoken").tokenizer.backend == "tiktoken"
+        files = shard_files(tmp_path / f"{name}-tiktoken")
+        assert files and files == shard_files(tmp_path / f"{name}-tokenizers"), \
+            f"{name}, policy {policy}: shards differ between backends"
+        assert fast.tokens == slow.tokens
+    figure(f"tiktoken = tokenizers ({policy})", f"{len(files)} shard files byte-identical "
+           "on docstrings and the adversarial corpus")
+
+
+def test_tiktoken_shards_hold_the_direct_tokenizers_ids(tmp_path, corpus_dir, tokenizer_path):
+    tokenize(corpus_dir, tmp_path / "out", tokenizer_path, "tiktoken", "text")
+    from raypipe.dataset import TokenDataset
+
+    got = [d.tolist() for d in TokenDataset(tmp_path / "out").iter_documents()]
+    assert got == expected_documents(corpus_dir, tokenizer_path, bos=True, eos=True)
+
+
+def test_the_shipped_and_the_session_tokenizers_convert(tokenizer_path):
+    for path in (tokenizer_path, DEMO_TOKENIZER):
+        assert why_not(Tokenizer.from_file(path)) is None
+
+
+def tiny_bpe(merges: list[tuple[str, str]], normalizer=None) -> Tokenizer:
+    """A byte-level BPE over the 256 byte tokens plus `merges`."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: index for index, token in enumerate(sorted(alphabet))}
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    return tokenizer
+
+
+def test_tokenizers_tiktoken_cannot_reproduce_are_refused_with_the_reason():
+    normalized = tiny_bpe([("a", "b")], normalizers.NFKC())
+    assert "normalizer" in why_not(normalized)
+    choice = choose_backend("auto", normalized, "text", ["ab"])
+    assert choice.backend == "tokenizers" and "normalizer" in choice.reason
+    with pytest.raises(ConfigError, match="normalizer"):
+        choose_backend("tiktoken", normalized, "text", ["ab"])
+    prefixed = tiny_bpe([("a", "b")])
+    prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    assert "prefix space" in why_not(prefixed)
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert "not BPE" in why_not(wordpiece)
+
+
+def test_a_vocabulary_tiktoken_merges_differently_fails_the_self_check(caplog):
+    # "abc" is a token, but no rule merges ("ab", "c"): tokenizers stops at [ab, c] where
+    # tiktoken (lowest rank of any concatenation) reaches [abc]
+    tokenizer = tiny_bpe([("a", "b"), ("b", "c"), ("a", "bc")])
+    assert why_not(tokenizer) is None  # it converts; only running both shows it
+    plain = DocumentEncoder(tokenizer, None, None, "text", "tokenizers").encode(["abc"])[0]
+    fast = DocumentEncoder(tokenizer, None, None, "text", "tiktoken").encode(["abc"])[0]
+    assert plain.tolist() != fast.tolist()
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        choice = choose_backend("auto", tokenizer, "text", ["x abc y"])
+    assert choice.backend == "tokenizers" and "self-check failed" in choice.reason
+    assert "text 0" in caplog.text and "abc" in caplog.text
+
+
+def test_a_job_whose_texts_fail_the_self_check_writes_tokenizers_ids(tmp_path):
+    tokenizer = tiny_bpe([("a", "b"), ("b", "c"), ("a", "bc")])
+    tokenizer.add_special_tokens(["<|bos|>", "<|eos|>"])
+    path = tmp_path / "tok.json"
+    tokenizer.save(str(path))
+    corpus = write_parquet(tmp_path / "c" / "c.parquet", ["abc abc", "cab", "abcabc"])
+    summary = tokenize(corpus, tmp_path / "out", str(path), "auto", "text")
+    assert summary.backend == "tokenizers" and "self-check failed" in summary.backend_reason
+    from raypipe.dataset import TokenDataset
+
+    bos, eos = tokenizer.token_to_id("<|bos|>"), tokenizer.token_to_id("<|eos|>")
+    got = [d.tolist() for d in TokenDataset(tmp_path / "out").iter_documents()]
+    assert got == [[bos] + tokenizer.encode(t, add_special_tokens=False).ids + [eos]
+                   for t in ["abc abc", "cab", "abcabc"]]
+
+
+def test_asking_for_tokenizers_skips_the_check_and_is_recorded(tmp_path, corpus_dir,
+                                                                tokenizer_path):
+    summary = tokenize(corpus_dir, tmp_path / "out", tokenizer_path, "tokenizers", "text")
+    assert summary.backend == "tokenizers" and summary.backend_reason == "asked for"
+    assert "encoder    tokenizers (asked for)" in summary.render()
