@@ -1,62 +1,75 @@
-"""Tokenize benchmark: the raypipe job on 2 Ray CPUs against the two-process ceiling.
+"""Tokenize benchmark: raypipe on 2 Ray CPUs against the two-process ceiling of each encoder
+backend, and against datatrove, end to end, on the same corpus and tokenizer.
 
-    python bench/tokenize_bench.py [--mb 50] [--workdir bench_out]
+    python bench/tokenize_bench.py [--mb 200] [--tokenizer gpt2|shipped] [--workdir bench_out]
 
-Both sides run in the same Ray session (the ceiling's processes are plain `multiprocessing`
-ones, outside Ray), alternated `--repeats` times; the best of each is printed.
-Prints, from one run: Ray start-up; the raypipe job (read + tokenize + write, Megatron
-format, 2 actors) in steady state (first unit started to last unit committed, so the actor
-pool's start-up is reported apart) and whole; the ceiling: two plain processes, each with
-one tokenizer thread, each tokenizing half of the same texts with the same tokenizer call
-(`encode_batch_fast`) and writing the same bytes; the ratio (target >= 0.9); and each
-actor's peak RSS at two batch sizes, which must follow the batch size, not the corpus.
+The corpus is real text (docstrings of the stdlib and installed packages, repeated to --mb);
+the tokenizer is GPT-2's (bench/gpt2_tokenizer.py) or the shipped 8k BPE; BOS off, EOS on,
+Megatron output. Contenders run alternated --repeats times; the best of each is printed:
+- ceiling, per backend: two plain processes, one encoder thread each, each encoding half of
+  the texts (already in memory) with the call raypipe makes and writing the same bytes;
+- raypipe, per backend, end to end in a fresh process: `ray.init` (2 CPUs, loopback) + the job
+  (plan, self-check, read parquet, encode, write, manifest; ~32 work units) + shutdown; also
+  its steady state (first unit started to last committed);
+- datatrove (if installed: `pip install datatrove`), end to end in a fresh process:
+  ParquetReader -> DocumentTokenizer (the same tokenizer.json through `tokenizers`, EOS,
+  no shuffle), 16 tasks on 2 workers.
+Targets: raypipe (auto = tiktoken) >= 3x datatrove and >= 0.85x the tiktoken ceiling, end to
+end; peak RSS per actor follows the batch size, not the corpus.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from common import corpus_texts, docstring_corpus, print_table
+from gpt2_tokenizer import gpt2_tokenizer_json
 
 from raypipe.demo.train_tokenizer import SHIPPED
-from raypipe.preprocess.encoder import flatten_documents, ids_of, single_threaded_tokenizers
+from raypipe.preprocess.encoder import DocumentEncoder, single_threaded_tokenizers
 
 BATCH = 1024
+EOS = {"gpt2": "<|endoftext|>", "shipped": "<|eos|>"}
 
 
-def ceiling_worker(texts: list[list[str]], out_path: str, start: mp.Event, queue: mp.Queue):
+def ceiling_worker(texts: list[list[str]], tokenizer_path: str, eos: str, backend: str,
+                   out_path: str, start: mp.Event, queue: mp.Queue) -> None:
     single_threaded_tokenizers()
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(SHIPPED))
-    bos = tokenizer.token_to_id("<|bos|>")
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    encoder = DocumentEncoder(tokenizer, None, tokenizer.token_to_id(eos), "text", backend)
     start.wait()
     began = time.perf_counter()
     tokens_total = 0
     with open(out_path, "wb") as handle:
         for file_texts in texts:
             for first in range(0, len(file_texts), BATCH):
-                ids = ids_of(tokenizer, file_texts[first:first + BATCH])
-                tokens, _ = flatten_documents(ids, bos, None)
+                tokens, _ = encoder.encode(file_texts[first:first + BATCH])
                 handle.write(tokens.astype(np.uint16).data)
                 tokens_total += tokens.size
         os.fsync(handle.fileno())
     queue.put((time.perf_counter() - began, tokens_total))
 
 
-def run_ceiling(corpus: Path, workdir: Path) -> tuple[float, int]:
+def run_ceiling(corpus: Path, workdir: Path, tokenizer: Path, eos: str,
+                backend: str) -> tuple[float, int]:
     per_file = corpus_texts(corpus)
     halves = [per_file[0::2], per_file[1::2]]
     context = mp.get_context("spawn")
     start, queue = context.Event(), context.Queue()
     procs = [context.Process(target=ceiling_worker,
-                             args=(half, str(workdir / f"ceiling-{i}.bin"), start, queue))
+                             args=(half, str(tokenizer), eos, backend,
+                                   str(workdir / f"ceiling-{i}.bin"), start, queue))
              for i, half in enumerate(halves)]
     for proc in procs:
         proc.start()
@@ -70,75 +83,144 @@ def run_ceiling(corpus: Path, workdir: Path) -> tuple[float, int]:
     return wall, sum(tokens for _, tokens in results)
 
 
-def run_raypipe(corpus: Path, output: Path, batch_size: int = BATCH):
-    from raypipe.config import load_config
-    from raypipe.ray.executor import run_tokenize
+RAYPIPE_JOB = """
+import json, sys, time
+began = time.perf_counter()
+import ray
+ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+         log_to_driver=False)
+started = time.perf_counter()
+from raypipe.config import load_config
+from raypipe.ray.executor import run_tokenize
+corpus, output, tokenizer, backend, batch, unit_bytes = sys.argv[1:7]
+config = load_config(None, inputs=[corpus], output=output, tokenizer=tokenizer,
+                     formats=["megatron"], num_workers=2, encode_batch_rows=int(batch),
+                     unit_bytes=int(unit_bytes), bos=False, eos=True,
+                     tokenizer_backend=backend)
+summary = run_tokenize(config)
+ray.shutdown()
+print(json.dumps({"wall": time.perf_counter() - began, "ray_start": started - began,
+                  "tokens": summary.tokens_run, "steady": summary.steady_seconds,
+                  "backend": summary.backend, "rss": summary.peak_rss_bytes}))
+"""
 
+DATATROVE_JOB = """
+import sys, time
+began = time.perf_counter()
+from datatrove.executor import LocalPipelineExecutor
+from datatrove.pipeline.readers import ParquetReader
+from datatrove.pipeline.tokens import DocumentTokenizer
+corpus, output, tokenizer, eos, logs = sys.argv[1:6]
+LocalPipelineExecutor(pipeline=[
+    ParquetReader(corpus, text_key="text", id_key="id"),
+    DocumentTokenizer(output, tokenizer_name_or_path=tokenizer, eos_token=eos,
+                      shuffle_documents=False)],
+    tasks=16, workers=2, logging_dir=logs, skip_completed=False).run()
+print(time.perf_counter() - began)
+"""
+
+
+def fresh_env(workdir: Path) -> dict[str, str]:
+    """A child's environment: its own Ray temp dir, no auth token, Ray on loopback."""
+    import tempfile
+
+    return {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rp-", dir="/tmp"),
+            "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+def run_raypipe(corpus: Path, output: Path, tokenizer: Path, backend: str,
+                batch_size: int = BATCH) -> dict:
     shutil.rmtree(output, ignore_errors=True)
-    config = load_config(None, inputs=[str(corpus)], output=str(output), tokenizer=str(SHIPPED),
-                         formats=["megatron"], num_workers=2, encode_batch_rows=batch_size,
-                         unit_bytes=2 << 20)
-    return run_tokenize(config)
+    size = sum(p.stat().st_size for p in corpus.glob("*.parquet"))
+    unit_bytes = max(2 << 20, size // 32)  # ~32 units: both actors busy to the end
+    result = subprocess.run([sys.executable, "-c", RAYPIPE_JOB, str(corpus), str(output),
+                             str(tokenizer), backend, str(batch_size), str(unit_bytes)],
+                            capture_output=True,
+                            text=True, env=fresh_env(output.parent), check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_datatrove(corpus: Path, workdir: Path, tokenizer: Path, eos: str) -> float | None:
+    try:
+        import datatrove  # noqa: F401
+    except ImportError:
+        return None
+    output, logs = workdir / "datatrove", workdir / "datatrove-logs"
+    shutil.rmtree(output, ignore_errors=True)
+    shutil.rmtree(logs, ignore_errors=True)
+    result = subprocess.run([sys.executable, "-c", DATATROVE_JOB, str(corpus), str(output),
+                             str(tokenizer), eos, str(logs)], capture_output=True, text=True,
+                            env=fresh_env(workdir), check=True)
+    return float(result.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mb", type=int, default=50)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=200)
     parser.add_argument("--workdir", type=Path, default=Path("bench_out"))
     parser.add_argument("--repeats", type=int, default=2, help="best of N for each side")
+    parser.add_argument("--tokenizer", choices=["gpt2", "shipped"], default="gpt2")
+    parser.add_argument("--gpt2-dir", type=Path, default=None,
+                        help="a folder with GPT-2's encoder.json and vocab.bpe")
     args = parser.parse_args()
     args.workdir.mkdir(exist_ok=True)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback
     corpus = docstring_corpus(args.workdir, args.mb << 20)
     size = sum(p.stat().st_size for p in corpus.glob("*.parquet"))
-    print(f"corpus: {corpus} ({size / 1e6:.1f} MB parquet)")
-
-    import ray
-
-    began = time.perf_counter()
-    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False)
-    startup = time.perf_counter() - began
-    ceilings, jobs = [], []
-    try:
-        small = run_raypipe(corpus, args.workdir / "raypipe-rss-small", batch_size=64)
-        for _ in range(args.repeats):  # alternate, so both see the same machine noise
-            ceilings.append(run_ceiling(corpus, args.workdir))
-            jobs.append(run_raypipe(corpus, args.workdir / "raypipe"))
-    finally:
-        ray.shutdown()
-    ceiling_wall, ceiling_tokens = min(ceilings)
-    job = max(jobs, key=lambda j: j.steady_tokens_per_second)
-    ceiling_rate = ceiling_tokens / ceiling_wall
-    job_rate = job.tokens_run / job.run_seconds
-    steady_rate = job.steady_tokens_per_second
-    print_table([
-        ("what", "tokens", "seconds", "M tokens/s", "vs ceiling"),
-        ("ceiling: 2 processes x 1 thread", f"{ceiling_tokens:,}", f"{ceiling_wall:.2f}",
-         f"{ceiling_rate / 1e6:.3f}", "1.00"),
-        ("raypipe job, steady state", f"{job.tokens_run:,}", f"{job.steady_seconds:.2f}",
-         f"{steady_rate / 1e6:.3f}", f"{steady_rate / ceiling_rate:.2f}"),
-        ("raypipe job incl. actor start", f"{job.tokens_run:,}", f"{job.run_seconds:.2f}",
-         f"{job_rate / 1e6:.3f}", f"{job_rate / ceiling_rate:.2f}"),
-    ])
-    print(f"Ray start-up (ray.init): {startup:.2f} s; actor pool start-up inside the job: "
-          f"{job.run_seconds - job.steady_seconds:.2f} s")
-    print(f"raypipe job wall incl. planning and manifest: {job.wall_seconds:.2f} s")
-    print(f"peak RSS per actor: batch 64 -> {small.peak_rss_bytes / 2**20:.0f} MiB, "
-          f"batch {BATCH} -> {job.peak_rss_bytes / 2**20:.0f} MiB "
-          f"(corpus {size / 2**20:.0f} MiB, largest shard "
-          f"{max(s['files'][0]['bytes'] for s in _shards(args.workdir / 'raypipe')) / 2**20:.1f}"
-          " MiB)")
-    ratio = steady_rate / ceiling_rate
-    print(f"RATIO raypipe/ceiling = {ratio:.2f} (target >= 0.90): "
-          f"{'PASS' if ratio >= 0.9 else 'BELOW TARGET'}")
+    tokenizer = (gpt2_tokenizer_json(args.workdir, args.gpt2_dir) if args.tokenizer == "gpt2"
+                 else SHIPPED)
+    eos = EOS[args.tokenizer]
+    print(f"corpus: {corpus} ({size / 1e6:.1f} MB parquet); tokenizer {tokenizer}")
+    ceilings: dict[str, list] = {"tokenizers": [], "tiktoken": []}
+    jobs: dict[str, list] = {"tokenizers": [], "auto": []}
+    datatrove: list[float] = []
+    small = run_raypipe(corpus, args.workdir / "raypipe-rss-small", tokenizer, "auto", 64)
+    for _ in range(args.repeats):  # alternate, so every contender sees the same noise
+        for backend in ceilings:
+            ceilings[backend].append(run_ceiling(corpus, args.workdir, tokenizer, eos, backend))
+        for backend in jobs:
+            jobs[backend].append(run_raypipe(corpus, args.workdir / "raypipe", tokenizer,
+                                             backend))
+        seconds = run_datatrove(corpus, args.workdir, tokenizer, eos)
+        if seconds is not None:
+            datatrove.append(seconds)
+    report(ceilings, jobs, datatrove, small, size)
 
 
-def _shards(output: Path) -> list[dict]:
-    import json
-
-    return json.loads((output / "manifest.json").read_text())["formats"]["megatron"]["shards"]
+def report(ceilings: dict, jobs: dict, datatrove: list[float], small: dict, size: int) -> None:
+    best = {name: min(runs) for name, runs in ceilings.items()}
+    ceiling_rate = {name: tokens / wall for name, (wall, tokens) in best.items()}
+    rows = [("what", "tokens", "seconds", "M tokens/s", "vs ceiling of its backend")]
+    for name, (wall, tokens) in best.items():
+        rows.append((f"ceiling, {name}: 2 processes", f"{tokens:,}", f"{wall:.2f}",
+                     f"{tokens / wall / 1e6:.3f}", "1.00"))
+    fastest = {}
+    for name, runs in jobs.items():
+        job = min(runs, key=lambda j: j["wall"])
+        fastest[name] = job
+        backend = job["backend"]
+        wall_rate, steady_rate = job["tokens"] / job["wall"], job["tokens"] / job["steady"]
+        rows.append((f"raypipe {name} ({backend}), end to end", f"{job['tokens']:,}",
+                     f"{job['wall']:.2f}", f"{wall_rate / 1e6:.3f}",
+                     f"{wall_rate / ceiling_rate[backend]:.2f}"))
+        rows.append((f"raypipe {name} ({backend}), steady", f"{job['tokens']:,}",
+                     f"{job['steady']:.2f}", f"{steady_rate / 1e6:.3f}",
+                     f"{steady_rate / ceiling_rate[backend]:.2f}"))
+    if datatrove:
+        seconds = min(datatrove)
+        rows.append(("datatrove, end to end", "", f"{seconds:.2f}", "", ""))
+    print_table(rows)
+    job = fastest["auto"]
+    print(f"Ray start-up inside the raypipe runs: {job['ray_start']:.2f} s")
+    print(f"peak RSS per actor: batch 64 -> {small['rss'] / 2**20:.0f} MiB, batch {BATCH} -> "
+          f"{job['rss'] / 2**20:.0f} MiB (corpus {size / 2**20:.0f} MiB)")
+    ratio = job["tokens"] / job["wall"] / ceiling_rate[job["backend"]]
+    print(f"RATIO raypipe/ceiling ({job['backend']}, end to end) = {ratio:.2f} (target >= "
+          f"0.85): {'PASS' if ratio >= 0.85 else 'BELOW TARGET'}")
+    if datatrove:
+        speedup = min(datatrove) / job["wall"]
+        print(f"RATIO datatrove time / raypipe time = {speedup:.2f} (target >= 3): "
+              f"{'PASS' if speedup >= 3 else 'BELOW TARGET'}")
 
 
 if __name__ == "__main__":

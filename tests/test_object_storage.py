@@ -94,6 +94,7 @@ def test_output_uris_raypipe_cannot_write_fail_without_a_local_directory(in_tmp_
     assert list(in_tmp_cwd.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_killed_job_rerun_converges_to_the_same_objects(bucket, corpus_dir, tokenizer_path,
                                                         tmp_path, monkeypatch):
     clean, killed = f"s3://{bucket}/clean", f"s3://{bucket}/killed"
@@ -155,6 +156,7 @@ def test_cache_refuses_an_object_whose_checksum_differs(bucket, token_dataset, t
     assert cache.cached_files() == [], "a refused object was cached"
 
 
+@pytest.mark.slow
 def test_loader_from_s3_resumes_exactly_at_other_world_sizes(bucket, rich_dataset, tmp_path,
                                                              monkeypatch):
     uri = f"s3://{bucket}/rich"
@@ -227,6 +229,7 @@ def test_two_processes_share_one_cache_without_corrupting_it(bucket, token_datas
     assert not list(cache_dir.rglob("*.raypipe.tmp"))
 
 
+@pytest.mark.slow
 def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_dataset,
                                                                  tmp_path, figure):
     uri = f"s3://{bucket}/tokens"

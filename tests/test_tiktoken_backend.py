@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from raypipe.config import load_config
 from raypipe.errors import ConfigError
 from raypipe.io.manifest import read_manifest
-from raypipe.preprocess.encoder import DocumentEncoder
+from raypipe.preprocess.encoder import DocumentEncoder, tokenizer_sha256
 from raypipe.preprocess.job import run_job
 from raypipe.preprocess.self_check import adversarial_texts, choose_backend
 from raypipe.preprocess.tiktoken_backend import why_not
@@ -69,7 +69,8 @@ def test_tiktoken_shards_hold_the_direct_tokenizers_ids(tmp_path, corpus_dir, to
 
 def test_the_shipped_and_the_session_tokenizers_convert(tokenizer_path):
     for path in (tokenizer_path, DEMO_TOKENIZER):
-        assert why_not(Tokenizer.from_file(path)) is None
+        tokenizer = Tokenizer.from_file(path)
+        assert why_not(tokenizer, tokenizer_sha256(tokenizer)) is None
 
 
 def tiny_bpe(merges: list[tuple[str, str]], normalizer=None) -> Tokenizer:
@@ -85,26 +86,30 @@ def tiny_bpe(merges: list[tuple[str, str]], normalizer=None) -> Tokenizer:
     return tokenizer
 
 
+def reason(tokenizer: Tokenizer) -> str | None:
+    return why_not(tokenizer, tokenizer_sha256(tokenizer))
+
+
 def test_tokenizers_tiktoken_cannot_reproduce_are_refused_with_the_reason():
     normalized = tiny_bpe([("a", "b")], normalizers.NFKC())
-    assert "normalizer" in why_not(normalized)
+    assert "normalizer" in reason(normalized)
     choice = choose_backend("auto", normalized, "text", ["ab"])
     assert choice.backend == "tokenizers" and "normalizer" in choice.reason
     with pytest.raises(ConfigError, match="normalizer"):
         choose_backend("tiktoken", normalized, "text", ["ab"])
     prefixed = tiny_bpe([("a", "b")])
     prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    assert "prefix space" in why_not(prefixed)
+    assert "prefix space" in reason(prefixed)
     wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     wordpiece.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    assert "not BPE" in why_not(wordpiece)
+    assert "not BPE" in reason(wordpiece)
 
 
 def test_a_vocabulary_tiktoken_merges_differently_fails_the_self_check(caplog):
     # "abc" is a token, but no rule merges ("ab", "c"): tokenizers stops at [ab, c] where
     # tiktoken (lowest rank of any concatenation) reaches [abc]
     tokenizer = tiny_bpe([("a", "b"), ("b", "c"), ("a", "bc")])
-    assert why_not(tokenizer) is None  # it converts; only running both shows it
+    assert reason(tokenizer) is None  # it converts; only running both shows it
     plain = DocumentEncoder(tokenizer, None, None, "text", "tokenizers").encode(["abc"])[0]
     fast = DocumentEncoder(tokenizer, None, None, "text", "tiktoken").encode(["abc"])[0]
     assert plain.tolist() != fast.tolist()
@@ -135,3 +140,16 @@ def test_asking_for_tokenizers_skips_the_check_and_is_recorded(tmp_path, corpus_
     summary = tokenize(corpus_dir, tmp_path / "out", tokenizer_path, "tokenizers", "text")
     assert summary.backend == "tokenizers" and summary.backend_reason == "asked for"
     assert "encoder    tokenizers (asked for)" in summary.render()
+
+
+def test_megatron_core_reads_tiktoken_shards_as_direct_tokenizers_ids(tmp_path, corpus_dir,
+                                                                      tokenizer_path):
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    summary = tokenize(corpus_dir, tmp_path / "out", tokenizer_path, "tiktoken", "text")
+    assert summary.backend == "tiktoken"
+    got = []
+    for shard in read_manifest(tmp_path / "out").formats["megatron"].shards:
+        prefix = tmp_path / "out" / shard.files[0].path[:-len(".bin")]
+        dataset = indexed.IndexedDataset(str(prefix))
+        got += [dataset[index].tolist() for index in range(len(dataset))]
+    assert got == expected_documents(corpus_dir, tokenizer_path, bos=True, eos=True)

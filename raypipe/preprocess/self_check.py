@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 
 from raypipe.errors import ConfigError
 from raypipe.io.manifest import WorkUnit
-from raypipe.preprocess.encoder import DocumentEncoder
+from raypipe.preprocess.encoder import DocumentEncoder, tokenizer_sha256
 from raypipe.preprocess.inputs import open_parquet
 from raypipe.preprocess.texts import clean_texts_with_rows
 from raypipe.preprocess.tiktoken_backend import why_not
@@ -122,7 +122,7 @@ def choose_backend(requested: str, tokenizer: Tokenizer, policy: str,
                 raise ConfigError("tokenizer_backend: tiktoken is not installed "
                                   "(pip install tiktoken)") from None
             return BackendChoice("tokenizers", "tiktoken is not installed")
-    reason = why_not(tokenizer)
+    reason = why_not(tokenizer, tokenizer_sha256(tokenizer))
     if reason is not None:
         if requested == "tiktoken":
             raise ConfigError(f"tokenizer_backend: tiktoken cannot reproduce this tokenizer: "

@@ -204,10 +204,11 @@ class TiktokenIds:
         return self.rank_to_id[ranks].astype(np.uint32)
 
 
-def why_not(tokenizer: Any) -> str | None:
-    """None if tiktoken represents this `tokenizers` Tokenizer exactly, else the reason."""
+def why_not(tokenizer: Any, sha256: str) -> str | None:
+    """None if tiktoken represents this `tokenizers` Tokenizer exactly, else the reason (the
+    conversion is kept for the encoders that follow)."""
     try:
-        convert(json.loads(tokenizer.to_str()))
+        encoding_for(tokenizer, sha256)
     except NotRepresentable as exc:
         return str(exc)
     return None
