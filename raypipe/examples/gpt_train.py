@@ -110,7 +110,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     loader = worker_loader(config["data"], config["seq_len"], config["batch_size"],
                            mode=config.get("mode", "bestfit"), seed=config.get("seed", 0),
                            shuffle=config.get("shuffle", "global"),
-                           cache_dir=config.get("cache_dir"))
+                           cache_dir=config.get("cache_dir"), name="train")
     rank = ray.train.get_context().get_world_rank()
     vocab = read_manifest(config["data"]).tokenizer.largest_id + 1
     torch.manual_seed(config.get("seed", 0))

@@ -115,6 +115,7 @@ class TokenLoader:
             self.dataset = TokenDataset(store, format, cache=cache)
             self.source = TokenSource(self.dataset)
         self.shuffle, self.group_shards = shuffle, group_shards
+        self.state_name: str | None = None  # where adapters (raypipe.ray.train) keep its state
         if not seq_len or not batch_size or seq_len < 1 or batch_size < 1 or prefetch < 1:
             raise ConfigError("seq_len, batch_size and prefetch must be >= 1")
         if metadata and (mode != "windows" or self.dataset.format_name != "stream"):

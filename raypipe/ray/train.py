@@ -3,9 +3,13 @@ run's checkpoint; one call puts the loader's state into a checkpoint directory.
 
 Invariant: rank and world size come from `ray.train.get_context()`, the device from
 `ray.train.torch.get_device()`, the state from the checkpoint (`ray.train.get_checkpoint()`
-or one passed in). Every rank's state is the same global position, so the state rank 0
-saves resumes any worker count: the TokenLoader's exactly-once guarantee carries over Ray
-Train restarts (FailureConfig) and resizes. Cost: one small JSON file per checkpoint.
+by default, one passed in, or none with `checkpoint=None`). Every rank's state is the same
+global position, so the state rank 0 saves resumes any worker count: the TokenLoader's
+exactly-once guarantee carries over Ray Train restarts (FailureConfig) and resizes. Loader
+states are named (`name="train"`, `name="validation"`: `raypipe_loader_state.<name>.json`),
+so several loaders of one run restore independently; a loader without a name uses the
+unnamed file of earlier releases. Only the state file is read, through the checkpoint's own
+filesystem, never the whole checkpoint. Cost: one small JSON file per loader per checkpoint.
 """
 
 from __future__ import annotations
@@ -17,35 +21,60 @@ from typing import Any
 import ray.train
 import ray.train.torch
 
+from raypipe.errors import StateError
 from raypipe.loader import TokenLoader
 
 LOADER_STATE_FILE = "raypipe_loader_state.json"
+RUN_CHECKPOINT = "run"  # worker_loader's default: the checkpoint Ray Train restored
 
 
-def save_loader_state(loader: TokenLoader, directory: str | Path) -> Path:
-    """Write the loader state next to the model files of a checkpoint directory."""
-    path = Path(directory) / LOADER_STATE_FILE
+def state_file_name(name: str | None) -> str:
+    if name is None:
+        return LOADER_STATE_FILE
+    if not name or "/" in name or name.startswith("."):
+        raise StateError(f"loader state name {name!r}: use a plain word (train, validation)")
+    return f"raypipe_loader_state.{name}.json"
+
+
+def save_loader_state(loader: TokenLoader, directory: str | Path,
+                      name: str | None = None) -> Path:
+    """Write the loader state next to the model files of a checkpoint directory, under
+    `name` (default: the name `worker_loader` gave the loader, if any)."""
+    name = name if name is not None else getattr(loader, "state_name", None)
+    path = Path(directory) / state_file_name(name)
     path.write_text(json.dumps(loader.state_dict(), sort_keys=True))
     return path
 
 
-def read_loader_state(checkpoint: ray.train.Checkpoint | None) -> dict[str, Any] | None:
+def read_loader_state(checkpoint: ray.train.Checkpoint | None,
+                      name: str | None = None) -> dict[str, Any] | None:
+    """The named loader state in `checkpoint`, or None (no checkpoint, or no such state):
+    one small read on the checkpoint's filesystem."""
     if checkpoint is None:
         return None
-    with checkpoint.as_directory() as directory:
-        path = Path(directory) / LOADER_STATE_FILE
-        return json.loads(path.read_text()) if path.exists() else None
+    path = f"{checkpoint.path.rstrip('/')}/{state_file_name(name)}"
+    try:
+        with checkpoint.filesystem.open_input_stream(path) as stream:
+            return json.loads(stream.read())
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise StateError(f"{path}: not a loader state ({exc})") from exc
 
 
 def worker_loader(path: str | Path, seq_len: int | None = None, batch_size: int | None = None,
-                  checkpoint: ray.train.Checkpoint | None = None, **options: Any) -> TokenLoader:
-    """Inside `train_loop_per_worker`: this worker's loader, resumed when the run (or
-    `checkpoint`) has a loader state. Options are TokenLoader's (mode, seed, dtype, ...)."""
+                  checkpoint: ray.train.Checkpoint | None | str = RUN_CHECKPOINT,
+                  name: str | None = None, **options: Any) -> TokenLoader:
+    """Inside `train_loop_per_worker`: this worker's loader, resumed from its named state in
+    the run's checkpoint (or in `checkpoint`; `checkpoint=None`: never resumed). Options are
+    TokenLoader's (mode, seed, dtype, shuffle, cache_dir, ...)."""
     context = ray.train.get_context()
     options.setdefault("device", ray.train.torch.get_device())
     loader = TokenLoader(path, seq_len, batch_size, rank=context.get_world_rank(),
                          world_size=context.get_world_size(), **options)
-    state = read_loader_state(checkpoint or ray.train.get_checkpoint())
+    loader.state_name = name
+    source = ray.train.get_checkpoint() if isinstance(checkpoint, str) else checkpoint
+    state = read_loader_state(source, name)
     if state is not None:
         loader.load_state_dict(state)
     return loader
