@@ -22,6 +22,9 @@ MODES = {
     "bestfit-shard-local": {"mode": "bestfit", "shuffle": "shard_local", "group_shards": 2},
     "documents-shard-local": {"mode": "documents", "shuffle": "shard_local",
                               "group_shards": 3},
+    "bestfit-train-split": {"mode": "bestfit", "split": "train", "validation_fraction": 0.2},
+    "documents-validation-split": {"mode": "documents", "split": "validation",
+                                   "validation_fraction": 0.3},
 }
 
 
@@ -39,7 +42,8 @@ def rows_of(batch, options) -> dict[int, list[int]]:
         for row, window in enumerate(batch.metadata):
             assert window.tokens[:-1].tolist() == batch.inputs[row].tolist()
             assert all(window.record_of(p) is not None for p in range(T))
-    return {int(o): batch.inputs[i].tolist() for i, o in enumerate(batch.observation_ids)}
+    return {int(o): batch.inputs[i].tolist() for i, o in enumerate(batch.observation_ids)
+            if o >= 0}  # -1: an empty row padding the validation split's last step
 
 
 def run_segment(path, options, world, state, steps=None):

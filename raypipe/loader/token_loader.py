@@ -39,12 +39,14 @@ from raypipe.sampling.pack import PACKINGS
 from raypipe.sampling.plans import (
     MODES,
     SHUFFLES,
+    DocumentPlan,
     PackingReport,
     Plan,
     PreformedPlan,
     ShardGroups,
     make_plan,
 )
+from raypipe.sampling.split import SPLITS, DocumentSplit
 
 DESCRIBE_STEPS = 64
 HANDOFF_CHUNK = 4  # at most this many batches per producer->trainer handoff
@@ -84,12 +86,18 @@ class TokenLoader:
                  pad_id: int = 0, boundaries: bool | None = None, metadata: bool = False,
                  block_batches: int = 64, packing: str = "split", shuffle: str = "global",
                  group_shards: int = 4, cache_dir: str | Path | None = None,
-                 cache_bytes: int | str | None = None):
+                 cache_bytes: int | str | None = None, split: str = "all",
+                 validation_fraction: float = 0.001):
         """`path`: a dataset directory or URI (s3://, gs://, ...: shards come through the
         node-local cache at `cache_dir`, default $RAYPIPE_CACHE_DIR or ~/.cache/raypipe,
         holding at most `cache_bytes`, default $RAYPIPE_CACHE_BYTES or 64 GiB). `shuffle`:
         "global" (every observation anywhere) or "shard_local" (groups of `group_shards`
-        consecutive shards, one group at a time: see raypipe.sampling.plans)."""
+        consecutive shards, one group at a time: see raypipe.sampling.plans). `split`:
+        "all", "train" or "validation": documents are held out for validation by a hash of
+        (dataset fingerprint, document index) with probability `validation_fraction`
+        (raypipe.sampling.split); "train" shuffles the rest (documents, bestfit modes),
+        "validation" serves the held-out documents in order, each once per epoch, the last
+        step padded with empty rows (mask 0) instead of dropping any (documents mode)."""
         if mode not in MODES:
             raise ConfigError(f"mode: {mode!r} not among {list(MODES)}")
         if shuffle not in SHUFFLES:
@@ -103,8 +111,10 @@ class TokenLoader:
             raise ConfigError(f"dtype: {dtype} must be torch.int32 or torch.int64")
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.preformed = mode == "llmbatch"  # rows come pre-formed, one batch per observation
+        check_split(split, validation_fraction, mode, shuffle)
         store = Store(path)
         cache = None if store.local else ShardCache(cache_dir, cache_bytes)
+        self.split: DocumentSplit | None = None
         if self.preformed:
             self.dataset: Any = LLMBatchDataset(store, cache=cache)
             for index in range(self.dataset.num_shards if cache is None else 0):
@@ -113,7 +123,11 @@ class TokenLoader:
             self.source = None
         else:
             self.dataset = TokenDataset(store, format, cache=cache)
-            self.source = TokenSource(self.dataset)
+            self.split = None if split == "all" else DocumentSplit.of(
+                split, validation_fraction, self.dataset.num_documents,
+                self.dataset.fingerprint)
+            self.source = TokenSource(self.dataset, None if self.split is None
+                                      else self.split.ids)
         self.shuffle, self.group_shards = shuffle, group_shards
         self.state_name: str | None = None  # where adapters (raypipe.ray.train) keep its state
         if not seq_len or not batch_size or seq_len < 1 or batch_size < 1 or prefetch < 1:
@@ -157,8 +171,10 @@ class TokenLoader:
         return self.world_size * self.observations_per_batch
 
     def _document_lengths(self) -> np.ndarray:
+        """Lengths of the documents the plans number (a split's, or every document)."""
         if self._lengths is None:
-            self._lengths = self.dataset.document_lengths()
+            lengths = self.dataset.document_lengths()
+            self._lengths = lengths if self.split is None else lengths[self.split.ids]
         return self._lengths
 
     def _groups(self) -> ShardGroups | None:
@@ -174,6 +190,9 @@ class TokenLoader:
                 plan: Plan = PreformedPlan(self.dataset.num_batches, self.batch_size,
                                            self.seq_len + 1, self.seed, epoch,
                                            self.block_batches)
+            elif self.split is not None and self.split.name == "validation":
+                plan = DocumentPlan(self._document_lengths(), self.seq_len, self.seed, epoch,
+                                    ordered=True, pad_to=self.global_batch)
             else:
                 plan = make_plan(self.mode, self.dataset.num_tokens, self._document_lengths,
                                  self.seq_len, self.seed, epoch, self.block_documents,
@@ -290,6 +309,9 @@ class TokenLoader:
             knobs["block_batches"] = self.block_batches
         if self.shuffle != "global":  # states saved before `shuffle` existed were global
             knobs["shuffle"], knobs["group_shards"] = self.shuffle, self.group_shards
+        if self.split is not None:
+            knobs["split"], knobs["validation_fraction"] = (self.split.name,
+                                                            self.split.fraction)
         return knobs
 
     def state_dict(self) -> dict[str, Any]:
@@ -314,6 +336,24 @@ class TokenLoader:
             raise StateError(f"loader state position {position} outside epoch {epoch} "
                              f"(size {self.plan(epoch).size})")
         self.epoch, self.position = epoch, position
+
+
+def check_split(split: str, fraction: float, mode: str, shuffle: str) -> None:
+    if split not in SPLITS:
+        raise ConfigError(f"split: {split!r} not among {list(SPLITS)}")
+    if split == "all":
+        return
+    if not 0.0 < fraction < 1.0:
+        raise ConfigError(f"validation_fraction: {fraction} must be in (0, 1)")
+    if mode not in ("documents", "bestfit") or (split == "validation" and mode != "documents"):
+        raise ConfigError(f"split={split!r} needs mode 'documents'"
+                          + (" or 'bestfit'" if split == "train" else "")
+                          + f", not {mode!r}: the split holds out whole documents, which "
+                          "windows of the concatenated stream and pre-formed LLMBATCH "
+                          "batches cut across")
+    if shuffle != "global":
+        raise ConfigError("split needs shuffle='global' (shard-local groups count every "
+                          "document)")
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -106,8 +106,11 @@ class ShardArrays:
 class TokenSource:
     """Global token and document access over a dataset's shard memmaps."""
 
-    def __init__(self, dataset: TokenDataset):
+    def __init__(self, dataset: TokenDataset, document_ids: np.ndarray | None = None):
+        """`document_ids`: the global ids of a split's documents (plans then number
+        documents within the split); None: every document."""
         self.dataset = dataset
+        self.document_ids = document_ids
         self.token_offsets = np.concatenate([[0], np.cumsum(dataset.shard_token_counts)])
         self.document_offsets = np.concatenate([[0], np.cumsum(dataset.shard_document_counts)])
         eager = dataset.cache is None
@@ -120,8 +123,16 @@ class TokenSource:
         last = np.searchsorted(self.token_offsets, starts + length - 1, side="right") - 1
         return np.unique(np.concatenate([first, last]))
 
+    def global_documents(self, doc_ids: np.ndarray) -> np.ndarray:
+        """A plan's document ids -> global ids (-1, an empty observation, stays -1)."""
+        if self.document_ids is None:
+            return doc_ids
+        return np.where(doc_ids >= 0, self.document_ids[np.maximum(doc_ids, 0)], -1)
+
     def shards_of_documents(self, doc_ids: np.ndarray) -> np.ndarray:
-        return np.unique(np.searchsorted(self.document_offsets, doc_ids, side="right") - 1)
+        ids = self.global_documents(doc_ids)
+        ids = ids[ids >= 0]
+        return np.unique(np.searchsorted(self.document_offsets, ids, side="right") - 1)
 
     def copy_span(self, start: int, out: np.ndarray) -> None:
         """out[:] = global tokens [start, start + len(out)), crossing shards as needed."""
@@ -140,7 +151,11 @@ class TokenSource:
             shard, local = shard + 1, 0
 
     def locate_documents(self, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(shard, first token, token count) of each document."""
+        """(shard, first token, token count) of each document of a plan (an empty
+        observation, id -1, is 0 tokens)."""
+        doc_ids = self.global_documents(doc_ids)
+        empty = doc_ids < 0
+        doc_ids = np.where(empty, 0, doc_ids)
         shards = np.searchsorted(self.document_offsets, doc_ids, side="right") - 1
         local = doc_ids - self.document_offsets[shards]
         firsts = np.empty(len(doc_ids), dtype=np.int64)
@@ -150,6 +165,7 @@ class TokenSource:
             starts = self.document_starts[shard]
             firsts[chosen] = starts[local[chosen]]
             counts[chosen] = starts[local[chosen] + 1] - firsts[chosen]
+        counts[empty] = 0
         return shards, firsts, counts
 
 
@@ -174,8 +190,9 @@ class BatchBuilder:
             ids, offsets = self.plan.window_starts(flat)
             rows = offsets.reshape(steps, batch).tolist()
         elif isinstance(self.plan, DocumentPlan):
-            ids = self.plan.documents(flat)
-            shards, firsts, counts = self.source.locate_documents(ids)
+            local_ids = self.plan.documents(flat)
+            shards, firsts, counts = self.source.locate_documents(local_ids)
+            ids = self.source.global_documents(local_ids)
             rows = np.stack([shards, firsts, counts], axis=1).reshape(steps, batch, 3).tolist()
         else:
             ids, rows = self._describe_bestfit(flat, steps, batch)
@@ -278,7 +295,8 @@ class BatchBuilder:
             buffers.mask[row, max(kept - 1, 0):] = 0
         rows = np.arange(len(plan.rows), dtype=np.int64) * self.seq_len
         count = write_boundaries(rows, buffers, self.seq_len)
-        return Filled(count, np.ones(count, dtype=bool))
+        real = np.array([row[2] > 0 for row in plan.rows], dtype=bool)  # empty: padding only
+        return Filled(count, real)
 
 
 def scan_boundaries(buffers: BatchBuffers, bos_id: int | None, eos_id: int | None) -> Filled:

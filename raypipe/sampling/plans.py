@@ -153,20 +153,32 @@ class DocumentPlan:
     kind = "documents"
 
     def __init__(self, lengths: np.ndarray, seq_len: int, seed: int, epoch: int,
-                 groups: ShardGroups | None = None):
+                 groups: ShardGroups | None = None, ordered: bool = False, pad_to: int = 1):
+        """`ordered`: documents in index order (evaluation), `pad_to`: the size rounded up
+        to a multiple of it with empty observations (id -1: a row of padding), so no
+        document falls into a dropped tail."""
         self.lengths = lengths
         self.capacity = seq_len + 1
-        self.size = len(lengths)
-        self.permutation = document_permutation(self.size, seed, epoch, 2, groups)
+        self.count = len(lengths)
+        self.size = -(-self.count // pad_to) * pad_to
+        self.ordered = ordered
+        self.permutation = None if ordered else document_permutation(self.count, seed, epoch,
+                                                                     2, groups)
 
     def documents(self, positions: np.ndarray) -> np.ndarray:
-        return self.permutation(positions)
+        inside = positions < self.count
+        ids = np.full(positions.shape, -1, dtype=np.int64)
+        ids[inside] = (positions[inside] if self.permutation is None
+                       else self.permutation(positions[inside]))
+        return ids
 
     def report(self) -> PackingReport:
         kept = np.minimum(self.lengths, self.capacity)
         total = int(self.lengths.sum())
+        empty_rows = self.size - self.count
         return PackingReport(self.size, int(kept.sum()), total - int(kept.sum()),
-                             int((self.capacity - kept).sum()), 0, total)
+                             int((self.capacity - kept).sum()) + empty_rows * self.capacity,
+                             0, total)
 
 
 class BestFitPlan:
