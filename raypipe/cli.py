@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import os
 import sys
 import typing
 from pathlib import Path
@@ -97,6 +99,7 @@ def command_inspect(args: argparse.Namespace) -> int:
 
 
 def command_convert(args: argparse.Namespace) -> int:
+    from raypipe.formats import FORMATS
     from raypipe.io.manifest import read_manifest
     from raypipe.preprocess.llmbatch import LLMBatchSpec
     from raypipe.tools.convert import convert_dataset
@@ -109,7 +112,9 @@ def command_convert(args: argparse.Namespace) -> int:
                                overwrite=args.overwrite)
     section = manifest.formats[args.format]
     print(f"{args.source} -> {args.destination}: {len(section.shards)} {args.format} shards")
-    if "llmbatch" in read_manifest(args.source).formats and args.format != "llmbatch":
+    source_formats = read_manifest(args.source).formats
+    if args.format != "llmbatch" and not any(FORMATS[name].holds == "documents"
+                                             for name in source_formats):
         print("note: an LLMBATCH source yields its records (packed rows), not the original "
               "documents")
     return 0
@@ -119,53 +124,67 @@ DATASET_HELP = "a raypipe output: a directory or a URI (s3://, gs://, ...)"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from raypipe._version import __version__
     from raypipe.formats import FORMATS
 
     parser = argparse.ArgumentParser(prog="raypipe", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"raypipe {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    subcommand = functools.partial(commands.add_parser,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     tokenize = commands.add_parser("tokenize", help="tokenize parquet into token shards")
     add_config_arguments(tokenize)
     tokenize.set_defaults(handler=command_tokenize)
-    demo = commands.add_parser("demo", help="run the whole pipeline on the embedded corpus")
-    demo.add_argument("--output", default="demo_out")
-    demo.add_argument("--num-workers", type=int, default=None)
+    demo = subcommand("demo", help="run the whole pipeline on the embedded corpus")
+    demo.add_argument("--output", default="demo_out", help="where the demo writes its corpus "
+                      "and tokens")
+    demo.add_argument("--num-workers", type=int, default=None,
+                      help="tokenizer actors (default: all CPUs)")
     demo.set_defaults(handler=command_demo)
-    report = commands.add_parser("pack-report", help="tokens used/cropped/padded per epoch")
+    report = subcommand("pack-report", help="tokens used/cropped/padded per epoch")
     report.add_argument("dataset", help=DATASET_HELP)
-    report.add_argument("--seq-len", type=int, default=2048)
-    report.add_argument("--mode", default="bestfit", choices=["bestfit", "windows", "documents"])
-    report.add_argument("--seed", type=int, default=0)
-    report.add_argument("--epoch", type=int, default=0)
-    report.add_argument("--epochs", type=int, default=1)
-    report.add_argument("--block-documents", type=int, default=4096)
+    report.add_argument("--seq-len", type=int, default=2048,
+                        help="T: tokens a row trains (rows hold T + 1), as TokenLoader's")
+    report.add_argument("--mode", default="bestfit", choices=["bestfit", "windows", "documents"],
+                        help="the loader mode to plan")
+    report.add_argument("--seed", type=int, default=0, help="the loader's seed")
+    report.add_argument("--epoch", type=int, default=0, help="first epoch to report")
+    report.add_argument("--epochs", type=int, default=1, help="how many epochs")
+    report.add_argument("--block-documents", type=int, default=4096,
+                        help="bestfit: documents per packing block (at least)")
     report.add_argument("--packing", default="split", choices=["split", "crop"],
                         help="bestfit mode: split keeps every token; crop is nanochat's")
     report.add_argument("--format", default=None, help="megatron or nanogpt (default: any)")
-    report.add_argument("--shuffle", default="global", choices=["global", "shard_local"])
+    report.add_argument("--shuffle", default="global", choices=["global", "shard_local"],
+                        help="the loader shuffle to plan")
     report.add_argument("--group-shards", type=int, default=4,
                         help="shard_local: consecutive shards per group")
     report.set_defaults(handler=command_pack_report)
-    verify = commands.add_parser("verify", help="re-check every shard against the manifest")
+    verify = subcommand("verify", help="re-check every shard against the manifest")
     verify.add_argument("dataset", help=DATASET_HELP)
     verify.set_defaults(handler=command_verify)
-    inspect = commands.add_parser("inspect", help="counts, shards, lengths, samples")
+    inspect = subcommand("inspect", help="counts, shards, lengths, samples")
     inspect.add_argument("dataset", help=DATASET_HELP)
-    inspect.add_argument("--samples", type=int, default=3)
+    inspect.add_argument("--samples", type=int, default=3, help="documents shown per format")
     inspect.add_argument("--tokenizer", help="tokenizer.json to decode samples with")
     inspect.add_argument("--plot", help="write a PNG histogram of document lengths here")
     inspect.set_defaults(handler=command_inspect)
-    convert = commands.add_parser("convert", help="convert an output to another format")
+    convert = subcommand("convert", help="convert an output to another format")
     convert.add_argument("source", help=DATASET_HELP)
     convert.add_argument("destination", help="a directory or URI for the converted dataset")
-    convert.add_argument("--format", required=True, choices=list(FORMATS))
-    convert.add_argument("--seq-len", type=int)
-    convert.add_argument("--batch-size", type=int)
+    convert.add_argument("--format", required=True, choices=list(FORMATS),
+                         help="the destination's format")
+    convert.add_argument("--seq-len", type=int,
+                         help="llmbatch: tokens per record (T + 1), as tokenize's --seq-len")
+    convert.add_argument("--batch-size", type=int, help="llmbatch: records per batch")
     convert.add_argument("--packing", default="split",
                          choices=["split", "crop", "concat", "bestfit"],
                          help="llmbatch: split keeps every token; crop is nanochat's")
-    convert.add_argument("--seed", type=int, default=0)
-    convert.add_argument("--batches-per-shard", type=int, default=1024)
-    convert.add_argument("--overwrite", action="store_true")
+    convert.add_argument("--seed", type=int, default=0, help="llmbatch: record shuffle seed")
+    convert.add_argument("--batches-per-shard", type=int, default=1024,
+                         help="llmbatch: batches per file")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace a dataset already at the destination")
     convert.set_defaults(handler=command_convert)
     return parser
 
@@ -177,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     except RaypipeError as exc:
         print(f"raypipe: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `raypipe inspect out/ | head`: the reader left; say nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

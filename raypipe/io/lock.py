@@ -70,7 +70,13 @@ def _ours(store: Store) -> bool:
 def output_lock(store: Store) -> Iterator[None]:
     """Hold the lock of the output `store`."""
     if store.local:
-        store.root.mkdir(parents=True, exist_ok=True)
+        if store.root.exists() and not store.root.is_dir():
+            raise ConfigError(f"{store}: the output is a file, not a directory")
+        try:
+            store.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"{store}: cannot create the output directory: "
+                              f"{exc.strerror or exc}") from exc
     lock_uri = store.uri_of(LOCK_NAME)
     for _ in range(3):
         if _try_create(store):

@@ -39,8 +39,15 @@ def single_threaded_tokenizers() -> None:
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """A tokenizer.json path, or a Hugging Face hub name where the network allows."""
-    if Path(spec).exists():
-        return Tokenizer.from_file(str(spec))
+    if Path(spec).is_file():
+        try:
+            return Tokenizer.from_file(str(spec))
+        except Exception as exc:  # tokenizers raises a bare Exception for a bad file
+            raise ConfigError(f"tokenizer: {spec}: not a readable tokenizer.json: "
+                              f"{str(exc)[:200]}") from None
+    if spec.endswith(".json") or spec.startswith((".", "/", "~")) or Path(spec).exists():
+        raise ConfigError(f"tokenizer: {spec}: no such file (a tokenizer.json path, or a "
+                          "hub name such as gpt2)")
     try:
         return Tokenizer.from_pretrained(spec)
     except Exception as exc:  # the hub raises several unrelated types

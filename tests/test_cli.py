@@ -1,0 +1,52 @@
+"""The command line as a new user meets it: --version, help on every option, and user
+errors as one line (never a traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from raypipe._version import __version__
+from raypipe.cli import build_parser, main
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"raypipe {__version__}"
+
+
+def test_every_option_of_every_subcommand_has_help():
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {action.dest}" for name, sub in commands.choices.items()
+               for action in sub._actions
+               if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert missing == []
+
+
+@pytest.mark.parametrize("case", ["output is a file", "tokenizer path missing"])
+def test_user_errors_are_one_line(tmp_path, corpus_dir, tokenizer_path, capsys, case):
+    output, tokenizer = str(tmp_path / "out"), tokenizer_path
+    if case == "output is a file":
+        (tmp_path / "out").write_text("not a directory")
+    else:
+        tokenizer = str(tmp_path / "missing" / "tokenizer.json")
+    code = main(["tokenize", str(corpus_dir), "--tokenizer", tokenizer, "--output", output,
+                 "--num-workers", "1"])
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and len(error.splitlines()) == 1 and "Traceback" not in error
+    assert (output if case == "output is a file" else tokenizer) in error
+    assert "Hub" not in error and "huggingface" not in error
+
+
+def test_inspect_into_a_closed_pipe_prints_no_traceback(token_dataset):
+    result = subprocess.run(f"{sys.executable} -m raypipe.cli inspect {token_dataset} "
+                            "--samples 200 | head -1", shell=True, capture_output=True,
+                            text=True, timeout=120)
+    assert result.stdout.startswith("dataset ")
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
