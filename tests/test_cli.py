@@ -50,3 +50,18 @@ def test_inspect_into_a_closed_pipe_prints_no_traceback(token_dataset):
                             text=True, timeout=120)
     assert result.stdout.startswith("dataset ")
     assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
+
+
+def test_a_piped_job_prints_progress_lines_with_an_eta(tmp_path, corpus_dir, tokenizer_path,
+                                                        capsys):
+    from raypipe.config import load_config
+    from raypipe.preprocess.job import run_job
+
+    config = load_config(None, inputs=[str(corpus_dir)], output=str(tmp_path / "out"),
+                         tokenizer=tokenizer_path, unit_bytes=1)
+    summary = run_job(config, progress_every=0.0)
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if line.startswith("raypipe: ")]
+    assert len(lines) == summary.units_run >= 3
+    assert all("ETA" in line and "tokens/s" in line for line in lines)
+    assert lines[-1].startswith(f"raypipe: {summary.units}/{summary.units} units (100%)")

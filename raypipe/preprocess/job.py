@@ -44,6 +44,7 @@ from raypipe.preprocess.encoder import (
 )
 from raypipe.preprocess.inputs import plan_units
 from raypipe.preprocess.llmbatch import LLMBatchSpec, write_llmbatch_from_manifest
+from raypipe.preprocess.progress import Progress
 from raypipe.preprocess.self_check import BackendChoice, choose_backend, sample_texts
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 
@@ -191,7 +192,8 @@ def clear_output(output: Store) -> None:
         output.delete_tree(name)
 
 
-def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSummary:
+def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner,
+            progress_every: float = 10.0) -> JobSummary:
     started = time.perf_counter()
     settings = resolve_settings(config)
     extra = ()
@@ -200,11 +202,11 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner) -> JobSu
     # plan first: bad input fails before the output directory is touched
     units = plan_units(config.inputs, config.text_column, config.unit_bytes, extra)
     with output_lock(Store(settings.output)):
-        return _run_locked(config, settings, units, runner, started)
+        return _run_locked(config, settings, units, runner, started, progress_every)
 
 
 def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[WorkUnit],
-                runner: UnitRunner, started: float) -> JobSummary:
+                runner: UnitRunner, started: float, progress_every: float) -> JobSummary:
     """The job while it holds the output's lock (nothing else writes there)."""
     output = prepare_output(config, settings)
     records: dict[str, UnitRecord] = {}
@@ -221,7 +223,11 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
         settings, choice = with_backend(config, settings, pending[0] if pending else units[0]
                                         if units else None)
     run_started = time.perf_counter()
-    fresh = list(runner(pending, settings)) if pending else []
+    fresh = []
+    progress = Progress(pending, progress_every)
+    for record in runner(pending, settings) if pending else ():
+        fresh.append(record)
+        progress.update(record)
     run_seconds = time.perf_counter() - run_started
     records.update({r.unit.name: r for r in fresh})
     manifest = build_manifest(config, settings, [records[unit.name] for unit in units])
