@@ -29,13 +29,20 @@ MODES = {
 
 
 def make_loader(path, options, rank, world) -> TokenLoader:
+    if isinstance(path, dict):  # a mixture: {name: dataset}
+        return TokenLoader(path, T, B, rank=rank, world_size=world, seed=SEED, **options)
     if options["mode"] == "llmbatch":  # the shape is the LLMBATCH file's
         return TokenLoader(path, rank=rank, world_size=world, seed=SEED, **options)
     return TokenLoader(path, T, B, rank=rank, world_size=world, seed=SEED, **options)
 
 
 def rows_of(batch, options) -> dict[int, list[int]]:
-    """observation id -> the tokens it put in the batch (a whole batch for LLMBATCH)."""
+    """observation id -> the tokens it put in the batch (a whole batch for LLMBATCH; for a
+    mixture the id is (source, epoch position))."""
+    if batch.source_ids is not None:
+        return {(int(s), int(p)): batch.inputs[i].tolist()
+                for i, (s, p) in enumerate(zip(batch.source_ids, batch.positions,
+                                               strict=True))}
     if options["mode"] == "llmbatch":
         return {int(batch.observation_ids[0]): batch.inputs.reshape(-1).tolist()}
     if options.get("metadata"):  # each row's records came with it

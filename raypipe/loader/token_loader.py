@@ -75,9 +75,19 @@ class Batch:
     step: int
     metadata: list[StreamWindow] | None = None
     document_starts: np.ndarray | None = None
+    source_ids: np.ndarray | None = None  # mixtures: per row, index of its sorted source name
+    mixture_state: Any = None  # mixtures: per-source positions after this step
 
 
 class TokenLoader:
+    def __new__(cls, path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """A dict of {name: path} makes a MixtureLoader (raypipe.loader.mixture)."""
+        if isinstance(path, dict):
+            from raypipe.loader.mixture import MixtureLoader
+
+            return MixtureLoader(path, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, path: str | Path, seq_len: int | None = None,
                  batch_size: int | None = None, mode: str = "bestfit",
                  seed: int = 0, rank: int | None = None, world_size: int | None = None,

@@ -362,6 +362,15 @@ def write_boundaries(starts: np.ndarray, buffers: BatchBuffers, seq_len: int) ->
     return count
 
 
+def write_cu_seqlens(buffers: BatchBuffers, seq_len: int) -> int:
+    """cu_seqlens from position_ids already in place (a sequence starts where its position
+    id is 0: rows assembled from several sources); return the number of sequences."""
+    starts = np.flatnonzero(buffers.position_ids.reshape(-1) == 0)
+    buffers.cu_seqlens[:starts.size] = starts
+    buffers.cu_seqlens[starts.size] = buffers.position_ids.size
+    return int(starts.size)
+
+
 def write_row_boundaries(buffers: BatchBuffers) -> int:
     """Boundaries at row starts only (windows mode without document boundaries)."""
     batch, seq_len = buffers.position_ids.shape

@@ -1,0 +1,265 @@
+"""MixtureLoader: batches drawn from several tokenized datasets at fixed weights, with a state
+that resumes exactly, at any world size.
+
+Invariant: global step s takes G = world_size x batch_size rows. Their split between sources
+is a pure function of the rows each source has served so far (`consumed`): every source is
+owed weight x (rows so far + G) - consumed; the G rows go to the owed amounts by largest
+remainder (ties to the first name). So after any number of steps every source's share of
+rows is within one row of its weight (exact per global step up to rounding), every rank and
+every resume computes the same split without communicating, and a new weight after a resume
+steers the shares toward it from where each source stands. Inside a step the sources' rows
+are spread evenly over each rank's rows (slot j goes to rank j mod W, as in TokenLoader). Each
+source walks its own epochs (its plan per epoch as a TokenLoader of that dataset builds it);
+its next row after the last of an epoch is the first of the next, so a small source repeats
+and nothing of an epoch is dropped. `state_dict()` = {weights, knobs, steps, per source:
+dataset fingerprint, epoch, position in the epoch, rows consumed}. Sources share one
+tokenizer (same sha256) or the mixture is refused naming both. Cost per batch: one
+allocation (O(sources)), one describe and fill per source present in the rank's rows, and
+one row copy from a source's scratch buffer into the batch (bench/loader_bench.py
+--mixture measures it against one source).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from raypipe.errors import ConfigError, StateError
+from raypipe.loader.prefetch import HostRing, Prefetcher
+from raypipe.loader.state import MixtureState, SourcePosition
+from raypipe.sampling.batches import BatchBuffers, Filled, write_cu_seqlens
+
+logger = logging.getLogger("raypipe")
+
+
+@dataclass
+class MixtureStep:
+    """One global step for this rank: per batch row (source index, epoch, position), and
+    the per-source positions after the whole step."""
+
+    step: int
+    rows: list[tuple[int, int, int]]
+    after: dict[str, SourcePosition]
+
+
+def allocate(weights: np.ndarray, consumed: np.ndarray, rows: int) -> np.ndarray:
+    """Rows per source for the next step (largest remainder of what each source is owed)."""
+    owed = np.maximum(weights * (consumed.sum() + rows) - consumed, 0.0)
+    if owed.sum() <= 0:
+        owed = weights.copy()
+    quota = owed / owed.sum() * rows
+    counts = np.floor(quota).astype(np.int64)
+    remainder = rows - int(counts.sum())
+    order = np.argsort(-(quota - counts), kind="stable")
+    counts[order[:remainder]] += 1
+    return counts
+
+
+def spread(counts: np.ndarray) -> np.ndarray:
+    """Source index of each of the step's slots, each source's slots evenly spaced."""
+    keys = [((j + 0.5) / count, source) for source, count in enumerate(counts.tolist())
+            for j in range(count)]
+    return np.array([source for _, source in sorted(keys)], dtype=np.int64)
+
+
+class MixtureLoader:
+    def __init__(self, paths: dict[str, str | Path], seq_len: int | None = None,
+                 batch_size: int | None = None, mode: str = "bestfit", seed: int = 0,
+                 rank: int | None = None, world_size: int | None = None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.int64,
+                 prefetch: int = 4, weights: dict[str, float] | None = None,
+                 **options: Any):
+        from raypipe.loader.token_loader import TokenLoader, _rank_and_world
+
+        if not paths:
+            raise ConfigError("mixture: no sources given")
+        if mode == "llmbatch" or options.get("metadata"):
+            raise ConfigError("mixture: sources are read as documents or windows; llmbatch "
+                              "batches and stream metadata cannot be mixed")
+        self.names = sorted(paths)
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.seq_len, self.batch_size, self.mode, self.seed = seq_len, batch_size, mode, seed
+        self.sources = [TokenLoader(paths[name], seq_len, batch_size, mode=mode, seed=seed,
+                                    rank=0, world_size=1, prefetch=1, **options)
+                        for name in self.names]
+        self._check_tokenizers()
+        self.weights = self._weights(weights)
+        self.device, self.dtype, self.prefetch = torch.device(device), dtype, prefetch
+        self.state_name: str | None = None
+        self.steps = 0
+        self.positions = {name: SourcePosition(source.dataset.fingerprint, 0, 0, 0)
+                          for name, source in zip(self.names, self.sources, strict=True)}
+
+    def _check_tokenizers(self) -> None:
+        first = self.sources[0].dataset.manifest.tokenizer
+        for name, source in zip(self.names[1:], self.sources[1:], strict=True):
+            other = source.dataset.manifest.tokenizer
+            if other.sha256 != first.sha256:
+                raise ConfigError(f"mixture: sources {self.names[0]!r} ({first.spec}, sha256 "
+                                  f"{first.sha256[:12]}) and {name!r} ({other.spec}, sha256 "
+                                  f"{other.sha256[:12]}) use different tokenizers")
+
+    def _weights(self, weights: dict[str, float] | None) -> np.ndarray:
+        if weights is None:  # proportional to tokens
+            values = np.array([s.dataset.num_tokens for s in self.sources], dtype=np.float64)
+        else:
+            if sorted(weights) != self.names:
+                raise ConfigError(f"mixture weights name {sorted(weights)}, the sources are "
+                                  f"{self.names}")
+            values = np.array([float(weights[name]) for name in self.names])
+            if not np.all(np.isfinite(values)) or (values < 0).any() or values.sum() <= 0:
+                raise ConfigError(f"mixture weights {weights} must be >= 0 and not all 0")
+        return values / values.sum()
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.batch_size
+
+    @property
+    def weights_by_name(self) -> dict[str, float]:
+        return dict(zip(self.names, self.weights.tolist(), strict=True))
+
+    # ----- the schedule ---------------------------------------------------------------------
+    def _advance(self, index: int, where: SourcePosition, count: int
+                 ) -> tuple[list[tuple[int, int]], SourcePosition]:
+        """`count` rows of source `index` from `where`: their (epoch, position) and the
+        position after them (crossing into the next epoch as needed)."""
+        source, taken = self.sources[index], []
+        epoch, position = where.epoch, where.position
+        while len(taken) < count:
+            size = source.plan(epoch).size
+            if position >= size:
+                epoch, position = epoch + 1, 0
+                continue
+            take = min(count - len(taken), size - position)
+            taken += [(epoch, position + i) for i in range(take)]
+            position += take
+        return taken, SourcePosition(where.dataset, epoch, position,
+                                     where.consumed + count)
+
+    def _schedule(self) -> Iterator[MixtureStep]:
+        positions, step = dict(self.positions), self.steps
+        while True:
+            consumed = np.array([positions[n].consumed for n in self.names], dtype=np.float64)
+            counts = allocate(self.weights, consumed, self.global_batch)
+            # spread over the ranks' rows (rank-major), so every rank gets its share too;
+            # slot b * W + r is row b of rank r
+            slots = spread(counts).reshape(self.world_size, self.batch_size).T.reshape(-1)
+            rows_of: list[list[tuple[int, int]]] = []
+            for index, name in enumerate(self.names):
+                taken, positions[name] = self._advance(index, positions[name],
+                                                       int(counts[index]))
+                rows_of.append(taken)
+            seen = np.zeros(len(self.names), dtype=np.int64)
+            rows = []
+            for slot, source in enumerate(slots.tolist()):
+                if slot % self.world_size == self.rank:
+                    rows.append((source, *rows_of[source][seen[source]]))
+                seen[source] += 1
+            step += 1
+            yield MixtureStep(step - 1, rows, dict(positions))
+
+    # ----- filling a batch -----------------------------------------------------------------
+    def _fill(self, job: MixtureStep, out: BatchBuffers) -> tuple[Filled, np.ndarray,
+                                                                   np.ndarray]:
+        observation_ids = np.empty(len(job.rows), dtype=np.int64)
+        source_ids = np.array([source for source, _, _ in job.rows], dtype=np.int64)
+        flags_by_row: list[np.ndarray] = [np.empty(0, bool)] * len(job.rows)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for row, (source, epoch, _) in enumerate(job.rows):
+            groups.setdefault((source, epoch), []).append(row)
+        for (source, epoch), rows in groups.items():
+            loader = self.sources[source]
+            builder = loader._builder(epoch)
+            positions = np.array([[job.rows[r][2] for r in rows]], dtype=np.int64)
+            plan = builder.describe(positions)[0]
+            scratch = BatchBuffers.over(np.empty(BatchBuffers.size(len(rows), self.seq_len),
+                                                 dtype=np.int64), len(rows), self.seq_len)
+            builder.prepare(scratch)
+            filled = builder.fill(plan, scratch)
+            out.tokens[rows] = scratch.tokens
+            out.position_ids[rows] = scratch.position_ids
+            out.mask[rows] = scratch.mask
+            observation_ids[rows] = plan.observation_ids
+            starts = (scratch.position_ids == 0).sum(axis=1)
+            flags = (filled.starts_document if filled.starts_document is not None
+                     else np.ones(int(starts.sum()), bool))
+            for row, piece in zip(rows, np.split(flags, np.cumsum(starts)[:-1]),
+                                  strict=True):
+                flags_by_row[row] = piece
+        sequences = write_cu_seqlens(out, self.seq_len)
+        return Filled(sequences, np.concatenate(flags_by_row)), observation_ids, source_ids
+
+    # ----- iteration ------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        """Batches without end (each source cycles its epochs); stop after the steps you
+        train. The state advances as each batch is taken."""
+        from raypipe.loader.token_loader import Batch
+
+        numel = BatchBuffers.size(self.batch_size, self.seq_len)
+        ring = HostRing(self.prefetch + 2, numel, self.dtype, pin=self.device.type == "cuda")
+        host_views = [BatchBuffers.over(a, self.batch_size, self.seq_len) for a in ring.arrays]
+
+        def build(job: MixtureStep, slot: int) -> tuple:
+            return (job, *self._fill(job, host_views[slot]))
+
+        def wrap(flat: torch.Tensor, slot: int, meta: tuple) -> Batch:
+            job, filled, observation_ids, source_ids = meta
+            views = BatchBuffers.over(flat, self.batch_size, self.seq_len)
+            return Batch(inputs=views.tokens[:, :-1], targets=views.tokens[:, 1:],
+                         position_ids=views.position_ids,
+                         cu_seqlens=views.cu_seqlens[:filled.sequences + 1],
+                         mask=views.mask, observation_ids=observation_ids,
+                         positions=np.array([p for _, _, p in job.rows], dtype=np.int64),
+                         epoch=-1, step=job.step, document_starts=filled.starts_document,
+                         source_ids=source_ids, mixture_state=job.after)
+
+        prefetcher = Prefetcher(self._schedule(), build, wrap, ring, self.device,
+                                self.prefetch)
+        try:
+            for batch in prefetcher:
+                self.positions, self.steps = batch.mixture_state, batch.step + 1
+                yield batch
+        finally:
+            prefetcher.close()
+
+    # ----- state ----------------------------------------------------------------------------
+    def _knobs(self) -> dict[str, Any]:
+        knobs = self.sources[0]._knobs()
+        return knobs
+
+    def state_dict(self) -> dict[str, Any]:
+        return MixtureState(self.weights_by_name, self._knobs(), self.steps,
+                            dict(self.positions)).to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from any rank's `state_dict()` at any world size; new weights continue
+        every source from its own position."""
+        checked = MixtureState.from_dict(state)
+        if sorted(checked.sources) != self.names:
+            raise StateError(f"mixture state holds sources {sorted(checked.sources)}, this "
+                             f"mixture has {self.names}")
+        for name in self.names:
+            fingerprint = self.positions[name].dataset
+            if checked.sources[name].dataset != fingerprint:
+                raise StateError(f"mixture source {name!r} changed since the checkpoint "
+                                 f"(dataset {checked.sources[name].dataset!r}, now "
+                                 f"{fingerprint!r})")
+        if checked.knobs != self._knobs():
+            raise StateError(f"mixture state knobs {checked.knobs} differ from this "
+                             f"mixture's {self._knobs()}")
+        if any(abs(checked.weights[n] - self.weights_by_name[n]) > 1e-12 for n in self.names):
+            logger.info("mixture weights changed on resume: %s -> %s; every source continues "
+                        "from its own position", checked.weights, self.weights_by_name)
+        self.positions = {name: replace(checked.sources[name]) for name in self.names}
+        self.steps = checked.steps
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()

@@ -1,0 +1,106 @@
+"""Weighted mixtures: exact shares per step, exact elastic resume through the shared harness,
+a state that names what changed, one tokenizer for all sources."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from raypipe.config import load_config
+from raypipe.demo.train_tokenizer import SHIPPED
+from raypipe.errors import ConfigError, StateError
+from raypipe.loader import TokenLoader
+from raypipe.loader.mixture import allocate
+from raypipe.preprocess.job import run_job
+from tests import test_state_harness as harness
+from tests.conftest import write_parquet
+
+
+@pytest.fixture(scope="module")
+def sources(token_dataset, rich_dataset):
+    return {"web": str(token_dataset), "code": str(rich_dataset)}
+
+
+def test_shares_stay_within_half_a_percent_after_1000_steps_at_world_size_2(sources, figure):
+    weights = {"web": 0.7, "code": 0.3}
+    rows = np.zeros(2)
+    for rank in range(2):
+        loader = TokenLoader(sources, 16, 4, weights=weights, rank=rank, world_size=2,
+                             mode="documents")
+        for step, batch in enumerate(loader):
+            rows += np.bincount(batch.source_ids, minlength=2)
+            if step == 999:
+                break
+    shares = rows / rows.sum()  # sources in sorted order: code, web
+    assert abs(shares[0] - 0.3) < 0.005 and abs(shares[1] - 0.7) < 0.005
+    state = loader.state_dict()["sources"]
+    assert state["code"]["consumed"] + state["web"]["consumed"] == 1000 * 8
+    assert state["code"]["epoch"] >= 1, "the small source did not cycle its epochs"
+    figure("mixture shares after 1000 steps, W=2", f"code {shares[0]:.4f} (0.3), web "
+           f"{shares[1]:.4f} (0.7)")
+
+
+def test_allocation_is_exact_per_step_up_to_rounding():
+    weights = np.array([0.5, 0.3, 0.2])
+    consumed = np.zeros(3)
+    for _ in range(200):
+        counts = allocate(weights, consumed, 7)
+        assert counts.sum() == 7 and (counts >= 0).all()
+        consumed += counts
+        assert np.all(np.abs(consumed - weights * consumed.sum()) <= 1.0)
+
+
+@pytest.mark.parametrize("mode", ["bestfit", "documents", "windows"])
+def test_a_mixture_resumes_exactly_from_1_to_2_to_3_ranks(sources, mode):
+    options = {"mode": mode, "weights": {"web": 0.6, "code": 0.4}}
+    reference, _ = harness.run_segment(sources, options, 1, None, steps=40)
+    reference = dict(reference)
+    first, state = harness.run_segment(sources, options, 1, None, steps=3)
+    second, state = harness.run_segment(sources, options, 2, json.loads(json.dumps(state)),
+                                        steps=4)
+    third, state = harness.run_segment(sources, options, 3, state, steps=4)
+    consumed = first + second + third
+    keys = [key for key, _ in consumed]
+    assert len(keys) == len(set(keys)), f"{mode}: a row was served twice"
+    for source, name in enumerate(sorted(sources)):
+        served = sorted(p for s, p in keys if s == source)
+        assert served == list(range(state["sources"][name]["consumed"])), \
+            f"{mode}: source {name} skipped or repeated a row"
+    assert all(reference[key] == tokens for key, tokens in consumed if key in reference)
+    assert sum(key in reference for key, _ in consumed) > len(consumed) // 2
+
+
+def test_a_changed_or_missing_source_is_refused_naming_it(sources, tmp_path, caplog):
+    loader = TokenLoader(sources, 16, 4, weights={"web": 0.5, "code": 0.5})
+    next(iter(loader))
+    state = loader.state_dict()
+    other = TokenLoader({"web": sources["web"]}, 16, 4)
+    with pytest.raises(StateError, match="sources"):
+        other.load_state_dict(state)
+    changed = json.loads(json.dumps(state))
+    changed["sources"]["code"]["dataset"] = "0" * 16
+    with pytest.raises(StateError, match="'code' changed"):
+        TokenLoader(sources, 16, 4).load_state_dict(changed)
+    with caplog.at_level(logging.INFO, logger="raypipe"):
+        reweighted = TokenLoader(sources, 16, 4, weights={"web": 0.9, "code": 0.1})
+        reweighted.load_state_dict(state)
+    assert "weights changed" in caplog.text
+    assert reweighted.state_dict()["sources"] == state["sources"]
+
+
+def test_sources_with_different_tokenizers_are_refused_naming_both(sources, tmp_path):
+    corpus = write_parquet(tmp_path / "c" / "c.parquet", ["hello world"] * 50)
+    config = load_config(None, inputs=[str(corpus)], output=str(tmp_path / "other"),
+                         tokenizer=str(SHIPPED), formats=["megatron"])
+    run_job(config)
+    with pytest.raises(ConfigError, match="different tokenizers") as caught:
+        TokenLoader({"code": sources["code"], "other": str(tmp_path / "other")}, 16, 2)
+    assert "'code'" in str(caught.value) and "'other'" in str(caught.value)
+
+
+def test_weights_must_name_every_source(sources):
+    with pytest.raises(ConfigError, match="weights"):
+        TokenLoader(sources, 16, 2, weights={"web": 1.0})
