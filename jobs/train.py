@@ -23,7 +23,8 @@ from raypipe.examples.gpt_train import fit
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True,
-                        help="a raypipe output: a directory or a URI (s3://, gs://, ...)")
+                        help="a raypipe output (a directory or a URI: s3://, gs://, ...) or "
+                        "a mixture YAML (sources: {name: {path, weight}})")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--mode", default="bestfit")

@@ -13,8 +13,8 @@ from raypipe.config import load_config
 from raypipe.demo.train_tokenizer import SHIPPED
 from raypipe.errors import ConfigError, StateError
 from raypipe.loader import TokenLoader
-from raypipe.loader.mixture import allocate
 from raypipe.preprocess.job import run_job
+from raypipe.sampling.mixture import allocate
 from tests import test_state_harness as harness
 from tests.conftest import write_parquet
 
@@ -104,3 +104,38 @@ def test_sources_with_different_tokenizers_are_refused_naming_both(sources, tmp_
 def test_weights_must_name_every_source(sources):
     with pytest.raises(ConfigError, match="weights"):
         TokenLoader(sources, 16, 2, weights={"web": 1.0})
+
+
+def write_mixture(tmp_path, sources, weights=None):
+    entries = {name: {"path": path, **({"weight": weights[name]} if weights else {})}
+               for name, path in sources.items()}
+    path = tmp_path / "mixture.yaml"
+    path.write_text(json.dumps({"sources": entries}))  # JSON is YAML
+    return path
+
+
+def test_a_mixture_yaml_drives_the_loader_pack_report_and_inspect(sources, tmp_path, capsys):
+    from raypipe.cli import main
+
+    spec = write_mixture(tmp_path, sources, {"web": 3, "code": 1})
+    loader = TokenLoader(str(spec), 16, 4)
+    assert loader.weights_by_name == {"code": 0.25, "web": 0.75}
+    assert main(["pack-report", str(spec), "--seq-len", "16"]) == 0
+    report = capsys.readouterr().out
+    assert "0.2500" in report and "0.7500" in report and "== source web" in report
+    assert main(["inspect", str(spec), "--samples", "0"]) == 0
+    shown = capsys.readouterr().out
+    assert "mixture" in shown and "== source code" in shown
+    by_tokens = TokenLoader(str(write_mixture(tmp_path, sources)), 16, 4)
+    tokens = {n: s.dataset.num_tokens for n, s in zip(by_tokens.names, by_tokens.sources,
+                                                       strict=True)}
+    assert by_tokens.weights_by_name["web"] == pytest.approx(
+        tokens["web"] / sum(tokens.values()))
+
+
+def test_a_mixture_yaml_with_some_weights_missing_is_refused(sources, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(json.dumps({"sources": {"web": {"path": sources["web"], "weight": 1},
+                                            "code": {"path": sources["code"]}}}))
+    with pytest.raises(ConfigError, match="every source a weight, or none"):
+        TokenLoader(str(path), 16, 4)

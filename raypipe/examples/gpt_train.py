@@ -104,7 +104,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from raypipe.io.manifest import read_manifest
     from raypipe.ray.train import save_loader_state, worker_loader
 
     loader = worker_loader(config["data"], config["seq_len"], config["batch_size"],
@@ -112,7 +111,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                            shuffle=config.get("shuffle", "global"),
                            cache_dir=config.get("cache_dir"), name="train")
     rank = ray.train.get_context().get_world_rank()
-    vocab = read_manifest(config["data"]).tokenizer.largest_id + 1
+    vocab = loader.tokenizer.largest_id + 1
     torch.manual_seed(config.get("seed", 0))
     model = TinyGPT(vocab, config["seq_len"], config.get("width", 64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.get("lr", 3e-3))

@@ -34,6 +34,7 @@ from raypipe.errors import ConfigError, StateError
 from raypipe.loader.prefetch import HostRing, Prefetcher
 from raypipe.loader.state import MixtureState, SourcePosition
 from raypipe.sampling.batches import BatchBuffers, Filled, write_cu_seqlens
+from raypipe.sampling.mixture import allocate, spread
 
 logger = logging.getLogger("raypipe")
 
@@ -46,26 +47,6 @@ class MixtureStep:
     step: int
     rows: list[tuple[int, int, int]]
     after: dict[str, SourcePosition]
-
-
-def allocate(weights: np.ndarray, consumed: np.ndarray, rows: int) -> np.ndarray:
-    """Rows per source for the next step (largest remainder of what each source is owed)."""
-    owed = np.maximum(weights * (consumed.sum() + rows) - consumed, 0.0)
-    if owed.sum() <= 0:
-        owed = weights.copy()
-    quota = owed / owed.sum() * rows
-    counts = np.floor(quota).astype(np.int64)
-    remainder = rows - int(counts.sum())
-    order = np.argsort(-(quota - counts), kind="stable")
-    counts[order[:remainder]] += 1
-    return counts
-
-
-def spread(counts: np.ndarray) -> np.ndarray:
-    """Source index of each of the step's slots, each source's slots evenly spaced."""
-    keys = [((j + 0.5) / count, source) for source, count in enumerate(counts.tolist())
-            for j in range(count)]
-    return np.array([source for _, source in sorted(keys)], dtype=np.int64)
 
 
 class MixtureLoader:
@@ -116,6 +97,11 @@ class MixtureLoader:
             if not np.all(np.isfinite(values)) or (values < 0).any() or values.sum() <= 0:
                 raise ConfigError(f"mixture weights {weights} must be >= 0 and not all 0")
         return values / values.sum()
+
+    @property
+    def tokenizer(self) -> Any:
+        """The sources' tokenizer (one for all)."""
+        return self.sources[0].tokenizer
 
     @property
     def global_batch(self) -> int:

@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from raypipe.config import is_mixture_spec, read_mixture
 from raypipe.dataset import LLMBatchDataset, StreamWindow, TokenDataset
 from raypipe.errors import ConfigError, StateError
 from raypipe.io.cache import CacheStats, ShardCache
+from raypipe.io.manifest import TokenizerInfo
 from raypipe.io.store import Store
 from raypipe.loader.prefetch import HostRing, Prefetcher
 from raypipe.loader.state import STATE_VERSION, LoaderState
@@ -82,9 +84,14 @@ class Batch:
 class TokenLoader:
     def __new__(cls, path: Any = None, *args: Any, **kwargs: Any) -> Any:
         """A dict of {name: path} makes a MixtureLoader (raypipe.loader.mixture)."""
-        if isinstance(path, dict):
+        if isinstance(path, dict) or is_mixture_spec(path):
             from raypipe.loader.mixture import MixtureLoader
 
+            if not isinstance(path, dict):  # a mixture YAML: {name: {path, weight}}
+                spec = read_mixture(path)
+                path = {name: source.path for name, source in spec.items()}
+                if next(iter(spec.values())).weight is not None:
+                    kwargs.setdefault("weights", {n: s.weight for n, s in spec.items()})
             return MixtureLoader(path, *args, **kwargs)
         return super().__new__(cls)
 
@@ -298,6 +305,10 @@ class TokenLoader:
             self.epoch, self.position = epoch + 1, 0
         finally:
             prefetcher.close()
+
+    @property
+    def tokenizer(self) -> TokenizerInfo:
+        return self.dataset.manifest.tokenizer
 
     def close(self) -> None:
         """Stop background shard fetches and close open shards (object storage)."""

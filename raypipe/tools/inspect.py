@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from raypipe.config import is_mixture_spec, read_mixture
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.formats import FORMATS
 from raypipe.io.manifest import FormatSection, Manifest, as_store, read_manifest
@@ -37,6 +38,32 @@ def _show(tokens: np.ndarray, decoder: Any, chars: int = 200) -> str:
 
 def inspect_dataset(root: str | Path | Store, samples: int = 3, tokenizer: str | None = None,
                     plot: str | Path | None = None) -> str:
+    if is_mixture_spec(root):
+        return inspect_mixture(str(root), samples, tokenizer)
+    return inspect_output(root, samples, tokenizer, plot)
+
+
+def inspect_mixture(spec_path: str, samples: int, tokenizer: str | None) -> str:
+    """Per source: tokens and weight (given, or by tokens), then each source's inspection."""
+    spec = read_mixture(spec_path)
+    names = sorted(spec)
+    totals = {name: read_manifest(spec[name].path).totals.tokens for name in names}
+    given = {name: spec[name].weight for name in names}
+    raw = given if given[names[0]] is not None else totals
+    whole = sum(raw.values()) or 1
+    lines = [f"mixture {spec_path}", f"  {'source':<16}{'tokens':>16}{'weight':>10}"
+             f"{'token share':>13}"]
+    for name in names:
+        lines.append(f"  {name:<16}{totals[name]:>16,}{raw[name] / whole:>10.4f}"
+                     f"{totals[name] / max(sum(totals.values()), 1):>13.4f}")
+    for name in names:
+        lines += ["", f"== source {name}", inspect_output(spec[name].path, samples, tokenizer,
+                                                          None)]
+    return "\n".join(lines)
+
+
+def inspect_output(root: str | Path | Store, samples: int = 3, tokenizer: str | None = None,
+                   plot: str | Path | None = None) -> str:
     root = as_store(root)
     manifest = read_manifest(root)
     totals, info = manifest.totals, manifest.tokenizer

@@ -1,0 +1,40 @@
+"""How a mixture splits each global step's rows between its sources.
+
+Invariant: `allocate` is a pure function of (weights, rows each source has served, rows in
+the step): what each source is owed, weight x (rows so far + rows) - served, rounded by
+largest remainder (ties to the lower index), so every source stays within one row of its
+weight after every step, whatever the step size was before. `spread` places each source's
+rows evenly over the step. Cost: O(sources) and O(rows) per step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def allocate(weights: np.ndarray, consumed: np.ndarray, rows: int) -> np.ndarray:
+    """Rows per source for the next step (largest remainder of what each source is owed)."""
+    owed = np.maximum(weights * (consumed.sum() + rows) - consumed, 0.0)
+    if owed.sum() <= 0:
+        owed = weights.copy()
+    quota = owed / owed.sum() * rows
+    counts = np.floor(quota).astype(np.int64)
+    remainder = rows - int(counts.sum())
+    order = np.argsort(-(quota - counts), kind="stable")
+    counts[order[:remainder]] += 1
+    return counts
+
+
+def spread(counts: np.ndarray) -> np.ndarray:
+    """Source index of each of the step's slots, each source's slots evenly spaced."""
+    keys = [((j + 0.5) / count, source) for source, count in enumerate(counts.tolist())
+            for j in range(count)]
+    return np.array([source for _, source in sorted(keys)], dtype=np.int64)
+
+
+def realized_shares(weights: np.ndarray, rows_per_step: int, steps: int) -> np.ndarray:
+    """Rows each source serves over `steps` steps from the start, as shares."""
+    consumed = np.zeros(len(weights))
+    for _ in range(steps):
+        consumed += allocate(weights, consumed, rows_per_step)
+    return consumed / consumed.sum()
