@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=None,
                         help="node-local shard cache for URI data (default: "
                         "$RAYPIPE_CACHE_DIR, else ~/.cache/raypipe)")
+    parser.add_argument("--validation-fraction", type=float, default=None,
+                        help="hold out this share of documents; report val_loss at "
+                        "checkpoints (a validation loader with its own state)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--use-gpu", action="store_true")
     parser.add_argument("--max-steps", type=int, default=60)
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_ray(args.address)
     data = args.data if "://" in args.data else os.path.abspath(args.data)
     config = {"data": data, "seq_len": args.seq_len, "shuffle": args.shuffle,
-              "cache_dir": args.cache_dir,
+              "cache_dir": args.cache_dir, "validation_fraction": args.validation_fraction,
               "batch_size": args.batch_size, "mode": args.mode, "seed": args.seed,
               "max_steps": args.max_steps, "checkpoint_every": args.checkpoint_every}
     result = fit(config, args.workers, args.storage, args.name, args.use_gpu,

@@ -29,8 +29,8 @@ def consumed(log_dir: Path) -> dict[tuple[int, int], list[int]]:
     return logs
 
 
-def expected_ids(data: Path, positions: int) -> list[int]:
-    plan = TokenLoader(data, SEQ, BATCH, mode="bestfit", seed=7).plan()
+def expected_ids(data: Path, positions: int, **split) -> list[int]:
+    plan = TokenLoader(data, SEQ, BATCH, mode="bestfit", seed=7, **split).plan()
     return sorted(row[0] for row in plan.rows(np.arange(positions)))
 
 
@@ -42,7 +42,9 @@ def base_config(data: Path, log_dir: Path, max_steps: int) -> dict:
 
 def test_killed_worker_resumes_model_and_loader_exactly_once(ray_session, token_dataset,
                                                              tmp_path):
+    """With a train and a validation loader (their own named states in one checkpoint)."""
     config = base_config(token_dataset, tmp_path / "log", 12)
+    config["validation_fraction"] = 0.2
     config.update(fail_at_step=6, fail_rank=1, fail_kind="kill",
                   fail_marker=str(tmp_path / "failed"),
                   fail_after_registration=str(tmp_path / "runs" / "kill" /
@@ -55,11 +57,16 @@ def test_killed_worker_resumes_model_and_loader_exactly_once(ray_session, token_
     restarted = [r for r in resumes if r["step"] > 0]
     assert restarted and all(r["step"] == 4 and r["position"] == 4 * 2 * BATCH
                              for r in restarted)  # model and loader from the same step
+    # the validation loader restored its own state: 2 evaluation batches at step 4
+    assert all(r["validation"]["position"] == 2 * 2 * BATCH and
+               r["validation"]["knobs"]["split"] == "validation" for r in restarted)
+    assert "val_loss" in result.metrics
     logs = consumed(tmp_path / "log")
     assert sorted(logs) == [(rank, step) for rank in (0, 1) for step in range(1, 13)]
     ids = [i for batch in logs.values() for i in batch]
     assert len(ids) == len(set(ids))
-    assert sorted(ids) == expected_ids(token_dataset, 12 * 2 * BATCH)
+    assert sorted(ids) == expected_ids(token_dataset, 12 * 2 * BATCH, split="train",
+                                       validation_fraction=0.2)
 
 
 def test_restart_with_fewer_workers_continues_exactly_once_reading_s3(

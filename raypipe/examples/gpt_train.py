@@ -106,10 +106,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     from raypipe.ray.train import save_loader_state, worker_loader
 
+    held_out = config.get("validation_fraction")
+    split = {"split": "train", "validation_fraction": held_out} if held_out else {}
     loader = worker_loader(config["data"], config["seq_len"], config["batch_size"],
                            mode=config.get("mode", "bestfit"), seed=config.get("seed", 0),
                            shuffle=config.get("shuffle", "global"),
-                           cache_dir=config.get("cache_dir"), name="train")
+                           cache_dir=config.get("cache_dir"), name="train", **split)
+    validation = None
+    if held_out:  # its own state in the same checkpoint: restored independently
+        validation = worker_loader(config["data"], config["seq_len"], config["batch_size"],
+                                   mode="documents", split="validation",
+                                   validation_fraction=held_out,
+                                   cache_dir=config.get("cache_dir"), name="validation")
     rank = ray.train.get_context().get_world_rank()
     vocab = loader.tokenizer.largest_id + 1
     torch.manual_seed(config.get("seed", 0))
@@ -118,7 +126,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     step = _restore(model, optimizer, ray.train.get_checkpoint())
     if config.get("log_dir"):  # what this attempt resumed from: model step vs loader position
         resumed = {"step": step, "epoch": loader.epoch, "position": loader.position,
-                   "world_size": loader.world_size}
+                   "world_size": loader.world_size,
+                   "validation": None if validation is None else validation.state_dict()}
         path = Path(config["log_dir"]) / f"resume-rank{rank}-{os.getpid()}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(resumed))
@@ -135,18 +144,42 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             _log_step(config.get("log_dir"), rank, step, batch)
             _maybe_fail(config, step, rank)
             if step % every == 0 or step == max_steps:
-                _report(model, optimizer, loader, step, float(loss.detach()), rank,
-                        save_loader_state)
+                val_loss = _evaluate(model, validation, vocab, config.get("eval_batches", 2))
+                _report(model, optimizer, [loader, validation], step, float(loss.detach()),
+                        rank, save_loader_state, val_loss)
             if step >= max_steps:
                 break
 
 
-def _report(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, step: int,
-            loss: float, rank: int, save_loader_state: Any) -> None:
+def _evaluate(model: nn.Module, validation: Any, vocab: int, batches: int) -> float | None:
+    """Mean loss over the next `batches` validation batches (the held-out documents in
+    order; a new pass starts when one ends); None without a validation loader."""
+    if validation is None:
+        return None
+    losses = []
+    with torch.no_grad():
+        while len(losses) < batches:
+            for batch in validation:
+                logits = model(batch.inputs, batch.position_ids)
+                per_token = F.cross_entropy(logits.reshape(-1, vocab),
+                                            batch.targets.reshape(-1).long(), reduction="none")
+                mask = batch.mask.reshape(-1).float()
+                losses.append(float((per_token * mask).sum() / mask.sum().clamp(min=1)))
+                if len(losses) == batches:
+                    break
+    return sum(losses) / len(losses)
+
+
+def _report(model: nn.Module, optimizer: torch.optim.Optimizer, loaders: list[Any], step: int,
+            loss: float, rank: int, save_loader_state: Any,
+            val_loss: float | None = None) -> None:
     import ray.train
 
+    loader = loaders[0]
     metrics = {"step": step, "loss": loss, "epoch": loader.epoch,
                "position": loader.position}
+    if val_loss is not None:
+        metrics["val_loss"] = val_loss
     with tempfile.TemporaryDirectory() as directory:
         checkpoint = None
         if rank == 0:
@@ -154,7 +187,9 @@ def _report(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, ste
             torch.save(plain.state_dict(), Path(directory) / "model.pt")
             torch.save(optimizer.state_dict(), Path(directory) / "optimizer.pt")
             (Path(directory) / "trainer.json").write_text(json.dumps({"step": step}))
-            save_loader_state(loader, directory)
+            for each in loaders:  # every loader's state under its own name
+                if each is not None:
+                    save_loader_state(each, directory)
             checkpoint = ray.train.Checkpoint.from_directory(directory)
         ray.train.report(metrics, checkpoint=checkpoint)
 
