@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +33,25 @@ import torch
 from raypipe.errors import ConfigError, StateError
 from raypipe.loader.prefetch import HostRing, Prefetcher
 from raypipe.loader.state import MixtureState, SourcePosition
-from raypipe.sampling.batches import BatchBuffers, Filled, write_cu_seqlens
+from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
 from raypipe.sampling.mixture import allocate, spread
 
 logger = logging.getLogger("raypipe")
 
 
+DESCRIBE_STEPS = 64  # steps whose rows are described together (one plan call per source)
+
+
 @dataclass
 class MixtureStep:
-    """One global step for this rank: per batch row (source index, epoch, position), and
-    the per-source positions after the whole step."""
+    """One global step for this rank: per batch row (source index, epoch, position), the
+    per-source positions after the whole step, and per (source, epoch) the batch rows it
+    fills with their description (set when the step's chunk is described)."""
 
     step: int
     rows: list[tuple[int, int, int]]
     after: dict[str, SourcePosition]
+    groups: dict[tuple[int, int], tuple[list[int], BatchPlan]] = field(default_factory=dict)
 
 
 class MixtureLoader:
@@ -73,6 +78,8 @@ class MixtureLoader:
         self.weights = self._weights(weights)
         self.device, self.dtype, self.prefetch = torch.device(device), dtype, prefetch
         self.state_name: str | None = None
+        self._builders: dict[tuple[int, int], Any] = {}
+        self._scratches: dict[tuple[int, int], BatchBuffers] = {}
         self.steps = 0
         self.positions = {name: SourcePosition(source.dataset.fingerprint, 0, 0, 0)
                           for name, source in zip(self.names, self.sources, strict=True)}
@@ -130,6 +137,49 @@ class MixtureLoader:
                                      where.consumed + count)
 
     def _schedule(self) -> Iterator[MixtureStep]:
+        """Steps described DESCRIBE_STEPS at a time: one describe per (source, epoch)."""
+        steps = self._steps()
+        while True:
+            chunk = [next(steps) for _ in range(DESCRIBE_STEPS)]
+            self._describe(chunk)
+            yield from chunk
+
+    def _describe(self, chunk: list[MixtureStep]) -> None:
+        wanted: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for index, job in enumerate(chunk):
+            for row, (source, epoch, position) in enumerate(job.rows):
+                wanted.setdefault((source, epoch), []).append((index, row, position))
+        for (source, epoch), entries in wanted.items():
+            positions = np.array([[position for _, _, position in entries]], dtype=np.int64)
+            plan = self._builder(source, epoch).describe(positions)[0]
+            by_step: dict[int, list[int]] = {}
+            for at, (index, _, _) in enumerate(entries):
+                by_step.setdefault(index, []).append(at)
+            for index, ats in by_step.items():
+                rows = [entries[at][1] for at in ats]
+                chunk[index].groups[(source, epoch)] = (rows, BatchPlan(
+                    plan.positions[ats], plan.observation_ids[ats],
+                    [plan.rows[at] for at in ats]))
+
+    def _builder(self, source: int, epoch: int) -> Any:
+        key = (source, epoch)
+        if key not in self._builders:
+            if len(self._builders) > 4 * len(self.sources):
+                self._builders.clear()
+            self._builders[key] = self.sources[source]._builder(epoch)
+        return self._builders[key]
+
+    def _scratch(self, source: int, rows: int) -> BatchBuffers:
+        """A per-(source, row count) buffer the source's rows are filled into first."""
+        key = (source, rows)
+        if key not in self._scratches:
+            self._scratches[key] = BatchBuffers.over(
+                np.empty(BatchBuffers.size(rows, self.seq_len), dtype=np.int64), rows,
+                self.seq_len)
+            self._builder(source, 0).prepare(self._scratches[key])
+        return self._scratches[key]
+
+    def _steps(self) -> Iterator[MixtureStep]:
         positions, step = dict(self.positions), self.steps
         while True:
             consumed = np.array([positions[n].consumed for n in self.names], dtype=np.float64)
@@ -157,18 +207,9 @@ class MixtureLoader:
         observation_ids = np.empty(len(job.rows), dtype=np.int64)
         source_ids = np.array([source for source, _, _ in job.rows], dtype=np.int64)
         flags_by_row: list[np.ndarray] = [np.empty(0, bool)] * len(job.rows)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for row, (source, epoch, _) in enumerate(job.rows):
-            groups.setdefault((source, epoch), []).append(row)
-        for (source, epoch), rows in groups.items():
-            loader = self.sources[source]
-            builder = loader._builder(epoch)
-            positions = np.array([[job.rows[r][2] for r in rows]], dtype=np.int64)
-            plan = builder.describe(positions)[0]
-            scratch = BatchBuffers.over(np.empty(BatchBuffers.size(len(rows), self.seq_len),
-                                                 dtype=np.int64), len(rows), self.seq_len)
-            builder.prepare(scratch)
-            filled = builder.fill(plan, scratch)
+        for (source, epoch), (rows, plan) in job.groups.items():
+            scratch = self._scratch(source, len(rows))
+            filled = self._builder(source, epoch).fill(plan, scratch)
             out.tokens[rows] = scratch.tokens
             out.position_ids[rows] = scratch.position_ids
             out.mask[rows] = scratch.mask
