@@ -64,10 +64,26 @@ def test_train_never_serves_a_validation_document(token_dataset):
 
 
 def test_a_split_is_refused_where_documents_cannot_be_held_out(token_dataset):
-    for options, words in (({"mode": "windows", "split": "train"}, "windows"),
+    for options, words in (({"mode": "windows", "split": "validation"}, "in order"),
                            ({"mode": "bestfit", "split": "validation"}, "documents"),
                            ({"mode": "documents", "split": "train",
                              "validation_fraction": 1.5}, r"\(0, 1\)"),
                            ({"mode": "documents", "split": "test"}, "not among")):
         with pytest.raises(ConfigError, match=words):
             TokenLoader(token_dataset, 64, 2, **options)
+
+
+def test_train_windows_are_cut_from_the_train_documents_alone(token_dataset):
+    from raypipe.dataset import TokenDataset
+
+    loader = TokenLoader(token_dataset, 32, 4, mode="windows", split="train",
+                         validation_fraction=0.3)
+    dataset = TokenDataset(token_dataset)
+    documents = list(dataset.iter_documents())
+    stream = np.concatenate([documents[i] for i in loader.split.ids.tolist()])
+    assert loader.plan().size == (stream.size - 1) // 32
+    for batch in loader:
+        for row, window in enumerate(batch.observation_ids.tolist()):
+            expected = stream[window * 32:window * 32 + 33]
+            assert batch.inputs[row].tolist() == expected[:-1].tolist()
+            assert batch.targets[row].tolist() == expected[1:].tolist()

@@ -23,6 +23,7 @@ MODES = {
     "documents-shard-local": {"mode": "documents", "shuffle": "shard_local",
                               "group_shards": 3},
     "bestfit-train-split": {"mode": "bestfit", "split": "train", "validation_fraction": 0.2},
+    "windows-train-split": {"mode": "windows", "split": "train", "validation_fraction": 0.2},
     "documents-validation-split": {"mode": "documents", "split": "validation",
                                    "validation_fraction": 0.3},
 }

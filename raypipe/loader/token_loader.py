@@ -112,7 +112,8 @@ class TokenLoader:
         consecutive shards, one group at a time: see raypipe.sampling.plans). `split`:
         "all", "train" or "validation": documents are held out for validation by a hash of
         (dataset fingerprint, document index) with probability `validation_fraction`
-        (raypipe.sampling.split); "train" shuffles the rest (documents, bestfit modes),
+        (raypipe.sampling.split); "train" shuffles the rest (documents, bestfit; windows
+        over the train documents back to back),
         "validation" serves the held-out documents in order, each once per epoch, the last
         step padded with empty rows (mask 0) instead of dropping any (documents mode)."""
         if mode not in MODES:
@@ -145,6 +146,12 @@ class TokenLoader:
                 self.dataset.fingerprint)
             self.source = TokenSource(self.dataset, None if self.split is None
                                       else self.split.ids)
+            if self.split is not None and mode == "windows":  # windows of the split's stream
+                if metadata:
+                    raise ConfigError("split with metadata=True is not supported")
+                lengths = self.dataset.document_lengths()
+                starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                self.source.restrict_stream(starts[self.split.ids], lengths[self.split.ids])
         self.shuffle, self.group_shards = shuffle, group_shards
         self.state_name: str | None = None  # where adapters (raypipe.ray.train) keep its state
         if not seq_len or not batch_size or seq_len < 1 or batch_size < 1 or prefetch < 1:
@@ -187,6 +194,12 @@ class TokenLoader:
         """Observations consumed per global step."""
         return self.world_size * self.observations_per_batch
 
+    def _stream_tokens(self) -> int:
+        """Tokens of the stream windows are cut from: the dataset's, or a split's."""
+        if self.source is not None and self.source.stream_offsets is not None:
+            return int(self.source.stream_offsets[-1])
+        return self.dataset.num_tokens
+
     def _document_lengths(self) -> np.ndarray:
         """Lengths of the documents the plans number (a split's, or every document)."""
         if self._lengths is None:
@@ -211,7 +224,7 @@ class TokenLoader:
                 plan = DocumentPlan(self._document_lengths(), self.seq_len, self.seed, epoch,
                                     ordered=True, pad_to=self.global_batch)
             else:
-                plan = make_plan(self.mode, self.dataset.num_tokens, self._document_lengths,
+                plan = make_plan(self.mode, self._stream_tokens(), self._document_lengths,
                                  self.seq_len, self.seed, epoch, self.block_documents,
                                  self.packing, self._groups())
             self._plan = (epoch, plan)
@@ -366,12 +379,13 @@ def check_split(split: str, fraction: float, mode: str, shuffle: str) -> None:
         return
     if not 0.0 < fraction < 1.0:
         raise ConfigError(f"validation_fraction: {fraction} must be in (0, 1)")
-    if mode not in ("documents", "bestfit") or (split == "validation" and mode != "documents"):
+    if mode == "llmbatch" or (split == "validation" and mode != "documents"):
         raise ConfigError(f"split={split!r} needs mode 'documents'"
-                          + (" or 'bestfit'" if split == "train" else "")
-                          + f", not {mode!r}: the split holds out whole documents, which "
-                          "windows of the concatenated stream and pre-formed LLMBATCH "
-                          "batches cut across")
+                          + (", 'bestfit' or 'windows'" if split == "train" else "")
+                          + f", not {mode!r}: " + ("pre-formed LLMBATCH batches mix every "
+                                                   "document" if mode == "llmbatch" else
+                                                   "validation is served in order, a "
+                                                   "document a row"))
     if shuffle != "global":
         raise ConfigError("split needs shuffle='global' (shard-local groups count every "
                           "document)")

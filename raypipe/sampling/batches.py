@@ -111,6 +111,8 @@ class TokenSource:
         documents within the split); None: every document."""
         self.dataset = dataset
         self.document_ids = document_ids
+        self.stream_starts: np.ndarray | None = None
+        self.stream_offsets: np.ndarray | None = None
         self.token_offsets = np.concatenate([[0], np.cumsum(dataset.shard_token_counts)])
         self.document_offsets = np.concatenate([[0], np.cumsum(dataset.shard_document_counts)])
         eager = dataset.cache is None
@@ -118,9 +120,10 @@ class TokenSource:
         self.document_starts = ShardArrays(dataset, "document_starts", eager)
 
     def shards_of_tokens(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """The shards that token spans [start, start + length) touch."""
-        first = np.searchsorted(self.token_offsets, starts, side="right") - 1
-        last = np.searchsorted(self.token_offsets, starts + length - 1, side="right") - 1
+        """The shards that stream spans [start, start + length) start and end in."""
+        first = np.searchsorted(self.token_offsets, self.to_global(starts), side="right") - 1
+        last = np.searchsorted(self.token_offsets, self.to_global(starts + length - 1),
+                               side="right") - 1
         return np.unique(np.concatenate([first, last]))
 
     def global_documents(self, doc_ids: np.ndarray) -> np.ndarray:
@@ -134,7 +137,38 @@ class TokenSource:
         ids = ids[ids >= 0]
         return np.unique(np.searchsorted(self.document_offsets, ids, side="right") - 1)
 
+    def restrict_stream(self, document_starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Windows over a split: the stream becomes the concatenation of the split's
+        documents (their global first tokens and lengths); offsets then count in it."""
+        self.stream_starts = document_starts.astype(np.int64)
+        self.stream_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    def to_global(self, offsets: np.ndarray) -> np.ndarray:
+        """Stream offsets -> global token offsets (the identity without a split)."""
+        if self.stream_offsets is None:
+            return offsets
+        document = np.searchsorted(self.stream_offsets, offsets, side="right") - 1
+        return self.stream_starts[document] + offsets - self.stream_offsets[document]
+
     def copy_span(self, start: int, out: np.ndarray) -> None:
+        """out[:] = stream tokens [start, start + len(out)): global tokens crossing shards,
+        or, over a split, the split's documents back to back."""
+        if self.stream_offsets is None:
+            self.copy_global(start, out)
+            return
+        filled = 0
+        document = int(np.searchsorted(self.stream_offsets, start, side="right")) - 1
+        while filled < out.size:
+            local = start + filled - int(self.stream_offsets[document])
+            count = min(out.size - filled,
+                        int(self.stream_offsets[document + 1] - self.stream_offsets[document])
+                        - local)
+            self.copy_global(int(self.stream_starts[document]) + local,
+                             out[filled:filled + count])
+            filled += count
+            document += 1
+
+    def copy_global(self, start: int, out: np.ndarray) -> None:
         """out[:] = global tokens [start, start + len(out)), crossing shards as needed."""
         shard = int(np.searchsorted(self.token_offsets, start, side="right")) - 1
         local = start - int(self.token_offsets[shard])
