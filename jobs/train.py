@@ -9,8 +9,10 @@ optimizer and loader state every k steps; rerunning with the same --storage/--na
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 # This folder holds tokenize.py, which would shadow the standard library's `tokenize`
 # module for everything imported below: take the script's folder off the import path.
@@ -46,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="tiny-gpt")
     parser.add_argument("--address", default=None, help="Ray address (default: local)")
     args = parser.parse_args(argv)
+    done = last_checkpoint_step(Path(args.storage) / args.name)
+    if done is not None and done >= args.max_steps:
+        print(f"nothing to run: {Path(args.storage) / args.name} already holds a checkpoint "
+              f"at step {done} (--max-steps {args.max_steps}); raise --max-steps to train "
+              "further, or pass another --name for a new run")
+        return 0
     from raypipe.ray.session import ensure_ray
 
     ensure_ray(args.address)
@@ -58,6 +66,17 @@ def main(argv: list[str] | None = None) -> int:
                  args.max_failures)
     print(f"finished: {result.metrics}; checkpoint {result.checkpoint}")
     return 0
+
+
+def last_checkpoint_step(run: Path) -> int | None:
+    """The step of the newest checkpoint of a local run directory (None: no checkpoint)."""
+    steps = []
+    for record in run.glob("checkpoint_*/trainer.json"):
+        try:
+            steps.append(int(json.loads(record.read_text())["step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return max(steps) if steps else None
 
 
 if __name__ == "__main__":

@@ -65,3 +65,23 @@ def test_a_piped_job_prints_progress_lines_with_an_eta(tmp_path, corpus_dir, tok
     assert len(lines) == summary.units_run >= 3
     assert all("ETA" in line and "tokens/s" in line for line in lines)
     assert lines[-1].startswith(f"raypipe: {summary.units}/{summary.units} units (100%)")
+
+
+def test_train_job_rerun_with_nothing_left_says_so_without_starting_ray(tmp_path, capsys,
+                                                                        monkeypatch):
+    import runpy
+
+    import raypipe.ray.session
+
+    def no_ray(*_: object) -> None:
+        raise AssertionError("Ray was started for a run with nothing left to do")
+
+    monkeypatch.setattr(raypipe.ray.session, "ensure_ray", no_ray)
+    train = runpy.run_path("jobs/train.py")
+    checkpoint = tmp_path / "runs" / "tiny" / "checkpoint_000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer.json").write_text('{"step": 60}')
+    code = train["main"](["--data", str(tmp_path), "--storage", str(tmp_path / "runs"),
+                          "--name", "tiny", "--max-steps", "60"])
+    assert code == 0
+    assert "nothing to run" in capsys.readouterr().out
