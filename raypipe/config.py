@@ -5,7 +5,10 @@ Invariant: a config is built from (defaults <- YAML file <- explicit overrides) 
 validated on construction; an unknown key or a bad value is a ConfigError naming the key.
 `output_fingerprint` hashes exactly the fields that change the bytes written, so a rerun
 with, say, more workers or another batch size reuses the committed shards, while a rerun
-with another tokenizer or format set is refused (unless `overwrite`).
+with another tokenizer or format set is refused (unless `overwrite`). Where things are
+(inputs, output, tokenizer path) is not hashed as spelled: the tokenizer counts by its
+contents (sha256) and the job compares the resolved input files (raypipe.preprocess.job),
+so `corpus/` and `corpus/*.parquet`, or `out` and its absolute path, are the same job.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ PACKINGS = ("split", "crop", "concat", "bestfit")  # bestfit: the old name of cr
 EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
                               "tokenizer_backend"})
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "tokenizers")
+LOCATION_FIELDS = frozenset({"inputs", "output", "tokenizer"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
 # fields added after 0.1 -> the value that behaves as 0.1 did (not part of the fingerprint)
 LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 << 30}
@@ -186,7 +190,18 @@ class TokenizeConfig:
         return {k: v for k, v in self.to_dict().items() if k not in EXECUTION_FIELDS
                 and LEGACY_VALUES.get(k, object()) != v}
 
+    def meaning_fields(self) -> dict[str, Any]:
+        """The output-shaping fields without the locations (inputs, output, tokenizer path)."""
+        return {k: v for k, v in self.output_fields().items() if k not in LOCATION_FIELDS}
+
     def output_fingerprint(self, tokenizer_sha256: str) -> str:
+        payload = json.dumps({"config": self.meaning_fields(), "fingerprint_version": 2,
+                              "tokenizer_sha256": tokenizer_sha256}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def spelled_fingerprint(self, tokenizer_sha256: str) -> str:
+        """The fingerprint of raypipe 0.1-0.2, which hashed the locations as spelled: an
+        output made then with the same spelling is still recognized."""
         payload = json.dumps(
             {"config": self.output_fields(), "tokenizer_sha256": tokenizer_sha256},
             sort_keys=True,

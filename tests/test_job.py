@@ -151,3 +151,54 @@ def test_rerun_of_finished_job_does_not_touch_ray(tmp_path, corpus_dir, tokenize
                           timeout=120, check=True)
     assert done.stdout.splitlines()[0] == "0 False"
     assert "nothing to run" in done.stdout
+
+
+def test_the_same_job_spelled_another_way_is_a_no_op(tmp_path, corpus_dir, tokenizer_path,
+                                                      monkeypatch):
+    import shutil
+
+    shutil.copy(tokenizer_path, tmp_path / "tok.json")
+    monkeypatch.chdir(tmp_path)
+    first = run_job(config_for(corpus_dir, tmp_path / "out", str(tmp_path / "tok.json")))
+    before = file_identities(tmp_path / "out")
+    again = run_job(config_for(f"{corpus_dir}/*.parquet", "out", "tok.json"))
+    assert again.units_run == 0 and again.units == first.units
+    assert file_identities(tmp_path / "out") == before, "a respelled rerun rewrote files"
+
+
+def test_an_added_input_runs_alone_and_a_removed_one_is_refused_naming_it(
+        tmp_path, corpus_dir, tokenizer_path, corpus_texts):
+    corpus = corpus_dir  # this test's own copy
+    first = run_job(config_for(corpus, tmp_path / "out", tokenizer_path))
+    write_parquet(corpus / "part-9.parquet", corpus_texts[900:960])
+    grown = run_job(config_for(corpus, tmp_path / "out", tokenizer_path))
+    assert grown.units_run == 1 and grown.units == first.units + 1
+    (corpus / "part-0.parquet").unlink()
+    with pytest.raises(ConfigError, match=r"1 input file\(s\) no longer given \(.*part-0"):
+        run_job(config_for(corpus, tmp_path / "out", tokenizer_path))
+    rebuilt = run_job(config_for(corpus, tmp_path / "out", tokenizer_path, overwrite=True))
+    manifest = read_manifest_json(tmp_path / "out")
+    assert rebuilt.units_run == 0 and len(manifest["units"]) == rebuilt.units < grown.units
+    assert not any("part-0" in unit["uri"] for unit in manifest["units"])
+    assert not list((tmp_path / "out" / "megatron").glob("part-0-*")), \
+        "the removed input's shards were left behind"
+
+
+def test_an_output_of_the_previous_release_is_still_recognized(tmp_path, corpus_dir,
+                                                                tokenizer_path):
+    """0.1-0.2 hashed the paths as spelled: their job and unit records still count."""
+    config = config_for(corpus_dir, tmp_path / "out", tokenizer_path)
+    summary = run_job(config)
+    legacy = config.spelled_fingerprint(read_manifest_json(tmp_path / "out")["tokenizer"]
+                                        ["sha256"])
+    for record in (tmp_path / "out" / "_units").glob("*.json"):
+        data = json.loads(record.read_text())
+        data["fingerprint"] = legacy
+        data.pop("inputs", None)
+        record.write_text(json.dumps(data))
+    again = run_job(config)
+    assert again.units_run == 0 and again.units == summary.units
+
+
+def read_manifest_json(output):
+    return json.loads((output / "manifest.json").read_text())

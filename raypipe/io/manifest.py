@@ -22,7 +22,7 @@ import platform
 import types
 import typing
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
@@ -489,15 +489,16 @@ def record_problem(output: Store, record: UnitRecord) -> str | None:
     return None
 
 
-def committed_unit_record(output: Store, unit: WorkUnit, fingerprint: str
+def committed_unit_record(output: Store, unit: WorkUnit, fingerprints: Collection[str]
                           ) -> UnitRecord | None:
-    """The unit's record if the unit is fully committed for this fingerprint from the same
-    input (a record from before input identities were kept is taken as is), else None."""
+    """The unit's record if the unit is fully committed for one of these fingerprints (the
+    job's, and the one an older release computed for the same config) from the same input
+    (a record from before input identities were kept is taken as is), else None."""
     name = unit_record_name(unit.name)
     if not output.exists(name):
         return None
     record = UnitRecord.from_json(output.read_json(name), output.uri_of(name))
-    if record.fingerprint != fingerprint:
+    if record.fingerprint not in fingerprints:
         return None
     if record.unit.source and unit.source and record.unit.source != unit.source:
         logger.warning("re-running unit %s: %s changed since it was tokenized", unit.name,

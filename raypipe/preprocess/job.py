@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypipe.config import TokenizeConfig, dump_config_yaml
+from raypipe.config import LOCATION_FIELDS, TokenizeConfig, dump_config_yaml
 from raypipe.errors import ConfigError
 from raypipe.formats import FORMATS, get_format
 from raypipe.io.atomic import remove_stale_temps
@@ -152,31 +152,71 @@ def serial_runner(units: list[WorkUnit], settings: UnitSettings) -> Iterable[Uni
         yield tokenize_unit(unit, settings, encoder)
 
 
-def prepare_output(config: TokenizeConfig, settings: UnitSettings) -> Store:
-    """Create the output; refuse one made with another config unless `overwrite`."""
+def accepted_fingerprints(config: TokenizeConfig, settings: UnitSettings) -> set[str]:
+    """The job's fingerprint, and the one raypipe 0.1-0.2 computed for the same spelling."""
+    return {settings.fingerprint, config.spelled_fingerprint(settings.tokenizer.sha256)}
+
+
+def prepare_output(config: TokenizeConfig, settings: UnitSettings,
+                   inputs: list[str]) -> Store:
+    """Create the output; refuse one made with another config, or holding units of input
+    files no longer given, unless `overwrite`. Configs compare by meaning: the resolved
+    input files, the output's URI and the tokenizer's contents, not their spelling."""
     output = Store(settings.output)
-    job = {"fingerprint": settings.fingerprint, "config": config.output_fields(),
-           "tokenizer_sha256": settings.tokenizer.sha256}
+    job = {"fingerprint": settings.fingerprint, "config": config.meaning_fields(),
+           "tokenizer_sha256": settings.tokenizer.sha256, "inputs": sorted(inputs)}
     if output.exists(JOB_PATH):
         previous = output.read_json(JOB_PATH)
-        if previous.get("fingerprint") != settings.fingerprint:
+        if previous.get("fingerprint") not in accepted_fingerprints(config, settings):
             if not config.overwrite:
                 raise ConfigError(f"{output}: made with a different config "
                                   f"({describe_difference(previous, job)}); "
                                   "pass --overwrite to replace it")
             clear_output(output)
+        else:
+            check_inputs(config, output, previous.get("inputs"), job["inputs"])
     elif output.exists(MANIFEST_NAME) and not config.overwrite:
         raise ConfigError(f"{output}: holds a manifest without a job record; "
                           "pass --overwrite to replace it")
     if output.local:
         remove_stale_temps(output.root)
-    if not output.exists(JOB_PATH):
+    if not output.exists(JOB_PATH) or output.read_json(JOB_PATH) != job:
         output.write_json(JOB_PATH, job)
     return output
 
 
+def check_inputs(config: TokenizeConfig, output: Store, before: list[str] | None,
+                 now: list[str]) -> None:
+    """Files may be added to a job's inputs (their units run); an output holding units of
+    files that are no longer inputs is refused (unless `overwrite`), naming them."""
+    gone = sorted(set(before or ()) - set(now))
+    if gone and config.overwrite:
+        remove_units_of(output, set(gone))
+    elif gone:
+        shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+        raise ConfigError(f"{output}: holds units of {len(gone)} input file(s) no longer "
+                          f"given ({shown}); pass --overwrite to rebuild it from the inputs "
+                          "given, or give those files again")
+
+
+def remove_units_of(output: Store, inputs: set[str]) -> None:
+    """Delete the shard files and records of the units made from `inputs`."""
+    for name in output.list_files(UNITS_DIR):
+        if name == JOB_PATH or not name.endswith(".json"):
+            continue
+        record = UnitRecord.from_json(output.read_json(name), output.uri_of(name))
+        if record.unit.uri not in inputs:
+            continue
+        for shard in record.shards:
+            for entries in shard.files.values():
+                for entry in entries:
+                    output.delete(entry.path)
+        output.delete(name)
+
+
 def describe_difference(previous: dict[str, Any], current: dict[str, Any]) -> str:
-    before, after = previous.get("config", {}), current["config"]
+    before = {k: v for k, v in previous.get("config", {}).items() if k not in LOCATION_FIELDS}
+    after = current["config"]
     keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     parts = [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in keys]
     if previous.get("tokenizer_sha256") != current["tokenizer_sha256"]:
@@ -208,16 +248,18 @@ def run_job(config: TokenizeConfig, runner: UnitRunner = serial_runner,
 def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[WorkUnit],
                 runner: UnitRunner, started: float, progress_every: float) -> JobSummary:
     """The job while it holds the output's lock (nothing else writes there)."""
-    output = prepare_output(config, settings)
+    output = prepare_output(config, settings, sorted({unit.uri for unit in units}))
+    accepted = accepted_fingerprints(config, settings)
     records: dict[str, UnitRecord] = {}
     pending = []
     for unit in units:
-        record = committed_unit_record(output, unit, settings.fingerprint)
+        record = committed_unit_record(output, unit, accepted)
         if record is None:
             pending.append(unit)
         else:
             records[unit.name] = record
-    writes_manifest = bool(pending) or not output.exists(MANIFEST_NAME)
+    writes_manifest = bool(pending) or not output.exists(MANIFEST_NAME) or [
+        summary.name for summary in read_manifest(output).units] != [u.name for u in units]
     choice = None
     if writes_manifest:
         settings, choice = with_backend(config, settings, pending[0] if pending else units[0]
