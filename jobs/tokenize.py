@@ -1,6 +1,12 @@
 """Tokenize job for `ray job submit`: the same config and code path as `raypipe tokenize`.
 
     ray job submit --working-dir . -- python jobs/tokenize.py --config jobs/configs/demo.yaml
+
+Inside a submitted job the working directory is Ray's temporary copy of `--working-dir`
+(without gitignored files): relative inputs are read from that copy, and a relative output is
+refused (it would be written into the copy and lost); give an absolute path or a bucket URI.
+The demo config reads the demo corpus from /tmp/raypipe-demo/corpus and builds it there when
+it is missing (a local cluster; on several nodes use a shared or bucket location).
 """
 
 import os
@@ -11,7 +17,44 @@ import sys
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
-from raypipe.cli import main
+from raypipe.cli import build_parser, config_from_args, main  # noqa: E402
+from raypipe.errors import ConfigError, RaypipeError  # noqa: E402
+
+DEMO_CORPUS = "/tmp/raypipe-demo/corpus"
+SUBMITTED_JOB_VARIABLE = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor
+
+
+def check_output_location(output: str) -> None:
+    if SUBMITTED_JOB_VARIABLE in os.environ and "://" not in output \
+            and not os.path.isabs(output):
+        raise ConfigError(f"output {output!r} is relative: in a submitted job it would land "
+                          f"in Ray's temporary copy of the working directory ({os.getcwd()}) "
+                          "and be lost; give an absolute path or a URI (s3://...)")
+
+
+def build_demo_corpus(inputs: tuple[str, ...]) -> None:
+    """Write the stdlib docstring corpus where the demo config reads it, if it is missing."""
+    from pathlib import Path
+
+    from raypipe.demo.corpus import gather_docstrings, write_corpus
+
+    corpus = Path(DEMO_CORPUS)
+    if DEMO_CORPUS in inputs and not any(corpus.glob("*.parquet")):
+        documents = gather_docstrings()
+        write_corpus(documents, corpus, files=4, row_group_rows=500)
+        print(f"demo corpus: {len(documents):,} docstrings -> {corpus}")
+
+
+def run(argv: list[str]) -> int:
+    try:
+        config = config_from_args(build_parser().parse_args(["tokenize", *argv]))
+        check_output_location(config.output)
+        build_demo_corpus(config.inputs)
+    except RaypipeError as exc:
+        print(f"raypipe: error: {exc}", file=sys.stderr)
+        return 2
+    return main(["tokenize", *argv])
+
 
 if __name__ == "__main__":
-    sys.exit(main(["tokenize", *sys.argv[1:]]))
+    sys.exit(run(sys.argv[1:]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -144,3 +145,34 @@ def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, co
 
     got = [d.tolist() for d in TokenDataset(tmp_path / "out").iter_documents()]
     assert got == expected_documents(corpus_dir, tokenizer_path)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_readme_demo_job_submits_as_written(real_cluster):
+    """The README's `ray job submit ... jobs/tokenize.py --config jobs/configs/demo.yaml`
+    (with this environment's Python for `python`): it builds the demo corpus if missing and
+    prints the absolute output path, which holds a verified dataset."""
+    shutil.rmtree("/tmp/raypipe-demo/tokens", ignore_errors=True)
+    command = [str(RAY), "job", "submit", f"--address={real_cluster['dashboard']}",
+               "--working-dir", ".", "--", sys.executable, "jobs/tokenize.py", "--config",
+               "jobs/configs/demo.yaml"]
+    for _ in range(12):  # the job agent registers a few seconds after `ray start` returns
+        submit = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                                env=real_cluster["env"], timeout=400)
+        if "No available agent" not in submit.stderr + submit.stdout:
+            break
+        time.sleep(5)
+    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+    assert "raypipe tokenize -> /tmp/raypipe-demo/tokens" in submit.stdout
+    verify_dataset("/tmp/raypipe-demo/tokens")
+
+
+def test_a_relative_output_in_a_submitted_job_is_refused(monkeypatch, capsys):
+    import runpy
+
+    job = runpy.run_path(str(ROOT / "jobs" / "tokenize.py"))
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+    code = job["run"](["corpus", "--tokenizer", "t.json", "--output", "out/tokens"])
+    error = capsys.readouterr().err
+    assert code == 2 and "'out/tokens' is relative" in error and "absolute path" in error
