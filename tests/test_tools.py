@@ -143,3 +143,4 @@ def test_inspect_prints_tables_samples_metadata_and_plot(all_formats, tmp_path, 
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"IEND" in data[-12:]
     lengths = np.array([len(d) for d in documents(all_formats)])
     assert f"{lengths.max():,} tokens" in out
+    assert "matplotlib, axes and labels" in out  # the dev extra brings matplotlib

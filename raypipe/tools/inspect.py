@@ -98,11 +98,12 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
         lines.append("  document length (tokens) min/p10/p50/p90/p99/max: "
                      + " / ".join(f"{p:,}" for p in pct))
     if plot is not None and lengths.size:
-        from raypipe.tools.plot import histogram_png
+        from raypipe.tools.plot import histogram_chart
 
-        histogram_png(lengths, Path(plot))
+        drawn = histogram_chart(lengths, Path(plot), f"Document lengths: {dataset.root} "
+                                f"({dataset.format_name}, {lengths.size:,} documents)")
         lines.append(f"  histogram of document lengths -> {plot} (60 log-spaced bins, "
-                     f"{int(lengths.min()):,} to {int(lengths.max()):,} tokens)")
+                     f"{int(lengths.min()):,} to {int(lengths.max()):,} tokens; {drawn})")
     for index, tokens in enumerate(dataset.iter_documents()):
         if index >= samples:
             break

@@ -1,7 +1,9 @@
-"""A dependency-free PNG writer and a bar-chart histogram renderer (numpy + zlib).
+"""Histograms of document lengths: a readable chart with matplotlib (the `plot` extra: axes,
+log-scale ticks, labels, title), else a dependency-free PNG of bars (numpy + zlib).
 
-Invariant: writes a valid 8-bit grayscale PNG (signature, IHDR, one IDAT, IEND with CRCs).
-Cost: O(width x height); a 640x360 chart is ~1 ms.
+Invariant: writes a valid PNG atomically either way; the plain one is an 8-bit grayscale
+PNG (signature, IHDR, one IDAT, IEND with CRCs) without text, and says so. Cost: ~0.2 s
+with matplotlib (its import); O(width x height), ~1 ms, for the plain one.
 """
 
 from __future__ import annotations
@@ -50,3 +52,34 @@ def histogram_png(values: np.ndarray, path: Path, bins: int = 60, width: int = 6
     image[margin:height - margin, margin] = 0  # y axis
     write_bytes_atomic(Path(path), encode_png(image))
     return counts, edges
+
+
+def histogram_chart(values: np.ndarray, path: Path, title: str, bins: int = 60) -> str:
+    """A histogram of `values` (log-spaced bins) with axes, ticks, labels and a title;
+    returns how it was drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        histogram_png(values, path, bins)
+        return "plain bars: pip install 'raypipe[plot]' (matplotlib) for axes and labels"
+    import io
+
+    values = np.asarray(values, dtype=np.float64)
+    low, high = max(values.min(), 1.0), max(values.max(), 2.0)
+    edges = np.geomspace(low, high * 1.0001, bins + 1)
+    figure, axes = plt.subplots(figsize=(8, 4.5), dpi=100)
+    axes.hist(values, bins=edges, color="#4c72b0", edgecolor="white", linewidth=0.3)
+    axes.set_xscale("log")
+    axes.set_xlabel("document length (tokens, log scale)")
+    axes.set_ylabel("documents")
+    axes.set_title(title)
+    axes.grid(alpha=0.3, which="both")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    write_bytes_atomic(Path(path), buffer.getvalue())
+    return "matplotlib, axes and labels"
