@@ -109,12 +109,14 @@ def command_convert(args: argparse.Namespace) -> int:
         spec = LLMBatchSpec(args.seq_len, args.batch_size, args.packing, args.seed,
                             args.batches_per_shard)
     manifest = convert_dataset(args.source, args.destination, args.format, spec,
-                               overwrite=args.overwrite)
+                               overwrite=args.overwrite, source_format=args.source_format)
     section = manifest.formats[args.format]
     print(f"{args.source} -> {args.destination}: {len(section.shards)} {args.format} shards")
     source_formats = read_manifest(args.source).formats
-    if args.format != "llmbatch" and not any(FORMATS[name].holds == "documents"
-                                             for name in source_formats):
+    reads_batches = (args.source_format is not None
+                     and FORMATS[args.source_format].holds == "batches")
+    if args.format != "llmbatch" and (reads_batches or not any(
+            FORMATS[name].holds == "documents" for name in source_formats)):
         print("note: an LLMBATCH source yields its records (packed rows), not the original "
               "documents")
     return 0
@@ -174,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("destination", help="a directory or URI for the converted dataset")
     convert.add_argument("--format", required=True, choices=list(FORMATS),
                          help="the destination's format")
+    convert.add_argument("--source-format", choices=list(FORMATS), default=None,
+                         help="the source format to read (default: its first document "
+                         "format, else its batches)")
     convert.add_argument("--seq-len", type=int,
                          help="llmbatch: tokens per record (T + 1), as tokenize's --seq-len")
     convert.add_argument("--batch-size", type=int, help="llmbatch: records per batch")

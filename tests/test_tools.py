@@ -70,6 +70,18 @@ def test_llmbatch_source_yields_records_and_target_packs(all_formats, tmp_path, 
     assert all(PAD_ID not in r for r in records)
 
 
+def test_convert_reads_the_source_format_named(all_formats, tmp_path, capsys):
+    assert main(["convert", str(all_formats), str(tmp_path / "from-llm"), "--format",
+                 "megatron", "--source-format", "llmbatch"]) == 0
+    assert "records (packed rows)" in capsys.readouterr().out
+    records = [r.tolist() for r in LLMBatchDataset(all_formats).iter_records()]
+    assert documents(tmp_path / "from-llm") == records
+    assert main(["convert", str(all_formats), str(tmp_path / "from-stream"), "--format",
+                 "megatron", "--source-format", "stream"]) == 0
+    assert "records" not in capsys.readouterr().out
+    assert documents(tmp_path / "from-stream") == documents(all_formats, "stream")
+
+
 def test_verify_cli_passes_then_names_the_first_bad_file(all_formats, capsys):
     assert main(["verify", str(all_formats)]) == 0
     assert "OK" in capsys.readouterr().out

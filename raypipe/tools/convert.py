@@ -40,12 +40,14 @@ DOCUMENTS_PER_ADD = 4096
 NO_SHARD_LIMIT = 2**31 - 1  # one target shard per source shard
 
 
-def _source_documents(src: Store, manifest: Manifest
+def _source_documents(src: Store, manifest: Manifest, source_format: str | None = None
                       ) -> Iterator[tuple[str, Iterable[np.ndarray]]]:
     """(shard name, iterator of token arrays) per source shard: documents of a document
-    format, else the records of a batch format."""
-    if any(name in manifest.formats for name in document_formats()):
-        dataset = TokenDataset(src, manifest=manifest)
+    format (the one named, else the first the source has), else the records of a batch
+    format (named, or the only one)."""
+    batches_named = source_format is not None and get_format(source_format).holds == "batches"
+    if not batches_named and any(name in manifest.formats for name in document_formats()):
+        dataset = TokenDataset(src, source_format, manifest=manifest)
         for index in range(dataset.num_shards):
             reader = dataset.reader(index)
             yield dataset.shards[index].name, (reader.document(d)
@@ -86,7 +88,8 @@ def _flush(roller: ShardRoller, pending: list[np.ndarray]) -> None:
 
 
 def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
-                    llmbatch: LLMBatchSpec | None = None, overwrite: bool = False) -> Manifest:
+                    llmbatch: LLMBatchSpec | None = None, overwrite: bool = False,
+                    source_format: str | None = None) -> Manifest:
     """Convert `src` into `format_name` at `dst` (paths or URIs); LLMBATCH targets need
     `llmbatch`."""
     source, target = as_store(src), as_store(dst)
@@ -108,14 +111,15 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
         if not any(name in manifest.formats for name in document_formats()):
             raise FormatError(source.uri_of(MANIFEST_NAME),
                               "llmbatch -> llmbatch is not a conversion")
-        section = write_llmbatch(TokenDataset(source, manifest=manifest), target, llmbatch,
-                                 format_name)
+        section = write_llmbatch(TokenDataset(source, source_format, manifest=manifest),
+                                 target, llmbatch, format_name)
     else:
         options = fmt.options({"metadata": False})
         spec = ShardSpec(target.uri, (format_name,), NO_SHARD_LIMIT, info.largest_id,
                          info.bos_id, {format_name: options})
         with Staging(target) as staging:
-            table = [entry for name, documents in _source_documents(source, manifest)
+            table = [entry for name, documents in _source_documents(source, manifest,
+                                                                     source_format)
                      for entry in _write_documents(spec, name, documents, staging)]
         section = FormatSection(fmt.token_dtype(info.largest_id).name, tuple(table), options)
     out = Manifest.build(fingerprint, info, {format_name: section}, manifest.config,
