@@ -43,11 +43,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         flags = [meta.get("flag", "--" + spec.name.replace("_", "-"))]
         if meta.get("short"):
             flags.append(meta["short"])
+        flags += list(meta.get("aliases", ()))
         if kind is bool:
             parser.add_argument(*flags, dest=spec.name, default=None, help=text,
                                 action=argparse.BooleanOptionalAction)
         else:
-            parser.add_argument(*flags, dest=spec.name, type=kind, default=None, help=text)
+            parser.add_argument(*flags, dest=spec.name, type=kind, default=None, help=text,
+                                metavar=flags[0].lstrip("-").replace("-", "_").upper())
 
 
 def config_from_args(args: argparse.Namespace) -> TokenizeConfig:
@@ -179,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--source-format", choices=list(FORMATS), default=None,
                          help="the source format to read (default: its first document "
                          "format, else its batches)")
-    convert.add_argument("--seq-len", type=int,
-                         help="llmbatch: tokens per record (T + 1), as tokenize's --seq-len")
+    convert.add_argument("--record-len", "--seq-len", dest="seq_len", type=int,
+                         help="llmbatch: tokens per record, T + 1, as tokenize's "
+                         "--record-len (--seq-len is an older name of it)")
     convert.add_argument("--batch-size", type=int, help="llmbatch: records per batch")
     convert.add_argument("--packing", default="split",
                          choices=["split", "crop", "concat", "bestfit"],

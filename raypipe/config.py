@@ -82,7 +82,10 @@ class TokenizeConfig:
     span_column: str | None = option(None, help="stream: column of [{start, end, ...}] "
                                                 "character spans")
     metadata_serializer: str = option("json", help="stream: json or msgpack")
-    seq_len: int | None = option(None, help="llmbatch: tokens per record (T + 1)")
+    seq_len: int | None = option(None, help="llmbatch: tokens per record, T + 1 (the "
+                                            "loader's and pack-report's --seq-len is T); "
+                                            "--seq-len is an older name of it",
+                                 flag="--record-len", aliases=("--seq-len",))
     batch_size: int | None = option(None, help="llmbatch: records per batch")
     packing: str = option("split", help="llmbatch: split (every token, pieces best-fit, "
                                         "padding marked), crop (nanochat: rows start with "

@@ -85,3 +85,17 @@ def test_train_job_rerun_with_nothing_left_says_so_without_starting_ray(tmp_path
                           "--name", "tiny", "--max-steps", "60"])
     assert code == 0
     assert "nothing to run" in capsys.readouterr().out
+
+
+def test_record_len_and_its_older_name_set_the_llmbatch_record_length():
+    from raypipe.cli import config_from_args
+
+    parser = build_parser()
+    for flag in ("--record-len", "--seq-len"):
+        args = parser.parse_args(["tokenize", "corpus", "--tokenizer", "t.json", "--output",
+                                  "out", "--format", "llmbatch", flag, "33",
+                                  "--batch-size", "2"])
+        assert config_from_args(args).seq_len == 33
+    convert = parser.parse_args(["convert", "a", "b", "--format", "llmbatch", "--record-len",
+                                 "33", "--batch-size", "2"])
+    assert convert.seq_len == 33
