@@ -19,6 +19,7 @@ from pathlib import Path
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
+from raypipe.errors import RaypipeError, StateError  # noqa: E402
 from raypipe.examples.gpt_train import fit
 
 
@@ -54,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
               f"at step {done} (--max-steps {args.max_steps}); raise --max-steps to train "
               "further, or pass another --name for a new run")
         return 0
+    try:
+        check_loader_states(Path(args.storage) / args.name, args)
+    except RaypipeError as exc:  # a state that cannot resume: fail now, not per retry
+        print(f"raypipe: error: {exc}", file=sys.stderr)
+        return 2
     from raypipe.ray.session import ensure_ray
 
     ensure_ray(args.address)
@@ -68,15 +74,48 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def last_checkpoint_step(run: Path) -> int | None:
-    """The step of the newest checkpoint of a local run directory (None: no checkpoint)."""
-    steps = []
+def check_loader_states(run: Path, args: argparse.Namespace) -> None:
+    """Load the newest checkpoint's loader states into loaders of this run's settings, on
+    the driver: a state made for another dataset or other knobs is refused here, once,
+    instead of failing every worker and every Ray Train retry."""
+    newest = newest_checkpoint(run)
+    if newest is None:
+        return
+    from raypipe.loader import TokenLoader
+    from raypipe.ray.train import state_file_name
+
+    data = args.data if "://" in args.data else os.path.abspath(args.data)
+    loaders = {"train": {"mode": args.mode}}
+    if args.validation_fraction:
+        loaders["train"].update(split="train", validation_fraction=args.validation_fraction)
+        loaders["validation"] = {"mode": "documents", "split": "validation",
+                                 "validation_fraction": args.validation_fraction}
+    for name, options in loaders.items():
+        path = newest[1] / state_file_name(name)
+        if path.exists():
+            loader = TokenLoader(data, args.seq_len, args.batch_size, seed=args.seed,
+                                 shuffle=args.shuffle, cache_dir=args.cache_dir, **options)
+            try:
+                loader.load_state_dict(json.loads(path.read_text()))
+            except RaypipeError as exc:
+                raise StateError(f"{path}: cannot resume this run: {exc}") from exc
+
+
+def newest_checkpoint(run: Path) -> tuple[int, Path] | None:
+    """(step, directory) of the newest checkpoint of a local run directory, or None."""
+    found = []
     for record in run.glob("checkpoint_*/trainer.json"):
         try:
-            steps.append(int(json.loads(record.read_text())["step"]))
+            found.append((int(json.loads(record.read_text())["step"]), record.parent))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return max(steps) if steps else None
+    return max(found) if found else None
+
+
+def last_checkpoint_step(run: Path) -> int | None:
+    """The step of the newest checkpoint of a local run directory (None: no checkpoint)."""
+    newest = newest_checkpoint(run)
+    return None if newest is None else newest[0]
 
 
 if __name__ == "__main__":

@@ -99,3 +99,28 @@ def test_record_len_and_its_older_name_set_the_llmbatch_record_length():
     convert = parser.parse_args(["convert", "a", "b", "--format", "llmbatch", "--record-len",
                                  "33", "--batch-size", "2"])
     assert convert.seq_len == 33
+
+
+def test_train_job_refuses_a_checkpoint_state_it_cannot_resume_before_ray_starts(
+        tmp_path, capsys, monkeypatch, token_dataset):
+    import json
+    import runpy
+
+    import raypipe.ray.session
+    from raypipe.loader import TokenLoader
+
+    def no_ray(*_: object) -> None:
+        raise AssertionError("Ray was started for a run that cannot resume")
+
+    monkeypatch.setattr(raypipe.ray.session, "ensure_ray", no_ray)
+    checkpoint = tmp_path / "runs" / "tiny" / "checkpoint_000001"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer.json").write_text('{"step": 4}')
+    state = TokenLoader(token_dataset, 128, 8).state_dict()
+    state["dataset"] = "0" * 16  # made for another dataset
+    (checkpoint / "raypipe_loader_state.train.json").write_text(json.dumps(state))
+    train = runpy.run_path("jobs/train.py")
+    code = train["main"](["--data", str(token_dataset), "--storage", str(tmp_path / "runs"),
+                          "--name", "tiny", "--max-steps", "60"])
+    error = capsys.readouterr().err
+    assert code == 2 and "cannot resume this run" in error and len(error.splitlines()) == 1
