@@ -124,3 +124,24 @@ def test_train_job_refuses_a_checkpoint_state_it_cannot_resume_before_ray_starts
                           "--name", "tiny", "--max-steps", "60"])
     error = capsys.readouterr().err
     assert code == 2 and "cannot resume this run" in error and len(error.splitlines()) == 1
+
+
+def test_on_a_terminal_progress_is_one_bar_redrawn_in_place(tmp_path):
+    import io
+
+    from raypipe.io.manifest import UnitRecord, WorkUnit
+    from raypipe.preprocess.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    units = [WorkUnit(f"u{i}.parquet", 0, 1, 10, f"u{i}") for i in range(4)]
+    screen = Terminal()
+    progress = Progress(units, stream=screen)
+    for unit in units:
+        progress.update(UnitRecord(unit=unit, fingerprint="f", rows=10, documents=10,
+                                   tokens=100, skipped={}, shards=()))
+    text = screen.getvalue()
+    assert text.count("\r") == 4 and text.endswith("\n") and text.count("\n") == 1
+    assert "[####################] raypipe: 4/4 units (100%)" in text

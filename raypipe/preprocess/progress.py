@@ -55,8 +55,10 @@ class Progress:
         line = (f"raypipe: {self.done_units}/{self.total_units} units ({share:.0%}), "
                 f"{self.tokens:,} tokens, {rate / 1e6:.2f} M tokens/s, elapsed "
                 f"{_clock(elapsed)}, ETA {_clock(eta)}")
-        if self.live:
-            self.stream.write("\r" + line + ("\n" if finished else ""))
+        if self.live:  # a bar, redrawn in place
+            filled = int(round(20 * share))
+            bar = "[" + "#" * filled + "." * (20 - filled) + "] "
+            self.stream.write("\r" + bar + line + ("\n" if finished else ""))
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
