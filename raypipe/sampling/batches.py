@@ -113,6 +113,9 @@ class TokenSource:
         self.document_ids = document_ids
         self.stream_starts: np.ndarray | None = None
         self.stream_offsets: np.ndarray | None = None
+        # out[:] = stream tokens [start, start + len(out)): the global stream unless a split
+        # restricts it (then its documents back to back); bound once, off the hot path
+        self.copy_span = self.copy_global
         self.token_offsets = np.concatenate([[0], np.cumsum(dataset.shard_token_counts)])
         self.document_offsets = np.concatenate([[0], np.cumsum(dataset.shard_document_counts)])
         eager = dataset.cache is None
@@ -142,6 +145,7 @@ class TokenSource:
         documents (their global first tokens and lengths); offsets then count in it."""
         self.stream_starts = document_starts.astype(np.int64)
         self.stream_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.copy_span = self.copy_split_span
 
     def to_global(self, offsets: np.ndarray) -> np.ndarray:
         """Stream offsets -> global token offsets (the identity without a split)."""
@@ -150,12 +154,9 @@ class TokenSource:
         document = np.searchsorted(self.stream_offsets, offsets, side="right") - 1
         return self.stream_starts[document] + offsets - self.stream_offsets[document]
 
-    def copy_span(self, start: int, out: np.ndarray) -> None:
-        """out[:] = stream tokens [start, start + len(out)): global tokens crossing shards,
-        or, over a split, the split's documents back to back."""
-        if self.stream_offsets is None:
-            self.copy_global(start, out)
-            return
+    def copy_split_span(self, start: int, out: np.ndarray) -> None:
+        """out[:] = tokens [start, start + len(out)) of the split's documents back to back."""
+        assert self.stream_offsets is not None and self.stream_starts is not None
         filled = 0
         document = int(np.searchsorted(self.stream_offsets, start, side="right")) - 1
         while filled < out.size:
