@@ -250,6 +250,13 @@ class MixtureSource:
     weight: float | None = None
 
 
+def spec_weights(spec: dict[str, MixtureSource]) -> dict[str, float] | None:
+    """The weights a mixture YAML gives (None: by tokens)."""
+    if next(iter(spec.values())).weight is None:
+        return None
+    return {name: float(source.weight or 0.0) for name, source in spec.items()}
+
+
 def is_mixture_spec(location: object) -> bool:
     return isinstance(location, str | Path) and str(location).endswith(MIXTURE_SUFFIXES)
 

@@ -34,7 +34,7 @@ from raypipe.errors import ConfigError, StateError
 from raypipe.loader.prefetch import HostRing, Prefetcher
 from raypipe.loader.state import MixtureState, SourcePosition
 from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
-from raypipe.sampling.mixture import allocate, spread
+from raypipe.sampling.mixture import allocate, mixture_weights, spread
 
 logger = logging.getLogger("raypipe")
 
@@ -94,16 +94,9 @@ class MixtureLoader:
                                   f"{other.sha256[:12]}) use different tokenizers")
 
     def _weights(self, weights: dict[str, float] | None) -> np.ndarray:
-        if weights is None:  # proportional to tokens
-            values = np.array([s.dataset.num_tokens for s in self.sources], dtype=np.float64)
-        else:
-            if sorted(weights) != self.names:
-                raise ConfigError(f"mixture weights name {sorted(weights)}, the sources are "
-                                  f"{self.names}")
-            values = np.array([float(weights[name]) for name in self.names])
-            if not np.all(np.isfinite(values)) or (values < 0).any() or values.sum() <= 0:
-                raise ConfigError(f"mixture weights {weights} must be >= 0 and not all 0")
-        return values / values.sum()
+        tokens = {name: source.dataset.num_tokens
+                  for name, source in zip(self.names, self.sources, strict=True)}
+        return mixture_weights(self.names, weights, tokens)
 
     @property
     def tokenizer(self) -> Any:

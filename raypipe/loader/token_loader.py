@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raypipe.config import is_mixture_spec, read_mixture
+from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import LLMBatchDataset, StreamWindow, TokenDataset
 from raypipe.errors import ConfigError, StateError
 from raypipe.io.cache import CacheStats, ShardCache
@@ -90,8 +90,7 @@ class TokenLoader:
             if not isinstance(path, dict):  # a mixture YAML: {name: {path, weight}}
                 spec = read_mixture(path)
                 path = {name: source.path for name, source in spec.items()}
-                if next(iter(spec.values())).weight is not None:
-                    kwargs.setdefault("weights", {n: s.weight for n, s in spec.items()})
+                kwargs.setdefault("weights", spec_weights(spec))
             return MixtureLoader(path, *args, **kwargs)
         return super().__new__(cls)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from raypipe.errors import ConfigError
+
 
 def allocate(weights: np.ndarray, consumed: np.ndarray, rows: int) -> np.ndarray:
     """Rows per source for the next step (largest remainder of what each source is owed)."""
@@ -38,3 +40,19 @@ def realized_shares(weights: np.ndarray, rows_per_step: int, steps: int) -> np.n
     for _ in range(steps):
         consumed += allocate(weights, consumed, rows_per_step)
     return consumed / consumed.sum()
+
+
+def mixture_weights(names: list[str], weights: dict[str, float] | None,
+                    tokens: dict[str, int]) -> np.ndarray:
+    """Normalized weights in `names` order: the ones given (every source named, >= 0, not all
+    0), else proportional to each source's tokens."""
+    if weights is None:
+        values = np.array([tokens[name] for name in names], dtype=np.float64)
+    else:
+        if sorted(weights) != sorted(names):
+            raise ConfigError(f"mixture weights name {sorted(weights)}, the sources are "
+                              f"{sorted(names)}")
+        values = np.array([float(weights[name]) for name in names])
+        if not np.all(np.isfinite(values)) or (values < 0).any() or values.sum() <= 0:
+            raise ConfigError(f"mixture weights {weights} must be >= 0 and not all 0")
+    return values / values.sum()

@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.config import is_mixture_spec, read_mixture
+from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.formats import FORMATS
 from raypipe.io.manifest import FormatSection, Manifest, as_store, read_manifest
 from raypipe.io.store import Store
 from raypipe.preprocess.job import packing_line
+from raypipe.sampling.mixture import mixture_weights
 
 
 def _decoder(manifest: Manifest, tokenizer: str | None) -> Any:
@@ -48,13 +49,11 @@ def inspect_mixture(spec_path: str, samples: int, tokenizer: str | None) -> str:
     spec = read_mixture(spec_path)
     names = sorted(spec)
     totals = {name: read_manifest(spec[name].path).totals.tokens for name in names}
-    given = {name: spec[name].weight for name in names}
-    raw = given if given[names[0]] is not None else totals
-    whole = sum(raw.values()) or 1
+    weights = mixture_weights(names, spec_weights(spec), totals)
     lines = [f"mixture {spec_path}", f"  {'source':<16}{'tokens':>16}{'weight':>10}"
              f"{'token share':>13}"]
-    for name in names:
-        lines.append(f"  {name:<16}{totals[name]:>16,}{raw[name] / whole:>10.4f}"
+    for name, weight in zip(names, weights.tolist(), strict=True):
+        lines.append(f"  {name:<16}{totals[name]:>16,}{weight:>10.4f}"
                      f"{totals[name] / max(sum(totals.values()), 1):>13.4f}")
     for name in names:
         lines += ["", f"== source {name}", inspect_output(spec[name].path, samples, tokenizer,

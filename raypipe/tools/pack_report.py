@@ -8,13 +8,12 @@ counted apart. Cost: one epoch plan (~1 us per document for bestfit).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-
-from raypipe.config import is_mixture_spec, read_mixture
+from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import TokenDataset
-from raypipe.sampling.mixture import realized_shares
-from raypipe.sampling.plans import ShardGroups, make_plan
+from raypipe.sampling.mixture import mixture_weights, realized_shares
+from raypipe.sampling.plans import Plan, ShardGroups, make_plan
 
 MIXTURE_STEPS = 1000
 MIXTURE_ROWS_PER_STEP = 8
@@ -27,37 +26,50 @@ def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", s
     """The report for `epochs` epochs from `epoch`, as printed text (a dataset on object
     storage: only its index files are fetched; a mixture YAML: each source's report, and the
     mixture's shares)."""
+    options = {"mode": mode, "seed": seed, "epoch": epoch, "epochs": epochs,
+               "block_documents": block_documents, "packing": packing, "shuffle": shuffle,
+               "group_shards": group_shards}
     if is_mixture_spec(dataset_path):
-        return mixture_report(str(dataset_path), seq_len, mode=mode, seed=seed, epoch=epoch,
-                              epochs=epochs, block_documents=block_documents,
-                              packing=packing, shuffle=shuffle, group_shards=group_shards)
+        return mixture_report(str(dataset_path), seq_len, options)
     dataset = TokenDataset(dataset_path, format_name)
-    groups = None if shuffle == "global" else ShardGroups.of(
-        dataset.shard_token_counts, dataset.shard_document_counts, group_shards)
+    return render(str(dataset_path), dataset, seq_len, epoch_plans(dataset, seq_len, options),
+                  options)
+
+
+def epoch_plans(dataset: TokenDataset, seq_len: int, options: dict[str, Any]
+                ) -> list[tuple[int, Plan]]:
+    """The loader's plan of each epoch the report covers."""
+    groups = None if options["shuffle"] == "global" else ShardGroups.of(
+        dataset.shard_token_counts, dataset.shard_document_counts, options["group_shards"])
+    return [(current, make_plan(options["mode"], dataset.num_tokens, dataset.document_lengths,
+                                seq_len, options["seed"], current, options["block_documents"],
+                                options["packing"], groups))
+            for current in range(options["epoch"], options["epoch"] + options["epochs"])]
+
+
+def render(where: str, dataset: TokenDataset, seq_len: int, plans: list[tuple[int, Plan]],
+           options: dict[str, Any]) -> str:
+    mode, packing = options["mode"], options["packing"]
     shape = f"{mode} ({packing})" if mode == "bestfit" else mode
-    lines = [f"packing report: {dataset_path}",
-             f"{shape} rows of {seq_len} + 1 tokens, {shuffle} shuffle, seed {seed}, "
-             f"epoch {epoch} ({dataset.num_documents:,} documents, format "
-             f"{dataset.format_name})"]
-    for current in range(epoch, epoch + epochs):
-        plan = make_plan(mode, dataset.num_tokens, dataset.document_lengths, seq_len, seed,
-                         current, block_documents, packing, groups)
-        if epochs > 1:
+    lines = [f"packing report: {where}",
+             f"{shape} rows of {seq_len} + 1 tokens, {options['shuffle']} shuffle, seed "
+             f"{options['seed']}, epoch {options['epoch']} ({dataset.num_documents:,} "
+             f"documents, format {dataset.format_name})"]
+    for current, plan in plans:
+        if len(plans) > 1:
             lines.append(f"-- epoch {current}")
         lines.append(plan.report().render())
     return "\n".join(lines)
 
 
-def mixture_report(spec_path: str, seq_len: int, **options: object) -> str:
+def mixture_report(spec_path: str, seq_len: int, options: dict[str, Any]) -> str:
     """Each source's report, then the mixture's shares: weights, the rows each source serves
     over 1,000 steps of 8 rows, and how many of its epochs those rows are."""
     spec = read_mixture(spec_path)
     names = sorted(spec)
     datasets = {name: TokenDataset(spec[name].path) for name in names}
-    tokens = np.array([datasets[name].num_tokens for name in names], dtype=np.float64)
-    given = [spec[name].weight for name in names]
-    weights = np.array(given, dtype=np.float64) if given[0] is not None else tokens
-    weights = weights / weights.sum()
+    tokens = {name: datasets[name].num_tokens for name in names}
+    weights = mixture_weights(names, spec_weights(spec), tokens)
     shares = realized_shares(weights, MIXTURE_ROWS_PER_STEP, MIXTURE_STEPS)
     rows = MIXTURE_STEPS * MIXTURE_ROWS_PER_STEP
     lines = [f"mixture {spec_path}: {len(names)} sources",
@@ -65,18 +77,11 @@ def mixture_report(spec_path: str, seq_len: int, **options: object) -> str:
              f"   (over {MIXTURE_STEPS:,} steps of {MIXTURE_ROWS_PER_STEP} rows)"]
     sections = []
     for index, name in enumerate(names):
-        report = pack_report(spec[name].path, seq_len, format_name=None, **options)
-        first = report.splitlines()
-        observations = _rows_per_epoch(first)
+        plans = epoch_plans(datasets[name], seq_len, options)
+        observations = plans[0][1].size
         epochs = shares[index] * rows / observations if observations else float("nan")
-        lines.append(f"{name:<16}{int(tokens[index]):>16,}{weights[index]:>10.4f}"
+        lines.append(f"{name:<16}{tokens[name]:>16,}{weights[index]:>10.4f}"
                      f"{shares[index]:>12.4f}{epochs:>10.2f}")
-        sections.append(f"== source {name} (weight {weights[index]:.4f})\n{report}")
+        sections.append(f"== source {name} (weight {weights[index]:.4f})\n"
+                        + render(spec[name].path, datasets[name], seq_len, plans, options))
     return "\n".join(lines + [""] + sections)
-
-
-def _rows_per_epoch(report_lines: list[str]) -> int:
-    for line in report_lines:
-        if line.startswith("rows "):
-            return int(line.split()[1].replace(",", ""))
-    return 0
