@@ -4,6 +4,7 @@ config changes, bad input, shard rolling, conservation."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pyarrow as pa
 import pytest
@@ -167,7 +168,7 @@ def test_the_same_job_spelled_another_way_is_a_no_op(tmp_path, corpus_dir, token
 
 
 def test_an_added_input_runs_alone_and_a_removed_one_is_refused_naming_it(
-        tmp_path, corpus_dir, tokenizer_path, corpus_texts):
+        tmp_path, corpus_dir, tokenizer_path, corpus_texts, caplog):
     corpus = corpus_dir  # this test's own copy
     first = run_job(config_for(corpus, tmp_path / "out", tokenizer_path))
     write_parquet(corpus / "part-9.parquet", corpus_texts[900:960])
@@ -176,7 +177,10 @@ def test_an_added_input_runs_alone_and_a_removed_one_is_refused_naming_it(
     (corpus / "part-0.parquet").unlink()
     with pytest.raises(ConfigError, match=r"1 input file\(s\) no longer given \(.*part-0"):
         run_job(config_for(corpus, tmp_path / "out", tokenizer_path))
-    rebuilt = run_job(config_for(corpus, tmp_path / "out", tokenizer_path, overwrite=True))
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        rebuilt = run_job(config_for(corpus, tmp_path / "out", tokenizer_path,
+                                     overwrite=True))
+    assert "--overwrite removed" in caplog.text and "1 input file(s)" in caplog.text
     manifest = read_manifest_json(tmp_path / "out")
     assert rebuilt.units_run == 0 and len(manifest["units"]) == rebuilt.units < grown.units
     assert not any("part-0" in unit["uri"] for unit in manifest["units"])

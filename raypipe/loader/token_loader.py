@@ -14,6 +14,7 @@ except the last (size mod G) positions of each epoch (drop-last; `packing_report
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from raypipe.sampling.plans import (
 )
 from raypipe.sampling.split import SPLITS, DocumentSplit
 
+logger = logging.getLogger("raypipe")
 DESCRIBE_STEPS = 64
 HANDOFF_CHUNK = 4  # at most this many batches per producer->trainer handoff
 HANDOFF_ELEMENTS = 1 << 20  # ... and only while a batch buffer is under 1 M elements
@@ -143,6 +145,10 @@ class TokenLoader:
             self.split = None if split == "all" else DocumentSplit.of(
                 split, validation_fraction, self.dataset.num_documents,
                 self.dataset.fingerprint)
+            if self.split is not None and self.rank == 0:
+                logger.info("%s: split %r holds %s of %s documents (validation_fraction %s)",
+                            self.dataset.root, split, f"{self.split.ids.size:,}",
+                            f"{self.dataset.num_documents:,}", validation_fraction)
             self.source = TokenSource(self.dataset, None if self.split is None
                                       else self.split.ids)
             if self.split is not None and mode == "windows":  # windows of the split's stream

@@ -12,6 +12,7 @@ between executors (serial here, a Ray actor pool in raypipe.ray).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from raypipe.preprocess.self_check import BackendChoice, choose_backend, sample_
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 
 JOB_PATH = f"{UNITS_DIR}/{JOB_RECORD}"
+logger = logging.getLogger("raypipe")
 UnitRunner = Callable[[list[WorkUnit], UnitSettings], Iterable[UnitRecord]]
 
 
@@ -200,7 +202,8 @@ def check_inputs(config: TokenizeConfig, output: Store, before: list[str] | None
 
 
 def remove_units_of(output: Store, inputs: set[str]) -> None:
-    """Delete the shard files and records of the units made from `inputs`."""
+    """Delete the shard files and records of the units made from `inputs` (logged)."""
+    removed = 0
     for name in output.list_files(UNITS_DIR):
         if name == JOB_PATH or not name.endswith(".json"):
             continue
@@ -212,6 +215,9 @@ def remove_units_of(output: Store, inputs: set[str]) -> None:
                 for entry in entries:
                     output.delete(entry.path)
         output.delete(name)
+        removed += 1
+    logger.warning("%s: --overwrite removed %d units of %d input file(s) no longer given",
+                   output, removed, len(inputs))
 
 
 def describe_difference(previous: dict[str, Any], current: dict[str, Any]) -> str:
@@ -258,8 +264,9 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
             pending.append(unit)
         else:
             records[unit.name] = record
-    writes_manifest = bool(pending) or not output.exists(MANIFEST_NAME) or [
-        summary.name for summary in read_manifest(output).units] != [u.name for u in units]
+    existing = read_manifest(output) if output.exists(MANIFEST_NAME) else None
+    writes_manifest = bool(pending) or existing is None or [
+        summary.name for summary in existing.units] != [u.name for u in units]
     choice = None
     if writes_manifest:
         settings, choice = with_backend(config, settings, pending[0] if pending else units[0]
@@ -280,7 +287,8 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
         if output.local:
             remove_stale_temps(output.root)  # left by workers killed mid-unit
     else:
-        manifest = read_manifest(output)
+        assert existing is not None
+        manifest = existing
     totals = manifest.totals
     return JobSummary(
         output=output.uri, units=len(units), units_run=len(pending), rows=totals.rows,
