@@ -113,6 +113,21 @@ def real_cluster():
     assert not [p for p in psutil.process_iter(["cmdline"]) if _belongs(p, port)]
 
 
+def submit_job(cluster: dict, working_dir: str, *entrypoint: str
+               ) -> subprocess.CompletedProcess:
+    """`ray job submit --working-dir DIR -- python ENTRYPOINT...` from the repository root,
+    retried while the job agent is still registering (a few seconds after `ray start`)."""
+    command = [str(RAY), "job", "submit", f"--address={cluster['dashboard']}",
+               "--working-dir", working_dir, "--", sys.executable, *entrypoint]
+    for _ in range(12):
+        submit = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                                env=cluster["env"], timeout=400)
+        if "No available agent" not in submit.stderr + submit.stdout:
+            break
+        time.sleep(5)
+    return submit
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, corpus_dir,
@@ -128,15 +143,7 @@ def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, co
         if status.stdout.count("node_") >= 2 or time.monotonic() > deadline:
             break
         time.sleep(1)
-    command = [str(RAY), "job", "submit", f"--address={real_cluster['dashboard']}",
-               "--working-dir", str(ROOT), "--", sys.executable, "jobs/tokenize.py",
-               "--config", str(config)]
-    for _ in range(12):  # the job agent registers a few seconds after `ray start` returns
-        submit = subprocess.run(command, capture_output=True, text=True,
-                                env=real_cluster["env"], timeout=400)
-        if "No available agent" not in submit.stderr + submit.stdout:
-            break
-        time.sleep(5)
+    submit = submit_job(real_cluster, str(ROOT), "jobs/tokenize.py", "--config", str(config))
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "succeeded" in submit.stdout
     assert "documents" in submit.stdout and "tokens/s" in submit.stdout
@@ -154,15 +161,8 @@ def test_the_readme_demo_job_submits_as_written(real_cluster):
     (with this environment's Python for `python`): it builds the demo corpus if missing and
     prints the absolute output path, which holds a verified dataset."""
     shutil.rmtree("/tmp/raypipe-demo/tokens", ignore_errors=True)
-    command = [str(RAY), "job", "submit", f"--address={real_cluster['dashboard']}",
-               "--working-dir", ".", "--", sys.executable, "jobs/tokenize.py", "--config",
-               "jobs/configs/demo.yaml"]
-    for _ in range(12):  # the job agent registers a few seconds after `ray start` returns
-        submit = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
-                                env=real_cluster["env"], timeout=400)
-        if "No available agent" not in submit.stderr + submit.stdout:
-            break
-        time.sleep(5)
+    submit = submit_job(real_cluster, ".", "jobs/tokenize.py", "--config",
+                        "jobs/configs/demo.yaml")
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "raypipe tokenize -> /tmp/raypipe-demo/tokens" in submit.stdout
     verify_dataset("/tmp/raypipe-demo/tokens")
