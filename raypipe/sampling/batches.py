@@ -73,33 +73,30 @@ class BatchPlan:
     rows: list[Any]
 
 
-class ShardArrays:
-    """`arrays[shard]`: one array of each shard's reader, opened on first use. A local
-    dataset's arrays are all taken up front (every shard checked before the first batch).
-    On object storage a shard opens through the dataset (fetched into the cache on first
-    use); its array is then kept until the dataset closes any shard, which drops them all
-    (so no closed shard stays mapped). Cost of an access: one dict lookup."""
+def shard_array(dataset: TokenDataset, shard: int, attribute: str) -> np.ndarray:
+    """One array of a shard's reader as a plain ndarray view (slicing a np.memmap subclass
+    costs ~1 us more per slice)."""
+    return np.asarray(getattr(dataset.reader(shard), attribute)).view(np.ndarray)
 
-    def __init__(self, dataset: TokenDataset, attribute: str, eager: bool):
+
+class ShardArrays:
+    """`arrays[shard]` over object storage: a shard opens through the dataset (fetched into
+    the cache on first use); its array is then kept until the dataset closes any shard,
+    which drops them all (so no closed shard stays mapped). Cost of an access: one method
+    call and one dict lookup (a local dataset uses a plain list instead)."""
+
+    def __init__(self, dataset: TokenDataset, attribute: str):
         self.dataset, self.attribute = dataset, attribute
-        self.arrays = [self._of(i) for i in range(dataset.num_shards)] if eager else None
         self.views: dict[int, np.ndarray] = {}
         self.seen_closes = 0
 
-    def _of(self, shard: int) -> np.ndarray:
-        array = getattr(self.dataset.reader(shard), self.attribute)
-        # plain ndarray views: slicing a np.memmap subclass costs ~1 us more per slice
-        return np.asarray(array).view(np.ndarray)
-
     def __getitem__(self, shard: int) -> np.ndarray:
-        if self.arrays is not None:
-            return self.arrays[shard]
         if self.seen_closes != self.dataset.closes:
             self.views.clear()
             self.seen_closes = self.dataset.closes
         view = self.views.get(shard)
         if view is None:
-            view = self.views[shard] = self._of(shard)
+            view = self.views[shard] = shard_array(self.dataset, shard, self.attribute)
         return view
 
 
@@ -118,9 +115,15 @@ class TokenSource:
         self.copy_span = self.copy_global
         self.token_offsets = np.concatenate([[0], np.cumsum(dataset.shard_token_counts)])
         self.document_offsets = np.concatenate([[0], np.cumsum(dataset.shard_document_counts)])
-        eager = dataset.cache is None
-        self.tokens = ShardArrays(dataset, "tokens", eager)
-        self.document_starts = ShardArrays(dataset, "document_starts", eager)
+        self.tokens: list[np.ndarray] | ShardArrays
+        self.document_starts: list[np.ndarray] | ShardArrays
+        if dataset.cache is None:  # local: every shard opened (and checked) up front
+            shards = range(dataset.num_shards)
+            self.tokens = [shard_array(dataset, i, "tokens") for i in shards]
+            self.document_starts = [shard_array(dataset, i, "document_starts") for i in shards]
+        else:
+            self.tokens = ShardArrays(dataset, "tokens")
+            self.document_starts = ShardArrays(dataset, "document_starts")
 
     def shards_of_tokens(self, starts: np.ndarray, length: int) -> np.ndarray:
         """The shards that stream spans [start, start + length) start and end in."""
