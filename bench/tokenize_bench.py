@@ -8,9 +8,10 @@ the tokenizer is GPT-2's (bench/gpt2_tokenizer.py) or the shipped 8k BPE; BOS of
 Megatron output. Contenders run alternated --repeats times; the best of each is printed:
 - ceiling, per backend: two plain processes, one encoder thread each, each encoding half of
   the texts (already in memory) with the call raypipe makes and writing the same bytes;
-- raypipe, per backend, end to end in a fresh process: `ray.init` (2 CPUs, loopback) + the job
-  (plan, self-check, read parquet, encode, write, manifest; ~32 work units) + shutdown; also
-  its steady state (first unit started to last committed);
+- raypipe, per backend, end to end in a fresh process, as `raypipe tokenize` runs: the job
+  starts a local Ray (2 CPUs, loopback, self-check meanwhile), plans, reads parquet,
+  encodes, writes, commits the manifest (~32 work units), then Ray shuts down; also its
+  steady state (first unit started to last committed);
 - datatrove (if installed: `pip install datatrove`), end to end in a fresh process:
   ParquetReader -> DocumentTokenizer (the same tokenizer.json through `tokenizers`, EOS,
   no shuffle), 16 tasks on 2 workers.
@@ -87,9 +88,6 @@ RAYPIPE_JOB = """
 import json, sys, time
 began = time.perf_counter()
 import ray
-ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
-         log_to_driver=False)
-started = time.perf_counter()
 from raypipe.config import load_config
 from raypipe.ray.executor import run_tokenize
 corpus, output, tokenizer, backend, batch, unit_bytes = sys.argv[1:7]
@@ -97,9 +95,9 @@ config = load_config(None, inputs=[corpus], output=output, tokenizer=tokenizer,
                      formats=["megatron"], num_workers=2, encode_batch_rows=int(batch),
                      unit_bytes=int(unit_bytes), bos=False, eos=True,
                      tokenizer_backend=backend)
-summary = run_tokenize(config)
+summary = run_tokenize(config)  # starts a local Ray (2 CPUs), as `raypipe tokenize` does
 ray.shutdown()
-print(json.dumps({"wall": time.perf_counter() - began, "ray_start": started - began,
+print(json.dumps({"wall": time.perf_counter() - began, "ray_start": summary.startup_seconds,
                   "tokens": summary.tokens_run, "steady": summary.steady_seconds,
                   "backend": summary.backend, "rss": summary.peak_rss_bytes}))
 """

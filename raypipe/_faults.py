@@ -1,16 +1,17 @@
 """Test-only fault injection: crash, kill, pause or fail with ENOSPC at named points.
 
-Invariant: a fault is configured only through the environment variable RAYPIPE_TEST_FAULT
-(a JSON object; tests set it, normal use never does, and no config or manifest carries it);
-without it every `point()` call is one environment lookup and nothing else. A fault fires at most
-once per marker file, in whichever process reaches its point first (a Ray actor, or the
-driver), so a retried unit or a rerun proceeds. Points: `unit.rows` (after `after_rows`
-rows of a unit), `shard.commit` (before a shard's files are renamed), `megatron.after_bin`
-(.bin renamed, .idx not), `megatron.mid_index` (half the .idx temp written),
-`unit.before_record` (shards committed, record not), `manifest.before_rename`,
-`manifest.after_rename`, `write` (any shard write: ENOSPC).
-Actions: `kill` (SIGKILL this process), `exit` (os._exit, no cleanup), `raise`,
-`enospc` (OSError 28), `pause` (write this pid to the marker and sleep: the test kills it).
+Invariant: a fault is configured only through the environment variable RAYPIPE_TEST_FAULT (a
+JSON object; tests set it, normal use never does, and no config or manifest carries it);
+without it every `point()` call is one environment lookup and nothing else. A fault fires at
+most once per marker file, in whichever process reaches its point first (a Ray actor, or the
+driver), so a retried unit or a rerun proceeds; with `"always": true` it fires every time (a
+unit that kills every worker it runs on), appending each pid to the marker. Points:
+`unit.rows` (after `after_rows` rows of a unit), `shard.commit` (before a shard's files are
+renamed), `megatron.after_bin` (.bin renamed, .idx not), `megatron.mid_index` (half the .idx
+temp written), `unit.before_record` (shards committed, record not),
+`manifest.before_rename`, `manifest.after_rename`, `write` (any shard write: ENOSPC).
+Actions: `kill` (SIGKILL this process), `exit` (os._exit, no cleanup), `raise`, `enospc`
+(OSError 28), `pause` (write this pid to the marker and sleep: the test kills it).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def point(name: str, unit: str = "", rows: int = 0, path: object = None) -> None
         return
     marker = Path(spec["marker"])
     try:
-        with open(marker, "x") as handle:  # exactly once across processes
-            handle.write(str(os.getpid()))
+        with open(marker, "a" if spec.get("always") else "x") as handle:  # always, or once
+            handle.write(f"{os.getpid()}\n" if spec.get("always") else str(os.getpid()))
     except FileExistsError:
         return
     _act(spec.get("action", "raise"), name, path)

@@ -102,7 +102,8 @@ class TokenizeConfig:
                      "the shards are the same bytes either way")
     encode_batch_rows: int = option(1024, help="rows per tokenizer call (bounds worker "
                                                "memory)")
-    num_workers: int | None = option(None, help="tokenizer actors (default: all CPUs)")
+    num_workers: int | None = option(None, help="tokenizer actors (default: all CPUs); "
+                                     "also the CPUs of a local Ray raypipe starts")
     address: str | None = option(None, help="Ray cluster address (default: RAY_ADDRESS or "
                                             "a local Ray)")
     overwrite: bool = option(False, help="replace an output made with a different config")

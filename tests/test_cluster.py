@@ -8,6 +8,7 @@ talk over that address; nothing leaves the machine. Other Ray tests run on loopb
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -67,6 +68,15 @@ def cluster_env() -> dict[str, str]:
     return env
 
 
+def agent_ports() -> list[str]:
+    """Free ports for a node's agents: on the defaults (52365, ...) they would collide with
+    another Ray on this machine (the tests' shared session, or agents of a cluster stopped
+    less than a minute ago), and `ray job submit` then finds "No available agent"."""
+    return [f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
+
+
 def _belongs(process: psutil.Process, port: int) -> bool:
     cmdline = " ".join(process.info["cmdline"] or [])
     return f":{port}" in cmdline or f"--gcs_server_port={port}" in cmdline
@@ -84,8 +94,12 @@ def stop_processes_of(port: int) -> None:
     """Kill the processes of the cluster whose GCS listens on `port`, leaving any other Ray
     session on this machine alone (`ray stop` would stop them all)."""
     victims = [p for p in psutil.process_iter(["cmdline"]) if _belongs(p, port)]
+    for process in list(victims):  # and their children: agents rename their command line
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victims += process.children(recursive=True)
     for process in victims:
-        process.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
     psutil.wait_procs(victims, timeout=20)
 
 
@@ -97,9 +111,10 @@ def real_cluster():
     env = cluster_env()
     head = [str(RAY), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-            "--include-dashboard=true", "--num-cpus=1", "--disable-usage-stats"]
+            "--include-dashboard=true", "--num-cpus=1", "--disable-usage-stats",
+            *agent_ports()]
     worker = [str(RAY), "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
-              "--num-cpus=1"]
+              "--num-cpus=1", *agent_ports()]
     try:
         started = subprocess.run(head, check=True, env=env, capture_output=True, text=True,
                                  timeout=120)

@@ -206,3 +206,35 @@ def test_an_output_of_the_previous_release_is_still_recognized(tmp_path, corpus_
 
 def read_manifest_json(output):
     return json.loads((output / "manifest.json").read_text())
+
+
+def test_a_runner_connects_while_the_encoder_self_checks(tmp_path, corpus_dir, tokenizer_path,
+                                                         monkeypatch):
+    """The self-check (~1 s) runs on a thread while the runner connects (a local Ray starts
+    in 3-4 s): it waits here until `connect` has begun, which a sequential job never does."""
+    import threading
+
+    from raypipe.preprocess import job
+    from raypipe.preprocess.job import serial_runner
+
+    connecting = threading.Event()
+    overlapped = []
+    real_with_backend = job.with_backend
+
+    def with_backend(*args):
+        overlapped.append(connecting.wait(timeout=20))
+        return real_with_backend(*args)
+
+    class ConnectingRunner:
+        def connect(self):
+            connecting.set()
+
+        def __call__(self, units, settings):
+            return serial_runner(units, settings)
+
+    monkeypatch.setattr(job, "with_backend", with_backend)
+    summary = run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path),
+                      ConnectingRunner())
+    assert overlapped == [True]
+    assert summary.units_run == summary.units and summary.backend == "tiktoken"
+    assert shard_files(tmp_path / "out")

@@ -19,6 +19,7 @@ from raypipe import _faults as faults
 from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
 from raypipe.errors import FormatError, InputError, StorageError
+from raypipe.preprocess.inputs import plan_units
 from raypipe.preprocess.job import run_job
 from raypipe.tools.verify import verify_dataset
 from tests.conftest import write_parquet
@@ -96,6 +97,35 @@ def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus
     figure(f"worker killed ({point}, {action})",
            f"pid {marker.read_text()} died; job finished {summary.units} units in "
            f"{time.perf_counter() - began:.1f} s, output byte-identical, 0 temp files")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_unit_that_kills_every_worker_fails_naming_its_file_and_keeps_the_rest(
+        ray_session, tmp_path, corpus_dir, tokenizer_path, clean_run, figure, monkeypatch):
+    from raypipe.ray.executor import UNIT_RETRIES, run_tokenize
+
+    output = tmp_path / "out"
+    config = config_for(corpus_dir, output, tokenizer_path, num_workers=2)
+    unit = next(u for u in plan_units(config.inputs, "text", 1) if "part-1" in u.name)
+    fault = {"point": "unit.rows", "unit": unit.name, "action": "kill", "always": True,
+             "marker": str(tmp_path / "fault"), "after_rows": 60}
+    monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, json.dumps(fault))
+    with pytest.raises(InputError) as info:
+        run_tokenize(config)
+    message = str(info.value)
+    assert message.startswith(f"{unit.uri}: row groups {unit.row_group_start}..")
+    assert f"died {UNIT_RETRIES + 1} times" in message
+    killed = set((tmp_path / "fault").read_text().split())
+    assert len(killed) == UNIT_RETRIES + 1  # each run of the unit killed a worker process
+    monkeypatch.delenv(faults.ENVIRONMENT_VARIABLE)
+    assert_visible_files_are_clean(output, clean_run)
+    committed = len(list((output / "_units").glob("part-*.json")))
+    summary = run_tokenize(config_for(corpus_dir, output, tokenizer_path, num_workers=2))
+    assert summary.units_run == summary.units - committed
+    assert shard_files(output) == clean_run
+    figure("a unit that kills every worker", f"{message[:160]}...; {committed} units kept, "
+           f"rerun ran {summary.units_run}")
 
 
 def test_killed_driver_rerun_keeps_committed_shards(tmp_path, corpus_dir, tokenizer_path,

@@ -6,15 +6,15 @@ EOS appended per the policy, as one flat uint32 array plus per-document lengths,
 backend encodes: `tokenizers` itself, or tiktoken over the converted vocabulary
 (raypipe.preprocess.tiktoken_backend, chosen per job by raypipe.preprocess.self_check).
 Cost: one `encode_batch_fast` call per batch (no offsets; about 2x cheaper than
-`encode_batch`), or one tiktoken call per text, plus an O(tokens) numpy flatten (and rank ->
-id table lookup), ~1% of the encode time on 2 cores.
+`encode_batch`), or one tiktoken call per text (into a uint32 buffer), plus an O(tokens) numpy
+flatten (and rank -> id table lookup), ~1% of the encode time on 2 cores.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import chain
 from pathlib import Path
 
@@ -94,15 +94,25 @@ def ids_of(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
 
-def flatten_documents(ids: list[list[int]], bos_id: int | None, eos_id: int | None,
+def concatenated(ids: Sequence[Sequence[int]] | Sequence[np.ndarray]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-document ids (lists from `tokenizers`, uint32 arrays from tiktoken) -> (flat uint32
+    content, int64 lengths)."""
+    count = len(ids)
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=count)
+    if count and isinstance(ids[0], np.ndarray):
+        return np.concatenate(ids).astype(np.uint32, copy=False), lengths
+    return (np.fromiter(chain.from_iterable(ids), dtype=np.uint32, count=int(lengths.sum())),
+            lengths)
+
+
+def flatten_documents(ids: Sequence[Sequence[int]] | Sequence[np.ndarray], bos_id: int | None,
+                      eos_id: int | None,
                       translate: Callable[[np.ndarray], np.ndarray] | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-document id lists -> (flat uint32 tokens with BOS/EOS, int64 document lengths);
+    """Per-document ids -> (flat uint32 tokens with BOS/EOS, int64 document lengths);
     `translate` maps the flat content first (tiktoken ranks -> the tokenizer's ids)."""
-    count = len(ids)
-    content_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=count)
-    content = np.fromiter(chain.from_iterable(ids), dtype=np.uint32,
-                          count=int(content_lengths.sum()))
+    content, content_lengths = concatenated(ids)
     if translate is not None:
         content = translate(content)
     extra = int(bos_id is not None) + int(eos_id is not None)
@@ -111,7 +121,7 @@ def flatten_documents(ids: list[list[int]], bos_id: int | None, eos_id: int | No
     lengths = content_lengths + extra
     ends = np.cumsum(lengths)
     starts = ends - lengths
-    tokens = np.empty(int(ends[-1]) if count else 0, dtype=np.uint32)
+    tokens = np.empty(int(ends[-1]) if len(ids) else 0, dtype=np.uint32)
     shift = np.repeat(starts + int(bos_id is not None), content_lengths)
     within = np.arange(content.size, dtype=np.int64) - np.repeat(
         np.cumsum(content_lengths) - content_lengths, content_lengths)

@@ -6,7 +6,8 @@ per output), (4) refuses an output made with a different output-shaping config u
 `overwrite`, (5) runs only units without a valid commit record (same fingerprint, same
 input identity, files intact), (6) writes `manifest.json` last. Rerunning a finished job
 launches nothing and rewrites nothing. The unit runner is the only part that differs
-between executors (serial here, a Ray actor pool in raypipe.ray).
+between executors (serial here, Ray actors in raypipe.ray); a runner with a `connect()`
+method (Ray's) connects while the driver self-checks the encoder.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +53,7 @@ from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 
 JOB_PATH = f"{UNITS_DIR}/{JOB_RECORD}"
 logger = logging.getLogger("raypipe")
+# units -> their records; may also have `connect()`, called while the encoder self-checks
 UnitRunner = Callable[[list[WorkUnit], UnitSettings], Iterable[UnitRecord]]
 
 
@@ -145,6 +148,21 @@ def with_backend(config: TokenizeConfig, settings: UnitSettings,
                             config.special_tokens_in_text, sample)
     info = dataclasses.replace(settings.tokenizer, backend=choice.backend)
     return dataclasses.replace(settings, tokenizer=info), choice
+
+
+def checked_while_connecting(config: TokenizeConfig, settings: UnitSettings,
+                             unit: WorkUnit | None, runner: UnitRunner | None
+                             ) -> tuple[UnitSettings, BackendChoice]:
+    """`with_backend` (the encoder's self-check, ~1 s) on a thread while the runner connects
+    to what it runs on on this one (a Ray runner starting a local Ray: 3-4 s), so the
+    self-check costs no wall time."""
+    connect = getattr(runner, "connect", None)
+    if connect is None:
+        return with_backend(config, settings, unit)
+    with ThreadPoolExecutor(1, thread_name_prefix="raypipe-self-check") as pool:
+        checking = pool.submit(with_backend, config, settings, unit)
+        connect()
+        return checking.result()
 
 
 def serial_runner(units: list[WorkUnit], settings: UnitSettings) -> Iterable[UnitRecord]:
@@ -269,8 +287,9 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
         summary.name for summary in existing.units] != [u.name for u in units]
     choice = None
     if writes_manifest:
-        settings, choice = with_backend(config, settings, pending[0] if pending else units[0]
-                                        if units else None)
+        settings, choice = checked_while_connecting(
+            config, settings, pending[0] if pending else units[0] if units else None,
+            runner if pending else None)
     run_started = time.perf_counter()
     fresh = []
     progress = Progress(pending, progress_every)

@@ -172,30 +172,49 @@ def encoding_for(tokenizer: Any, sha256: str) -> tuple[Any, Conversion]:
     """The tiktoken Encoding of a `tokenizers` Tokenizer and its conversion, built once per
     tokenizer fingerprint in this process."""
     if sha256 not in _CONVERSIONS:
-        import tiktoken
-
-        conversion = convert(json.loads(tokenizer.to_str()))
-        encoding = tiktoken.Encoding(f"raypipe-{sha256[:12]}", pat_str=conversion.pattern,
-                                     mergeable_ranks=conversion.ranks,
-                                     special_tokens=conversion.special_ranks)
-        _CONVERSIONS[sha256] = (encoding, conversion)
+        adopt(sha256, convert(json.loads(tokenizer.to_str())))
     return _CONVERSIONS[sha256]
 
 
+def converted(sha256: str) -> Conversion | None:
+    """This process's conversion of the tokenizer with this fingerprint, if it made one."""
+    known = _CONVERSIONS.get(sha256)
+    return known[1] if known is not None else None
+
+
+def adopt(sha256: str, conversion: Conversion) -> None:
+    """Use `conversion` (made by another process, e.g. the job's driver: converting a 50k
+    vocabulary costs a worker 0.3 s) for the tokenizer with this fingerprint."""
+    import tiktoken
+
+    encoding = tiktoken.Encoding(f"raypipe-{sha256[:12]}", pat_str=conversion.pattern,
+                                 mergeable_ranks=conversion.ranks,
+                                 special_tokens=conversion.special_ranks)
+    _CONVERSIONS[sha256] = (encoding, conversion)
+
+
 class TiktokenIds:
-    """Texts -> tiktoken ranks per text under one special-token policy (`text`:
-    `encode_ordinary`, literals are plain text; `special`: literals become special tokens);
-    `translate` turns flat ranks into the tokenizer's ids."""
+    """Texts -> tiktoken ranks per text under one special-token policy (`text`: special-token
+    literals are plain text, as `encode_ordinary`; `special`: they become special tokens);
+    `translate` turns flat ranks into the tokenizer's ids. Each text's ranks come back as a
+    uint32 array straight from tiktoken's buffer (`encode_to_numpy`: no Python list of ints,
+    measured ~10% faster end to end than `encode_ordinary` + flatten)."""
 
     def __init__(self, tokenizer: Any, sha256: str, special_tokens_in_text: str):
         self.encoding, conversion = encoding_for(tokenizer, sha256)
-        self.specials = special_tokens_in_text == "special"
+        self.allowed: Any = "all" if special_tokens_in_text == "special" else frozenset()
         self.rank_to_id = None if conversion.identity else conversion.rank_to_id
 
-    def __call__(self, texts: list[str]) -> list[list[int]]:
-        if self.specials:
-            return [self.encoding.encode(text, allowed_special="all") for text in texts]
-        return [self.encoding.encode_ordinary(text) for text in texts]
+    def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.ranks(text) for text in texts]
+
+    def ranks(self, text: str) -> np.ndarray:
+        try:
+            return self.encoding.encode_to_numpy(text, allowed_special=self.allowed,
+                                                 disallowed_special=())
+        except UnicodeEncodeError:  # lone surrogates: tiktoken's own list path repairs them
+            return np.array(self.encoding.encode(text, allowed_special=self.allowed,
+                                                 disallowed_special=()), dtype=np.uint32)
 
     def translate(self, ranks: np.ndarray) -> np.ndarray:
         """Flat ranks -> the tokenizer's ids (uint32)."""
