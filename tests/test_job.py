@@ -238,3 +238,35 @@ def test_a_runner_connects_while_the_encoder_self_checks(tmp_path, corpus_dir, t
     assert overlapped == [True]
     assert summary.units_run == summary.units and summary.backend == "tiktoken"
     assert shard_files(tmp_path / "out")
+
+
+def test_the_driver_tokenizes_units_while_the_runner_connects(tmp_path, corpus_dir,
+                                                              tokenizer_path):
+    """While `connect` runs (Ray starting), the driver takes units from the front of the
+    queue; the runner gets only the rest, and the output equals a serial run's."""
+    import time
+
+    from raypipe.preprocess.job import serial_runner
+
+    output = tmp_path / "out"
+
+    class SlowConnectingRunner:
+        given: list = []
+
+        def connect(self):  # returns once the driver has committed a unit (or after 30 s)
+            deadline = time.monotonic() + 30
+            while not list((output / "_units").glob("part-*.json")):
+                assert time.monotonic() < deadline, "the driver tokenized nothing meanwhile"
+                time.sleep(0.01)
+
+        def __call__(self, units, settings):
+            self.given = list(units)
+            return serial_runner(units, settings)
+
+    runner = SlowConnectingRunner()
+    summary = run_job(config_for(corpus_dir, output, tokenizer_path, unit_bytes=1), runner)
+    assert 1 <= summary.units_on_driver < summary.units == summary.units_run
+    assert len(runner.given) == summary.units - summary.units_on_driver
+    assert "on the driver while Ray started" in summary.render()
+    run_job(config_for(corpus_dir, tmp_path / "serial", tokenizer_path, unit_bytes=1))
+    assert shard_files(output) == shard_files(tmp_path / "serial")

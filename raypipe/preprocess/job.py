@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +83,7 @@ class JobSummary:
     special_policy: str = "text"
     backend: str = "tokenizers"
     backend_reason: str = ""
+    units_on_driver: int = 0  # run by the driver while the runner connected (Ray starting)
 
     @property
     def tokens_per_second(self) -> float:
@@ -94,8 +97,10 @@ class JobSummary:
         skipped = ", ".join(f"{k}={v}" for k, v in self.skipped.items()) or "none"
         return "\n".join([
             f"raypipe tokenize -> {self.output}",
-            f"  units      {self.units} ({self.units_run} run, "
-            f"{self.units - self.units_run} already committed)",
+            f"  units      {self.units} ({self.units_run} run"
+            + (f", {self.units_on_driver} of them on the driver while Ray started"
+               if self.units_on_driver else "")
+            + f", {self.units - self.units_run} already committed)",
             f"  rows       {self.rows:,}",
             f"  documents  {self.documents:,}",
             f"  skipped    {skipped}",
@@ -150,19 +155,81 @@ def with_backend(config: TokenizeConfig, settings: UnitSettings,
     return dataclasses.replace(settings, tokenizer=info), choice
 
 
-def checked_while_connecting(config: TokenizeConfig, settings: UnitSettings,
-                             unit: WorkUnit | None, runner: UnitRunner | None
-                             ) -> tuple[UnitSettings, BackendChoice]:
-    """`with_backend` (the encoder's self-check, ~1 s) on a thread while the runner connects
-    to what it runs on on this one (a Ray runner starting a local Ray: 3-4 s), so the
-    self-check costs no wall time."""
+class HeadStart:
+    """The front of a job's unit queue, which the driver takes units from while the runner
+    connects; closed (under the same lock) before the runner gets the rest."""
+
+    def __init__(self, queue: deque[WorkUnit]):
+        self.queue = queue
+        self.lock = threading.Lock()
+        self.open = True
+
+    def take(self) -> WorkUnit | None:
+        with self.lock:
+            return self.queue.popleft() if self.open and self.queue else None
+
+    def close(self) -> None:
+        with self.lock:
+            self.open = False
+
+    def tokenize(self, settings: UnitSettings) -> list[UnitRecord]:
+        records: list[UnitRecord] = []
+        encoder = None
+        while (unit := self.take()) is not None:
+            encoder = encoder or make_encoder(settings)
+            records.append(tokenize_unit(unit, settings, encoder))
+        return records
+
+
+@dataclass
+class Start:
+    """How a job's run began: the settings with the backend its self-check chose, and the
+    records of the units the driver tokenizes itself while the runner connects."""
+
+    settings: UnitSettings
+    choice: BackendChoice
+    head_start: Future[list[UnitRecord]] | None = None
+
+
+def start_run(config: TokenizeConfig, settings: UnitSettings, unit: WorkUnit | None,
+              runner: UnitRunner | None, queue: deque[WorkUnit]) -> Start:
+    """The encoder's self-check (~1 s) on a thread, while the runner connects to what it
+    runs on (`runner.connect()`, if it has one: a local Ray starts in 3-4 s) on this one;
+    then, on that thread until the runner has connected, the driver tokenizes units from
+    the front of `queue` itself (Ray's start leaves about a core-second of CPU idle on 2
+    cores). Returns once the check is done and the runner connected; the driver's last unit
+    may still be running. Without `connect`: the self-check alone."""
     connect = getattr(runner, "connect", None)
     if connect is None:
-        return with_backend(config, settings, unit)
-    with ThreadPoolExecutor(1, thread_name_prefix="raypipe-self-check") as pool:
-        checking = pool.submit(with_backend, config, settings, unit)
+        return Start(*with_backend(config, settings, unit))
+    checked: Future[tuple[UnitSettings, BackendChoice]] = Future()
+    head = HeadStart(queue)
+
+    def check_then_tokenize() -> list[UnitRecord]:
+        try:
+            checked.set_result(with_backend(config, settings, unit))
+        except BaseException as exc:
+            checked.set_exception(exc)
+            raise
+        return head.tokenize(checked.result()[0])
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="raypipe-head-start")
+    head_start = pool.submit(check_then_tokenize)
+    pool.shutdown(wait=False)
+    try:
         connect()
-        return checking.result()
+    finally:
+        head.close()
+    return Start(*checked.result(), head_start=head_start)
+
+
+def records_of(runner: UnitRunner, units: list[WorkUnit], settings: UnitSettings,
+               head_start: Future[list[UnitRecord]] | None) -> Iterator[UnitRecord]:
+    """The runner's records as they come, then those of the driver's head start."""
+    if units:
+        yield from runner(units, settings)
+    if head_start is not None:
+        yield from head_start.result()
 
 
 def serial_runner(units: list[WorkUnit], settings: UnitSettings) -> Iterable[UnitRecord]:
@@ -285,17 +352,18 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
     existing = read_manifest(output) if output.exists(MANIFEST_NAME) else None
     writes_manifest = bool(pending) or existing is None or [
         summary.name for summary in existing.units] != [u.name for u in units]
-    choice = None
+    choice, queue, head_start = None, deque(pending), None
     if writes_manifest:
-        settings, choice = checked_while_connecting(
-            config, settings, pending[0] if pending else units[0] if units else None,
-            runner if pending else None)
+        start = start_run(config, settings, pending[0] if pending else units[0] if units
+                          else None, runner if pending else None, queue)
+        settings, choice, head_start = start.settings, start.choice, start.head_start
     run_started = time.perf_counter()
     fresh = []
     progress = Progress(pending, progress_every)
-    for record in runner(pending, settings) if pending else ():
+    for record in records_of(runner, list(queue), settings, head_start):
         fresh.append(record)
         progress.update(record)
+    on_driver = head_start.result() if head_start is not None else []
     run_seconds = time.perf_counter() - run_started
     records.update({r.unit.name: r for r in fresh})
     manifest = build_manifest(config, settings, [records[unit.name] for unit in units])
@@ -322,7 +390,8 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
         special_literals=totals.special_literals,
         special_policy=config.special_tokens_in_text,
         backend=manifest.tokenizer.backend,
-        backend_reason=choice.reason if choice is not None else "recorded in the manifest")
+        backend_reason=choice.reason if choice is not None else "recorded in the manifest",
+        units_on_driver=len(on_driver))
 
 
 def add_batch_formats(config: TokenizeConfig, output: Store, manifest: Manifest) -> Manifest:
