@@ -246,7 +246,7 @@ def test_the_driver_tokenizes_units_while_the_runner_connects(tmp_path, corpus_d
     queue; the runner gets only the rest, and the output equals a serial run's."""
     import time
 
-    from raypipe.preprocess.job import serial_runner
+    from raypipe.preprocess.job import serial_runner, steady_seconds
 
     output = tmp_path / "out"
 
@@ -261,12 +261,15 @@ def test_the_driver_tokenizes_units_while_the_runner_connects(tmp_path, corpus_d
 
         def __call__(self, units, settings):
             self.given = list(units)
-            return serial_runner(units, settings)
+            self.records = list(serial_runner(units, settings))
+            return self.records
 
     runner = SlowConnectingRunner()
     summary = run_job(config_for(corpus_dir, output, tokenizer_path, unit_bytes=1), runner)
     assert 1 <= summary.units_on_driver < summary.units == summary.units_run
     assert len(runner.given) == summary.units - summary.units_on_driver
     assert "on the driver while Ray started" in summary.render()
+    # worker figures come from the runner's units alone (the driver's start before Ray)
+    assert summary.steady_seconds == steady_seconds(runner.records)
     run_job(config_for(corpus_dir, tmp_path / "serial", tokenizer_path, unit_bytes=1))
     assert shard_files(output) == shard_files(tmp_path / "serial")

@@ -364,6 +364,9 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
         fresh.append(record)
         progress.update(record)
     on_driver = head_start.result() if head_start is not None else []
+    # the workers' figures: the driver's RSS holds Ray's, and its units start before them
+    driver_ids = {id(record) for record in on_driver}
+    on_workers = [r for r in fresh if id(r) not in driver_ids] or fresh
     run_seconds = time.perf_counter() - run_started
     records.update({r.unit.name: r for r in fresh})
     manifest = build_manifest(config, settings, [records[unit.name] for unit in units])
@@ -383,8 +386,8 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
         tokens_run=sum(r.tokens for r in fresh),
         skipped=totals.skipped, shards=totals.shards, bytes=totals.bytes,
         wall_seconds=time.perf_counter() - started, run_seconds=run_seconds,
-        peak_rss_bytes=max((r.peak_rss_bytes for r in fresh), default=0),
-        steady_seconds=steady_seconds(fresh),
+        peak_rss_bytes=max((r.peak_rss_bytes for r in on_workers), default=0),
+        steady_seconds=steady_seconds(on_workers),
         packing={name: packing_line(section.options) for name, section in
                  manifest.formats.items() if "used_tokens" in section.options},
         special_literals=totals.special_literals,

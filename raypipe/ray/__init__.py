@@ -1,1 +1,2 @@
-"""The only package that imports ray: the tokenize pipeline on Ray Data and session helpers."""
+"""The only package that imports ray: the tokenize job on Ray actors, session helpers, the
+Ray Train adapter and the Ray Data datasource."""
