@@ -6,8 +6,9 @@ per output), (4) refuses an output made with a different output-shaping config u
 `overwrite`, (5) runs only units without a valid commit record (same fingerprint, same
 input identity, files intact), (6) writes `manifest.json` last. Rerunning a finished job
 launches nothing and rewrites nothing. The unit runner is the only part that differs
-between executors (serial here, Ray actors in raypipe.ray); a runner with a `connect()`
-method (Ray's) connects while the driver self-checks the encoder.
+between executors (serial here, Ray actors in raypipe.ray); while a runner with a
+`connect()` method (Ray's) connects, the driver self-checks the encoder and then tokenizes
+units from the front of the queue itself (`start_run`).
 """
 
 from __future__ import annotations
