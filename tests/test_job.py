@@ -271,5 +271,6 @@ def test_the_driver_tokenizes_units_while_the_runner_connects(tmp_path, corpus_d
     assert "on the driver while Ray started" in summary.render()
     # worker figures come from the runner's units alone (the driver's start before Ray)
     assert summary.steady_seconds == steady_seconds(runner.records)
+    assert summary.run_seconds > summary.steady_seconds  # the run began with the driver's
     run_job(config_for(corpus_dir, tmp_path / "serial", tokenizer_path, unit_bytes=1))
     assert shard_files(output) == shard_files(tmp_path / "serial")

@@ -75,7 +75,7 @@ class JobSummary:
     shards: int
     bytes: int
     wall_seconds: float
-    run_seconds: float
+    run_seconds: float  # first unit started to last committed (the driver's included)
     startup_seconds: float = 0.0
     peak_rss_bytes: int = 0
     steady_seconds: float = 0.0
@@ -354,13 +354,12 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
     writes_manifest = bool(pending) or existing is None or [
         summary.name for summary in existing.units] != [u.name for u in units]
     choice, queue, head_start = None, deque(pending), None
+    progress = Progress(pending, progress_every)  # its clock includes the runner's start
     if writes_manifest:
         start = start_run(config, settings, pending[0] if pending else units[0] if units
                           else None, runner if pending else None, queue)
         settings, choice, head_start = start.settings, start.choice, start.head_start
-    run_started = time.perf_counter()
     fresh = []
-    progress = Progress(pending, progress_every)
     for record in records_of(runner, list(queue), settings, head_start):
         fresh.append(record)
         progress.update(record)
@@ -368,7 +367,6 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
     # the workers' figures: the driver's RSS holds Ray's, and its units start before them
     driver_ids = {id(record) for record in on_driver}
     on_workers = [r for r in fresh if id(r) not in driver_ids] or fresh
-    run_seconds = time.perf_counter() - run_started
     records.update({r.unit.name: r for r in fresh})
     manifest = build_manifest(config, settings, [records[unit.name] for unit in units])
     if writes_manifest:
@@ -386,7 +384,7 @@ def _run_locked(config: TokenizeConfig, settings: UnitSettings, units: list[Work
         documents=totals.documents, tokens=totals.tokens,
         tokens_run=sum(r.tokens for r in fresh),
         skipped=totals.skipped, shards=totals.shards, bytes=totals.bytes,
-        wall_seconds=time.perf_counter() - started, run_seconds=run_seconds,
+        wall_seconds=time.perf_counter() - started, run_seconds=steady_seconds(fresh),
         peak_rss_bytes=max((r.peak_rss_bytes for r in on_workers), default=0),
         steady_seconds=steady_seconds(on_workers),
         packing={name: packing_line(section.options) for name, section in
