@@ -91,6 +91,7 @@ def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus
     summary = run_tokenize(config_for(corpus_dir, tmp_path / "out", tokenizer_path,
                                       num_workers=2))
     assert marker.exists()  # the worker really died
+    assert summary.unit_retries == 1 and "retried    1 unit run(s)" in summary.render()
     assert shard_files(tmp_path / "out") == clean_run
     assert temp_files(tmp_path / "out") == []
     verify_dataset(tmp_path / "out")

@@ -155,6 +155,11 @@ class WorkUnit(JsonRecord):
     def check(self, where: str) -> None:
         plain_name(self.name, where, "unit name")
 
+    @property
+    def location(self) -> str:
+        """`<file>: row groups a..b`, for messages about this unit."""
+        return f"{self.uri}: row groups {self.row_group_start}..{self.row_group_stop - 1}"
+
 
 @dataclass(frozen=True)
 class TokenizerInfo(JsonRecord):

@@ -85,6 +85,7 @@ class JobSummary:
     backend: str = "tokenizers"
     backend_reason: str = ""
     units_on_driver: int = 0  # run by the driver while the runner connected (Ray starting)
+    unit_retries: int = 0  # unit runs lost to a dead worker and run again
 
     @property
     def tokens_per_second(self) -> float:
@@ -102,6 +103,8 @@ class JobSummary:
             + (f", {self.units_on_driver} of them on the driver while Ray started"
                if self.units_on_driver else "")
             + f", {self.units - self.units_run} already committed)",
+        ] + ([f"  retried    {self.unit_retries} unit run(s) lost to a dead worker, run again"]
+             if self.unit_retries else []) + [
             f"  rows       {self.rows:,}",
             f"  documents  {self.documents:,}",
             f"  skipped    {skipped}",

@@ -283,5 +283,4 @@ def _read_batches(batches: Any, unit: WorkUnit) -> Any:
     try:
         yield from batches
     except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"{unit.uri}: row groups {unit.row_group_start}.."
-                         f"{unit.row_group_stop - 1} cannot be read: {exc}") from exc
+        raise InputError(f"{unit.location} cannot be read: {exc}") from exc

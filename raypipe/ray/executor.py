@@ -19,6 +19,7 @@ meanwhile. Measured end to end on 200 MB (bench/tokenize_bench.py): 30.2 s -> 23
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +36,7 @@ from raypipe.preprocess.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 from raypipe.ray.session import cluster_cpus, ensure_ray
 
+logger = logging.getLogger("raypipe")
 UNIT_RETRIES = 3  # runs of a unit after its actor died, before the job fails
 
 
@@ -55,7 +57,7 @@ class UnitTokenizer:
 
     def tokenize(self, unit: WorkUnit) -> UnitRecord | RaypipeError:
         if self.encoder is None:  # restarted after a crash: `prepare` is not sent again
-            self.encoder = make_encoder(self.settings)
+            self.prepare(None)
         try:
             return tokenize_unit(unit, self.settings, self.encoder)
         except RaypipeError as exc:  # bad input: no retry; raised as itself on the driver
@@ -69,6 +71,7 @@ class RayRunner:
         self.num_workers = num_workers
         self.address = address
         self.startup_seconds = 0.0
+        self.deaths: Counter[str] = Counter()  # unit name -> runs lost to a dead worker
 
     def connect(self) -> None:
         _, self.startup_seconds = ensure_ray(self.address, self.num_workers)
@@ -87,17 +90,18 @@ class RayRunner:
         for actor in actors:
             actor.prepare.remote(conversion)
         try:
-            yield from run_units(deque(units), actors)
+            yield from run_units(deque(units), actors, self.deaths)
         finally:
             for actor in actors:
                 ray.kill(actor)
 
 
-def run_units(queue: deque[WorkUnit], actors: list[Any]) -> Iterator[UnitRecord]:
+def run_units(queue: deque[WorkUnit], actors: list[Any],
+              deaths: Counter[str]) -> Iterator[UnitRecord]:
     """Each actor takes the next unit from `queue` when its last one has committed; a unit
-    whose actor died goes back to the front of the queue, up to UNIT_RETRIES times."""
+    whose actor died goes back to the front of the queue (counted in `deaths` and logged),
+    UNIT_RETRIES times at most."""
     running: dict[Any, tuple[Any, WorkUnit]] = {}
-    deaths: Counter[str] = Counter()
 
     def hand_out(actor: Any) -> None:
         if queue:
@@ -113,11 +117,13 @@ def run_units(queue: deque[WorkUnit], actors: list[Any]) -> Iterator[UnitRecord]
             result = ray.get(done)
         except ray.exceptions.RayActorError as exc:  # the actor restarts by itself
             deaths[unit.name] += 1
+            reason = str(exc).splitlines()[0]
             if deaths[unit.name] > UNIT_RETRIES:
-                raise InputError(f"{unit.uri}: row groups {unit.row_group_start}.."
-                                 f"{unit.row_group_stop - 1}: the worker tokenizing them died "
-                                 f"{deaths[unit.name]} times (out of memory?): "
-                                 f"{str(exc).splitlines()[0]}") from exc
+                raise InputError(f"{unit.location}: the worker tokenizing them died "
+                                 f"{deaths[unit.name]} times (out of memory?): {reason}"
+                                 ) from exc
+            logger.warning("%s: the worker died (%s); running the unit again (%d of %d)",
+                           unit.location, reason, deaths[unit.name], UNIT_RETRIES)
             queue.appendleft(unit)
             hand_out(actor)
             continue
@@ -150,4 +156,5 @@ def run_tokenize(config: TokenizeConfig) -> JobSummary:
             raise
         raise cause from None
     summary.startup_seconds = runner.startup_seconds
+    summary.unit_retries = sum(runner.deaths.values())
     return summary
