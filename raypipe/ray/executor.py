@@ -20,6 +20,7 @@ meanwhile. Measured end to end on 200 MB (bench/tokenize_bench.py): 30.2 s -> 23
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from typing import Any
@@ -54,6 +55,9 @@ class UnitTokenizer:
         if conversion is not None:
             adopt(self.settings.tokenizer.sha256, conversion)
         self.encoder = make_encoder(self.settings)
+
+    def ready(self) -> bool:
+        return True
 
     def tokenize(self, unit: WorkUnit) -> UnitRecord | RaypipeError:
         if self.encoder is None:  # restarted after a crash: `prepare` is not sent again
@@ -125,12 +129,26 @@ def run_units(queue: deque[WorkUnit], actors: list[Any],
             logger.warning("%s: the worker died (%s); running the unit again (%d of %d)",
                            unit.location, reason, deaths[unit.name], UNIT_RETRIES)
             queue.appendleft(unit)
+            wait_until_restarted(actor)  # a call meanwhile would be refused, not run
             hand_out(actor)
             continue
         if isinstance(result, RaypipeError):
             raise result
         hand_out(actor)
         yield result
+
+
+def wait_until_restarted(actor: Any, seconds: float = 300.0) -> None:
+    """Return once `actor` answers again after its process died (Ray restarts it)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            ray.get(actor.ready.remote())
+            return
+        except ray.exceptions.RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def raypipe_cause(exc: BaseException) -> BaseException:
