@@ -10,10 +10,13 @@ summaries).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 import ray
+
+logger = logging.getLogger("raypipe")
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> tuple[bool, float]:
@@ -33,6 +36,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> tuple
             if "existing cluster" not in str(exc):
                 raise
             ray.init(include_dashboard=False, log_to_driver=True)
+            logger.info("joined the Ray cluster `ray start` left on this machine (its own "
+                        "%d CPUs; num_workers %d still caps the actors)", cluster_cpus(),
+                        num_cpus)
     return True, time.perf_counter() - started
 
 
