@@ -10,11 +10,12 @@ Megatron output. Contenders run alternated --repeats times; the best of each is 
   the texts (already in memory) with the call raypipe makes and writing the same bytes;
 - raypipe, per backend, end to end in a fresh process, as `raypipe tokenize` runs: the job
   starts a local Ray (2 CPUs, loopback, self-check meanwhile), plans, reads parquet,
-  encodes, writes, commits the manifest (~32 work units), then Ray shuts down; also its
+  encodes, writes, commits the manifest (~32 work units), then stops its Ray
+  (`shutdown_local_ray`); the wall is the process's, from its launch to its exit; also its
   steady state (first unit started to last committed);
 - datatrove (if installed: `pip install datatrove`), end to end in a fresh process:
   ParquetReader -> DocumentTokenizer (the same tokenizer.json through `tokenizers`, EOS,
-  no shuffle), 16 tasks on 2 workers.
+  no shuffle), 16 tasks on 2 workers; the process's wall, launch to exit.
 Targets: raypipe (auto = tiktoken) >= 3x datatrove and >= 0.85x the tiktoken ceiling, end to
 end; peak RSS per actor follows the batch size, not the corpus.
 """
@@ -85,26 +86,24 @@ def run_ceiling(corpus: Path, workdir: Path, tokenizer: Path, eos: str,
 
 
 RAYPIPE_JOB = """
-import json, sys, time
-began = time.perf_counter()
-import ray
+import json, sys
 from raypipe.config import load_config
 from raypipe.ray.executor import run_tokenize
+from raypipe.ray.session import shutdown_local_ray
 corpus, output, tokenizer, backend, batch, unit_bytes = sys.argv[1:7]
 config = load_config(None, inputs=[corpus], output=output, tokenizer=tokenizer,
                      formats=["megatron"], num_workers=2, encode_batch_rows=int(batch),
                      unit_bytes=int(unit_bytes), bos=False, eos=True,
                      tokenizer_backend=backend)
 summary = run_tokenize(config)  # starts a local Ray (2 CPUs), as `raypipe tokenize` does
-ray.shutdown()
-print(json.dumps({"wall": time.perf_counter() - began, "ray_start": summary.startup_seconds,
-                  "tokens": summary.tokens_run, "steady": summary.steady_seconds,
-                  "backend": summary.backend, "rss": summary.peak_rss_bytes}))
+print(json.dumps({"ray_start": summary.startup_seconds, "tokens": summary.tokens_run,
+                  "steady": summary.steady_seconds, "backend": summary.backend,
+                  "rss": summary.peak_rss_bytes}), flush=True)
+shutdown_local_ray()  # as `raypipe tokenize` does once its summary is printed
 """
 
 DATATROVE_JOB = """
-import sys, time
-began = time.perf_counter()
+import sys
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.readers import ParquetReader
 from datatrove.pipeline.tokens import DocumentTokenizer
@@ -114,7 +113,6 @@ LocalPipelineExecutor(pipeline=[
     DocumentTokenizer(output, tokenizer_name_or_path=tokenizer, eos_token=eos,
                       shuffle_documents=False)],
     tasks=16, workers=2, logging_dir=logs, skip_completed=False).run()
-print(time.perf_counter() - began)
 """
 
 
@@ -132,11 +130,13 @@ def run_raypipe(corpus: Path, output: Path, tokenizer: Path, backend: str,
     shutil.rmtree(output, ignore_errors=True)
     size = sum(p.stat().st_size for p in corpus.glob("*.parquet"))
     unit_bytes = max(2 << 20, size // 32)  # ~32 units: both actors busy to the end
+    began = time.perf_counter()
     result = subprocess.run([sys.executable, "-c", RAYPIPE_JOB, str(corpus), str(output),
                              str(tokenizer), backend, str(batch_size), str(unit_bytes)],
                             capture_output=True,
                             text=True, env=fresh_env(output.parent), check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    wall = time.perf_counter() - began
+    return {**json.loads(result.stdout.strip().splitlines()[-1]), "wall": wall}
 
 
 def run_datatrove(corpus: Path, workdir: Path, tokenizer: Path, eos: str) -> float | None:
@@ -147,10 +147,11 @@ def run_datatrove(corpus: Path, workdir: Path, tokenizer: Path, eos: str) -> flo
     output, logs = workdir / "datatrove", workdir / "datatrove-logs"
     shutil.rmtree(output, ignore_errors=True)
     shutil.rmtree(logs, ignore_errors=True)
-    result = subprocess.run([sys.executable, "-c", DATATROVE_JOB, str(corpus), str(output),
-                             str(tokenizer), eos, str(logs)], capture_output=True, text=True,
-                            env=fresh_env(workdir), check=True)
-    return float(result.stdout.strip().splitlines()[-1])
+    began = time.perf_counter()
+    subprocess.run([sys.executable, "-c", DATATROVE_JOB, str(corpus), str(output),
+                    str(tokenizer), eos, str(logs)], capture_output=True, text=True,
+                   env=fresh_env(workdir), check=True)
+    return time.perf_counter() - began
 
 
 def main() -> None:

@@ -25,6 +25,8 @@ os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="rp-", dir="/tmp"))
 # laptop; this keeps every Ray node of the tests on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# raypipe's node-local caches (shards of object-storage datasets, self-check verdicts)
+os.environ.setdefault("RAYPIPE_CACHE_DIR", tempfile.mkdtemp(prefix="rp-cache-", dir="/tmp"))
 
 
 def _free_port() -> int:

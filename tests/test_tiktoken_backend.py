@@ -14,6 +14,7 @@ from raypipe.errors import ConfigError
 from raypipe.io.manifest import read_manifest
 from raypipe.preprocess.encoder import DocumentEncoder, tokenizer_sha256
 from raypipe.preprocess.job import run_job
+from raypipe.preprocess import self_check
 from raypipe.preprocess.self_check import adversarial_texts, choose_backend
 from raypipe.preprocess.tiktoken_backend import why_not
 from tests.conftest import write_parquet
@@ -116,7 +117,50 @@ def test_a_vocabulary_tiktoken_merges_differently_fails_the_self_check(caplog):
     with caplog.at_level(logging.WARNING, logger="raypipe"):
         choice = choose_backend("auto", tokenizer, "text", ["x abc y"])
     assert choice.backend == "tokenizers" and "self-check failed" in choice.reason
-    assert "text 0" in caplog.text and "abc" in caplog.text
+    assert "sample text 0" in caplog.text and "abc" in caplog.text
+
+
+@pytest.fixture
+def encoded_sets(monkeypatch, tmp_path) -> list[tuple[str, str]]:
+    """(label, policy) of every text set the self-check encodes in both backends, with a
+    verdict cache of the test's own."""
+    monkeypatch.setenv("RAYPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    encoded: list[tuple[str, str]] = []
+    real = self_check.first_difference
+
+    def spy(tokenizer, policy, texts, label="text"):
+        encoded.append((label, policy))
+        return real(tokenizer, policy, texts, label)
+
+    monkeypatch.setattr(self_check, "first_difference", spy)
+    return encoded
+
+
+def test_the_fixed_sets_verdict_is_reused_by_later_jobs_per_policy(encoded_sets, tmp_path,
+                                                                    tokenizer_path):
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    for policy in ("text", "text", "special", "special"):
+        assert choose_backend("auto", tokenizer, policy, ["hello world"]).backend == "tiktoken"
+    assert [p for label, p in encoded_sets if label == "adversarial text"] == ["text", "special"]
+    assert [label for label, _ in encoded_sets].count("sample text") == 4  # every job's own
+    assert len(list((tmp_path / "cache" / "self-check").iterdir())) == 2
+
+
+def test_a_cached_failing_verdict_falls_back_and_a_corrupt_entry_is_recomputed(
+        encoded_sets, tmp_path):
+    tokenizer = tiny_bpe([("a", "b"), ("b", "c"), ("a", "bc")])  # "abc" encodes differently
+    reasons = []
+    for _ in range(2):
+        choice = choose_backend("auto", tokenizer, "text", ["x y"])
+        assert choice.backend == "tokenizers"
+        reasons.append(choice.reason)
+    assert "adversarial text" in reasons[0] and reasons[1] == reasons[0]
+    assert encoded_sets.count(("adversarial text", "text")) == 1
+    [entry] = (tmp_path / "cache" / "self-check").iterdir()
+    entry.write_text("{not json")
+    assert choose_backend("auto", tokenizer, "text", ["x y"]).reason == reasons[0]
+    assert encoded_sets.count(("adversarial text", "text")) == 2
+    assert self_check.read_verdict(entry.stem).difference in reasons[0]
 
 
 def test_a_job_whose_texts_fail_the_self_check_writes_tokenizers_ids(tmp_path):

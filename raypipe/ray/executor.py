@@ -78,7 +78,7 @@ class RayRunner:
         self.deaths: Counter[str] = Counter()  # unit name -> runs lost to a dead worker
 
     def connect(self) -> None:
-        _, self.startup_seconds = ensure_ray(self.address, self.num_workers)
+        self.startup_seconds = ensure_ray(self.address, self.num_workers)
 
     def __call__(self, units: list[WorkUnit], settings: UnitSettings) -> Iterator[UnitRecord]:
         if not ray.is_initialized():
