@@ -240,6 +240,46 @@ def test_a_runner_connects_while_the_encoder_self_checks(tmp_path, corpus_dir, t
     assert shard_files(tmp_path / "out")
 
 
+def test_a_failed_head_start_unit_stops_the_runner_at_its_next_record(tmp_path, corpus_dir,
+                                                                      tokenizer_path,
+                                                                      monkeypatch):
+    """The driver's own unit fails (here an injected fault) while Ray starts: the runner is
+    closed after one record instead of running every other unit first."""
+    import time
+
+    from raypipe import _faults as faults
+    from raypipe.preprocess.job import serial_runner
+
+    marker = tmp_path / "fault-marker"
+    monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, json.dumps(
+        {"point": "unit.rows", "action": "raise", "marker": str(marker)}))
+
+    class Runner:
+        ran, given, closed = 0, 0, False
+
+        def connect(self):  # returns once the driver's unit has hit the fault
+            deadline = time.monotonic() + 30
+            while not marker.exists():
+                assert time.monotonic() < deadline, "the driver tokenized nothing meanwhile"
+                time.sleep(0.01)
+            time.sleep(0.2)  # the head start's thread has raised by now
+
+        def __call__(self, units, settings):
+            self.given = len(units)
+            try:
+                for record in serial_runner(units, settings):
+                    self.ran += 1
+                    yield record
+            finally:
+                self.closed = True
+
+    runner = Runner()
+    with pytest.raises(faults.InjectedFault):
+        run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, unit_bytes=1), runner)
+    assert runner.given >= 5 and runner.ran == 1 and runner.closed
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_the_driver_tokenizes_units_while_the_runner_connects(tmp_path, corpus_dir,
                                                               tokenizer_path):
     """While `connect` runs (Ray starting), the driver takes units from the front of the

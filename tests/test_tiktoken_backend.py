@@ -12,9 +12,9 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from raypipe.config import load_config
 from raypipe.errors import ConfigError
 from raypipe.io.manifest import read_manifest
+from raypipe.preprocess import self_check
 from raypipe.preprocess.encoder import DocumentEncoder, tokenizer_sha256
 from raypipe.preprocess.job import run_job
-from raypipe.preprocess import self_check
 from raypipe.preprocess.self_check import adversarial_texts, choose_backend
 from raypipe.preprocess.tiktoken_backend import why_not
 from tests.conftest import write_parquet

@@ -229,9 +229,20 @@ def start_run(config: TokenizeConfig, settings: UnitSettings, unit: WorkUnit | N
 
 def records_of(runner: UnitRunner, units: list[WorkUnit], settings: UnitSettings,
                head_start: Future[list[UnitRecord]] | None) -> Iterator[UnitRecord]:
-    """The runner's records as they come, then those of the driver's head start."""
+    """The runner's records as they come, then those of the driver's head start. A head
+    start that failed (bad input in its unit) stops the runner at its next record, and its
+    error is raised: the job fails as soon as it would have on the runner."""
     if units:
-        yield from runner(units, settings)
+        records = iter(runner(units, settings))
+        try:
+            for record in records:
+                yield record
+                if head_start is not None and head_start.done() and head_start.exception():
+                    break
+        finally:
+            close = getattr(records, "close", None)
+            if close is not None:
+                close()  # a generator runner's own cleanup (Ray's: kill its actors)
     if head_start is not None:
         yield from head_start.result()
 
