@@ -163,6 +163,18 @@ def test_a_cached_failing_verdict_falls_back_and_a_corrupt_entry_is_recomputed(
     assert self_check.read_verdict(entry.stem).difference in reasons[0]
 
 
+def test_an_unwritable_verdict_cache_checks_the_fixed_set_every_time(encoded_sets, tmp_path,
+                                                                    monkeypatch,
+                                                                    tokenizer_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("RAYPIPE_CACHE_DIR", str(blocker))
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    for _ in range(2):
+        assert choose_backend("auto", tokenizer, "text", ["hello"]).backend == "tiktoken"
+    assert encoded_sets.count(("adversarial text", "text")) == 2
+
+
 def test_a_job_whose_texts_fail_the_self_check_writes_tokenizers_ids(tmp_path):
     tokenizer = tiny_bpe([("a", "b"), ("b", "c"), ("a", "bc")])
     tokenizer.add_special_tokens(["<|bos|>", "<|eos|>"])

@@ -163,7 +163,11 @@ def adversarial_difference(tokenizer: Tokenizer, sha256: str, policy: str,
                            texts: list[str]) -> str | None:
     """`first_difference` over the fixed set, cached per `verdict_key` (see the module
     docstring); a cache that cannot be written is logged and skipped."""
-    key = verdict_key(sha256, policy, texts)
+    try:
+        key = verdict_key(sha256, policy, texts)
+    except OSError as exc:  # raypipe's source not readable as files (a zip import)
+        logger.info("self-check verdict not cached (%s)", exc)
+        return first_difference(tokenizer, policy, texts, "adversarial text")
     cached = read_verdict(key)
     if cached is not None:
         return cached.difference
