@@ -229,16 +229,18 @@ def start_run(config: TokenizeConfig, settings: UnitSettings, unit: WorkUnit | N
 
 def records_of(runner: UnitRunner, units: list[WorkUnit], settings: UnitSettings,
                head_start: Future[list[UnitRecord]] | None) -> Iterator[UnitRecord]:
-    """The runner's records as they come, then those of the driver's head start. A head
-    start that failed (bad input in its unit) stops the runner at its next record, and its
-    error is raised: the job fails as soon as it would have on the runner."""
+    """The runner's records as they come, with those of the driver's head start as soon as
+    it has finished (progress counts them early). A head start that failed (bad input in
+    its unit) raises its error at the runner's next record, which stops the runner: the job
+    fails as soon as it would have on the runner."""
     if units:
         records = iter(runner(units, settings))
         try:
             for record in records:
                 yield record
-                if head_start is not None and head_start.done() and head_start.exception():
-                    break
+                if head_start is not None and head_start.done():
+                    yield from head_start.result()
+                    head_start = None
         finally:
             close = getattr(records, "close", None)
             if close is not None:
