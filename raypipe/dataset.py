@@ -109,13 +109,14 @@ class ShardSet:
                 raise FormatError(self.store.uri_of(entry.path), problem)
 
     # ----- object storage: fetching into the cache ---------------------------------------
-    def _fetch(self, entries: tuple[FileEntry, ...]) -> list[Path]:
+    def _fetch(self, entries: tuple[FileEntry, ...], refresh: bool = False) -> list[Path]:
         """Fetch files into the cache, pinned (the caller unpins them)."""
         assert self.cache is not None
         paths: list[Path] = []
         try:
             for entry in entries:
-                paths.append(self.cache.fetch(self.store, self.key, entry, pin=True))
+                paths.append(self.cache.fetch(self.store, self.key, entry, pin=True,
+                                              refresh=refresh))
         except BaseException:
             self.cache.unpin(paths)
             raise
@@ -158,21 +159,27 @@ class ShardSet:
     def _shard_bytes(self, index: int) -> int:
         return sum(entry.bytes for entry in self.shards[index].files)
 
-    def reader(self, index: int) -> Any:
+    def reader(self, index: int, refresh: bool = False) -> Any:
+        """The shard's reader; with `refresh`, a shard not open yet is fetched from object
+        storage again even if cached (each file downloaded and checked once)."""
         reader = self._readers.get(index)
         if reader is not None:
             if self.cache is not None:
                 self._readers.move_to_end(index)
             return reader
-        return self._open(index)
+        return self._open(index, refresh)
 
-    def _open(self, index: int) -> Any:
+    def _open(self, index: int, refresh: bool = False) -> Any:
         shard = self.shards[index]
         if self.cache is None:
             self._check_files(index)
         else:
             future = self._fetching.pop(index, None)
-            paths = future.result() if future is not None else self._fetch(shard.files)
+            if future is not None and refresh:  # an earlier fetch: fetched again below
+                self.cache.unpin(future.result())
+                future = None
+            paths = future.result() if future is not None else self._fetch(shard.files,
+                                                                            refresh)
             self._pinned[index] = paths
         reader = self.format.reader.from_manifest(self.local_root, shard, self.section,
                                                   self.manifest.tokenizer)
@@ -227,8 +234,8 @@ class TokenDataset(ShardSet):
                          manifest, cache)
         self.format_options = self.format.options(self.section.options)
 
-    def reader(self, index: int) -> ShardReader:
-        return super().reader(index)
+    def reader(self, index: int, refresh: bool = False) -> ShardReader:
+        return super().reader(index, refresh)
 
     @cached_property
     def shard_document_counts(self) -> np.ndarray:

@@ -140,6 +140,33 @@ def test_verify_passes_then_names_a_truncated_object(bucket, corpus_dir, tokeniz
     assert "size" in str(caught.value)
 
 
+def test_verify_reads_each_object_once_and_rechecks_what_a_warm_cache_holds(
+        bucket, corpus_dir, tokenizer_path, tmp_path, monkeypatch):
+    from collections import Counter
+
+    uri = f"s3://{bucket}/verify-once"
+    tokenize_to(uri, corpus_dir, tokenizer_path)
+    entries = [entry for section in read_manifest(uri).formats.values()
+               for shard in section.shards for entry in shard.files]
+    reads: Counter[str] = Counter()
+    for method in ("sha256", "download", "read_bytes"):  # every way a Store reads an object
+        real = getattr(Store, method)
+        monkeypatch.setattr(Store, method, lambda self, relative, *rest, _real=real:
+                            reads.update([relative]) or _real(self, relative, *rest))
+    cache = ShardCache(tmp_path / "cache")
+    assert verify_dataset(uri, cache).files == len(entries)
+    assert {entry.path: reads[entry.path] for entry in entries} == {
+        entry.path: 1 for entry in entries}
+    # the cache now holds every file: verify still checks the bucket, not those copies
+    store, victim = Store(uri), entries[-1]
+    data = bytearray(store.read_bytes(victim.path))
+    data[-1] ^= 0xFF  # same size, other contents
+    store.write_bytes(victim.path, bytes(data))
+    with pytest.raises(FormatError, match="sha256 differs") as caught:
+        verify_dataset(uri, cache)
+    assert store.uri_of(victim.path) in str(caught.value)
+
+
 def test_cache_refuses_an_object_whose_checksum_differs(bucket, token_dataset, tmp_path):
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)

@@ -111,20 +111,22 @@ class ShardCache:
         return self.directory / LOCKS_DIR / f"{stripe:02d}.lock"
 
     # ----- fetching ------------------------------------------------------------------------
-    def fetch(self, store: Store, key: str, entry: FileEntry, pin: bool = False) -> Path:
-        """The local path of `entry` of the dataset at `store`, downloaded if absent. With
-        `pin`, the file is pinned before it is looked up (the caller unpins it), so no
-        eviction can remove it between this call and its use."""
+    def fetch(self, store: Store, key: str, entry: FileEntry, pin: bool = False,
+              refresh: bool = False) -> Path:
+        """The local path of `entry` of the dataset at `store`, downloaded if absent (with
+        `refresh`, downloaded and checked again even if cached: `verify` checks the store,
+        not an earlier copy). With `pin`, the file is pinned before it is looked up (the
+        caller unpins it), so no eviction can remove it between this call and its use."""
         store.path(entry.path)  # refuses paths that would leave the dataset
         final = self.dataset_dir(key) / entry.path
         if pin:
             self.pin([final])
         try:
-            if self._touch_if_present(final, entry):
+            if not refresh and self._touch_if_present(final, entry):
                 return final
             final.parent.mkdir(parents=True, exist_ok=True)
             with _file_lock(self._lock_for(final)):
-                if self._touch_if_present(final, entry):
+                if not refresh and self._touch_if_present(final, entry):
                     return final
                 self._download(store, entry, final)
         except BaseException:
