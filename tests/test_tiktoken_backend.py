@@ -106,6 +106,17 @@ def test_tokenizers_tiktoken_cannot_reproduce_are_refused_with_the_reason():
     assert "not BPE" in reason(wordpiece)
 
 
+def test_a_lone_surrogate_is_refused_by_both_backends_never_replaced(tokenizer_path):
+    from raypipe.errors import InputError
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    texts = ["fine", "a\ud800b"]
+    with pytest.raises(InputError, match="text 1: a lone surrogate '\\\\ud800' at character 1"):
+        DocumentEncoder(tokenizer, None, None, "text", "tiktoken").encode(texts)
+    with pytest.raises(TypeError):  # `tokenizers` refuses it too (its own message)
+        DocumentEncoder(tokenizer, None, None, "text", "tokenizers").encode(texts)
+
+
 def test_a_vocabulary_tiktoken_merges_differently_fails_the_self_check(caplog):
     # "abc" is a token, but no rule merges ("ab", "c"): tokenizers stops at [ab, c] where
     # tiktoken (lowest rank of any concatenation) reaches [abc]

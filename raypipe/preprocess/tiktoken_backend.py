@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from raypipe.errors import InputError
+
 # the pattern `tokenizers`' ByteLevel pre-tokenizer applies when use_regex is on (GPT-2's)
 GPT2_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
                 r"""|\s+""")
@@ -206,15 +208,19 @@ class TiktokenIds:
         self.rank_to_id = None if conversion.identity else conversion.rank_to_id
 
     def __call__(self, texts: list[str]) -> list[np.ndarray]:
-        return [self.ranks(text) for text in texts]
+        return [self.ranks(text, index) for index, text in enumerate(texts)]
 
-    def ranks(self, text: str) -> np.ndarray:
+    def ranks(self, text: str, index: int = 0) -> np.ndarray:
+        """One text's ranks. A lone surrogate (only a Python caller can pass one; parquet
+        text is valid UTF-8) is refused, as `tokenizers` refuses it, never silently
+        replaced."""
         try:
             return self.encoding.encode_to_numpy(text, allowed_special=self.allowed,
                                                  disallowed_special=())
-        except UnicodeEncodeError:  # lone surrogates: tiktoken's own list path repairs them
-            return np.array(self.encoding.encode(text, allowed_special=self.allowed,
-                                                 disallowed_special=()), dtype=np.uint32)
+        except UnicodeEncodeError as exc:
+            raise InputError(f"text {index}: a lone surrogate {text[exc.start]!r} at "
+                             f"character {exc.start} is not valid Unicode and cannot be "
+                             "encoded") from None
 
     def translate(self, ranks: np.ndarray) -> np.ndarray:
         """Flat ranks -> the tokenizer's ids (uint32)."""
