@@ -177,12 +177,7 @@ class HeadStart:
             self.open = False
 
     def tokenize(self, settings: UnitSettings) -> list[UnitRecord]:
-        records: list[UnitRecord] = []
-        encoder = None
-        while (unit := self.take()) is not None:
-            encoder = encoder or make_encoder(settings)
-            records.append(tokenize_unit(unit, settings, encoder))
-        return records
+        return list(serial_runner(iter(self.take, None), settings))
 
 
 @dataclass
@@ -198,7 +193,7 @@ class Start:
 def start_run(config: TokenizeConfig, settings: UnitSettings, unit: WorkUnit | None,
               runner: UnitRunner | None, queue: deque[WorkUnit]) -> Start:
     """The encoder's self-check (~1 s) on a thread, while the runner connects to what it
-    runs on (`runner.connect()`, if it has one: a local Ray starts in 3-4 s) on this one;
+    runs on (`runner.connect()`, if it has one: a local Ray starts in 3-5 s) on this one;
     then, on that thread until the runner has connected, the driver tokenizes units from
     the front of `queue` itself (Ray's start leaves about a core-second of CPU idle on 2
     cores). Returns once the check is done and the runner connected; the driver's last unit
@@ -249,10 +244,12 @@ def records_of(runner: UnitRunner, units: list[WorkUnit], settings: UnitSettings
         yield from head_start.result()
 
 
-def serial_runner(units: list[WorkUnit], settings: UnitSettings) -> Iterable[UnitRecord]:
-    """Run units one after another in this process (tests, tiny inputs, debugging)."""
-    encoder = make_encoder(settings)
+def serial_runner(units: Iterable[WorkUnit], settings: UnitSettings) -> Iterator[UnitRecord]:
+    """Run units one after another in this process (tests, tiny inputs, debugging, the
+    driver's head start); the encoder is loaded at the first unit."""
+    encoder = None
     for unit in units:
+        encoder = encoder or make_encoder(settings)
         yield tokenize_unit(unit, settings, encoder)
 
 
