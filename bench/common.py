@@ -47,7 +47,7 @@ def write_synthetic_dataset(output: Path, format_name: str, batches, fingerprint
     The tokenizer is a stand-in: largest id 32767, BOS 0."""
     from raypipe.formats import get_format
     from raypipe.io.manifest import FormatSection, Manifest, TokenizerInfo, write_manifest
-    from raypipe.preprocess.unit import ShardRoller, ShardSpec
+    from raypipe.preprocess.shards import ShardRoller, ShardSpec
 
     info = TokenizerInfo("synthetic", "0" * 64, 32767, 0, None)
     fmt = get_format(format_name)

@@ -1,4 +1,4 @@
-"""raypipe: parquet corpora -> sharded token files -> shuffled, packed training batches.
+"""raypipe: parquet / JSON-lines corpora or Ray Datasets -> token shards -> training batches.
 
 `raypipe.tokenize(...)` runs the preprocessing job on Ray; `raypipe.TokenLoader` (torch)
 feeds training. Heavy modules are imported lazily so `import raypipe` stays cheap.
@@ -11,17 +11,33 @@ from typing import Any
 from raypipe._version import __version__
 
 
-def tokenize(inputs: str | list[str], output: str, tokenizer: str,
+def tokenize(inputs: Any, output: str, tokenizer: str,
              formats: str | list[str] = ("megatron", "nanogpt"), **options: Any):
-    """Tokenize parquet `inputs` into `output` inside the caller's Ray session (or a new
-    local one). Options are TokenizeConfig fields (text_column, bos, eos, shard_tokens, ...).
-    Returns the JobSummary."""
+    """Tokenize `inputs` into `output` inside the caller's Ray session (or a new local one).
+
+    `inputs`: parquet / JSON-lines files, directories or globs (a string or a list), or a
+    `ray.data.Dataset` with a text column (each block becomes one unit, named by the hash
+    of its rows). Options are TokenizeConfig fields (text_column, bos, eos, shard_tokens,
+    ...). Returns the JobSummary."""
     from raypipe.config import load_config
+
+    if _is_ray_dataset(inputs):
+        from raypipe.ray.executor import describe_dataset, run_tokenize_dataset
+
+        config = load_config(None, inputs=[describe_dataset(inputs)], output=output,
+                             tokenizer=tokenizer, formats=formats, **options)
+        return run_tokenize_dataset(inputs, config)
     from raypipe.ray.executor import run_tokenize
 
     config = load_config(None, inputs=inputs, output=output, tokenizer=tokenizer,
                          formats=formats, **options)
     return run_tokenize(config)
+
+
+def _is_ray_dataset(inputs: Any) -> bool:
+    """A ray.data.Dataset, recognized without importing ray for file inputs."""
+    return any(cls.__module__.startswith("ray.data") and cls.__name__ == "Dataset"
+               for cls in type(inputs).__mro__)
 
 
 def __getattr__(name: str) -> Any:

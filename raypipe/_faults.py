@@ -12,6 +12,8 @@ temp written), `unit.before_record` (shards committed, record not),
 `manifest.before_rename`, `manifest.after_rename`, `write` (any shard write: ENOSPC).
 Actions: `kill` (SIGKILL this process), `exit` (os._exit, no cleanup), `raise`, `enospc`
 (OSError 28), `pause` (write this pid to the marker and sleep: the test kills it).
+With `"in": "worker"` a fault fires only in a Ray worker (whose environment, from
+`environment()`, says so), never on the driver, which also tokenizes units while Ray starts.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 ENVIRONMENT_VARIABLE = "RAYPIPE_TEST_FAULT"
+SCOPE_VARIABLE = "RAYPIPE_TEST_FAULT_SCOPE"  # "worker" in processes a runner started
 _PARSED: tuple[str, dict[str, Any]] | None = None
 
 
@@ -46,7 +49,7 @@ def active() -> dict[str, Any] | None:
 def environment() -> dict[str, str]:
     """The variables a worker process needs to see the same fault (empty in normal use)."""
     raw = os.environ.get(ENVIRONMENT_VARIABLE)
-    return {ENVIRONMENT_VARIABLE: raw} if raw else {}
+    return {ENVIRONMENT_VARIABLE: raw, SCOPE_VARIABLE: "worker"} if raw else {}
 
 
 def point(name: str, unit: str = "", rows: int = 0, path: object = None) -> None:
@@ -54,6 +57,8 @@ def point(name: str, unit: str = "", rows: int = 0, path: object = None) -> None
     if spec is None or spec.get("point") != name:
         return
     if spec.get("unit") and spec["unit"] not in unit:
+        return
+    if spec.get("in") == "worker" and os.environ.get(SCOPE_VARIABLE) != "worker":
         return
     if rows < spec.get("after_rows", 0):
         return

@@ -28,7 +28,7 @@ from raypipe.formats import FORMATS
 PACKINGS = ("split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
 # Fields that do not change output bytes: excluded from the fingerprint.
 EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
-                              "tokenizer_backend"})
+                              "tokenizer_backend", "head_start"})
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "tokenizers")
 LOCATION_FIELDS = frozenset({"inputs", "output", "tokenizer"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
@@ -106,6 +106,9 @@ class TokenizeConfig:
                                      "also the CPUs of a local Ray raypipe starts")
     address: str | None = option(None, help="Ray cluster address (default: RAY_ADDRESS or "
                                             "a local Ray)")
+    head_start: bool = option(True, help="the driver tokenizes units itself while Ray and Ray "
+                                         "Data's actors start (--no-head-start: every unit "
+                                         "runs on the actor pool, e.g. on a small head node)")
     overwrite: bool = option(False, help="replace an output made with a different config")
 
     def __post_init__(self) -> None:

@@ -12,9 +12,16 @@ import pytest
 from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
 from raypipe.errors import ConfigError, InputError
-from raypipe.preprocess.job import run_job
+from raypipe.preprocess.job import SerialRunner, run_job
 from tests.conftest import write_parquet
 from tests.helpers import expected_documents, file_identities, shard_files
+
+
+class SlowSerialRunner(SerialRunner):
+    """The serial runner as if connecting took long (as a local Ray's start does): the
+    job gives the driver a head start."""
+
+    starts_slowly = True
 
 
 def config_for(corpus, output, tokenizer_path, **options):
@@ -215,7 +222,6 @@ def test_a_runner_connects_while_the_encoder_self_checks(tmp_path, corpus_dir, t
     import threading
 
     from raypipe.preprocess import job
-    from raypipe.preprocess.job import serial_runner
 
     connecting = threading.Event()
     overlapped = []
@@ -225,12 +231,9 @@ def test_a_runner_connects_while_the_encoder_self_checks(tmp_path, corpus_dir, t
         overlapped.append(connecting.wait(timeout=20))
         return real_with_backend(*args)
 
-    class ConnectingRunner:
+    class ConnectingRunner(SlowSerialRunner):
         def connect(self):
             connecting.set()
-
-        def __call__(self, units, settings):
-            return serial_runner(units, settings)
 
     monkeypatch.setattr(job, "with_backend", with_backend)
     summary = run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path),
@@ -248,13 +251,12 @@ def test_a_failed_head_start_unit_stops_the_runner_at_its_next_record(tmp_path, 
     import time
 
     from raypipe import _faults as faults
-    from raypipe.preprocess.job import serial_runner
 
     marker = tmp_path / "fault-marker"
     monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, json.dumps(
         {"point": "unit.rows", "action": "raise", "marker": str(marker)}))
 
-    class Runner:
+    class Runner(SlowSerialRunner):
         ran, given, closed = 0, 0, False
 
         def connect(self):  # returns once the driver's unit has hit the fault
@@ -264,10 +266,10 @@ def test_a_failed_head_start_unit_stops_the_runner_at_its_next_record(tmp_path, 
                 time.sleep(0.01)
             time.sleep(0.2)  # the head start's thread has raised by now
 
-        def __call__(self, units, settings):
+        def run(self, units, settings):
             self.given = len(units)
             try:
-                for record in serial_runner(units, settings):
+                for record in SerialRunner.run(self, units, settings):
                     self.ran += 1
                     yield record
             finally:
@@ -286,11 +288,11 @@ def test_the_driver_tokenizes_units_while_the_runner_connects(tmp_path, corpus_d
     queue; the runner gets only the rest, and the output equals a serial run's."""
     import time
 
-    from raypipe.preprocess.job import serial_runner, steady_seconds
+    from raypipe.preprocess.summary import steady_seconds
 
     output = tmp_path / "out"
 
-    class SlowConnectingRunner:
+    class SlowConnectingRunner(SlowSerialRunner):
         given: list = []
 
         def connect(self):  # returns once the driver has committed a unit (or after 30 s)
@@ -299,9 +301,9 @@ def test_the_driver_tokenizes_units_while_the_runner_connects(tmp_path, corpus_d
                 assert time.monotonic() < deadline, "the driver tokenized nothing meanwhile"
                 time.sleep(0.01)
 
-        def __call__(self, units, settings):
+        def run(self, units, settings):
             self.given = list(units)
-            self.records = list(serial_runner(units, settings))
+            self.records = list(SerialRunner.run(self, units, settings))
             return self.records
 
     runner = SlowConnectingRunner()
@@ -312,5 +314,48 @@ def test_the_driver_tokenizes_units_while_the_runner_connects(tmp_path, corpus_d
     # worker figures come from the runner's units alone (the driver's start before Ray)
     assert summary.steady_seconds == steady_seconds(runner.records)
     assert summary.run_seconds > summary.steady_seconds  # the run began with the driver's
+    run_job(config_for(corpus_dir, tmp_path / "serial", tokenizer_path, unit_bytes=1))
+    assert shard_files(output) == shard_files(tmp_path / "serial")
+
+
+def test_the_driver_claims_units_from_the_back_until_the_runners_first_record(
+        tmp_path, corpus_dir, tokenizer_path):
+    """After connecting, a runner whose workers start slowly (Ray Data's actors) lets the
+    driver claim units from the back of its list; each unit is tokenized exactly once, by
+    whoever claimed it first, and the output equals a serial run's."""
+    import threading
+    import time
+
+    output = tmp_path / "out"
+
+    class ClaimingRunner(SlowSerialRunner):
+        def __init__(self):
+            super().__init__()
+            self.lock, self.owner, self.first = threading.Lock(), {}, threading.Event()
+            self.ran: list[str] = []
+
+        def claim(self, unit):
+            with self.lock:
+                return not self.first.is_set() and \
+                    self.owner.setdefault(unit.name, "driver") == "driver"
+
+        def run(self, units, settings):  # workers start once the driver has claimed 2
+            deadline = time.monotonic() + 30
+            while sum(owner == "driver" for owner in self.owner.values()) < 2:
+                assert time.monotonic() < deadline, "the driver claimed nothing meanwhile"
+                time.sleep(0.01)
+            for unit in units:
+                with self.lock:
+                    if self.owner.setdefault(unit.name, "worker") != "worker":
+                        continue
+                self.ran.append(unit.name)
+                yield from SerialRunner.run(self, [unit], settings)
+                self.first.set()
+
+    runner = ClaimingRunner()
+    summary = run_job(config_for(corpus_dir, output, tokenizer_path, unit_bytes=1), runner)
+    claimed = [name for name, owner in runner.owner.items() if owner == "driver"]
+    assert len(claimed) >= 2 and not set(claimed) & set(runner.ran)
+    assert summary.units_on_driver >= 2 and summary.units_run == summary.units
     run_job(config_for(corpus_dir, tmp_path / "serial", tokenizer_path, unit_bytes=1))
     assert shard_files(output) == shard_files(tmp_path / "serial")

@@ -76,8 +76,9 @@ def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus
     from raypipe.ray.executor import run_tokenize
 
     marker = tmp_path / "fault"
-    fault = {"point": point, "unit": "part-1", "action": action, "marker": str(marker),
-             "after_rows": 60 if point == "unit.rows" else 0}
+    # the fault fires in workers only; the driver tokenizes nothing itself (no head start)
+    fault = {"point": point, "unit": "part-0", "action": action, "marker": str(marker),
+             "after_rows": 60 if point == "unit.rows" else 0, "in": "worker"}
     killer = None
     if action == "pause":  # a real kill from outside: SIGKILL the paused actor process
         def kill_when_paused():
@@ -89,7 +90,7 @@ def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus
     began = time.perf_counter()
     monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, json.dumps(fault))
     summary = run_tokenize(config_for(corpus_dir, tmp_path / "out", tokenizer_path,
-                                      num_workers=2))
+                                      num_workers=2, head_start=False))
     assert marker.exists()  # the worker really died
     assert summary.unit_retries == 1 and "retried    1 unit run(s)" in summary.render()
     assert shard_files(tmp_path / "out") == clean_run
@@ -107,10 +108,10 @@ def test_a_unit_that_kills_every_worker_fails_naming_its_file_and_keeps_the_rest
     from raypipe.ray.executor import UNIT_RETRIES, run_tokenize
 
     output = tmp_path / "out"
-    config = config_for(corpus_dir, output, tokenizer_path, num_workers=2)
-    unit = next(u for u in plan_units(config.inputs, "text", 1) if "part-1" in u.name)
+    config = config_for(corpus_dir, output, tokenizer_path, num_workers=2, head_start=False)
+    unit = plan_units(config.inputs, "text", 1)[0]
     fault = {"point": "unit.rows", "unit": unit.name, "action": "kill", "always": True,
-             "marker": str(tmp_path / "fault"), "after_rows": 60}
+             "marker": str(tmp_path / "fault"), "after_rows": 60, "in": "worker"}
     monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, json.dumps(fault))
     outcome: list[BaseException | None] = []
 

@@ -140,24 +140,42 @@ def _tuple_of(cls: type[Record], items: Iterable[Any], where: str) -> tuple[Reco
                  for item in items)
 
 
+UNIT_KINDS = ("parquet", "jsonl", "block")
+
+
 @dataclass(frozen=True)
 class WorkUnit(JsonRecord):
-    """Row groups [row_group_start, row_group_stop) of one parquet file."""
+    """One unit of a tokenize job, by `kind`: row groups [row_group_start, row_group_stop)
+    of a parquet file; bytes [byte_start, byte_stop) of a JSON-lines file (byte_stop -1:
+    to its end); or one block of a user's ray.data.Dataset (`uri` names the Dataset,
+    `source` is the hash of the block's rows)."""
 
     uri: str
     row_group_start: int
     row_group_stop: int
-    num_rows: int
+    num_rows: int  # -1: not known before the unit is read (JSON lines)
     name: str
     first_row: int = 0
-    source: str = ""  # identity of the input file read (size + footer hash); "" = unknown
+    source: str = ""  # identity of the input read (size + content hash); "" = unknown
+    kind: str = "parquet"
+    byte_start: int = 0
+    byte_stop: int = -1
+    size_bytes: int = 0  # input bytes of the unit (progress weighs units by them)
 
     def check(self, where: str) -> None:
         plain_name(self.name, where, "unit name")
+        if self.kind not in UNIT_KINDS:
+            raise FormatError(where, f"unit kind {self.kind!r} not among {list(UNIT_KINDS)}")
 
     @property
     def location(self) -> str:
-        """`<file>: row groups a..b`, for messages about this unit."""
+        """Where the unit's rows are, for messages about it."""
+        if self.kind == "jsonl":
+            if self.byte_start == 0 and self.byte_stop < 0:
+                return self.uri
+            return f"{self.uri}: bytes {self.byte_start}..{self.byte_stop - 1}"
+        if self.kind == "block":
+            return f"{self.uri}: block {self.source} ({self.num_rows} rows)"
         return f"{self.uri}: row groups {self.row_group_start}..{self.row_group_stop - 1}"
 
 

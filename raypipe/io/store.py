@@ -66,6 +66,11 @@ def storage_errors(uri: str, doing: str) -> Iterator[None]:
 class Store:
     """The root directory of a dataset, local or on object storage."""
 
+    def __reduce__(self) -> tuple[type[Store], tuple[str]]:
+        """A Store crosses processes as its URI: the receiving process opens the filesystem
+        with its own environment's endpoint and credentials, none of which travel."""
+        return Store, (self.uri,)
+
     def __init__(self, location: str | Path):
         location = str(location)
         check_location(location)

@@ -1,11 +1,15 @@
-"""Work units: (input file, row-group range) with a name derived from the fragment.
+"""Work units: (input file, row-group or byte range) with a name derived from the fragment,
+and the record batches of one unit.
 
 Invariant: the unit list and every unit's name are a pure function of the input files and
 `unit_bytes`, never of parallelism, so the shards written for a unit (named after it) are
-the same at any worker count or batch size. Inputs are a glob, a directory (all *.parquet
-below it) or a list of those, on any filesystem pyarrow understands (local, s3://, gs://,
-...). Planning reads only parquet footers: the text column is checked in every file before
-any task starts. Cost: one footer read per file (~1 ms locally).
+the same at any worker count or batch size. Inputs are a glob, a directory (every parquet
+and JSON-lines file below it) or a list of those, on any filesystem pyarrow understands
+(local, s3://, gs://, ...). Parquet files are cut at row groups, JSON-lines files as
+`raypipe.preprocess.jsonl` says. Planning reads only parquet footers and the first line of
+each JSON-lines file: the text column is checked in every file before any task starts.
+Cost: one footer read per parquet file (~1 ms locally), two to three small reads per JSON-lines
+file plus one per cut.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import PurePosixPath
 
 import pyarrow as pa
@@ -22,7 +27,17 @@ import pyarrow.parquet as pq
 from raypipe.errors import InputError
 from raypipe.io.filesystem import filesystem_and_path, uri_of
 from raypipe.io.manifest import WorkUnit
+from raypipe.preprocess.jsonl import (
+    JSONL_SUFFIXES,
+    byte_ranges,
+    file_identity,
+    first_record_fields,
+    is_jsonl,
+    jsonl_batches,
+)
 from raypipe.preprocess.texts import can_hold_text
+
+INPUT_SUFFIXES = (".parquet", *JSONL_SUFFIXES)
 
 GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -69,10 +84,11 @@ def expand_input(spec: str) -> list[str]:
         if info.type == pafs.FileType.NotFound:
             raise InputError(f"{spec}: no such file or directory")
         if info.type == pafs.FileType.Directory:
-            matches = [p for p in _list_files(filesystem, path, spec) if p.endswith(".parquet")]
+            matches = [p for p in _list_files(filesystem, path, spec)
+                       if p.endswith(INPUT_SUFFIXES)]
         elif info.type == pafs.FileType.File:
             matches = [path]
-        else:  # a FIFO, socket or device would block or mislead the parquet reader
+        else:  # a FIFO, socket or device would block or mislead the readers
             raise InputError(f"{spec}: not a regular file ({info.type.name})")
     if isinstance(filesystem, pafs.LocalFileSystem):  # one identity per file
         matches = [os.path.realpath(m) for m in matches]
@@ -112,7 +128,8 @@ def expand_inputs(specs: tuple[str, ...] | list[str]) -> list[str]:
         files.extend(expand_input(spec))
     unique = sorted(set(files))
     if not unique:
-        raise InputError(f"inputs {list(specs)}: no parquet file matches")
+        raise InputError(f"inputs {list(specs)}: no parquet or JSON-lines file "
+                         f"({', '.join(INPUT_SUFFIXES)}) matches")
     return unique
 
 
@@ -140,10 +157,26 @@ def _open_with_identity(uri: str) -> tuple[pq.ParquetFile, str]:
         raise InputError(f"{uri}: not a readable parquet file: {exc}") from exc
 
 
-def unit_name(uri: str, start: int, stop: int) -> str:
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", PurePosixPath(uri).name.removesuffix(".parquet"))
+def unit_name(uri: str, start: int | None = None, stop: int | None = None,
+              part: str = "rg") -> str:
+    """`<file stem>-<hash of the URI>-<part><start>-<stop>`: row groups (`rg`) or, for
+    JSON lines, byte offsets (`b`); `-whole` for a file read whole (no range)."""
+    name = PurePosixPath(uri).name
+    for suffix in INPUT_SUFFIXES:
+        name = name.removesuffix(suffix)
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
     digest = hashlib.sha1(uri.encode()).hexdigest()[:8]
-    return f"{stem[:48]}-{digest}-rg{start:05d}-{stop:05d}"
+    if start is None or stop is None:
+        return f"{stem[:48]}-{digest}-whole"
+    width = 5 if part == "rg" else 12
+    return f"{stem[:48]}-{digest}-{part}{start:0{width}d}-{stop:0{width}d}"
+
+
+def _check_columns(uri: str, columns: list[str], available: list[str], noun: str) -> None:
+    for role, column in zip([f"text {noun}"] + [noun] * len(columns), columns, strict=False):
+        if column not in available:
+            raise InputError(f"{uri}: {role} {column!r} not found; "
+                             f"available {noun}s: {available}")
 
 
 def units_of_file(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUnit]:
@@ -151,12 +184,7 @@ def units_of_file(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUni
     name in `columns` (text column first) must exist."""
     parquet, identity = _open_with_identity(uri)
     schema = parquet.schema_arrow
-    available = schema.names
-    for role, column in zip(["text column"] + ["column"] * len(columns), columns,
-                            strict=False):
-        if column not in available:
-            raise InputError(f"{uri}: {role} {column!r} not found; "
-                             f"available columns: {available}")
+    _check_columns(uri, columns, schema.names, "column")
     text_type = schema.field(columns[0]).type
     if not can_hold_text(text_type):
         raise InputError(f"{uri}: text column {columns[0]!r} has type {text_type}, which "
@@ -170,15 +198,47 @@ def units_of_file(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUni
         size += group.total_byte_size
         if size >= unit_bytes or index == meta.num_row_groups - 1:
             units.append(WorkUnit(uri, start, index + 1, rows, unit_name(uri, start, index + 1),
-                                  first_row, identity))
+                                  first_row, identity, size_bytes=size))
             first_row += rows
             start, rows, size = index + 1, 0, 0
     return units
 
 
+def units_of_jsonl(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUnit]:
+    """Byte ranges of about `unit_bytes` (a compressed file whole); the first record must
+    hold every field in `columns` (text field first)."""
+    _check_columns(uri, columns, first_record_fields(uri), "field")
+    identity, size = file_identity(uri)
+    ranges = byte_ranges(uri, size, unit_bytes)
+    whole = len(ranges) == 1
+    return [WorkUnit(uri, 0, 1, -1, unit_name(uri) if whole else unit_name(uri, start, stop, "b"),
+                     0 if start == 0 else -1,
+                     identity, kind="jsonl", byte_start=start, byte_stop=-1 if whole else stop,
+                     size_bytes=stop - start)
+            for start, stop in ranges]
+
+
 def plan_units(inputs: tuple[str, ...] | list[str], text_column: str, unit_bytes: int,
                extra_columns: tuple[str, ...] = ()) -> list[WorkUnit]:
     units: list[WorkUnit] = []
+    columns = [text_column, *extra_columns]
     for uri in expand_inputs(inputs):
-        units.extend(units_of_file(uri, [text_column, *extra_columns], unit_bytes))
+        plan = units_of_jsonl if is_jsonl(uri) else units_of_file
+        units.extend(plan(uri, columns, unit_bytes))
     return units
+
+
+def unit_batches(unit: WorkUnit, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+    """The rows of a file unit as record batches of `columns` (text first), in file order;
+    a decode error is an InputError naming the unit's file and range."""
+    if unit.kind == "jsonl":
+        yield from jsonl_batches(unit, columns, batch_rows)
+        return
+    parquet = open_parquet(unit.uri)
+    batches = parquet.iter_batches(batch_size=batch_rows, columns=list(dict.fromkeys(columns)),
+                                   row_groups=range(unit.row_group_start, unit.row_group_stop),
+                                   use_threads=False)
+    try:
+        yield from batches
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{unit.location} cannot be read: {exc}") from exc

@@ -1,15 +1,18 @@
 """Progress of a tokenize job as its units commit: a live line on a terminal, else a line at
-least every `every` seconds (logs, pipes, `ray job logs`).
+least every `every` seconds (logs, pipes, `ray job logs`), also while no unit commits.
 
 Invariant: progress is computed from the commit records that reach the driver (units done of
-total, tokens, bytes of input read), so it never runs ahead of what is committed; the ETA is
-the remaining input rows at the rate measured since the run started. Cost: one
-format and one write per record (or per interval), nothing per token.
+total, tokens, input bytes read), so it never runs ahead of what is committed; the ETA is the
+remaining input bytes at the rate measured since the run started, and says "unknown" until
+the first unit has committed (no rate yet). A job whose units are not known in advance (a
+ray.data.Dataset's blocks) reports blocks and tokens without a share or ETA. Cost: one format
+and one write per record or per interval, and a timer thread asleep in between.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -21,44 +24,79 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-class Progress:
-    """Report committed units of a run of `units` (the pending ones)."""
+def unit_weight(unit: WorkUnit) -> int:
+    """A unit's share of the job's work: its input bytes (rows if unknown)."""
+    return unit.size_bytes or max(1, unit.num_rows)
 
-    def __init__(self, units: list[WorkUnit], every: float = 10.0,
-                 stream: TextIO | None = None):
+
+class Progress:
+    """Report committed units of a run of `units` (the pending ones; None: not known in
+    advance). Use as a context manager: the timer thread runs inside it."""
+
+    def __init__(self, units: list[WorkUnit] | None, every: float = 10.0,
+                 stream: TextIO | None = None, noun: str = "units"):
         self.stream = stream or sys.stderr
         self.live = self.stream.isatty()
-        self.total_units = len(units)
-        self.rows_of = {unit.name: max(1, unit.num_rows) for unit in units}
-        self.total_rows = sum(self.rows_of.values())
+        self.noun = noun
+        self.total_units = None if units is None else len(units)
+        self.weight_of = {unit.name: unit_weight(unit) for unit in units or ()}
+        self.total_weight = sum(self.weight_of.values())
         self.every = every
         self.started = time.perf_counter()
         self.last_shown = self.started
-        self.done_units = self.done_rows = self.tokens = 0
+        self.done_units = self.done_weight = self.tokens = 0
         self.lines = 0
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.timer: threading.Thread | None = None
+
+    def __enter__(self) -> Progress:
+        self.timer = threading.Thread(target=self._tick, name="raypipe-progress", daemon=True)
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        if self.timer is not None:
+            self.timer.join()
+
+    def _tick(self) -> None:
+        while not self.stopped.wait(min(self.every, 1.0)):
+            with self.lock:
+                now = time.perf_counter()
+                if now - self.last_shown >= self.every:
+                    self._show(now, finished=False)
 
     def update(self, record: UnitRecord) -> None:
-        self.done_units += 1
-        self.done_rows += self.rows_of.get(record.unit.name, record.rows)
-        self.tokens += record.tokens
-        now = time.perf_counter()
-        finished = self.done_units == self.total_units
-        if self.live or finished or now - self.last_shown >= self.every:
-            self.last_shown = now
-            self._show(now, finished)
+        with self.lock:
+            self.done_units += 1
+            self.done_weight += self.weight_of.get(record.unit.name, 0)
+            self.tokens += record.tokens
+            now = time.perf_counter()
+            finished = self.done_units == self.total_units
+            if self.live or finished or now - self.last_shown >= self.every:
+                self._show(now, finished)
 
     def _show(self, now: float, finished: bool) -> None:
+        self.last_shown = now
         elapsed = now - self.started
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        share = self.done_rows / self.total_rows if self.total_rows else 1.0
-        eta = elapsed * (1 - share) / share if share > 0 else 0.0
-        line = (f"raypipe: {self.done_units}/{self.total_units} units ({share:.0%}), "
-                f"{self.tokens:,} tokens, {rate / 1e6:.2f} M tokens/s, elapsed "
-                f"{_clock(elapsed)}, ETA {_clock(eta)}")
+        if self.total_units is None:
+            line = f"raypipe: {self.done_units} {self.noun} committed"
+            share = None
+        else:
+            share = self.done_weight / self.total_weight if self.total_weight else 1.0
+            eta = (_clock(elapsed * (1 - share) / share) if self.done_units
+                   else "unknown until a unit commits")
+            line = (f"raypipe: {self.done_units}/{self.total_units} {self.noun} ({share:.0%})")
+        line += (f", {self.tokens:,} tokens, {rate / 1e6:.2f} M tokens/s, elapsed "
+                 f"{_clock(elapsed)}")
+        if share is not None:
+            line += f", ETA {eta}"
         if self.live:  # a bar, redrawn in place
-            filled = int(round(20 * share))
+            filled = int(round(20 * (share or 0.0)))
             bar = "[" + "#" * filled + "." * (20 - filled) + "] "
-            self.stream.write("\r" + bar + line + ("\n" if finished else ""))
+            self.stream.write("\r" + bar + line + "\x1b[K" + ("\n" if finished else ""))
         else:
             self.stream.write(line + "\n")
         self.stream.flush()

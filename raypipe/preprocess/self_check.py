@@ -40,7 +40,7 @@ from raypipe.io.cache import default_cache_dir
 from raypipe.io.manifest import WorkUnit
 from raypipe.preprocess import encoder, tiktoken_backend
 from raypipe.preprocess.encoder import DocumentEncoder, tokenizer_sha256
-from raypipe.preprocess.inputs import open_parquet
+from raypipe.preprocess.inputs import unit_batches
 from raypipe.preprocess.texts import clean_texts_with_rows
 from raypipe.preprocess.tiktoken_backend import why_not
 
@@ -88,12 +88,9 @@ def adversarial_texts(special_literals: list[str]) -> list[str]:
 
 def sample_texts(unit: WorkUnit, text_column: str) -> list[str]:
     """Valid texts from the start of one unit, up to SAMPLE_CHARS characters."""
-    parquet = open_parquet(unit.uri)
     texts: list[str] = []
     chars = 0
-    batches = parquet.iter_batches(batch_size=256, columns=[text_column], use_threads=False,
-                                   row_groups=range(unit.row_group_start, unit.row_group_stop))
-    for batch in batches:
+    for batch in unit_batches(unit, [text_column], 256):
         kept, _, _ = clean_texts_with_rows(batch.column(text_column), None)
         for text in kept:
             texts.append(text)

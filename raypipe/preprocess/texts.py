@@ -1,8 +1,11 @@
-"""Turn one parquet text column batch into clean Python strings, counting what is skipped.
+"""Turn one text column batch into clean Python strings, counting what is skipped.
 
 Invariant: every input row is either returned (in order) or counted under exactly one skip
 reason: `null`, `empty`, `non_string` (the column is not string/binary), `invalid_utf8`
-(binary column), `too_long` (over `max_document_chars`). rows = kept + sum(skipped).
+(binary column), `too_long` (over `max_document_chars`); the JSON-lines reader adds
+`blank_line`, and turns a non-string text or one that is not valid Unicode into a null it
+counts as `non_string` / `invalid_utf8` itself (raypipe.preprocess.jsonl).
+rows = kept + sum(skipped).
 Cost: vectorized pyarrow filters for string columns; a per-row decode only for binary ones.
 """
 

@@ -34,7 +34,7 @@ from raypipe.io.manifest import (
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
 from raypipe.preprocess.llmbatch import LLMBatchSpec, write_llmbatch
-from raypipe.preprocess.unit import ShardRoller, ShardSpec
+from raypipe.preprocess.shards import ShardRoller, ShardSpec
 
 DOCUMENTS_PER_ADD = 4096
 NO_SHARD_LIMIT = 2**31 - 1  # one target shard per source shard

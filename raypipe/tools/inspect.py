@@ -17,7 +17,7 @@ from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.formats import FORMATS
 from raypipe.io.manifest import FormatSection, Manifest, as_store, read_manifest
 from raypipe.io.store import Store
-from raypipe.preprocess.job import packing_line
+from raypipe.preprocess.summary import packing_line
 from raypipe.sampling.mixture import mixture_weights
 
 

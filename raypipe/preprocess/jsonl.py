@@ -1,0 +1,276 @@
+"""JSON-lines inputs: `*.jsonl`, `*.json` (one object per line), gzip- or zstd-compressed.
+
+Invariant: a JSONL file is planned into work units as a parquet file is, as a pure function
+of the file and `unit_bytes`: a compressed file (`.gz`, `.zst`: not seekable) is one unit; an
+uncompressed one is cut into byte ranges of about `unit_bytes`, each ending just after a
+newline (found at plan time with one small read per cut), so a line belongs to the unit its
+first byte is in and no line is read twice or lost. Rows come out as Arrow record batches of
+the chosen fields, so cleaning, tokenizing and writing are the parquet path's. A line that
+is not a JSON object is an InputError naming the file and its line number (counted from the
+file's start, also inside a byte range); blank lines are not rows. A field that is missing
+or JSON null counts as `null`, a non-string text as `non_string`, a text that is not valid
+Unicode (a lone surrogate escape, or bytes that are not UTF-8) as `invalid_utf8`.
+The input's identity (part of every commit record) is sha256 of the size and the first and
+last MiB: for gzip and zstd the tail holds the checksum of the whole content; an
+uncompressed file edited in its middle without a change of size keeps its identity.
+Cost: one `json.loads` per line (~3% of tokenizing it), the decompression, and at plan time
+two small reads per file plus one per cut.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from raypipe.errors import InputError
+from raypipe.io.filesystem import filesystem_and_path
+from raypipe.io.manifest import WorkUnit
+
+COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd"}
+JSONL_SUFFIXES = tuple(f"{stem}{zip_suffix}" for stem in (".jsonl", ".json")
+                       for zip_suffix in ("", *COMPRESSED_SUFFIXES))
+IDENTITY_BYTES = 1 << 20
+READ_BYTES = 8 << 20
+TEXT_SKIPS = "text_skips"  # schema metadata key: rows the reader already classified
+
+
+def is_jsonl(uri: str) -> bool:
+    return uri.endswith(JSONL_SUFFIXES)
+
+
+def compression_of(uri: str) -> str | None:
+    return next((codec for suffix, codec in COMPRESSED_SUFFIXES.items()
+                 if uri.endswith(suffix)), None)
+
+
+def _open_random_access(uri: str) -> Any:
+    filesystem, path = filesystem_and_path(uri)
+    try:
+        return filesystem.open_input_file(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{uri}: cannot open: {exc}") from exc
+
+
+def _open_stream(uri: str, start: int = 0) -> Any:
+    """The file's bytes from `start` (decompressed for .gz/.zst, which start at 0)."""
+    filesystem, path = filesystem_and_path(uri)
+    codec = compression_of(uri)
+    try:
+        if codec is not None:
+            return filesystem.open_input_stream(path, compression=codec)
+        handle = filesystem.open_input_file(path)
+        handle.seek(start)
+        return handle
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{uri}: cannot open: {exc}") from exc
+
+
+def file_identity(uri: str) -> tuple[str, int]:
+    """(identity, size in bytes): sha256 of the size and the first and last MiB."""
+    with _open_random_access(uri) as handle:
+        size = handle.size()
+        digest = hashlib.sha256(f"{size}:".encode())
+        digest.update(handle.read(min(size, IDENTITY_BYTES)))
+        if size > IDENTITY_BYTES:
+            handle.seek(max(IDENTITY_BYTES, size - IDENTITY_BYTES))
+            digest.update(handle.read())
+    return digest.hexdigest()[:16], size
+
+
+def _next_line_start(handle: Any, position: int, size: int) -> int:
+    """The offset just after the first newline at or after `position` (or `size`)."""
+    handle.seek(position)
+    while position < size:
+        chunk = handle.read(min(1 << 16, size - position))
+        newline = chunk.find(b"\n")
+        if newline >= 0:
+            return position + newline + 1
+        position += len(chunk)
+    return size
+
+
+def byte_ranges(uri: str, size: int, unit_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of about `unit_bytes`, each ending after a newline."""
+    if compression_of(uri) is not None or size <= unit_bytes:
+        return [(0, size)]
+    cuts = [0]
+    with _open_random_access(uri) as handle:
+        while cuts[-1] + unit_bytes < size:
+            cut = _next_line_start(handle, cuts[-1] + unit_bytes, size)
+            if cut >= size:
+                break
+            cuts.append(cut)
+    return list(zip(cuts, [*cuts[1:], size], strict=True))
+
+
+def _lines(uri: str, start: int, stop: int | None) -> Iterator[bytes]:
+    """The lines of the file in [start, stop) (the whole file if stop is None), without
+    their newline; memory is bounded by READ_BYTES plus the longest line."""
+    with _open_stream(uri, start) as stream:
+        remaining = None if stop is None else stop - start
+        tail = b""
+        while remaining is None or remaining > 0:
+            chunk = stream.read(READ_BYTES if remaining is None
+                                else min(READ_BYTES, remaining))
+            if not chunk:
+                break
+            if remaining is not None:
+                remaining -= len(chunk)
+            lines = (tail + chunk).split(b"\n")
+            tail = lines.pop()
+            yield from lines
+        if tail:
+            yield tail
+
+
+def lines_before(uri: str, offset: int) -> int:
+    """How many lines of the file start before byte `offset` (0 for a whole-file unit)."""
+    if offset == 0:
+        return 0
+    count = 0
+    with _open_stream(uri) as stream:
+        remaining = offset
+        while remaining > 0:
+            chunk = stream.read(min(READ_BYTES, remaining))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            remaining -= len(chunk)
+    return count
+
+
+def _parse(line: bytes, where: Any, number: int) -> dict[str, Any] | None:
+    """The line's JSON object; None for bytes that are not UTF-8 (skipped as
+    invalid_utf8); InputError for anything else that is not one JSON object."""
+    try:
+        value = json.loads(line)
+    except UnicodeDecodeError:
+        return None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{where(number)}: not valid JSON ({exc.msg} at column "
+                         f"{exc.colno})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{where(number)}: not a JSON object (a JSON-lines corpus holds one "
+                         f"object per line), got {type(value).__name__}")
+    return value
+
+
+def first_record_fields(uri: str) -> list[str]:
+    """The field names of the file's first JSON object (refusing a file without one)."""
+    for number, line in enumerate(_lines(uri, 0, None), 1):
+        if line.strip():
+            record = _parse(line, lambda n: f"{uri}: line {n}", number)
+            if record is None:
+                raise InputError(f"{uri}: line {number}: not UTF-8")
+            return list(record)
+    raise InputError(f"{uri}: holds no JSON line")
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, from a \ud800-style escape
+        return False
+    return True
+
+
+def _text_array(values: list[Any], skipped: Counter) -> pa.Array:
+    """The text field as a large_string array; a non-string or a string that is not valid
+    Unicode becomes a null counted under its reason."""
+    texts = []
+    for value in values:
+        if value is not None and not isinstance(value, str):
+            skipped["non_string"] += 1
+            value = None
+        texts.append(value)
+    try:
+        return pa.array(texts, type=pa.large_string())
+    except (UnicodeEncodeError, pa.ArrowException):
+        for index, text in enumerate(texts):
+            if text is not None and not _is_unicode(text):
+                skipped["invalid_utf8"] += 1
+                texts[index] = None
+        return pa.array(texts, type=pa.large_string())
+
+
+def _field_array(values: list[Any], where: Any, field: str) -> pa.Array:
+    try:
+        return pa.array(values)
+    except (pa.ArrowException, OverflowError) as exc:
+        raise InputError(f"{where()}: field {field!r} holds values of mixed types that no "
+                         f"column can hold: {exc}") from None
+
+
+def _batch(rows: list[dict[str, Any] | None], columns: list[str], skipped: Counter,
+           where: Any) -> pa.RecordBatch:
+    """Rows (None: a skipped line, already counted in `skipped`) as a record batch; rows
+    the reader turned into nulls are named in the schema metadata (`reader_skips`) so they
+    are counted under their reason, not as `null`."""
+    present = [row or {} for row in rows]
+    arrays = [_text_array([row.get(columns[0]) for row in present], skipped)]
+    arrays += [_field_array([row.get(name) for row in present], where, name)
+               for name in columns[1:]]
+    schema = pa.schema([pa.field(columns[0], pa.large_string()),
+                        *[pa.field(name, array.type)
+                          for name, array in zip(columns[1:], arrays[1:], strict=True)]],
+                       metadata={TEXT_SKIPS: json.dumps(dict(skipped))})
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def reader_skips(batch: pa.RecordBatch) -> Counter:
+    """Rows of `batch` the JSONL reader already counted (as nulls), by reason."""
+    raw = (batch.schema.metadata or {}).get(TEXT_SKIPS.encode())
+    return Counter(json.loads(raw)) if raw else Counter()
+
+
+class LineLocator:
+    """File line numbers for messages about a byte-range unit: the lines before the range
+    are counted only when a message needs them (one read of the file's prefix)."""
+
+    def __init__(self, unit: WorkUnit):
+        self.unit = unit
+        self.before: int | None = None if unit.byte_start else 0
+
+    def __call__(self, line_in_unit: int) -> str:
+        if self.before is None:
+            self.before = lines_before(self.unit.uri, self.unit.byte_start)
+        return f"{self.unit.uri}: line {self.before + line_in_unit}"
+
+    def first_row(self) -> int:
+        """The file row (0-based line) the unit starts at."""
+        if self.before is None:
+            self.before = lines_before(self.unit.uri, self.unit.byte_start)
+        return self.before
+
+
+def jsonl_batches(unit: WorkUnit, columns: list[str], batch_rows: int
+                  ) -> Iterator[pa.RecordBatch]:
+    """The unit's lines as record batches of `columns` (text first), `batch_rows` lines
+    each: one row per line, so a row's index is its line's."""
+    where = LineLocator(unit)
+
+    def lines_from(first: int) -> Any:
+        return lambda: f"{where(first)} and the lines after it"
+
+    stop = None if unit.byte_stop < 0 else unit.byte_stop
+    rows: list[dict[str, Any] | None] = []
+    skipped: Counter = Counter()
+    for number, line in enumerate(_lines(unit.uri, unit.byte_start, stop), 1):
+        record = None
+        if not line.strip():
+            skipped["blank_line"] += 1
+        else:
+            record = _parse(line, where, number)
+            if record is None:
+                skipped["invalid_utf8"] += 1
+        rows.append(record)
+        if len(rows) == batch_rows:
+            yield _batch(rows, columns, skipped, lines_from(number - len(rows) + 1))
+            rows, skipped = [], Counter()
+    if rows:
+        yield _batch(rows, columns, skipped, lines_from(len(rows) and number - len(rows) + 1))

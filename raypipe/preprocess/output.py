@@ -1,0 +1,127 @@
+"""The output of a tokenize job before it runs: one config per output, inputs that still
+exist, no leftovers of a killed run.
+
+Invariant: an output holds the units of exactly one output-shaping config (its fingerprint,
+in `_units/_job.json`) and of the inputs that job was given. A job with a different config,
+or without some input files an earlier job had, is refused with the difference named, unless
+`overwrite`; then only what raypipe wrote is removed (never other files of the user's), and
+the removal is logged. Temporary files of killed writers are swept. Cost: one small JSON
+read and write per job; with `overwrite` of removed inputs, one record read per unit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from raypipe.config import LOCATION_FIELDS, TokenizeConfig
+from raypipe.errors import ConfigError
+from raypipe.formats import FORMATS
+from raypipe.io.atomic import remove_stale_temps
+from raypipe.io.manifest import (
+    JOB_RECORD,
+    MANIFEST_NAME,
+    UNITS_DIR,
+    UnitRecord,
+)
+from raypipe.io.store import Store
+from raypipe.preprocess.unit import UnitSettings
+
+JOB_PATH = f"{UNITS_DIR}/{JOB_RECORD}"
+logger = logging.getLogger("raypipe")
+
+
+def accepted_fingerprints(config: TokenizeConfig, settings: UnitSettings) -> set[str]:
+    """The job's fingerprint, and the one raypipe 0.1-0.2 computed for the same spelling."""
+    return {settings.fingerprint, config.spelled_fingerprint(settings.tokenizer.sha256)}
+
+
+def prepare_output(config: TokenizeConfig, settings: UnitSettings,
+                   inputs: list[str]) -> Store:
+    """Create the output; refuse one made with another config, or holding units of input
+    files no longer given, unless `overwrite`. Configs compare by meaning: the resolved
+    input files, the output's URI and the tokenizer's contents, not their spelling."""
+    output = settings.output
+    job = {"fingerprint": settings.fingerprint, "config": config.meaning_fields(),
+           "tokenizer_sha256": settings.tokenizer.sha256, "inputs": sorted(inputs)}
+    if output.exists(JOB_PATH):
+        previous = output.read_json(JOB_PATH)
+        if previous.get("fingerprint") not in accepted_fingerprints(config, settings):
+            if not config.overwrite:
+                raise ConfigError(f"{output}: made with a different config "
+                                  f"({describe_difference(previous, job)}); "
+                                  "pass --overwrite to replace it")
+            clear_output(output)
+        else:
+            check_inputs(config, output, previous.get("inputs"), job["inputs"])
+    elif output.exists(MANIFEST_NAME) and not config.overwrite:
+        raise ConfigError(f"{output}: holds a manifest without a job record; "
+                          "pass --overwrite to replace it")
+    if output.local:
+        remove_stale_temps(output.root)
+    if not output.exists(JOB_PATH) or output.read_json(JOB_PATH) != job:
+        output.write_json(JOB_PATH, job)
+    return output
+
+
+def check_inputs(config: TokenizeConfig, output: Store, before: list[str] | None,
+                 now: list[str]) -> None:
+    """Files may be added to a job's inputs (their units run); an output holding units of
+    files that are no longer inputs is refused (unless `overwrite`), naming them."""
+    gone = sorted(set(before or ()) - set(now))
+    if gone and config.overwrite:
+        remove_units_of(output, set(gone))
+    elif gone:
+        shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+        raise ConfigError(f"{output}: holds units of {len(gone)} input file(s) no longer "
+                          f"given ({shown}); pass --overwrite to rebuild it from the inputs "
+                          "given, or give those files again")
+
+
+def unit_records(output: Store) -> Iterator[tuple[str, UnitRecord]]:
+    """(record path, record) of every unit record in the output."""
+    for name in output.list_files(UNITS_DIR):
+        if name == JOB_PATH or not name.endswith(".json"):
+            continue
+        yield name, UnitRecord.from_json(output.read_json(name), output.uri_of(name))
+
+
+def remove_units(output: Store, doomed: Callable[[UnitRecord], bool]) -> int:
+    """Delete the shard files and records of the units `doomed` picks; how many."""
+    removed = 0
+    for name, record in list(unit_records(output)):
+        if not doomed(record):
+            continue
+        for shard in record.shards:
+            for entries in shard.files.values():
+                for entry in entries:
+                    output.delete(entry.path)
+        output.delete(name)
+        removed += 1
+    return removed
+
+
+def remove_units_of(output: Store, inputs: set[str]) -> None:
+    """Delete the units made from `inputs` (logged)."""
+    removed = remove_units(output, lambda record: record.unit.uri in inputs)
+    logger.warning("%s: --overwrite removed %d units of %d input file(s) no longer given",
+                   output, removed, len(inputs))
+
+
+def describe_difference(previous: dict[str, Any], current: dict[str, Any]) -> str:
+    before = {k: v for k, v in previous.get("config", {}).items() if k not in LOCATION_FIELDS}
+    after = current["config"]
+    keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    parts = [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in keys]
+    if previous.get("tokenizer_sha256") != current["tokenizer_sha256"]:
+        parts.append("tokenizer contents changed")
+    return "; ".join(parts) or "fingerprint differs"
+
+
+def clear_output(output: Store) -> None:
+    """Remove what raypipe wrote (never other files of the user's)."""
+    output.delete(MANIFEST_NAME)
+    output.delete("config.yaml")
+    for name in (*FORMATS, UNITS_DIR):
+        output.delete_tree(name)

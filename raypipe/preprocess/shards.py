@@ -1,0 +1,132 @@
+"""Shards of every format a job writes, rolled over by token count: one piece shared by the
+tokenize job (a unit's documents) and `raypipe convert` (a source shard's documents).
+
+Invariant: documents are appended in order and a shard rolls over before the document that
+would push it past `shard_tokens` (a longer document gets a shard of its own), so batch size
+and parallelism never move a boundary. Every format's writer of a shard gets the same
+documents; a shard's files are committed (renamed, hashed, uploaded through `Staging`)
+before the next opens. Memory: the writers' own buffers (4 bytes per document of the open
+shard for Megatron's lengths), never the shard's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from raypipe import _faults as faults
+from raypipe.errors import StorageError
+from raypipe.formats import Format, ShardWriter, get_format
+from raypipe.formats.stream import DocumentMetadata
+from raypipe.io.manifest import UnitShard
+from raypipe.io.staging import Staging
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where and how a ShardRoller writes: the output root, the formats with their options,
+    the shard size and what fixes the token dtype."""
+
+    output: str
+    formats: tuple[str, ...]
+    shard_tokens: int
+    largest_id: int
+    bos_id: int | None
+    format_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def token_dtypes(self) -> dict[str, np.dtype]:
+        return {name: get_format(name).token_dtype(self.largest_id) for name in self.formats}
+
+
+class ShardRoller:
+    """Writes a unit's documents into shards `<unit>-0000`, `-0001`, ... of every format."""
+
+    def __init__(self, spec: ShardSpec, unit_name: str, number_parts: bool = True,
+                 staging: Staging | None = None):
+        self.spec = spec
+        self.unit_name = unit_name
+        self.number_parts = number_parts  # False: the first shard keeps `unit_name` itself
+        self.staging = staging  # None: `spec.output` is a local directory written in place
+        self.output = staging.directory if staging is not None else Path(spec.output)
+        self.formats: list[Format] = [get_format(name) for name in spec.formats]
+        self.dtypes = spec.token_dtypes()
+        self.writers: list[ShardWriter] = []
+        self.shards: list[UnitShard] = []
+        self.open_tokens = 0
+
+    def _open(self) -> None:
+        name = f"{self.unit_name}-{len(self.shards):04d}"
+        if not self.number_parts and not self.shards:
+            name = self.unit_name
+        self.writers = [fmt.writer(self.output / fmt.name, name, self.dtypes[fmt.name],
+                                   self.spec.bos_id, **self.spec.format_options.get(fmt.name, {}))
+                        for fmt in self.formats]
+        self.open_tokens = 0
+
+    def _close(self) -> None:
+        if not self.writers:
+            return
+        faults.point("shard.commit", self.unit_name)
+        files = {}
+        for fmt, writer in zip(self.formats, self.writers, strict=True):
+            with storage_errors(writer):
+                files[fmt.name] = tuple(writer.commit())
+        first = self.writers[0]
+        shard = UnitShard(first.name, first.num_documents, first.num_tokens, files)
+        self.writers = []
+        if self.staging is not None:
+            try:
+                shard = self.staging.publish_shard(shard)
+            except OSError as exc:
+                raise StorageError(f"{self.staging.store}: cannot upload shard {shard.name}: "
+                                   f"{exc}") from exc
+        self.shards.append(shard)
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray,
+            metadata: list[DocumentMetadata] | None = None) -> None:
+        ends = np.cumsum(lengths)
+        first = 0
+        while first < len(lengths):
+            base = int(ends[first - 1]) if first else 0
+            room = self.spec.shard_tokens - self.open_tokens
+            fitting = int(np.searchsorted(ends[first:] - base, room, side="right"))
+            if fitting == 0 and self.writers and self.open_tokens > 0:
+                self._close()
+                continue
+            if not self.writers:
+                self._open()
+            stop = first + max(fitting, 1)
+            chunk = tokens[base:int(ends[stop - 1])]
+            chunk_metadata = metadata[first:stop] if metadata is not None else None
+            for writer in self.writers:
+                with storage_errors(writer):
+                    faults.point("write", self.unit_name, path=writer.directory / writer.name)
+                    writer.add(chunk, lengths[first:stop], chunk_metadata)
+            self.open_tokens += int(chunk.size)
+            first = stop
+            if first < len(lengths):
+                self._close()
+
+    def finish(self) -> list[UnitShard]:
+        self._close()
+        return self.shards
+
+    def abort(self) -> None:
+        for writer in self.writers:
+            writer.abort()
+
+
+@contextmanager
+def storage_errors(writer: ShardWriter) -> Iterator[None]:
+    """An OSError while writing a shard becomes a StorageError naming the shard's path."""
+    try:
+        yield
+    except OSError as exc:
+        path = exc.filename or writer.directory / writer.name
+        raise StorageError(f"{path}: cannot write shard {writer.name}: "
+                           f"{exc.strerror or exc}") from exc

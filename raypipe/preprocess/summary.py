@@ -1,0 +1,113 @@
+"""The end-of-job summary: what a tokenize job did, as `raypipe tokenize` prints it and
+`raypipe.tokenize` returns it.
+
+Invariant: every row or token the job did not turn into training tokens is a line of the
+summary (skipped rows by reason; batch formats' cropped, padded and dropped tokens), next to
+what ran where (units run, on the driver, retried, already committed) and how long it took
+(Ray start-up apart). Cost: built once from the manifest's totals and the fresh records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from raypipe.io.manifest import UnitRecord
+
+
+@dataclass
+class JobSummary:
+    """What the end-of-job summary prints; also returned by `raypipe.tokenize`."""
+
+    output: str
+    units: int
+    units_run: int
+    rows: int
+    documents: int
+    tokens: int
+    tokens_run: int
+    skipped: dict[str, int]
+    shards: int
+    bytes: int
+    wall_seconds: float
+    run_seconds: float  # first unit started to last committed (the driver's included)
+    startup_seconds: float = 0.0  # connecting to (or starting) Ray
+    data_startup_seconds: float = 0.0  # Ray Data pipeline launched -> its first record
+    peak_rss_bytes: int = 0
+    steady_seconds: float = 0.0
+    packing: dict[str, str] = field(default_factory=dict)  # batch format -> its packing line
+    special_literals: int = 0
+    special_policy: str = "text"
+    backend: str = "tokenizers"
+    backend_reason: str = ""
+    units_on_driver: int = 0  # run by the driver while the runner connected (Ray starting)
+    unit_retries: int = 0  # unit runs lost to a dead worker and run again
+    units_removed: int = 0  # units of an earlier run that the inputs no longer yield
+    noun: str = "units"  # "blocks" for a ray.data.Dataset input
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_run / self.run_seconds if self.run_seconds > 0 else 0.0
+
+    @property
+    def steady_tokens_per_second(self) -> float:
+        return self.tokens_run / self.steady_seconds if self.steady_seconds > 0 else 0.0
+
+    def render(self) -> str:
+        skipped = ", ".join(f"{k}={v}" for k, v in self.skipped.items()) or "none"
+        noun = self.noun
+        lines = [
+            f"raypipe tokenize -> {self.output}",
+            f"  {noun:<10} {self.units} ({self.units_run} run"
+            + (f", {self.units_on_driver} of them on the driver while Ray started"
+               if self.units_on_driver else "")
+            + f", {self.units - self.units_run} already committed)",
+        ]
+        if self.unit_retries:
+            lines.append(f"  retried    {self.unit_retries} unit run(s) lost to a dead worker, "
+                         "run again")
+        if self.units_removed:
+            lines.append(f"  removed    {self.units_removed} unit(s) of an earlier run that "
+                         "the inputs no longer yield")
+        lines += [
+            f"  rows       {self.rows:,}",
+            f"  documents  {self.documents:,}",
+            f"  skipped    {skipped}",
+            f"  special-token literals in {self.special_literals:,} documents (encoded as "
+            f"{'plain text' if self.special_policy == 'text' else 'special ids'})",
+            f"  tokens     {self.tokens:,} ({self.tokens_run:,} this run)",
+            f"  encoder    {self.backend}" + (f" ({self.backend_reason})"
+                                              if self.backend_reason else ""),
+            f"  shards     {self.shards} per format, {self.bytes / 1e6:,.1f} MB stored",
+            f"  wall time  {self.wall_seconds:.2f} s (Ray start-up {self.startup_seconds:.2f} s)",
+        ]
+        if self.data_startup_seconds:
+            lines.append(f"  Ray Data   first record {self.data_startup_seconds:.2f} s after the "
+                         "pipeline started (its actors starting)")
+        if self.units_run:
+            lines += [
+                f"  throughput {self.tokens_per_second / 1e6:.3f} M tokens/s over the {noun} "
+                f"run ({self.steady_tokens_per_second / 1e6:.3f} M/s once workers are up)",
+                f"  peak RSS   {self.peak_rss_bytes / 2**20:.0f} MiB per worker (max)"]
+        else:
+            lines.append(f"  nothing to run: every {noun[:-1]} was already committed")
+        return "\n".join(lines + [f"  {name:<10} {line}" for name, line in self.packing.items()])
+
+
+def steady_seconds(records: list[UnitRecord]) -> float:
+    """From the first unit's start to the last unit's end: the run without worker start-up."""
+    if not records:
+        return 0.0
+    return max(r.finished_at for r in records) - min(r.started_at for r in records)
+
+
+def packing_line(options: dict[str, Any]) -> str:
+    """One line on what a batch format's packing kept of the corpus."""
+    used, total = options["used_tokens"], options["used_tokens"] + options["cropped_tokens"] \
+        + options["dropped_tokens"]
+    share = (lambda n: f"{n / total:.2%}") if total else (lambda n: "0")
+    return (f"{options['packing']} packing: used {share(used)}, cropped "
+            f"{share(options['cropped_tokens'])}, padded {share(options['padded_tokens'])}, "
+            f"dropped {share(options['dropped_tokens'])} of the tokens")
+
+

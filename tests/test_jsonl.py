@@ -1,0 +1,177 @@
+"""JSON-lines inputs (serial runner, no Ray): the parquet run's documents from .jsonl, .json,
+.jsonl.gz and .jsonl.zst; byte-range units that read every line once; errors naming the file
+and line; skips counted by reason; input identity and resume."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from raypipe.config import load_config
+from raypipe.dataset import TokenDataset
+from raypipe.errors import InputError
+from raypipe.io.manifest import WorkUnit
+from raypipe.preprocess.inputs import plan_units, unit_batches
+from raypipe.preprocess.job import run_job
+from tests.conftest import write_parquet
+from tests.helpers import expected_documents, file_identities, shard_files
+
+
+def jsonl_bytes(texts: list, **fields: list) -> bytes:
+    rows = [{"text": text, **{name: values[i] for name, values in fields.items()}}
+            for i, text in enumerate(texts)]
+    return b"".join(json.dumps(row).encode() + b"\n" for row in rows)
+
+
+def write_compressed(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.name.endswith(".gz"):
+        path.write_bytes(gzip.compress(data))
+    elif path.name.endswith(".zst"):
+        with pa.CompressedOutputStream(str(path), "zstd") as stream:
+            stream.write(data)
+    else:
+        path.write_bytes(data)
+    return path
+
+
+def tokenize(inputs, output, tokenizer_path, **options):
+    config = load_config(None, inputs=[str(inputs)], output=str(output),
+                         tokenizer=tokenizer_path, formats=["megatron"], **options)
+    return run_job(config)
+
+
+def documents_of(output: Path) -> list[list[int]]:
+    return [document.tolist() for document in TokenDataset(output).iter_documents()]
+
+
+@pytest.mark.parametrize("name", ["part.jsonl", "part.json", "part.jsonl.gz", "part.json.gz",
+                                  "part.jsonl.zst"])
+def test_jsonl_inputs_yield_the_parquet_runs_documents(tmp_path, corpus_texts, tokenizer_path,
+                                                       name):
+    texts = corpus_texts[:300]
+    write_parquet(tmp_path / "parquet" / "part.parquet", texts)
+    write_compressed(tmp_path / "jsonl" / name, jsonl_bytes(texts))
+    parquet = tokenize(tmp_path / "parquet", tmp_path / "from-parquet", tokenizer_path)
+    jsonl = tokenize(tmp_path / "jsonl", tmp_path / "from-jsonl", tokenizer_path,
+                     unit_bytes=4096)
+    assert documents_of(tmp_path / "from-jsonl") == documents_of(tmp_path / "from-parquet")
+    assert documents_of(tmp_path / "from-jsonl") == expected_documents(tmp_path / "parquet",
+                                                                       tokenizer_path)
+    assert (jsonl.rows, jsonl.tokens) == (parquet.rows, parquet.tokens)
+    compressed = not name.endswith((".jsonl", ".json"))
+    assert (jsonl.units == 1) == compressed  # a compressed file cannot be cut
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(st.text(alphabet="ab\u00e9\u4e2d \t", max_size=40), min_size=1,
+                      max_size=60),
+       unit_bytes=st.integers(1, 400))
+def test_byte_range_units_read_every_line_exactly_once(tmp_path_factory, lines, unit_bytes):
+    path = tmp_path_factory.mktemp("jl") / "lines.jsonl"
+    path.write_bytes(jsonl_bytes(lines))
+    units = plan_units([str(path)], "text", unit_bytes)
+    read = [text for unit in units
+            for batch in unit_batches(unit, ["text"], 7)
+            for text in batch.column("text").to_pylist()]
+    assert read == lines
+    assert units[0].byte_start == 0 and all(
+        a.byte_stop == b.byte_start for a, b in zip(units, units[1:], strict=False))
+    assert len({unit.name for unit in units}) == len(units)
+
+
+def test_a_malformed_line_names_the_file_and_its_line_and_keeps_committed_units(
+        tmp_path, corpus_texts, tokenizer_path):
+    good = write_compressed(tmp_path / "in" / "a.jsonl", jsonl_bytes(corpus_texts[:50]))
+    lines = jsonl_bytes(corpus_texts[50:150]).splitlines(keepends=True)
+    lines[77] = b'{"text": "unterminated\n'
+    bad = write_compressed(tmp_path / "in" / "b.jsonl", b"".join(lines))
+    with pytest.raises(InputError) as error:
+        tokenize(tmp_path / "in", tmp_path / "out", tokenizer_path, unit_bytes=2000)
+    assert str(error.value).startswith(f"{bad}: line 78: not valid JSON")
+    committed = sorted(p.name for p in (tmp_path / "out" / "_units").glob("a-*.json"))
+    assert committed, "the good file's units were committed before the bad line"
+    before = file_identities(tmp_path / "out" / "megatron")
+    lines[77] = json.dumps({"text": corpus_texts[127]}).encode() + b"\n"
+    bad.write_bytes(b"".join(lines))  # fixed: the rerun keeps what was committed
+    rerun = tokenize(tmp_path / "in", tmp_path / "out", tokenizer_path, unit_bytes=2000)
+    assert rerun.units_run < rerun.units
+    assert all(file_identities(tmp_path / "out" / "megatron")[name] == identity
+               for name, identity in before.items() if name.startswith("a-"))
+    assert good.exists()
+
+
+def test_a_line_that_is_not_an_object_is_refused_by_line(tmp_path, tokenizer_path):
+    path = write_compressed(tmp_path / "in" / "x.jsonl.gz",
+                            b'{"text": "fine"}\n["a", "list"]\n')
+    with pytest.raises(InputError, match=rf"^{path}: line 2: not a JSON object"):
+        tokenize(path, tmp_path / "out", tokenizer_path)
+
+
+def test_a_missing_text_field_is_refused_at_plan_time_naming_the_fields(tmp_path,
+                                                                        tokenizer_path):
+    path = write_compressed(tmp_path / "in" / "x.jsonl", b'{"body": "a", "id": 1}\n')
+    with pytest.raises(InputError, match=r"text field 'text' not found; available fields: "
+                                         r"\['body', 'id'\]"):
+        tokenize(path, tmp_path / "out", tokenizer_path)
+    assert not (tmp_path / "out").exists()
+    summary = tokenize(path, tmp_path / "out", tokenizer_path, text_column="body")
+    assert summary.documents == 1
+
+
+def test_rows_that_hold_no_text_are_counted_by_reason(tmp_path, tokenizer_path):
+    lines = [b'{"text": "kept one"}', b'{"text": null}', b'{"id": 3}', b'   ',
+             b'{"text": 42}', b'{"text": ""}', b'{"text": "\\ud800 lone"}',
+             b'{"text": "bad \xff\xfe bytes"}', b'{"text": "kept two"}']
+    path = write_compressed(tmp_path / "in" / "x.jsonl", b"\n".join(lines) + b"\n")
+    summary = tokenize(path, tmp_path / "out", tokenizer_path)
+    assert summary.documents == 2 and summary.rows == len(lines)
+    assert summary.skipped == {"blank_line": 1, "empty": 1, "invalid_utf8": 2,
+                               "non_string": 1, "null": 2}
+    assert summary.rows == summary.documents + sum(summary.skipped.values())
+
+
+def test_a_changed_compressed_file_is_tokenized_again(tmp_path, corpus_texts, tokenizer_path):
+    path = write_compressed(tmp_path / "in" / "x.jsonl.gz", jsonl_bytes(corpus_texts[:40]))
+    tokenize(path, tmp_path / "out", tokenizer_path)
+    assert tokenize(path, tmp_path / "out", tokenizer_path).units_run == 0
+    write_compressed(path, jsonl_bytes(corpus_texts[1:41]))
+    again = tokenize(path, tmp_path / "out", tokenizer_path)
+    assert again.units_run == 1
+    fresh = tokenize(path, tmp_path / "fresh", tokenizer_path)
+    assert shard_files(tmp_path / "out") == shard_files(tmp_path / "fresh")
+    assert fresh.documents == 40
+
+
+def test_stream_metadata_rows_are_file_lines_in_every_byte_range(tmp_path, corpus_texts,
+                                                                 tokenizer_path):
+    texts = corpus_texts[:120]
+    path = write_compressed(tmp_path / "in" / "x.jsonl",
+                            jsonl_bytes(texts, id=[f"doc-{i}" for i in range(len(texts))]))
+    config = load_config(None, inputs=[str(path)], output=str(tmp_path / "out"),
+                         tokenizer=tokenizer_path, formats=["stream"], unit_bytes=3000,
+                         metadata_columns=["id"])
+    summary = run_job(config)
+    assert summary.units > 3
+    dataset = TokenDataset(tmp_path / "out", "stream")
+    records = [record for shard in range(dataset.num_shards)
+               for record in dataset.reader(shard).read_records(
+                   0, dataset.reader(shard).num_records - 1)]
+    kept = [i for i, text in enumerate(texts) if text]
+    assert [record["row"] for record in records] == kept
+    assert [record["id"] for record in records] == [f"doc-{i}" for i in kept]
+    assert {record["source"] for record in records} == {"x.jsonl"}
+
+
+def test_a_unit_names_its_byte_range_in_messages(tmp_path):
+    unit = WorkUnit("/d/x.jsonl", 0, 1, -1, "x", kind="jsonl", byte_start=10, byte_stop=20)
+    assert unit.location == "/d/x.jsonl: bytes 10..19"
+    whole = WorkUnit("/d/x.jsonl.gz", 0, 1, -1, "x", kind="jsonl")
+    assert whole.location == "/d/x.jsonl.gz"

@@ -1,0 +1,182 @@
+"""The tokenize job as a Ray Data job (local Ray, 2 CPUs): a user's ray.data.Dataset in,
+JSON lines through Ray, resume by block, the execution plan in Ray's ray-data log."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+import raypipe
+from raypipe.dataset import TokenDataset
+from raypipe.errors import InputError
+from tests.conftest import write_parquet
+from tests.helpers import file_identities, shard_files
+
+pytestmark = pytest.mark.ray
+
+
+def keep_short(row: dict) -> bool:
+    return row["text"] is not None and len(row["text"]) < 400
+
+
+def filtered_dataset(ray_session, corpus_dir: Path):
+    """A user's pipeline: read parquet, drop long documents, add a column."""
+    import ray.data
+
+    return (ray.data.read_parquet(str(corpus_dir), override_num_blocks=6)
+            .filter(keep_short)
+            .map(lambda row: {**row, "chars": len(row["text"])}))
+
+
+def expected_of(dataset, tokenizer_path: str) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    bos = tokenizer.token_to_id("<|bos|>")
+    return [[bos, *tokenizer.encode(row["text"], add_special_tokens=False).ids]
+            for row in dataset.iter_rows() if row["text"]]
+
+
+@pytest.mark.slow
+def test_a_filtered_dataset_yields_exactly_its_documents_at_any_concurrency(
+        ray_session, tmp_path, corpus_dir, tokenizer_path):
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    dataset = filtered_dataset(ray_session, corpus_dir)
+    expected = expected_of(dataset, tokenizer_path)
+    outputs = {}
+    for workers in (1, 2):
+        output = tmp_path / f"w{workers}"
+        summary = raypipe.tokenize(dataset, str(output), tokenizer_path, formats="megatron",
+                                   num_workers=workers)
+        assert summary.documents == len(expected) and summary.units_run == summary.units > 1
+        assert "blocks" in summary.render()
+        outputs[workers] = shard_files(output)
+    assert outputs[1] == outputs[2]
+    got = [document.tolist() for document in TokenDataset(tmp_path / "w2").iter_documents()]
+    assert got == expected
+    manifest = json.loads((tmp_path / "w2" / "manifest.json").read_text())
+    shards = [shard["name"] for shard in manifest["formats"]["megatron"]["shards"]]
+    read = [document.tolist() for name in shards
+            for document in indexed.IndexedDataset(str(tmp_path / "w2" / "megatron" / name))]
+    assert read == expected  # megatron-core opens every shard, blocks in the Dataset's order
+
+
+@pytest.mark.slow
+def test_a_rerun_skips_committed_blocks_and_rewrites_changed_ones(ray_session, tmp_path,
+                                                                  corpus_dir, tokenizer_path):
+    import ray.data
+
+    output = tmp_path / "out"
+    dataset = ray.data.read_parquet(str(corpus_dir), override_num_blocks=6)
+    first = raypipe.tokenize(dataset, str(output), tokenizer_path, formats="megatron")
+    before = file_identities(output / "megatron")
+    again = raypipe.tokenize(dataset, str(output), tokenizer_path, formats="megatron")
+    assert again.units == first.units and again.units_run == 0
+    assert file_identities(output / "megatron") == before
+    # the user's pipeline changes: blocks whose rows changed are rewritten, the others kept
+    narrower = dataset.filter(keep_short)
+    changed = raypipe.tokenize(narrower, str(output), tokenizer_path, formats="megatron")
+    assert changed.units_run >= 1 and changed.units_removed >= 1
+    fresh = tmp_path / "fresh"
+    raypipe.tokenize(narrower, str(fresh), tokenizer_path, formats="megatron")
+    assert shard_files(output) == shard_files(fresh)
+    assert sorted(p.name for p in (output / "_units").iterdir()) == \
+        sorted(p.name for p in (fresh / "_units").iterdir())
+
+
+def test_a_dataset_without_the_text_column_is_refused_naming_its_columns(
+        ray_session, tmp_path, tokenizer_path):
+    import ray.data
+
+    dataset = ray.data.from_items([{"body": "a"}, {"body": "b"}])
+    with pytest.raises(InputError, match=r"ray.data.Dataset: text column 'text' not found; "
+                                         r"available columns: \['body'\]"):
+        raypipe.tokenize(dataset, str(tmp_path / "out"), tokenizer_path)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_jsonl_gz_and_zst_on_ray_match_the_parquet_run(ray_session, tmp_path, corpus_texts,
+                                                       tokenizer_path):
+    import pyarrow as pa
+
+    texts = corpus_texts[:400]
+    write_parquet(tmp_path / "parquet" / "part.parquet", texts)
+    lines = b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts)
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "part.jsonl.gz").write_bytes(gzip.compress(lines))
+    (tmp_path / "zst").mkdir()
+    with pa.CompressedOutputStream(str(tmp_path / "zst" / "part.jsonl.zst"), "zstd") as out:
+        out.write(lines)
+    documents = {}
+    for name in ("parquet", "gz", "zst"):
+        raypipe.tokenize(str(tmp_path / name), str(tmp_path / f"out-{name}"), tokenizer_path,
+                         formats="megatron")
+        documents[name] = [d.tolist() for d in TokenDataset(tmp_path / f"out-{name}")
+                           .iter_documents()]
+    assert documents["gz"] == documents["zst"] == documents["parquet"]
+    assert len(documents["parquet"]) == sum(1 for t in texts if t)
+
+
+def test_the_execution_plan_of_the_tokenize_stage_is_in_rays_data_log(ray_session, tmp_path,
+                                                                      corpus_dir,
+                                                                      tokenizer_path):
+    from ray._private.worker import global_worker
+
+    raypipe.tokenize(str(corpus_dir), str(tmp_path / "out"), tokenizer_path,
+                     formats="megatron", unit_bytes=1)
+    logs = Path(global_worker.node.get_session_dir_path()) / "logs" / "ray-data"
+    text = "".join(path.read_text() for path in logs.glob("ray-data*.log"))
+    assert "Execution plan of Dataset" in text
+    assert "ActorPoolMapOperator[MapBatches(TokenizeUnits)]" in text
+
+
+DRIVER = """
+import sys
+from raypipe.config import load_config
+from raypipe.ray.executor import run_tokenize
+corpus, output, tokenizer = sys.argv[1:4]
+run_tokenize(load_config(None, inputs=[corpus], output=output, tokenizer=tokenizer,
+                         unit_bytes=1, num_workers=2, encode_batch_rows=16))
+"""
+
+
+@pytest.mark.slow
+def test_a_driver_killed_mid_job_then_rerun_gives_the_clean_runs_bytes(
+        ray_session, tmp_path, corpus_dir, tokenizer_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from raypipe.ray.executor import run_tokenize
+    from tests.test_reliability import config_for
+
+    clean, output = tmp_path / "clean", tmp_path / "out"
+    run_tokenize(config_for(corpus_dir, clean, tokenizer_path, formats=["megatron",
+                                                                       "nanogpt"]))
+    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rp-", dir="/tmp")}
+    env.pop("RAY_ADDRESS", None)
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(corpus_dir), str(output),
+                               tokenizer_path], env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list((output / "_units").glob("part-*.json"))) < 3:
+            assert driver.poll() is None, "the job ended before it could be killed"
+            assert time.monotonic() < deadline, "no unit committed in 120 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray it started
+        driver.wait()
+    committed = len(list((output / "_units").glob("part-*.json")))
+    assert not (output / "manifest.json").exists()
+    summary = run_tokenize(config_for(corpus_dir, output, tokenizer_path,
+                                      formats=["megatron", "nanogpt"]))
+    assert summary.units_run <= summary.units - committed
+    assert shard_files(output) == shard_files(clean)
+    assert sorted(p.name for p in output.rglob("*.tmp")) == []
