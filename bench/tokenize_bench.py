@@ -41,7 +41,7 @@ from common import corpus_texts, docstring_corpus, print_table
 from gpt2_tokenizer import gpt2_tokenizer_json
 
 from raypipe.demo.train_tokenizer import SHIPPED
-from raypipe.preprocess.encoder import DocumentEncoder, single_threaded_tokenizers
+from raypipe.preprocess.encoding.encoder import DocumentEncoder, single_threaded_tokenizers
 
 BATCH = 1024
 JOB_BACKEND = {"tokenizers": "tokenizers", "tiktoken": "auto"}  # ceiling -> raypipe's flag
@@ -206,6 +206,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", choices=["gpt2", "shipped"], default="gpt2")
     parser.add_argument("--gpt2-dir", type=Path, default=None,
                         help="a folder with GPT-2's encoder.json and vocab.bpe")
+    parser.add_argument("--skip-datatrove", action="store_true",
+                        help="leave datatrove out (its runs are the longest)")
     parser.add_argument("--cluster", action="store_true",
                         help="also run raypipe (auto) against a running cluster "
                              "(`ray start --head`, then `address`), as `ray job submit` does")
@@ -228,7 +230,8 @@ def main() -> None:
         for backend in jobs:
             jobs[backend].append(run_raypipe(corpus, args.workdir / "raypipe", tokenizer,
                                              backend))
-        seconds = run_datatrove(corpus, args.workdir, tokenizer, eos)
+        seconds = (None if args.skip_datatrove
+                   else run_datatrove(corpus, args.workdir, tokenizer, eos))
         if seconds is not None:
             datatrove.append(seconds)
     on_cluster = []

@@ -145,3 +145,27 @@ def test_on_a_terminal_progress_is_one_bar_redrawn_in_place(tmp_path):
     text = screen.getvalue()
     assert text.count("\r") == 4 and text.endswith("\n") and text.count("\n") == 1
     assert "[####################] raypipe: 4/4 units (100%)" in text
+
+
+def test_progress_prints_between_commits_with_an_honest_eta():
+    """A unit may take minutes: a piped run still prints a line every interval, and before
+    any unit has committed its ETA says it is unknown instead of guessing."""
+    import io
+    import time
+
+    from raypipe.io.manifest import UnitRecord, WorkUnit
+    from raypipe.preprocess.progress import Progress
+
+    units = [WorkUnit(f"u{i}.parquet", 0, 1, 10, f"u{i}", size_bytes=100) for i in range(4)]
+    log = io.StringIO()
+    with Progress(units, every=0.2, stream=log) as progress:
+        time.sleep(0.9)  # no unit commits meanwhile
+        waiting = log.getvalue().splitlines()
+        progress.update(UnitRecord(unit=units[0], fingerprint="f", rows=10, documents=10,
+                                   tokens=100, skipped={}, shards=()))
+        time.sleep(0.5)
+    assert len(waiting) >= 3
+    assert all(line.endswith("ETA unknown until a unit commits") for line in waiting)
+    after = log.getvalue().splitlines()[len(waiting):]
+    assert after and all("raypipe: 1/4 units (25%)" in line and "unknown" not in line
+                         for line in after)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from raypipe.errors import InputError
-from raypipe.preprocess.encoder import DocumentEncoder, flatten_documents
+from raypipe.preprocess.encoding.encoder import DocumentEncoder, flatten_documents
 from raypipe.preprocess.inputs import expand_inputs, plan_units, unit_name
 from raypipe.preprocess.texts import clean_texts
 from tests.conftest import write_parquet
@@ -64,7 +64,7 @@ def test_expand_inputs_glob_directory_list(tmp_path):
 
 
 def test_empty_glob_and_missing_path_are_errors(tmp_path):
-    with pytest.raises(InputError, match="no parquet file matches"):
+    with pytest.raises(InputError, match="no parquet or JSON-lines file"):
         expand_inputs([str(tmp_path / "*.parquet")])
     with pytest.raises(InputError, match="no such file"):
         expand_inputs([str(tmp_path / "nope.parquet")])

@@ -12,11 +12,11 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from raypipe.config import load_config
 from raypipe.errors import ConfigError
 from raypipe.io.manifest import read_manifest
-from raypipe.preprocess import self_check
-from raypipe.preprocess.encoder import DocumentEncoder, tokenizer_sha256
+from raypipe.preprocess.encoding import self_check
+from raypipe.preprocess.encoding.encoder import DocumentEncoder, tokenizer_sha256
+from raypipe.preprocess.encoding.self_check import adversarial_texts, choose_backend
+from raypipe.preprocess.encoding.tiktoken_backend import why_not
 from raypipe.preprocess.job import run_job
-from raypipe.preprocess.self_check import adversarial_texts, choose_backend
-from raypipe.preprocess.tiktoken_backend import why_not
 from tests.conftest import write_parquet
 from tests.helpers import expected_documents, shard_files
 

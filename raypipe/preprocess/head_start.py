@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from raypipe.io.manifest import UnitRecord, WorkUnit
-from raypipe.preprocess.self_check import BackendChoice
+from raypipe.preprocess.encoding.self_check import BackendChoice
 from raypipe.preprocess.unit import UnitSettings
 
 

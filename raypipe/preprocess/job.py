@@ -43,11 +43,17 @@ from raypipe.io.manifest import (
     write_manifest,
 )
 from raypipe.io.store import Store
-from raypipe.preprocess.encoder import (
+from raypipe.preprocess.encoding.encoder import (
     DocumentEncoder,
     describe_tokenizer,
     load_tokenizer,
     single_threaded_tokenizers,
+)
+from raypipe.preprocess.encoding.self_check import (
+    SAMPLE_ROWS,
+    BackendChoice,
+    choose_backend,
+    sample_texts,
 )
 from raypipe.preprocess.head_start import UnitRunner, records_of, start_run
 from raypipe.preprocess.inputs import plan_units
@@ -59,12 +65,6 @@ from raypipe.preprocess.output import (
     unit_records,
 )
 from raypipe.preprocess.progress import Progress
-from raypipe.preprocess.self_check import (
-    SAMPLE_ROWS,
-    BackendChoice,
-    choose_backend,
-    sample_texts,
-)
 from raypipe.preprocess.summary import JobSummary, packing_line, steady_seconds
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 

@@ -51,8 +51,10 @@ class Progress:
         self.timer: threading.Thread | None = None
 
     def __enter__(self) -> Progress:
-        self.timer = threading.Thread(target=self._tick, name="raypipe-progress", daemon=True)
-        self.timer.start()
+        if self.every > 0:  # 0: a line per commit, nothing in between
+            self.timer = threading.Thread(target=self._tick, name="raypipe-progress",
+                                          daemon=True)
+            self.timer.start()
         return self
 
     def __exit__(self, *exc: object) -> None:

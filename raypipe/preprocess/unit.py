@@ -30,7 +30,7 @@ from raypipe.formats.stream import DocumentMetadata
 from raypipe.io.manifest import TokenizerInfo, UnitRecord, WorkUnit, write_unit_record
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
-from raypipe.preprocess.encoder import DocumentEncoder
+from raypipe.preprocess.encoding.encoder import DocumentEncoder
 from raypipe.preprocess.inputs import unit_batches
 from raypipe.preprocess.jsonl import LineLocator, reader_skips
 from raypipe.preprocess.shards import ShardRoller, ShardSpec

@@ -36,7 +36,8 @@ from raypipe import _faults as faults
 from raypipe.config import TokenizeConfig
 from raypipe.errors import InputError, RaypipeError
 from raypipe.io.manifest import UnitRecord, WorkUnit
-from raypipe.preprocess.encoder import DocumentEncoder
+from raypipe.preprocess.encoding.encoder import DocumentEncoder
+from raypipe.preprocess.encoding.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.job import (
     BlockRun,
     JobSummary,
@@ -45,7 +46,6 @@ from raypipe.preprocess.job import (
     run_job,
 )
 from raypipe.preprocess.texts import clean_texts
-from raypipe.preprocess.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 from raypipe.ray.session import cluster_cpus, ensure_ray
 

@@ -8,7 +8,7 @@ in the vocabulary; every added token special and matched literally (no lstrip, r
 single_word). tiktoken merges the adjacent pair whose concatenation has the lowest rank, and
 `tokenizers` the pair whose merge rule comes first; ranks are therefore the merge order
 (the 256 bytes first), and a table maps ranks back to the tokenizer's ids. The two agree for
-a vocabulary that BPE training produced; the job's self-check (raypipe.preprocess.encoder)
+a vocabulary that BPE training produced; the job's self-check (raypipe.preprocess.encoding.encoder)
 confirms it on its own texts before any unit runs. Pathological input stays bounded in both
 backends (measured on a 10 MB document without whitespace, 8k vocabulary: one repeated
 letter tiktoken 1.9 s / tokenizers 3.1 s, random letters 3.3 s / 5.6 s, one repeated

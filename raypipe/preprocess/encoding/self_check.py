@@ -1,7 +1,7 @@
 """Which library encodes a job: tiktoken where it gives `tokenizers`' exact ids, checked.
 
 Invariant: a job encodes with tiktoken only when (1) tiktoken is installed, (2) the
-tokenizer.json converts exactly (raypipe.preprocess.tiktoken_backend.why_not), and (3) at
+tokenizer.json converts exactly (raypipe.preprocess.encoding.tiktoken_backend.why_not), and (3) at
 job start both backends, under the job's special-token policy, give the same ids for a
 sample of the job's own texts (up to SAMPLE_CHARS characters from its first pending unit)
 and for a fixed adversarial set: the tokenizer's special-token literals, characters of every
@@ -38,11 +38,11 @@ from raypipe.errors import ConfigError
 from raypipe.io.atomic import write_json_atomic
 from raypipe.io.cache import default_cache_dir
 from raypipe.io.manifest import WorkUnit
-from raypipe.preprocess import encoder, tiktoken_backend
-from raypipe.preprocess.encoder import DocumentEncoder, tokenizer_sha256
+from raypipe.preprocess.encoding import encoder, tiktoken_backend
+from raypipe.preprocess.encoding.encoder import DocumentEncoder, tokenizer_sha256
+from raypipe.preprocess.encoding.tiktoken_backend import why_not
 from raypipe.preprocess.inputs import unit_batches
 from raypipe.preprocess.texts import clean_texts_with_rows
-from raypipe.preprocess.tiktoken_backend import why_not
 
 logger = logging.getLogger("raypipe")
 SAMPLE_CHARS = 256_000

@@ -4,7 +4,7 @@ Invariant: `DocumentEncoder.encode(texts)` returns exactly the ids `tokenizers` 
 each text (without the tokenizer's own post-processor specials), with BOS prepended and/or
 EOS appended per the policy, as one flat uint32 array plus per-document lengths, whichever
 backend encodes: `tokenizers` itself, or tiktoken over the converted vocabulary
-(raypipe.preprocess.tiktoken_backend, chosen per job by raypipe.preprocess.self_check).
+(`tiktoken_backend` beside this module, chosen per job by `self_check`).
 Cost: one `encode_batch_fast` call per batch (no offsets; about 2x cheaper than
 `encode_batch`), or one tiktoken call per text (into a uint32 buffer), plus an O(tokens) numpy
 flatten (and rank -> id table lookup), ~1% of the encode time on 2 cores.
@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from raypipe.errors import ConfigError
 from raypipe.io.manifest import TokenizerInfo
-from raypipe.preprocess.tiktoken_backend import TiktokenIds
+from raypipe.preprocess.encoding.tiktoken_backend import TiktokenIds
 
 BOS_CANDIDATES = ("<|bos|>", "<bos>", "<s>", "<|begin_of_text|>", "<|endoftext|>")
 EOS_CANDIDATES = ("<|eos|>", "<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>")
