@@ -11,7 +11,9 @@ driver made for its self-check) and encodes with one thread; token arrays never 
 object store. Ray Data restarts a killed actor and runs its block again; the job's
 `UnitLedger` actor counts every unit's attempts, so retries are reported, and a unit that
 killed its worker UNIT_RETRIES + 1 times fails the job naming its file and rows instead of
-restarting forever (committed units stay). The ledger also hands out units exactly once:
+restarting forever (committed units stay). Bad input (a RaypipeError) comes back as the
+unit's result and is raised on the driver as itself: Ray Data neither retries it nor wraps
+it. The ledger also hands out units exactly once:
 while Ray Data's actors start (~2.5 s after `ray.init` on 2 cores, against 0.8 s for a
 plain actor) the driver keeps tokenizing units from the back of the plan, each claimed in
 the ledger first, so no unit runs twice.
@@ -285,6 +287,7 @@ class RayDataRunner:
     def sample_texts(self, dataset: Any, text_column: str, rows: int) -> list[str]:
         """Up to `rows` texts from the Dataset's first rows (for the encoder's self-check);
         refuses a Dataset without the text column, naming its columns."""
+        self.connect()  # raypipe's session (loopback, address), before Ray Data would init one
         columns = dataset.columns()
         if text_column not in columns:
             raise InputError(f"{describe_dataset(dataset)}: text column {text_column!r} not "
