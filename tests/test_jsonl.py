@@ -175,3 +175,20 @@ def test_a_unit_names_its_byte_range_in_messages(tmp_path):
     assert unit.location == "/d/x.jsonl: bytes 10..19"
     whole = WorkUnit("/d/x.jsonl.gz", 0, 1, -1, "x", kind="jsonl")
     assert whole.location == "/d/x.jsonl.gz"
+
+
+def test_units_a_rewritten_file_no_longer_yields_are_removed_and_counted(
+        tmp_path, corpus_texts, tokenizer_path):
+    """A rewritten uncompressed file is cut into other byte ranges: once the new manifest
+    is written, the old ranges' shards and records are gone (counted), so the output holds
+    exactly what a fresh run of the new file writes."""
+    path = write_compressed(tmp_path / "in" / "x.jsonl", jsonl_bytes(corpus_texts[:100]))
+    first = tokenize(path, tmp_path / "out", tokenizer_path, unit_bytes=3000)
+    write_compressed(path, jsonl_bytes(corpus_texts[7:90]))
+    again = tokenize(path, tmp_path / "out", tokenizer_path, unit_bytes=3000)
+    assert first.units > 2 and again.units_removed >= 1
+    assert "removed" in again.render()
+    tokenize(path, tmp_path / "fresh", tokenizer_path, unit_bytes=3000)
+    assert shard_files(tmp_path / "out") == shard_files(tmp_path / "fresh")
+    assert sorted(p.name for p in (tmp_path / "out" / "_units").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "fresh" / "_units").iterdir())

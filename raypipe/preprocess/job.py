@@ -202,8 +202,9 @@ def _run_locked(resolved: Resolved, units: list[WorkUnit], runner: UnitRunner,
 def remove_unplanned(output: Store, planned: set[str], what: str) -> int:
     """Once the manifest is written: remove the units an earlier run wrote that `what` no
     longer yields (a rewritten input file cut differently, a Dataset filtered otherwise);
-    logged, and counted in the summary."""
-    removed = remove_units(output, lambda record: record.unit.name not in planned)
+    logged, and counted in the summary. Decided on the listing's names: only the doomed
+    units' records are read."""
+    removed = remove_units(output, lambda record: True, lambda name: name not in planned)
     if removed:
         logger.warning("%s: removed %d unit(s) of an earlier run that %s no longer yield(s)",
                        output, removed, what)

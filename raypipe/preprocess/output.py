@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from pathlib import PurePosixPath
 from typing import Any
 
 from raypipe.config import LOCATION_FIELDS, TokenizeConfig
@@ -79,18 +80,23 @@ def check_inputs(config: TokenizeConfig, output: Store, before: list[str] | None
                           "given, or give those files again")
 
 
-def unit_records(output: Store) -> Iterator[tuple[str, UnitRecord]]:
-    """(record path, record) of every unit record in the output."""
-    for name in output.list_files(UNITS_DIR):
-        if name == JOB_PATH or not name.endswith(".json"):
+def unit_records(output: Store, named: Callable[[str], bool] = lambda name: True
+                 ) -> Iterator[tuple[str, UnitRecord]]:
+    """(record path, record) of every unit record in the output whose unit name `named`
+    accepts: the listing decides, only those records are read (one GET each)."""
+    for path in output.list_files(UNITS_DIR):
+        if path == JOB_PATH or not path.endswith(".json"):
             continue
-        yield name, UnitRecord.from_json(output.read_json(name), output.uri_of(name))
+        if named(PurePosixPath(path).name.removesuffix(".json")):
+            yield path, UnitRecord.from_json(output.read_json(path), output.uri_of(path))
 
 
-def remove_units(output: Store, doomed: Callable[[UnitRecord], bool]) -> int:
-    """Delete the shard files and records of the units `doomed` picks; how many."""
+def remove_units(output: Store, doomed: Callable[[UnitRecord], bool],
+                 named: Callable[[str], bool] = lambda name: True) -> int:
+    """Delete the shard files and records of the units `doomed` picks among those `named`
+    accepts (by unit name, before any record is read); how many."""
     removed = 0
-    for name, record in list(unit_records(output)):
+    for name, record in list(unit_records(output, named)):
         if not doomed(record):
             continue
         for shard in record.shards:
