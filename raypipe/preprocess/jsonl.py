@@ -36,6 +36,7 @@ JSONL_SUFFIXES = tuple(f"{stem}{zip_suffix}" for stem in (".jsonl", ".json")
                        for zip_suffix in ("", *COMPRESSED_SUFFIXES))
 IDENTITY_BYTES = 1 << 20
 READ_BYTES = 8 << 20
+FIRST_RECORD_BYTES = 64 << 10
 TEXT_SKIPS = "text_skips"  # schema metadata key: rows the reader already classified
 
 
@@ -108,15 +109,17 @@ def byte_ranges(uri: str, size: int, unit_bytes: int) -> list[tuple[int, int]]:
     return list(zip(cuts, [*cuts[1:], size], strict=True))
 
 
-def _lines(uri: str, start: int, stop: int | None) -> Iterator[bytes]:
+def _lines(uri: str, start: int, stop: int | None, chunk_bytes: int = READ_BYTES
+           ) -> Iterator[bytes]:
     """The lines of the file in [start, stop) (the whole file if stop is None), without
-    their newline; memory is bounded by READ_BYTES plus the longest line."""
+    their newline, read `chunk_bytes` at a time; memory is bounded by that plus the longest
+    line."""
     with _open_stream(uri, start) as stream:
         remaining = None if stop is None else stop - start
         tail = b""
         while remaining is None or remaining > 0:
-            chunk = stream.read(READ_BYTES if remaining is None
-                                else min(READ_BYTES, remaining))
+            chunk = stream.read(chunk_bytes if remaining is None
+                                else min(chunk_bytes, remaining))
             if not chunk:
                 break
             if remaining is not None:
@@ -161,8 +164,9 @@ def _parse(line: bytes, where: Any, number: int) -> dict[str, Any] | None:
 
 
 def first_record_fields(uri: str) -> list[str]:
-    """The field names of the file's first JSON object (refusing a file without one)."""
-    for number, line in enumerate(_lines(uri, 0, None), 1):
+    """The field names of the file's first JSON object (refusing a file without one); reads
+    (and decompresses) 64 KiB at a time, so planning costs a small read per file."""
+    for number, line in enumerate(_lines(uri, 0, None, FIRST_RECORD_BYTES), 1):
         if line.strip():
             record = _parse(line, lambda n: f"{uri}: line {n}", number)
             if record is None:
