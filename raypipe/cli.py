@@ -16,8 +16,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from raypipe.config import PACKINGS as CONFIG_PACKINGS
 from raypipe.config import TokenizeConfig, load_config
 from raypipe.errors import RaypipeError
+from raypipe.sampling.pack import PACKINGS
 
 
 def _scalar_type(hint: Any) -> Any:
@@ -153,15 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("dataset", help=DATASET_HELP)
     report.add_argument("--seq-len", type=int, default=2048,
                         help="T: tokens a row trains (rows hold T + 1), as TokenLoader's")
-    report.add_argument("--mode", default="bestfit", choices=["bestfit", "windows", "documents"],
-                        help="the loader mode to plan")
+    report.add_argument("--mode", default="bestfit",
+                        choices=["bestfit", "windows", "documents", "llmbatch"],
+                        help="the loader mode to plan (llmbatch: what the dataset's "
+                        "LLMBATCH records hold, as written)")
     report.add_argument("--seed", type=int, default=0, help="the loader's seed")
     report.add_argument("--epoch", type=int, default=0, help="first epoch to report")
     report.add_argument("--epochs", type=int, default=1, help="how many epochs")
     report.add_argument("--block-documents", type=int, default=4096,
                         help="bestfit: documents per packing block (at least)")
-    report.add_argument("--packing", default="split", choices=["split", "crop"],
-                        help="bestfit mode: split keeps every token; crop is nanochat's")
+    report.add_argument("--packing", default="fill", choices=list(PACKINGS),
+                        help="bestfit mode: fill (every token, full rows), split (every "
+                        "token, documents whole where they fit, padded) or crop (nanochat's)")
     report.add_argument("--format", default=None, help="megatron or nanogpt (default: any)")
     report.add_argument("--shuffle", default="global", choices=["global", "shard_local"],
                         help="the loader shuffle to plan")
@@ -189,9 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="llmbatch: tokens per record, T + 1, as tokenize's "
                          "--record-len (--seq-len is an older name of it)")
     convert.add_argument("--batch-size", type=int, help="llmbatch: records per batch")
-    convert.add_argument("--packing", default="split",
-                         choices=["split", "crop", "concat", "bestfit"],
-                         help="llmbatch: split keeps every token; crop is nanochat's")
+    convert.add_argument("--packing", default="fill", choices=list(CONFIG_PACKINGS),
+                         help="llmbatch: fill (every token, every record full), split "
+                         "(every token, documents whole where they fit), crop (nanochat's) "
+                         "or concat")
     convert.add_argument("--seed", type=int, default=0, help="llmbatch: record shuffle seed")
     convert.add_argument("--batches-per-shard", type=int, default=1024,
                          help="llmbatch: batches per file")

@@ -25,7 +25,7 @@ import yaml
 from raypipe.errors import ConfigError
 from raypipe.formats import FORMATS
 
-PACKINGS = ("split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
+PACKINGS = ("fill", "split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
 # Fields that do not change output bytes: excluded from the fingerprint.
 EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
                               "tokenizer_backend", "head_start"})
@@ -87,9 +87,10 @@ class TokenizeConfig:
                                             "--seq-len is an older name of it",
                                  flag="--record-len", aliases=("--seq-len",))
     batch_size: int | None = option(None, help="llmbatch: records per batch")
-    packing: str = option("split", help="llmbatch: split (every token, pieces best-fit, "
-                                        "padding marked), crop (nanochat: rows start with "
-                                        "BOS, tails cropped) or concat")
+    packing: str = option("fill", help="llmbatch: fill (every token, every record full), "
+                                       "split (every token, documents whole where they "
+                                       "fit, padding marked), crop (nanochat: records "
+                                       "start with BOS, tails cropped) or concat")
     seed: int = option(0, help="llmbatch: record shuffle seed")
     batches_per_shard: int = option(1024, help="llmbatch: batches per file")
     special_tokens_in_text: str = option(

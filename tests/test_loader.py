@@ -285,12 +285,12 @@ def test_pack_report_cli(token_dataset, capsys):
     assert main(["pack-report", str(token_dataset), "--seq-len", str(T)]) == 0
     printed = capsys.readouterr().out
     report = TokenLoader(token_dataset, T, B, mode="bestfit").packing_report()
-    assert "bestfit (split)" in printed and "cropped         0 (0.00%)" in printed
-    assert f"padded          {report.padded_tokens:,}" in printed
+    assert "bestfit (fill)" in printed and "cropped 0, dropped 0" in printed
+    assert f"padding         {report.padded_tokens:,} (" in printed
     assert main(["pack-report", str(token_dataset), "--seq-len", str(T), "--packing",
                  "crop"]) == 0
     crop = TokenLoader(token_dataset, T, B, mode="bestfit", packing="crop").packing_report()
-    assert f"cropped         {crop.cropped_tokens:,}" in capsys.readouterr().out
+    assert f"cropped {crop.cropped_tokens:,}, dropped" in capsys.readouterr().out
 
 
 def test_llmbatch_mode_serves_preformed_batches_exactly_once(rich_dataset):

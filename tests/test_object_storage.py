@@ -313,7 +313,7 @@ def test_inspect_pack_report_and_convert_take_uris(bucket, token_dataset, tmp_pa
     assert f"dataset {uri}" in capsys.readouterr().out
     assert main(["pack-report", uri, "--seq-len", "64", "--shuffle", "shard_local"]) == 0
     report = capsys.readouterr().out
-    assert "shard_local shuffle" in report and "used" in report
+    assert "shard_local shuffle" in report and "trained" in report
     converted = f"s3://{bucket}/as-nanogpt"
     assert main(["convert", uri, converted, "--format", "nanogpt"]) == 0
     assert main(["verify", converted]) == 0

@@ -1,7 +1,11 @@
-"""Packing on a long-tailed corpus of real text (documents made of 1 to 150 docstrings, so
-lengths span two orders of magnitude): the default packing trains at least 99% of the
-token positions once per epoch at any world size, in the loader and in LLMBATCH output;
-crop packing loses most of them and says so."""
+"""Packing on two corpora of real text, tokenized by the job:
+- long-tailed (documents made of 1 to 150 docstrings, so lengths span two orders of
+  magnitude): the default packing trains at least 99% of the tokens once per epoch at any
+  world size, in the loader and in LLMBATCH output; crop packing loses most of them and
+  says so;
+- narrow (every document 0.55-0.8 of a 2049-token row, so two never share a row): the
+  default packing still trains at least 99% of the tokens once, in rows at most 1% padding,
+  in the loader and in LLMBATCH records of 2049; split packing pads a third and says so."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import numpy as np
 import pytest
 
 from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.formats.llmbatch import PAD_ID
 from raypipe.loader import TokenLoader
 from tests.conftest import write_parquet
 
@@ -36,14 +41,44 @@ def long_tailed(tmp_path_factory, corpus_texts, tokenizer_path):
     return root / "tokens"
 
 
-def coverage_of_one_epoch(path, seq_len: int, world: int) -> np.ndarray:
-    """How often each token of the data was in a row served in one epoch (all ranks)."""
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory, corpus_texts, tokenizer_path):
+    """~600 documents of 0.56-0.78 x 2049 tokens: spans of the docstrings' token stream,
+    cut at token offsets (the job adds EOS, and re-encoding a span moves a few tokens)."""
+    from tokenizers import Tokenizer
+
+    from raypipe.config import load_config
+    from raypipe.preprocess.job import run_job
+
+    text = "\n\n".join(corpus_texts * 12)
+    offsets = Tokenizer.from_file(tokenizer_path).encode(text).offsets
+    rng = np.random.default_rng(1)
+    texts, at = [], 0
+    while len(texts) < 600:
+        stop = at + int(rng.uniform(0.56, 0.78) * 2049)
+        if stop >= len(offsets):
+            break
+        texts.append(text[offsets[at][0]:offsets[stop][0]])
+        at = stop
+    root = tmp_path_factory.mktemp("narrow")
+    write_parquet(root / "corpus" / "a.parquet", texts, row_group_rows=64)
+    config = load_config(None, inputs=[str(root / "corpus")], output=str(root / "tokens"),
+                         tokenizer=tokenizer_path, formats=["megatron", "llmbatch"],
+                         seq_len=2049, batch_size=2, batches_per_shard=64)
+    run_job(config)
+    return root / "tokens"
+
+
+def coverage_of_one_epoch(path, seq_len: int, world: int) -> tuple[np.ndarray, int]:
+    """How often each token of the data was in a row served in one epoch (all ranks), and
+    how many positions (T + 1 per row) those rows had."""
     dataset = TokenDataset(path)
     lengths = dataset.document_lengths()
     counts = [np.zeros(n, dtype=np.int64) for n in lengths.tolist()]
     loaders = [TokenLoader(path, seq_len, 1, rank=r, world_size=world, seed=3)
                for r in range(world)]
     plan = loaders[0].plan()
+    rows = 0
     for loader in loaders:
         for batch in loader:
             for row_id in batch.observation_ids.tolist():
@@ -51,7 +86,8 @@ def coverage_of_one_epoch(path, seq_len: int, world: int) -> np.ndarray:
                 doc_ids, starts, take = plan.pack(block).row(row_id - int(plan.row_offsets[block]))
                 for doc, start, count in zip(doc_ids, starts, take, strict=True):
                     counts[doc][start:start + count] += 1
-    return np.concatenate(counts)
+                rows += 1
+    return np.concatenate(counts), rows * (seq_len + 1)
 
 
 def test_the_corpus_is_long_tailed(long_tailed):
@@ -63,7 +99,7 @@ def test_the_corpus_is_long_tailed(long_tailed):
 @pytest.mark.parametrize("seq_len", [512, 2048])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_default_loader_trains_99_percent_of_tokens_once(long_tailed, seq_len, world):
-    counts = coverage_of_one_epoch(long_tailed, seq_len, world)
+    counts, _ = coverage_of_one_epoch(long_tailed, seq_len, world)
     assert counts.max() == 1, "a token was served twice in one epoch"
     assert counts.mean() >= 0.99, f"{counts.mean():.2%} of the tokens trained"
 
@@ -73,7 +109,7 @@ def test_default_llmbatch_output_holds_99_percent_of_tokens(long_tailed):
     options = dataset.section.options
     total = TokenDataset(long_tailed).num_tokens
     served = sum(len(record) for record in dataset.iter_records())
-    assert options["packing"] == "split" and options["cropped_tokens"] == 0
+    assert options["packing"] == "fill" and options["cropped_tokens"] == 0
     assert served == options["used_tokens"] >= 0.99 * total
     assert served + options["dropped_tokens"] == total
 
@@ -82,10 +118,49 @@ def test_crop_packing_loses_most_of_it_and_warns(long_tailed, caplog):
     with caplog.at_level("WARNING", logger="raypipe"):
         loader = TokenLoader(long_tailed, 2048, 1, packing="crop")
         report = loader.packing_report()
-    assert report.waste_fraction > 0.2
+    assert report.untrained_fraction > 0.2
     assert any("not trained" in r.getMessage() and "crop" in r.getMessage()
                for r in caplog.records)
     with caplog.at_level("WARNING", logger="raypipe"):
         caplog.clear()
         TokenLoader(long_tailed, 2048, 1).packing_report()
-    assert not caplog.records  # split: nothing to warn about
+    assert not caplog.records  # fill: nothing to warn about
+
+
+def test_the_narrow_corpus_is_narrow(narrow):
+    lengths = TokenDataset(narrow).document_lengths()
+    assert len(lengths) >= 500
+    assert lengths.min() >= 0.55 * 2049 and lengths.max() <= 0.8 * 2049
+
+
+def test_default_loader_fills_the_rows_of_a_narrow_corpus_on_2_ranks(narrow):
+    counts, positions = coverage_of_one_epoch(narrow, 2048, 2)
+    assert counts.max() == 1, "a token was served twice in one epoch"
+    assert counts.mean() >= 0.99, f"{counts.mean():.2%} of the tokens trained"
+    padding = 1 - counts.sum() / positions
+    assert padding <= 0.01, f"{padding:.2%} of the positions are padding"
+
+
+def test_default_llmbatch_records_of_2049_are_full_on_a_narrow_corpus(narrow):
+    dataset = LLMBatchDataset(narrow)
+    options = dataset.section.options
+    assert (options["packing"], dataset.seq_len) == ("fill", 2049)
+    records = np.stack([dataset.batch(i) for i in range(dataset.num_batches)]).reshape(-1, 2049)
+    real = records != PAD_ID
+    assert real.mean() >= 0.99, f"{1 - real.mean():.2%} of the positions are padding"
+    total = TokenDataset(narrow).num_tokens
+    assert int(real.sum()) == options["used_tokens"] >= 0.99 * total
+    # no token twice: the records' tokens, with the dropped ones, are the corpus's tokens
+    corpus = np.bincount(np.concatenate(list(TokenDataset(narrow).iter_documents())))
+    served = np.bincount(records[real].astype(np.int64), minlength=corpus.size)
+    assert (served <= corpus).all()
+    assert int(real.sum()) + options["dropped_tokens"] == total
+
+
+def test_split_packing_pads_a_narrow_corpus_and_the_warning_says_so(narrow, caplog):
+    with caplog.at_level("WARNING", logger="raypipe"):
+        report = TokenLoader(narrow, 2048, 1, packing="split").packing_report()
+    assert report.padding_fraction > 0.25 and report.untrained_tokens == 0
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "of the positions are padding" in message and "not trained" not in message
+    assert "hint: packing 'fill'" in message

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.nanochat_reference import nanochat_bestfit_crop
-from raypipe.sampling.pack import pack_block, pack_split
+from raypipe.sampling.pack import PACKINGS, pack_block, pack_fill, pack_split
 from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
-from raypipe.sampling.plans import BestFitPlan, ShardGroups, WindowPlan
+from raypipe.sampling.plans import BestFitPlan, PackingReport, ShardGroups, WindowPlan
 
 SIZES = [1, 2, 3, 7, 2**8, 2**8 - 1, 2**8 + 1, 2**16, 2**16 - 1, 2**16 + 1, 97, 65521, 131071,
          2**17 + 3]
@@ -153,22 +153,134 @@ def test_best_fit_decreasing_puts_each_piece_in_the_tightest_open_row(sizes):
 
 
 @pytest.mark.parametrize("median", [50, 400])  # short documents, long-tailed documents
-def test_split_packing_wastes_under_half_a_percent_at_512_2048_8192(median):
+def test_split_packing_pads_under_half_a_percent_of_long_tailed_corpora(median):
     rng = np.random.default_rng(7)
     lengths = (rng.lognormal(np.log(median), 1.5, 60000) + 2).astype(np.int64)
     for seq_len in (512, 2048, 8192):
-        plan = BestFitPlan(lengths, seq_len, seed=1, epoch=0)
+        plan = BestFitPlan(lengths, seq_len, seed=1, epoch=0, packing="split")
         report = plan.report()
         assert report.used_tokens == report.total_tokens
-        assert report.waste_fraction < 0.005, (seq_len, plan.block_documents, report)
+        assert report.padding_fraction < 0.005, (seq_len, plan.block_documents, report)
 
 
-def test_waste_warning_fires_for_crop_and_not_for_split(caplog):
-    lengths = (np.random.default_rng(7).lognormal(6.0, 1.5, 5000) + 2).astype(np.int64)
+def corpus_lengths(kind: str, capacity: int, count: int = 20000) -> np.ndarray:
+    """Document lengths (tokens) of the four corpus shapes the fill packing is measured on."""
+    rng = np.random.default_rng(11)
+    if kind == "long-tailed":
+        return (rng.lognormal(np.log(0.2 * capacity), 1.5, count) + 2).astype(np.int64)
+    if kind == "narrow":  # every document 0.55-0.8 of a row: two never share one
+        return rng.integers(int(0.55 * capacity), int(0.8 * capacity) + 1, count)
+    if kind == "bimodal":
+        short = rng.integers(capacity // 40, capacity // 10, count)
+        return np.where(rng.random(count) < 0.5, short,
+                        rng.integers(int(0.7 * capacity), int(0.95 * capacity), count))
+    return rng.integers(1, 2 * capacity, count)  # uniform
+
+
+def concatenation_cuts(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Cuts per document when the documents are concatenated and cut into rows."""
+    ends = np.cumsum(lengths)
+    return (ends - 1) // capacity - (ends - lengths) // capacity
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.integers(1, 1000), min_size=1, max_size=300),
+       capacity=st.integers(2, 257))
+def test_fill_packing_places_every_token_once_in_full_rows(lengths, capacity):
+    lengths = np.array(lengths, dtype=np.int64)
+    packed = pack_fill(np.arange(len(lengths), dtype=np.int64), lengths, capacity)
+    assert_every_token_once(packed, lengths, capacity)
+    total = int(lengths.sum())
+    assert packed.num_rows == -(-total // capacity)  # rows follow from the token sum
+    assert packed.used_tokens == total and packed.padded_tokens < capacity
+    for row in range(packed.num_rows):  # a piece that ends its document comes first
+        doc_ids, starts, take = packed.row(row)
+        ends = starts + take == lengths[doc_ids]
+        kinds = np.where(starts > 0, np.where(ends, 0, 2), np.where(ends, 1, 2))
+        assert (np.diff(kinds) >= 0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=400),
+       seq_len=st.integers(1, 600), block=st.integers(1, 80), seed=st.integers(0, 2**32))
+def test_fill_plan_row_counts_from_token_sums_match_the_packed_blocks(lengths, seq_len, block,
+                                                                      seed):
+    lengths = np.array(lengths, dtype=np.int64)
+    plan = BestFitPlan(lengths, seq_len, seed=seed, epoch=1, block_documents=block)
+    for index in range(plan.num_blocks):
+        rows = int(plan.row_offsets[index + 1] - plan.row_offsets[index])
+        assert plan.pack(index).num_rows == rows
+    report = plan.report()
+    assert report.used_tokens == report.total_tokens == int(lengths.sum())
+    assert report.padded_tokens == plan.size * (seq_len + 1) - report.total_tokens
+
+
+@pytest.mark.parametrize("kind", ["long-tailed", "narrow", "bimodal", "uniform"])
+@pytest.mark.parametrize("seq_len", [512, 2048, 8192])
+def test_fill_packing_pads_under_one_percent_and_cuts_fewer_documents_than_concatenation(
+        kind, seq_len):
+    lengths = corpus_lengths(kind, seq_len + 1)
+    plan = BestFitPlan(lengths, seq_len, seed=1, epoch=0)
+    report = plan.report()
+    assert report.used_tokens == report.total_tokens and report.untrained_tokens == 0
+    assert report.padding_fraction <= 0.01, report
+    pieces = np.concatenate([plan.pack(block).doc_ids for block in range(plan.num_blocks)])
+    cut_documents = np.count_nonzero(np.bincount(pieces, minlength=len(lengths)) > 1)
+    order = np.concatenate([plan.block_documents_ids(b) for b in range(plan.num_blocks)])
+    concatenated = concatenation_cuts(lengths[order], seq_len + 1)
+    assert cut_documents <= np.count_nonzero(concatenated)
+    assert pieces.size - len(lengths) <= concatenated.sum()  # cuts
+
+
+def test_split_packing_pads_a_third_of_rows_when_lengths_sit_between_half_and_one_row():
+    lengths = corpus_lengths("narrow", 2049)
+    split = BestFitPlan(lengths, 2048, 1, 0, packing="split").report()
+    fill = BestFitPlan(lengths, 2048, 1, 0).report()
+    assert split.padding_fraction > 0.25 and fill.padding_fraction < 0.001
+    assert split.used_tokens == fill.used_tokens == split.total_tokens
+
+
+def warning_of(caplog, report: PackingReport, mode: str, packing: str | None) -> str:
+    caplog.clear()
     with caplog.at_level("WARNING", logger="raypipe"):
-        assert BestFitPlan(lengths, 511, 1, 0, packing="crop").report().warn_if_wasteful("crop")
-        assert not BestFitPlan(lengths, 511, 1, 0).report().warn_if_wasteful("split")
-    assert len(caplog.records) == 1 and "crop" in caplog.records[0].getMessage()
+        warned = report.warn_if_wasteful("what", mode, packing)
+    messages = [r.getMessage() for r in caplog.records]
+    assert warned == bool(messages) and len(messages) <= 1
+    return messages[0] if messages else ""
+
+
+def test_waste_warning_is_silent_when_nothing_is_wasted(caplog):
+    lengths = corpus_lengths("narrow", 512)
+    assert warning_of(caplog, BestFitPlan(lengths, 511, 1, 0).report(), "bestfit", "fill") == ""
+
+
+def test_waste_warning_names_padding_and_a_packing_that_fills_rows(caplog):
+    lengths = corpus_lengths("narrow", 512)
+    message = warning_of(caplog, BestFitPlan(lengths, 511, 1, 0, packing="split").report(),
+                         "bestfit", "split")
+    assert "of the positions are padding" in message and "not trained" not in message
+    assert "hint: packing 'fill'" in message
+
+
+def test_waste_warning_names_untrained_tokens_and_a_packing_that_keeps_them(caplog):
+    lengths = (np.random.default_rng(7).lognormal(6.0, 1.5, 5000) + 2).astype(np.int64)
+    message = warning_of(caplog, BestFitPlan(lengths, 511, 1, 0, packing="crop").report(),
+                         "bestfit", "crop")
+    assert "of the tokens are not trained" in message and "padding" not in message
+    assert "hint: packing 'fill'" in message
+
+
+@pytest.mark.parametrize("mode,packing", [("bestfit", p) for p in PACKINGS]
+                         + [("documents", None), ("windows", None), ("llmbatch", "fill"),
+                            ("llmbatch", "split"), ("llmbatch", "crop"),
+                            ("llmbatch", "concat")])
+def test_waste_hint_never_names_what_is_running(caplog, mode, packing):
+    report = PackingReport(10, 50, 20, 40, 30, 100)  # every kind of waste past 5%
+    message = warning_of(caplog, report, mode, packing)
+    hints = [part.split("hint: ", 1)[1] for part in message.split("; ") if "hint: " in part]
+    assert len(hints) == 2
+    for hint in hints:
+        assert f"packing '{packing}'" not in hint and f"mode '{mode}'" not in hint
 
 
 @settings(max_examples=60, deadline=None)

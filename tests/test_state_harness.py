@@ -14,7 +14,8 @@ T, B, SEED = 32, 2, 5
 MODES = {
     "windows": {"mode": "windows"},
     "windows+metadata": {"mode": "windows", "format": "stream", "metadata": True},
-    "bestfit": {"mode": "bestfit"},
+    "bestfit": {"mode": "bestfit"},  # fill packing
+    "bestfit-split": {"mode": "bestfit", "packing": "split"},
     "bestfit-crop": {"mode": "bestfit", "packing": "crop"},
     "documents": {"mode": "documents"},
     "llmbatch": {"mode": "llmbatch", "block_batches": 4},

@@ -106,7 +106,7 @@ def test_bad_span_names_file_row_and_column(tmp_path, tokenizer_path):
             span_column="spans")
 
 
-@pytest.mark.parametrize("packing", ["bestfit", "crop", "concat", "split"])
+@pytest.mark.parametrize("packing", ["bestfit", "crop", "concat", "split", "fill"])
 def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, tokenizer_path,
                                                       packing):
     seq_len, batch = 64, 3
@@ -155,7 +155,7 @@ def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, toke
     counts = {k: section[f"{k}_tokens"] for k in ("used", "cropped", "padded", "dropped")}
     assert counts["used"] + counts["cropped"] + counts["dropped"] == len(stream) or \
         packing == "concat"  # windows share a token: their counts are per window
-    if packing == "split":  # every token in a record at most once; padding is PAD_ID
+    if packing in ("split", "fill"):  # every token in a record at most once; padding is PAD_ID
         flat = np.array(seen_records, dtype=np.int64).reshape(-1)
         assert int((flat == PAD_ID).sum()) == counts["padded"]
         assert counts["cropped"] == 0
@@ -170,9 +170,9 @@ def test_split_llmbatch_holds_every_document_piece_once_and_the_loader_masks_pad
 
     seq_len, batch = 65, 2
     summary = run(corpus_dir, tmp_path / "out", tokenizer_path, formats=["llmbatch"],
-                  seq_len=seq_len, batch_size=batch, batches_per_shard=7)
-    assert "llmbatch   split packing: used 99." in summary.render()
-    assert "cropped 0.00%" in summary.render()
+                  seq_len=seq_len, batch_size=batch, batches_per_shard=7, packing="split")
+    assert "llmbatch   split packing: trained 99." in summary.render()
+    assert "(cropped 0.00%" in summary.render()
     documents = [tuple(d) for d in expected_documents(corpus_dir, tokenizer_path)]
     dataset = LLMBatchDataset(tmp_path / "out")
     pieces = [tuple(r.tolist()) for r in dataset.iter_records()]
@@ -203,3 +203,21 @@ def _is_window(stream, record, stride):
     starts = np.flatnonzero(stream == window[0])
     return any(np.array_equal(stream[s:s + len(window)], window)
                for s in starts[starts % stride == 0])
+
+
+def test_tokenize_summary_inspect_and_pack_report_agree_on_llmbatch_waste(
+        tmp_path, corpus_dir, tokenizer_path, capsys):
+    from raypipe.cli import main
+    from raypipe.sampling.plans import PackingReport
+    from raypipe.tools.inspect import inspect_dataset
+
+    out = tmp_path / "out"
+    summary = run(corpus_dir, out, tokenizer_path, formats=["llmbatch"], seq_len=65,
+                  batch_size=2, packing="split")
+    report = PackingReport.from_options(LLMBatchDataset(out).section.options)
+    assert report.padded_tokens > 0 and report.dropped_tokens > 0  # all three lines matter
+    line = f"split packing: {report.summary_line()}"
+    assert line in summary.render()
+    assert line in inspect_dataset(out, samples=0)
+    assert main(["pack-report", str(out), "--mode", "llmbatch"]) == 0
+    assert report.render() in capsys.readouterr().out

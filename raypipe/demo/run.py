@@ -43,7 +43,7 @@ def demo_loader(tokens: Path) -> None:
     from raypipe.loader import TokenLoader
 
     loader = TokenLoader(tokens, seq_len=512, batch_size=4, mode="bestfit", seed=1234)
-    print("packing report (bestfit, split packing, rows of 512 + 1 tokens):")
+    print("packing report (bestfit, fill packing, rows of 512 + 1 tokens):")
     print(loader.packing_report().render())
     for step, batch in enumerate(loader):
         print(f"step {step}: inputs {tuple(batch.inputs.shape)}, "

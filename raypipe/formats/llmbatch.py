@@ -5,7 +5,7 @@ Invariant: a 4096-byte header (magic `LLMBATCH`, version 1, batch_size, seq_len,
 num_batches as u64 at offset 20, dtype 0 = uint32, seed, total_records; the rest zero),
 then slot i at 4096 + i * padded where padded = ceil(B*T*4 / 4096) * 4096, zero-filled past
 the batch's bytes; file size = 4096 + num_batches * padded. A record position that holds
-no token (the padding of `split` packing) holds PAD_ID = 0xFFFFFFFF, which no tokenizer
+no token (the padding of `split` or `fill` packing) holds PAD_ID = 0xFFFFFFFF, which no tokenizer
 id reaches, so it can never be mistaken for a token. The reader checks every header
 field and the size before mapping anything; `batch(i)` is a zero-copy [B, T] view.
 The writer is told the number of batches up front (the header is written first, so the
@@ -29,7 +29,7 @@ VERSION = 1
 PAGE = 4096
 HEADER = struct.Struct("<8sIIIQIII")  # 40 bytes, then zeros up to PAGE
 MAX_U32 = 2**32 - 1
-PAD_ID = MAX_U32  # a padding slot of a record (split packing); never a token id
+PAD_ID = MAX_U32  # a padding slot of a record (split, fill); never a token id
 
 
 def slot_bytes(batch_size: int, seq_len: int) -> int:

@@ -102,7 +102,7 @@ class TokenLoader:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.int64,
                  prefetch: int = 4, format: str | None = None, block_documents: int = 4096,
                  pad_id: int = 0, boundaries: bool | None = None, metadata: bool = False,
-                 block_batches: int = 64, packing: str = "split", shuffle: str = "global",
+                 block_batches: int = 64, packing: str = "fill", shuffle: str = "global",
                  group_shards: int = 4, cache_dir: str | Path | None = None,
                  cache_bytes: int | str | None = None, split: str = "all",
                  validation_fraction: float = 0.001):
@@ -242,7 +242,7 @@ class TokenLoader:
                 self._warned = plan.report().warn_if_wasteful(
                     f"TokenLoader({self.dataset.root}, mode={self.mode!r}"
                     + (f", packing={self.packing!r}" if self.mode == "bestfit" else "")
-                    + f", seq_len={self.seq_len}) epoch {epoch}")
+                    + f", seq_len={self.seq_len}) epoch {epoch}", self.mode, self.packing)
         return self._plan[1]
 
     def steps_in_epoch(self, epoch: int | None = None) -> int:

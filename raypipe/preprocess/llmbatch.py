@@ -1,8 +1,9 @@
 """Pack a tokenized dataset into LLMBATCH shards: records shuffled across the whole dataset.
 
 Invariant: records are the rows of an epoch-0 plan over ALL documents of the dataset
-(`split`, the default: documents cut into record-sized pieces and best-fit packed, every
-token once, unfilled positions padded with PAD_ID; `crop` (alias `bestfit`): nanochat's
+(`fill`, the default: every token once, every record full but < 1 record's worth per packing
+block; `split`: documents cut into record-sized pieces and best-fit packed, every token
+once, unfilled positions padded with PAD_ID; `crop` (alias `bestfit`): nanochat's
 BOS-aligned rows, tails cropped; `concat`: windows of seq_len tokens of the concatenated
 stream, consecutive windows sharing one token), taken in that plan's Feistel order with
 `seed` (a global shuffle, not per shard), grouped B at a time; the last total_records mod
@@ -29,7 +30,8 @@ from raypipe.sampling.plans import BestFitPlan, PackingReport, Plan, make_plan
 
 DESCRIBE_BATCHES = 64
 # packing name -> (plan mode, bestfit packing); "bestfit" is the name `crop` had before 0.2
-PLAN_OF_PACKING = {"split": ("bestfit", "split"), "crop": ("bestfit", "crop"),
+PLAN_OF_PACKING = {"fill": ("bestfit", "fill"), "split": ("bestfit", "split"),
+                   "crop": ("bestfit", "crop"),
                    "bestfit": ("bestfit", "crop"), "concat": ("windows", "split")}
 
 
@@ -40,7 +42,7 @@ class LLMBatchSpec:
 
     seq_len: int
     batch_size: int
-    packing: str = "split"
+    packing: str = "fill"
     seed: int = 0
     batches_per_shard: int = 1024
 
@@ -84,12 +86,11 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, directory: Path,
         shards.append(ShardEntry(name, tuple(files), first_batch=first, batches=stop - first))
     report = records_report(plan, num_batches * spec.batch_size, spec.seq_len)
     report.warn_if_wasteful(f"LLMBATCH ({spec.packing} packing, records of {spec.seq_len} "
-                            "tokens)")
+                            "tokens)", "llmbatch", spec.packing)
     options = {"seq_len": spec.seq_len, "batch_size": spec.batch_size,
                "packing": spec.packing, "seed": spec.seed, "total_records": plan.size,
                "num_batches": num_batches, "source_format": dataset.format_name,
-               "used_tokens": report.used_tokens, "cropped_tokens": report.cropped_tokens,
-               "padded_tokens": report.padded_tokens, "dropped_tokens": report.dropped_tokens}
+               **report.as_options()}
     return FormatSection("uint32", tuple(shards), options)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raypipe.io.manifest import UnitRecord
+from raypipe.sampling.plans import PackingReport
 
 
 @dataclass
@@ -102,12 +103,8 @@ def steady_seconds(records: list[UnitRecord]) -> float:
 
 
 def packing_line(options: dict[str, Any]) -> str:
-    """One line on what a batch format's packing kept of the corpus."""
-    used, total = options["used_tokens"], options["used_tokens"] + options["cropped_tokens"] \
-        + options["dropped_tokens"]
-    share = (lambda n: f"{n / total:.2%}") if total else (lambda n: "0")
-    return (f"{options['packing']} packing: used {share(used)}, cropped "
-            f"{share(options['cropped_tokens'])}, padded {share(options['padded_tokens'])}, "
-            f"dropped {share(options['dropped_tokens'])} of the tokens")
+    """One line on what a batch format's packing made of the corpus (the same words and
+    figures as `raypipe inspect` and `raypipe pack-report`)."""
+    return f"{options['packing']} packing: {PackingReport.from_options(options).summary_line()}"
 
 

@@ -6,10 +6,13 @@ communicate. Kinds:
   windows are visited in Feistel order. O(1) memory.
 - `documents`: one document per row (cropped to T + 1 or padded); Feistel order.
 - `bestfit`: documents in Feistel order are cut into blocks of K; each block is packed
-  (raypipe.sampling.pack: `split`, the default, keeps every token; `crop` is nanochat's);
-  blocks are visited in order and the rows of block j in a Feistel order salted by j. Row
-  counts per block are computed once per epoch (O(N) time, O(N/K) memory); a block's rows
-  are re-packed on demand and cached, so a rank holds one block.
+  (raypipe.sampling.pack: `fill`, the default, fills every row and keeps every token;
+  `split` keeps documents whole where they fit and pads; `crop` is nanochat's); blocks are
+  visited in order and the rows of block j in a Feistel order salted by j. Row counts per
+  block are computed once per epoch: for `fill`, ceil(block tokens / (T + 1)) from one
+  vectorized pass over the permuted lengths (no block packed); for the others by packing
+  every block (O(N) in Python). A block's rows are re-packed on demand and cached, so a
+  rank holds one block.
 Shuffles: `global` (above) touches every shard in every stretch of the epoch. `shard_local`
 (ShardGroups) cuts the shards into groups of consecutive shards; the observations of a group
 are contiguous positions (groups in a Feistel order, observations inside a group in another),
@@ -18,8 +21,9 @@ object storage, fetches each shard once per epoch. Its statistical cost: a batch
 documents of only G shards, and consecutive batches stay in one group for
 (group tokens / global batch tokens) steps; windows also drop the < T + 1 tail tokens of each
 group instead of the stream's.
-Every plan reports what it keeps, crops, pads and drops (`report()`); the loader and the
-LLMBATCH writer warn once when that waste passes 5%.
+Every plan reports what it trains, crops and drops of the tokens and how many positions it
+pads (`report()`); the loader and the LLMBATCH writer warn once when the untrained tokens or
+the padding pass 5%, with a hint that names another packing.
 Cost: windows/documents: ~70 ns per observation to permute; bestfit: see
 bench/packing_bench.py for planner documents per second, then O(1) per row.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -37,11 +42,16 @@ from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
 
 logger = logging.getLogger("raypipe")
 MIN_ROWS_PER_BLOCK = 256
+SUM_CHUNK_DOCUMENTS = 1 << 20  # documents permuted per numpy call when summing blocks
 WASTE_WARNING = 0.05  # warn once when an epoch would not train this share of the tokens
 
 
 @dataclass(frozen=True)
 class PackingReport:
+    """What one epoch's rows make of the data: tokens trained (used), not trained (cropped
+    from documents, dropped with whole rows), and positions that hold no token (padding).
+    used + cropped + dropped = total_tokens; the rows hold used + padded positions."""
+
     rows: int
     used_tokens: int
     cropped_tokens: int
@@ -49,37 +59,101 @@ class PackingReport:
     dropped_tokens: int
     total_tokens: int
 
-    @property
-    def crop_fraction(self) -> float:
-        return self.cropped_tokens / self.total_tokens if self.total_tokens else 0.0
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> PackingReport:
+        """The report an LLMBATCH manifest section records (see `as_options`)."""
+        used, cropped, dropped = (int(options[key]) for key in
+                                  ("used_tokens", "cropped_tokens", "dropped_tokens"))
+        rows = int(options.get("num_batches", 0)) * int(options.get("batch_size", 0))
+        return cls(rows, used, cropped, int(options["padded_tokens"]), dropped,
+                   used + cropped + dropped)
+
+    def as_options(self) -> dict[str, int]:
+        return {"used_tokens": self.used_tokens, "cropped_tokens": self.cropped_tokens,
+                "padded_tokens": self.padded_tokens, "dropped_tokens": self.dropped_tokens}
 
     @property
-    def waste_fraction(self) -> float:
-        """Tokens of the data not trained this epoch, plus padding, per token of the data."""
-        wasted = self.cropped_tokens + self.dropped_tokens + self.padded_tokens
-        return wasted / self.total_tokens if self.total_tokens else 0.0
+    def untrained_tokens(self) -> int:
+        return self.cropped_tokens + self.dropped_tokens
 
-    def warn_if_wasteful(self, what: str, threshold: float = WASTE_WARNING) -> bool:
-        """Log one warning when the waste passes `threshold`; True when it did."""
-        if self.waste_fraction <= threshold:
+    @property
+    def untrained_fraction(self) -> float:
+        """Tokens of the data not trained this epoch, per token of the data."""
+        return self.untrained_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    @property
+    def positions(self) -> int:
+        return self.used_tokens + self.padded_tokens
+
+    @property
+    def padding_fraction(self) -> float:
+        """Positions of the rows that hold no token (GPU time spent on nothing)."""
+        return self.padded_tokens / self.positions if self.positions else 0.0
+
+    def warn_if_wasteful(self, what: str, mode: str, packing: str | None = None,
+                         threshold: float = WASTE_WARNING) -> bool:
+        """Log one warning when untrained tokens or padding pass `threshold` (each on its
+        own line of the warning), with a hint that names a mode or packing other than
+        (mode, packing), the one running; True when it warned."""
+        problems = []
+        if self.untrained_fraction > threshold:
+            cause = "cropped" if self.cropped_tokens >= self.dropped_tokens else "dropped"
+            problems.append(
+                f"{self.untrained_fraction:.1%} of the tokens are not trained (cropped "
+                f"{self.cropped_tokens:,}, dropped {self.dropped_tokens:,} of "
+                f"{self.total_tokens:,}); hint: {waste_hint(cause, mode, packing)}")
+        if self.padding_fraction > threshold:
+            problems.append(
+                f"{self.padding_fraction:.1%} of the positions are padding "
+                f"({self.padded_tokens:,} of {self.positions:,}); hint: "
+                f"{waste_hint('padding', mode, packing)}")
+        if not problems:
             return False
-        logger.warning(
-            "%s: %.1f%% of the tokens are not trained (cropped %s, dropped %s, padded %s of "
-            "%s); packing='split' keeps every token", what, 100 * self.waste_fraction,
-            f"{self.cropped_tokens:,}", f"{self.dropped_tokens:,}", f"{self.padded_tokens:,}",
-            f"{self.total_tokens:,}")
+        logger.warning("%s: %s", what, "; ".join(problems))
         return True
 
-    def render(self) -> str:
-        total = max(self.total_tokens, 1)
-        return "\n".join([
+    def lines(self) -> list[str]:
+        total, positions = max(self.total_tokens, 1), max(self.positions, 1)
+        return [
             f"rows            {self.rows:,}",
             f"tokens in data  {self.total_tokens:,}",
-            f"used            {self.used_tokens:,} ({self.used_tokens / total:.2%})",
-            f"cropped         {self.cropped_tokens:,} ({self.cropped_tokens / total:.2%})",
-            f"padded          {self.padded_tokens:,} ({self.padded_tokens / total:.2%})",
-            f"dropped         {self.dropped_tokens:,} ({self.dropped_tokens / total:.2%})",
-        ])
+            f"trained         {self.used_tokens:,} ({self.used_tokens / total:.2%} of the "
+            "tokens)",
+            f"untrained       {self.untrained_tokens:,} ({self.untrained_tokens / total:.2%}"
+            f" of the tokens): cropped {self.cropped_tokens:,}, dropped "
+            f"{self.dropped_tokens:,}",
+            f"padding         {self.padded_tokens:,} ({self.padded_tokens / positions:.2%} "
+            "of the positions)",
+        ]
+
+    def render(self) -> str:
+        return "\n".join(self.lines())
+
+    def summary_line(self) -> str:
+        """The report in one line (the tokenize summary, inspect)."""
+        total, positions = max(self.total_tokens, 1), max(self.positions, 1)
+        return (f"trained {self.used_tokens / total:.2%} of the tokens, untrained "
+                f"{self.untrained_tokens / total:.2%} (cropped {self.cropped_tokens / total:.2%}"
+                f", dropped {self.dropped_tokens / total:.2%}), padding "
+                f"{self.padded_tokens / positions:.2%} of the positions")
+
+
+def waste_hint(waste: str, mode: str, packing: str | None) -> str:
+    """A way to waste less (`waste`: cropped, dropped or padding) than (mode, packing), the
+    one running, does; never names it. Mode "llmbatch": records written in whole batches."""
+    if waste == "padding":
+        if mode in ("bestfit", "llmbatch") and packing not in ("fill", "concat"):
+            return "packing 'fill' fills every row with pieces of documents"
+        if mode == "documents":
+            return "mode 'bestfit' packs several documents per row"
+        return "fewer, shorter rows (the data holds too few tokens to fill its rows)"
+    if packing == "crop":
+        return "packing 'fill' trains every token and pads under 1% of the positions"
+    if mode == "documents":
+        return "mode 'bestfit' trains every token (long documents are cut to fit rows)"
+    if mode == "llmbatch":
+        return "a smaller batch size drops fewer records at the end"
+    return "shuffle 'global' drops only the stream's last partial row"
 
 
 SHUFFLES = ("global", "shard_local")
@@ -185,7 +259,7 @@ class BestFitPlan:
     kind = "bestfit"
 
     def __init__(self, lengths: np.ndarray, seq_len: int, seed: int, epoch: int,
-                 block_documents: int = 4096, packing: str = "split",
+                 block_documents: int = 4096, packing: str = "fill",
                  groups: ShardGroups | None = None):
         self.lengths = lengths
         self.packing = packing
@@ -210,6 +284,8 @@ class BestFitPlan:
 
     @cached_property
     def _summary(self) -> tuple[np.ndarray, PackingReport]:
+        if self.packing == "fill":
+            return self._fill_summary()
         rows = np.zeros(self.num_blocks + 1, dtype=np.int64)
         used = cropped = dropped = padded = 0
         for block in range(self.num_blocks):
@@ -222,6 +298,28 @@ class BestFitPlan:
         report = PackingReport(int(rows.sum()), used, cropped, padded, dropped,
                                int(self.lengths.sum()))
         return np.cumsum(rows), report
+
+    def _fill_summary(self) -> tuple[np.ndarray, PackingReport]:
+        """Fill packing's rows follow from token sums alone: ceil(block tokens / capacity)
+        per block, no block packed."""
+        rows = -(-self.block_token_sums() // self.capacity)
+        total = int(self.lengths.sum())
+        positions = int(rows.sum()) * self.capacity
+        report = PackingReport(int(rows.sum()), total, 0, positions - total, 0, total)
+        return np.concatenate([[0], np.cumsum(rows)]).astype(np.int64), report
+
+    def block_token_sums(self) -> np.ndarray:
+        """Tokens of each block, in one vectorized pass over the epoch's document order,
+        a bounded number of documents at a time."""
+        count, per_block = len(self.lengths), self.block_documents
+        step = per_block * max(1, SUM_CHUNK_DOCUMENTS // per_block)
+        sums = []
+        for first in range(0, count, step):
+            ids = self.document_order(np.arange(first, min(first + step, count),
+                                                dtype=np.int64))
+            lengths = np.asarray(self.lengths[ids], dtype=np.int64)
+            sums.append(np.add.reduceat(lengths, np.arange(0, lengths.size, per_block)))
+        return np.concatenate(sums) if sums else np.zeros(0, dtype=np.int64)
 
     @property
     def row_offsets(self) -> np.ndarray:
@@ -264,10 +362,11 @@ class BestFitPlan:
 
 
 def block_size(lengths: np.ndarray, capacity: int, block_documents: int, packing: str) -> int:
-    """Documents per packing block. Split packing pads at most part of one row per block, so
-    its blocks hold at least MIN_ROWS_PER_BLOCK rows' worth of tokens on average (padding
-    from block ends <= ~0.2%); crop keeps `block_documents` as it always had."""
-    if packing != "split" or len(lengths) == 0:
+    """Documents per packing block. Fill packing pads less than one row per block (split's
+    block ends do too), so their blocks hold at least MIN_ROWS_PER_BLOCK rows' worth of
+    tokens on average (padding from block ends < 0.4%); crop keeps `block_documents` as it
+    always had."""
+    if packing not in ("fill", "split") or len(lengths) == 0:
         return block_documents
     mean = max(float(np.mean(lengths)), 1.0)
     return max(block_documents, int(np.ceil(MIN_ROWS_PER_BLOCK * capacity / mean)))
@@ -306,7 +405,7 @@ MODES = ("windows", "bestfit", "documents", "llmbatch")
 
 
 def make_plan(mode: str, num_tokens: int, lengths: object, seq_len: int, seed: int,
-              epoch: int, block_documents: int = 4096, packing: str = "split",
+              epoch: int, block_documents: int = 4096, packing: str = "fill",
               groups: ShardGroups | None = None) -> Plan:
     """The plan of one epoch. `lengths` (document lengths) may be a zero-argument callable,
     called only by the modes that need it; `groups` makes the shuffle shard-local."""

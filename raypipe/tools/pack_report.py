@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
-from raypipe.dataset import TokenDataset
+from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.sampling.mixture import mixture_weights, realized_shares
-from raypipe.sampling.plans import Plan, ShardGroups, make_plan
+from raypipe.sampling.plans import PackingReport, Plan, ShardGroups, make_plan
 
 MIXTURE_STEPS = 1000
 MIXTURE_ROWS_PER_STEP = 8
@@ -21,7 +21,7 @@ MIXTURE_ROWS_PER_STEP = 8
 
 def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", seed: int = 0,
                 epoch: int = 0, epochs: int = 1, block_documents: int = 4096,
-                format_name: str | None = None, packing: str = "split",
+                format_name: str | None = None, packing: str = "fill",
                 shuffle: str = "global", group_shards: int = 4) -> str:
     """The report for `epochs` epochs from `epoch`, as printed text (a dataset on object
     storage: only its index files are fetched; a mixture YAML: each source's report, and the
@@ -31,9 +31,25 @@ def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", s
                "group_shards": group_shards}
     if is_mixture_spec(dataset_path):
         return mixture_report(str(dataset_path), seq_len, options)
+    if mode == "llmbatch":
+        return llmbatch_report(str(dataset_path))
     dataset = TokenDataset(dataset_path, format_name)
     return render(str(dataset_path), dataset, seq_len, epoch_plans(dataset, seq_len, options),
                   options)
+
+
+def llmbatch_report(where: str) -> str:
+    """What the LLMBATCH records written at tokenize (or convert) time hold: the report
+    their manifest section recorded (records are fixed; seq_len and seed are theirs)."""
+    dataset = LLMBatchDataset(where)
+    options = dataset.section.options
+    report = PackingReport.from_options(options)
+    return "\n".join([
+        f"packing report: {where}",
+        f"llmbatch records of {dataset.seq_len} tokens ({options['packing']} packing, seed "
+        f"{options['seed']}), {dataset.num_batches:,} batches of {dataset.batch_size}",
+        report.render(),
+    ])
 
 
 def epoch_plans(dataset: TokenDataset, seq_len: int, options: dict[str, Any]
