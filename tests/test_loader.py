@@ -87,10 +87,12 @@ def test_crop_rows_start_with_bos_and_follow_the_plan(token_dataset):
         sum(d.size for d in documents)
 
 
-def test_split_rows_hold_pieces_then_masked_padding(token_dataset):
+@pytest.mark.parametrize("packing", ["split", "fill"])
+def test_packed_rows_hold_pieces_each_its_own_sequence_then_masked_padding(token_dataset,
+                                                                           packing):
     documents = documents_of(token_dataset)
     loader = TokenLoader(token_dataset, T, B, mode="bestfit", seed=9, block_documents=128,
-                         pad_id=7)
+                         pad_id=7, packing=packing)
     plan = loader.plan()
     padded_rows = 0
     for batch in loader:
@@ -110,12 +112,18 @@ def test_split_rows_hold_pieces_then_masked_padding(token_dataset):
         inputs = batch.inputs.reshape(-1).tolist()
         assert batch.document_starts.tolist() == [inputs[s] == 0 for s in starts_flat]
     report = loader.packing_report()
-    assert padded_rows and report.cropped_tokens == report.dropped_tokens == 0
+    assert report.cropped_tokens == report.dropped_tokens == 0
     assert report.used_tokens == sum(d.size for d in documents)
+    if packing == "split":
+        assert padded_rows > plan.num_blocks
+    else:  # fill: every row full but less than one row's worth per block
+        assert report.padded_tokens < plan.num_blocks * (T + 1)
+        assert padded_rows <= report.padded_tokens
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_split_epoch_trains_at_least_99_percent_of_token_positions_once(token_dataset, world):
+def test_default_epoch_trains_at_least_99_percent_of_token_positions_once(token_dataset,
+                                                                          world):
     """Over one epoch at any world size, the rows served cover every token of the data at
     most once and at least 99% of them (the rest: the drop-last tail)."""
     documents = documents_of(token_dataset)
