@@ -2,8 +2,10 @@
 
 Invariant: documents are numbered globally in manifest order (shard by shard); the
 dataset fingerprint (manifest fingerprint + every shard's name, size and checksum) changes
-whenever any shard file does. Shard readers open lazily (a memmap each), so opening a
-dataset of 1,000 shards reads only the manifest. The root may be a local directory or a URI
+whenever any shard file does. Shard readers open lazily, on first use (maps that hold no
+file descriptor: raypipe.io.mapping), so opening a dataset of 10,000 shards reads only the
+manifest (and checks each shard's file names, ~1 us a file), and any number of open shards
+fits under a small open-file limit. The root may be a local directory or a URI
 (raypipe.io.store): over object storage a shard opens from the node-local cache
 (raypipe.io.cache) once its files arrived checked, and document lengths come from index files
 alone where the format has them. Cost of `document_lengths()`: one pass over each shard's
@@ -79,6 +81,8 @@ class ShardSet:
         self.format = FORMATS[format_name]
         self.section = manifest.formats[format_name]
         self.shards: tuple[ShardEntry, ...] = self.section.shards
+        for shard in self.shards:
+            self._check_file_names(shard)
         self.bos_id: int | None = manifest.tokenizer.bos_id
         self.eos_id: int | None = manifest.tokenizer.eos_id
         self._readers: OrderedDict[int, Any] = OrderedDict()
@@ -98,6 +102,25 @@ class ShardSet:
     @property
     def num_shards(self) -> int:
         return len(self.shards)
+
+    def _check_file_names(self, shard: ShardEntry) -> None:
+        """Before any shard opens (they open lazily): every file of the shard is
+        `<directory>/<shard name><one of the format's suffixes>`, all in one directory inside
+        the dataset. String checks only (~1 us a file), so a manifest naming a file its
+        shard cannot own is refused when the dataset opens, not mid-epoch."""
+        directory = None
+        for entry in shard.files:
+            head, _, tail = entry.path.rpartition("/")
+            suffix = tail[len(shard.name):]
+            parts = head.split("/") if head else []
+            if (not tail.startswith(shard.name) or suffix not in self.format.suffixes
+                    or entry.path.startswith("/") or ".." in parts or "" in parts
+                    or (directory is not None and head != directory)):
+                raise FormatError(self.store.uri_of(MANIFEST_NAME), f"shard {shard.name!r} "
+                                  f"lists file {entry.path!r}", "<directory>/"
+                                  f"{shard.name}{{{','.join(self.format.suffixes)}}}",
+                                  entry.path)
+            directory = head
 
     def _check_files(self, index: int) -> None:
         """Every file of the shard is the one committed (a stat each: size and modification

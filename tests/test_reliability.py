@@ -336,14 +336,18 @@ def test_loader_refuses_to_open_a_vanished_or_changed_shard(token_dataset, tmp_p
 
     copy = tmp_path / "copy"
     shutil.copytree(token_dataset, copy)
-    TokenLoader(copy, 16, 2, mode="windows")  # opens cleanly before the edits
+    def read_an_epoch():  # shards open when first read, not all when the loader starts
+        for _ in TokenLoader(copy, 16, 2, mode="windows"):
+            pass
+
+    read_an_epoch()  # reads cleanly before the edits
     victim = sorted((copy / "megatron").glob("*.bin"))[1]
     with open(victim, "ab") as handle:
         handle.write(b"\\0\\0")
     with pytest.raises(FormatError, match="size differs from the manifest") as changed:
-        TokenLoader(copy, 16, 2, mode="windows")
+        read_an_epoch()
     victim.unlink()
     with pytest.raises(FormatError, match="missing") as missing:
-        TokenLoader(copy, 16, 2, mode="windows")
+        read_an_epoch()
     assert str(victim) in str(changed.value) and str(victim) in str(missing.value)
     figure("loader over a changed dataset", f"{changed.value} | {missing.value}")

@@ -30,6 +30,7 @@ from raypipe.io.manifest import (
     plain_name,
     safe_join,
 )
+from raypipe.io.mapping import map_file
 
 
 class ShardWriter(ABC):
@@ -186,9 +187,8 @@ def require_size(path: Path, expected: int, actual: int, what: str = "file size"
 
 
 def memmap_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
-    if count == 0:
-        return np.empty(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+    """A read-only map of the file's tokens that holds no file descriptor."""
+    return map_file(path, dtype, offset, count)
 
 
 def starts_from_markers(tokens: np.ndarray, bos_id: int | None,

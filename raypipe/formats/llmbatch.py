@@ -23,6 +23,7 @@ import numpy as np
 from raypipe.errors import FormatError
 from raypipe.formats.base import Format, ShardWriter, register, require_file, require_size
 from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo, safe_join
+from raypipe.io.mapping import map_file
 
 MAGIC = b"LLMBATCH"
 VERSION = 1
@@ -120,8 +121,7 @@ class LLMBatchReader:
         require_size(self.path, PAGE + num_batches * self.padded, size)
         self.batch_size, self.seq_len, self.num_batches = batch_size, seq_len, num_batches
         self.seed, self.total_records = seed, total_records
-        self.data = (np.memmap(self.path, dtype=np.uint8, mode="r", offset=PAGE)
-                     if num_batches else np.empty(0, np.uint8))
+        self.data = map_file(self.path, np.uint8, PAGE)
 
     def __len__(self) -> int:
         return self.num_batches

@@ -5,7 +5,8 @@ document, document_indices = [0..N]). dtype uint16 (code 8) when the largest id 
 else int32 (code 4). The reader checks magic, version, dtype code, the idx size implied by
 its counts (34 + 12S + 8D, before touching any array), pointer/length consistency and the
 .bin size. Cost: the writer keeps 4 bytes per document in memory until commit; reading
-opens two memmaps and does O(S) vectorized checks (~1 ms per million documents).
+opens two maps (no file descriptor held) and does O(S) vectorized checks (~1 ms per
+million documents).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from raypipe.formats.base import (
     shard_prefix,
 )
 from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo
+from raypipe.io.mapping import map_file
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -151,7 +153,7 @@ class MegatronIndex:
         if idx_size not in (expected, expected + count):  # + optional int8 sequence_modes
             require_size(idx_path, expected, idx_size, f"index size for S={count}, D={doc_count}")
         self.dtype = np.dtype(DTYPE_CODES[code])
-        index = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        index = map_file(idx_path)
         self.sequence_lengths = np.frombuffer(index, "<i4", count, HEADER.size)
         self.sequence_pointers = np.frombuffer(index, "<i8", count, HEADER.size + 4 * count)
         self.document_indices = np.frombuffer(index, "<i8", doc_count, HEADER.size + 12 * count)

@@ -31,6 +31,7 @@ from raypipe.formats.base import (
     starts_from_markers,
 )
 from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo
+from raypipe.io.mapping import map_file
 from raypipe.io.serialize import get_serializer
 
 RECORD = np.dtype([("token", "<u4"), ("metadata_id", "<u4")])
@@ -121,9 +122,7 @@ class StreamReader(ShardReader):
             raise FormatError(self.tokens_path, f"size is not a multiple of the "
                               f"{record.itemsize}-byte record", "a multiple", size)
         count = size // record.itemsize
-        # plain ndarray views of the maps: slicing a np.memmap subclass costs ~1 us more
-        raw = (np.memmap(self.tokens_path, dtype=record, mode="r", shape=(count,)).view(
-            np.ndarray) if count else np.empty(0, dtype=record))
+        raw = map_file(self.tokens_path, record, 0, count)
         self.records = raw
         self.tokens = raw["token"] if metadata else raw
         self.metadata_ids = raw["metadata_id"] if metadata else None
@@ -137,13 +136,12 @@ class StreamReader(ShardReader):
         if index_size % 8 or index_size < 8:
             raise FormatError(self.index_path, "size must be a positive multiple of 8 (u64)",
                               ">= 8, multiple of 8", index_size)
-        self.index = np.memmap(self.index_path, dtype="<u8", mode="r").view(np.ndarray)
+        self.index = map_file(self.index_path, "<u8")
         if int(self.index[0]) != 0:
             raise FormatError(self.index_path, "index[0] must be 0", 0, int(self.index[0]))
         require_size(self.bin_path, int(self.index[-1]), bin_size,
                      "metadata.bin size (index[M])")
-        self.bin = (np.memmap(self.bin_path, dtype=np.uint8, mode="r").view(np.ndarray)
-                    if bin_size else np.empty(0, np.uint8))
+        self.bin = map_file(self.bin_path, np.uint8)
 
     def verify_contents(self) -> None:
         """Every metadata id points inside the index; the index ascends."""

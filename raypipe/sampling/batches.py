@@ -80,10 +80,10 @@ def shard_array(dataset: TokenDataset, shard: int, attribute: str) -> np.ndarray
 
 
 class ShardArrays:
-    """`arrays[shard]` over object storage: a shard opens through the dataset (fetched into
-    the cache on first use); its array is then kept until the dataset closes any shard,
-    which drops them all (so no closed shard stays mapped). Cost of an access: one method
-    call and one dict lookup (a local dataset uses a plain list instead)."""
+    """`arrays[shard]`: a shard opens through the dataset on first use (on object storage,
+    fetched into the cache first); its array is then kept until the dataset closes any
+    shard, which drops them all (so no closed shard stays mapped). Cost of an access: one
+    method call and one dict lookup."""
 
     def __init__(self, dataset: TokenDataset, attribute: str):
         self.dataset, self.attribute = dataset, attribute
@@ -115,15 +115,9 @@ class TokenSource:
         self.copy_span = self.copy_global
         self.token_offsets = np.concatenate([[0], np.cumsum(dataset.shard_token_counts)])
         self.document_offsets = np.concatenate([[0], np.cumsum(dataset.shard_document_counts)])
-        self.tokens: list[np.ndarray] | ShardArrays
-        self.document_starts: list[np.ndarray] | ShardArrays
-        if dataset.cache is None:  # local: every shard opened (and checked) up front
-            shards = range(dataset.num_shards)
-            self.tokens = [shard_array(dataset, i, "tokens") for i in shards]
-            self.document_starts = [shard_array(dataset, i, "document_starts") for i in shards]
-        else:
-            self.tokens = ShardArrays(dataset, "tokens")
-            self.document_starts = ShardArrays(dataset, "document_starts")
+        # shards open on first use (a map each, no file descriptor held)
+        self.tokens = ShardArrays(dataset, "tokens")
+        self.document_starts = ShardArrays(dataset, "document_starts")
 
     def shards_of_tokens(self, starts: np.ndarray, length: int) -> np.ndarray:
         """The shards that stream spans [start, start + length) start and end in."""
