@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from raypipe.errors import InputError
+from raypipe.errors import FormatError, InputError
 from raypipe.preprocess.encoding.encoder import DocumentEncoder, flatten_documents
 from raypipe.preprocess.inputs import expand_inputs, plan_units, unit_name
 from raypipe.preprocess.texts import clean_texts
@@ -101,3 +101,29 @@ def test_double_star_glob_crosses_directories(tmp_path):
     write_parquet(tmp_path / "d" / "sub" / "deeper" / "c.parquet", ["x"])
     found = expand_inputs([str(tmp_path / "d" / "**" / "*.parquet")])
     assert [p.rsplit("/", 1)[1] for p in found] == ["a.parquet", "c.parquet"]
+
+
+@pytest.mark.parametrize("entry,problem", [
+    ({"path": "m/a.bin", "bytes": True, "sha256": "0" * 64}, "field 'bytes' has the wrong type"),
+    ({"path": "m/a.bin", "bytes": 1.5, "sha256": "0" * 64}, "field 'bytes' has the wrong type"),
+    ({"path": "m/a.bin", "sha256": "0" * 64}, "lacks field 'bytes'"),
+    ({"path": "m/a.bin", "bytes": 3, "sha256": "0" * 64, "mtime_ns": "1"},
+     "field 'mtime_ns' has the wrong type"),
+    ({"path": "../a.bin", "bytes": 3, "sha256": "0" * 64}, "must be relative"),
+    ("m/a.bin", "is not a JSON object"),
+])
+def test_manifest_records_refuse_wrong_types_bools_as_numbers_and_escaping_paths(entry,
+                                                                                 problem):
+    from raypipe.io.manifest import FileEntry
+
+    with pytest.raises(FormatError, match=problem):
+        FileEntry.from_json(entry, "manifest.json")
+
+
+def test_manifest_records_accept_optional_fields_absent_or_null():
+    from raypipe.io.manifest import FileEntry
+
+    entry = {"path": "m/a.bin", "bytes": 3, "sha256": "0" * 64}
+    assert FileEntry.from_json(entry, "w").mtime_ns is None
+    assert FileEntry.from_json({**entry, "mtime_ns": None}, "w").mtime_ns is None
+    assert FileEntry.from_json({**entry, "mtime_ns": 7}, "w").mtime_ns == 7

@@ -8,7 +8,9 @@ Every record is a frozen dataclass built in one place (`from_json` reads and typ
 one, `to_json` writes it) so a malformed file is a FormatError naming the file and the
 field, and no path read from a record or manifest may leave the dataset directory.
 Cost: one small JSON file per unit; checking 1,000 committed units is ~1,000 stats
-(tens of ms); parsing a manifest of 1,000 shards ~10 ms.
+(tens of ms); reading a manifest of 10,000 shards and 10,000 units (8 MB) 0.17-0.30 s
+on 2 busy cores, a third of it the JSON parse (per-class field rules are derived
+from the type hints once; it was 0.46-0.73 s).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, TypeVar
 
 from raypipe import _faults as faults
@@ -44,61 +46,81 @@ MANIFEST_KIND = "raypipe-tokens"
 Record = TypeVar("Record")
 
 
-def _check_type(value: Any, hint: Any, where: str, name: str) -> None:
-    """Shallow runtime check of a JSON value against a field's type hint."""
+@dataclasses.dataclass(frozen=True)
+class _FieldRule:
+    """How one field of a record is read: its name, whether it must be present, and the
+    Python types a JSON value of it may have (bool never counts as a number)."""
+
+    name: str
+    required: bool
+    types: tuple[type, ...] | None  # None: any value
+    numeric: bool  # int or float accepted, bool not: refuse bool
+    hint: Any
+
+
+def _accepted_types(hint: Any) -> tuple[type, ...] | None:
+    """The Python types of the JSON values `hint` accepts (None: any)."""
     origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if any(_matches(value, option) for option in options):
-            return
-    elif _matches(value, hint):
-        return
-    raise FormatError(where, f"field {name!r} has the wrong type", _hint_name(hint),
-                      type(value).__name__)
+    options = typing.get_args(hint) if origin in (typing.Union, types.UnionType) else (hint,)
+    accepted: list[type] = []
+    for option in options:
+        if option is Any:
+            return None
+        base = typing.get_origin(option) or option
+        if base is type(None):
+            accepted.append(type(None))
+        elif base in (tuple, list):
+            accepted += [list, tuple]
+        elif base is float:
+            accepted += [int, float]
+        elif dataclasses.is_dataclass(base):
+            accepted.append(dict)
+        else:
+            accepted.append(base)
+    return tuple(accepted)
 
 
-def _matches(value: Any, hint: Any) -> bool:
-    if hint is type(None):
-        return value is None
-    if hint is Any:
-        return True
-    base = typing.get_origin(hint) or hint
-    if base is tuple or base is list:
-        return isinstance(value, list | tuple)
-    if base is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if base is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if dataclasses.is_dataclass(base):
-        return isinstance(value, dict)
-    return isinstance(value, base)
+_ABSENT = object()
+
+
+@functools.cache
+def _field_rules(cls: type) -> tuple[tuple[str, bool, tuple[type, ...] | None, bool, Any], ...]:
+    """Each field's rule as a plain tuple (name, required, types, numeric, hint)."""
+    hints = typing.get_type_hints(cls)
+    rules = []
+    for spec in dataclasses.fields(cls):
+        accepted = _accepted_types(hints[spec.name])
+        required = (spec.default is dataclasses.MISSING
+                    and spec.default_factory is dataclasses.MISSING)
+        rule = _FieldRule(spec.name, required, accepted,
+                          accepted is not None and bool({int, float} & set(accepted))
+                          and bool not in accepted, hints[spec.name])
+        rules.append(dataclasses.astuple(rule))
+    return tuple(rules)
 
 
 def _hint_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-@functools.cache
-def _field_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _from_json(cls: type[Record], data: Any, where: str) -> Record:
-    """Build dataclass `cls` from a JSON object: required keys present, types right."""
+    """Build dataclass `cls` from a JSON object: required keys present, types right (the
+    rules of each class are derived from its type hints once; ~2 us a record)."""
     if not isinstance(data, dict):
         raise FormatError(where, f"{cls.__name__} is not a JSON object", "object",
                           type(data).__name__)
-    hints = _field_hints(cls)
     values = {}
-    for spec in dataclasses.fields(cls):
-        if spec.name not in data:
-            if spec.default is dataclasses.MISSING and \
-                    spec.default_factory is dataclasses.MISSING:
-                raise FormatError(where, f"{cls.__name__} lacks field {spec.name!r}")
+    for name, required, accepted, numeric, hint in _field_rules(cls):
+        value = data.get(name, _ABSENT)
+        if value is _ABSENT:
+            if required:
+                raise FormatError(where, f"{cls.__name__} lacks field {name!r}")
             continue
-        value = data[spec.name]
-        _check_type(value, hints[spec.name], where, spec.name)
-        values[spec.name] = value
+        if accepted is not None and (not isinstance(value, accepted)
+                                     or (numeric and isinstance(value, bool))):
+            raise FormatError(where, f"field {name!r} has the wrong type", _hint_name(hint),
+                              type(value).__name__)
+        values[name] = value
     return cls(**values)
 
 
@@ -128,7 +150,7 @@ def plain_name(name: str, where: str, field_name: str = "name") -> str:
 def relative_path(path: str, where: str) -> str:
     """`path` if it is relative and has no `..` part (checked again against the real
     directory by `safe_join` before any use)."""
-    parts = PurePosixPath(path).parts
+    parts = [part for part in path.split("/") if part not in ("", ".")]
     if not path or path.startswith("/") or "\x00" in path or ".." in parts or not parts:
         raise FormatError(where, f"path {path!r} must be relative to the dataset, without ..")
     return path
