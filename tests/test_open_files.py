@@ -94,3 +94,26 @@ def test_verify_inspect_convert_and_a_rerun_of_600_units_under_ulimit_256(many_s
     assert result.returncode == 0, result.stderr[-3000:]
     shards, converted, rerun, units = map(int, result.stdout.split()[-4:])
     assert shards == 2 * SHARDS and converted == SHARDS and (rerun, units) == (0, SHARDS)
+
+
+def test_a_map_read_by_a_thread_while_the_interpreter_exits_stays_mapped(tmp_path):
+    """Maps are unmapped when their last view goes, never by an exit hook, while a daemon
+    thread (the loader's prefetcher) may still read them (unmapping at exit: SIGSEGV)."""
+    path = tmp_path / "tokens.bin"
+    path.write_bytes(bytes(range(256)) * 4096)
+    for _ in range(3):
+        result = run_limited(f"""
+            import threading
+            from raypipe.io.mapping import map_file
+            array = map_file({str(path)!r})
+            started = threading.Event()
+
+            def read_forever():
+                while True:
+                    started.set()
+                    int(array.sum())
+
+            threading.Thread(target=read_forever, daemon=True).start()
+            started.wait()
+        """)
+        assert result.returncode == 0, (result.returncode, result.stderr[-2000:])

@@ -105,6 +105,11 @@ class ShardReader(ABC):
     def document_lengths(self) -> np.ndarray:
         return np.diff(self.document_starts)
 
+    def locate(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(first token, token count) of the documents with these indices in the shard."""
+        firsts = self.document_starts[local]
+        return firsts, self.document_starts[local + 1] - firsts
+
     def document(self, index: int) -> np.ndarray:
         if not 0 <= index < self.num_documents:
             raise IndexError(f"document {index} out of range [0, {self.num_documents})")

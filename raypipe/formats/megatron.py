@@ -12,6 +12,7 @@ million documents).
 from __future__ import annotations
 
 import struct
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -94,11 +95,13 @@ class MegatronReader(ShardReader):
                                tokenizer: TokenizerInfo) -> np.ndarray:
         prefix = shard_prefix(root, shard)
         index = MegatronIndex(prefix.with_name(prefix.name + ".idx"))
-        lengths = index.sequence_lengths.astype(np.int64)
+        lengths = index.sequence_lengths
         if lengths.size and lengths.min() < 0:
             raise FormatError(index.idx_path, "negative sequence length", ">= 0", lengths.min())
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
         index.check_documents(lengths.size)
+        if index.one_sequence_per_document:
+            return lengths  # a view of the .idx map: no copy
+        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         return np.diff(offsets[index.document_indices])
 
     def __init__(self, prefix: str | Path):
@@ -108,13 +111,37 @@ class MegatronReader(ShardReader):
         index = MegatronIndex(self.idx_path)
         bin_size = require_file(self.bin_path)
         self.dtype = index.dtype
+        self.index = index
         self.sequence_lengths = index.sequence_lengths
         self.sequence_pointers = index.sequence_pointers
         self.document_indices = index.document_indices
-        offsets = self._check_consistency(bin_size, index.sequence_lengths.size)
+        self._check_consistency(bin_size, index.sequence_lengths.size)
         index.check_documents(index.sequence_lengths.size)
         self.tokens = memmap_tokens(self.bin_path, self.dtype, 0, bin_size // self.dtype.itemsize)
-        self.document_starts = offsets[self.document_indices]
+
+    @cached_property
+    def document_starts(self) -> np.ndarray:  # type: ignore[override]
+        """int64[D + 1] token offsets (8 bytes a document: built only when asked; the
+        loader locates documents through the index map instead)."""
+        offsets = np.zeros(self.sequence_lengths.size + 1, dtype=np.int64)
+        np.cumsum(self.sequence_lengths, out=offsets[1:])
+        return offsets[self.document_indices]
+
+    @property
+    def num_documents(self) -> int:
+        return self.document_indices.size - 1
+
+    @property
+    def document_lengths(self) -> np.ndarray:
+        if self.index.one_sequence_per_document:
+            return self.sequence_lengths  # a view of the .idx map
+        return np.diff(self.document_starts)
+
+    def locate(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if not self.index.one_sequence_per_document:
+            return super().locate(local)
+        return (self.sequence_pointers[local] // self.dtype.itemsize,
+                self.sequence_lengths[local].astype(np.int64))
 
     def _check_consistency(self, bin_size: int, count: int) -> np.ndarray:
         lengths = self.sequence_lengths.astype(np.int64)
@@ -157,6 +184,12 @@ class MegatronIndex:
         self.sequence_lengths = np.frombuffer(index, "<i4", count, HEADER.size)
         self.sequence_pointers = np.frombuffer(index, "<i8", count, HEADER.size + 4 * count)
         self.document_indices = np.frombuffer(index, "<i8", doc_count, HEADER.size + 12 * count)
+
+    @property
+    def one_sequence_per_document(self) -> bool:
+        """document_indices = [0 .. S] (raypipe writes no other; checked by
+        check_documents to rise from 0 to S, so S + 1 entries means every step is 1)."""
+        return self.document_indices.size == self.sequence_lengths.size + 1
 
     def check_documents(self, count: int) -> None:
         indices = self.document_indices

@@ -67,7 +67,8 @@ def map_file(path: str | Path, dtype: np.dtype | str = np.uint8, offset: int = 0
         error = ctypes.get_errno()
         raise OSError(error, f"mmap failed: {os.strerror(error)}", str(path))
     pages = (ctypes.c_char * mapped).from_address(address)
-    weakref.finalize(pages, LIBC.munmap, address, mapped)
+    unmap = weakref.finalize(pages, LIBC.munmap, address, mapped)
+    unmap.atexit = False  # at exit, threads may still read it; the OS unmaps it
     array = np.frombuffer(pages, dtype=np.uint8, count=length, offset=offset - start)
     array = array.view(dtype)
     array.flags.writeable = False

@@ -81,7 +81,7 @@ class Prefetcher:
                 slot = index % len(self.ring)
                 meta = self.build(job, slot)
                 pending.append(self.wrap(self._to_device(self.ring.slots[slot]), slot, meta))
-                if len(pending) == self.chunk:
+                if len(pending) == self.chunk or index == 0:  # the first one at once
                     if not self._put(pending):
                         return
                     pending = []

@@ -38,6 +38,7 @@ from raypipe.sampling.batches import (
     PreformedBatchBuilder,
     TokenSource,
 )
+from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.pack import PACKINGS
 from raypipe.sampling.plans import (
     MODES,
@@ -176,7 +177,7 @@ class TokenLoader:
         self.dtype = dtype
         self.epoch, self.position = 0, 0
         self._plan: tuple[int, Any] | None = None
-        self._lengths: np.ndarray | None = None
+        self._lengths: DocumentLengths | None = None
 
     def _preformed_shape(self, seq_len: int | None, batch_size: int | None) -> tuple[int, int]:
         """LLMBATCH fixes the shape: records of T tokens train T - 1 positions."""
@@ -205,11 +206,14 @@ class TokenLoader:
             return int(self.source.stream_offsets[-1])
         return self.dataset.num_tokens
 
-    def _document_lengths(self) -> np.ndarray:
-        """Lengths of the documents the plans number (a split's, or every document)."""
+    def _document_lengths(self) -> DocumentLengths:
+        """Lengths of the documents the plans number: a split's (one array), or every
+        document's, shard by shard (views of the index files where the format has one, so
+        the rank keeps no per-document array)."""
         if self._lengths is None:
-            lengths = self.dataset.document_lengths()
-            self._lengths = lengths if self.split is None else lengths[self.split.ids]
+            every = dataset_lengths(self.dataset)
+            self._lengths = (every if self.split is None
+                             else DocumentLengths.of(every[self.split.ids]))
         return self._lengths
 
     def _groups(self) -> ShardGroups | None:
@@ -265,21 +269,24 @@ class TokenLoader:
 
     def _jobs(self, builder: Any, epoch: int, start: int) -> Iterator[BatchPlan]:
         """BatchPlans of this rank for the rest of the epoch, described DESCRIBE_STEPS at a
-        time (one vectorized permutation call per chunk, not per batch)."""
+        time (one vectorized permutation call per chunk, not per batch); the first chunk is
+        one step, so the first batch waits for one step's description, not 64."""
         offsets = (np.arange(self.observations_per_batch, dtype=np.int64) * self.world_size
                    + self.rank)
         steps = (self.plan(epoch).size - start) // self.global_batch
+        bounds = sorted({0, min(1, steps), *range(DESCRIBE_STEPS, steps, DESCRIBE_STEPS),
+                         steps})
 
-        def chunk(first: int) -> np.ndarray:
-            steps_here = np.arange(first, min(steps, first + DESCRIBE_STEPS), dtype=np.int64)
+        def chunk(index: int) -> np.ndarray:
+            steps_here = np.arange(bounds[index], bounds[index + 1], dtype=np.int64)
             return start + steps_here[:, None] * self.global_batch + offsets
 
-        for first in range(0, steps, DESCRIBE_STEPS):
-            positions = chunk(first)
+        for index in range(len(bounds) - 1):
+            positions = chunk(index)
             if self.dataset.cache is not None:  # fetch this chunk's and the next's shards
                 self.dataset.prefetch(builder.shards(positions).tolist())
-                if first + DESCRIBE_STEPS < steps:
-                    self.dataset.prefetch(builder.shards(chunk(first + DESCRIBE_STEPS)).tolist())
+                if index + 2 < len(bounds):
+                    self.dataset.prefetch(builder.shards(chunk(index + 1)).tolist())
             yield from builder.describe(positions)
 
     def __iter__(self) -> Iterator[Batch]:

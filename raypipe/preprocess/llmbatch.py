@@ -26,6 +26,7 @@ from raypipe.io.manifest import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
 from raypipe.sampling.batches import BatchBuffers, BatchBuilder, TokenSource
+from raypipe.sampling.lengths import dataset_lengths
 from raypipe.sampling.plans import BestFitPlan, PackingReport, Plan, make_plan
 
 DESCRIBE_BATCHES = 64
@@ -58,7 +59,7 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, directory: Path,
                     spec: LLMBatchSpec) -> FormatSection:
     mode, packing = PLAN_OF_PACKING[spec.packing]
     positions_per_row = spec.seq_len - 1
-    plan = make_plan(mode, dataset.num_tokens, dataset.document_lengths, positions_per_row,
+    plan = make_plan(mode, dataset.num_tokens, dataset_lengths(dataset), positions_per_row,
                      spec.seed, 0, packing=packing)
     builder = BatchBuilder(TokenSource(dataset), plan, positions_per_row, pad_id=PAD_ID,
                            boundaries=False)

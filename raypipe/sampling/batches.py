@@ -117,7 +117,6 @@ class TokenSource:
         self.document_offsets = np.concatenate([[0], np.cumsum(dataset.shard_document_counts)])
         # shards open on first use (a map each, no file descriptor held)
         self.tokens = ShardArrays(dataset, "tokens")
-        self.document_starts = ShardArrays(dataset, "document_starts")
 
     def shards_of_tokens(self, starts: np.ndarray, length: int) -> np.ndarray:
         """The shards that stream spans [start, start + length) start and end in."""
@@ -194,9 +193,7 @@ class TokenSource:
         counts = np.empty(len(doc_ids), dtype=np.int64)
         for shard in np.unique(shards).tolist():
             chosen = shards == shard
-            starts = self.document_starts[shard]
-            firsts[chosen] = starts[local[chosen]]
-            counts[chosen] = starts[local[chosen] + 1] - firsts[chosen]
+            firsts[chosen], counts[chosen] = self.dataset.reader(shard).locate(local[chosen])
         counts[empty] = 0
         return shards, firsts, counts
 

@@ -31,18 +31,21 @@ bench/packing_bench.py for planner documents per second, then O(1) per row.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
+from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.pack import PackedBlock, pack
 from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
 
 logger = logging.getLogger("raypipe")
 MIN_ROWS_PER_BLOCK = 256
 SUM_CHUNK_DOCUMENTS = 1 << 20  # documents permuted per numpy call when summing blocks
+CACHED_BLOCKS = 8  # packed blocks a plan keeps (a step's rows span a few blocks)
 WASTE_WARNING = 0.05  # warn once when an epoch would not train this share of the tokens
 
 
@@ -226,12 +229,13 @@ class WindowPlan:
 class DocumentPlan:
     kind = "documents"
 
-    def __init__(self, lengths: np.ndarray, seq_len: int, seed: int, epoch: int,
-                 groups: ShardGroups | None = None, ordered: bool = False, pad_to: int = 1):
+    def __init__(self, lengths: np.ndarray | DocumentLengths, seq_len: int, seed: int,
+                 epoch: int, groups: ShardGroups | None = None, ordered: bool = False,
+                 pad_to: int = 1):
         """`ordered`: documents in index order (evaluation), `pad_to`: the size rounded up
         to a multiple of it with empty observations (id -1: a row of padding), so no
         document falls into a dropped tail."""
-        self.lengths = lengths
+        self.lengths = DocumentLengths.of(lengths)
         self.capacity = seq_len + 1
         self.count = len(lengths)
         self.size = -(-self.count // pad_to) * pad_to
@@ -246,21 +250,24 @@ class DocumentPlan:
                        else self.permutation(positions[inside]))
         return ids
 
-    def report(self) -> PackingReport:
-        kept = np.minimum(self.lengths, self.capacity)
-        total = int(self.lengths.sum())
-        empty_rows = self.size - self.count
-        return PackingReport(self.size, int(kept.sum()), total - int(kept.sum()),
-                             int((self.capacity - kept).sum()) + empty_rows * self.capacity,
+    @cached_property
+    def _report(self) -> PackingReport:
+        kept = self.lengths.clipped_total(self.capacity)
+        total = self.lengths.total
+        return PackingReport(self.size, kept, total - kept, self.size * self.capacity - kept,
                              0, total)
+
+    def report(self) -> PackingReport:
+        return self._report
 
 
 class BestFitPlan:
     kind = "bestfit"
 
-    def __init__(self, lengths: np.ndarray, seq_len: int, seed: int, epoch: int,
-                 block_documents: int = 4096, packing: str = "fill",
+    def __init__(self, lengths: np.ndarray | DocumentLengths, seq_len: int, seed: int,
+                 epoch: int, block_documents: int = 4096, packing: str = "fill",
                  groups: ShardGroups | None = None):
+        lengths = DocumentLengths.of(lengths)
         self.lengths = lengths
         self.packing = packing
         self.capacity = seq_len + 1
@@ -268,7 +275,7 @@ class BestFitPlan:
         self.block_documents = block_size(lengths, self.capacity, block_documents, packing)
         self.document_order = document_permutation(len(lengths), seed, epoch, 3, groups)
         self.num_blocks = -(-len(lengths) // self.block_documents)
-        self._cached: tuple[int, PackedBlock] | None = None
+        self._cached: OrderedDict[int, PackedBlock] = OrderedDict()
         self._row_orders: dict[int, FeistelPermutation] = {}
 
     def block_documents_ids(self, block: int) -> np.ndarray:
@@ -277,10 +284,18 @@ class BestFitPlan:
         return self.document_order(np.arange(first, stop, dtype=np.int64))
 
     def pack(self, block: int) -> PackedBlock:
-        if self._cached is None or self._cached[0] != block:
+        """Block `block`'s rows; the last CACHED_BLOCKS blocks packed stay cached, so a
+        rank that reads a block's rows over several batches packs it once."""
+        packed = self._cached.get(block)
+        if packed is None:
             ids = self.block_documents_ids(block)
-            self._cached = (block, pack(self.packing, ids, self.lengths[ids], self.capacity))
-        return self._cached[1]
+            packed = self._cached[block] = pack(self.packing, ids, self.lengths[ids],
+                                                self.capacity)
+            if len(self._cached) > CACHED_BLOCKS:
+                self._cached.popitem(last=False)
+        else:
+            self._cached.move_to_end(block)
+        return packed
 
     @cached_property
     def _summary(self) -> tuple[np.ndarray, PackingReport]:
@@ -296,28 +311,45 @@ class BestFitPlan:
             dropped += packed.dropped_tokens
             padded += packed.padded_tokens
         report = PackingReport(int(rows.sum()), used, cropped, padded, dropped,
-                               int(self.lengths.sum()))
+                               self.lengths.total)
         return np.cumsum(rows), report
 
     def _fill_summary(self) -> tuple[np.ndarray, PackingReport]:
         """Fill packing's rows follow from token sums alone: ceil(block tokens / capacity)
         per block, no block packed."""
         rows = -(-self.block_token_sums() // self.capacity)
-        total = int(self.lengths.sum())
+        total = self.lengths.total
         positions = int(rows.sum()) * self.capacity
         report = PackingReport(int(rows.sum()), total, 0, positions - total, 0, total)
         return np.concatenate([[0], np.cumsum(rows)]).astype(np.int64), report
 
     def block_token_sums(self) -> np.ndarray:
-        """Tokens of each block, in one vectorized pass over the epoch's document order,
-        a bounded number of documents at a time."""
+        """Tokens of each block, in one vectorized pass over the lengths in storage order
+        (a document's block is its position in the epoch's order // K, from the inverse
+        permutation), a bounded number of documents at a time: no gather, no per-document
+        array kept. (The shard-local order has no inverse: it gathers in position order.)"""
+        per_block = self.block_documents
+        inverse = getattr(self.document_order, "inverse", None)
+        if inverse is None:
+            return self._block_sums_in_order()
+        sums = np.zeros(self.num_blocks, dtype=np.int64)
+        for first, lengths in self.lengths.chunks():
+            for start in range(0, lengths.size, SUM_CHUNK_DOCUMENTS):
+                part = np.asarray(lengths[start:start + SUM_CHUNK_DOCUMENTS], dtype=np.int64)
+                ids = np.arange(first + start, first + start + part.size, dtype=np.int64)
+                blocks = inverse(ids) // per_block  # float64 sums: exact below 2**53
+                sums += np.bincount(blocks, weights=part, minlength=self.num_blocks
+                                    ).astype(np.int64)
+        return sums
+
+    def _block_sums_in_order(self) -> np.ndarray:
         count, per_block = len(self.lengths), self.block_documents
         step = per_block * max(1, SUM_CHUNK_DOCUMENTS // per_block)
         sums = []
         for first in range(0, count, step):
             ids = self.document_order(np.arange(first, min(first + step, count),
                                                 dtype=np.int64))
-            lengths = np.asarray(self.lengths[ids], dtype=np.int64)
+            lengths = self.lengths[ids]
             sums.append(np.add.reduceat(lengths, np.arange(0, lengths.size, per_block)))
         return np.concatenate(sums) if sums else np.zeros(0, dtype=np.int64)
 
@@ -361,14 +393,15 @@ class BestFitPlan:
         return out
 
 
-def block_size(lengths: np.ndarray, capacity: int, block_documents: int, packing: str) -> int:
+def block_size(lengths: DocumentLengths, capacity: int, block_documents: int,
+               packing: str) -> int:
     """Documents per packing block. Fill packing pads less than one row per block (split's
     block ends do too), so their blocks hold at least MIN_ROWS_PER_BLOCK rows' worth of
     tokens on average (padding from block ends < 0.4%); crop keeps `block_documents` as it
     always had."""
     if packing not in ("fill", "split") or len(lengths) == 0:
         return block_documents
-    mean = max(float(np.mean(lengths)), 1.0)
+    mean = max(lengths.mean, 1.0)
     return max(block_documents, int(np.ceil(MIN_ROWS_PER_BLOCK * capacity / mean)))
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.sampling.lengths import dataset_lengths
 from raypipe.sampling.mixture import mixture_weights, realized_shares
 from raypipe.sampling.plans import PackingReport, Plan, ShardGroups, make_plan
 
@@ -57,7 +58,7 @@ def epoch_plans(dataset: TokenDataset, seq_len: int, options: dict[str, Any]
     """The loader's plan of each epoch the report covers."""
     groups = None if options["shuffle"] == "global" else ShardGroups.of(
         dataset.shard_token_counts, dataset.shard_document_counts, options["group_shards"])
-    return [(current, make_plan(options["mode"], dataset.num_tokens, dataset.document_lengths,
+    return [(current, make_plan(options["mode"], dataset.num_tokens, dataset_lengths(dataset),
                                 seq_len, options["seed"], current, options["block_documents"],
                                 options["packing"], groups))
             for current in range(options["epoch"], options["epoch"] + options["epochs"])]

@@ -1,0 +1,185 @@
+"""Scale benchmark: a loader rank's costs at 10^6 to 10^8 documents in 10 to 10^4 shards.
+
+    python bench/scale_bench.py [--sizes 1e6:10,1e7:1000,1e8:10000] [--workdir bench_out]
+
+Datasets are synthetic but real where it is read: Megatron `.idx` files written by raypipe's
+own index encoder (lognormal document lengths, median ~400 tokens), a manifest built by
+raypipe's manifest builder, and sparse `.bin` files of the right size (their pages read as
+zeros; their sha256 is a placeholder, so `raypipe verify` refuses them, and the loader,
+which checks size and modification time, opens them). Each measurement runs in a fresh
+process under `ulimit -n 256`, as rank 999 of 1,000 (and rank 0), T = 2048, B = 8:
+- start: constructing the loader to its first batch;
+- resume: a 1,000-rank state loaded by rank 998 of 999, to its first batch;
+- epoch boundary: building the next epoch's plan (what the first step of an epoch waits for);
+- step: CPU seconds per step over 20 steps;
+- private memory: RssAnon growth from after the imports to after those steps (maps of the
+  index and token files are shared page cache, not counted), per document;
+- open files at the end, and bytes read (rchar) before the first batch.
+Targets at 10^8 documents in 10^4 shards, rank 999, every mode: start and resume <= 5 s,
+epoch boundary <= 1 s, private memory <= 1 B/document + 64 MiB, all under ulimit -n 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from common import print_table
+
+MODES = ("windows", "bestfit", "documents")
+LIMIT_FILES = 256
+PROBE = r"""
+import json, os, resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))
+import numpy as np, torch
+from raypipe.loader import TokenLoader
+
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+
+def rchar():
+    for line in open("/proc/self/io"):
+        if line.startswith("rchar"):
+            return int(line.split()[1])
+
+
+path, mode, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+base_memory, base_read = status("RssAnon:"), rchar()
+began = time.perf_counter()
+loader = TokenLoader(path, 2048, 8, mode=mode, rank=rank, world_size=1000, seed=1)
+batches = iter(loader)
+next(batches)
+start = time.perf_counter() - began
+read_first = rchar() - base_read
+cpu = time.process_time()
+for _ in range(20):
+    next(batches)
+step = (time.process_time() - cpu) / 20
+state = loader.state_dict()
+began = time.perf_counter()
+resumed = TokenLoader(path, 2048, 8, mode=mode, rank=min(rank, 998), world_size=999, seed=1)
+resumed.load_state_dict(state)
+next(iter(resumed))
+resume = time.perf_counter() - began
+began = time.perf_counter()
+loader.plan(loader.epoch + 1)
+boundary = time.perf_counter() - began
+print(json.dumps({{"start": start, "resume": resume, "boundary": boundary, "step": step,
+                  "private": status("RssAnon:") - base_memory,
+                  "files": len(os.listdir("/proc/self/fd")), "read_first": read_first}}))
+"""
+
+
+def build(directory: Path, documents: int, shards: int, seed: int = 0) -> Path:
+    """The synthetic dataset (built once per size and cached in `directory`)."""
+    from raypipe.formats.megatron import encode_index
+    from raypipe.io.atomic import file_sha256
+    from raypipe.io.manifest import (
+        FileEntry,
+        FormatSection,
+        Manifest,
+        ShardEntry,
+        TokenizerInfo,
+        Totals,
+        write_manifest,
+    )
+
+    output = directory / f"scale-{documents:.0e}-{shards}".replace("+", "")
+    if (output / "manifest.json").exists():
+        return output
+    (output / "megatron").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    per_shard = np.full(shards, documents // shards)
+    per_shard[: documents % shards] += 1
+    entries, tokens_total = [], 0
+    for index, count in enumerate(per_shard.tolist()):
+        name = f"shard-{index:05d}"
+        lengths = np.clip(rng.lognormal(6.0, 1.0, count).astype(np.int64) + 2, 2, 100_000)
+        idx_path = output / "megatron" / f"{name}.idx"
+        idx_path.write_bytes(encode_index(lengths, np.dtype(np.uint16)))
+        bin_path = output / "megatron" / f"{name}.bin"
+        with open(bin_path, "wb") as handle:
+            handle.truncate(int(lengths.sum()) * 2)  # sparse: no blocks written
+        files = []
+        for path, digest in ((bin_path, "0" * 64), (idx_path, file_sha256(idx_path))):
+            stat = path.stat()
+            files.append(FileEntry(f"megatron/{path.name}", stat.st_size, digest,
+                                   stat.st_mtime_ns))
+        entries.append(ShardEntry(name, tuple(files), count, int(lengths.sum())))
+        tokens_total += int(lengths.sum())
+    info = TokenizerInfo("synthetic", "0" * 64, 32767, 0, None)
+    section = FormatSection("uint16", tuple(entries), {})
+    totals = Totals(rows=documents, documents=documents, tokens=tokens_total)
+    write_manifest(output, Manifest.build(f"scale-{documents}-{shards}", info,
+                                          {"megatron": section}, {}, totals=totals))
+    return output
+
+
+def probe(path: Path, mode: str, rank: int) -> dict:
+    result = subprocess.run([sys.executable, "-c", PROBE.format(limit=LIMIT_FILES), str(path),
+                             mode, str(rank)], capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines() or [f"exit status {result.returncode}"]
+        return {"error": lines[-1][:120]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    return [(int(float(docs)), int(shards)) for docs, shards in
+            (item.split(":") for item in text.split(","))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="1e6:10,1e7:1000,1e8:10000",
+                        help="documents:shards, comma separated")
+    parser.add_argument("--ranks", default="999,0")
+    parser.add_argument("--workdir", type=Path, default=Path("bench_out"))
+    args = parser.parse_args()
+    args.workdir.mkdir(exist_ok=True)
+    rows = [("documents", "shards", "mode", "rank", "start s", "resume s", "boundary s",
+             "ms/step", "private MiB", "B/doc", "files", "MB read")]
+    verdicts = []
+    for documents, shards in parse_sizes(args.sizes):
+        began = time.perf_counter()
+        path = build(args.workdir, documents, shards)
+        print(f"dataset {path.name}: built or found in {time.perf_counter() - began:.1f} s",
+              flush=True)
+        for mode in MODES:
+            for rank in map(int, args.ranks.split(",")):
+                got = probe(path, mode, rank)
+                if "error" in got:
+                    rows.append((f"{documents:.0e}", str(shards), mode, str(rank),
+                                 got["error"], "", "", "", "", "", "", ""))
+                    verdicts.append(False)
+                    continue
+                private = got["private"] / 2**20
+                rows.append((f"{documents:.0e}", str(shards), mode, str(rank),
+                             f"{got['start']:.2f}", f"{got['resume']:.2f}",
+                             f"{got['boundary']:.2f}", f"{got['step'] * 1e3:.1f}",
+                             f"{private:.0f}", f"{got['private'] / documents:.2f}",
+                             str(got["files"]), f"{got['read_first'] / 1e6:.0f}"))
+                if documents >= 10**8 and rank == 999:
+                    verdicts.append(got["start"] <= 5 and got["resume"] <= 5
+                                    and got["boundary"] <= 1
+                                    and got["private"] <= documents + 64 * 2**20)
+                print("  ".join(rows[-1]), flush=True)
+    print()
+    print_table(rows)
+    if verdicts:
+        print("TARGETS " + ("PASS" if all(verdicts) else f"MISSED {verdicts}"))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAYPIPE_LOG_LEVEL", "WARNING")
+    main()
