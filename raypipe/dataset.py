@@ -283,11 +283,16 @@ class TokenDataset(ShardSet):
         return shard_prefix(self.local_root, self.shards[index])
 
     def shard_document_lengths(self, index: int) -> np.ndarray:
-        """One shard's document lengths. On object storage a shard not open yet is read
-        from its index files alone (Megatron .idx, NanoGPT .bos.idx: ~1% of its bytes)."""
-        if self.cache is None or index in self._readers or not self.format.index_suffixes:
+        """One shard's document lengths. A shard not open yet is read from its index files
+        alone where the format has them (Megatron .idx, NanoGPT .bos.idx: ~1% of its bytes;
+        the token file is checked when the shard opens for reading)."""
+        if index in self._readers or not self.format.index_suffixes:
             return self.reader(index).document_lengths
         shard = self.shards[index]
+        if self.cache is None:
+            self._check_files(index)
+            return self.format.reader.index_document_lengths(self.local_root, shard,
+                                                             self.manifest.tokenizer)
         paths = self._fetch(tuple(entry for entry in shard.files
                                   if entry.path.endswith(self.format.index_suffixes)))
         try:

@@ -23,10 +23,12 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from raypipe.errors import ConfigError, FormatError
 from raypipe.io.manifest import FileEntry
@@ -36,6 +38,7 @@ logger = logging.getLogger("raypipe")
 DEFAULT_BUDGET = 64 << 30
 LOCK_STRIPES = 64
 LOCKS_DIR = ".locks"
+PLANS_DIR = "plans"
 
 
 @dataclass
@@ -183,10 +186,12 @@ class ShardCache:
                     del self._pinned[path]
 
     def cached_files(self) -> list[tuple[float, int, Path]]:
-        """(last use, size, path) of every cached file (temps and locks excluded)."""
+        """(last use, size, path) of every cached shard file (temps, locks and the plan
+        cache excluded: plans are a few KB each, kept apart from the byte budget)."""
         found = []
         for folder, dirs, names in os.walk(self.directory):
-            dirs[:] = [d for d in dirs if d != LOCKS_DIR]
+            dirs[:] = [d for d in dirs if d not in (LOCKS_DIR, PLANS_DIR)
+                       or Path(folder) != self.directory]
             for name in names:
                 if name.startswith("."):
                     continue
@@ -223,3 +228,40 @@ class ShardCache:
             logger.warning("%s: the shards in use (%s bytes) exceed the budget; raise it to at "
                            "least the working set (shard-local shuffle bounds that)", self,
                            f"{total:,}")
+
+
+def node_cached_array(key: str, compute: Callable[[], np.ndarray],
+                      directory: str | Path | None = None) -> np.ndarray:
+    """An array computed once per node and shared by its processes: `<cache dir>/plans/
+    <key>.npy`, computed under a file lock by the first process that asks and loaded by
+    the others (a loader's epoch plan: 8 bytes per packing block). A file that does not
+    load is computed again; where the cache directory cannot be written, the array is
+    computed and not kept."""
+    folder = Path(directory if directory is not None else default_cache_dir()) / PLANS_DIR
+    path = folder / f"{key}.npy"
+    loaded = _load_array(path)
+    if loaded is not None:
+        return loaded
+    with ExitStack() as stack:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(_file_lock(folder / f".{key}.lock"))
+        except OSError as exc:
+            logger.debug("plan cache %s not writable (%s): computing without it", folder, exc)
+            return compute()
+        loaded = _load_array(path)  # another process may have computed it meanwhile
+        if loaded is not None:
+            return loaded
+        array = compute()
+        temporary = folder / f".{key}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as handle:
+            np.save(handle, array, allow_pickle=False)
+        os.replace(temporary, path)
+        return array
+
+
+def _load_array(path: Path) -> np.ndarray | None:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None

@@ -14,7 +14,10 @@ except the last (size mod G) positions of each epoch (drop-last; `packing_report
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,7 @@ import torch
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import LLMBatchDataset, StreamWindow, TokenDataset
 from raypipe.errors import ConfigError, StateError
-from raypipe.io.cache import CacheStats, ShardCache
+from raypipe.io.cache import CacheStats, ShardCache, node_cached_array
 from raypipe.io.manifest import TokenizerInfo
 from raypipe.io.store import Store
 from raypipe.loader.prefetch import HostRing, Prefetcher
@@ -134,6 +137,7 @@ class TokenLoader:
         check_split(split, validation_fraction, mode, shuffle)
         store = Store(path)
         cache = None if store.local else ShardCache(cache_dir, cache_bytes)
+        self.cache_dir = cache_dir
         self.split: DocumentSplit | None = None
         if self.preformed:
             self.dataset: Any = LLMBatchDataset(store, cache=cache)
@@ -233,9 +237,7 @@ class TokenLoader:
                 plan = DocumentPlan(self._document_lengths(), self.seq_len, self.seed, epoch,
                                     ordered=True, pad_to=self.global_batch)
             else:
-                plan = make_plan(self.mode, self._stream_tokens(), self._document_lengths,
-                                 self.seq_len, self.seed, epoch, self.block_documents,
-                                 self.packing, self._groups())
+                plan = self._make_plan(epoch)
             self._plan = (epoch, plan)
             if plan.size < self.global_batch:
                 raise ConfigError(
@@ -248,6 +250,34 @@ class TokenLoader:
                     + (f", packing={self.packing!r}" if self.mode == "bestfit" else "")
                     + f", seq_len={self.seq_len}) epoch {epoch}", self.mode, self.packing)
         return self._plan[1]
+
+    def _make_plan(self, epoch: int) -> Plan:
+        return make_plan(self.mode, self._stream_tokens(), self._document_lengths,
+                         self.seq_len, self.seed, epoch, self.block_documents, self.packing,
+                         self._groups(), memo=self._node_memo)
+
+    def _node_memo(self, key: tuple, compute: Any) -> np.ndarray:
+        """A plan's arrays kept once per node (raypipe.io.cache.node_cached_array), keyed
+        by this dataset's fingerprint, the documents its plans number and the shuffle."""
+        split = None if self.split is None else (self.split.name, self.split.fraction)
+        identity = [self.dataset.fingerprint, self.dataset.format_name, split, self.shuffle,
+                    self.group_shards, *key]
+        digest = hashlib.sha256(json.dumps(identity, default=str).encode()).hexdigest()[:32]
+        return node_cached_array(digest, compute, self.cache_dir)
+
+    def prepare_epoch(self, epoch: int) -> threading.Thread:
+        """Start building epoch `epoch`'s plan on a background thread into the node's plan
+        cache, so the epoch boundary loads it (bestfit: its block sums) instead of
+        computing it; the loader calls it itself halfway through an epoch."""
+        def build() -> None:
+            try:
+                self._make_plan(epoch).report()
+            except Exception as exc:  # noqa: BLE001  (the boundary computes it again)
+                logger.debug("preparing epoch %d failed: %s", epoch, exc)
+
+        thread = threading.Thread(target=build, name=f"raypipe-plan-{epoch}", daemon=True)
+        thread.start()
+        return thread
 
     def steps_in_epoch(self, epoch: int | None = None) -> int:
         return self.plan(epoch).size // self.global_batch
@@ -282,6 +312,9 @@ class TokenLoader:
             return start + steps_here[:, None] * self.global_batch + offsets
 
         for index in range(len(bounds) - 1):
+            if (bounds[index] <= steps // 2 < bounds[index + 1] and self.mode == "bestfit"
+                    and self.packing == "fill"):
+                self.prepare_epoch(epoch + 1)
             positions = chunk(index)
             if self.dataset.cache is not None:  # fetch this chunk's and the next's shards
                 self.dataset.prefetch(builder.shards(positions).tolist())

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -44,6 +45,7 @@ from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
 
 logger = logging.getLogger("raypipe")
 MIN_ROWS_PER_BLOCK = 256
+SumsMemo = Callable[[tuple, Callable[[], np.ndarray]], np.ndarray]
 SUM_CHUNK_DOCUMENTS = 1 << 20  # documents permuted per numpy call when summing blocks
 CACHED_BLOCKS = 8  # packed blocks a plan keeps (a step's rows span a few blocks)
 WASTE_WARNING = 0.05  # warn once when an epoch would not train this share of the tokens
@@ -266,8 +268,11 @@ class BestFitPlan:
 
     def __init__(self, lengths: np.ndarray | DocumentLengths, seq_len: int, seed: int,
                  epoch: int, block_documents: int = 4096, packing: str = "fill",
-                 groups: ShardGroups | None = None):
+                 groups: ShardGroups | None = None, memo: SumsMemo | None = None):
+        """`memo(key, compute)`: returns compute() or what it returned before for `key`
+        (a node-local cache of the block token sums, shared by the node's ranks)."""
         lengths = DocumentLengths.of(lengths)
+        self.memo = memo
         self.lengths = lengths
         self.packing = packing
         self.capacity = seq_len + 1
@@ -317,7 +322,11 @@ class BestFitPlan:
     def _fill_summary(self) -> tuple[np.ndarray, PackingReport]:
         """Fill packing's rows follow from token sums alone: ceil(block tokens / capacity)
         per block, no block packed."""
-        rows = -(-self.block_token_sums() // self.capacity)
+        key = ("block-token-sums", self.seed, self.epoch, self.block_documents,
+               len(self.lengths))
+        sums = (self.memo(key, self.block_token_sums) if self.memo is not None
+                else self.block_token_sums())
+        rows = -(-sums // self.capacity)
         total = self.lengths.total
         positions = int(rows.sum()) * self.capacity
         report = PackingReport(int(rows.sum()), total, 0, positions - total, 0, total)
@@ -439,14 +448,16 @@ MODES = ("windows", "bestfit", "documents", "llmbatch")
 
 def make_plan(mode: str, num_tokens: int, lengths: object, seq_len: int, seed: int,
               epoch: int, block_documents: int = 4096, packing: str = "fill",
-              groups: ShardGroups | None = None) -> Plan:
+              groups: ShardGroups | None = None, memo: SumsMemo | None = None) -> Plan:
     """The plan of one epoch. `lengths` (document lengths) may be a zero-argument callable,
-    called only by the modes that need it; `groups` makes the shuffle shard-local."""
+    called only by the modes that need it; `groups` makes the shuffle shard-local; `memo`
+    keeps bestfit's block sums (see BestFitPlan)."""
     if mode == "windows":
         return WindowPlan(num_tokens, seq_len, seed, epoch, groups)
     values = lengths() if callable(lengths) else lengths
     if mode == "bestfit":
-        return BestFitPlan(values, seq_len, seed, epoch, block_documents, packing, groups)
+        return BestFitPlan(values, seq_len, seed, epoch, block_documents, packing, groups,
+                           memo)
     if mode == "documents":
         return DocumentPlan(values, seq_len, seed, epoch, groups)
     raise ValueError(f"mode {mode!r} not among {list(MODES)}")
