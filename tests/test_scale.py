@@ -10,7 +10,6 @@ import pytest
 
 from raypipe.io.cache import node_cached_array
 from raypipe.loader import TokenLoader
-from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.plans import BestFitPlan
 
 
@@ -36,17 +35,35 @@ def test_node_cached_array_recomputes_a_damaged_file_and_works_without_a_writabl
     assert np.array_equal(node_cached_array("k", lambda: np.arange(2), blocked), np.arange(2))
 
 
-def test_megatron_lengths_are_views_of_the_index_files_not_private_copies(token_dataset):
-    loader = TokenLoader(token_dataset, 16, 2, mode="bestfit")
+def test_a_rank_maps_one_node_file_of_lengths_written_once(token_dataset, tmp_path,
+                                                          monkeypatch):
+    from raypipe.dataset import TokenDataset
+
+    loader = TokenLoader(token_dataset, 16, 2, mode="bestfit", cache_dir=tmp_path)
     lengths = loader._document_lengths()
-    assert isinstance(lengths, DocumentLengths) and lengths.num_shards > 1
+    ((_, mapped),) = list(lengths.chunks())
+    assert mapped.dtype == np.int32 and not mapped.flags.owndata
+    assert not mapped.flags.writeable  # a read-only map of the node's file, not a copy
+    expected = TokenDataset(token_dataset).document_lengths()
+    assert np.array_equal(mapped, expected) and lengths.total == int(expected.sum())
+    ids = np.random.default_rng(0).permutation(len(lengths))[:500]
+    assert np.array_equal(lengths[ids], expected[ids])
+    monkeypatch.setattr(TokenDataset, "shard_document_lengths",
+                        lambda *_: pytest.fail("lengths file written twice"))
+    again = TokenLoader(token_dataset, 16, 2, mode="bestfit", rank=1, world_size=2,
+                        cache_dir=tmp_path)
+    assert np.array_equal(again._document_lengths()[ids], expected[ids])
+
+
+def test_shard_lengths_without_the_node_cache_are_views_of_the_index_files(token_dataset):
+    from raypipe.dataset import TokenDataset
+    from raypipe.sampling.lengths import dataset_lengths
+
+    lengths = dataset_lengths(TokenDataset(token_dataset), node_cache=False)
+    assert lengths.num_shards > 1
     for _, shard_lengths in lengths.chunks():
         assert shard_lengths.dtype == np.int32 and not shard_lengths.flags.owndata
         assert not shard_lengths.flags.writeable  # the read-only map of the .idx
-    every = np.concatenate([chunk for _, chunk in lengths.chunks()]).astype(np.int64)
-    ids = np.random.default_rng(0).permutation(len(lengths))[:500]
-    assert np.array_equal(lengths[ids], every[ids])
-    assert lengths.total == int(every.sum())
 
 
 def test_ranks_on_a_node_share_one_computation_of_the_block_sums(token_dataset, monkeypatch):

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -237,27 +238,39 @@ def node_cached_array(key: str, compute: Callable[[], np.ndarray],
     the others (a loader's epoch plan: 8 bytes per packing block). A file that does not
     load is computed again; where the cache directory cannot be written, the array is
     computed and not kept."""
+    def write(handle: BinaryIO) -> None:
+        np.save(handle, compute(), allow_pickle=False)
+
+    path = node_cached_file(f"{key}.npy", write, _load_array, directory)
+    loaded = _load_array(path) if path is not None else None
+    return loaded if loaded is not None else compute()
+
+
+def node_cached_file(name: str, write: Callable[[BinaryIO], None],
+                     valid: Callable[[Path], object] | None = None,
+                     directory: str | Path | None = None) -> Path | None:
+    """`<cache dir>/plans/<name>`, written once per node by `write(handle)` under a file
+    lock (atomically: a temp file renamed), and found by every later process; `valid(path)`
+    returning None marks a file to write again. None where the directory cannot be
+    written (the caller then computes without the cache)."""
     folder = Path(directory if directory is not None else default_cache_dir()) / PLANS_DIR
-    path = folder / f"{key}.npy"
-    loaded = _load_array(path)
-    if loaded is not None:
-        return loaded
+    path = folder / name
+    if path.exists() and (valid is None or valid(path) is not None):
+        return path
     with ExitStack() as stack:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            stack.enter_context(_file_lock(folder / f".{key}.lock"))
+            stack.enter_context(_file_lock(folder / f".{name}.lock"))
         except OSError as exc:
             logger.debug("plan cache %s not writable (%s): computing without it", folder, exc)
-            return compute()
-        loaded = _load_array(path)  # another process may have computed it meanwhile
-        if loaded is not None:
-            return loaded
-        array = compute()
-        temporary = folder / f".{key}.{os.getpid()}.tmp"
+            return None
+        if path.exists() and (valid is None or valid(path) is not None):  # written meanwhile
+            return path
+        temporary = folder / f".{name}.{os.getpid()}.tmp"
         with open(temporary, "wb") as handle:
-            np.save(handle, array, allow_pickle=False)
+            write(handle)
         os.replace(temporary, path)
-        return array
+        return path
 
 
 def _load_array(path: Path) -> np.ndarray | None:

@@ -215,7 +215,7 @@ class TokenLoader:
         document's, shard by shard (views of the index files where the format has one, so
         the rank keeps no per-document array)."""
         if self._lengths is None:
-            every = dataset_lengths(self.dataset)
+            every = dataset_lengths(self.dataset, self.cache_dir)
             self._lengths = (every if self.split is None
                              else DocumentLengths.of(every[self.split.ids]))
         return self._lengths

@@ -59,7 +59,8 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, directory: Path,
                     spec: LLMBatchSpec) -> FormatSection:
     mode, packing = PLAN_OF_PACKING[spec.packing]
     positions_per_row = spec.seq_len - 1
-    plan = make_plan(mode, dataset.num_tokens, dataset_lengths(dataset), positions_per_row,
+    plan = make_plan(mode, dataset.num_tokens, dataset_lengths(dataset, node_cache=False),
+                     positions_per_row,
                      spec.seed, 0, packing=packing)
     builder = BatchBuilder(TokenSource(dataset), plan, positions_per_row, pad_id=PAD_ID,
                            boundaries=False)

@@ -12,21 +12,30 @@ storage-order pass reads each shard's lengths once (sequential, ~1 ns a document
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable, Iterator
 from functools import cached_property
+from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from raypipe.dataset import TokenDataset
+from raypipe.io.cache import node_cached_file
+from raypipe.io.mapping import map_file
 
 
 class DocumentLengths:
     """Lengths of documents numbered globally, shard after shard."""
 
-    def __init__(self, shard_counts: np.ndarray, shard_lengths: Callable[[int], np.ndarray]):
-        """`shard_counts`: documents per shard; `shard_lengths(s)`: shard s's lengths."""
+    def __init__(self, shard_counts: np.ndarray, shard_lengths: Callable[[int], np.ndarray],
+                 total: int | None = None):
+        """`shard_counts`: documents per shard; `shard_lengths(s)`: shard s's lengths;
+        `total`: their sum where it is known (a manifest's token counts), else summed."""
         self.offsets = np.concatenate([[0], np.cumsum(shard_counts)]).astype(np.int64)
         self._shard_lengths = shard_lengths
+        if total is not None:
+            self.total = total
 
     @classmethod
     def of(cls, lengths: np.ndarray | DocumentLengths) -> DocumentLengths:
@@ -86,8 +95,28 @@ class DocumentLengths:
         return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
 
 
-def dataset_lengths(dataset: TokenDataset) -> DocumentLengths:
-    """Every document's length in `dataset`, each shard's taken once (from its index file
-    alone on object storage) and kept: views of the index maps for Megatron shards."""
-    return DocumentLengths(dataset.shard_document_counts,
-                           functools.cache(dataset.shard_document_lengths))
+def dataset_lengths(dataset: TokenDataset, cache_dir: str | Path | None = None,
+                    node_cache: bool = True) -> DocumentLengths:
+    """Every document's length in `dataset` as one read-only int32 map of a file written
+    once per node (`<cache dir>/plans/lengths-<dataset>.i32`, 4 bytes a document, shared
+    by the node's processes through the page cache, never private): written shard by shard
+    from the index files by the first process that asks. Where the cache cannot be
+    written (or without `node_cache`: tools, the LLMBATCH writer), each shard's lengths are
+    taken on demand instead (views of its .idx map for Megatron)."""
+    total = int(dataset.shard_token_counts.sum())
+    key = hashlib.sha256(f"{dataset.fingerprint}/{dataset.format_name}".encode()).hexdigest()
+
+    def write(handle: BinaryIO) -> None:
+        for index in range(dataset.num_shards):
+            handle.write(np.asarray(dataset.shard_document_lengths(index), dtype="<i4").data)
+
+    def complete(path: Path) -> object:
+        return path if path.stat().st_size == 4 * dataset.num_documents else None
+
+    path = (node_cached_file(f"lengths-{key[:32]}.i32", write, complete, cache_dir)
+            if node_cache else None)
+    if path is None:
+        return DocumentLengths(dataset.shard_document_counts,
+                               functools.cache(dataset.shard_document_lengths), total)
+    lengths = map_file(path, "<i4")
+    return DocumentLengths(np.array([lengths.size], dtype=np.int64), lambda _: lengths, total)

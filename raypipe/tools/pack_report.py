@@ -58,7 +58,8 @@ def epoch_plans(dataset: TokenDataset, seq_len: int, options: dict[str, Any]
     """The loader's plan of each epoch the report covers."""
     groups = None if options["shuffle"] == "global" else ShardGroups.of(
         dataset.shard_token_counts, dataset.shard_document_counts, options["group_shards"])
-    return [(current, make_plan(options["mode"], dataset.num_tokens, dataset_lengths(dataset),
+    return [(current, make_plan(options["mode"], dataset.num_tokens,
+                                dataset_lengths(dataset, node_cache=False),
                                 seq_len, options["seed"], current, options["block_documents"],
                                 options["packing"], groups))
             for current in range(options["epoch"], options["epoch"] + options["epochs"])]
