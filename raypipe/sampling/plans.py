@@ -31,8 +31,10 @@ bench/packing_bench.py for planner documents per second, then O(1) per row.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -47,6 +49,7 @@ logger = logging.getLogger("raypipe")
 MIN_ROWS_PER_BLOCK = 256
 SumsMemo = Callable[[tuple, Callable[[], np.ndarray]], np.ndarray]
 SUM_CHUNK_DOCUMENTS = 1 << 20  # documents permuted per numpy call when summing blocks
+SUM_THREADS = max(1, min(8, os.cpu_count() or 1))  # threads of the block-sum pass
 CACHED_BLOCKS = 8  # packed blocks a plan keeps (a step's rows span a few blocks)
 WASTE_WARNING = 0.05  # warn once when an epoch would not train this share of the tokens
 
@@ -341,14 +344,20 @@ class BestFitPlan:
         inverse = getattr(self.document_order, "inverse", None)
         if inverse is None:
             return self._block_sums_in_order()
+
+        def sums_of(piece: tuple[int, np.ndarray]) -> np.ndarray:
+            first, lengths = piece
+            blocks = inverse(np.arange(first, first + lengths.size, dtype=np.int64))
+            return np.bincount(blocks // per_block, weights=lengths,  # exact below 2**53
+                               minlength=self.num_blocks).astype(np.int64)
+
+        pieces = ((first + start, lengths[start:start + SUM_CHUNK_DOCUMENTS])
+                  for first, lengths in self.lengths.chunks()
+                  for start in range(0, lengths.size, SUM_CHUNK_DOCUMENTS))
         sums = np.zeros(self.num_blocks, dtype=np.int64)
-        for first, lengths in self.lengths.chunks():
-            for start in range(0, lengths.size, SUM_CHUNK_DOCUMENTS):
-                part = np.asarray(lengths[start:start + SUM_CHUNK_DOCUMENTS], dtype=np.int64)
-                ids = np.arange(first + start, first + start + part.size, dtype=np.int64)
-                blocks = inverse(ids) // per_block  # float64 sums: exact below 2**53
-                sums += np.bincount(blocks, weights=part, minlength=self.num_blocks
-                                    ).astype(np.int64)
+        with ThreadPoolExecutor(SUM_THREADS) as pool:  # numpy releases the GIL
+            for partial in pool.map(sums_of, pieces):
+                sums += partial
         return sums
 
     def _block_sums_in_order(self) -> np.ndarray:
