@@ -6,7 +6,9 @@ Datasets are synthetic but real where it is read: Megatron `.idx` files written 
 own index encoder (lognormal document lengths, median ~400 tokens), a manifest built by
 raypipe's manifest builder, and sparse `.bin` files of the right size (their pages read as
 zeros; their sha256 is a placeholder, so `raypipe verify` refuses them, and the loader,
-which checks size and modification time, opens them). Each measurement runs in a fresh
+which checks size and modification time, opens them); for the llmbatch mode, the LLMBATCH
+files the same tokens would fill (records of 2049, 8 a batch, in as many files as shards:
+real headers, sparse batch slots). Each measurement runs in a fresh
 process under `ulimit -n 256`, as rank 999 of 1,000 (and rank 0), T = 2048, B = 8, first
 with an empty node plan cache ("cold": the first rank of a node, once per dataset, seed and
 epoch), then with the cache the cold run left ("warm": every other rank of the node):
@@ -39,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from common import print_table
 
-MODES = ("windows", "bestfit", "documents")
+MODES = ("windows", "bestfit", "documents", "llmbatch")
 LIMIT_FILES = 256
 PROBE = r"""
 import json, os, resource, sys, time
@@ -63,7 +65,8 @@ def rchar():
 path, mode, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 base_memory, base_read = status("RssAnon:"), rchar()
 began = time.perf_counter()
-loader = TokenLoader(path, 2048, 8, mode=mode, rank=rank, world_size=1000, seed=1)
+shape = {{}} if mode == "llmbatch" else {{"seq_len": 2048, "batch_size": 8}}
+loader = TokenLoader(path, mode=mode, rank=rank, world_size=1000, seed=1, **shape)
 batches = iter(loader)
 next(batches)
 start = time.perf_counter() - began
@@ -74,7 +77,7 @@ for _ in range(20):
 step = (time.process_time() - cpu) / 20
 state = loader.state_dict()
 began = time.perf_counter()
-resumed = TokenLoader(path, 2048, 8, mode=mode, rank=min(rank, 998), world_size=999, seed=1)
+resumed = TokenLoader(path, mode=mode, rank=min(rank, 998), world_size=999, seed=1, **shape)
 resumed.load_state_dict(state)
 next(iter(resumed))
 resume = time.perf_counter() - began
@@ -136,6 +139,54 @@ def build(directory: Path, documents: int, shards: int, seed: int = 0) -> Path:
     return output
 
 
+def build_llmbatch(directory: Path, documents: int, shards: int) -> Path:
+    """The LLMBATCH output the same corpus would have: records of 2049 tokens (the corpus's
+    tokens / 2049), 8 a batch, in `shards` files: headers written by raypipe's encoder,
+    batch slots sparse."""
+    from raypipe.formats.llmbatch import encode_header, slot_bytes
+    from raypipe.io.atomic import file_sha256
+    from raypipe.io.manifest import (
+        FileEntry,
+        FormatSection,
+        Manifest,
+        ShardEntry,
+        TokenizerInfo,
+        Totals,
+        write_manifest,
+    )
+
+    output = directory / f"scale-llmbatch-{documents:.0e}-{shards}".replace("+", "")
+    if (output / "manifest.json").exists():
+        return output
+    (output / "llmbatch").mkdir(parents=True, exist_ok=True)
+    batch, record = 8, 2049
+    tokens = documents * 660  # the mean length of build()'s lognormal documents
+    total_batches = tokens // record // batch
+    per_shard = -(-total_batches // shards)
+    entries = []
+    for index, first in enumerate(range(0, total_batches, per_shard)):
+        count = min(per_shard, total_batches - first)
+        path = output / "llmbatch" / f"batches-{index:05d}.batch"
+        with open(path, "wb") as handle:
+            handle.write(encode_header(batch, record, count, 0, total_batches * batch))
+            handle.truncate(4096 + count * slot_bytes(batch, record))  # sparse slots
+        stat = path.stat()
+        digest = file_sha256(path) if stat.st_size < 1 << 20 else "0" * 64
+        entries.append(ShardEntry(path.stem, (FileEntry(f"llmbatch/{path.name}", stat.st_size,
+                                                         digest, stat.st_mtime_ns),),
+                                  first_batch=first, batches=count))
+    options = {"seq_len": record, "batch_size": batch, "packing": "fill", "seed": 0,
+               "total_records": total_batches * batch, "num_batches": total_batches,
+               "source_format": "megatron", "used_tokens": total_batches * batch * record,
+               "cropped_tokens": 0, "padded_tokens": 0, "dropped_tokens": 0}
+    info = TokenizerInfo("synthetic", "0" * 64, 32767, 0, None)
+    section = FormatSection("uint32", tuple(entries), options)
+    write_manifest(output, Manifest.build(f"scale-llmbatch-{documents}", info,
+                                          {"llmbatch": section}, {},
+                                          totals=Totals(documents=documents, tokens=tokens)))
+    return output
+
+
 def probe(path: Path, mode: str, rank: int, cache_dir: Path) -> dict:
     environment = {**os.environ, "RAYPIPE_CACHE_DIR": str(cache_dir)}
     result = subprocess.run([sys.executable, "-c", PROBE.format(limit=LIMIT_FILES), str(path),
@@ -157,6 +208,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1e6:10,1e7:1000,1e8:10000",
                         help="documents:shards, comma separated")
     parser.add_argument("--ranks", default="999,0")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--workdir", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
     args.workdir.mkdir(exist_ok=True)
@@ -167,11 +219,14 @@ def main() -> None:
     ranks = [int(rank) for rank in args.ranks.split(",")]
     for documents, shards in parse_sizes(args.sizes):
         began = time.perf_counter()
-        path = build(args.workdir, documents, shards)
-        print(f"dataset {path.name}: built or found in {time.perf_counter() - began:.1f} s",
+        documents_path = build(args.workdir, documents, shards)
+        print(f"dataset {documents_path.name}: built or found in "
+              f"{time.perf_counter() - began:.1f} s",
               flush=True)
-        for mode in MODES:
+        batches = build_llmbatch(args.workdir, documents, shards)
+        for mode in args.modes.split(","):
             cache_dir = Path(tempfile.mkdtemp(prefix="plans-", dir=args.workdir))
+            path = batches if mode == "llmbatch" else documents_path
             runs = [(rank, "cold" if index == 0 else "warm")
                     for index, rank in enumerate([ranks[0], *ranks])]
             for rank, cache in runs:

@@ -48,7 +48,7 @@ from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
 logger = logging.getLogger("raypipe")
 MIN_ROWS_PER_BLOCK = 256
 SumsMemo = Callable[[tuple, Callable[[], np.ndarray]], np.ndarray]
-SUM_CHUNK_DOCUMENTS = 1 << 20  # documents permuted per numpy call when summing blocks
+SUM_CHUNK_DOCUMENTS = 1 << 18  # documents permuted per numpy call when summing blocks
 SUM_THREADS = max(1, min(8, os.cpu_count() or 1))  # threads of the block-sum pass
 CACHED_BLOCKS = 8  # packed blocks a plan keeps (a step's rows span a few blocks)
 WASTE_WARNING = 0.05  # warn once when an epoch would not train this share of the tokens
