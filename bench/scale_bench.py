@@ -41,6 +41,19 @@ from pathlib import Path
 import numpy as np
 from common import print_table
 
+from raypipe.formats.llmbatch import encode_header, slot_bytes
+from raypipe.formats.megatron import encode_index
+from raypipe.io.atomic import file_sha256
+from raypipe.io.manifest import (
+    FileEntry,
+    FormatSection,
+    Manifest,
+    ShardEntry,
+    TokenizerInfo,
+    Totals,
+    write_manifest,
+)
+
 MODES = ("windows", "bestfit", "documents", "llmbatch")
 LIMIT_FILES = 256
 PROBE = r"""
@@ -96,18 +109,6 @@ print(json.dumps({{"start": start, "resume": resume, "boundary": boundary, "step
 
 def build(directory: Path, documents: int, shards: int, seed: int = 0) -> Path:
     """The synthetic dataset (built once per size and cached in `directory`)."""
-    from raypipe.formats.megatron import encode_index
-    from raypipe.io.atomic import file_sha256
-    from raypipe.io.manifest import (
-        FileEntry,
-        FormatSection,
-        Manifest,
-        ShardEntry,
-        TokenizerInfo,
-        Totals,
-        write_manifest,
-    )
-
     output = directory / f"scale-{documents:.0e}-{shards}".replace("+", "")
     if (output / "manifest.json").exists():
         return output
@@ -143,18 +144,6 @@ def build_llmbatch(directory: Path, documents: int, shards: int) -> Path:
     """The LLMBATCH output the same corpus would have: records of 2049 tokens (the corpus's
     tokens / 2049), 8 a batch, in `shards` files: headers written by raypipe's encoder,
     batch slots sparse."""
-    from raypipe.formats.llmbatch import encode_header, slot_bytes
-    from raypipe.io.atomic import file_sha256
-    from raypipe.io.manifest import (
-        FileEntry,
-        FormatSection,
-        Manifest,
-        ShardEntry,
-        TokenizerInfo,
-        Totals,
-        write_manifest,
-    )
-
     output = directory / f"scale-llmbatch-{documents:.0e}-{shards}".replace("+", "")
     if (output / "manifest.json").exists():
         return output
