@@ -33,6 +33,7 @@ import torch
 from raypipe.errors import ConfigError, StateError
 from raypipe.loader.prefetch import HostRing, Prefetcher
 from raypipe.loader.state import MixtureState, SourcePosition
+from raypipe.loader.token_loader import MIXTURE_LOADER, Batch, TokenLoader, _rank_and_world
 from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
 from raypipe.sampling.mixture import allocate, mixture_weights, spread
 
@@ -61,8 +62,6 @@ class MixtureLoader:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.int64,
                  prefetch: int = 4, weights: dict[str, float] | None = None,
                  **options: Any):
-        from raypipe.loader.token_loader import TokenLoader, _rank_and_world
-
         if not paths:
             raise ConfigError("mixture: no sources given")
         if mode == "llmbatch" or options.get("metadata"):
@@ -220,8 +219,6 @@ class MixtureLoader:
     def __iter__(self) -> Iterator[Any]:
         """Batches without end (each source cycles its epochs); stop after the steps you
         train. The state advances as each batch is taken."""
-        from raypipe.loader.token_loader import Batch
-
         numel = BatchBuffers.size(self.batch_size, self.seq_len)
         ring = HostRing(self.prefetch + 2, numel, self.dtype, pin=self.device.type == "cuda")
         host_views = [BatchBuffers.over(a, self.batch_size, self.seq_len) for a in ring.arrays]
@@ -283,3 +280,6 @@ class MixtureLoader:
     def close(self) -> None:
         for source in self.sources:
             source.close()
+
+
+MIXTURE_LOADER.append(MixtureLoader)

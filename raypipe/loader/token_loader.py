@@ -18,7 +18,7 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,17 +87,21 @@ class Batch:
     mixture_state: Any = None  # mixtures: per-source positions after this step
 
 
+# The loader of a mixture ({name: path} or a mixture YAML): raypipe.loader.mixture registers
+# its MixtureLoader here when raypipe.loader is imported, so this module never imports it
+# (no cycle between the two).
+MIXTURE_LOADER: list[Callable[..., Any]] = []
+
+
 class TokenLoader:
     def __new__(cls, path: Any = None, *args: Any, **kwargs: Any) -> Any:
         """A dict of {name: path} makes a MixtureLoader (raypipe.loader.mixture)."""
         if isinstance(path, dict) or is_mixture_spec(path):
-            from raypipe.loader.mixture import MixtureLoader
-
             if not isinstance(path, dict):  # a mixture YAML: {name: {path, weight}}
                 spec = read_mixture(path)
                 path = {name: source.path for name, source in spec.items()}
                 kwargs.setdefault("weights", spec_weights(spec))
-            return MixtureLoader(path, *args, **kwargs)
+            return MIXTURE_LOADER[0](path, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, path: str | Path, seq_len: int | None = None,
