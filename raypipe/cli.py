@@ -133,6 +133,18 @@ def command_convert(args: argparse.Namespace) -> int:
 DATASET_HELP = "a raypipe output: a directory or a URI (s3://, gs://, ...)"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to an option's help only where the help does not say its
+    default already and there is one to say (config options default to None: the YAML's
+    value, else the field's default, which their help states)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or "(default:" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from raypipe._version import __version__
     from raypipe.formats import FORMATS
@@ -141,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"raypipe {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     subcommand = functools.partial(commands.add_parser,
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                   formatter_class=HelpFormatter)
     tokenize = commands.add_parser("tokenize", help="tokenize parquet into token shards")
     add_config_arguments(tokenize)
     tokenize.set_defaults(handler=command_tokenize)

@@ -39,6 +39,17 @@ LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 
 BYTES_PER_CHARACTER = 200
 
 
+BUILT_IN_METADATA_FIELDS = ("source", "row")  # every stream metadata record has these
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of TokenizeConfig field `name` (what messages call it)."""
+    spec = next((f for f in dataclasses.fields(TokenizeConfig) if f.name == name), None)
+    if spec is None or spec.metadata.get("positional"):
+        return name
+    return spec.metadata.get("flag", "--" + name.replace("_", "-"))
+
+
 def option(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
     """A config field with its command-line help (the CLI is generated from these)."""
     kwargs = {"default_factory": default} if callable(default) else {"default": default}
@@ -134,7 +145,8 @@ class TokenizeConfig:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if any(FORMATS[f].holds == "batches" for f in self.formats):
             if not self.seq_len or not self.batch_size or self.seq_len < 2 or self.batch_size < 1:
-                raise ConfigError("llmbatch: needs --seq-len T (>= 2) and --batch-size B")
+                raise ConfigError(f"llmbatch: needs {flag_of('seq_len')} (tokens per record, "
+                                  f">= 2) and {flag_of('batch_size')} (records per batch)")
             if self.packing not in PACKINGS:
                 raise ConfigError(f"packing: {self.packing!r} not among {list(PACKINGS)}")
         if self.special_tokens_in_text not in ("text", "special"):
@@ -145,6 +157,12 @@ class TokenizeConfig:
                               f"{list(TOKENIZER_BACKENDS)}")
         if self.num_workers is not None and self.num_workers < 1:
             raise ConfigError(f"num_workers: must be >= 1, got {self.num_workers}")
+        clashing = sorted(set(self.metadata_columns) & set(BUILT_IN_METADATA_FIELDS))
+        if clashing:
+            raise ConfigError(
+                f"{flag_of('metadata_columns')}: {clashing} would overwrite the built-in "
+                f"field(s) of every metadata record ({', '.join(BUILT_IN_METADATA_FIELDS)}: "
+                "the input file and row); rename the column(s) in the input")
         if not self.bos and not self.eos:
             raise ConfigError(
                 "bos/eos: at least one of --bos/--eos is needed, or document boundaries are lost"
@@ -189,7 +207,8 @@ class TokenizeConfig:
                    if f.name not in data and f.default is dataclasses.MISSING
                    and f.default_factory is dataclasses.MISSING]
         if missing:
-            raise ConfigError(f"missing required option(s): {', '.join(missing)}")
+            raise ConfigError("missing required option(s): " + ", ".join(
+                f"{flag_of(name)} (YAML key {name!r})" for name in missing))
         return cls(**data)
 
     def output_fields(self) -> dict[str, Any]:
@@ -219,7 +238,8 @@ class TokenizeConfig:
 
 def _as_tuple(value: Any, name: str) -> tuple[str, ...]:
     if isinstance(value, str):
-        value = [v for v in value.split(",") if v] if name != "inputs" else [value]
+        value = ([v.strip() for v in value.split(",") if v.strip()] if name != "inputs"
+                 else [value])
     if not isinstance(value, list | tuple):
         raise ConfigError(f"{name}: expected a list, got {type(value).__name__}")
     return tuple(str(v) for v in value)

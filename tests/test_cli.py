@@ -169,3 +169,57 @@ def test_progress_prints_between_commits_with_an_honest_eta():
     after = log.getvalue().splitlines()[len(waiting):]
     assert after and all("raypipe: 1/4 units (25%)" in line and "unknown" not in line
                          for line in after)
+
+
+def test_help_states_each_default_once_and_never_as_none(capsys):
+    from raypipe.cli import main
+
+    for command in (["tokenize"], ["pack-report"], ["convert"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: None)" not in text, command
+        for option in text.split(" --")[1:]:  # each option's help, one default at most
+            assert option.count("(default:") <= 1, (command, option)
+    with pytest.raises(SystemExit):
+        main(["pack-report", "--help"])
+    assert "(default: 2048)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_comma_list_with_spaces_names_the_same_formats():
+    from raypipe.config import load_config
+
+    config = load_config(None, inputs=["a"], output="o", tokenizer="t",
+                         formats="megatron, nanogpt")
+    assert config.formats == ("megatron", "nanogpt")
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"formats": ["llmbatch"]}, r"needs --record-len \(tokens per record, >= 2\) and --batch-size"),
+    ({"formats": ["stream"], "metadata_columns": "id, source"},
+     r"--metadata-columns: \['source'\] would overwrite the built-in"),
+])
+def test_config_errors_name_todays_flags(options, message):
+    from raypipe.config import load_config
+    from raypipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, inputs=["a"], output="o", tokenizer="t", **options)
+
+
+def test_missing_options_are_named_by_flag_and_yaml_key():
+    from raypipe.config import TokenizeConfig
+    from raypipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--tokenizer \(YAML key 'tokenizer'\)"):
+        TokenizeConfig.from_dict({"inputs": ["a"], "output": "o"})
+
+
+def test_a_config_change_is_described_by_flag_and_unset_values_say_so():
+    from raypipe.preprocess.output import describe_difference
+
+    text = describe_difference({"config": {"seq_len": 1025, "packing": "split"},
+                                "tokenizer_sha256": "x"},
+                               {"config": {"seq_len": None, "packing": "fill"},
+                                "tokenizer_sha256": "x"})
+    assert text == "--packing: 'split' -> 'fill'; --record-len: 1025 -> (not set)"

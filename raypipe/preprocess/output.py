@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import PurePosixPath
 from typing import Any
 
-from raypipe.config import LOCATION_FIELDS, TokenizeConfig
+from raypipe.config import LOCATION_FIELDS, TokenizeConfig, flag_of
 from raypipe.errors import ConfigError
 from raypipe.formats import FORMATS
 from raypipe.io.atomic import remove_stale_temps
@@ -119,7 +119,10 @@ def describe_difference(previous: dict[str, Any], current: dict[str, Any]) -> st
     before = {k: v for k, v in previous.get("config", {}).items() if k not in LOCATION_FIELDS}
     after = current["config"]
     keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-    parts = [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in keys]
+    def shown(value: Any) -> str:
+        return "(not set)" if value is None else repr(value)
+
+    parts = [f"{flag_of(k)}: {shown(before.get(k))} -> {shown(after.get(k))}" for k in keys]
     if previous.get("tokenizer_sha256") != current["tokenizer_sha256"]:
         parts.append("tokenizer contents changed")
     return "; ".join(parts) or "fingerprint differs"

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from raypipe import _faults as faults
-from raypipe.config import TokenizeConfig
+from raypipe.config import BUILT_IN_METADATA_FIELDS, TokenizeConfig
 from raypipe.errors import InputError
 from raypipe.formats.stream import DocumentMetadata
 from raypipe.io.manifest import TokenizerInfo, UnitRecord, WorkUnit, write_unit_record
@@ -90,7 +90,7 @@ class MetadataBuilder:
         documents = []
         for index, row in enumerate(rows.tolist()):
             absolute = self.first_row + first_row + row
-            record = {"source": self.source, "row": absolute}
+            record = dict(zip(BUILT_IN_METADATA_FIELDS, (self.source, absolute), strict=True))
             record.update({name: values[index] for name, values in columns.items()})
             document = DocumentMetadata(record)
             if spans is not None and spans[index]:
