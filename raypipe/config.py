@@ -28,7 +28,7 @@ from raypipe.formats import FORMATS
 PACKINGS = ("fill", "split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
 # Fields that do not change output bytes: excluded from the fingerprint.
 EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
-                              "tokenizer_backend", "head_start"})
+                              "tokenizer_backend", "head_start", "allow_empty"})
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "tokenizers")
 LOCATION_FIELDS = frozenset({"inputs", "output", "tokenizer"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
@@ -122,6 +122,8 @@ class TokenizeConfig:
                                          "Data's actors start (--no-head-start: every unit "
                                          "runs on the actor pool, e.g. on a small head node)")
     overwrite: bool = option(False, help="replace an output made with a different config")
+    allow_empty: bool = option(False, help="accept inputs that yield no document (without it, "
+                                           "such a job is an error: exit status 2)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", _as_tuple(self.inputs, "inputs"))

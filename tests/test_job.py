@@ -359,3 +359,34 @@ def test_the_driver_claims_units_from_the_back_until_the_runners_first_record(
     assert summary.units_on_driver >= 2 and summary.units_run == summary.units
     run_job(config_for(corpus_dir, tmp_path / "serial", tokenizer_path, unit_bytes=1))
     assert shard_files(output) == shard_files(tmp_path / "serial")
+
+
+def test_an_input_of_zero_rows_is_refused_before_anything_starts(tmp_path, tokenizer_path,
+                                                                  capsys):
+    from raypipe.cli import main
+
+    write_parquet(tmp_path / "corpus" / "empty.parquet", [])
+    config = load_config(None, inputs=[str(tmp_path / "corpus")], output=str(tmp_path / "out"),
+                         tokenizer=tokenizer_path)
+    with pytest.raises(InputError, match=r"empty.parquet: the input \(1 file\(s\)\) has 0 rows"):
+        run_job(config)
+    assert not (tmp_path / "out").exists()
+    assert main(["tokenize", str(tmp_path / "corpus"), "--tokenizer", tokenizer_path,
+                 "--output", str(tmp_path / "out")]) == 2
+    assert "--allow-empty" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    summary = run_job(load_config(None, inputs=[str(tmp_path / "corpus")],
+                                  output=str(tmp_path / "out"), tokenizer=tokenizer_path,
+                                  allow_empty=True))
+    assert summary.documents == 0 and (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_rows_that_yield_no_document_fail_the_job_unless_allowed(tmp_path, tokenizer_path):
+    write_parquet(tmp_path / "corpus" / "nulls.parquet", [None, "", None])
+    options = {"inputs": [str(tmp_path / "corpus")], "output": str(tmp_path / "out"),
+               "tokenizer": tokenizer_path}
+    with pytest.raises(InputError, match=r"yielded no document \(3 row\(s\); skipped: "):
+        run_job(load_config(None, **options))
+    assert (tmp_path / "out" / "manifest.json").exists()  # committed: a rerun is quick
+    with pytest.raises(InputError, match="pass --allow-empty"):
+        run_job(load_config(None, **options))
+    assert run_job(load_config(None, allow_empty=True, **options)).documents == 0

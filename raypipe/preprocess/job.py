@@ -140,6 +140,11 @@ def run_job(config: TokenizeConfig, runner: UnitRunner | None = None,
     # plan first: bad input fails before the output directory is touched
     units = plan_units(config.inputs, config.text_column, config.unit_bytes,
                        tuple(settings.columns[1:]))
+    if units and all(unit.num_rows == 0 for unit in units) and not config.allow_empty:
+        files = sorted({unit.uri for unit in units})
+        raise InputError(f"{', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: the "
+                         f"input ({len(files)} file(s)) has 0 rows, so the job would write "
+                         "no document; pass --allow-empty to write an empty dataset anyway")
     with output_lock(settings.output):
         return _run_locked(resolved, units, runner or SerialRunner(resolved.tokenizer),
                            started, progress_every)
@@ -194,9 +199,23 @@ def _run_locked(resolved: Resolved, units: list[WorkUnit], runner: UnitRunner,
     else:
         assert existing is not None
         manifest = existing
-    return summarize(config, manifest, output, started, len(units), fresh, on_driver,
-                     choice.reason if choice is not None else "recorded in the manifest",
-                     units_removed=removed)
+    summary = summarize(config, manifest, output, started, len(units), fresh, on_driver,
+                        choice.reason if choice is not None else "recorded in the manifest",
+                        units_removed=removed)
+    refuse_empty(config, summary, "the inputs")
+    return summary
+
+
+def refuse_empty(config: TokenizeConfig, summary: JobSummary, what: str) -> None:
+    """A job that wrote no document is an error unless --allow-empty: its output is
+    committed (an empty dataset, so a rerun is quick), and the message says what the rows
+    became."""
+    if summary.documents or config.allow_empty:
+        return
+    skipped = ", ".join(f"{reason}={count}" for reason, count in sorted(summary.skipped.items()))
+    raise InputError(f"{summary.output}: {what} yielded no document ({summary.rows} row(s)"
+                     f"{'; skipped: ' + skipped if skipped else ''}); the empty dataset is "
+                     "committed; pass --allow-empty to accept it")
 
 
 def remove_unplanned(output: Store, planned: set[str], what: str) -> int:
@@ -307,8 +326,10 @@ def run_dataset_job(dataset: Any, label: str, config: TokenizeConfig, runner: Bl
             raise InputError(f"{label}: the Dataset yields no block")
         manifest = commit_manifest(config, settings, output, ordered)
         removed = remove_unplanned(output, seen, label)
-    return summarize(config, manifest, output, started, len(ordered), fresh, [],
-                     choice.reason, units_removed=removed, noun="blocks")
+    summary = summarize(config, manifest, output, started, len(ordered), fresh, [],
+                        choice.reason, units_removed=removed, noun="blocks")
+    refuse_empty(config, summary, label)
+    return summary
 
 
 def add_batch_formats(config: TokenizeConfig, output: Store, manifest: Manifest) -> Manifest:
