@@ -262,7 +262,9 @@ def node_cached_file(name: str, write: Callable[[BinaryIO], None],
             folder.mkdir(parents=True, exist_ok=True)
             stack.enter_context(_file_lock(folder / f".{name}.lock"))
         except OSError as exc:
-            logger.debug("plan cache %s not writable (%s): computing without it", folder, exc)
+            logger.warning("plan cache %s not writable (%s): every process computes %s itself "
+                           "(set RAYPIPE_CACHE_DIR to a writable node-local directory)",
+                           folder, exc, name)
             return None
         if path.exists() and (valid is None or valid(path) is not None):  # written meanwhile
             return path

@@ -216,8 +216,8 @@ class TokenLoader:
 
     def _document_lengths(self) -> DocumentLengths:
         """Lengths of the documents the plans number: a split's (one array), or every
-        document's, shard by shard (views of the index files where the format has one, so
-        the rank keeps no per-document array)."""
+        document's (a map of the node's lengths file, so the rank keeps no per-document
+        array: raypipe.sampling.lengths.dataset_lengths)."""
         if self._lengths is None:
             every = dataset_lengths(self.dataset, self.cache_dir)
             self._lengths = (every if self.split is None
@@ -277,7 +277,8 @@ class TokenLoader:
             try:
                 self._make_plan(epoch).report()
             except Exception as exc:  # noqa: BLE001  (the boundary computes it again)
-                logger.debug("preparing epoch %d failed: %s", epoch, exc)
+                logger.warning("preparing epoch %d's plan in the background failed (%s); "
+                               "the epoch boundary will build it", epoch, exc)
 
         thread = threading.Thread(target=build, name=f"raypipe-plan-{epoch}", daemon=True)
         thread.start()
