@@ -81,7 +81,7 @@ def check_loader_states(run: Path, args: argparse.Namespace) -> None:
     newest = newest_checkpoint(run)
     if newest is None:
         return
-    from raypipe.loader import TokenLoader
+    from raypipe.loader import open_loader
     from raypipe.ray.train import state_file_name
 
     data = args.data if "://" in args.data else os.path.abspath(args.data)
@@ -93,7 +93,7 @@ def check_loader_states(run: Path, args: argparse.Namespace) -> None:
     for name, options in loaders.items():
         path = newest[1] / state_file_name(name)
         if path.exists():
-            loader = TokenLoader(data, args.seq_len, args.batch_size, seed=args.seed,
+            loader = open_loader(data, args.seq_len, args.batch_size, seed=args.seed,
                                  shuffle=args.shuffle, cache_dir=args.cache_dir, **options)
             try:
                 loader.load_state_dict(json.loads(path.read_text()))

@@ -1,7 +1,8 @@
 """raypipe: parquet / JSON-lines corpora or Ray Datasets -> token shards -> training batches.
 
 `raypipe.tokenize(...)` runs the preprocessing job on Ray; `raypipe.TokenLoader` (torch)
-feeds training. Heavy modules are imported lazily so `import raypipe` stays cheap.
+feeds training from one dataset, `raypipe.open_loader` from one dataset or a mixture.
+Heavy modules are imported lazily so `import raypipe` stays cheap.
 """
 
 from __future__ import annotations
@@ -40,12 +41,15 @@ def _is_ray_dataset(inputs: Any) -> bool:
                for cls in type(inputs).__mro__)
 
 
-def __getattr__(name: str) -> Any:
-    if name == "TokenLoader":
-        from raypipe.loader import TokenLoader
+LOADER_NAMES = ("LoaderOptions", "MixtureLoader", "TokenLoader", "open_loader")
 
-        return TokenLoader
+
+def __getattr__(name: str) -> Any:
+    if name in LOADER_NAMES:
+        import raypipe.loader
+
+        return getattr(raypipe.loader, name)
     raise AttributeError(name)
 
 
-__all__ = ["TokenLoader", "__version__", "tokenize"]
+__all__ = [*LOADER_NAMES, "__version__", "tokenize"]

@@ -353,3 +353,28 @@ def test_windows_batches_carry_stream_metadata(rich_dataset):
             assert set(record) == {"source", "row", "id"}
     with pytest.raises(ConfigError, match="metadata=True needs"):
         TokenLoader(rich_dataset, T, B, mode="bestfit", format="stream", metadata=True)
+
+
+def test_an_options_record_and_keywords_make_the_same_loader(token_dataset):
+    from raypipe.loader import LoaderOptions
+
+    options = LoaderOptions(seq_len=T, batch_size=B, mode="windows", seed=5)
+    by_record = TokenLoader(token_dataset, options=options)
+    by_keywords = TokenLoader(token_dataset, T, B, mode="windows", seed=5)
+    assert by_record.state_dict() == by_keywords.state_dict()
+    first, second = next(iter(by_record)), next(iter(by_keywords))
+    assert torch.equal(first.inputs, second.inputs)
+    overridden = TokenLoader(token_dataset, options=options, seed=6)
+    assert overridden.state_dict()["knobs"]["seed"] == 6
+
+
+def test_an_unknown_loader_option_is_named_with_the_known_ones(token_dataset):
+    with pytest.raises(ConfigError, match="unknown loader option.*seqlen.*the options are"):
+        TokenLoader(token_dataset, B, seqlen=T)
+
+
+def test_the_default_device_follows_the_machine(token_dataset):
+    loader = TokenLoader(token_dataset, T, B, mode="windows")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert loader.device.type == expected
+    assert next(iter(loader)).inputs.device.type == expected

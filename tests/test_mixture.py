@@ -12,7 +12,7 @@ import pytest
 from raypipe.config import load_config
 from raypipe.demo.train_tokenizer import SHIPPED
 from raypipe.errors import ConfigError, StateError
-from raypipe.loader import TokenLoader
+from raypipe.loader import open_loader
 from raypipe.preprocess.job import run_job
 from raypipe.sampling.mixture import allocate
 from tests import test_state_harness as harness
@@ -28,7 +28,7 @@ def test_shares_stay_within_half_a_percent_after_1000_steps_at_world_size_2(sour
     weights = {"web": 0.7, "code": 0.3}
     rows = np.zeros(2)
     for rank in range(2):
-        loader = TokenLoader(sources, 16, 4, weights=weights, rank=rank, world_size=2,
+        loader = open_loader(sources, 16, 4, weights=weights, rank=rank, world_size=2,
                              mode="documents")
         for step, batch in enumerate(loader):
             rows += np.bincount(batch.source_ids, minlength=2)
@@ -74,18 +74,18 @@ def test_a_mixture_resumes_exactly_from_1_to_2_to_3_ranks(sources, mode):
 
 
 def test_a_changed_or_missing_source_is_refused_naming_it(sources, tmp_path, caplog):
-    loader = TokenLoader(sources, 16, 4, weights={"web": 0.5, "code": 0.5})
+    loader = open_loader(sources, 16, 4, weights={"web": 0.5, "code": 0.5})
     next(iter(loader))
     state = loader.state_dict()
-    other = TokenLoader({"web": sources["web"]}, 16, 4)
+    other = open_loader({"web": sources["web"]}, 16, 4)
     with pytest.raises(StateError, match="sources"):
         other.load_state_dict(state)
     changed = json.loads(json.dumps(state))
     changed["sources"]["code"]["dataset"] = "0" * 16
     with pytest.raises(StateError, match="'code' changed"):
-        TokenLoader(sources, 16, 4).load_state_dict(changed)
+        open_loader(sources, 16, 4).load_state_dict(changed)
     with caplog.at_level(logging.INFO, logger="raypipe"):
-        reweighted = TokenLoader(sources, 16, 4, weights={"web": 0.9, "code": 0.1})
+        reweighted = open_loader(sources, 16, 4, weights={"web": 0.9, "code": 0.1})
         reweighted.load_state_dict(state)
     assert "weights changed" in caplog.text
     assert reweighted.state_dict()["sources"] == state["sources"]
@@ -97,13 +97,13 @@ def test_sources_with_different_tokenizers_are_refused_naming_both(sources, tmp_
                          tokenizer=str(SHIPPED), formats=["megatron"])
     run_job(config)
     with pytest.raises(ConfigError, match="different tokenizers") as caught:
-        TokenLoader({"code": sources["code"], "other": str(tmp_path / "other")}, 16, 2)
+        open_loader({"code": sources["code"], "other": str(tmp_path / "other")}, 16, 2)
     assert "'code'" in str(caught.value) and "'other'" in str(caught.value)
 
 
 def test_weights_must_name_every_source(sources):
     with pytest.raises(ConfigError, match="weights"):
-        TokenLoader(sources, 16, 2, weights={"web": 1.0})
+        open_loader(sources, 16, 2, weights={"web": 1.0})
 
 
 def write_mixture(tmp_path, sources, weights=None):
@@ -118,7 +118,7 @@ def test_a_mixture_yaml_drives_the_loader_pack_report_and_inspect(sources, tmp_p
     from raypipe.cli import main
 
     spec = write_mixture(tmp_path, sources, {"web": 3, "code": 1})
-    loader = TokenLoader(str(spec), 16, 4)
+    loader = open_loader(str(spec), 16, 4)
     assert loader.weights_by_name == {"code": 0.25, "web": 0.75}
     assert main(["pack-report", str(spec), "--seq-len", "16"]) == 0
     report = capsys.readouterr().out
@@ -126,7 +126,7 @@ def test_a_mixture_yaml_drives_the_loader_pack_report_and_inspect(sources, tmp_p
     assert main(["inspect", str(spec), "--samples", "0"]) == 0
     shown = capsys.readouterr().out
     assert "mixture" in shown and "== source code" in shown
-    by_tokens = TokenLoader(str(write_mixture(tmp_path, sources)), 16, 4)
+    by_tokens = open_loader(str(write_mixture(tmp_path, sources)), 16, 4)
     tokens = {n: s.dataset.num_tokens for n, s in zip(by_tokens.names, by_tokens.sources,
                                                        strict=True)}
     assert by_tokens.weights_by_name["web"] == pytest.approx(
@@ -138,4 +138,12 @@ def test_a_mixture_yaml_with_some_weights_missing_is_refused(sources, tmp_path):
     path.write_text(json.dumps({"sources": {"web": {"path": sources["web"], "weight": 1},
                                             "code": {"path": sources["code"]}}}))
     with pytest.raises(ConfigError, match="every source a weight, or none"):
-        TokenLoader(str(path), 16, 4)
+        open_loader(str(path), 16, 4)
+
+
+def test_token_loader_refuses_a_mixture_and_names_open_loader(sources, tmp_path):
+    from raypipe.loader import TokenLoader
+
+    for mixture in (sources, str(write_mixture(tmp_path, sources))):
+        with pytest.raises(ConfigError, match="open_loader"):
+            TokenLoader(mixture, 16, 4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raypipe.loader import TokenLoader
+from raypipe.loader import MixtureLoader, TokenLoader, open_loader
 
 T, B, SEED = 32, 2, 5
 MODES = {
@@ -30,12 +30,11 @@ MODES = {
 }
 
 
-def make_loader(path, options, rank, world) -> TokenLoader:
-    if isinstance(path, dict):  # a mixture: {name: dataset}
-        return TokenLoader(path, T, B, rank=rank, world_size=world, seed=SEED, **options)
+def make_loader(path, options, rank, world) -> TokenLoader | MixtureLoader:
+    """Every loader mode through the one factory (a dict path: a mixture)."""
     if options["mode"] == "llmbatch":  # the shape is the LLMBATCH file's
-        return TokenLoader(path, rank=rank, world_size=world, seed=SEED, **options)
-    return TokenLoader(path, T, B, rank=rank, world_size=world, seed=SEED, **options)
+        return open_loader(path, rank=rank, world_size=world, seed=SEED, **options)
+    return open_loader(path, T, B, rank=rank, world_size=world, seed=SEED, **options)
 
 
 def rows_of(batch, options) -> dict[int, list[int]]:

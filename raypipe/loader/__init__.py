@@ -1,6 +1,9 @@
 """The training-side loader (torch). Importing this package imports torch."""
 
-from raypipe.loader import mixture as _mixture  # noqa: F401  (registers MixtureLoader)
-from raypipe.loader.token_loader import Batch, TokenLoader
+from raypipe.loader.batch import Batch
+from raypipe.loader.factory import open_loader
+from raypipe.loader.mixture import MixtureLoader
+from raypipe.loader.options import LoaderOptions
+from raypipe.loader.token_loader import TokenLoader
 
-__all__ = ["Batch", "TokenLoader"]
+__all__ = ["Batch", "LoaderOptions", "MixtureLoader", "TokenLoader", "open_loader"]

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from raypipe.errors import ConfigError, StateError
-from raypipe.loader.prefetch import HostRing, Prefetcher
+from raypipe.loader.batch import Batch
+from raypipe.loader.options import LoaderOptions
+from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.state import MixtureState, SourcePosition
-from raypipe.loader.token_loader import MIXTURE_LOADER, Batch, TokenLoader, _rank_and_world
+from raypipe.loader.token_loader import TokenLoader, _rank_and_world
 from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
 from raypipe.sampling.mixture import allocate, mixture_weights, spread
 
@@ -57,25 +58,29 @@ class MixtureStep:
 
 class MixtureLoader:
     def __init__(self, paths: dict[str, str | Path], seq_len: int | None = None,
-                 batch_size: int | None = None, mode: str = "bestfit", seed: int = 0,
-                 rank: int | None = None, world_size: int | None = None,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.int64,
-                 prefetch: int = 4, weights: dict[str, float] | None = None,
-                 **options: Any):
+                 batch_size: int | None = None, *, weights: dict[str, float] | None = None,
+                 options: LoaderOptions | None = None, **knobs: Any):
+        """`paths`: {source name: dataset path or URI}; `weights`: {name: weight} (default:
+        by tokens); options as TokenLoader's (raypipe.loader.options)."""
         if not paths:
             raise ConfigError("mixture: no sources given")
-        if mode == "llmbatch" or options.get("metadata"):
+        shape = {name: value for name, value in (("seq_len", seq_len),
+                                                 ("batch_size", batch_size))
+                 if value is not None}
+        self.options = options = LoaderOptions.of(options, **knobs, **shape)
+        if options.plan_spec(0).preformed or options.metadata:
             raise ConfigError("mixture: sources are read as documents or windows; llmbatch "
                               "batches and stream metadata cannot be mixed")
         self.names = sorted(paths)
-        self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.seq_len, self.batch_size, self.mode, self.seed = seq_len, batch_size, mode, seed
-        self.sources = [TokenLoader(paths[name], seq_len, batch_size, mode=mode, seed=seed,
-                                    rank=0, world_size=1, prefetch=1, **options)
+        self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
+        self.mode, self.seed = options.mode, options.seed
+        source_options = replace(options, rank=0, world_size=1, prefetch=1)
+        self.sources = [TokenLoader(paths[name], options=source_options)
                         for name in self.names]
+        self.seq_len, self.batch_size = self.sources[0].seq_len, self.sources[0].batch_size
         self._check_tokenizers()
         self.weights = self._weights(weights)
-        self.device, self.dtype, self.prefetch = torch.device(device), dtype, prefetch
+        self.device = options.torch_device()
         self.state_name: str | None = None
         self._builders: dict[tuple[int, int], Any] = {}
         self._scratches: dict[tuple[int, int], BatchBuffers] = {}
@@ -219,26 +224,19 @@ class MixtureLoader:
     def __iter__(self) -> Iterator[Any]:
         """Batches without end (each source cycles its epochs); stop after the steps you
         train. The state advances as each batch is taken."""
-        numel = BatchBuffers.size(self.batch_size, self.seq_len)
-        ring = HostRing(self.prefetch + 2, numel, self.dtype, pin=self.device.type == "cuda")
-        host_views = [BatchBuffers.over(a, self.batch_size, self.seq_len) for a in ring.arrays]
+        def fill(job: MixtureStep, views: BatchBuffers) -> tuple:
+            return (job, *self._fill(job, views))
 
-        def build(job: MixtureStep, slot: int) -> tuple:
-            return (job, *self._fill(job, host_views[slot]))
-
-        def wrap(flat: torch.Tensor, slot: int, meta: tuple) -> Batch:
+        def finish(views: BatchBuffers, meta: tuple) -> Batch:
             job, filled, observation_ids, source_ids = meta
-            views = BatchBuffers.over(flat, self.batch_size, self.seq_len)
-            return Batch(inputs=views.tokens[:, :-1], targets=views.tokens[:, 1:],
-                         position_ids=views.position_ids,
-                         cu_seqlens=views.cu_seqlens[:filled.sequences + 1],
-                         mask=views.mask, observation_ids=observation_ids,
-                         positions=np.array([p for _, _, p in job.rows], dtype=np.int64),
-                         epoch=-1, step=job.step, document_starts=filled.starts_document,
-                         source_ids=source_ids, mixture_state=job.after)
+            return Batch.of(views, filled, observation_ids=observation_ids,
+                            positions=np.array([p for _, _, p in job.rows], dtype=np.int64),
+                            epoch=-1, step=job.step, source_ids=source_ids,
+                            mixture_state=job.after)
 
-        prefetcher = Prefetcher(self._schedule(), build, wrap, ring, self.device,
-                                self.prefetch)
+        prefetcher = batch_stream(self._schedule(), fill, finish, self.batch_size,
+                                  self.seq_len, self.options.dtype, self.device,
+                                  self.options.prefetch)
         try:
             for batch in prefetcher:
                 self.positions, self.steps = batch.mixture_state, batch.step + 1
@@ -248,8 +246,7 @@ class MixtureLoader:
 
     # ----- state ----------------------------------------------------------------------------
     def _knobs(self) -> dict[str, Any]:
-        knobs = self.sources[0]._knobs()
-        return knobs
+        return self.sources[0]._knobs()
 
     def state_dict(self) -> dict[str, Any]:
         return MixtureState(self.weights_by_name, self._knobs(), self.steps,
@@ -281,5 +278,3 @@ class MixtureLoader:
         for source in self.sources:
             source.close()
 
-
-MIXTURE_LOADER.append(MixtureLoader)

@@ -9,7 +9,8 @@ again and the device tensor is ready; the device tensor is marked as used by the
 consumer's stream so the caching allocator never recycles it early. Without CUDA the same
 path runs with unpinned slots and no copy. The training thread only does `queue.get()`
 (once per chunk: a handoff per batch cost ~12 us of thread wake-ups, a quarter of a
-windows batch). Cost: one thread; memory S x (4 B T + B + 1) x itemsize.
+windows batch). `batch_stream` is the one way TokenLoader and MixtureLoader set this up.
+Cost: one thread; memory S x (4 B T + B + 1) x itemsize.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from typing import Any
 
 import torch
 
+from raypipe.sampling.batches import BatchBuffers
+
 _DONE = object()
+HANDOFF_CHUNK = 4  # at most this many batches per producer->trainer handoff
+HANDOFF_ELEMENTS = 1 << 20  # ... and only while a batch buffer is under 1 M elements
 
 
 class HostRing:
@@ -103,3 +108,30 @@ class Prefetcher:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=10)
+
+
+def batch_stream(jobs: Iterator[Any], fill: Callable[[Any, BatchBuffers], Any],
+                 finish: Callable[[BatchBuffers, Any], Any], rows: int, seq_len: int,
+                 dtype: torch.dtype, device: torch.device, depth: int,
+                 prepare: Callable[[BatchBuffers], None] | None = None) -> Prefetcher:
+    """Batches of `rows` x (`seq_len` + 1) tokens: `fill(job, host_views) -> meta` on the
+    producer thread, `finish(device_views, meta)` on the trainer's. Small batches are
+    handed over a few at a time (thread wake-ups dominate them), large ones one by one, so
+    the (pinned) ring stays ~(depth + 2) batches; `prepare` sets up each host slot once."""
+    numel = BatchBuffers.size(rows, seq_len)
+    chunk = max(1, min(HANDOFF_CHUNK, HANDOFF_ELEMENTS // numel))
+    ring = HostRing((depth + 2) * chunk, numel, dtype, pin=device.type == "cuda")
+    host_views = [BatchBuffers.over(array, rows, seq_len) for array in ring.arrays]
+    for views in host_views if prepare is not None else ():
+        prepare(views)
+    slot_views = [BatchBuffers.over(slot, rows, seq_len) for slot in ring.slots]
+
+    def build(job: Any, slot: int) -> Any:
+        return fill(job, host_views[slot])
+
+    def wrap(flat: torch.Tensor, slot: int, meta: Any) -> Any:
+        views = (slot_views[slot] if flat is ring.slots[slot]
+                 else BatchBuffers.over(flat, rows, seq_len))
+        return finish(views, meta)
+
+    return Prefetcher(jobs, build, wrap, ring, device, depth, chunk)

@@ -1,20 +1,21 @@
 """`raypipe pack-report`: what a loader mode keeps of a dataset per epoch.
 
-Invariant: the report is computed from the same epoch plan the loader runs (document lengths
-only, no token reads), so used + cropped + dropped = the dataset's tokens, and padding is
-counted apart. Cost: one epoch plan (~1 us per document for bestfit).
+Invariant: the report is computed from the epoch plan the loader runs, built by the same
+code (raypipe.sampling.epochs: document lengths only, no token reads), so used + cropped +
+dropped = the dataset's tokens, and padding is counted apart. Cost: one epoch plan per epoch
+reported (a vectorized pass over the lengths for bestfit fill: docs/scale.md).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.sampling.epochs import EpochPlans, PlanSpec
 from raypipe.sampling.lengths import dataset_lengths
 from raypipe.sampling.mixture import mixture_weights, realized_shares
-from raypipe.sampling.plans import PackingReport, Plan, ShardGroups, make_plan
+from raypipe.sampling.plans import PackingReport, Plan
 
 MIXTURE_STEPS = 1000
 MIXTURE_ROWS_PER_STEP = 8
@@ -27,16 +28,15 @@ def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", s
     """The report for `epochs` epochs from `epoch`, as printed text (a dataset on object
     storage: only its index files are fetched; a mixture YAML: each source's report, and the
     mixture's shares)."""
-    options = {"mode": mode, "seed": seed, "epoch": epoch, "epochs": epochs,
-               "block_documents": block_documents, "packing": packing, "shuffle": shuffle,
-               "group_shards": group_shards}
+    spec = PlanSpec(mode, seq_len, seed, block_documents, packing, shuffle=shuffle,
+                    group_shards=group_shards)
+    epoch_range = range(epoch, epoch + epochs)
     if is_mixture_spec(dataset_path):
-        return mixture_report(str(dataset_path), seq_len, options)
-    if mode == "llmbatch":
+        return mixture_report(str(dataset_path), spec, epoch_range)
+    if spec.preformed:
         return llmbatch_report(str(dataset_path))
     dataset = TokenDataset(dataset_path, format_name)
-    return render(str(dataset_path), dataset, seq_len, epoch_plans(dataset, seq_len, options),
-                  options)
+    return render(str(dataset_path), dataset, spec, epoch_plans(dataset, spec, epoch_range))
 
 
 def llmbatch_report(where: str) -> str:
@@ -53,41 +53,34 @@ def llmbatch_report(where: str) -> str:
     ])
 
 
-def epoch_plans(dataset: TokenDataset, seq_len: int, options: dict[str, Any]
+def epoch_plans(dataset: TokenDataset, spec: PlanSpec, epochs: range
                 ) -> list[tuple[int, Plan]]:
     """The loader's plan of each epoch the report covers."""
-    groups = None if options["shuffle"] == "global" else ShardGroups.of(
-        dataset.shard_token_counts, dataset.shard_document_counts, options["group_shards"])
-    return [(current, make_plan(options["mode"], dataset.num_tokens,
-                                dataset_lengths(dataset, node_cache=False),
-                                seq_len, options["seed"], current, options["block_documents"],
-                                options["packing"], groups))
-            for current in range(options["epoch"], options["epoch"] + options["epochs"])]
+    plans = EpochPlans(spec, dataset, lambda: dataset_lengths(dataset, node_cache=False))
+    return [(epoch, plans.build(epoch)) for epoch in epochs]
 
 
-def render(where: str, dataset: TokenDataset, seq_len: int, plans: list[tuple[int, Plan]],
-           options: dict[str, Any]) -> str:
-    mode, packing = options["mode"], options["packing"]
-    shape = f"{mode} ({packing})" if mode == "bestfit" else mode
+def render(where: str, dataset: TokenDataset, spec: PlanSpec,
+           plans: list[tuple[int, Plan]]) -> str:
     lines = [f"packing report: {where}",
-             f"{shape} rows of {seq_len} + 1 tokens, {options['shuffle']} shuffle, seed "
-             f"{options['seed']}, epoch {options['epoch']} ({dataset.num_documents:,} "
-             f"documents, format {dataset.format_name})"]
-    for current, plan in plans:
+             f"{spec.describe()}, {spec.shuffle} shuffle, seed {spec.seed}, epoch "
+             f"{plans[0][0]} ({dataset.num_documents:,} documents, format "
+             f"{dataset.format_name})"]
+    for epoch, plan in plans:
         if len(plans) > 1:
-            lines.append(f"-- epoch {current}")
+            lines.append(f"-- epoch {epoch}")
         lines.append(plan.report().render())
     return "\n".join(lines)
 
 
-def mixture_report(spec_path: str, seq_len: int, options: dict[str, Any]) -> str:
+def mixture_report(spec_path: str, spec: PlanSpec, epochs: range) -> str:
     """Each source's report, then the mixture's shares: weights, the rows each source serves
     over 1,000 steps of 8 rows, and how many of its epochs those rows are."""
-    spec = read_mixture(spec_path)
-    names = sorted(spec)
-    datasets = {name: TokenDataset(spec[name].path) for name in names}
+    mixture = read_mixture(spec_path)
+    names = sorted(mixture)
+    datasets = {name: TokenDataset(mixture[name].path) for name in names}
     tokens = {name: datasets[name].num_tokens for name in names}
-    weights = mixture_weights(names, spec_weights(spec), tokens)
+    weights = mixture_weights(names, spec_weights(mixture), tokens)
     shares = realized_shares(weights, MIXTURE_ROWS_PER_STEP, MIXTURE_STEPS)
     rows = MIXTURE_STEPS * MIXTURE_ROWS_PER_STEP
     lines = [f"mixture {spec_path}: {len(names)} sources",
@@ -95,11 +88,11 @@ def mixture_report(spec_path: str, seq_len: int, options: dict[str, Any]) -> str
              f"   (over {MIXTURE_STEPS:,} steps of {MIXTURE_ROWS_PER_STEP} rows)"]
     sections = []
     for index, name in enumerate(names):
-        plans = epoch_plans(datasets[name], seq_len, options)
+        plans = epoch_plans(datasets[name], spec, epochs)
         observations = plans[0][1].size
-        epochs = shares[index] * rows / observations if observations else float("nan")
+        served = shares[index] * rows / observations if observations else float("nan")
         lines.append(f"{name:<16}{tokens[name]:>16,}{weights[index]:>10.4f}"
-                     f"{shares[index]:>12.4f}{epochs:>10.2f}")
+                     f"{shares[index]:>12.4f}{served:>10.2f}")
         sections.append(f"== source {name} (weight {weights[index]:.4f})\n"
-                        + render(spec[name].path, datasets[name], seq_len, plans, options))
+                        + render(mixture[name].path, datasets[name], spec, plans))
     return "\n".join(lines + [""] + sections)
