@@ -30,7 +30,6 @@ import numpy as np
 from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, ShardReader, document_formats
 from raypipe.formats.base import shard_prefix
-from raypipe.formats.llmbatch import PAD_ID
 from raypipe.io.cache import ShardCache
 from raypipe.io.manifest import (
     MANIFEST_NAME,
@@ -401,12 +400,26 @@ class LLMBatchDataset(ShardSet):
                               for f in s.files]}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
-    def batch(self, index: int) -> np.ndarray:
+    def _locate(self, index: int) -> tuple[Any, int]:
+        """(the reader of batch `index`'s shard, its index there)."""
         shard = int(np.searchsorted(self.batch_offsets, index, side="right")) - 1
-        return self.reader(shard).batch(index - int(self.batch_offsets[shard]))
+        return self.reader(shard), index - int(self.batch_offsets[shard])
+
+    def batch(self, index: int) -> np.ndarray:
+        reader, local = self._locate(index)
+        return reader.batch(local)
+
+    def padding(self, index: int, batch: np.ndarray | None = None) -> np.ndarray:
+        """[B, T] bool: where batch `index`'s records hold padding (the format's rule)."""
+        reader, local = self._locate(index)
+        return reader.padding(local, batch)
+
+    def records(self, index: int) -> list[np.ndarray]:
+        """Batch `index`'s records without their padding."""
+        reader, local = self._locate(index)
+        return reader.records(local)
 
     def iter_records(self) -> Iterator[np.ndarray]:
-        """Every record in order, without its padding (PAD_ID positions)."""
+        """Every record in order, without its padding."""
         for index in range(self.num_batches):
-            for record in self.batch(index):
-                yield record[record != PAD_ID] if self.padded_tokens else record
+            yield from self.records(index)

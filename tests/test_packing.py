@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from raypipe.dataset import LLMBatchDataset, TokenDataset
-from raypipe.formats.llmbatch import PAD_ID
 from raypipe.loader import TokenLoader
 from tests.conftest import write_parquet
 
@@ -146,7 +145,7 @@ def test_default_llmbatch_records_of_2049_are_full_on_a_narrow_corpus(narrow):
     options = dataset.section.options
     assert (options["packing"], dataset.seq_len) == ("fill", 2049)
     records = np.stack([dataset.batch(i) for i in range(dataset.num_batches)]).reshape(-1, 2049)
-    real = records != PAD_ID
+    real = ~np.stack([dataset.padding(i) for i in range(dataset.num_batches)]).reshape(-1, 2049)
     assert real.mean() >= 0.99, f"{1 - real.mean():.2%} of the positions are padding"
     total = TokenDataset(narrow).num_tokens
     assert int(real.sum()) == options["used_tokens"] >= 0.99 * total

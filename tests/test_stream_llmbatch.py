@@ -10,12 +10,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from raypipe.config import load_config
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import InputError
-from raypipe.formats.llmbatch import PAD_ID, LLMBatchReader
+from raypipe.formats.llmbatch import LEGACY_PAD_ID, LLMBatchReader
 from raypipe.preprocess.job import run_job
 from tests.helpers import expected_documents
 
@@ -126,9 +127,14 @@ def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, toke
     for d in documents:
         total += len(d)
         doc_starts.add(total)
-    seen_records = []
+    seen_records, seen_lengths = [], []
+    pad_id = section["pad_id"]
+    tokenizer = manifest["tokenizer"]
+    assert tokenizer["pad_id"] is not None  # the demo tokenizer's <pad>
+    assert pad_id == tokenizer["pad_id"]
     for shard in section["shards"]:
-        path = tmp_path / "out" / shard["files"][0]["path"]
+        path, lengths_path = (tmp_path / "out" / entry["path"] for entry in shard["files"])
+        assert (path.suffix, lengths_path.suffix) == (".batch", ".lengths")
         data = path.read_bytes()
         magic, version, b, t, n, dtype, seed, total_records = struct.unpack_from(
             "<8sIIIQIII", data)
@@ -138,7 +144,10 @@ def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, toke
         assert not any(data[40:4096])
         padded = -(-batch * seq_len * 4 // 4096) * 4096
         assert len(data) == 4096 + n * padded
-        reader = LLMBatchReader(path)
+        reader = LLMBatchReader(path, lengths_path)
+        lengths = np.frombuffer(lengths_path.read_bytes(), "<u4")
+        assert lengths.size == n * batch and lengths.max() <= seq_len
+        seen_lengths.extend(lengths.tolist())
         for i in range(n):
             slot = data[4096 + i * padded: 4096 + (i + 1) * padded]
             assert not any(slot[batch * seq_len * 4:])  # slot padding is zero
@@ -155,11 +164,14 @@ def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, toke
     counts = {k: section[f"{k}_tokens"] for k in ("used", "cropped", "padded", "dropped")}
     assert counts["used"] + counts["cropped"] + counts["dropped"] == len(stream) or \
         packing == "concat"  # windows share a token: their counts are per window
-    if packing in ("split", "fill"):  # every token in a record at most once; padding is PAD_ID
-        flat = np.array(seen_records, dtype=np.int64).reshape(-1)
-        assert int((flat == PAD_ID).sum()) == counts["padded"]
+    records = np.array(seen_records, dtype=np.int64)
+    assert records.max() <= manifest["tokenizer"]["largest_id"]  # every id a real token
+    padding = np.arange(seq_len)[None, :] >= np.array(seen_lengths)[:, None]
+    assert (records[padding] == pad_id).all()  # padding is the record's tail of pad tokens
+    if packing in ("split", "fill"):  # every token in a record at most once
+        assert int(padding.sum()) == counts["padded"]
         assert counts["cropped"] == 0
-        assert counts["used"] == int((flat != PAD_ID).sum())
+        assert counts["used"] == int((~padding).sum())
         assert counts["used"] + counts["dropped"] == len(stream)
         assert counts["used"] >= 0.99 * len(stream) - batch * seq_len
 
@@ -179,7 +191,6 @@ def test_split_llmbatch_holds_every_document_piece_once_and_the_loader_masks_pad
     # each record is pieces of documents back to back; together, with the few records left
     # out of the last batch, they are every document's tokens exactly once
     flat_records = [t for piece in pieces for t in piece]
-    assert PAD_ID not in flat_records  # iter_records strips the padding
     corpus_tokens = Counter(t for d in documents for t in d)
     assert not Counter(flat_records) - corpus_tokens  # no token invented or repeated
     section = dataset.section.options
@@ -189,8 +200,9 @@ def test_split_llmbatch_holds_every_document_piece_once_and_the_loader_masks_pad
     loader = TokenLoader(tmp_path / "out", mode="llmbatch", pad_id=5)
     masked = 0
     for b in loader:
-        raw = dataset.batch(int(b.observation_ids[0])).astype(np.int64)
-        padding = raw == PAD_ID
+        index = int(b.observation_ids[0])
+        lengths = np.array([len(record) for record in dataset.records(index)])
+        padding = np.arange(seq_len)[None, :] >= lengths[:, None]
         assert np.array_equal(b.mask.numpy(), ~padding[:, 1:])
         assert (b.inputs.numpy()[padding[:, :-1]] == 5).all()
         masked += int(padding[:, 1:].sum())
@@ -221,3 +233,61 @@ def test_tokenize_summary_inspect_and_pack_report_agree_on_llmbatch_waste(
     assert line in inspect_dataset(out, samples=0)
     assert main(["pack-report", str(out), "--mode", "llmbatch"]) == 0
     assert report.render() in capsys.readouterr().out
+
+
+def as_legacy_llmbatch(root):
+    """Rewrite an LLMBATCH output as raypipe 0.3 wrote it: padding holds 0xFFFFFFFF, no
+    `.lengths` sidecar, no `pad_id` option."""
+    from dataclasses import replace
+
+    from raypipe.io.atomic import file_sha256
+    from raypipe.io.manifest import FileEntry, read_manifest, write_manifest
+
+    manifest = read_manifest(root)
+    section = manifest.formats["llmbatch"]
+    dataset = LLMBatchDataset(root)
+    shards = []
+    for index, shard in enumerate(section.shards):
+        batch_file, lengths_file = (root / entry.path for entry in shard.files)
+        first = dataset.batch_offsets[index]
+        batches = np.stack([dataset.batch(first + i) for i in range(shard.batches)])
+        paddings = np.stack([dataset.padding(first + i) for i in range(shard.batches)])
+        batches[paddings] = LEGACY_PAD_ID
+        raw = bytearray(batch_file.read_bytes())
+        slot = (len(raw) - 4096) // shard.batches
+        for i, batch in enumerate(batches):
+            raw[4096 + i * slot:4096 + i * slot + batch.nbytes] = batch.astype("<u4").tobytes()
+        dataset.close()
+        batch_file.write_bytes(bytes(raw))
+        lengths_file.unlink()
+        entry = FileEntry(shard.files[0].path, len(raw), file_sha256(batch_file),
+                          batch_file.stat().st_mtime_ns)
+        shards.append(replace(shard, files=(entry,)))
+    options = {k: v for k, v in section.options.items() if k != "pad_id"}
+    legacy = replace(section, shards=tuple(shards), options=options)
+    write_manifest(root, replace(manifest, formats={**manifest.formats, "llmbatch": legacy}))
+
+
+def test_llmbatch_ids_are_all_real_tokens_and_a_legacy_sentinel_file_still_reads(
+        tmp_path, corpus_dir, tokenizer_path):
+    from raypipe.loader import TokenLoader
+
+    run(corpus_dir, tmp_path / "out", tokenizer_path, formats=["llmbatch"], seq_len=65,
+        batch_size=2, batches_per_shard=7, packing="split")
+    dataset = LLMBatchDataset(tmp_path / "out")
+    vocabulary = dataset.manifest.tokenizer.largest_id + 1
+    ids = np.stack([dataset.batch(i) for i in range(dataset.num_batches)])
+    assert ids.max() < vocabulary  # what an embedding of the vocabulary accepts
+    records = list(dataset.iter_records())
+    current = [(b.inputs.clone(), b.mask.clone()) for b in
+               TokenLoader(tmp_path / "out", mode="llmbatch", pad_id=5, seed=1)]
+    assert sum(int((~b[1].bool()).sum()) for b in current) > 0  # the corpus pads
+    as_legacy_llmbatch(tmp_path / "out")
+    legacy = LLMBatchDataset(tmp_path / "out")
+    assert any((legacy.batch(i) == LEGACY_PAD_ID).any() for i in range(legacy.num_batches))
+    assert [r.tolist() for r in legacy.iter_records()] == [r.tolist() for r in records]
+    served = [(b.inputs.clone(), b.mask.clone()) for b in
+              TokenLoader(tmp_path / "out", mode="llmbatch", pad_id=5, seed=1)]
+    assert len(served) == len(current)
+    for (inputs, mask), (legacy_inputs, legacy_mask) in zip(current, served, strict=True):
+        assert torch.equal(inputs, legacy_inputs) and torch.equal(mask, legacy_mask)

@@ -4,13 +4,18 @@ each in a 4096-byte-aligned slot, so serving batch i is one slice of an mmap.
 Invariant: a 4096-byte header (magic `LLMBATCH`, version 1, batch_size, seq_len,
 num_batches as u64 at offset 20, dtype 0 = uint32, seed, total_records; the rest zero),
 then slot i at 4096 + i * padded where padded = ceil(B*T*4 / 4096) * 4096, zero-filled past
-the batch's bytes; file size = 4096 + num_batches * padded. A record position that holds
-no token (the padding of `split` or `fill` packing) holds PAD_ID = 0xFFFFFFFF, which no tokenizer
-id reaches, so it can never be mistaken for a token. The reader checks every header
-field and the size before mapping anything; `batch(i)` is a zero-copy [B, T] view.
-The writer is told the number of batches up front (the header is written first, so the
-file is hashed as it is written). Cost: writing is one sequential pass; reading a batch is
-one memmap slice.
+the batch's bytes; file size = 4096 + num_batches * padded. Every stored id is a real token
+of the vocabulary, so any reader of the format can feed a batch to an embedding: a record
+position that holds no token (the tail of a record under `split` or `fill` packing) holds
+the tokenizer's pad token (`pad_token`: its pad id, else EOS, else BOS, else 0; the
+section's `pad_id` option). Which positions are padding is in a sidecar `<name>.lengths`:
+uint32 little-endian, one per record in file order, its real tokens (padding is always a
+record's tail), 4 bytes per record of T x 4 (0.05% at T = 2049). Files of raypipe 0.3 have
+no sidecar and hold 0xFFFFFFFF (LEGACY_PAD_ID) at padding positions; they still read, with
+that sentinel as their padding. The reader checks every header field and the sizes before
+mapping anything; `batch(i)` is a zero-copy [B, T] view. The writer is told the number of
+batches up front (the header is written first, so the file is hashed as it is written).
+Cost: writing is one sequential pass; reading a batch is one memmap slice (+ B lengths).
 """
 
 from __future__ import annotations
@@ -30,7 +35,17 @@ VERSION = 1
 PAGE = 4096
 HEADER = struct.Struct("<8sIIIQIII")  # 40 bytes, then zeros up to PAGE
 MAX_U32 = 2**32 - 1
-PAD_ID = MAX_U32  # a padding slot of a record (split, fill); never a token id
+LEGACY_PAD_ID = MAX_U32  # the padding of raypipe 0.3 files (no `.lengths` sidecar)
+LENGTHS = ".lengths"  # the sidecar: real tokens per record
+
+
+def pad_token(tokenizer: TokenizerInfo) -> int:
+    """The id padding positions hold: the tokenizer's pad token, else EOS, else BOS, else 0
+    (a real token either way; the sidecar says where padding is)."""
+    for token_id in (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id):
+        if token_id is not None:
+            return token_id
+    return 0
 
 
 def slot_bytes(batch_size: int, seq_len: int) -> int:
@@ -46,8 +61,8 @@ def encode_header(batch_size: int, seq_len: int, num_batches: int, seed: int,
 
 
 class LLMBatchWriter(ShardWriter):
-    """Writes `num_batches` whole batches ([B, T] arrays of token ids) into one `.batch`
-    file named `<name>.batch` in `directory`."""
+    """Writes `num_batches` whole batches ([B, T] arrays of token ids) into `<name>.batch`
+    in `directory`, and each record's real tokens into `<name>.lengths`."""
 
     def __init__(self, directory: Path, name: str, batch_size: int, seq_len: int,
                  num_batches: int, seed: int, total_records: int):
@@ -57,17 +72,25 @@ class LLMBatchWriter(ShardWriter):
         self.padding = bytes(self.padded - batch_size * seq_len * 4)
         self.file = self.open_file(".batch")
         self.file.write(encode_header(batch_size, seq_len, num_batches, seed, total_records))
+        self.lengths = self.open_file(LENGTHS)
         self.written = 0
 
-    def add_batch(self, batch: np.ndarray) -> None:
+    def add_batch(self, batch: np.ndarray, lengths: np.ndarray) -> None:
+        """One batch and its records' real tokens (the rest of each record is padding,
+        already holding the pad token)."""
         if batch.shape != (self.batch_size, self.seq_len):
             raise FormatError(self.file.final, "batch shape", (self.batch_size, self.seq_len),
                               batch.shape)
         if batch.size and (batch.min() < 0 or batch.max() > MAX_U32):
             raise FormatError(self.file.final, "token id outside uint32", f"0..{MAX_U32}",
                               (int(batch.min()), int(batch.max())))
+        if lengths.shape != (self.batch_size,) or lengths.min() < 0 or (
+                lengths.max() > self.seq_len):
+            raise FormatError(self.lengths.final, "record lengths", f"{self.batch_size} in "
+                              f"[0, {self.seq_len}]", lengths.tolist())
         self.file.write(np.ascontiguousarray(batch, dtype="<u4").data)
         self.file.write(self.padding)
+        self.lengths.write(np.ascontiguousarray(lengths, dtype="<u4").data)
         self.written += 1
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
@@ -77,17 +100,21 @@ class LLMBatchWriter(ShardWriter):
         if self.written != self.num_batches:
             raise FormatError(self.file.final, "batches written differ from the header",
                               self.num_batches, self.written)
-        return [self.commit_file(".batch")]
+        return [self.commit_file(".batch"), self.commit_file(LENGTHS)]
 
 
 class LLMBatchReader:
     @classmethod
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> LLMBatchReader:
-        if len(shard.files) != 1:
-            raise FormatError(root / shard.name, "an LLMBATCH shard is one file", 1,
-                              len(shard.files))
-        return cls(safe_join(root, shard.files[0].path))
+        paths = [safe_join(root, entry.path) for entry in shard.files]
+        batches = [path for path in paths if path.name.endswith(".batch")]
+        lengths = [path for path in paths if path.name.endswith(LENGTHS)]
+        if len(batches) != 1 or len(lengths) > 1 or len(paths) != len(batches) + len(lengths):
+            raise FormatError(root / shard.name, "an LLMBATCH shard is a .batch file and "
+                              "its .lengths sidecar (0.3: the .batch file alone)",
+                              [".batch", LENGTHS], [entry.path for entry in shard.files])
+        return cls(batches[0], lengths[0] if lengths else None)
 
     def check_counts(self, shard: ShardEntry, where: Path) -> None:
         if shard.batches != self.num_batches:
@@ -95,9 +122,16 @@ class LLMBatchReader:
                               self.num_batches)
 
     def verify_contents(self) -> None:
-        """Nothing beyond the header and size checks done on open."""
+        """Every record length within [0, seq_len] (the header and sizes are checked on
+        open)."""
+        if self.lengths is not None and self.lengths.size and (
+                int(self.lengths.max()) > self.seq_len):
+            raise FormatError(self.lengths_path, "record length past seq_len",
+                              f"<= {self.seq_len}", int(self.lengths.max()))
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, lengths_path: str | Path | None = None):
+        """`lengths_path`: the `.lengths` sidecar (None: a raypipe 0.3 file, whose padding
+        is LEGACY_PAD_ID)."""
         self.path = Path(path)
         size = require_file(self.path)
         if size < PAGE:
@@ -122,6 +156,12 @@ class LLMBatchReader:
         self.batch_size, self.seq_len, self.num_batches = batch_size, seq_len, num_batches
         self.seed, self.total_records = seed, total_records
         self.data = map_file(self.path, np.uint8, PAGE)
+        self.lengths_path = None if lengths_path is None else Path(lengths_path)
+        self.lengths: np.ndarray | None = None
+        if self.lengths_path is not None:
+            require_size(self.lengths_path, 4 * num_batches * batch_size,
+                         require_file(self.lengths_path))
+            self.lengths = map_file(self.lengths_path, "<u4")
 
     def __len__(self) -> int:
         return self.num_batches
@@ -134,10 +174,27 @@ class LLMBatchReader:
         raw = self.data[start:start + self.batch_size * self.seq_len * 4]
         return raw.view("<u4").reshape(self.batch_size, self.seq_len)
 
+    def padding(self, index: int, batch: np.ndarray | None = None) -> np.ndarray:
+        """[B, T] bool: True where batch `index`'s records hold padding (`batch`: the
+        batch's ids, where the caller has them already)."""
+        if self.lengths is None:  # raypipe 0.3: the sentinel marks padding
+            return (self.batch(index) if batch is None else batch) == LEGACY_PAD_ID
+        lengths = self.lengths[index * self.batch_size:(index + 1) * self.batch_size]
+        return np.arange(self.seq_len)[None, :] >= lengths[:, None]
+
+    def records(self, index: int) -> list[np.ndarray]:
+        """Batch `index`'s records without their padding (views)."""
+        batch = self.batch(index)
+        if self.lengths is None:
+            return [record[record != LEGACY_PAD_ID] for record in batch]
+        lengths = self.lengths[index * self.batch_size:(index + 1) * self.batch_size]
+        return [record[:length] for record, length in zip(batch, lengths.tolist(),
+                                                          strict=True)]
+
 
 def llmbatch_dtype(largest_id: int) -> np.dtype:
     return np.dtype(np.uint32)
 
 
-LLMBATCH = register(Format("llmbatch", (".batch",), LLMBatchWriter, LLMBatchReader,
+LLMBATCH = register(Format("llmbatch", (".batch", LENGTHS), LLMBatchWriter, LLMBatchReader,
                            llmbatch_dtype, holds="batches"))

@@ -211,6 +211,7 @@ class TokenizerInfo(JsonRecord):
     bos_id: int | None
     eos_id: int | None
     backend: str = "tokenizers"  # the library that encoded (same ids either way)
+    pad_id: int | None = None  # its pad token, where it has one (None in raypipe <= 0.3)
 
 
 @dataclass(frozen=True)

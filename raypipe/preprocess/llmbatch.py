@@ -3,14 +3,16 @@
 Invariant: records are the rows of an epoch-0 plan over ALL documents of the dataset
 (`fill`, the default: every token once, every record full but < 1 record's worth per packing
 block; `split`: documents cut into record-sized pieces and best-fit packed, every token
-once, unfilled positions padded with PAD_ID; `crop` (alias `bestfit`): nanochat's
+once, unfilled positions padded; `crop` (alias `bestfit`): nanochat's
 BOS-aligned rows, tails cropped; `concat`: windows of seq_len tokens of the concatenated
 stream, consecutive windows sharing one token), taken in that plan's Feistel order with
 `seed` (a global shuffle, not per shard), grouped B at a time; the last total_records mod
-B records are dropped. What the packing kept, cropped, padded and dropped is recorded in
-the manifest section and warned about past 5%. Shards hold `batches_per_shard` batches
-each, named `batches-NNNNN.batch`, listed in order in the manifest. Each shard file is
-committed atomically. Cost: one memmap read and one sequential write per token kept.
+B records are dropped. Padding positions hold the tokenizer's pad token and each record's
+real length goes to the format's sidecar (raypipe.formats.llmbatch). What the packing kept,
+cropped, padded and dropped is recorded in the manifest section and warned about past 5%.
+Shards hold `batches_per_shard` batches each, named `batches-NNNNN.batch` (+ `.lengths`),
+listed in order in the manifest. Each shard file is committed atomically. Cost: one memmap
+read and one sequential write per token kept.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from raypipe.dataset import TokenDataset
-from raypipe.formats.llmbatch import PAD_ID, LLMBatchWriter
+from raypipe.formats.llmbatch import LLMBatchWriter, pad_token
 from raypipe.io.manifest import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
@@ -62,7 +64,8 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, directory: Path,
     plan = make_plan(mode, dataset.num_tokens, dataset_lengths(dataset, node_cache=False),
                      positions_per_row,
                      spec.seed, 0, packing=packing)
-    builder = BatchBuilder(TokenSource(dataset), plan, positions_per_row, pad_id=PAD_ID,
+    pad_id = pad_token(dataset.manifest.tokenizer)
+    builder = BatchBuilder(TokenSource(dataset), plan, positions_per_row, pad_id=pad_id,
                            boundaries=False)
     host = np.empty(BatchBuffers.size(spec.batch_size, positions_per_row), dtype=np.int64)
     buffers = BatchBuffers.over(host, spec.batch_size, positions_per_row)
@@ -80,7 +83,7 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, directory: Path,
                 positions = steps[:, None] * spec.batch_size + np.arange(spec.batch_size)
                 for batch_plan in builder.describe(positions):
                     builder.fill(batch_plan, buffers)
-                    writer.add_batch(buffers.tokens)
+                    writer.add_batch(buffers.tokens, builder.row_lengths(batch_plan))
             files = staging.publish(writer.commit())
         except BaseException:
             writer.abort()
@@ -92,6 +95,7 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, directory: Path,
     options = {"seq_len": spec.seq_len, "batch_size": spec.batch_size,
                "packing": spec.packing, "seed": spec.seed, "total_records": plan.size,
                "num_batches": num_batches, "source_format": dataset.format_name,
+               "pad_id": pad_id,
                **report.as_options()}
     return FormatSection("uint32", tuple(shards), options)
 

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from raypipe.dataset import LLMBatchDataset, StreamWindow, TokenDataset
-from raypipe.formats.llmbatch import PAD_ID
 from raypipe.sampling.plans import BestFitPlan, DocumentPlan, PreformedPlan, WindowPlan
 
 
@@ -277,6 +276,17 @@ class BatchBuilder:
             return self._fill_bestfit(plan, buffers)
         return self._fill_documents(plan, buffers)
 
+    def row_lengths(self, plan: BatchPlan) -> np.ndarray:
+        """Real tokens of each row `fill` writes (the rest of a row is padding, its tail)."""
+        width = self.seq_len + 1
+        if isinstance(self.plan, WindowPlan):
+            return np.full(len(plan.rows), width, dtype=np.int64)
+        if isinstance(self.plan, BestFitPlan):
+            counts = [sum(segment[2] for segment in row) for row in plan.rows]
+        else:
+            counts = [row[2] for row in plan.rows]
+        return np.minimum(np.array(counts, dtype=np.int64), width)
+
     def _fill_windows(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
         for row, offset in enumerate(plan.rows):
             self.source.copy_span(offset, buffers.tokens[row])
@@ -368,9 +378,10 @@ class PreformedBatchBuilder:
             write_row_boundaries(buffers)
 
     def fill(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
-        buffers.tokens[...] = self.dataset.batch(plan.rows[0])
-        if self.padded:  # padding slots hold PAD_ID (never a token id): mask, then pad_id
-            padding = buffers.tokens == PAD_ID
+        index = plan.rows[0]
+        buffers.tokens[...] = self.dataset.batch(index)
+        if self.padded:  # the format says where padding is: masked, then pad_id
+            padding = self.dataset.padding(index, buffers.tokens)
             np.logical_not(padding[:, 1:], out=buffers.mask)
             buffers.tokens[padding] = self.pad_id
         if not self.boundaries:

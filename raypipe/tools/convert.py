@@ -20,7 +20,6 @@ import numpy as np
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import ConfigError, FormatError
 from raypipe.formats import document_formats, get_format
-from raypipe.formats.llmbatch import PAD_ID
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.manifest import (
     MANIFEST_NAME,
@@ -57,12 +56,7 @@ def _source_documents(src: Store, manifest: Manifest, source_format: str | None 
         offsets = batches.batch_offsets
         for index, shard in enumerate(batches.shards):
             yield shard.name, (record for batch in range(offsets[index], offsets[index + 1])
-                               for record in _without_padding(batches.batch(batch)))
-
-
-def _without_padding(batch: np.ndarray) -> Iterator[np.ndarray]:
-    for record in batch:
-        yield record[record != PAD_ID]
+                               for record in batches.records(batch))
 
 
 def _write_documents(spec: ShardSpec, name: str, documents: Iterable[np.ndarray],

@@ -27,6 +27,7 @@ from raypipe.preprocess.encoding.tiktoken_backend import TiktokenIds
 
 BOS_CANDIDATES = ("<|bos|>", "<bos>", "<s>", "<|begin_of_text|>", "<|endoftext|>")
 EOS_CANDIDATES = ("<|eos|>", "<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>")
+PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>")
 
 
 def single_threaded_tokenizers() -> None:
@@ -86,7 +87,17 @@ def describe_tokenizer(tokenizer: Tokenizer, spec: str, bos: bool, eos: bool,
         largest_id=largest_token_id(tokenizer),
         bos_id=resolve_special_id(tokenizer, bos_token, BOS_CANDIDATES, "bos") if bos else None,
         eos_id=resolve_special_id(tokenizer, eos_token, EOS_CANDIDATES, "eos") if eos else None,
+        pad_id=pad_token_id(tokenizer),
     )
+
+
+def pad_token_id(tokenizer: Tokenizer) -> int | None:
+    """The tokenizer's pad token: its padding setting, else a known pad token's id."""
+    padding = tokenizer.padding
+    if padding is not None and padding.get("pad_id") is not None:
+        return int(padding["pad_id"])
+    found = (tokenizer.token_to_id(name) for name in PAD_CANDIDATES)
+    return next((token_id for token_id in found if token_id is not None), None)
 
 
 def ids_of(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
