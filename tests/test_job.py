@@ -58,6 +58,11 @@ def test_shards_roll_at_shard_tokens_without_splitting_documents(tmp_path, corpu
     lengths = [dataset.reader(i).document_lengths for i in range(dataset.num_shards)]
     for shard_lengths in lengths:
         assert shard_lengths.sum() <= 3000 or len(shard_lengths) == 1
+    # a shard closes only when the next document of its unit does not fit: shards are full
+    units = [shard.name.rsplit("-", 1)[0] for shard in dataset.shards]
+    for index in range(dataset.num_shards - 1):
+        if units[index] == units[index + 1]:
+            assert lengths[index].sum() + lengths[index + 1][0] > 3000, index
     got = [d.tolist() for d in dataset.iter_documents()]
     assert got == expected_documents(corpus_dir, tokenizer_path)
 

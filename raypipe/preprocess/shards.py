@@ -78,7 +78,7 @@ class ShardRoller:
                 files[fmt.name] = tuple(writer.commit())
         first = self.writers[0]
         shard = UnitShard(first.name, first.num_documents, first.num_tokens, files)
-        self.writers = []
+        self.writers, self.open_tokens = [], 0
         if self.staging is not None:
             try:
                 shard = self.staging.publish_shard(shard)
