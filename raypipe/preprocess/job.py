@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from raypipe.config import TokenizeConfig, dump_config_yaml
 from raypipe.errors import InputError
-from raypipe.formats import get_format
+from raypipe.formats import get_format, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.lock import output_lock
 from raypipe.io.manifest import (
@@ -57,7 +57,7 @@ from raypipe.preprocess.encoding.self_check import (
 )
 from raypipe.preprocess.head_start import UnitRunner, records_of, start_run
 from raypipe.preprocess.inputs import plan_units
-from raypipe.preprocess.llmbatch import LLMBatchSpec, write_llmbatch_from_manifest
+from raypipe.preprocess.llmbatch import BATCH_PACKERS, LLMBatchSpec
 from raypipe.preprocess.output import (
     accepted_fingerprints,
     prepare_output,
@@ -85,7 +85,7 @@ def resolve(config: TokenizeConfig) -> Resolved:
                               config.bos_token, config.eos_token)
     settings = UnitSettings(config=config, tokenizer=info,
                             fingerprint=config.output_fingerprint(info.sha256),
-                            output=Store(config.output))
+                            output=Store(config.output), tokenizer_json=tokenizer.to_str())
     return Resolved(settings, tokenizer)
 
 
@@ -93,7 +93,9 @@ def make_encoder(settings: UnitSettings, tokenizer: Tokenizer | None = None
                  ) -> DocumentEncoder:
     """The encoder a process tokenizes with (the tokenizer loaded here unless given)."""
     single_threaded_tokenizers()
-    tokenizer = tokenizer or load_tokenizer(settings.tokenizer.spec)
+    if tokenizer is None:
+        tokenizer = (Tokenizer.from_str(settings.tokenizer_json) if settings.tokenizer_json
+                     else load_tokenizer(settings.tokenizer.spec))
     return DocumentEncoder(tokenizer, settings.tokenizer.bos_id, settings.tokenizer.eos_id,
                            settings.config.special_tokens_in_text, settings.tokenizer.backend)
 
@@ -235,6 +237,7 @@ def commit_manifest(config: TokenizeConfig, settings: UnitSettings, output: Stor
     """Build the manifest of `records` (in order), pack the batch formats, write it last."""
     manifest = add_batch_formats(config, output, build_manifest(config, settings, records))
     output.write_bytes("config.yaml", dump_config_yaml(config).encode())
+    write_dataset_indexes(output, manifest.formats)
     write_manifest(output, manifest)
     if output.local:
         remove_stale_temps(output.root)  # left by workers killed mid-unit
@@ -333,13 +336,15 @@ def run_dataset_job(dataset: Any, label: str, config: TokenizeConfig, runner: Bl
 
 
 def add_batch_formats(config: TokenizeConfig, output: Store, manifest: Manifest) -> Manifest:
-    """Pack the batch formats (LLMBATCH) the config asks for from the document shards."""
+    """Pack the batch formats the config asks for from the document shards (each by the
+    packer its format's writer registered)."""
     for name in config.formats:
-        if get_format(name).holds == "batches":
+        fmt = get_format(name)
+        if fmt.holds_batches:
             spec = LLMBatchSpec(config.seq_len, config.batch_size, config.packing,
                                 config.seed, config.batches_per_shard)
             manifest = manifest.with_format(
-                name, write_llmbatch_from_manifest(output, manifest, spec))
+                name, BATCH_PACKERS[fmt.writer](output, manifest, spec, name))
     return manifest
 
 

@@ -26,6 +26,7 @@ import pyarrow as pa
 from raypipe import _faults as faults
 from raypipe.config import BUILT_IN_METADATA_FIELDS, TokenizeConfig
 from raypipe.errors import InputError
+from raypipe.formats import get_format
 from raypipe.formats.stream import DocumentMetadata
 from raypipe.io.manifest import TokenizerInfo, UnitRecord, WorkUnit, write_unit_record
 from raypipe.io.staging import Staging
@@ -45,6 +46,9 @@ class UnitSettings:
     tokenizer: TokenizerInfo
     fingerprint: str
     output: Store  # the config's output (pickled as its URI: see Store.__reduce__)
+    # the tokenizer itself (its tokenizer.json text), read once on the driver: a worker on
+    # another node, or started in another working directory, never resolves the driver's path
+    tokenizer_json: str = ""
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -52,7 +56,8 @@ class UnitSettings:
 
     @property
     def wants_metadata(self) -> bool:
-        return "stream" in self.formats and self.config.format_options("stream")["metadata"]
+        return any(get_format(name).wants_metadata(self.config.format_options(name))
+                   for name in self.formats)
 
     @property
     def columns(self) -> list[str]:
