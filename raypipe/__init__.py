@@ -13,14 +13,18 @@ from raypipe._version import __version__
 
 
 def tokenize(inputs: Any, output: str, tokenizer: str,
-             formats: str | list[str] = ("megatron", "nanogpt"), **options: Any):
+             formats: str | list[str] | None = None, **options: Any):
     """Tokenize `inputs` into `output` inside the caller's Ray session (or a new local one).
 
     `inputs`: parquet / JSON-lines files, directories or globs (a string or a list), or a
     `ray.data.Dataset` with a text column (each block becomes one unit, named by the hash
-    of its rows). Options are TokenizeConfig fields (text_column, bos, eos, shard_tokens,
-    ...). Returns the JobSummary."""
+    of its rows). `formats`: names of registered formats (default: megatron and nanogpt).
+    Options are TokenizeConfig fields (text_column, bos, eos, shard_tokens, ...). Returns
+    the JobSummary."""
     from raypipe.config import load_config
+    from raypipe.formats import DEFAULT_FORMATS
+
+    formats = DEFAULT_FORMATS if formats is None else formats
 
     if _is_ray_dataset(inputs):
         from raypipe.ray.executor import describe_dataset, run_tokenize_dataset

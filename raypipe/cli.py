@@ -20,6 +20,7 @@ from raypipe.config import PACKINGS as CONFIG_PACKINGS
 from raypipe.config import TokenizeConfig, load_config
 from raypipe.errors import RaypipeError
 from raypipe.sampling.pack import PACKINGS
+from raypipe.sampling.plans import MODES, PREFORMED_MODE
 
 
 def _scalar_type(hint: Any) -> Any:
@@ -107,7 +108,7 @@ def command_inspect(args: argparse.Namespace) -> int:
 
 
 def command_convert(args: argparse.Namespace) -> int:
-    from raypipe.formats import FORMATS
+    from raypipe.formats import get_format
     from raypipe.io.manifest import read_manifest
     from raypipe.preprocess.llmbatch import LLMBatchSpec
     from raypipe.tools.convert import convert_dataset
@@ -122,11 +123,11 @@ def command_convert(args: argparse.Namespace) -> int:
     print(f"{args.source} -> {args.destination}: {len(section.shards)} {args.format} shards")
     source_formats = read_manifest(args.source).formats
     reads_batches = (args.source_format is not None
-                     and FORMATS[args.source_format].holds == "batches")
-    if args.format != "llmbatch" and (reads_batches or not any(
-            FORMATS[name].holds == "documents" for name in source_formats)):
-        print("note: an LLMBATCH source yields its records (packed rows), not the original "
-              "documents")
+                     and get_format(args.source_format).holds_batches)
+    if not get_format(args.format).holds_batches and (reads_batches or not any(
+            not get_format(name).holds_batches for name in source_formats)):
+        print("note: a batch-format source yields its records (packed rows), not the "
+              "original documents")
     return 0
 
 
@@ -168,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--seq-len", type=int, default=2048,
                         help="T: tokens a row trains (rows hold T + 1), as TokenLoader's")
     report.add_argument("--mode", default="bestfit",
-                        choices=["bestfit", "windows", "documents", "llmbatch"],
-                        help="the loader mode to plan (llmbatch: what the dataset's "
-                        "LLMBATCH records hold, as written)")
+                        choices=list(MODES),
+                        help=f"the loader mode to plan ({PREFORMED_MODE}: what the "
+                        "dataset's pre-formed batch records hold, as written)")
     report.add_argument("--seed", type=int, default=0, help="the loader's seed")
     report.add_argument("--epoch", type=int, default=0, help="first epoch to report")
     report.add_argument("--epochs", type=int, default=1, help="how many epochs")

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from raypipe.errors import ConfigError
-from raypipe.formats import FORMATS
+from raypipe.formats import DEFAULT_FORMATS, FORMATS, document_formats
 
 PACKINGS = ("fill", "split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
 # Fields that do not change output bytes: excluded from the fingerprint.
@@ -68,7 +68,7 @@ class TokenizeConfig:
     output: str = option(help="output directory", short="-o")
     tokenizer: str = option(help="a tokenizer.json path (or a hub name where the network "
                                  "allows)")
-    formats: tuple[str, ...] = option(("megatron", "nanogpt"),
+    formats: tuple[str, ...] = option(DEFAULT_FORMATS,
                                       help="comma list of " + ", ".join(FORMATS),
                                       flag="--format")
     text_column: str = option("text", help="column holding the documents")
@@ -93,6 +93,9 @@ class TokenizeConfig:
     span_column: str | None = option(None, help="stream: column of [{start, end, ...}] "
                                                 "character spans")
     metadata_serializer: str = option("json", help="stream: json or msgpack")
+    mds_compression: str | None = option(None, help="mds: zstd compresses each shard whole "
+                                                    "(default: none, so shards map "
+                                                    "without a copy)")
     seq_len: int | None = option(None, help="llmbatch: tokens per record, T + 1 (the "
                                             "loader's and pack-report's --seq-len is T); "
                                             "--seq-len is an older name of it",
@@ -145,10 +148,12 @@ class TokenizeConfig:
                      "worker_memory_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if any(FORMATS[f].holds == "batches" for f in self.formats):
+        batches = [f for f in self.formats if FORMATS[f].holds_batches]
+        if batches:
             if not self.seq_len or not self.batch_size or self.seq_len < 2 or self.batch_size < 1:
-                raise ConfigError(f"llmbatch: needs {flag_of('seq_len')} (tokens per record, "
-                                  f">= 2) and {flag_of('batch_size')} (records per batch)")
+                raise ConfigError(f"{batches[0]}: needs {flag_of('seq_len')} (tokens per "
+                                  f"record, >= 2) and {flag_of('batch_size')} (records per "
+                                  "batch)")
             if self.packing not in PACKINGS:
                 raise ConfigError(f"packing: {self.packing!r} not among {list(PACKINGS)}")
         if self.special_tokens_in_text not in ("text", "special"):
@@ -179,10 +184,10 @@ class TokenizeConfig:
 
     @property
     def document_formats(self) -> tuple[str, ...]:
-        """Formats written per work unit; batch formats (LLMBATCH) are packed afterwards
-        from the Megatron shards."""
-        chosen = tuple(f for f in self.formats if FORMATS[f].holds == "documents")
-        return chosen if chosen else ("megatron",)
+        """Formats written per work unit; batch formats are packed afterwards from the
+        first of them (a batch format alone: from the preferred document format)."""
+        chosen = tuple(f for f in self.formats if not FORMATS[f].holds_batches)
+        return chosen if chosen else document_formats()[:1]
 
     @property
     def document_char_limit(self) -> int:
@@ -197,7 +202,8 @@ class TokenizeConfig:
         """The writer options of format `name` that this config sets (stream: metadata,
         serializer); other formats take none."""
         return FORMATS[name].options({"metadata": self.metadata,
-                                      "serializer": self.metadata_serializer})
+                                      "serializer": self.metadata_serializer,
+                                      "compression": self.mds_compression})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TokenizeConfig:

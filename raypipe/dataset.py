@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.errors import FormatError
-from raypipe.formats import FORMATS, ShardReader, document_formats
+from raypipe.formats import FORMATS, ShardReader, batch_formats, document_formats
 from raypipe.formats.base import shard_prefix
 from raypipe.io.cache import ShardCache
 from raypipe.io.manifest import (
@@ -369,12 +369,11 @@ class LLMBatchDataset(ShardSet):
                  cache: ShardCache | None = None):
         store = as_store(root)
         manifest = manifest or read_manifest(store)
-        batch_formats = [n for n, f in FORMATS.items() if f.holds == "batches"
-                         and n in manifest.formats]
-        if not batch_formats:
-            raise FormatError(store.uri_of(MANIFEST_NAME), "no llmbatch format in this "
-                              "dataset", "llmbatch", list(manifest.formats))
-        super().__init__(store, batch_formats[0], manifest, cache)
+        present = [name for name in batch_formats() if name in manifest.formats]
+        if not present:
+            raise FormatError(store.uri_of(MANIFEST_NAME), "no batch format in this dataset",
+                              list(batch_formats()), list(manifest.formats))
+        super().__init__(store, present[0], manifest, cache)
         options = self.section.options
         self.batch_size, self.seq_len = options["batch_size"], options["seq_len"]
         self.padded_tokens = int(options.get("padded_tokens", 0))

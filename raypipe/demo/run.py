@@ -11,9 +11,9 @@ from raypipe.demo.train_tokenizer import SHIPPED
 
 def run_demo(output: Path, num_workers: int | None = None) -> None:
     from raypipe.config import load_config
+    from raypipe.dataset import TokenDataset
     from raypipe.demo.corpus import gather_docstrings, write_corpus
-    from raypipe.formats.megatron import MegatronReader
-    from raypipe.formats.nanogpt import NanoGPTReader
+    from raypipe.formats import DEFAULT_FORMATS
     from raypipe.ray.executor import run_tokenize
 
     corpus = output / "corpus"
@@ -22,19 +22,18 @@ def run_demo(output: Path, num_workers: int | None = None) -> None:
         write_corpus(documents, corpus, files=4, row_group_rows=500)
         print(f"corpus: {len(documents):,} docstrings of Python's standard library -> {corpus}")
     config = load_config(None, inputs=[str(corpus)], output=str(output / "tokens"),
-                         tokenizer=str(SHIPPED), formats=["megatron", "nanogpt"],
+                         tokenizer=str(SHIPPED), formats=list(DEFAULT_FORMATS),
                          num_workers=num_workers, unit_bytes=256 << 10)
     summary = run_tokenize(config)
     print(summary.render())
-    first = sorted((output / "tokens" / "megatron").glob("*.idx"))[0].with_suffix("")
-    megatron = MegatronReader(first)
-    nanogpt = NanoGPTReader(output / "tokens" / "nanogpt" / first.name, bos_id=0)
-    assert (megatron.document(0) == nanogpt.document(0)).all()
+    datasets = [TokenDataset(output / "tokens", name) for name in DEFAULT_FORMATS]
+    firsts = [dataset.reader(0).document(0) for dataset in datasets]
+    assert all((first == firsts[0]).all() for first in firsts)  # every format, same tokens
     from tokenizers import Tokenizer
 
-    text = Tokenizer.from_file(str(SHIPPED)).decode(megatron.document(0).tolist())
-    print(f"first document of {first.name} ({megatron.document(0).size} tokens): "
-          f"{text[:160]!r}...")
+    text = Tokenizer.from_file(str(SHIPPED)).decode(firsts[0].tolist())
+    print(f"first document of {datasets[0].shards[0].name} ({firsts[0].size} tokens, the "
+          f"same in {' and '.join(DEFAULT_FORMATS)}): {text[:160]!r}...")
     demo_loader(output / "tokens")
 
 

@@ -4,14 +4,21 @@ registers all of them; a new format is one new module imported here."""
 
 from __future__ import annotations
 
-from raypipe.formats import llmbatch, megatron, nanogpt, stream  # noqa: F401  (registers)
+from raypipe.formats import llmbatch, mds, megatron, nanogpt, stream  # noqa: F401  (registers)
 from raypipe.formats.base import (
     FORMATS,
     Format,
     ShardReader,
     ShardWriter,
+    batch_formats,
+    dataset_index_problems,
     document_formats,
     get_format,
+    write_dataset_indexes,
 )
 
-__all__ = ["FORMATS", "Format", "ShardReader", "ShardWriter", "document_formats", "get_format"]
+DEFAULT_FORMATS = ("megatron", "nanogpt")  # what tokenize writes when no format is named
+
+__all__ = ["DEFAULT_FORMATS", "FORMATS", "Format", "ShardReader", "ShardWriter",
+           "batch_formats", "dataset_index_problems", "document_formats", "get_format",
+           "write_dataset_indexes"]

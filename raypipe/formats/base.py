@@ -31,6 +31,7 @@ from raypipe.io.manifest import (
     safe_join,
 )
 from raypipe.io.mapping import map_file
+from raypipe.io.store import Store
 
 
 class ShardWriter(ABC):
@@ -133,10 +134,22 @@ def shard_prefix(root: Path, shard: ShardEntry) -> Path:
     return safe_join(root, shard.files[0].path).with_name(shard.name)
 
 
+def _no_metadata(options: dict[str, Any]) -> bool:
+    return False
+
+
+# a dataset-level index file of a format: its path in the output, and its bytes from the
+# committed section (written when the manifest is, checked by verify)
+DatasetIndex = tuple[str, Callable[[Store, FormatSection], bytes]]
+
+
 @dataclass(frozen=True)
 class Format:
-    """A format: its file suffixes, token dtype rule, writer, reader, and whether a shard
-    holds documents (megatron, nanogpt, stream) or pre-formed batches (llmbatch)."""
+    """A format plugin: its file suffixes, token dtype rule, writer, reader, what a shard
+    holds (documents, or pre-formed batches packed from documents after the units), its
+    options with their defaults, whether its writer wants each document's metadata record
+    (source, row, columns), and an optional dataset-level index file. Nothing outside
+    this package branches on a format's name; it asks these."""
 
     name: str
     suffixes: tuple[str, ...]
@@ -147,9 +160,17 @@ class Format:
     default_options: dict[str, Any] = field(default_factory=dict)
     read_order: int = 100  # which document format a reader opens when several exist
     index_suffixes: tuple[str, ...] = ()  # files enough for document lengths (no tokens)
+    wants_metadata: Callable[[dict[str, Any]], bool] = _no_metadata
+    dataset_index: DatasetIndex | None = None
+    window_metadata: bool = False  # windows of its token stream carry metadata records
 
     def token_dtype(self, largest_id: int) -> np.dtype:
         return self.dtype_for_largest_id(largest_id)
+
+    @property
+    def holds_batches(self) -> bool:
+        """Its shards hold pre-formed batches (packed after the units), not documents."""
+        return self.holds == "batches"
 
     def options(self, section_options: dict[str, Any] | None = None) -> dict[str, Any]:
         """The format's writer/reader options: defaults, overridden by a section's."""
@@ -174,8 +195,37 @@ def get_format(name: str) -> Format:
 
 def document_formats() -> tuple[str, ...]:
     """Names of the formats whose shards hold documents, in preference order for reading."""
-    chosen = [fmt for fmt in FORMATS.values() if fmt.holds == "documents"]
+    chosen = [fmt for fmt in FORMATS.values() if not fmt.holds_batches]
     return tuple(fmt.name for fmt in sorted(chosen, key=lambda fmt: fmt.read_order))
+
+
+def batch_formats() -> tuple[str, ...]:
+    """Names of the formats whose shards hold pre-formed batches."""
+    return tuple(fmt.name for fmt in FORMATS.values() if fmt.holds_batches)
+
+
+def write_dataset_indexes(store: Store, formats: dict[str, FormatSection]) -> None:
+    """Write the dataset-level index file of every format that has one (before the
+    manifest: the manifest is what makes an output complete)."""
+    for name, section in formats.items():
+        index = get_format(name).dataset_index
+        if index is not None:
+            store.write_bytes(index[0], index[1](store, section))
+
+
+def dataset_index_problems(store: Store, formats: dict[str, FormatSection]) -> list[str]:
+    """What differs between the dataset-level index files and the committed sections."""
+    problems = []
+    for name, section in formats.items():
+        index = get_format(name).dataset_index
+        if index is None:
+            continue
+        path, build = index
+        if not store.exists(path):
+            problems.append(f"{store.uri_of(path)}: missing")
+        elif store.read_bytes(path) != build(store, section):
+            problems.append(f"{store.uri_of(path)}: differs from the manifest's shards")
+    return problems
 
 
 def require_file(path: Path) -> int:
@@ -219,5 +269,6 @@ def check_token_range(tokens: np.ndarray, dtype: np.dtype, where: str) -> None:
                           f"<= {np.iinfo(dtype).max}", int(tokens.max()))
 
 
-__all__ = ["FORMATS", "Format", "ShardReader", "ShardWriter", "document_formats", "file_sha256",
-           "get_format", "register", "shard_prefix"]
+__all__ = ["FORMATS", "Format", "ShardReader", "ShardWriter", "batch_formats",
+           "dataset_index_problems", "document_formats", "file_sha256", "get_format",
+           "register", "shard_prefix", "write_dataset_indexes"]

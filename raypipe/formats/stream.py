@@ -181,4 +181,6 @@ class StreamReader(ShardReader):
 
 STREAM = register(Format("stream", (".tokens", ".metadata.index", ".metadata.bin"),
                          StreamWriter, StreamReader, stream_dtype,
-                         default_options={"metadata": True, "serializer": "json"}, read_order=2))
+                         default_options={"metadata": True, "serializer": "json"}, read_order=2,
+                         wants_metadata=lambda options: bool(options["metadata"]),
+                         window_metadata=True))

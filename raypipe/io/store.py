@@ -132,6 +132,12 @@ class Store:
                 self.fs.open_input_stream(self.path(relative)) as stream:
             return stream.read()
 
+    def read_head(self, relative: str, size: int) -> bytes:
+        """The first `size` bytes of a file (fewer if it is shorter)."""
+        with storage_errors(self.uri_of(relative), "read"), \
+                self.fs.open_input_stream(self.path(relative)) as stream:
+            return stream.read(size)
+
     def read_json(self, relative: str) -> dict[str, Any]:
         try:
             data = json.loads(self.read_bytes(relative))

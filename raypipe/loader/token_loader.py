@@ -96,8 +96,10 @@ class TokenLoader:
                 raise ConfigError("seq_len and batch_size must be given (>= 1)")
             self.seq_len, self.batch_size = options.seq_len, options.batch_size
             self._open_source()
-        if options.metadata and self.dataset.format_name != "stream":
-            raise ConfigError("metadata=True needs mode='windows' over a stream dataset")
+        if options.metadata and not self.dataset.format.window_metadata:
+            raise ConfigError("metadata=True needs mode='windows' over a format whose "
+                              f"windows carry metadata (of {self.dataset.format_name!r}, "
+                              "they do not)")
         self.spec = options.plan_spec(self.seq_len)
         self.state_name: str | None = None  # where adapters (raypipe.ray.train) keep its state
         self._warned = False

@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from raypipe.dataset import TokenDataset
-from raypipe.formats.llmbatch import LLMBatchWriter, pad_token
+from raypipe.formats.llmbatch import LLMBATCH, LLMBatchWriter, pad_token
 from raypipe.io.manifest import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
 from raypipe.sampling.batches import BatchBuffers, BatchBuilder, TokenSource
 from raypipe.sampling.lengths import dataset_lengths
-from raypipe.sampling.plans import BestFitPlan, PackingReport, Plan, make_plan
+from raypipe.sampling.plans import PREFORMED_MODE, BestFitPlan, PackingReport, Plan, make_plan
 
 DESCRIBE_BATCHES = 64
 # packing name -> (plan mode, bestfit packing); "bestfit" is the name `crop` had before 0.2
@@ -51,7 +51,7 @@ class LLMBatchSpec:
 
 
 def write_llmbatch(dataset: TokenDataset, output: Store, spec: LLMBatchSpec,
-                   format_name: str = "llmbatch") -> FormatSection:
+                   format_name: str = LLMBATCH.name) -> FormatSection:
     """Write the shards into `output/<format_name>`; return the manifest's section."""
     with Staging(output) as staging:
         return _write_llmbatch(dataset, staging, staging.directory / format_name, spec)
@@ -91,7 +91,7 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, directory: Path,
         shards.append(ShardEntry(name, tuple(files), first_batch=first, batches=stop - first))
     report = records_report(plan, num_batches * spec.batch_size, spec.seq_len)
     report.warn_if_wasteful(f"LLMBATCH ({spec.packing} packing, records of {spec.seq_len} "
-                            "tokens)", "llmbatch", spec.packing)
+                            "tokens)", PREFORMED_MODE, spec.packing)
     options = {"seq_len": spec.seq_len, "batch_size": spec.batch_size,
                "packing": spec.packing, "seed": spec.seed, "total_records": plan.size,
                "num_batches": num_batches, "source_format": dataset.format_name,
@@ -115,7 +115,12 @@ def records_report(plan: Plan, records: int, record_len: int) -> PackingReport:
                          report.dropped_tokens + tokens, report.total_tokens)
 
 
-def write_llmbatch_from_manifest(output: Store, manifest: Manifest,
-                                 spec: LLMBatchSpec) -> FormatSection:
+def write_llmbatch_from_manifest(output: Store, manifest: Manifest, spec: LLMBatchSpec,
+                                 format_name: str = LLMBATCH.name) -> FormatSection:
     dataset = TokenDataset(output, manifest=manifest)
-    return write_llmbatch(dataset, output, spec)
+    return write_llmbatch(dataset, output, spec, format_name)
+
+
+# the packer of each batch format, by its writer: how the job fills a batch format from the
+# finished document shards (a new batch format registers its packer here)
+BATCH_PACKERS = {LLMBATCH.writer: write_llmbatch_from_manifest}

@@ -21,6 +21,7 @@ from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.pack import PACKINGS
 from raypipe.sampling.plans import (
     MODES,
+    PREFORMED_MODE,
     SHUFFLES,
     DocumentPlan,
     Plan,
@@ -30,8 +31,6 @@ from raypipe.sampling.plans import (
     make_plan,
 )
 from raypipe.sampling.split import SPLITS, DocumentSplit
-
-PREFORMED_MODE = "llmbatch"  # the mode whose observations are pre-formed batches
 
 
 @dataclass(frozen=True)

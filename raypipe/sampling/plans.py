@@ -147,11 +147,16 @@ class PackingReport:
                 f"{self.padded_tokens / positions:.2%} of the positions")
 
 
+# the loader mode that serves pre-formed batches of a batch format (LLMBATCH), one batch
+# per observation; the mode's name, not a format's
+PREFORMED_MODE = "llmbatch"
+
+
 def waste_hint(waste: str, mode: str, packing: str | None) -> str:
     """A way to waste less (`waste`: cropped, dropped or padding) than (mode, packing), the
-    one running, does; never names it. Mode "llmbatch": records written in whole batches."""
+    one running, does; never names it. PREFORMED_MODE: records written in whole batches."""
     if waste == "padding":
-        if mode in ("bestfit", "llmbatch") and packing not in ("fill", "concat"):
+        if mode in ("bestfit", PREFORMED_MODE) and packing not in ("fill", "concat"):
             return "packing 'fill' fills every row with pieces of documents"
         if mode == "documents":
             return "mode 'bestfit' packs several documents per row"
@@ -160,7 +165,7 @@ def waste_hint(waste: str, mode: str, packing: str | None) -> str:
         return "packing 'fill' trains every token and pads under 1% of the positions"
     if mode == "documents":
         return "mode 'bestfit' trains every token (long documents are cut to fit rows)"
-    if mode == "llmbatch":
+    if mode == PREFORMED_MODE:
         return "a smaller batch size drops fewer records at the end"
     return "shuffle 'global' drops only the stream's last partial row"
 
@@ -430,7 +435,7 @@ class PreformedPlan:
     batches inside a block in file order (sequential reads); a partial last block stays
     last. O(1) memory."""
 
-    kind = "llmbatch"
+    kind = PREFORMED_MODE
 
     def __init__(self, num_batches: int, batch_size: int, record_len: int, seed: int,
                  epoch: int, block_batches: int = 64):
@@ -453,7 +458,7 @@ class PreformedPlan:
 
 
 Plan = WindowPlan | BestFitPlan | DocumentPlan | PreformedPlan
-MODES = ("windows", "bestfit", "documents", "llmbatch")
+MODES = ("windows", "bestfit", "documents", PREFORMED_MODE)
 
 
 def make_plan(mode: str, num_tokens: int, lengths: object, seq_len: int, seed: int,

@@ -19,7 +19,7 @@ import numpy as np
 
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import ConfigError, FormatError
-from raypipe.formats import document_formats, get_format
+from raypipe.formats import document_formats, get_format, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.manifest import (
     MANIFEST_NAME,
@@ -44,7 +44,7 @@ def _source_documents(src: Store, manifest: Manifest, source_format: str | None 
     """(shard name, iterator of token arrays) per source shard: documents of a document
     format (the one named, else the first the source has), else the records of a batch
     format (named, or the only one)."""
-    batches_named = source_format is not None and get_format(source_format).holds == "batches"
+    batches_named = source_format is not None and get_format(source_format).holds_batches
     if not batches_named and any(name in manifest.formats for name in document_formats()):
         dataset = TokenDataset(src, source_format, manifest=manifest)
         for index in range(dataset.num_shards):
@@ -99,12 +99,14 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
     info = manifest.tokenizer
     fingerprint = hashlib.sha256(f"{manifest.fingerprint}->{format_name}".encode()
                                  ).hexdigest()[:16]
-    if fmt.holds == "batches":
+    if fmt.holds_batches:
         if llmbatch is None:
-            raise ConfigError("convert to llmbatch needs --seq-len and --batch-size")
+            raise ConfigError(f"convert to {format_name} needs --record-len and "
+                              "--batch-size")
         if not any(name in manifest.formats for name in document_formats()):
             raise FormatError(source.uri_of(MANIFEST_NAME),
-                              "llmbatch -> llmbatch is not a conversion")
+                              f"{format_name} from batches alone is not a conversion: "
+                              "the source holds no document format")
         section = write_llmbatch(TokenDataset(source, source_format, manifest=manifest),
                                  target, llmbatch, format_name)
     else:
@@ -119,5 +121,6 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
     out = Manifest.build(fingerprint, info, {format_name: section}, manifest.config,
                          totals=manifest.totals,
                          converted_from={"path": source.uri, "fingerprint": manifest.fingerprint})
+    write_dataset_indexes(target, out.formats)
     write_manifest(target, out)
     return out

@@ -14,7 +14,7 @@ import numpy as np
 
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import LLMBatchDataset, TokenDataset
-from raypipe.formats import FORMATS
+from raypipe.formats import get_format
 from raypipe.io.manifest import FormatSection, Manifest, as_store, read_manifest
 from raypipe.io.store import Store
 from raypipe.preprocess.summary import packing_line
@@ -74,7 +74,7 @@ def inspect_output(root: str | Path | Store, samples: int = 3, tokenizer: str | 
     decoder = _decoder(manifest, tokenizer)
     for name, section in manifest.formats.items():
         lines.append(f"format {name}: dtype {section.dtype}, {len(section.shards)} shards")
-        if FORMATS[name].holds == "batches":
+        if get_format(name).holds_batches:
             lines += _inspect_llmbatch(root, manifest, section, samples, decoder)
             continue
         lines += _inspect_documents(TokenDataset(root, name, manifest), samples, decoder, plot)

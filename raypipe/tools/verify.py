@@ -2,12 +2,13 @@
 
 Invariant: a dataset passes only if every file the manifest lists exists inside the dataset
 directory with the recorded size and sha256, every shard opens in its format's reader
-(headers, index consistency) with the manifest's document/token/batch counts, and every
-stream metadata id is inside its shard's index. The first failure raises FormatError naming
-the file (its URI on object storage) and the expected versus actual value. Cost: one full
-read of every file (sha256 at ~1 GB/s; on object storage, one download into the node-local
-cache, checked on arrival and then opened there, even if the cache held the file already)
-plus O(tokens) id checks for stream shards.
+(headers, index consistency) with the manifest's document/token/batch counts, every stream
+metadata id is inside its shard's index, and a format's dataset-level index file (MDS's
+index.json) is exactly what the committed shards give. The first failure raises
+FormatError naming the file (its URI on object storage) and the expected versus actual
+value. Cost: one full read of every file (sha256 at ~1 GB/s; on object storage, one
+download into the node-local cache, checked on arrival and then opened there, even if the
+cache held the file already) plus O(tokens) id checks for stream shards.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from raypipe.dataset import LLMBatchDataset, ShardSet, TokenDataset
 from raypipe.errors import FormatError
-from raypipe.formats import FORMATS
+from raypipe.formats import FORMATS, dataset_index_problems, get_format
 from raypipe.formats.base import require_size
 from raypipe.io.cache import ShardCache
 from raypipe.io.manifest import FileEntry, Manifest, as_store, read_manifest
@@ -46,7 +47,7 @@ def check_file(root: Store, entry: FileEntry) -> None:
 def shard_set(root: Store, name: str, manifest: Manifest, cache: ShardCache | None = None
               ) -> ShardSet:
     """The shards of format `name`, opened the way the loader opens them."""
-    if FORMATS[name].holds == "batches":
+    if get_format(name).holds_batches:
         return LLMBatchDataset(root, manifest, cache)
     return TokenDataset(root, name, manifest, cache)
 
@@ -82,4 +83,8 @@ def verify_dataset(root: str | Path, cache: ShardCache | None = None) -> VerifyC
                 files += 1
         open_every_shard(store, name, manifest, cache)
         shards += len(section.shards)
+    problems = dataset_index_problems(store, manifest.formats)
+    if problems:
+        raise FormatError(problems[0], "a format's dataset index differs from what its "
+                          "committed shards give (rerun the job, or convert, to rewrite it)")
     return VerifyCounts(len(manifest.formats), shards, files)

@@ -1,0 +1,264 @@
+"""MosaicML Streaming MDS (docs/formats.md): one sample per document, written directly to
+MDS's published layout, so `streaming.StreamingDataset` and LLM Foundry's text dataloader
+open the output unchanged (no mosaicml-streaming dependency).
+
+Invariant: a shard `<name>.mds` is [u32 samples n][u32 offsets[n + 1], absolute in the
+file][the shard's config JSON][samples]; a sample is [u32 size of each variable-size
+column][its columns in name order]: `id` (int64: the document's row in its input; a
+converted dataset's: its index in the source shard), `source` (str: the input file, or the
+source shard) and `tokens` (`ndarray:uint16` or `ndarray:uint32`, the tokenizer's width: one
+byte (1 << 2 | shape width), the length, then the ids). With `compression: zstd` the whole
+shard is one zstd frame in `<name>.mds.zstd`. `mds/index.json` lists every shard in manifest
+order (`index_bytes`, written when the manifest is committed), so the bytes are the same at
+any parallelism. Cost: writing keeps 4 B per document of the open shard (zstd: the raw shard
+in memory at commit); raypipe's reader decodes a shard into one private token array when it
+opens it (O(shard tokens), a vectorized pass), since MDS interleaves sample headers with
+tokens and no zero-copy view exists.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from raypipe.errors import FormatError
+from raypipe.formats.base import Format, ShardReader, ShardWriter, register, require_file
+from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo, safe_join
+from raypipe.io.mapping import map_file
+from raypipe.io.store import Store
+
+NAME = "mds"
+RAW, ZSTD = ".mds", ".mds.zstd"
+INDEX = "index.json"
+COMPRESSIONS = (None, "zstd")
+COLUMNS = ("id", "source", "tokens")  # MDS orders columns by name
+SHAPE_WIDTHS = {0: 1, 1: 2, 2: 4, 3: 8}  # MDS ndarray shape dtype code -> bytes
+COPY_CHUNK = 8 << 20
+
+
+def token_encoding(dtype: np.dtype) -> str:
+    return f"ndarray:{np.dtype(dtype).name}"
+
+
+def shard_config(dtype: np.dtype, compression: str | None) -> dict[str, Any]:
+    """The writer config MDS embeds in every shard and repeats in index.json."""
+    return {"column_encodings": ["int64", "str", token_encoding(dtype)],
+            "column_names": list(COLUMNS), "column_sizes": [8, None, None],
+            "compression": compression, "format": "mds", "hashes": [], "size_limit": None,
+            "version": 2}
+
+
+def encode_sample(row: int, source: bytes, tokens: np.ndarray) -> bytes:
+    """One sample: the sizes of `source` and `tokens`, then id, source, tokens."""
+    count = tokens.size
+    code = next(code for code, width in SHAPE_WIDTHS.items() if count < 1 << (8 * width))
+    shape = count.to_bytes(SHAPE_WIDTHS[code], "little")
+    values = tokens.tobytes()
+    encoded = bytes([1 << 2 | code]) + shape + values
+    return (np.array([len(source), len(encoded)], "<u4").tobytes()
+            + np.int64(row).astype("<i8").tobytes() + source + encoded)
+
+
+class MDSWriter(ShardWriter):
+    """Appends documents as MDS samples; the header (sample offsets) is written at commit,
+    so samples go to a spool file first."""
+
+    def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None,
+                 compression: str | None = None):
+        super().__init__(directory, name, np.dtype(token_dtype).newbyteorder("<"), bos_id)
+        if compression not in COMPRESSIONS:
+            raise FormatError(self.directory / name, "mds compression", COMPRESSIONS,
+                              compression)
+        self.compression = compression
+        self.config = json.dumps(shard_config(self.token_dtype, compression),
+                                 sort_keys=True).encode()
+        self.spool = tempfile.TemporaryFile(dir=self.directory, prefix=f".{name}.samples.")
+        self.sizes: list[int] = []
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
+        tokens = np.ascontiguousarray(tokens, dtype=self.token_dtype)
+        ends = np.cumsum(lengths)
+        records = metadata if isinstance(metadata, list) else None
+        for index, (stop, length) in enumerate(zip(ends.tolist(), lengths.tolist(),
+                                                   strict=True)):
+            if length < 1:
+                raise FormatError(self.directory / self.name, "an MDS sample needs >= 1 "
+                                  "token (an empty document)", ">= 1", length)
+            if records is not None:
+                row, source = records[index].record["row"], records[index].record["source"]
+            else:  # documents without metadata (convert): their index in this shard
+                row, source = self.num_documents + index, self.name
+            sample = encode_sample(int(row), str(source).encode(),
+                                   tokens[stop - length:stop])
+            self.spool.write(sample)
+            self.sizes.append(len(sample))
+        self.num_documents += len(lengths)
+        self.num_tokens += int(tokens.size)
+
+    def _raw_header(self) -> bytes:
+        count = len(self.sizes)
+        start = 4 + 4 * (count + 1) + len(self.config)
+        offsets = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)]) + start
+        if offsets[-1] >= 1 << 32:
+            raise FormatError(self.directory / self.name, "an MDS shard's offsets are u32: "
+                              "shard under 4 GiB (lower --shard-tokens)", "< 4 GiB",
+                              int(offsets[-1]))
+        return (np.uint32(count).astype("<u4").tobytes() + offsets.astype("<u4").tobytes()
+                + self.config)
+
+    def commit(self) -> list[FileEntry]:
+        header = self._raw_header()
+        self.spool.seek(0)
+        suffix = ZSTD if self.compression else RAW
+        out = self.open_file(suffix)
+        try:
+            if self.compression:
+                raw = header + self.spool.read()
+                out.write(pa.compress(raw, codec="zstd", asbytes=True))
+            else:
+                out.write(header)
+                while block := self.spool.read(COPY_CHUNK):
+                    out.write(block)
+        finally:
+            self.spool.close()
+        return [self.commit_file(suffix)]
+
+    def abort(self) -> None:
+        self.spool.close()
+        super().abort()
+
+
+def zstd_content_size(head: bytes, where: object) -> int:
+    """The decompressed size a zstd frame header declares (RFC 8878, 3.1.1.1)."""
+    if len(head) < 6 or head[:4] != b"\x28\xb5\x2f\xfd":
+        raise FormatError(where, "not a zstd frame", "magic 28 b5 2f fd", head[:4].hex())
+    descriptor = head[4]
+    single_segment = bool(descriptor & 0x20)
+    size_flag = descriptor >> 6
+    at = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[descriptor & 0x3]
+    width = (1 if single_segment else 0, 2, 4, 8)[size_flag]
+    if width == 0 or len(head) < at + width:
+        raise FormatError(where, "zstd frame without its content size", "a size", None)
+    value = int.from_bytes(head[at:at + width], "little")
+    return value + 256 if width == 2 else value
+
+
+def read_raw(path: Path) -> np.ndarray:
+    """A shard's raw bytes: a map of `.mds`, or `.mds.zstd` decompressed into memory."""
+    if path.name.endswith(ZSTD):
+        with pa.input_stream(str(path), compression="zstd") as stream:
+            return np.frombuffer(stream.read(), np.uint8)
+    return map_file(path, np.uint8)
+
+
+class MDSReader(ShardReader):
+    """An MDS shard's documents: headers checked, tokens decoded into one array."""
+
+    @classmethod
+    def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
+                      tokenizer: TokenizerInfo) -> MDSReader:
+        if len(shard.files) != 1:
+            raise FormatError(root / shard.name, "an MDS shard is one file", 1,
+                              len(shard.files))
+        return cls(safe_join(root, shard.files[0].path), np.dtype(section.dtype))
+
+    def __init__(self, path: str | Path, token_dtype: np.dtype | None = None):
+        self.path = Path(path)
+        require_file(self.path)
+        raw = read_raw(self.path)
+        if raw.size < 8:
+            raise FormatError(self.path, "truncated MDS header", ">= 8 bytes", raw.size)
+        count = int(raw[:4].view("<u4")[0])
+        if raw.size < 4 * (count + 2):
+            raise FormatError(self.path, "MDS offsets past the end of the file",
+                              f">= {4 * (count + 2)} bytes", raw.size)
+        offsets = raw[4:4 * (count + 2)].view("<u4").astype(np.int64)
+        self.config = self._config(raw[4 * (count + 2):offsets[0]].tobytes())
+        if np.any(np.diff(offsets) < 17) or offsets[-1] != raw.size:
+            raise FormatError(self.path, "MDS sample offsets", f"increasing, ending at "
+                              f"{raw.size}", f"ending at {int(offsets[-1])}")
+        self.dtype = np.dtype(self.config["column_encodings"][2].split(":")[1]
+                              ).newbyteorder("<")
+        if token_dtype is not None and self.dtype != np.dtype(token_dtype):
+            raise FormatError(self.path, "MDS token dtype differs from the manifest",
+                              np.dtype(token_dtype).name, self.dtype.name)
+        self.raw, self.offsets = raw, offsets
+        self._decode(raw, offsets[:-1])
+
+    def _config(self, data: bytes) -> dict[str, Any]:
+        try:
+            config = json.loads(data)
+        except ValueError as exc:
+            raise FormatError(self.path, f"MDS shard config is not JSON ({exc})") from None
+        encodings = config.get("column_encodings") if isinstance(config, dict) else None
+        if (config.get("format") != "mds" or config.get("column_names") != list(COLUMNS)
+                or not isinstance(encodings, list) or len(encodings) != 3
+                or encodings[:2] != ["int64", "str"]
+                or encodings[2] not in ("ndarray:uint16", "ndarray:uint32")):
+            raise FormatError(self.path, "MDS columns", f"{list(COLUMNS)} as int64, str, "
+                              "ndarray:uint16|uint32", config.get("column_names"))
+        return config
+
+    def _decode(self, raw: np.ndarray, starts: np.ndarray) -> None:
+        """Locate every sample's columns (vectorized), then gather the tokens."""
+        heads = raw[starts[:, None] + np.arange(16)]  # [n, 16]: two u32 sizes, the int64 id
+        sizes = heads[:, :8].copy().view("<u4").astype(np.int64)
+        self.ids = heads[:, 8:].copy().view("<i8")[:, 0].astype(np.int64)
+        self.source_starts, self.source_sizes = starts + 16, sizes[:, 0]
+        encoded = self.source_starts + self.source_sizes
+        codes = raw[np.minimum(encoded, raw.size - 1)].astype(np.int64)
+        if np.any(codes >> 2 != 1):
+            raise FormatError(self.path, "MDS tokens are not 1-D arrays", "ndim 1", "other")
+        widths = np.array([SHAPE_WIDTHS[code] for code in range(4)])[codes & 3]
+        item = self.dtype.itemsize
+        counts = (sizes[:, 1] - 1 - widths) // item
+        if np.any(counts < 1) or np.any(encoded + 1 + widths + counts * item
+                                        != encoded + sizes[:, 1]):
+            raise FormatError(self.path, "MDS token column sizes", "whole token ids",
+                              "a partial one")
+        self.document_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.tokens = np.empty(int(self.document_starts[-1]), self.dtype)
+        firsts = (encoded + 1 + widths).tolist()
+        for index, (at, count) in enumerate(zip(firsts, counts.tolist(), strict=True)):
+            first = int(self.document_starts[index])
+            self.tokens[first:first + count] = raw[at:at + count * item].view(self.dtype)
+
+    def source(self, index: int) -> str:
+        start = int(self.source_starts[index])
+        return self.raw[start:start + int(self.source_sizes[index])].tobytes().decode()
+
+
+def index_bytes(store: Store, section: FormatSection) -> bytes:
+    """MDS's `index.json` for the committed shards of `section`, in manifest order (the
+    compressed shards' raw sizes from their frame headers: one 18-byte read each)."""
+    dtype = np.dtype(section.dtype)
+    compression = section.options.get("compression")
+    shards = []
+    for shard in section.shards:
+        entry = shard.files[0]
+        basename = entry.path.split("/", 1)[1]
+        raw = {"basename": basename, "bytes": entry.bytes, "hashes": {}}
+        zipped = None
+        if compression:
+            head = store.read_head(entry.path, 18)
+            zipped = raw
+            raw = {"basename": basename[:-len(".zstd")], "hashes": {},
+                   "bytes": zstd_content_size(head, store.uri_of(entry.path))}
+        shards.append({**shard_config(dtype, compression), "raw_data": raw,
+                       "samples": shard.documents, "zip_data": zipped})
+    return json.dumps({"shards": shards, "version": 2}, sort_keys=True).encode()
+
+
+def mds_dtype(largest_id: int) -> np.dtype:
+    return np.dtype("<u2") if largest_id < 1 << 16 else np.dtype("<u4")
+
+
+MDS = register(Format(NAME, (RAW, ZSTD), MDSWriter, MDSReader, mds_dtype,
+                      default_options={"compression": None}, read_order=400,
+                      wants_metadata=lambda options: True,
+                      dataset_index=(f"{NAME}/{INDEX}", index_bytes)))
