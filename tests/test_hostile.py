@@ -308,8 +308,9 @@ def test_an_input_rewritten_under_the_same_name_is_re_run(tmp_path, tokenizer_pa
     assert run_job(config).units_run == 0  # unchanged inputs: nothing to redo
 
 
-def test_the_worker_memory_budget_bounds_the_longest_document(tmp_path, tokenizer_path,
-                                                               corpus_texts):
+def test_a_document_over_the_worker_memory_budget_is_skipped_as_too_long(tmp_path,
+                                                                          tokenizer_path,
+                                                                          corpus_texts):
     from raypipe.config import load_config
     from raypipe.preprocess.job import run_job
 

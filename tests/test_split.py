@@ -41,6 +41,15 @@ def served(path, world: int, **options) -> dict[int, list[int]]:
     return rows
 
 
+def served_order(path, world: int, **options) -> list[int]:
+    """Every rank's documents of one epoch, in the order of their global positions."""
+    found = []
+    for rank in range(world):
+        for batch in TokenLoader(path, 64, 2, rank=rank, world_size=world, seed=4, **options):
+            found += zip(batch.positions.tolist(), batch.observation_ids.tolist(), strict=True)
+    return [document for _, document in sorted(found) if document >= 0]
+
+
 def test_validation_is_served_once_in_order_whatever_the_world_size(token_dataset):
     options = {"mode": "documents", "split": "validation", "validation_fraction": 0.25}
     expected = DocumentSplit.of("validation", 0.25, TokenLoader(token_dataset, 64, 2)
@@ -48,6 +57,8 @@ def test_validation_is_served_once_in_order_whatever_the_world_size(token_datase
                                 TokenLoader(token_dataset, 64, 2).dataset.fingerprint).ids
     one, three = served(token_dataset, 1, **options), served(token_dataset, 3, **options)
     assert sorted(one) == expected.tolist() and one == three
+    for world in (1, 3):  # in global position order, the documents ascend: in order
+        assert served_order(token_dataset, world, **options) == expected.tolist()
     loader = TokenLoader(token_dataset, 64, 2, world_size=3, rank=0, **options)
     assert loader.packing_report().dropped_tokens == 0
     first = next(iter(loader))
