@@ -1,0 +1,54 @@
+"""The README's Python code blocks run as written, in order, in a directory holding what
+they name (`corpus/` parquet files, `corpus.jsonl`, `tokenizer.json`), inside the test
+session's local Ray: tokenize, tokenize a Ray Dataset, load and resume, Ray Train."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from raypipe.demo.train_tokenizer import SHIPPED
+from tests.conftest import write_parquet
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+
+
+def test_the_readme_has_python_blocks_for_tokenize_load_and_ray_train():
+    blocks = python_blocks(README.read_text())
+    assert len(blocks) >= 4
+    joined = "\n".join(blocks)
+    for call in ("raypipe.tokenize(", "TokenLoader(", "load_state_dict(", "worker_loader(",
+                 "trainer.fit()"):
+        assert call in joined, call
+
+
+def test_every_readme_python_block_runs_as_written(ray_session, tmp_path, monkeypatch,
+                                                   corpus_texts, capsys):
+    texts = corpus_texts[:600]
+    for index in range(2):
+        write_parquet(tmp_path / "corpus" / f"part-{index}.parquet", texts[index::2])
+    with open(tmp_path / "corpus.jsonl", "w") as handle:
+        for text in texts:
+            handle.write(json.dumps({"text": text}) + "\n")
+    shutil.copy(SHIPPED, tmp_path / "tokenizer.json")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "__readme__"}
+    for number, block in enumerate(python_blocks(README.read_text()), start=1):
+        try:
+            exec(compile(block, f"README.md python block {number}", "exec"), namespace)
+        except Exception as exc:  # noqa: BLE001  (named with the block that raised it)
+            pytest.fail(f"README python block {number} raised {exc!r}:\n{block}")
+    assert (tmp_path / "out" / "manifest.json").exists()
+    assert (tmp_path / "out-filtered" / "manifest.json").exists()
+    assert "3\n" in capsys.readouterr().out  # the resumed loader's first step
+    assert namespace["result"].checkpoint is not None
