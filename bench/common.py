@@ -46,7 +46,8 @@ def write_synthetic_dataset(output: Path, format_name: str, batches, fingerprint
     metadata or None), written through raypipe's own shard writers and manifest builder.
     The tokenizer is a stand-in: largest id 32767, BOS 0."""
     from raypipe.formats import get_format
-    from raypipe.io.manifest import FormatSection, Manifest, TokenizerInfo, write_manifest
+    from raypipe.io.manifest import write_manifest
+    from raypipe.io.records import FormatSection, Manifest, TokenizerInfo
     from raypipe.preprocess.shards import ShardRoller, ShardSpec
 
     info = TokenizerInfo("synthetic", "0" * 64, 32767, 0, None)

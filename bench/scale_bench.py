@@ -44,15 +44,8 @@ from common import print_table
 from raypipe.formats.llmbatch import encode_header, slot_bytes
 from raypipe.formats.megatron import encode_index
 from raypipe.io.atomic import file_sha256
-from raypipe.io.manifest import (
-    FileEntry,
-    FormatSection,
-    Manifest,
-    ShardEntry,
-    TokenizerInfo,
-    Totals,
-    write_manifest,
-)
+from raypipe.io.manifest import write_manifest
+from raypipe.io.records import FileEntry, FormatSection, Manifest, ShardEntry, TokenizerInfo, Totals
 
 MODES = ("windows", "bestfit", "documents", "llmbatch")
 LIMIT_FILES = 256

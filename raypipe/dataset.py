@@ -31,15 +31,8 @@ from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, ShardReader, batch_formats, document_formats
 from raypipe.formats.base import shard_prefix
 from raypipe.io.cache import ShardCache
-from raypipe.io.manifest import (
-    MANIFEST_NAME,
-    FileEntry,
-    Manifest,
-    ShardEntry,
-    as_store,
-    file_problem,
-    read_manifest,
-)
+from raypipe.io.manifest import MANIFEST_NAME, as_store, file_problem, read_manifest
+from raypipe.io.records import FileEntry, Manifest, ShardEntry
 from raypipe.io.store import Store, dataset_key
 
 PREFETCH_THREADS = 4

@@ -129,7 +129,7 @@ def test_train_job_refuses_a_checkpoint_state_it_cannot_resume_before_ray_starts
 def test_on_a_terminal_progress_is_one_bar_redrawn_in_place(tmp_path):
     import io
 
-    from raypipe.io.manifest import UnitRecord, WorkUnit
+    from raypipe.io.records import UnitRecord, WorkUnit
     from raypipe.preprocess.progress import Progress
 
     class Terminal(io.StringIO):
@@ -153,7 +153,7 @@ def test_progress_prints_between_commits_with_an_honest_eta():
     import io
     import time
 
-    from raypipe.io.manifest import UnitRecord, WorkUnit
+    from raypipe.io.records import UnitRecord, WorkUnit
     from raypipe.preprocess.progress import Progress
 
     units = [WorkUnit(f"u{i}.parquet", 0, 1, 10, f"u{i}", size_bytes=100) for i in range(4)]
@@ -216,10 +216,9 @@ def test_missing_options_are_named_by_flag_and_yaml_key():
 
 
 def test_a_config_change_is_described_by_flag_and_unset_values_say_so():
+    from raypipe.io.records import JobRecord
     from raypipe.preprocess.output import describe_difference
 
-    text = describe_difference({"config": {"seq_len": 1025, "packing": "split"},
-                                "tokenizer_sha256": "x"},
-                               {"config": {"seq_len": None, "packing": "fill"},
-                                "tokenizer_sha256": "x"})
+    text = describe_difference(JobRecord("a", {"seq_len": 1025, "packing": "split"}, "x"),
+                               JobRecord("b", {"seq_len": None, "packing": "fill"}, "x"))
     assert text == "--packing: 'split' -> 'fill'; --record-len: 1025 -> (not set)"

@@ -114,14 +114,14 @@ def test_double_star_glob_crosses_directories(tmp_path):
 ])
 def test_manifest_records_refuse_wrong_types_bools_as_numbers_and_escaping_paths(entry,
                                                                                  problem):
-    from raypipe.io.manifest import FileEntry
+    from raypipe.io.records import FileEntry
 
     with pytest.raises(FormatError, match=problem):
         FileEntry.from_json(entry, "manifest.json")
 
 
 def test_manifest_records_accept_optional_fields_absent_or_null():
-    from raypipe.io.manifest import FileEntry
+    from raypipe.io.records import FileEntry
 
     entry = {"path": "m/a.bin", "bytes": 3, "sha256": "0" * 64}
     assert FileEntry.from_json(entry, "w").mtime_ns is None

@@ -17,7 +17,7 @@ from raypipe.formats import FORMATS, document_formats
 from raypipe.formats.megatron import megatron_dtype
 from raypipe.formats.nanogpt import nanogpt_dtype
 from raypipe.io.atomic import file_sha256
-from raypipe.io.manifest import FormatSection, ShardEntry, TokenizerInfo
+from raypipe.io.records import FormatSection, ShardEntry, TokenizerInfo
 
 BOS = 0
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
 from raypipe.errors import InputError
-from raypipe.io.manifest import WorkUnit
+from raypipe.io.records import WorkUnit
 from raypipe.preprocess.inputs import plan_units, unit_batches
 from raypipe.preprocess.job import run_job
 from tests.conftest import write_parquet

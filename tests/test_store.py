@@ -10,7 +10,7 @@ import pytest
 
 from raypipe.errors import ConfigError, FormatError
 from raypipe.io.cache import ShardCache, parse_bytes
-from raypipe.io.manifest import FileEntry
+from raypipe.io.records import FileEntry
 from raypipe.io.staging import _sweep_dead
 from raypipe.io.store import Store
 

@@ -241,7 +241,8 @@ def as_legacy_llmbatch(root):
     from dataclasses import replace
 
     from raypipe.io.atomic import file_sha256
-    from raypipe.io.manifest import FileEntry, read_manifest, write_manifest
+    from raypipe.io.manifest import read_manifest, write_manifest
+    from raypipe.io.records import FileEntry
 
     manifest = read_manifest(root)
     section = manifest.formats["llmbatch"]

@@ -14,7 +14,7 @@ from raypipe.cli import main
 from raypipe.config import load_config
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import FormatError
-from raypipe.io.manifest import Manifest
+from raypipe.io.records import Manifest
 from raypipe.preprocess.job import run_job
 from raypipe.preprocess.llmbatch import LLMBatchSpec
 from raypipe.tools.convert import convert_dataset

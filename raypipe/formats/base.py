@@ -22,15 +22,9 @@ import numpy as np
 
 from raypipe.errors import ConfigError, FormatError
 from raypipe.io.atomic import HashedTempFile, file_sha256
-from raypipe.io.manifest import (
-    FileEntry,
-    FormatSection,
-    ShardEntry,
-    TokenizerInfo,
-    plain_name,
-    safe_join,
-)
 from raypipe.io.mapping import map_file
+from raypipe.io.paths import plain_name, safe_join
+from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 from raypipe.io.store import Store
 
 

@@ -27,8 +27,9 @@ import numpy as np
 
 from raypipe.errors import FormatError
 from raypipe.formats.base import Format, ShardWriter, register, require_file, require_size
-from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo, safe_join
 from raypipe.io.mapping import map_file
+from raypipe.io.paths import safe_join
+from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 
 MAGIC = b"LLMBATCH"
 VERSION = 1

@@ -28,8 +28,9 @@ import pyarrow as pa
 
 from raypipe.errors import FormatError
 from raypipe.formats.base import Format, ShardReader, ShardWriter, register, require_file
-from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo, safe_join
 from raypipe.io.mapping import map_file
+from raypipe.io.paths import safe_join
+from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 from raypipe.io.store import Store
 
 NAME = "mds"

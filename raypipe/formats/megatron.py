@@ -30,8 +30,8 @@ from raypipe.formats.base import (
     require_size,
     shard_prefix,
 )
-from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 from raypipe.io.mapping import map_file
+from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

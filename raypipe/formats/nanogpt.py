@@ -29,7 +29,7 @@ from raypipe.formats.base import (
     shard_prefix,
     starts_from_markers,
 )
-from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo
+from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4

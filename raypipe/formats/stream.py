@@ -30,8 +30,8 @@ from raypipe.formats.base import (
     shard_prefix,
     starts_from_markers,
 )
-from raypipe.io.manifest import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 from raypipe.io.mapping import map_file
+from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 from raypipe.io.serialize import get_serializer
 
 RECORD = np.dtype([("token", "<u4"), ("metadata_id", "<u4")])

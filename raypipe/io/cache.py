@@ -32,7 +32,7 @@ from typing import BinaryIO
 import numpy as np
 
 from raypipe.errors import ConfigError, FormatError
-from raypipe.io.manifest import FileEntry
+from raypipe.io.records import FileEntry
 from raypipe.io.store import Store
 
 logger = logging.getLogger("raypipe")

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from raypipe.io.manifest import FileEntry, UnitShard
+from raypipe.io.records import FileEntry, UnitShard
 from raypipe.io.store import Store
 
 

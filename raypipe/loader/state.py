@@ -1,24 +1,52 @@
-"""The loader's checkpointable position: a typed record, checked field by field.
+"""The loader's checkpointable position: typed records, read by the same validator as every
+other record (raypipe.io.records).
 
-Invariant: `LoaderState.from_dict` accepts only what `to_dict` writes: every key present,
-every field of its type (a bool is not an int, a float or a string is not a position) and
-in range (epoch in [0, 2^53), position >= 0); anything else is one StateError naming the
-field. The record is JSON-able and a few hundred bytes. Cost: microseconds.
+Invariant: `LoaderState.from_dict` / `MixtureState.from_dict` accept only what `to_dict`
+writes: every key present, every field of its type (a bool is not an int, a float or a
+string is not a position) and in range (epoch in [0, 2^53), position, steps and rows
+consumed >= 0, the version this release writes); anything else is one StateError naming
+the field. The records are JSON-able and a few hundred bytes. Cost: microseconds.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from raypipe.errors import StateError
+from raypipe.errors import FormatError, StateError
+from raypipe.io.records import JsonRecord
 
 STATE_VERSION = 1
 MAX_EPOCH = 2**53  # exact in JSON numbers of every language; far beyond any run
 
+State = TypeVar("State", bound=JsonRecord)
+
+
+def read_state(cls: type[State], state: Any, where: str) -> State:
+    """`cls` from a state dict; a problem is a StateError naming the field."""
+    try:
+        return cls.from_json(state, where)
+    except FormatError as exc:
+        raise StateError(f"{exc.what}" + (f" (expected {exc.expected}, found {exc.actual})"
+                                          if exc.expected is not None
+                                          or exc.actual is not None else "")
+                         + f" in the {where}") from None
+
+
+def check_position(where: str, epoch: int, position: int) -> None:
+    if not 0 <= epoch < MAX_EPOCH:
+        raise FormatError(where, f"field 'epoch' {epoch} outside [0, 2^53)")
+    if position < 0:
+        raise FormatError(where, f"field 'position' {position} is negative")
+
+
+def check_version(where: str, version: int) -> None:
+    if version != STATE_VERSION:
+        raise FormatError(where, f"field 'version' {version} is not {STATE_VERSION}")
+
 
 @dataclass(frozen=True)
-class LoaderState:
+class LoaderState(JsonRecord):
     version: int
     dataset: str
     format: str
@@ -27,35 +55,20 @@ class LoaderState:
     position: int
     saved_with: dict[str, int]
 
+    def check(self, where: str) -> None:
+        check_version(where, self.version)
+        check_position(where, self.epoch, self.position)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, state: Any) -> LoaderState:
-        if not isinstance(state, dict):
-            raise StateError(f"loader state must be a dict, got {type(state).__name__}")
-        missing = [name for name in cls.__dataclass_fields__ if name not in state]
-        if missing:
-            raise StateError(f"loader state lacks {', '.join(missing)}")
-        for name, kind in (("version", int), ("dataset", str), ("format", str),
-                           ("knobs", dict), ("epoch", int), ("position", int),
-                           ("saved_with", dict)):
-            value = state[name]
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise StateError(f"loader state field {name} must be {kind.__name__}, got "
-                                 f"{value!r}")
-        if state["version"] != STATE_VERSION:
-            raise StateError(f"loader state version {state['version']} is not "
-                             f"{STATE_VERSION}")
-        if not 0 <= state["epoch"] < MAX_EPOCH:
-            raise StateError(f"loader state epoch {state['epoch']} outside [0, 2^53)")
-        if state["position"] < 0:
-            raise StateError(f"loader state position {state['position']} is negative")
-        return cls(**{name: state[name] for name in cls.__dataclass_fields__})
+        return read_state(cls, state, "loader state")
 
 
 @dataclass(frozen=True)
-class SourcePosition:
+class SourcePosition(JsonRecord):
     """Where one source of a mixture stands: its dataset fingerprint, epoch, position in the
     epoch, and rows it has served in all (what the weights are balanced on)."""
 
@@ -64,11 +77,16 @@ class SourcePosition:
     position: int
     consumed: int
 
+    def check(self, where: str) -> None:
+        check_position(where, self.epoch, self.position)
+        if self.consumed < 0:
+            raise FormatError(where, f"field 'consumed' {self.consumed} is negative")
+
 
 @dataclass(frozen=True)
-class MixtureState:
+class MixtureState(JsonRecord):
     """A MixtureLoader's checkpointable position (JSON-able, a few hundred bytes per
-    source); `from_dict` checks every field as LoaderState does."""
+    source); every source's position is checked as a SourcePosition."""
 
     weights: dict[str, float]
     knobs: dict[str, Any]
@@ -77,6 +95,19 @@ class MixtureState:
     version: int = STATE_VERSION
     kind: str = "mixture"
 
+    def __post_init__(self) -> None:
+        sources = {name: entry if isinstance(entry, SourcePosition)
+                   else SourcePosition.from_json(entry, f"mixture state source {name!r}")
+                   for name, entry in self.sources.items()}
+        object.__setattr__(self, "sources", sources)
+
+    def check(self, where: str) -> None:
+        if self.kind != "mixture":
+            raise FormatError(where, f"field 'kind' {self.kind!r} is not 'mixture'")
+        check_version(where, self.version)
+        if self.steps < 0:
+            raise FormatError(where, f"field 'steps' {self.steps} is negative")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -84,32 +115,4 @@ class MixtureState:
     def from_dict(cls, state: Any) -> MixtureState:
         if not isinstance(state, dict) or state.get("kind") != "mixture":
             raise StateError("not a mixture loader state (no kind: mixture)")
-        missing = [name for name in cls.__dataclass_fields__ if name not in state]
-        if missing:
-            raise StateError(f"mixture state lacks {', '.join(missing)}")
-        _check_fields(state, (("version", int), ("weights", dict), ("knobs", dict),
-                              ("steps", int), ("sources", dict)), "mixture state")
-        if state["version"] != STATE_VERSION or state["steps"] < 0:
-            raise StateError(f"mixture state version {state['version']} or steps "
-                             f"{state['steps']} invalid")
-        sources = {}
-        for name, entry in state["sources"].items():
-            where = f"mixture state source {name!r}"
-            fields = set(SourcePosition.__dataclass_fields__)
-            if not isinstance(entry, dict) or set(entry) != fields:
-                raise StateError(f"{where}: needs dataset, epoch, position, consumed")
-            _check_fields(entry, (("dataset", str), ("epoch", int), ("position", int),
-                                  ("consumed", int)), where)
-            if not 0 <= entry["epoch"] < MAX_EPOCH or entry["position"] < 0 or \
-                    entry["consumed"] < 0:
-                raise StateError(f"{where}: epoch, position or consumed out of range")
-            sources[name] = SourcePosition(**entry)
-        return cls(dict(state["weights"]), dict(state["knobs"]), state["steps"], sources)
-
-
-def _check_fields(state: dict[str, Any], fields: tuple[tuple[str, type], ...],
-                  what: str) -> None:
-    for name, kind in fields:
-        value = state[name]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise StateError(f"{what} field {name} must be {kind.__name__}, got {value!r}")
+        return read_state(cls, state, "mixture state")

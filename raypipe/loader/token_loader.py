@@ -29,7 +29,7 @@ from raypipe.config import is_mixture_spec
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import ConfigError, StateError
 from raypipe.io.cache import CacheStats, ShardCache, node_cached_array
-from raypipe.io.manifest import TokenizerInfo
+from raypipe.io.records import TokenizerInfo
 from raypipe.io.store import Store
 from raypipe.loader.batch import Batch
 from raypipe.loader.options import LoaderOptions

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from raypipe.io.manifest import UnitRecord, WorkUnit
+from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.self_check import BackendChoice
 from raypipe.preprocess.unit import UnitSettings
 

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from raypipe.errors import InputError
 from raypipe.io.filesystem import filesystem_and_path, uri_of
-from raypipe.io.manifest import WorkUnit
+from raypipe.io.records import WorkUnit
 from raypipe.preprocess.jsonl import (
     JSONL_SUFFIXES,
     byte_ranges,

@@ -32,16 +32,13 @@ from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.lock import output_lock
 from raypipe.io.manifest import (
     MANIFEST_NAME,
-    FormatSection,
-    Manifest,
-    UnitRecord,
-    WorkUnit,
     committed_unit_record,
     read_manifest,
     record_problem,
     shard_table,
     write_manifest,
 )
+from raypipe.io.records import FormatSection, Manifest, UnitRecord, WorkUnit
 from raypipe.io.store import Store
 from raypipe.preprocess.encoding.encoder import (
     DocumentEncoder,

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from raypipe.errors import InputError
 from raypipe.io.filesystem import filesystem_and_path
-from raypipe.io.manifest import WorkUnit
+from raypipe.io.records import WorkUnit
 
 COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd"}
 JSONL_SUFFIXES = tuple(f"{stem}{zip_suffix}" for stem in (".jsonl", ".json")

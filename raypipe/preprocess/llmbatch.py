@@ -24,7 +24,7 @@ import numpy as np
 
 from raypipe.dataset import TokenDataset
 from raypipe.formats.llmbatch import LLMBATCH, LLMBatchWriter, pad_token
-from raypipe.io.manifest import FormatSection, Manifest, ShardEntry
+from raypipe.io.records import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
 from raypipe.sampling.batches import BatchBuffers, BatchBuilder, TokenSource

@@ -20,12 +20,8 @@ from raypipe.config import LOCATION_FIELDS, TokenizeConfig, flag_of
 from raypipe.errors import ConfigError
 from raypipe.formats import FORMATS
 from raypipe.io.atomic import remove_stale_temps
-from raypipe.io.manifest import (
-    JOB_RECORD,
-    MANIFEST_NAME,
-    UNITS_DIR,
-    UnitRecord,
-)
+from raypipe.io.manifest import JOB_RECORD, MANIFEST_NAME, UNITS_DIR
+from raypipe.io.records import JobRecord, UnitRecord
 from raypipe.io.store import Store
 from raypipe.preprocess.unit import UnitSettings
 
@@ -44,25 +40,25 @@ def prepare_output(config: TokenizeConfig, settings: UnitSettings,
     files no longer given, unless `overwrite`. Configs compare by meaning: the resolved
     input files, the output's URI and the tokenizer's contents, not their spelling."""
     output = settings.output
-    job = {"fingerprint": settings.fingerprint, "config": config.meaning_fields(),
-           "tokenizer_sha256": settings.tokenizer.sha256, "inputs": sorted(inputs)}
+    job = JobRecord(settings.fingerprint, config.meaning_fields(), settings.tokenizer.sha256,
+                    sorted(inputs))
     if output.exists(JOB_PATH):
-        previous = output.read_json(JOB_PATH)
-        if previous.get("fingerprint") not in accepted_fingerprints(config, settings):
+        previous = JobRecord.from_json(output.read_json(JOB_PATH), output.uri_of(JOB_PATH))
+        if previous.fingerprint not in accepted_fingerprints(config, settings):
             if not config.overwrite:
                 raise ConfigError(f"{output}: made with a different config "
                                   f"({describe_difference(previous, job)}); "
                                   "pass --overwrite to replace it")
             clear_output(output)
         else:
-            check_inputs(config, output, previous.get("inputs"), job["inputs"])
+            check_inputs(config, output, previous.inputs, job.inputs)
     elif output.exists(MANIFEST_NAME) and not config.overwrite:
         raise ConfigError(f"{output}: holds a manifest without a job record; "
                           "pass --overwrite to replace it")
     if output.local:
         remove_stale_temps(output.root)
-    if not output.exists(JOB_PATH) or output.read_json(JOB_PATH) != job:
-        output.write_json(JOB_PATH, job)
+    if not output.exists(JOB_PATH) or output.read_json(JOB_PATH) != job.to_json():
+        output.write_json(JOB_PATH, job.to_json())
     return output
 
 
@@ -115,15 +111,15 @@ def remove_units_of(output: Store, inputs: set[str]) -> None:
                    output, removed, len(inputs))
 
 
-def describe_difference(previous: dict[str, Any], current: dict[str, Any]) -> str:
-    before = {k: v for k, v in previous.get("config", {}).items() if k not in LOCATION_FIELDS}
-    after = current["config"]
+def describe_difference(previous: JobRecord, current: JobRecord) -> str:
+    before = {k: v for k, v in previous.config.items() if k not in LOCATION_FIELDS}
+    after = current.config
     keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     def shown(value: Any) -> str:
         return "(not set)" if value is None else repr(value)
 
     parts = [f"{flag_of(k)}: {shown(before.get(k))} -> {shown(after.get(k))}" for k in keys]
-    if previous.get("tokenizer_sha256") != current["tokenizer_sha256"]:
+    if previous.tokenizer_sha256 != current.tokenizer_sha256:
         parts.append("tokenizer contents changed")
     return "; ".join(parts) or "fingerprint differs"
 

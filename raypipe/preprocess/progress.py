@@ -16,7 +16,7 @@ import threading
 import time
 from typing import TextIO
 
-from raypipe.io.manifest import UnitRecord, WorkUnit
+from raypipe.io.records import UnitRecord, WorkUnit
 
 
 def _clock(seconds: float) -> str:

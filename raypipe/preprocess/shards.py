@@ -23,7 +23,7 @@ from raypipe import _faults as faults
 from raypipe.errors import StorageError
 from raypipe.formats import Format, ShardWriter, get_format
 from raypipe.formats.stream import DocumentMetadata
-from raypipe.io.manifest import UnitShard
+from raypipe.io.records import UnitShard
 from raypipe.io.staging import Staging
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypipe.io.manifest import UnitRecord
+from raypipe.io.records import UnitRecord
 from raypipe.sampling.plans import PackingReport
 
 

@@ -28,7 +28,8 @@ from raypipe.config import BUILT_IN_METADATA_FIELDS, TokenizeConfig
 from raypipe.errors import InputError
 from raypipe.formats import get_format
 from raypipe.formats.stream import DocumentMetadata
-from raypipe.io.manifest import TokenizerInfo, UnitRecord, WorkUnit, write_unit_record
+from raypipe.io.manifest import write_unit_record
+from raypipe.io.records import TokenizerInfo, UnitRecord, WorkUnit
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
 from raypipe.preprocess.encoding.encoder import DocumentEncoder

@@ -37,7 +37,7 @@ import ray
 from raypipe import _faults as faults
 from raypipe.config import TokenizeConfig
 from raypipe.errors import InputError, RaypipeError
-from raypipe.io.manifest import UnitRecord, WorkUnit
+from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
 from raypipe.preprocess.encoding.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.job import (

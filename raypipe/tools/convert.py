@@ -21,15 +21,8 @@ from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import ConfigError, FormatError
 from raypipe.formats import document_formats, get_format, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
-from raypipe.io.manifest import (
-    MANIFEST_NAME,
-    FormatSection,
-    Manifest,
-    ShardEntry,
-    as_store,
-    read_manifest,
-    write_manifest,
-)
+from raypipe.io.manifest import MANIFEST_NAME, as_store, read_manifest, write_manifest
+from raypipe.io.records import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
 from raypipe.preprocess.llmbatch import LLMBatchSpec, write_llmbatch

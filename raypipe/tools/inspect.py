@@ -15,7 +15,8 @@ import numpy as np
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.formats import get_format
-from raypipe.io.manifest import FormatSection, Manifest, as_store, read_manifest
+from raypipe.io.manifest import as_store, read_manifest
+from raypipe.io.records import FormatSection, Manifest
 from raypipe.io.store import Store
 from raypipe.preprocess.summary import packing_line
 from raypipe.sampling.mixture import mixture_weights

@@ -21,7 +21,8 @@ from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, dataset_index_problems, get_format
 from raypipe.formats.base import require_size
 from raypipe.io.cache import ShardCache
-from raypipe.io.manifest import FileEntry, Manifest, as_store, read_manifest
+from raypipe.io.manifest import as_store, read_manifest
+from raypipe.io.records import FileEntry, Manifest
 from raypipe.io.store import Store
 
 

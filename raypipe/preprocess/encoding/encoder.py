@@ -22,7 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from raypipe.errors import ConfigError
-from raypipe.io.manifest import TokenizerInfo
+from raypipe.io.records import TokenizerInfo
 from raypipe.preprocess.encoding.tiktoken_backend import TiktokenIds
 
 BOS_CANDIDATES = ("<|bos|>", "<bos>", "<s>", "<|begin_of_text|>", "<|endoftext|>")

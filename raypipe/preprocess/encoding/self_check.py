@@ -37,7 +37,7 @@ from raypipe import _version
 from raypipe.errors import ConfigError
 from raypipe.io.atomic import write_json_atomic
 from raypipe.io.cache import default_cache_dir
-from raypipe.io.manifest import WorkUnit
+from raypipe.io.records import WorkUnit
 from raypipe.preprocess.encoding import encoder, tiktoken_backend
 from raypipe.preprocess.encoding.encoder import DocumentEncoder, tokenizer_sha256
 from raypipe.preprocess.encoding.tiktoken_backend import why_not

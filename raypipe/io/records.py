@@ -1,0 +1,476 @@
+"""The typed records that cross a boundary (work units, unit commit records, the manifest
+and its parts), and the one validator that reads them from JSON.
+
+Invariant: every record is a frozen dataclass; `from_json` builds one from a JSON object
+only if every required field is present and every value has its declared type (a bool is
+not a number), then runs the record's own `check` (names plain, paths relative, counts
+non-negative), so a malformed file is a FormatError naming the file and the field;
+`to_json` writes it back. Field rules are derived from the type hints once per class.
+Cost: ~2 us a record; a manifest of 10,000 shards and 10,000 units (8 MB) parses in
+0.12-0.18 s on 2 busy cores, a third of it the JSON parse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import platform
+import types
+import typing
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+from raypipe.errors import FormatError
+from raypipe.io.paths import plain_name, relative_path
+
+MANIFEST_VERSION = 1
+
+
+MANIFEST_KIND = "raypipe-tokens"
+
+
+Record = TypeVar("Record")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FieldRule:
+    """How one field of a record is read: its name, whether it must be present, and the
+    Python types a JSON value of it may have (bool never counts as a number)."""
+
+    name: str
+    required: bool
+    types: tuple[type, ...] | None  # None: any value
+    numeric: bool  # int or float accepted, bool not: refuse bool
+    hint: Any
+
+
+def _accepted_types(hint: Any) -> tuple[type, ...] | None:
+    """The Python types of the JSON values `hint` accepts (None: any)."""
+    origin = typing.get_origin(hint)
+    options = typing.get_args(hint) if origin in (typing.Union, types.UnionType) else (hint,)
+    accepted: list[type] = []
+    for option in options:
+        if option is Any:
+            return None
+        base = typing.get_origin(option) or option
+        if base is type(None):
+            accepted.append(type(None))
+        elif base in (tuple, list):
+            accepted += [list, tuple]
+        elif base is float:
+            accepted += [int, float]
+        elif dataclasses.is_dataclass(base):
+            accepted.append(dict)
+        else:
+            accepted.append(base)
+    return tuple(accepted)
+
+
+_ABSENT = object()
+
+
+@functools.cache
+def _field_rules(cls: type) -> tuple[tuple[str, bool, tuple[type, ...] | None, bool, Any], ...]:
+    """Each field's rule as a plain tuple (name, required, types, numeric, hint)."""
+    hints = typing.get_type_hints(cls)
+    rules = []
+    for spec in dataclasses.fields(cls):
+        accepted = _accepted_types(hints[spec.name])
+        required = (spec.default is dataclasses.MISSING
+                    and spec.default_factory is dataclasses.MISSING)
+        rule = _FieldRule(spec.name, required, accepted,
+                          accepted is not None and bool({int, float} & set(accepted))
+                          and bool not in accepted, hints[spec.name])
+        rules.append(dataclasses.astuple(rule))
+    return tuple(rules)
+
+
+def _hint_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _from_json(cls: type[Record], data: Any, where: str) -> Record:
+    """Build dataclass `cls` from a JSON object: required keys present, types right (the
+    rules of each class are derived from its type hints once; ~2 us a record)."""
+    if not isinstance(data, dict):
+        raise FormatError(where, f"{cls.__name__} is not a JSON object", "object",
+                          type(data).__name__)
+    values = {}
+    for name, required, accepted, numeric, hint in _field_rules(cls):
+        value = data.get(name, _ABSENT)
+        if value is _ABSENT:
+            if required:
+                raise FormatError(where, f"{cls.__name__} lacks field {name!r}")
+            continue
+        if accepted is not None and (not isinstance(value, accepted)
+                                     or (numeric and isinstance(value, bool))):
+            raise FormatError(where, f"field {name!r} has the wrong type", _hint_name(hint),
+                              type(value).__name__)
+        values[name] = value
+    return cls(**values)
+
+
+class JsonRecord:
+    """A record read from JSON by `from_json`: required fields present, types right, and
+    the record's own rules (`check`) hold."""
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Any:
+        record = _from_json(cls, data, where)
+        record.check(where)
+        return record
+
+    def check(self, where: str) -> None:
+        """Refuse values a record must never carry (FormatError naming `where`)."""
+
+
+def _tuple_of(cls: type[Record], items: Iterable[Any], where: str) -> tuple[Record, ...]:
+    """Records built from JSON items (their rules are checked by the enclosing record)."""
+    return tuple(item if isinstance(item, cls) else _from_json(cls, item, where)
+                 for item in items)
+
+
+UNIT_KINDS = ("parquet", "jsonl", "block")
+
+
+@dataclass(frozen=True)
+class JobRecord(JsonRecord):
+    """What `_units/_job.json` says of the job that made an output: its fingerprint, the
+    output-shaping config by meaning, the tokenizer's contents and the resolved inputs
+    (the last three absent in outputs of raypipe 0.1)."""
+
+    fingerprint: str
+    config: dict[str, Any] = field(default_factory=dict)
+    tokenizer_sha256: str | None = None
+    inputs: list[str] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class WorkUnit(JsonRecord):
+    """One unit of a tokenize job, by `kind`: row groups [row_group_start, row_group_stop)
+    of a parquet file; bytes [byte_start, byte_stop) of a JSON-lines file (byte_stop -1:
+    to its end); or one block of a user's ray.data.Dataset (`uri` names the Dataset,
+    `source` is the hash of the block's rows)."""
+
+    uri: str
+    row_group_start: int
+    row_group_stop: int
+    num_rows: int  # -1: not known before the unit is read (JSON lines)
+    name: str
+    first_row: int = 0
+    source: str = ""  # identity of the input read (size + content hash); "" = unknown
+    kind: str = "parquet"
+    byte_start: int = 0
+    byte_stop: int = -1
+    size_bytes: int = 0  # input bytes of the unit (progress weighs units by them)
+
+    def check(self, where: str) -> None:
+        plain_name(self.name, where, "unit name")
+        if self.kind not in UNIT_KINDS:
+            raise FormatError(where, f"unit kind {self.kind!r} not among {list(UNIT_KINDS)}")
+
+    @property
+    def location(self) -> str:
+        """Where the unit's rows are, for messages about it."""
+        if self.kind == "jsonl":
+            if self.byte_start == 0 and self.byte_stop < 0:
+                return self.uri
+            return f"{self.uri}: bytes {self.byte_start}..{self.byte_stop - 1}"
+        if self.kind == "block":
+            return f"{self.uri}: block {self.source} ({self.num_rows} rows)"
+        return f"{self.uri}: row groups {self.row_group_start}..{self.row_group_stop - 1}"
+
+
+@dataclass(frozen=True)
+class TokenizerInfo(JsonRecord):
+    """What the manifest records about the tokenizer."""
+
+    spec: str
+    sha256: str
+    largest_id: int
+    bos_id: int | None
+    eos_id: int | None
+    backend: str = "tokenizers"  # the library that encoded (same ids either way)
+    pad_id: int | None = None  # its pad token, where it has one (None in raypipe <= 0.3)
+
+
+@dataclass(frozen=True)
+class FileEntry(JsonRecord):
+    """One committed file: its path relative to the dataset root, size and sha256."""
+
+    path: str
+    bytes: int
+    sha256: str
+    mtime_ns: int | None = None  # at commit; None in outputs of raypipe 0.1
+
+    def check(self, where: str) -> None:
+        relative_path(self.path, where)
+        if self.bytes < 0:
+            raise FormatError(where, f"{self.path}: negative size", ">= 0", self.bytes)
+
+
+@dataclass(frozen=True)
+class ShardEntry(JsonRecord):
+    """One shard of one format as the manifest lists it. Document formats count documents
+    and tokens; LLMBATCH counts batches (and where they start in the whole dataset)."""
+
+    name: str
+    files: tuple[FileEntry, ...]
+    documents: int | None = None
+    tokens: int | None = None
+    first_batch: int | None = None
+    batches: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "files", _tuple_of(FileEntry, self.files, self.name))
+
+    def check(self, where: str) -> None:
+        plain_name(self.name, where, "shard name")
+        for entry in self.files:
+            entry.check(where)
+
+    @property
+    def bytes(self) -> int:
+        return sum(entry.bytes for entry in self.files)
+
+
+@dataclass(frozen=True)
+class UnitShard(JsonRecord):
+    """One shard a unit wrote: the same documents in every format of the job."""
+
+    name: str
+    documents: int
+    tokens: int
+    files: dict[str, tuple[FileEntry, ...]]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "files", {name: _tuple_of(FileEntry, entries, self.name)
+                                           for name, entries in self.files.items()})
+
+    def check(self, where: str) -> None:
+        plain_name(self.name, where, "shard name")
+        for entries in self.files.values():
+            for entry in entries:
+                entry.check(where)
+
+
+    def entry(self, format_name: str) -> ShardEntry:
+        return ShardEntry(self.name, self.files[format_name], documents=self.documents,
+                          tokens=self.tokens)
+
+
+@dataclass(frozen=True)
+class UnitRecord(JsonRecord):
+    """The commit record of one work unit (`_units/<unit>.json`)."""
+
+    unit: WorkUnit
+    fingerprint: str
+    rows: int
+    documents: int
+    tokens: int
+    skipped: dict[str, int]
+    shards: tuple[UnitShard, ...]
+    seconds: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    peak_rss_bytes: int = 0
+    special_literals: int = 0  # documents whose text contains a special token's literal
+
+    def __post_init__(self) -> None:
+        if isinstance(self.unit, dict):
+            object.__setattr__(self, "unit", WorkUnit.from_json(self.unit, "unit"))
+        object.__setattr__(self, "shards", _tuple_of(UnitShard, self.shards, "shards"))
+
+    def check(self, where: str) -> None:
+        self.unit.check(where)
+        for shard in self.shards:
+            shard.check(where)
+
+
+@dataclass(frozen=True)
+class FormatSection(JsonRecord):
+    """One format of a dataset: token dtype, shards in order, and the format's own options
+    (stream: metadata, serializer; llmbatch: seq_len, batch_size, packing, seed, ...)."""
+
+    dtype: str
+    shards: tuple[ShardEntry, ...]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> FormatSection:
+        if not isinstance(data, dict):
+            raise FormatError(where, "format section is not a JSON object")
+        core = {"dtype": data.get("dtype"), "shards": data.get("shards")}
+        section = _from_json(cls, core, where)
+        options = {k: v for k, v in data.items() if k not in ("dtype", "shards")}
+        shards = _tuple_of(ShardEntry, section.shards, where)
+        for shard in shards:
+            shard.check(where)
+        return cls(section.dtype, shards, options)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shards": [_plain(s) for s in self.shards],
+                **self.options}
+
+    @property
+    def bytes(self) -> int:
+        return sum(shard.bytes for shard in self.shards)
+
+
+@dataclass(frozen=True)
+class UnitSummary(JsonRecord):
+    """A unit as the manifest lists it."""
+
+    name: str
+    uri: str
+    row_groups: tuple[int, int]
+    rows: int
+    documents: int
+    tokens: int
+    skipped: dict[str, int]
+
+    def check(self, where: str) -> None:
+        plain_name(self.name, where, "unit name")
+
+    @classmethod
+    def of(cls, record: UnitRecord) -> UnitSummary:
+        unit = record.unit
+        return cls(unit.name, unit.uri, (unit.row_group_start, unit.row_group_stop),
+                   record.rows, record.documents, record.tokens, dict(record.skipped))
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> UnitSummary:
+        summary = _from_json(cls, data, where)
+        return dataclasses.replace(summary, row_groups=tuple(summary.row_groups))
+
+
+@dataclass(frozen=True)
+class Totals(JsonRecord):
+    rows: int = 0
+    documents: int = 0
+    tokens: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    shards: int = 0
+    bytes: int = 0
+    special_literals: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest(JsonRecord):
+    """`manifest.json`: what a finished output holds."""
+
+    fingerprint: str
+    tokenizer: TokenizerInfo
+    formats: dict[str, FormatSection]
+    config: dict[str, Any] = field(default_factory=dict)
+    units: tuple[UnitSummary, ...] = ()
+    totals: Totals = field(default_factory=Totals)
+    created_at: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+    converted_from: dict[str, str] | None = None
+    manifest_version: int = MANIFEST_VERSION
+    kind: str = MANIFEST_KIND
+
+    @classmethod
+    def build(cls, fingerprint: str, tokenizer: TokenizerInfo,
+              formats: dict[str, FormatSection], config: dict[str, Any],
+              records: list[UnitRecord] = (), totals: Totals | None = None,
+              converted_from: dict[str, str] | None = None) -> Manifest:
+        """The one place a manifest is made: totals from the unit records (or given, for a
+        conversion) and the bytes of every format's files."""
+        if totals is None:
+            skipped: Counter = Counter()
+            for record in records:
+                skipped.update(record.skipped)
+            totals = Totals(rows=sum(r.rows for r in records),
+                            documents=sum(r.documents for r in records),
+                            tokens=sum(r.tokens for r in records),
+                            skipped=dict(sorted(skipped.items())),
+                            shards=sum(len(r.shards) for r in records),
+                            special_literals=sum(r.special_literals for r in records))
+        totals = dataclasses.replace(totals, bytes=sum(s.bytes for s in formats.values()))
+        return cls(fingerprint=fingerprint, tokenizer=tokenizer, formats=dict(formats),
+                   config=config, units=tuple(UnitSummary.of(r) for r in records),
+                   totals=totals,
+                   created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   versions=library_versions(), converted_from=converted_from)
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Manifest:
+        if not isinstance(data, dict):
+            raise FormatError(where, "top level is not a JSON object")
+        if data.get("manifest_version") != MANIFEST_VERSION:
+            raise FormatError(where, "unsupported manifest version", MANIFEST_VERSION,
+                              data.get("manifest_version"))
+        plain = _from_json(cls, data, where)
+        formats = plain.formats
+        if not isinstance(formats, dict) or not formats:
+            raise FormatError(where, "field 'formats' must name at least one format")
+        manifest = dataclasses.replace(
+            plain, tokenizer=TokenizerInfo.from_json(plain.tokenizer, where),
+            formats={name: FormatSection.from_json(section, f"{where}: formats.{name}")
+                     for name, section in formats.items()},
+            units=_tuple_of(UnitSummary, plain.units, where),
+            totals=Totals.from_json(plain.totals, where) if isinstance(plain.totals, dict)
+            else plain.totals)
+        for unit in manifest.units:
+            unit.check(where)
+        for name in manifest.formats:
+            plain_name(name, where, "format name")
+        return manifest
+
+    def to_json(self) -> dict[str, Any]:
+        data = _plain(self)
+        data["formats"] = {name: section.to_json() for name, section in self.formats.items()}
+        if self.converted_from is None:
+            del data["converted_from"]
+        return data
+
+    def with_format(self, name: str, section: FormatSection) -> Manifest:
+        formats = {**self.formats, name: section}
+        totals = dataclasses.replace(self.totals,
+                                     bytes=sum(s.bytes for s in formats.values()))
+        return dataclasses.replace(self, formats=formats, totals=totals)
+
+
+def _plain(record: Any) -> Any:
+    """A record as JSON-ready data (None-valued optional shard fields left out)."""
+    if dataclasses.is_dataclass(record):
+        data = {spec.name: _plain(getattr(record, spec.name))
+                for spec in dataclasses.fields(record)}
+        if isinstance(record, ShardEntry):
+            data = {k: v for k, v in data.items() if v is not None}
+        if isinstance(record, FormatSection):
+            return record.to_json()
+        return data
+    if isinstance(record, dict):
+        return {k: _plain(v) for k, v in record.items()}
+    if isinstance(record, list | tuple):
+        return [_plain(v) for v in record]
+    return record
+
+
+def to_json(record: Any) -> Any:
+    """Any record of this module as JSON-ready data."""
+    return record.to_json() if isinstance(record, Manifest) else _plain(record)
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from raypipe._version import __version__
+
+    versions = {"raypipe": __version__, "python": platform.python_version()}
+    for name in ("numpy", "pyarrow", "tokenizers"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return versions
+
