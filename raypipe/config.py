@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from raypipe.errors import ConfigError
-from raypipe.formats import DEFAULT_FORMATS, FORMATS, document_formats
+from raypipe.errors import ConfigError, FormatError
+from raypipe.formats import DEFAULT_FORMATS, FORMATS, FormatOptions, document_formats
 
 PACKINGS = ("fill", "split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
 # Fields that do not change output bytes: excluded from the fingerprint.
@@ -40,6 +40,11 @@ BYTES_PER_CHARACTER = 200
 
 
 BUILT_IN_METADATA_FIELDS = ("source", "row")  # every stream metadata record has these
+
+
+# the config fields that set format options: {option name: TokenizeConfig field}
+FORMAT_OPTION_FIELDS = {"metadata": "metadata", "serializer": "metadata_serializer",
+                        "compression": "mds_compression"}
 
 
 def flag_of(name: str) -> str:
@@ -174,6 +179,12 @@ class TokenizeConfig:
             raise ConfigError(
                 "bos/eos: at least one of --bos/--eos is needed, or document boundaries are lost"
             )
+        for name in self.formats:  # each format's options, typed and checked once, here
+            try:
+                self.format_options(name)
+            except FormatError as exc:
+                flags = ", ".join(flag_of(field) for field in FORMAT_OPTION_FIELDS.values())
+                raise ConfigError(f"{exc.what} (format options are set by {flags})") from None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -198,12 +209,11 @@ class TokenizeConfig:
             return budget_chars
         return min(self.max_document_chars, budget_chars)
 
-    def format_options(self, name: str) -> dict[str, Any]:
-        """The writer options of format `name` that this config sets (stream: metadata,
-        serializer); other formats take none."""
-        return FORMATS[name].options({"metadata": self.metadata,
-                                      "serializer": self.metadata_serializer,
-                                      "compression": self.mds_compression})
+    def format_options(self, name: str) -> FormatOptions:
+        """Format `name`'s typed options as this config sets them (stream: metadata,
+        serializer; mds: compression); each format takes the fields its options have."""
+        return FORMATS[name].options({option: getattr(self, field)
+                                      for option, field in FORMAT_OPTION_FIELDS.items()})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TokenizeConfig:

@@ -367,9 +367,9 @@ class LLMBatchDataset(ShardSet):
             raise FormatError(store.uri_of(MANIFEST_NAME), "no batch format in this dataset",
                               list(batch_formats()), list(manifest.formats))
         super().__init__(store, present[0], manifest, cache)
-        options = self.section.options
-        self.batch_size, self.seq_len = options["batch_size"], options["seq_len"]
-        self.padded_tokens = int(options.get("padded_tokens", 0))
+        self.options = self.format.options(self.section.options)
+        self.batch_size, self.seq_len = self.options.batch_size, self.options.seq_len
+        self.padded_tokens = self.options.padded_tokens
         counts = np.array([s.batches for s in self.shards], dtype=np.int64)
         self.batch_offsets = np.concatenate([[0], np.cumsum(counts)])
 

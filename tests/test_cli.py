@@ -222,3 +222,15 @@ def test_a_config_change_is_described_by_flag_and_unset_values_say_so():
     text = describe_difference(JobRecord("a", {"seq_len": 1025, "packing": "split"}, "x"),
                                JobRecord("b", {"seq_len": None, "packing": "fill"}, "x"))
     assert text == "--packing: 'split' -> 'fill'; --record-len: 1025 -> (not set)"
+
+
+@pytest.mark.parametrize("fmt,option,value", [("mds", "mds_compression", "lz4"),
+                                               ("stream", "metadata_serializer", "pickle")])
+def test_a_bad_format_option_is_refused_at_config_time_naming_the_flags(fmt, option, value):
+    from raypipe.config import load_config
+    from raypipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{value!r} not among") as caught:
+        load_config(None, inputs=["x"], output="o", tokenizer="t", formats=[fmt],
+                    **{option: value})
+    assert "--" + option.replace("_", "-") in str(caught.value)

@@ -43,7 +43,7 @@ def write_shard(fmt_name, directory, documents, dtype, batches=3, bos_id=BOS):
     documents_count, tokens = len(documents), sum(d.size for d in documents)
     COMMITTED[Path(directory)] = (ShardEntry("shard", tuple(entries), documents=documents_count,
                                              tokens=tokens),
-                                  FormatSection(np.dtype(dtype).name, (), fmt.options()))
+                                  FormatSection(np.dtype(dtype).name, (), fmt.options().to_json()))
     return [Path(entry.path).name for entry in entries]
 
 

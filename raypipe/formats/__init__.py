@@ -8,6 +8,7 @@ from raypipe.formats import llmbatch, mds, megatron, nanogpt, stream  # noqa: F4
 from raypipe.formats.base import (
     FORMATS,
     Format,
+    FormatOptions,
     ShardReader,
     ShardWriter,
     batch_formats,
@@ -19,6 +20,6 @@ from raypipe.formats.base import (
 
 DEFAULT_FORMATS = ("megatron", "nanogpt")  # what tokenize writes when no format is named
 
-__all__ = ["DEFAULT_FORMATS", "FORMATS", "Format", "ShardReader", "ShardWriter",
+__all__ = ["DEFAULT_FORMATS", "FORMATS", "Format", "FormatOptions", "ShardReader", "ShardWriter",
            "batch_formats", "dataset_index_problems", "document_formats", "get_format",
            "write_dataset_indexes"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,7 +24,7 @@ from raypipe.errors import ConfigError, FormatError
 from raypipe.io.atomic import HashedTempFile, file_sha256
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import plain_name, safe_join
-from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
+from raypipe.io.records import FileEntry, FormatSection, JsonRecord, ShardEntry, TokenizerInfo
 from raypipe.io.store import Store
 
 
@@ -128,7 +128,23 @@ def shard_prefix(root: Path, shard: ShardEntry) -> Path:
     return safe_join(root, shard.files[0].path).with_name(shard.name)
 
 
-def _no_metadata(options: dict[str, Any]) -> bool:
+@dataclass(frozen=True)
+class FormatOptions(JsonRecord):
+    """A format's options: a frozen dataclass per format (fields with their defaults), read
+    once from a config's or a manifest section's plain dict and type-checked by the records'
+    validator; formats without options use this empty one."""
+
+    @classmethod
+    def of(cls, given: dict[str, Any] | None, where: str = "format options") -> Any:
+        """The options named in `given` (other keys ignored), defaults for the rest."""
+        names = {spec.name for spec in fields(cls)}
+        return cls.from_json({k: v for k, v in (given or {}).items() if k in names}, where)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _no_metadata(options: FormatOptions) -> bool:
     return False
 
 
@@ -151,10 +167,10 @@ class Format:
     reader: type
     dtype_for_largest_id: Callable[[int], np.dtype]
     holds: Literal["documents", "batches"] = "documents"
-    default_options: dict[str, Any] = field(default_factory=dict)
+    options_type: type[FormatOptions] = FormatOptions
     read_order: int = 100  # which document format a reader opens when several exist
     index_suffixes: tuple[str, ...] = ()  # files enough for document lengths (no tokens)
-    wants_metadata: Callable[[dict[str, Any]], bool] = _no_metadata
+    wants_metadata: Callable[[Any], bool] = _no_metadata
     dataset_index: DatasetIndex | None = None
     window_metadata: bool = False  # windows of its token stream carry metadata records
 
@@ -166,10 +182,10 @@ class Format:
         """Its shards hold pre-formed batches (packed after the units), not documents."""
         return self.holds == "batches"
 
-    def options(self, section_options: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The format's writer/reader options: defaults, overridden by a section's."""
-        given = section_options or {}
-        return {k: given.get(k, v) for k, v in self.default_options.items()}
+    def options(self, given: dict[str, Any] | None = None) -> Any:
+        """The format's typed options (its `options_type`) from a config's or a manifest
+        section's plain dict: defaults for what `given` leaves out."""
+        return self.options_type.of(given, f"{self.name} options")
 
 
 FORMATS: dict[str, Format] = {}

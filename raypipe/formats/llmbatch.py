@@ -21,12 +21,20 @@ Cost: writing is one sequential pass; reading a batch is one memmap slice (+ B l
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from raypipe.errors import FormatError
-from raypipe.formats.base import Format, ShardWriter, register, require_file, require_size
+from raypipe.formats.base import (
+    Format,
+    FormatOptions,
+    ShardWriter,
+    register,
+    require_file,
+    require_size,
+)
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import safe_join
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
@@ -193,9 +201,35 @@ class LLMBatchReader:
                                                           strict=True)]
 
 
+@dataclass(frozen=True)
+class LLMBatchOptions(FormatOptions):
+    """What an LLMBATCH section records: the record shape (seq_len tokens, batch_size
+    records), the packing and seed that made them, the records before batching and the
+    batches kept, the document format they were packed from, the pad token (absent in 0.3
+    files: their padding is LEGACY_PAD_ID) and the packing report's token counts (absent
+    before 0.2)."""
+
+    seq_len: int = 0
+    batch_size: int = 0
+    packing: str = "fill"
+    seed: int = 0
+    total_records: int = 0
+    num_batches: int = 0
+    source_format: str | None = None
+    pad_id: int | None = None
+    used_tokens: int | None = None
+    cropped_tokens: int | None = None
+    padded_tokens: int = 0
+    dropped_tokens: int | None = None
+
+    @property
+    def has_report(self) -> bool:
+        return self.used_tokens is not None
+
+
 def llmbatch_dtype(largest_id: int) -> np.dtype:
     return np.dtype(np.uint32)
 
 
 LLMBATCH = register(Format("llmbatch", (".batch", LENGTHS), LLMBatchWriter, LLMBatchReader,
-                           llmbatch_dtype, holds="batches"))
+                           llmbatch_dtype, holds="batches", options_type=LLMBatchOptions))

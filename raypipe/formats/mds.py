@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,14 @@ import numpy as np
 import pyarrow as pa
 
 from raypipe.errors import FormatError
-from raypipe.formats.base import Format, ShardReader, ShardWriter, register, require_file
+from raypipe.formats.base import (
+    Format,
+    FormatOptions,
+    ShardReader,
+    ShardWriter,
+    register,
+    require_file,
+)
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import safe_join
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
@@ -238,7 +246,7 @@ def index_bytes(store: Store, section: FormatSection) -> bytes:
     """MDS's `index.json` for the committed shards of `section`, in manifest order (the
     compressed shards' raw sizes from their frame headers: one 18-byte read each)."""
     dtype = np.dtype(section.dtype)
-    compression = section.options.get("compression")
+    compression = MDS.options(section.options).compression
     shards = []
     for shard in section.shards:
         entry = shard.files[0]
@@ -259,7 +267,19 @@ def mds_dtype(largest_id: int) -> np.dtype:
     return np.dtype("<u2") if largest_id < 1 << 16 else np.dtype("<u4")
 
 
+@dataclass(frozen=True)
+class MDSOptions(FormatOptions):
+    """compression: None (shards map without a copy) or "zstd" (each shard one frame)."""
+
+    compression: str | None = None
+
+    def check(self, where: str) -> None:
+        if self.compression not in COMPRESSIONS:
+            raise FormatError(where, f"mds compression {self.compression!r} not among "
+                              f"{list(COMPRESSIONS)}")
+
+
 MDS = register(Format(NAME, (RAW, ZSTD), MDSWriter, MDSReader, mds_dtype,
-                      default_options={"compression": None}, read_order=400,
+                      options_type=MDSOptions, read_order=400,
                       wants_metadata=lambda options: True,
                       dataset_index=(f"{NAME}/{INDEX}", index_bytes)))

@@ -21,6 +21,7 @@ import numpy as np
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
     Format,
+    FormatOptions,
     ShardReader,
     ShardWriter,
     check_token_range,
@@ -32,7 +33,7 @@ from raypipe.formats.base import (
 )
 from raypipe.io.mapping import map_file
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
-from raypipe.io.serialize import get_serializer
+from raypipe.io.serialize import SERIALIZERS, get_serializer
 
 RECORD = np.dtype([("token", "<u4"), ("metadata_id", "<u4")])
 PLAIN = np.dtype("<u4")
@@ -97,14 +98,29 @@ class StreamWriter(ShardWriter):
         return [self.commit_file(".tokens"), *entries]
 
 
+@dataclass(frozen=True)
+class StreamOptions(FormatOptions):
+    """metadata: tokens carry metadata ids (else plain u32 tokens); serializer: of the
+    metadata records (json or msgpack)."""
+
+    metadata: bool = True
+    serializer: str = "json"
+
+    def check(self, where: str) -> None:
+        if self.serializer not in SERIALIZERS:
+            raise FormatError(where, f"serializer {self.serializer!r} not among "
+                              f"{sorted(SERIALIZERS)}")
+
+
 class StreamReader(ShardReader):
     """Opens one stream shard. `metadata=None` detects it from the sidecar files."""
 
     @classmethod
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> StreamReader:
+        options = STREAM.options(section.options)
         return cls(shard_prefix(root, shard), tokenizer.bos_id, tokenizer.eos_id,
-                   **STREAM.options(section.options))
+                   options.metadata, options.serializer)
 
     def __init__(self, prefix: str | Path, bos_id: int | None = None, eos_id: int | None = None,
                  metadata: bool | None = None, serializer: str = "json"):
@@ -181,6 +197,6 @@ class StreamReader(ShardReader):
 
 STREAM = register(Format("stream", (".tokens", ".metadata.index", ".metadata.bin"),
                          StreamWriter, StreamReader, stream_dtype,
-                         default_options={"metadata": True, "serializer": "json"}, read_order=2,
-                         wants_metadata=lambda options: bool(options["metadata"]),
+                         options_type=StreamOptions, read_order=2,
+                         wants_metadata=lambda options: options.metadata,
                          window_metadata=True))

@@ -349,7 +349,7 @@ def build_manifest(config: TokenizeConfig, settings: UnitSettings,
                    records: list[UnitRecord]) -> Manifest:
     dtypes = settings.shard_spec().token_dtypes()
     formats = {name: FormatSection(dtypes[name].name, shard_table(records, name),
-                                   config.format_options(name))
+                                   config.format_options(name).to_json())
                for name in settings.formats}
     return Manifest.build(settings.fingerprint, settings.tokenizer, formats, config.to_dict(),
                           records)

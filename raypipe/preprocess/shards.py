@@ -21,7 +21,7 @@ import numpy as np
 
 from raypipe import _faults as faults
 from raypipe.errors import StorageError
-from raypipe.formats import Format, ShardWriter, get_format
+from raypipe.formats import Format, FormatOptions, ShardWriter, get_format
 from raypipe.formats.stream import DocumentMetadata
 from raypipe.io.records import UnitShard
 from raypipe.io.staging import Staging
@@ -37,7 +37,7 @@ class ShardSpec:
     shard_tokens: int
     largest_id: int
     bos_id: int | None
-    format_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    format_options: dict[str, FormatOptions] = field(default_factory=dict)
 
     def token_dtypes(self) -> dict[str, np.dtype]:
         return {name: get_format(name).token_dtype(self.largest_id) for name in self.formats}
@@ -64,9 +64,14 @@ class ShardRoller:
         if not self.number_parts and not self.shards:
             name = self.unit_name
         self.writers = [fmt.writer(self.output / fmt.name, name, self.dtypes[fmt.name],
-                                   self.spec.bos_id, **self.spec.format_options.get(fmt.name, {}))
+                                   self.spec.bos_id, **self._options(fmt.name))
                         for fmt in self.formats]
         self.open_tokens = 0
+
+    def _options(self, name: str) -> dict[str, Any]:
+        """The keyword options format `name`'s writer takes."""
+        options = self.spec.format_options.get(name)
+        return {} if options is None else options.to_json()
 
     def _close(self) -> None:
         if not self.writers:

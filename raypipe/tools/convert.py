@@ -110,7 +110,8 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
             table = [entry for name, documents in _source_documents(source, manifest,
                                                                      source_format)
                      for entry in _write_documents(spec, name, documents, staging)]
-        section = FormatSection(fmt.token_dtype(info.largest_id).name, tuple(table), options)
+        section = FormatSection(fmt.token_dtype(info.largest_id).name, tuple(table),
+                                options.to_json())
     out = Manifest.build(fingerprint, info, {format_name: section}, manifest.config,
                          totals=manifest.totals,
                          converted_from={"path": source.uri, "fingerprint": manifest.fingerprint})

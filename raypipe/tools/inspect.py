@@ -108,7 +108,7 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
         if index >= samples:
             break
         lines.append(f"  sample {index} ({tokens.size} tokens): {_show(tokens, decoder)}")
-        if dataset.format_options.get("metadata"):
+        if dataset.format.window_metadata and dataset.format_options.metadata:
             start = int(dataset.document_starts_global(index))
             window = dataset.window(start, int(tokens.size))
             records = [window.records[i] for i in sorted(set(window.metadata_ids.tolist()))]
@@ -119,13 +119,13 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
 def _inspect_llmbatch(root: Store, manifest: Manifest, section: FormatSection,
                       samples: int, decoder: Any) -> list[str]:
     dataset = LLMBatchDataset(root, manifest)
-    options = section.options
+    options = dataset.options
     lines = [f"  {dataset.num_batches:,} batches of [{dataset.batch_size}, {dataset.seq_len}] "
-             f"({options.get('packing')} packing, seed {options.get('seed')}, "
-             f"{options.get('total_records', 0):,} records before batching)",
+             f"({options.packing} packing, seed {options.seed}, "
+             f"{options.total_records:,} records before batching)",
              "  records, not documents: each row is a packed sequence"]
-    if "used_tokens" in options:
-        lines.append(f"  {packing_line(options)}")
+    if options.has_report:
+        lines.append(f"  {packing_line(section.options)}")
     for index, record in enumerate(dataset.iter_records()):
         if index >= samples:
             break

@@ -43,12 +43,12 @@ def llmbatch_report(where: str) -> str:
     """What the LLMBATCH records written at tokenize (or convert) time hold: the report
     their manifest section recorded (records are fixed; seq_len and seed are theirs)."""
     dataset = LLMBatchDataset(where)
-    options = dataset.section.options
-    report = PackingReport.from_options(options)
+    report = PackingReport.from_options(dataset.section.options)
     return "\n".join([
         f"packing report: {where}",
-        f"llmbatch records of {dataset.seq_len} tokens ({options['packing']} packing, seed "
-        f"{options['seed']}), {dataset.num_batches:,} batches of {dataset.batch_size}",
+        f"{dataset.format_name} records of {dataset.seq_len} tokens ({dataset.options.packing} "
+        f"packing, seed {dataset.options.seed}), {dataset.num_batches:,} batches of "
+        f"{dataset.batch_size}",
         report.render(),
     ])
 
