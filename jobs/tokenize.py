@@ -17,6 +17,7 @@ import sys
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
+from raypipe import interrupts  # noqa: E402
 from raypipe.cli import build_parser, config_from_args, main  # noqa: E402
 from raypipe.errors import ConfigError, RaypipeError  # noqa: E402
 
@@ -46,6 +47,7 @@ def build_demo_corpus(inputs: tuple[str, ...]) -> None:
 
 
 def run(argv: list[str]) -> int:
+    interrupts.install()  # `ray job stop` sends SIGTERM: one line, exit 143, output resumable
     try:
         config = config_from_args(build_parser().parse_args(["tokenize", *argv]))
         check_output_location(config.output)
@@ -53,6 +55,10 @@ def run(argv: list[str]) -> int:
     except RaypipeError as exc:
         print(f"raypipe: error: {exc}", file=sys.stderr)
         return 2
+    except interrupts.Interrupted as exc:
+        print(f"raypipe tokenize: interrupted by {exc.signal_name} before it started; rerun "
+              "the same command", file=sys.stderr)
+        return exc.exit_status
     return main(["tokenize", *argv])
 
 

@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from raypipe import interrupts
 from raypipe.config import PACKINGS as CONFIG_PACKINGS
 from raypipe.config import TokenizeConfig, load_config
 from raypipe.errors import RaypipeError
@@ -63,12 +64,16 @@ def config_from_args(args: argparse.Namespace) -> TokenizeConfig:
 
 
 def command_tokenize(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    args.output_location = config.output  # what an interrupt reports on
     from raypipe.ray.executor import run_tokenize
     from raypipe.ray.session import shutdown_local_ray
 
-    summary = run_tokenize(config_from_args(args))
-    print(summary.render(), flush=True)
-    shutdown_local_ray()  # 0.3 s, where Ray's exit hook takes 2 s
+    try:
+        summary = run_tokenize(config)
+        print(summary.render(), flush=True)
+    finally:
+        shutdown_local_ray()  # 0.3 s, where Ray's exit hook takes 2 s
     return 0
 
 
@@ -76,8 +81,11 @@ def command_demo(args: argparse.Namespace) -> int:
     from raypipe.demo.run import run_demo
     from raypipe.ray.session import shutdown_local_ray
 
-    run_demo(Path(args.output), num_workers=args.num_workers)
-    shutdown_local_ray()
+    args.output_location = str(Path(args.output) / "tokens")  # what an interrupt reports on
+    try:
+        run_demo(Path(args.output), num_workers=args.num_workers)
+    finally:
+        shutdown_local_ray()
     return 0
 
 
@@ -221,15 +229,56 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts.install()
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
+    except interrupts.Interrupted as exc:
+        stop_ray_started_here()
+        print(interrupted_line(args, exc), file=sys.stderr, flush=True)
+        return exc.exit_status
     except RaypipeError as exc:
         print(f"raypipe: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `raypipe inspect out/ | head`: the reader left; say nothing
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def stop_ray_started_here() -> None:
+    """Stop a local Ray this process started (a no-op where Ray was never imported)."""
+    if "ray" in sys.modules:
+        from raypipe.ray.session import shutdown_local_ray
+
+        shutdown_local_ray()
+
+
+def interrupted_line(args: argparse.Namespace, exc: interrupts.Interrupted) -> str:
+    """One line: the command, what is committed, and what rerunning does."""
+    what = f"raypipe {args.command}: interrupted by {exc.signal_name}"
+    if args.command in ("tokenize", "demo"):
+        output = getattr(args, "output_location", None)
+        committed = committed_units(output) if output else None
+        if committed is None:
+            return f"{what} before any unit was committed; rerun the same command to start"
+        return (f"{what}; {committed} unit(s) committed in {output} are kept: rerun the same "
+                "command to resume")
+    if args.command == "convert":
+        return (f"{what}; {args.destination} has no manifest yet (it is written last): "
+                "rerun the same command to convert it again from the start")
+    return f"{what}; nothing was changed: rerun the same command"
+
+
+def committed_units(output: str) -> int | None:
+    """How many unit records the output holds (None where it cannot be listed)."""
+    from raypipe.io.manifest import JOB_RECORD, UNITS_DIR
+    from raypipe.io.store import Store
+
+    try:
+        return sum(1 for path in Store(output).list_files(UNITS_DIR)
+                   if path.endswith(".json") and not path.endswith(JOB_RECORD))
+    except (RaypipeError, OSError):
+        return None
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,17 +95,24 @@ def start_run(check: Callable[[], tuple[UnitSettings, BackendChoice]], runner: U
     checked: Future[tuple[UnitSettings, BackendChoice]] = Future()
     head = HeadStart(queue)
 
-    def check_then_tokenize() -> list[UnitRecord]:
+    head_start: Future[list[UnitRecord]] = Future()
+
+    def check_then_tokenize() -> None:
         try:
             checked.set_result(check())
         except BaseException as exc:
             checked.set_exception(exc)
-            raise
-        return tokenize(iter(head.take, None), checked.result()[0])
+            head_start.set_exception(exc)
+            return
+        try:
+            head_start.set_result(tokenize(iter(head.take, None), checked.result()[0]))
+        except BaseException as exc:
+            head_start.set_exception(exc)
 
-    pool = ThreadPoolExecutor(1, thread_name_prefix="raypipe-head-start")
-    head_start = pool.submit(check_then_tokenize)
-    pool.shutdown(wait=False)
+    # a daemon thread: an interrupted job exits without waiting for the driver's unit (its
+    # temp files are swept by the rerun), where an executor's thread is joined at exit
+    threading.Thread(target=check_then_tokenize, name="raypipe-head-start",
+                     daemon=True).start()
     try:
         runner.connect()
     finally:

@@ -21,6 +21,8 @@ from typing import Any
 
 import ray
 
+from raypipe import interrupts
+
 logger = logging.getLogger("raypipe")
 _started_here: set[str] = set()  # GCS addresses of the local sessions this process started
 
@@ -31,14 +33,20 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> float
         return 0.0
     started = time.perf_counter()
     address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        start_or_join_local(num_cpus)
-        if node_processes():  # started here, not a `ray start` cluster joined
-            _started_here.add(current_gcs_address())
-            atexit.unregister(stop_autoscaler_monitor)  # once, however many sessions
-            atexit.register(stop_autoscaler_monitor)  # runs before Ray's exit hook (LIFO)
+    try:
+        with interrupts.deferred():  # Ray's start-up unwound halfway crashed (exit 139)
+            if address:
+                ray.init(address=address, log_to_driver=True)
+            else:
+                start_or_join_local(num_cpus)
+                if node_processes():  # started here, not a `ray start` cluster joined
+                    _started_here.add(current_gcs_address())
+                    atexit.unregister(stop_autoscaler_monitor)  # once, however many
+                    atexit.register(stop_autoscaler_monitor)  # before Ray's hook (LIFO)
+                interrupts.reinstall()  # ray.init set its own SIGTERM handler
+    except interrupts.Interrupted:
+        shutdown_local_ray()  # what started here stops here
+        raise
     return time.perf_counter() - started
 
 
