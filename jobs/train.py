@@ -21,34 +21,48 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 from raypipe.errors import RaypipeError, StateError  # noqa: E402
 from raypipe.examples.gpt_train import fit
+from raypipe.sampling.plans import MODES  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--data", required=True,
                         help="a raypipe output (a directory or a URI: s3://, gs://, ...) or "
                         "a mixture YAML (sources: {name: {path, weight}})")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--mode", default="bestfit")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seq-len", type=int, default=128,
+                        help="T: tokens a row trains (rows hold T + 1)")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per worker per step")
+    parser.add_argument("--mode", default="bestfit", choices=list(MODES),
+                        help="how rows are made (docs/loader.md)")
+    parser.add_argument("--seed", type=int, default=0, help="the loader's shuffle seed")
     parser.add_argument("--shuffle", default="global", choices=["global", "shard_local"],
                         help="shard_local: each node downloads each shard once per epoch")
     parser.add_argument("--cache-dir", default=None,
-                        help="node-local shard cache for URI data (default: "
+                        help="node-local shard cache for URI data (None: "
                         "$RAYPIPE_CACHE_DIR, else ~/.cache/raypipe)")
     parser.add_argument("--validation-fraction", type=float, default=None,
                         help="hold out this share of documents; report val_loss at "
                         "checkpoints (a validation loader with its own state)")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--use-gpu", action="store_true")
-    parser.add_argument("--max-steps", type=int, default=60)
-    parser.add_argument("--checkpoint-every", type=int, default=10)
-    parser.add_argument("--max-failures", type=int, default=2)
-    parser.add_argument("--storage", default=os.path.abspath("train_out"))
-    parser.add_argument("--name", default="tiny-gpt")
-    parser.add_argument("--address", default=None, help="Ray address (default: local)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--workers", type=int, default=2, help="Ray Train workers")
+    parser.add_argument("--use-gpu", action="store_true",
+                        help="one GPU per worker, nccl (default: CPU, gloo)")
+    parser.add_argument("--max-steps", type=int, default=60, help="steps to train in all")
+    parser.add_argument("--checkpoint-every", type=int, default=10,
+                        help="steps between checkpoints (model, optimizer, loader states)")
+    parser.add_argument("--max-failures", type=int, default=2,
+                        help="worker failures Ray Train retries (FailureConfig)")
+    parser.add_argument("--storage", default=os.path.abspath("train_out"),
+                        help="where runs and their checkpoints are kept")
+    parser.add_argument("--name", default="tiny-gpt",
+                        help="the run's name: the same --storage and --name resume it")
+    parser.add_argument("--address", default=None, help="Ray address (None: local)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     done = last_checkpoint_step(Path(args.storage) / args.name)
     if done is not None and done >= args.max_steps:
         print(f"nothing to run: {Path(args.storage) / args.name} already holds a checkpoint "
@@ -62,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from raypipe.ray.session import ensure_ray
 
-    ensure_ray(args.address)
+    ensure_ray(args.address, dashboard=True)  # Ray Train's controller polls its State API
     data = args.data if "://" in args.data else os.path.abspath(args.data)
     config = {"data": data, "seq_len": args.seq_len, "shuffle": args.shuffle,
               "cache_dir": args.cache_dir, "validation_fraction": args.validation_fraction,

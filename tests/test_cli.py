@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -234,3 +235,14 @@ def test_a_bad_format_option_is_refused_at_config_time_naming_the_flags(fmt, opt
         load_config(None, inputs=["x"], output="o", tokenizer="t", formats=[fmt],
                     **{option: value})
     assert "--" + option.replace("_", "-") in str(caught.value)
+
+
+def test_train_help_states_the_whole_description_and_helps_every_option():
+    import runpy
+
+    root = Path(__file__).resolve().parents[1]
+    parser = runpy.run_path(str(root / "jobs" / "train.py"))["build_parser"]()
+    text = " ".join(parser.format_help().split())
+    assert "rerunning with the same --storage/--name resumes." in text  # the sentence, whole
+    bare = [action.option_strings[0] for action in parser._actions if not action.help]
+    assert not bare, f"options without help: {bare}"

@@ -103,3 +103,27 @@ def test_ray_data_datasource_reads_the_loader_windows(ray_session, token_dataset
     for batch in loader:
         window = int(batch.observation_ids[0])
         assert by_window[window][:-1].tolist() == batch.inputs[0].tolist()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_jobs_train_prints_no_ray_noise_a_user_cannot_act_on(token_dataset, tmp_path):
+    """jobs/train.py starts its local Ray with the dashboard, whose State API Ray Train's
+    placement-group cleaner polls: without it the cleaner warned every few seconds."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rp-train-", dir="/tmp")}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "jobs/train.py", "--data", str(token_dataset),
+                           "--workers", "2", "--max-steps", "4", "--checkpoint-every", "2",
+                           "--seq-len", "32", "--batch-size", "2",
+                           "--storage", str(tmp_path / "runs")],
+                          capture_output=True, text=True, cwd=root, env=env, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "finished: {'step': 4" in output
+    assert "Failed to query Ray Train Controller" not in output

@@ -27,8 +27,11 @@ logger = logging.getLogger("raypipe")
 _started_here: set[str] = set()  # GCS addresses of the local sessions this process started
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> float:
-    """Make sure Ray is initialized; return the seconds spent connecting or starting."""
+def ensure_ray(address: str | None = None, num_cpus: int | None = None,
+               dashboard: bool = False) -> float:
+    """Make sure Ray is initialized; return the seconds spent connecting or starting.
+    `dashboard`: a local Ray starts with its dashboard, whose State API Ray Train's
+    controller polls (without it, a warning every few seconds that no one can act on)."""
     if ray.is_initialized():
         return 0.0
     started = time.perf_counter()
@@ -38,7 +41,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> float
             if address:
                 ray.init(address=address, log_to_driver=True)
             else:
-                start_or_join_local(num_cpus)
+                start_or_join_local(num_cpus, dashboard)
                 if node_processes():  # started here, not a `ray start` cluster joined
                     _started_here.add(current_gcs_address())
                     atexit.unregister(stop_autoscaler_monitor)  # once, however many
@@ -50,16 +53,16 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> float
     return time.perf_counter() - started
 
 
-def start_or_join_local(num_cpus: int | None) -> None:
+def start_or_join_local(num_cpus: int | None, dashboard: bool = False) -> None:
     if num_cpus is None:
-        ray.init(include_dashboard=False, log_to_driver=True)
+        ray.init(include_dashboard=dashboard, log_to_driver=True)
         return
     try:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=True)
     except ValueError as exc:  # a cluster `ray start` left here: joined, CPUs are its own
         if "existing cluster" not in str(exc):
             raise
-        ray.init(include_dashboard=False, log_to_driver=True)
+        ray.init(include_dashboard=dashboard, log_to_driver=True)
         logger.info("joined the Ray cluster `ray start` left on this machine (its own "
                     "%d CPUs; num_workers %d still caps the actors)", cluster_cpus(), num_cpus)
 
