@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,7 +265,9 @@ def _as_tuple(value: Any, name: str) -> tuple[str, ...]:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TokenizeConfig:
-    """Defaults <- YAML file at `path` <- overrides whose value is not None."""
+    """Defaults <- YAML file at `path` <- overrides whose value is not None. In the file,
+    the locations (inputs, output, tokenizer) may name environment variables ($NAME or
+    ${NAME}); an unset one is an error naming it."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -273,9 +276,29 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TokenizeCon
             raise ConfigError(f"{path}: cannot read config: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of config keys")
-        data.update(loaded or {})
+        data.update(expand_locations(loaded or {}, path))
     data.update({k: v for k, v in overrides.items() if v is not None})
     return TokenizeConfig.from_dict(data)
+
+
+LOCATION_KEYS = ("inputs", "output", "tokenizer")
+
+
+def expand_locations(data: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """`data` with environment variables expanded in its location values."""
+    def expand(key: str, value: Any) -> Any:
+        if isinstance(value, list):
+            return [expand(key, item) for item in value]
+        if not isinstance(value, str) or "$" not in value:
+            return value
+        expanded = os.path.expandvars(value)
+        if "$" in expanded:
+            raise ConfigError(f"{path}: {key} {value!r} names an environment variable that "
+                              "is not set")
+        return expanded
+
+    return {key: expand(key, value) if key in LOCATION_KEYS else value
+            for key, value in data.items()}
 
 
 def dump_config_yaml(config: TokenizeConfig) -> str:

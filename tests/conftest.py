@@ -20,13 +20,23 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # A session's own Ray temp dir: a plain `ray.init()` or `ray start` here never finds (or
 # leaves) another session's cluster record. Short, for Ray's unix socket paths.
-os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="rp-", dir="/tmp"))
+if "RAY_TMPDIR" not in os.environ:
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rp-", dir="/tmp")
+    OWN_RAY_TMPDIR: str | None = os.environ["RAY_TMPDIR"]
+else:
+    OWN_RAY_TMPDIR = None
 # Ray turns 127.0.0.1 into the machine's routable address unless it thinks it runs on a
 # laptop; this keeps every Ray node of the tests on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-# raypipe's node-local caches (shards of object-storage datasets, self-check verdicts)
-os.environ.setdefault("RAYPIPE_CACHE_DIR", tempfile.mkdtemp(prefix="rp-cache-", dir="/tmp"))
+# raypipe's node-local caches (shards of object-storage datasets, self-check verdicts), the
+# staging directory of uploads and pytest's own temp root: this session's, never shared
+# with another run or the user's (~/.cache/raypipe, <tmp>/raypipe-staging), removed at
+# the end of the session
+SESSION_DIRS = [tempfile.mkdtemp(prefix=f"rp-{name}-", dir="/tmp")
+                for name in ("cache", "staging", "pytest")]
+os.environ.setdefault("RAYPIPE_CACHE_DIR", SESSION_DIRS[0])
+os.environ.setdefault("RAYPIPE_STAGING_DIR", SESSION_DIRS[1])
 
 
 def _free_port() -> int:
@@ -170,3 +180,18 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("raypipe figures")
         for name, text in _FIGURES:
             terminalreporter.write_line(f"{name}: {text}")
+
+
+def pytest_configure(config) -> None:
+    """tmp_path folders live under this session's own directory (not the shared
+    <tmp>/pytest-of-<user>) unless --basetemp says where."""
+    if not config.option.basetemp:
+        config.option.basetemp = os.path.join(SESSION_DIRS[2], "tmp")
+
+
+def pytest_unconfigure(config) -> None:
+    import shutil
+
+    for directory in [*SESSION_DIRS, OWN_RAY_TMPDIR]:
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)

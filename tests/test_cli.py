@@ -246,3 +246,19 @@ def test_train_help_states_the_whole_description_and_helps_every_option():
     assert "rerunning with the same --storage/--name resumes." in text  # the sentence, whole
     bare = [action.option_strings[0] for action in parser._actions if not action.help]
     assert not bare, f"options without help: {bare}"
+
+
+def test_config_file_locations_expand_environment_variables_and_name_an_unset_one(
+        tmp_path, monkeypatch):
+    from raypipe.config import load_config
+    from raypipe.errors import ConfigError
+
+    path = tmp_path / "job.yaml"
+    path.write_text("inputs: [${DEMO_ROOT}/corpus]\noutput: $DEMO_ROOT/tokens\n"
+                    "tokenizer: t.json\n")
+    monkeypatch.setenv("DEMO_ROOT", "/data/demo")
+    config = load_config(str(path))
+    assert (config.inputs, config.output) == (("/data/demo/corpus",), "/data/demo/tokens")
+    monkeypatch.delenv("DEMO_ROOT")
+    with pytest.raises(ConfigError, match=r"names an environment variable that is not set"):
+        load_config(str(path))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -128,12 +127,14 @@ def real_cluster():
     assert not [p for p in psutil.process_iter(["cmdline"]) if _belongs(p, port)]
 
 
-def submit_job(cluster: dict, working_dir: str, *entrypoint: str
-               ) -> subprocess.CompletedProcess:
+def submit_job(cluster: dict, working_dir: str, *entrypoint: str,
+               env_vars: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`ray job submit --working-dir DIR -- python ENTRYPOINT...` from the repository root,
     retried while the job agent is still registering (a few seconds after `ray start`)."""
+    runtime = (["--runtime-env-json", json.dumps({"env_vars": env_vars})] if env_vars
+               else [])
     command = [str(RAY), "job", "submit", f"--address={cluster['dashboard']}",
-               "--working-dir", working_dir, "--", sys.executable, *entrypoint]
+               "--working-dir", working_dir, *runtime, "--", sys.executable, *entrypoint]
     for _ in range(12):
         submit = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
                                 env=cluster["env"], timeout=400)
@@ -171,16 +172,17 @@ def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, co
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_the_readme_demo_job_submits_as_written(real_cluster):
-    """The README's `ray job submit ... jobs/tokenize.py --config jobs/configs/demo.yaml`
-    (with this environment's Python for `python`): it builds the demo corpus if missing and
+def test_the_documented_demo_job_submits_as_written(real_cluster, tmp_path):
+    """docs/tokenize.md's `ray job submit ... jobs/tokenize.py --config
+    jobs/configs/demo.yaml` (with this environment's Python for `python`, and the demo
+    directory in tmp_path through RAYPIPE_DEMO_DIR): it builds the demo corpus there and
     prints the absolute output path, which holds a verified dataset."""
-    shutil.rmtree("/tmp/raypipe-demo/tokens", ignore_errors=True)
     submit = submit_job(real_cluster, ".", "jobs/tokenize.py", "--config",
-                        "jobs/configs/demo.yaml")
+                        "jobs/configs/demo.yaml", env_vars={"RAYPIPE_DEMO_DIR": str(tmp_path)})
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
-    assert "raypipe tokenize -> /tmp/raypipe-demo/tokens" in submit.stdout
-    verify_dataset("/tmp/raypipe-demo/tokens")
+    assert "demo corpus: " in submit.stdout and str(tmp_path / "corpus") in submit.stdout
+    assert f"raypipe tokenize -> {tmp_path / 'tokens'}" in submit.stdout
+    verify_dataset(tmp_path / "tokens")
 
 
 def test_a_relative_output_in_a_submitted_job_is_refused(monkeypatch, capsys):
