@@ -254,7 +254,7 @@ def test_config_file_locations_expand_environment_variables_and_name_an_unset_on
     from raypipe.errors import ConfigError
 
     path = tmp_path / "job.yaml"
-    path.write_text("inputs: [${DEMO_ROOT}/corpus]\noutput: $DEMO_ROOT/tokens\n"
+    path.write_text("inputs:\n  - ${DEMO_ROOT}/corpus\noutput: $DEMO_ROOT/tokens\n"
                     "tokenizer: t.json\n")
     monkeypatch.setenv("DEMO_ROOT", "/data/demo")
     config = load_config(str(path))
