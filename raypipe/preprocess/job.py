@@ -178,9 +178,17 @@ def _run_locked(resolved: Resolved, units: list[WorkUnit], runner: UnitRunner,
 
             run_units = pending
             if pending and runner.starts_slowly and config.head_start:
-                start = start_run(check, runner, deque(pending),
-                                  lambda todo, ready: list(SerialRunner(
-                                      resolved.tokenizer).run(todo, ready)))
+                progress.await_workers()
+
+                def on_driver(todo: Iterable[WorkUnit], ready: UnitSettings
+                              ) -> list[UnitRecord]:
+                    done = []
+                    for record in SerialRunner(resolved.tokenizer).run(todo, ready):
+                        progress.update(record, by_workers=False)  # counted as it commits
+                        done.append(record)
+                    return done
+
+                start = start_run(check, runner, deque(pending), on_driver)
                 settings, choice, head_start = start.settings, start.choice, start.head_start
                 run_units = start.units
             else:

@@ -1,11 +1,15 @@
 """Progress of a tokenize job as its units commit: a live line on a terminal, else a line at
 least every `every` seconds (logs, pipes, `ray job logs`), also while no unit commits.
 
-Invariant: progress is computed from the commit records that reach the driver (units done of
-total, tokens, input bytes read), so it never runs ahead of what is committed; the ETA is the
-remaining input bytes at the rate measured since the run started, and says "unknown" until
-the first unit has committed (no rate yet). A job whose units are not known in advance (a
-ray.data.Dataset's blocks) reports blocks and tokens without a share or ETA. Cost: one format
+Invariant: progress is computed from the commit records (units done of total, tokens,
+input bytes read), counted once per unit as soon as it commits, whether a worker or the
+driver (while Ray starts) committed it, so it never runs ahead of what is committed nor
+behind it. The ETA is the remaining input bytes at the rate the workers have shown: while
+Ray starts and only the driver tokenizes it says so instead of extrapolating one process's
+pace, and its window opens when the workers' first unit commits (that unit's time was
+mostly start-up, so it is left out); it says "unknown" until there is a rate. A job whose
+units are not known in advance (a ray.data.Dataset's blocks) reports blocks and tokens
+without a share or ETA. Cost: one format
 and one write per record or per interval, and a timer thread asleep in between.
 """
 
@@ -45,6 +49,10 @@ class Progress:
         self.started = time.perf_counter()
         self.last_shown = self.started
         self.done_units = self.done_weight = self.tokens = 0
+        self.counted: set[str] = set()
+        # while Ray starts only the driver tokenizes: no ETA from its pace (`await_workers`)
+        self.waiting_for_workers = False
+        self.window = (self.started, 0)  # (time, done weight) the workers' rate is taken from
         self.lines = 0
         self.lock = threading.Lock()
         self.stopped = threading.Event()
@@ -69,15 +77,41 @@ class Progress:
                 if now - self.last_shown >= self.every:
                     self._show(now, finished=False)
 
-    def update(self, record: UnitRecord) -> None:
+    def await_workers(self) -> None:
+        """The driver tokenizes units while the workers start: hold the ETA until they
+        commit."""
         with self.lock:
+            self.waiting_for_workers = True
+
+    def update(self, record: UnitRecord, by_workers: bool = True) -> None:
+        """Count a committed unit (once, however often it is reported)."""
+        with self.lock:
+            if record.unit.name in self.counted:
+                return
+            self.counted.add(record.unit.name)
             self.done_units += 1
             self.done_weight += self.weight_of.get(record.unit.name, 0)
             self.tokens += record.tokens
             now = time.perf_counter()
+            if by_workers and self.waiting_for_workers:  # their first unit: the window opens
+                self.waiting_for_workers = False
+                self.window = (now, self.done_weight)
             finished = self.done_units == self.total_units
             if self.live or finished or now - self.last_shown >= self.every:
                 self._show(now, finished)
+
+    def _eta(self, now: float, share: float) -> str:
+        if share >= 1.0:
+            return _clock(0)
+        if not self.done_units:
+            return "unknown until a unit commits"
+        if self.waiting_for_workers:
+            return "once Ray's workers run (the driver tokenizes meanwhile)"
+        since, weight = self.window
+        gained, span = self.done_weight - weight, now - since
+        if gained <= 0 or span <= 0:
+            return "unknown until the workers commit a unit"
+        return _clock((self.total_weight - self.done_weight) * span / gained)
 
     def _show(self, now: float, finished: bool) -> None:
         self.last_shown = now
@@ -88,8 +122,7 @@ class Progress:
             share = None
         else:
             share = self.done_weight / self.total_weight if self.total_weight else 1.0
-            eta = (_clock(elapsed * (1 - share) / share) if self.done_units
-                   else "unknown until a unit commits")
+            eta = self._eta(now, share)
             line = (f"raypipe: {self.done_units}/{self.total_units} {self.noun} ({share:.0%})")
         line += (f", {self.tokens:,} tokens, {rate / 1e6:.2f} M tokens/s, elapsed "
                  f"{_clock(elapsed)}")
