@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -128,13 +129,16 @@ def real_cluster():
 
 
 def submit_job(cluster: dict, working_dir: str, *entrypoint: str,
-               env_vars: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`ray job submit --working-dir DIR -- python ENTRYPOINT...` from the repository root,
-    retried while the job agent is still registering (a few seconds after `ray start`)."""
+               env_vars: dict[str, str] | None = None, wait: bool = True
+               ) -> subprocess.CompletedProcess:
+    """`ray job submit --working-dir DIR -- python ENTRYPOINT...` from the repository root
+    (`wait=False`: --no-wait), retried while the job agent is still registering (a few
+    seconds after `ray start`)."""
     runtime = (["--runtime-env-json", json.dumps({"env_vars": env_vars})] if env_vars
                else [])
     command = [str(RAY), "job", "submit", f"--address={cluster['dashboard']}",
-               "--working-dir", working_dir, *runtime, "--", sys.executable, *entrypoint]
+               "--working-dir", working_dir, *runtime, *([] if wait else ["--no-wait"]),
+               "--", sys.executable, *entrypoint]
     for _ in range(12):
         submit = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
                                 env=cluster["env"], timeout=400)
@@ -193,3 +197,44 @@ def test_a_relative_output_in_a_submitted_job_is_refused(monkeypatch, capsys):
     code = job["run"](["corpus", "--tokenizer", "t.json", "--output", "out/tokens"])
     error = capsys.readouterr().err
     assert code == 2 and "'out/tokens' is relative" in error and "absolute path" in error
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_job_stop_ends_the_job_with_143_and_leaves_the_output_resumable(
+        real_cluster, tmp_path, corpus_dir, tokenizer_path):
+    """`ray job stop` sends SIGTERM to the entrypoint: jobs/tokenize.py ends with one line
+    (exit status 143) and every committed unit stays; the rerun gives the clean bytes."""
+    from raypipe import _faults as faults
+    from raypipe.config import load_config
+    from raypipe.preprocess.job import run_job
+    from tests.helpers import shard_files
+
+    marker = tmp_path / "paused"
+    fault = {"point": "unit.rows", "action": "pause", "in": "worker", "marker": str(marker),
+             "unit": "part-2"}
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "inputs": [str(corpus_dir)], "output": str(tmp_path / "out"),
+        "tokenizer": tokenizer_path, "unit_bytes": 1, "head_start": False}))
+    submit = submit_job(real_cluster, ".", "jobs/tokenize.py", "--config", str(config),
+                        env_vars={faults.ENVIRONMENT_VARIABLE: json.dumps(fault)},
+                        wait=False)
+    job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
+    deadline = time.monotonic() + 180
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert marker.exists(), "no worker reached the paused unit"
+    ray_job = [str(RAY), "job"]
+    subprocess.run([*ray_job, "stop", f"--address={real_cluster['dashboard']}", job_id],
+                   capture_output=True, text=True, env=real_cluster["env"], timeout=120)
+    logs = subprocess.run([*ray_job, "logs", f"--address={real_cluster['dashboard']}", job_id],
+                          capture_output=True, text=True, env=real_cluster["env"],
+                          timeout=120).stdout
+    assert "raypipe tokenize: interrupted by SIGTERM; " in logs, logs[-3000:]
+    assert "rerun the same command to resume" in logs and "Traceback" not in logs
+    run_job(load_config(str(config)))
+    clean = load_config(None, inputs=[str(corpus_dir)], output=str(tmp_path / "clean"),
+                        tokenizer=tokenizer_path, unit_bytes=1)
+    run_job(clean)
+    assert shard_files(tmp_path / "out") == shard_files(tmp_path / "clean")

@@ -46,7 +46,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None,
                     _started_here.add(current_gcs_address())
                     atexit.unregister(stop_autoscaler_monitor)  # once, however many
                     atexit.register(stop_autoscaler_monitor)  # before Ray's hook (LIFO)
-                interrupts.reinstall()  # ray.init set its own SIGTERM handler
+            interrupts.reinstall()  # ray.init set its own SIGTERM handler
     except interrupts.Interrupted:
         shutdown_local_ray()  # what started here stops here
         raise
