@@ -229,8 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    interrupts.install()
-    args = build_parser().parse_args(argv)
+    with interrupts.handled():
+        return run_command(build_parser().parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """The command's handler; errors and interrupts as one line and an exit status."""
     try:
         return args.handler(args)
     except interrupts.Interrupted as exc:

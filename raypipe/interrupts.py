@@ -67,6 +67,25 @@ def install() -> None:
     _State.installed = True
 
 
+@contextmanager
+def handled() -> Iterator[None]:
+    """`install()` for the block, then the handlers and state from before it (a command
+    called from other code leaves that code's signal handling as it found it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    was_installed = _State.installed
+    install()
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _State.installed = was_installed
+        reset()
+
+
 def reinstall() -> None:
     """Take the signals back if `install()` ran in this process."""
     if _State.installed:

@@ -168,14 +168,12 @@ def test_an_interrupted_verify_and_convert_say_so_in_one_line(tmp_path, monkeypa
 
     monkeypatch.setattr("raypipe.tools.verify.verify_dataset", interrupt)
     monkeypatch.setattr("raypipe.tools.convert.convert_dataset", interrupt)
-    try:
-        assert main(["verify", str(token_dataset)]) == 143
-        assert main(["convert", str(token_dataset), str(tmp_path / "to"), "--format",
-                     "nanogpt"]) == 143
-    finally:
-        interrupts.reset()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    before = {signum: signal.getsignal(signum) for signum in interrupts.SIGNALS}
+    assert main(["verify", str(token_dataset)]) == 143
+    assert main(["convert", str(token_dataset), str(tmp_path / "to"), "--format",
+                 "nanogpt"]) == 143
+    # a command called from other code leaves that code's signal handlers as it found them
+    assert {signum: signal.getsignal(signum) for signum in interrupts.SIGNALS} == before
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0] == ("raypipe verify: interrupted by SIGTERM; nothing was changed: rerun "
                         "the same command")
