@@ -193,7 +193,7 @@ def test_progress_counts_the_drivers_units_at_once_and_never_extrapolates_its_pa
     progress._show(progress.started + 5, finished=False)
     assert "raypipe: 2/6 units (33%)" in log.getvalue().splitlines()[-1]
     assert log.getvalue().splitlines()[-1].endswith(
-        "ETA once Ray's workers run (the driver tokenizes meanwhile)")
+        "ETA once Ray's workers run")
     progress.update(records[2])  # the workers' first unit opens the rate window
     progress._show(progress.window[0] + 1, finished=False)
     assert log.getvalue().splitlines()[-1].endswith(

@@ -177,8 +177,9 @@ def _run_locked(resolved: Resolved, units: list[WorkUnit], runner: UnitRunner,
                                     if wanted else [])
 
             run_units = pending
-            if pending and runner.starts_slowly and config.head_start:
+            if pending and runner.starts_slowly:  # no ETA from a window holding Ray's start
                 progress.await_workers()
+            if pending and runner.starts_slowly and config.head_start:
 
                 def on_driver(todo: Iterable[WorkUnit], ready: UnitSettings
                               ) -> list[UnitRecord]:

@@ -78,8 +78,8 @@ class Progress:
                     self._show(now, finished=False)
 
     def await_workers(self) -> None:
-        """The driver tokenizes units while the workers start: hold the ETA until they
-        commit."""
+        """The workers are starting (Ray, its actors; the driver may tokenize meanwhile):
+        hold the ETA until they commit, and measure their rate from then on."""
         with self.lock:
             self.waiting_for_workers = True
 
@@ -106,7 +106,7 @@ class Progress:
         if not self.done_units:
             return "unknown until a unit commits"
         if self.waiting_for_workers:
-            return "once Ray's workers run (the driver tokenizes meanwhile)"
+            return "once Ray's workers run"
         since, weight = self.window
         gained, span = self.done_weight - weight, now - since
         if gained <= 0 or span <= 0:
