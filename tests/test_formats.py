@@ -102,9 +102,10 @@ def test_dtype_rules():
     assert nanogpt_dtype(65535) == np.uint16 and nanogpt_dtype(65536) == np.uint32
 
 
-def test_token_that_does_not_fit_is_an_error(tmp_path):
+@pytest.mark.parametrize("fmt_name", document_formats())
+def test_token_that_does_not_fit_is_an_error(tmp_path, fmt_name):
     with pytest.raises(FormatError, match="does not fit uint16"):
-        write_shard("megatron", tmp_path, [np.array([0, 70000], np.uint32)], np.uint16, 1)
+        write_shard(fmt_name, tmp_path, [np.array([0, 70000], np.uint32)], np.uint16, 1)
 
 
 @pytest.mark.parametrize("fmt_name", document_formats())

@@ -33,6 +33,7 @@ from raypipe.formats.base import (
     FormatOptions,
     ShardReader,
     ShardWriter,
+    check_token_range,
     register,
     require_file,
 )
@@ -90,6 +91,7 @@ class MDSWriter(ShardWriter):
         self.sizes: list[int] = []
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
+        check_token_range(tokens, self.token_dtype, str(self.directory / self.name))
         tokens = np.ascontiguousarray(tokens, dtype=self.token_dtype)
         ends = np.cumsum(lengths)
         records = metadata if isinstance(metadata, list) else None
