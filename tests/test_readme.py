@@ -1,6 +1,7 @@
-"""The README's Python code blocks run as written, in order, in a directory holding what
-they name (`corpus/` parquet files, `corpus.jsonl`, `tokenizer.json`), inside the test
-session's local Ray: tokenize, tokenize a Ray Dataset, load and resume, Ray Train."""
+"""The README's Python code blocks, then those of the docs pages, run as written, in order,
+in a directory holding what they name (`corpus/` parquet files, `corpus.jsonl`,
+`tokenizer.json`), inside the test session's local Ray: tokenize, tokenize a Ray Dataset,
+load and resume, Ray Train."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from tests.conftest import write_parquet
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
 def python_blocks(text: str) -> list[str]:
@@ -32,7 +35,7 @@ def test_the_readme_has_python_blocks_for_tokenize_load_and_ray_train():
         assert call in joined, call
 
 
-def test_every_readme_python_block_runs_as_written(ray_session, tmp_path, monkeypatch,
+def test_every_readme_and_docs_python_block_runs_as_written(ray_session, tmp_path, monkeypatch,
                                                    corpus_texts, capsys):
     texts = corpus_texts[:600]
     for index in range(2):
@@ -43,11 +46,13 @@ def test_every_readme_python_block_runs_as_written(ray_session, tmp_path, monkey
     shutil.copy(SHIPPED, tmp_path / "tokenizer.json")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__readme__"}
-    for number, block in enumerate(python_blocks(README.read_text()), start=1):
-        try:
-            exec(compile(block, f"README.md python block {number}", "exec"), namespace)
-        except Exception as exc:  # noqa: BLE001  (named with the block that raised it)
-            pytest.fail(f"README python block {number} raised {exc!r}:\n{block}")
+    for page in [README, *DOCS]:
+        for number, block in enumerate(python_blocks(page.read_text()), start=1):
+            where = f"{page.relative_to(ROOT)} python block {number}"
+            try:
+                exec(compile(block, where, "exec"), namespace)
+            except Exception as exc:  # noqa: BLE001  (named with the block that raised it)
+                pytest.fail(f"{where} raised {exc!r}:\n{block}")
     assert (tmp_path / "out" / "manifest.json").exists()
     assert (tmp_path / "out-filtered" / "manifest.json").exists()
     assert "3\n" in capsys.readouterr().out  # the resumed loader's first step
