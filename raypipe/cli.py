@@ -275,12 +275,11 @@ def interrupted_line(args: argparse.Namespace, exc: interrupts.Interrupted) -> s
 
 def committed_units(output: str) -> int | None:
     """How many unit records the output holds (None where it cannot be listed)."""
-    from raypipe.io.manifest import JOB_RECORD, UNITS_DIR
+    from raypipe.io.manifest import unit_record_paths
     from raypipe.io.store import Store
 
     try:
-        return sum(1 for path in Store(output).list_files(UNITS_DIR)
-                   if path.endswith(".json") and not path.endswith(JOB_RECORD))
+        return len(unit_record_paths(Store(output)))
     except (RaypipeError, OSError):
         return None
 

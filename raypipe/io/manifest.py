@@ -42,6 +42,13 @@ def unit_record_name(unit_name: str) -> str:
     return f"{UNITS_DIR}/{unit_name}.json"
 
 
+def unit_record_paths(output: Store) -> list[str]:
+    """The paths of every unit record the output holds (one listing, no record read)."""
+    job = f"{UNITS_DIR}/{JOB_RECORD}"
+    return [path for path in output.list_files(UNITS_DIR)
+            if path.endswith(".json") and path != job]
+
+
 def write_unit_record(output: Store, record: UnitRecord) -> None:
     output.write_json(unit_record_name(record.unit.name), to_json(record))
 

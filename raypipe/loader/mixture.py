@@ -64,10 +64,7 @@ class MixtureLoader:
         by tokens); options as TokenLoader's (raypipe.loader.options)."""
         if not paths:
             raise ConfigError("mixture: no sources given")
-        shape = {name: value for name, value in (("seq_len", seq_len),
-                                                 ("batch_size", batch_size))
-                 if value is not None}
-        self.options = options = LoaderOptions.of(options, **knobs, **shape)
+        self.options = options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
         if options.plan_spec(0).preformed or options.metadata:
             raise ConfigError("mixture: sources are read as documents or windows; llmbatch "
                               "batches and stream metadata cannot be mixed")

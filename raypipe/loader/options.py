@@ -70,8 +70,13 @@ class LoaderOptions:
         self.torch_device()
 
     @classmethod
-    def of(cls, options: LoaderOptions | None = None, **knobs: Any) -> LoaderOptions:
-        """`options` (or the defaults) with `knobs` replacing their fields."""
+    def of(cls, options: LoaderOptions | None = None, seq_len: int | None = None,
+           batch_size: int | None = None, **knobs: Any) -> LoaderOptions:
+        """`options` (or the defaults) with `knobs` replacing their fields; `seq_len` and
+        `batch_size` (the loaders' positional arguments) only where given."""
+        knobs.update({name: value for name, value in (("seq_len", seq_len),
+                                                      ("batch_size", batch_size))
+                      if value is not None})
         known = {field.name for field in fields(cls)}
         unknown = sorted(set(knobs) - known)
         if unknown:

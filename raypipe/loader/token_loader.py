@@ -74,10 +74,7 @@ class TokenLoader:
         if isinstance(path, dict) or is_mixture_spec(path):
             raise ConfigError(f"TokenLoader reads one dataset; {path!r} is a mixture: "
                               "raypipe.open_loader(...) serves it (a MixtureLoader)")
-        shape = {name: value for name, value in (("seq_len", seq_len),
-                                                 ("batch_size", batch_size))
-                 if value is not None}
-        self.options = options = LoaderOptions.of(options, **knobs, **shape)
+        self.options = options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
         self.mode, self.seed = options.mode, options.seed
         store = Store(path)

@@ -20,7 +20,7 @@ from raypipe.config import LOCATION_FIELDS, TokenizeConfig, flag_of
 from raypipe.errors import ConfigError
 from raypipe.formats import FORMATS
 from raypipe.io.atomic import remove_stale_temps
-from raypipe.io.manifest import JOB_RECORD, MANIFEST_NAME, UNITS_DIR
+from raypipe.io.manifest import JOB_RECORD, MANIFEST_NAME, UNITS_DIR, unit_record_paths
 from raypipe.io.records import JobRecord, UnitRecord
 from raypipe.io.store import Store
 from raypipe.preprocess.unit import UnitSettings
@@ -80,9 +80,7 @@ def unit_records(output: Store, named: Callable[[str], bool] = lambda name: True
                  ) -> Iterator[tuple[str, UnitRecord]]:
     """(record path, record) of every unit record in the output whose unit name `named`
     accepts: the listing decides, only those records are read (one GET each)."""
-    for path in output.list_files(UNITS_DIR):
-        if path == JOB_PATH or not path.endswith(".json"):
-            continue
+    for path in unit_record_paths(output):
         if named(PurePosixPath(path).name.removesuffix(".json")):
             yield path, UnitRecord.from_json(output.read_json(path), output.uri_of(path))
 
