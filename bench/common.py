@@ -59,7 +59,7 @@ def write_synthetic_dataset(output: Path, format_name: str, batches, fingerprint
     for tokens, lengths, metadata in batches:
         roller.add(tokens, lengths, metadata)
     entries = tuple(shard.entry(format_name) for shard in roller.finish())
-    section = FormatSection(fmt.token_dtype(info.largest_id).name, entries, options)
+    section = FormatSection(fmt.token_dtype(info.largest_id).name, entries, options.to_json())
     write_manifest(output, Manifest.build(fingerprint, info, {format_name: section}, {}))
     return output
 

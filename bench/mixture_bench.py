@@ -1,4 +1,4 @@
-"""Mixture benchmark: a TokenLoader over a two-source mixture against the same loader over
+"""Mixture benchmark: a loader (open_loader) over a two-source mixture against the same loader over
 one source, bestfit and windows, T=2048, B=8.
 
     python bench/mixture_bench.py [--tokens 40_000_000] [--workdir bench_out]
@@ -17,13 +17,13 @@ from pathlib import Path
 
 from common import print_table, synthetic_token_dataset
 
-from raypipe.loader import TokenLoader
+from raypipe.loader import open_loader
 
 SEQ, BATCH = 2048, 8
 
 
 def seconds_per_batch(path, steps: int, mode: str, **options) -> float:
-    loader = TokenLoader(path, SEQ, BATCH, mode=mode, **options)
+    loader = open_loader(path, SEQ, BATCH, mode=mode, **options)
     iterator = iter(loader)
     int(next(iterator).inputs[0, 0])  # plans and shards opened outside the timing
     began = time.perf_counter()
