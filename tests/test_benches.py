@@ -1,0 +1,19 @@
+"""Benchmarks run against today's API: each one at a tiny size, in a fresh process, writing
+only under tmp_path (the figures themselves are the benchmarks' business, not the tests')."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_mixture_benchmark_runs_at_a_tiny_size(tmp_path):
+    done = subprocess.run([sys.executable, "bench/mixture_bench.py", "--tokens", "300000",
+                           "--steps", "5", "--repeats", "1", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split()[0] for line in done.stdout.splitlines()[2:] if line.strip()]
+    assert rows == ["bestfit", "windows"], done.stdout
