@@ -14,12 +14,15 @@ from raypipe.demo.corpus import gather_docstrings, stdlib_root, write_corpus  # 
 
 
 def docstring_corpus(directory: Path, target_bytes: int, files: int = 16) -> Path:
-    """At least `target_bytes` of docstrings (stdlib + installed packages) as parquet files,
-    built once and cached in `directory`. Repeats the document list if one pass is short."""
+    """At least `target_bytes` of docstrings (stdlib + installed packages: a minute to
+    gather; the stdlib's alone where they are enough) as parquet files, built once and cached
+    in `directory`. Repeats the document list if one pass is short."""
     corpus = directory / f"corpus-{target_bytes >> 20}MB"
     if not any(corpus.glob("*.parquet")):
-        roots = [stdlib_root(), *map(Path, site.getsitepackages())]
-        documents = gather_docstrings(roots, skip_site_packages=False)
+        documents = gather_docstrings([stdlib_root()], limit_chars=target_bytes)
+        if sum(len(d.encode()) for d in documents) < target_bytes:
+            roots = [stdlib_root(), *map(Path, site.getsitepackages())]
+            documents = gather_docstrings(roots, skip_site_packages=False)
         pool, size = list(documents), sum(len(d.encode()) for d in documents)
         while size < target_bytes:
             documents.extend(pool)

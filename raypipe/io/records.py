@@ -277,6 +277,7 @@ class UnitRecord(JsonRecord):
     skipped: dict[str, int]
     shards: tuple[UnitShard, ...]
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # its thread's CPU time (below `seconds` where cores are shared)
     started_at: float = 0.0
     finished_at: float = 0.0
     peak_rss_bytes: int = 0

@@ -132,7 +132,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
                   batches: Iterable[pa.RecordBatch] | None = None) -> UnitRecord:
     """Tokenize `unit`, commit its shards and its record; return the record. Its rows are
     read from its file, or given as `batches` (a block of a ray.data.Dataset)."""
-    started, started_at = time.perf_counter(), time.time()
+    started, started_at, started_cpu = time.perf_counter(), time.time(), time.thread_time()
     config = settings.config
     store = settings.output
     staging = Staging(store)
@@ -174,7 +174,8 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
         unit=unit, fingerprint=settings.fingerprint, rows=rows, documents=documents,
         tokens=tokens_total, skipped=dict(sorted((+skipped).items())), shards=tuple(shards),
         special_literals=special_literals,
-        seconds=round(time.perf_counter() - started, 4), started_at=started_at,
+        seconds=round(time.perf_counter() - started, 4),
+        cpu_seconds=round(time.thread_time() - started_cpu, 4), started_at=started_at,
         finished_at=time.time(),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     faults.point("unit.before_record", unit.name)
