@@ -13,7 +13,7 @@ one module that calls `register`. Byte layouts: docs/formats.md.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -176,6 +176,13 @@ class Format:
 
     def token_dtype(self, largest_id: int) -> np.dtype:
         return self.dtype_for_largest_id(largest_id)
+
+    def section(self, largest_id: int, shards: Iterable[ShardEntry],
+                options: dict[str, Any]) -> FormatSection:
+        """The manifest's section for this format (the one place it is built): its token
+        dtype for a vocabulary whose largest id is `largest_id`, its shards in order, and its
+        options as the manifest records them."""
+        return FormatSection(self.token_dtype(largest_id).name, tuple(shards), options)
 
     @property
     def holds_batches(self) -> bool:

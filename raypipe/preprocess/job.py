@@ -38,7 +38,7 @@ from raypipe.io.manifest import (
     shard_table,
     write_manifest,
 )
-from raypipe.io.records import FormatSection, Manifest, UnitRecord, WorkUnit
+from raypipe.io.records import Manifest, UnitRecord, WorkUnit
 from raypipe.io.store import Store
 from raypipe.preprocess.encoding.encoder import (
     DocumentEncoder,
@@ -356,9 +356,9 @@ def add_batch_formats(config: TokenizeConfig, output: Store, manifest: Manifest)
 
 def build_manifest(config: TokenizeConfig, settings: UnitSettings,
                    records: list[UnitRecord]) -> Manifest:
-    dtypes = settings.shard_spec().token_dtypes()
-    formats = {name: FormatSection(dtypes[name].name, shard_table(records, name),
-                                   config.format_options(name).to_json())
+    largest_id = settings.tokenizer.largest_id
+    formats = {name: get_format(name).section(largest_id, shard_table(records, name),
+                                              config.format_options(name).to_json())
                for name in settings.formats}
     return Manifest.build(settings.fingerprint, settings.tokenizer, formats, config.to_dict(),
                           records)

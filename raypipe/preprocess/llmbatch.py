@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from raypipe.dataset import TokenDataset
+from raypipe.formats import get_format
 from raypipe.formats.llmbatch import LLMBATCH, LLMBatchWriter, pad_token
 from raypipe.io.records import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
@@ -54,11 +55,12 @@ def write_llmbatch(dataset: TokenDataset, output: Store, spec: LLMBatchSpec,
                    format_name: str = LLMBATCH.name) -> FormatSection:
     """Write the shards into `output/<format_name>`; return the manifest's section."""
     with Staging(output) as staging:
-        return _write_llmbatch(dataset, staging, staging.directory / format_name, spec)
+        return _write_llmbatch(dataset, staging, format_name, spec)
 
 
-def _write_llmbatch(dataset: TokenDataset, staging: Staging, directory: Path,
+def _write_llmbatch(dataset: TokenDataset, staging: Staging, format_name: str,
                     spec: LLMBatchSpec) -> FormatSection:
+    directory = staging.directory / format_name
     mode, packing = PLAN_OF_PACKING[spec.packing]
     positions_per_row = spec.seq_len - 1
     plan = make_plan(mode, dataset.num_tokens, dataset_lengths(dataset, node_cache=False),
@@ -97,7 +99,8 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, directory: Path,
                "num_batches": num_batches, "source_format": dataset.format_name,
                "pad_id": pad_id,
                **report.as_options()}
-    return FormatSection("uint32", tuple(shards), options)
+    return get_format(format_name).section(dataset.manifest.tokenizer.largest_id, shards,
+                                           options)
 
 
 def records_report(plan: Plan, records: int, record_len: int) -> PackingReport:

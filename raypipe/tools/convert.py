@@ -22,7 +22,7 @@ from raypipe.errors import ConfigError, FormatError
 from raypipe.formats import document_formats, get_format, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.manifest import MANIFEST_NAME, as_store, read_manifest, write_manifest
-from raypipe.io.records import FormatSection, Manifest, ShardEntry
+from raypipe.io.records import Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
 from raypipe.preprocess.llmbatch import LLMBatchSpec, write_llmbatch
@@ -110,8 +110,7 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
             table = [entry for name, documents in _source_documents(source, manifest,
                                                                      source_format)
                      for entry in _write_documents(spec, name, documents, staging)]
-        section = FormatSection(fmt.token_dtype(info.largest_id).name, tuple(table),
-                                options.to_json())
+        section = fmt.section(info.largest_id, table, options.to_json())
     out = Manifest.build(fingerprint, info, {format_name: section}, manifest.config,
                          totals=manifest.totals,
                          converted_from={"path": source.uri, "fingerprint": manifest.fingerprint})
