@@ -134,8 +134,9 @@ def fresh_env(workdir: Path) -> dict[str, str]:
     """A child's environment: its own Ray temp dir, no auth token, Ray on loopback."""
     import tempfile
 
-    return {**os.environ,  # under the caller's own Ray temp dir where it has one (tests)
-            "RAY_TMPDIR": tempfile.mkdtemp(prefix="rp-", dir=os.environ.get("RAY_TMPDIR", "/tmp")),
+    ray_tmpdir = tempfile.mkdtemp(prefix="rp-",  # inside the caller's own, if any (tests)
+                                  dir=os.environ.get("RAY_TMPDIR", "/tmp"))
+    return {**os.environ, "RAY_TMPDIR": ray_tmpdir,
             "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 
@@ -353,7 +354,8 @@ def report(ceilings: dict, jobs: dict, datatrove: list[float], small: dict, size
           f"the driver tokenized {job['on_driver']} of {job['units']} units meanwhile")
     if on_cluster:
         cluster_job = min(on_cluster, key=lambda j: j["wall"])
-        ratio = cluster_job["tokens"] / cluster_job["wall"] / ceiling_rate[cluster_job["backend"]]
+        rate = cluster_job["tokens"] / cluster_job["wall"]
+        ratio = rate / ceiling_rate[cluster_job["backend"]]
         print(f"on the running cluster, {core_seconds_line(cluster_job, ceiling_wall)}")
         print(f"RATIO raypipe on a running cluster/ceiling = {ratio:.2f} (target >= 0.85): "
               f"{'PASS' if ratio >= 0.85 else 'BELOW TARGET'} (Ray Data start-up "

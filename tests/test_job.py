@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 
 import pyarrow as pa
 import pytest
@@ -12,7 +13,9 @@ import pytest
 from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
 from raypipe.errors import ConfigError, InputError
+from raypipe.io.store import Store
 from raypipe.preprocess.job import SerialRunner, run_job
+from raypipe.preprocess.output import unit_records
 from tests.conftest import write_parquet
 from tests.helpers import expected_documents, file_identities, shard_files
 
@@ -395,3 +398,25 @@ def test_rows_that_yield_no_document_fail_the_job_unless_allowed(tmp_path, token
     with pytest.raises(InputError, match="pass --allow-empty"):
         run_job(load_config(None, **options))
     assert run_job(load_config(None, allow_empty=True, **options)).documents == 0
+
+
+def test_a_unit_record_keeps_the_cpu_time_its_unit_took(tmp_path, corpus_dir, tokenizer_path):
+    """`cpu_seconds` is the unit's own thread's CPU time: a thread spinning beside it while
+    the unit runs adds nothing to it (the benchmarks' core-second accounting relies on it)."""
+    spinning = threading.Event()
+
+    def spin() -> None:
+        while not spinning.is_set():
+            sum(range(1000))
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path))
+    finally:
+        spinning.set()
+        spinner.join()
+    records = [record for _, record in unit_records(Store(str(tmp_path / "out")))]
+    assert records and all(record.cpu_seconds > 0 for record in records)
+    unit_cpu, unit_wall = (sum(r.cpu_seconds for r in records), sum(r.seconds for r in records))
+    assert unit_cpu < 0.8 * unit_wall  # the spinner held the GIL part of each unit's time
