@@ -38,8 +38,7 @@ def _read_windows(root: str, format_name: str | None, seq_len: int, seed: int, e
         positions = np.arange(block_first, min(block_first + ROWS_PER_BLOCK, stop))
         ids, offsets = plan.window_starts(positions)
         rows = np.empty((len(ids), seq_len + 1), dtype=np.int64)
-        for row, offset in enumerate(offsets.tolist()):
-            source.copy_span(offset, rows[row])
+        source.copy_windows(offsets.tolist(), rows)
         tokens = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), seq_len + 1)
         tables.append(pa.table({"tokens": tokens, "window": pa.array(ids)}))
     return tables
