@@ -7,7 +7,7 @@ restart at 0 at every document start and `cu_seqlens` lists the document starts 
 flattened [B, T] inputs (flash-attention varlen style), so attention can stay inside
 documents. Observations are described (permuted, located) for many batches per numpy call;
 filling a row is then one slice copy per touched shard (windows) or per packed document
-(bestfit). Measured on 2 cores, B=8, T=2048: ~40 us per batch for windows, ~70 us for
+(bestfit). Measured on 2 cores, B=8, T=2048: ~35 us per batch for windows, ~70 us for
 bestfit (see bench/loader_bench.py).
 """
 
