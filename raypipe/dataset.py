@@ -406,6 +406,12 @@ class LLMBatchDataset(ShardSet):
         reader, local = self._locate(index)
         return reader.padding(local, batch)
 
+    def pieces(self, index: int) -> Any:
+        """Batch `index`'s record pieces (the format's BatchPieces; None where the file
+        predates them)."""
+        reader, local = self._locate(index)
+        return reader.pieces(local)
+
     def records(self, index: int) -> list[np.ndarray]:
         """Batch `index`'s records without their padding."""
         reader, local = self._locate(index)

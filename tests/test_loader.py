@@ -69,7 +69,8 @@ def test_crop_rows_start_with_bos_and_follow_the_plan(token_dataset):
     plan = loader.plan()
     for batch in loader:
         rows = plan.rows(batch.positions)
-        for row, (row_id, doc_ids, starts, take) in enumerate(rows):
+        for row, (row_id, pieces) in enumerate(rows):
+            doc_ids, starts, take = pieces.doc_ids, pieces.starts, pieces.take
             tokens = torch.cat([batch.inputs[row], batch.targets[row, -1:]]).tolist()
             assert tokens[0] == 0 and not starts.any()  # BOS
             expected = np.concatenate([documents[d][:n] for d, n in zip(doc_ids, take,
@@ -96,14 +97,18 @@ def test_packed_rows_hold_pieces_each_its_own_sequence_then_masked_padding(token
     plan = loader.plan()
     padded_rows = 0
     for batch in loader:
-        for row, (_, doc_ids, starts, take) in enumerate(plan.rows(batch.positions)):
+        for row, (_, pieces) in enumerate(plan.rows(batch.positions)):
+            doc_ids, starts, take = pieces.doc_ids, pieces.starts, pieces.take
             tokens = torch.cat([batch.inputs[row], batch.targets[row, -1:]]).tolist()
             filled = int(take.sum())
             expected = np.concatenate([documents[d][a:a + n] for d, a, n in
                                        zip(doc_ids, starts, take, strict=True)])
             assert tokens[:filled] == expected.tolist()
             assert tokens[filled:] == [7] * (T + 1 - filled)  # padding
-            assert batch.mask[row].tolist() == [1] * (filled - 1) + [0] * (T + 1 - filled)
+            mask = [1] * (filled - 1) + [0] * (T + 1 - filled)
+            for column, true in zip(pieces.columns[1:], pieces.true_joins, strict=True):
+                mask[column - 1] = int(true)  # the target into a piece: true joins only
+            assert batch.mask[row].tolist() == mask
             padded_rows += filled <= T
         flat = batch.position_ids.reshape(-1).tolist()
         starts_flat = batch.cu_seqlens[:-1].tolist()
@@ -132,8 +137,8 @@ def test_default_epoch_trains_at_least_99_percent_of_token_positions_once(token_
     consumed, _ = run_ranks(token_dataset, world, mode="bestfit", seed=2)
     for row_id in consumed:  # a global row id names (block, row in the block)
         block = int(np.searchsorted(plan.row_offsets, row_id, side="right")) - 1
-        doc_ids, starts, take = plan.pack(block).row(row_id - int(plan.row_offsets[block]))
-        for doc, start, count in zip(doc_ids, starts, take, strict=True):
+        pieces = plan.pack(block).row(row_id - int(plan.row_offsets[block]))
+        for doc, start, count in zip(pieces.doc_ids, pieces.starts, pieces.take, strict=True):
             seen[doc][start:start + count] += 1
     counts = np.concatenate(seen)
     assert counts.max() == 1

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.nanochat_reference import nanochat_bestfit_crop
-from raypipe.sampling.pack import PACKINGS, pack_block, pack_fill, pack_split
+from raypipe.sampling.pack import PACKINGS, pack, pack_block, pack_fill, pack_split
 from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
 from raypipe.sampling.plans import BestFitPlan, PackingReport, ShardGroups, WindowPlan
 
@@ -67,7 +67,8 @@ def test_pack_block_rows_are_full_bos_aligned_and_conserve_tokens(lengths, capac
     assert packed.used_tokens + packed.cropped_tokens + packed.dropped_tokens == total
     seen = []
     for row in range(packed.num_rows):
-        doc_ids, starts, take = packed.row(row)
+        pieces = packed.row(row)
+        doc_ids, starts, take = pieces.doc_ids, pieces.starts, pieces.take
         assert take.sum() == capacity and not starts.any()  # full row, no padding
         assert (take <= lengths[doc_ids]).all() and (take > 0).all()
         # every segment starts at its document's first token (BOS): only prefixes are taken
@@ -79,9 +80,10 @@ def test_pack_block_rows_are_full_bos_aligned_and_conserve_tokens(lengths, capac
 def test_pack_prefers_largest_fit_then_crops_shortest():
     packed = pack_block(np.arange(4), np.array([6, 5, 3, 9]), 10)
     # row 0: 9 fits first; nothing fits the last token, so the shortest (3) is cropped to 1
-    assert packed.row(0)[0].tolist() == [3, 2] and packed.row(0)[2].tolist() == [9, 1]
+    assert packed.row(0).doc_ids.tolist() == [3, 2] and packed.row(0).take.tolist() == [9, 1]
+    assert packed.row(0).ends_document.tolist() == [True, False]  # 2 is cropped
     # row 1: 6 fits; 5 does not fit the 4 left and is the shortest: cropped to 4
-    assert packed.row(1)[0].tolist() == [0, 1] and packed.row(1)[2].tolist() == [6, 4]
+    assert packed.row(1).doc_ids.tolist() == [0, 1] and packed.row(1).take.tolist() == [6, 4]
     assert packed.num_rows == 2 and packed.cropped_tokens == 2 + 1
 
 
@@ -98,7 +100,7 @@ def test_crop_plan_rows_cover_blocks_once():
     plan = BestFitPlan(lengths, 255, seed=5, epoch=2, block_documents=500, packing="crop")
     rows = plan.rows(np.arange(plan.size))
     assert sorted(r[0] for r in rows) == list(range(plan.size))
-    used_docs = np.concatenate([r[1] for r in rows])
+    used_docs = np.concatenate([row.doc_ids for _, row in rows])
     assert len(used_docs) == len(set(used_docs.tolist()))
 
 
@@ -106,8 +108,10 @@ def assert_every_token_once(packed, lengths, capacity):
     """The rows' segments tile every document exactly: each token in one row, once."""
     covered = {}
     for row in range(packed.num_rows):
-        doc_ids, starts, take = packed.row(row)
+        pieces = packed.row(row)
+        doc_ids, starts, take = pieces.doc_ids, pieces.starts, pieces.take
         assert 0 < take.sum() <= capacity and (take > 0).all()
+        assert (pieces.ends_document == (starts + take == lengths[doc_ids])).all()
         for doc, start, count in zip(doc_ids.tolist(), starts.tolist(), take.tolist(),
                                      strict=True):
             covered.setdefault(doc, []).append((start, count))
@@ -129,9 +133,9 @@ def test_split_packing_places_every_token_once_and_pads_the_rest(lengths, capaci
     total = int(lengths.sum())
     assert packed.used_tokens == total and packed.cropped_tokens == packed.dropped_tokens == 0
     assert packed.padded_tokens == packed.num_rows * capacity - total
-    for row in range(packed.num_rows):  # a row holding a cut document's tail starts with one
-        _, starts, _ = packed.row(row)
-        assert starts[0] > 0 or not starts.any()
+    for row in range(packed.num_rows):  # a piece that does not start its document: alone
+        starts = packed.row(row).starts
+        assert starts.size == 1 or not starts.any()
 
 
 @settings(max_examples=60, deadline=None)
@@ -143,7 +147,7 @@ def test_best_fit_decreasing_puts_each_piece_in_the_tightest_open_row(sizes):
     rooms: dict[int, int] = {}
     row_of = {}
     for row in range(packed.num_rows):
-        for doc in packed.row(row)[0].tolist():
+        for doc in packed.row(row).doc_ids.tolist():
             row_of[doc] = row
     for doc, size in enumerate(lengths.tolist()):  # replay: the tightest fit, else a new row
         fitting = [r for r, room in rooms.items() if room >= size]
@@ -193,11 +197,29 @@ def test_fill_packing_places_every_token_once_in_full_rows(lengths, capacity):
     total = int(lengths.sum())
     assert packed.num_rows == -(-total // capacity)  # rows follow from the token sum
     assert packed.used_tokens == total and packed.padded_tokens < capacity
-    for row in range(packed.num_rows):  # a piece that ends its document comes first
-        doc_ids, starts, take = packed.row(row)
-        ends = starts + take == lengths[doc_ids]
-        kinds = np.where(starts > 0, np.where(ends, 0, 2), np.where(ends, 1, 2))
-        assert (np.diff(kinds) >= 0).all()
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.integers(1, 700), min_size=1, max_size=250),
+       capacity=st.integers(2, 257), packing=st.sampled_from(PACKINGS),
+       separators=st.sampled_from([(True, False), (False, True), (True, True)]))
+def test_every_join_inside_a_packed_row_is_visible_to_a_reader_of_bos_and_eos(
+        lengths, capacity, packing, separators):
+    """Documents start with BOS and/or end with EOS. In every row, wherever a piece follows
+    a piece it does not continue truly (the first does not end its document, or the next
+    does not start its own), a separator stands between them: the first ends with EOS or
+    the next starts with BOS. So no separator position is ever needed."""
+    bos, eos = separators
+    lengths = np.array(lengths, dtype=np.int64)
+    packed = pack(packing, np.arange(len(lengths), dtype=np.int64), lengths, capacity,
+                  "bos" if bos else "eos")
+    for row in range(packed.num_rows):
+        pieces = packed.row(row)
+        opens = pieces.starts_document & bos  # the piece's first token is a BOS
+        closes = pieces.ends_document & eos  # its last token is an EOS
+        visible = closes[:-1] | opens[1:]
+        assert (visible | pieces.true_joins).all(), (row, pieces)
+        assert visible.all() or not (bos or eos)
 
 
 @settings(max_examples=40, deadline=None)

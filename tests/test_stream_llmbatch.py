@@ -133,8 +133,10 @@ def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, toke
     assert tokenizer["pad_id"] is not None  # the demo tokenizer's <pad>
     assert pad_id == tokenizer["pad_id"]
     for shard in section["shards"]:
-        path, lengths_path = (tmp_path / "out" / entry["path"] for entry in shard["files"])
-        assert (path.suffix, lengths_path.suffix) == (".batch", ".lengths")
+        path, lengths_path, pieces_path = (tmp_path / "out" / entry["path"]
+                                           for entry in shard["files"])
+        assert (path.suffix, lengths_path.suffix, pieces_path.suffix) == (
+            ".batch", ".lengths", ".pieces")
         data = path.read_bytes()
         magic, version, b, t, n, dtype, seed, total_records = struct.unpack_from(
             "<8sIIIQIII", data)
@@ -144,9 +146,17 @@ def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, toke
         assert not any(data[40:4096])
         padded = -(-batch * seq_len * 4 // 4096) * 4096
         assert len(data) == 4096 + n * padded
-        reader = LLMBatchReader(path, lengths_path)
+        reader = LLMBatchReader(path, lengths_path, pieces_path)
         lengths = np.frombuffer(lengths_path.read_bytes(), "<u4")
         assert lengths.size == n * batch and lengths.max() <= seq_len
+        pieces = pieces_path.read_bytes()  # (records + 1) u64 offsets, then u32 words
+        offsets = np.frombuffer(pieces, "<u8", n * batch + 1).astype(np.int64)
+        words = np.frombuffer(pieces, "<u4", offset=8 * (n * batch + 1))
+        assert offsets[0] == 0 and offsets[-1] == words.size and (np.diff(offsets) > 0).all()
+        columns = words & ((1 << 30) - 1)
+        assert (columns[offsets[:-1]] == 0).all()  # a record's first piece starts it
+        record_of = np.repeat(np.arange(n * batch), np.diff(offsets))
+        assert (columns < lengths[record_of]).all()
         seen_lengths.extend(lengths.tolist())
         for i in range(n):
             slot = data[4096 + i * padded: 4096 + (i + 1) * padded]
@@ -203,7 +213,14 @@ def test_split_llmbatch_holds_every_document_piece_once_and_the_loader_masks_pad
         index = int(b.observation_ids[0])
         lengths = np.array([len(record) for record in dataset.records(index)])
         padding = np.arange(seq_len)[None, :] >= lengths[:, None]
-        assert np.array_equal(b.mask.numpy(), ~padding[:, 1:])
+        expected = ~padding[:, 1:]
+        pieces = dataset.pieces(index)  # the target into a piece of another document: 0
+        false = pieces.false_joins
+        expected[pieces.records[false], pieces.columns[false] - 1] = False
+        assert np.array_equal(b.mask.numpy(), expected)
+        starts = pieces.records * (seq_len - 1) + pieces.columns
+        starts = starts[pieces.columns < seq_len - 1].tolist()
+        assert set(starts) <= set(b.cu_seqlens[:-1].tolist())  # every piece a sequence
         assert (b.inputs.numpy()[padding[:, :-1]] == 5).all()
         masked += int(padding[:, 1:].sum())
     assert masked > 0
@@ -237,7 +254,7 @@ def test_tokenize_summary_inspect_and_pack_report_agree_on_llmbatch_waste(
 
 def as_legacy_llmbatch(root):
     """Rewrite an LLMBATCH output as raypipe 0.3 wrote it: padding holds 0xFFFFFFFF, no
-    `.lengths` sidecar, no `pad_id` option."""
+    `.lengths` or `.pieces` sidecar, no `pad_id` option."""
     from dataclasses import replace
 
     from raypipe.io.atomic import file_sha256
@@ -249,7 +266,7 @@ def as_legacy_llmbatch(root):
     dataset = LLMBatchDataset(root)
     shards = []
     for index, shard in enumerate(section.shards):
-        batch_file, lengths_file = (root / entry.path for entry in shard.files)
+        batch_file, lengths_file, pieces_file = (root / entry.path for entry in shard.files)
         first = dataset.batch_offsets[index]
         batches = np.stack([dataset.batch(first + i) for i in range(shard.batches)])
         paddings = np.stack([dataset.padding(first + i) for i in range(shard.batches)])
@@ -261,6 +278,7 @@ def as_legacy_llmbatch(root):
         dataset.close()
         batch_file.write_bytes(bytes(raw))
         lengths_file.unlink()
+        pieces_file.unlink()
         entry = FileEntry(shard.files[0].path, len(raw), file_sha256(batch_file),
                           batch_file.stat().st_mtime_ns)
         shards.append(replace(shard, files=(entry,)))
@@ -291,4 +309,51 @@ def test_llmbatch_ids_are_all_real_tokens_and_a_legacy_sentinel_file_still_reads
               TokenLoader(tmp_path / "out", mode="llmbatch", pad_id=5, seed=1)]
     assert len(served) == len(current)
     for (inputs, mask), (legacy_inputs, legacy_mask) in zip(current, served, strict=True):
-        assert torch.equal(inputs, legacy_inputs) and torch.equal(mask, legacy_mask)
+        # a 0.3 file masks its padding; today's also the targets into other documents' pieces
+        assert torch.equal(inputs, legacy_inputs) and torch.equal(mask & legacy_mask, mask)
+
+
+def split_at_separators(record: np.ndarray, bos_id: int | None, eos_id: int | None
+                        ) -> list[np.ndarray]:
+    """What a reader that knows only the LLMBATCH layout sees as sequences: a record cut
+    before every BOS and after every EOS."""
+    cuts = set()
+    if bos_id is not None:
+        cuts.update(np.flatnonzero(record == bos_id).tolist())
+    if eos_id is not None:
+        cuts.update((np.flatnonzero(record == eos_id) + 1).tolist())
+    bounds = sorted(cuts | {0, record.size})
+    return [record[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+@pytest.mark.parametrize("record_len", [512, 513, 2049])
+@pytest.mark.parametrize("bos, eos", [(True, False), (False, True)])
+@pytest.mark.parametrize("packing", ["fill", "split"])
+def test_a_spec_reader_splitting_llmbatch_records_at_separators_sees_slices_of_single_documents(
+        tmp_path, corpus_dir, tokenizer_path, record_len, bos, eos, packing):
+    run(corpus_dir, tmp_path / "out", tokenizer_path, formats=["llmbatch"],
+        seq_len=record_len, batch_size=2, packing=packing, bos=bos, eos=eos)
+    documents = [np.array(d, dtype=np.uint32).tobytes() for d in
+                 expected_documents(corpus_dir, tokenizer_path, bos=bos, eos=eos)]
+    dataset = LLMBatchDataset(tmp_path / "out")
+    tokenizer = dataset.manifest.tokenizer
+    cut_documents = segments = 0
+    for record in dataset.iter_records():
+        parts = split_at_separators(np.asarray(record), tokenizer.bos_id, tokenizer.eos_id)
+        for part in parts:
+            needle = part.astype(np.uint32).tobytes()
+            assert any(_aligned_find(document, needle) for document in documents), (
+                f"a segment of {part.size} tokens is no slice of one document")
+        segments += len(parts)
+        cut_documents += sum(1 for part in parts if part[0] != tokenizer.bos_id and bos)
+    assert segments > dataset.num_batches * 2  # records hold several documents' pieces
+    assert cut_documents > 0 or not bos  # and some of them are pieces cut from a document
+
+
+def _aligned_find(haystack: bytes, needle: bytes) -> bool:
+    at = haystack.find(needle)
+    while at >= 0:
+        if at % 4 == 0:
+            return True
+        at = haystack.find(needle, at + 1)
+    return False

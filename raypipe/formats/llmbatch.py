@@ -12,9 +12,17 @@ section's `pad_id` option). Which positions are padding is in a sidecar `<name>.
 uint32 little-endian, one per record in file order, its real tokens (padding is always a
 record's tail), 4 bytes per record of T x 4 (0.05% at T = 2049). Files of raypipe 0.3 have
 no sidecar and hold 0xFFFFFFFF (LEGACY_PAD_ID) at padding positions; they still read, with
-that sentinel as their padding. The reader checks every header field and the sizes before
-mapping anything; `batch(i)` is a zero-copy [B, T] view. The writer is told the number of
-batches up front (the header is written first, so the file is hashed as it is written).
+that sentinel as their padding. Where each record's pieces start is in a second sidecar
+`<name>.pieces` (raypipe 0.5): (records + 1) uint64 offsets into a table of uint32 piece
+words, then the words; a word is the piece's first column in its record (bits 0-29), bit 30
+set when the piece starts its document and bit 31 when it ends it. A record's pieces are
+contiguous slices of single documents, so the loader takes sequences (cu_seqlens,
+position_ids) and masks (the target into a piece is true only where the piece before ends
+its document and this one starts its own) from the file, never from a token scan; 0.4 files
+without it still read (boundaries then come from a BOS/EOS scan). About 4 bytes per piece,
+8 per record. The reader checks every header field and the sizes before mapping anything;
+`batch(i)` is a zero-copy [B, T] view. The writer is told the number of batches up front
+(the header is written first, so the file is hashed as it is written).
 Cost: writing is one sequential pass; reading a batch is one memmap slice (+ B lengths).
 """
 
@@ -46,6 +54,57 @@ HEADER = struct.Struct("<8sIIIQIII")  # 40 bytes, then zeros up to PAGE
 MAX_U32 = 2**32 - 1
 LEGACY_PAD_ID = MAX_U32  # the padding of raypipe 0.3 files (no `.lengths` sidecar)
 LENGTHS = ".lengths"  # the sidecar: real tokens per record
+PIECES = ".pieces"  # the sidecar: where each record's pieces start, and their kind
+STARTS_DOCUMENT = np.uint32(1 << 30)
+ENDS_DOCUMENT = np.uint32(1 << 31)
+COLUMN_BITS = np.uint32((1 << 30) - 1)
+
+
+def piece_words(columns: np.ndarray, starts_document: np.ndarray,
+                ends_document: np.ndarray) -> np.ndarray:
+    """One record's pieces as `.pieces` words."""
+    columns = np.asarray(columns, dtype=np.int64)
+    if columns.size and (columns[0] != 0 or columns.max() > int(COLUMN_BITS)):
+        raise ValueError(f"piece columns {columns.tolist()[:8]} must start at 0 and fit 30 bits")
+    return (columns.astype(np.uint32)
+            | np.where(starts_document, STARTS_DOCUMENT, np.uint32(0))
+            | np.where(ends_document, ENDS_DOCUMENT, np.uint32(0))).astype(np.uint32)
+
+
+@dataclass(frozen=True)
+class BatchPieces:
+    """The pieces of one batch's records: record r's words are words[offsets[r]:
+    offsets[r + 1]] (see piece_words)."""
+
+    offsets: np.ndarray
+    words: np.ndarray
+
+    @property
+    def records(self) -> np.ndarray:
+        """The record of each piece."""
+        return np.repeat(np.arange(self.offsets.size - 1), np.diff(self.offsets))
+
+    @property
+    def columns(self) -> np.ndarray:
+        return (self.words & COLUMN_BITS).astype(np.int64)
+
+    @property
+    def starts_document(self) -> np.ndarray:
+        return (self.words & STARTS_DOCUMENT) != 0
+
+    @property
+    def ends_document(self) -> np.ndarray:
+        return (self.words & ENDS_DOCUMENT) != 0
+
+    @property
+    def false_joins(self) -> np.ndarray:
+        """Pieces whose crossing target is not true: not first in their record, and not (the
+        piece before ends its document and this one starts its own)."""
+        first = np.zeros(self.words.size, dtype=bool)
+        first[self.offsets[:-1][np.diff(self.offsets) > 0]] = True
+        true = np.zeros(self.words.size, dtype=bool)
+        true[1:] = self.ends_document[:-1] & self.starts_document[1:]
+        return ~first & ~true
 
 
 def pad_token(tokenizer: TokenizerInfo) -> int:
@@ -71,7 +130,8 @@ def encode_header(batch_size: int, seq_len: int, num_batches: int, seed: int,
 
 class LLMBatchWriter(ShardWriter):
     """Writes `num_batches` whole batches ([B, T] arrays of token ids) into `<name>.batch`
-    in `directory`, and each record's real tokens into `<name>.lengths`."""
+    in `directory`, each record's real tokens into `<name>.lengths` and its pieces into
+    `<name>.pieces` (kept in memory until commit: ~4 bytes a piece)."""
 
     def __init__(self, directory: Path, name: str, batch_size: int, seq_len: int,
                  num_batches: int, seed: int, total_records: int):
@@ -82,11 +142,13 @@ class LLMBatchWriter(ShardWriter):
         self.file = self.open_file(".batch")
         self.file.write(encode_header(batch_size, seq_len, num_batches, seed, total_records))
         self.lengths = self.open_file(LENGTHS)
+        self.piece_words: list[np.ndarray] = []
         self.written = 0
 
-    def add_batch(self, batch: np.ndarray, lengths: np.ndarray) -> None:
-        """One batch and its records' real tokens (the rest of each record is padding,
-        already holding the pad token)."""
+    def add_batch(self, batch: np.ndarray, lengths: np.ndarray,
+                  pieces: list[np.ndarray]) -> None:
+        """One batch, its records' real tokens (the rest of each record is padding, already
+        holding the pad token) and each record's piece words (piece_words)."""
         if batch.shape != (self.batch_size, self.seq_len):
             raise FormatError(self.file.final, "batch shape", (self.batch_size, self.seq_len),
                               batch.shape)
@@ -97,9 +159,16 @@ class LLMBatchWriter(ShardWriter):
                 lengths.max() > self.seq_len):
             raise FormatError(self.lengths.final, "record lengths", f"{self.batch_size} in "
                               f"[0, {self.seq_len}]", lengths.tolist())
+        if len(pieces) != self.batch_size or any(
+                words.size and int((words & COLUMN_BITS).max()) >= max(int(length), 1)
+                for words, length in zip(pieces, lengths.tolist(), strict=True)):
+            raise FormatError(self.file.final, "record pieces", "a piece list per record, "
+                              "each column inside the record's real tokens",
+                              [words.size for words in pieces])
         self.file.write(np.ascontiguousarray(batch, dtype="<u4").data)
         self.file.write(self.padding)
         self.lengths.write(np.ascontiguousarray(lengths, dtype="<u4").data)
+        self.piece_words.extend(pieces)
         self.written += 1
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
@@ -109,7 +178,12 @@ class LLMBatchWriter(ShardWriter):
         if self.written != self.num_batches:
             raise FormatError(self.file.final, "batches written differ from the header",
                               self.num_batches, self.written)
-        return [self.commit_file(".batch"), self.commit_file(LENGTHS)]
+        counts = np.array([words.size for words in self.piece_words], dtype=np.int64)
+        pieces = self.open_file(PIECES)
+        pieces.write(np.concatenate([[0], np.cumsum(counts)]).astype("<u8").data)
+        if self.piece_words:
+            pieces.write(np.concatenate(self.piece_words).astype("<u4").data)
+        return [self.commit_file(".batch"), self.commit_file(LENGTHS), self.commit_file(PIECES)]
 
 
 class LLMBatchReader:
@@ -117,13 +191,16 @@ class LLMBatchReader:
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> LLMBatchReader:
         paths = [safe_join(root, entry.path) for entry in shard.files]
-        batches = [path for path in paths if path.name.endswith(".batch")]
-        lengths = [path for path in paths if path.name.endswith(LENGTHS)]
-        if len(batches) != 1 or len(lengths) > 1 or len(paths) != len(batches) + len(lengths):
+        by_suffix = {suffix: [path for path in paths if path.name.endswith(suffix)]
+                     for suffix in (".batch", LENGTHS, PIECES)}
+        batches, lengths, pieces = by_suffix.values()
+        if (len(batches) != 1 or len(lengths) > 1 or len(pieces) > len(lengths)
+                or len(paths) != sum(map(len, by_suffix.values()))):
             raise FormatError(root / shard.name, "an LLMBATCH shard is a .batch file and "
-                              "its .lengths sidecar (0.3: the .batch file alone)",
-                              [".batch", LENGTHS], [entry.path for entry in shard.files])
-        return cls(batches[0], lengths[0] if lengths else None)
+                              "its .lengths and .pieces sidecars (0.4: no .pieces; 0.3: the "
+                              ".batch file alone)", [".batch", LENGTHS, PIECES],
+                              [entry.path for entry in shard.files])
+        return cls(batches[0], lengths[0] if lengths else None, pieces[0] if pieces else None)
 
     def check_counts(self, shard: ShardEntry, where: Path) -> None:
         if shard.batches != self.num_batches:
@@ -131,16 +208,34 @@ class LLMBatchReader:
                               self.num_batches)
 
     def verify_contents(self) -> None:
-        """Every record length within [0, seq_len] (the header and sizes are checked on
-        open)."""
+        """Every record length within [0, seq_len]; every record's pieces start at column 0
+        and rise inside its real tokens (the header and sizes are checked on open)."""
         if self.lengths is not None and self.lengths.size and (
                 int(self.lengths.max()) > self.seq_len):
             raise FormatError(self.lengths_path, "record length past seq_len",
                               f"<= {self.seq_len}", int(self.lengths.max()))
+        if self.piece_offsets is None or self.piece_words is None:
+            return
+        pieces = BatchPieces(self.piece_offsets.astype(np.int64), self.piece_words)
+        records, columns = pieces.records, pieces.columns
+        first = np.zeros(columns.size, dtype=bool)
+        first[pieces.offsets[:-1][np.diff(pieces.offsets) > 0]] = True
+        lengths = (np.full(records.size, self.seq_len) if self.lengths is None
+                   else self.lengths.astype(np.int64)[records])
+        rising = np.ones(columns.size, dtype=bool)
+        rising[1:] = columns[1:] > columns[:-1]
+        bad = np.flatnonzero((first & (columns != 0)) | (~first & ~rising)
+                             | (columns >= np.maximum(lengths, 1)))
+        if bad.size:
+            at = int(bad[0])
+            raise FormatError(self.pieces_path, f"record {int(records[at])}: piece column",
+                              "0 first, then rising inside the record's tokens",
+                              int(columns[at]))
 
-    def __init__(self, path: str | Path, lengths_path: str | Path | None = None):
+    def __init__(self, path: str | Path, lengths_path: str | Path | None = None,
+                 pieces_path: str | Path | None = None):
         """`lengths_path`: the `.lengths` sidecar (None: a raypipe 0.3 file, whose padding
-        is LEGACY_PAD_ID)."""
+        is LEGACY_PAD_ID); `pieces_path`: the `.pieces` sidecar (None: before 0.5)."""
         self.path = Path(path)
         size = require_file(self.path)
         if size < PAGE:
@@ -171,6 +266,25 @@ class LLMBatchReader:
             require_size(self.lengths_path, 4 * num_batches * batch_size,
                          require_file(self.lengths_path))
             self.lengths = map_file(self.lengths_path, "<u4")
+        self.pieces_path = None if pieces_path is None else Path(pieces_path)
+        self.piece_offsets: np.ndarray | None = None
+        self.piece_words: np.ndarray | None = None
+        if self.pieces_path is not None:
+            self._map_pieces(self.pieces_path, num_batches * batch_size)
+
+    def _map_pieces(self, path: Path, records: int) -> None:
+        size = require_file(path)
+        table = 8 * (records + 1)
+        if size < table or (size - table) % 4:
+            raise FormatError(path, "pieces sidecar size", f"{table} + 4 x pieces bytes", size)
+        offsets = map_file(path, "<u8", 0, records + 1)
+        pieces = (size - table) // 4
+        if offsets[0] != 0 or int(offsets[-1]) != pieces or (np.diff(offsets.astype(
+                np.int64)) < 0).any():
+            raise FormatError(path, "piece offsets", f"rising from 0 to {pieces}",
+                              [int(offsets[0]), int(offsets[-1])])
+        self.piece_offsets = offsets
+        self.piece_words = map_file(path, "<u4", table) if pieces else np.zeros(0, "<u4")
 
     def __len__(self) -> int:
         return self.num_batches
@@ -190,6 +304,14 @@ class LLMBatchReader:
             return (self.batch(index) if batch is None else batch) == LEGACY_PAD_ID
         lengths = self.lengths[index * self.batch_size:(index + 1) * self.batch_size]
         return np.arange(self.seq_len)[None, :] >= lengths[:, None]
+
+    def pieces(self, index: int) -> BatchPieces | None:
+        """Batch `index`'s record pieces (None: a file from before 0.5, without them)."""
+        if self.piece_offsets is None or self.piece_words is None:
+            return None
+        offsets = self.piece_offsets[index * self.batch_size:(index + 1) * self.batch_size + 1]
+        offsets = offsets.astype(np.int64)
+        return BatchPieces(offsets - offsets[0], self.piece_words[offsets[0]:offsets[-1]])
 
     def records(self, index: int) -> list[np.ndarray]:
         """Batch `index`'s records without their padding (views)."""
@@ -231,5 +353,6 @@ def llmbatch_dtype(largest_id: int) -> np.dtype:
     return np.dtype(np.uint32)
 
 
-LLMBATCH = register(Format("llmbatch", (".batch", LENGTHS), LLMBatchWriter, LLMBatchReader,
+LLMBATCH = register(Format("llmbatch", (".batch", LENGTHS, PIECES), LLMBatchWriter,
+                           LLMBatchReader,
                            llmbatch_dtype, holds="batches", options_type=LLMBatchOptions))

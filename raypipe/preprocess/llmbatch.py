@@ -24,12 +24,13 @@ import numpy as np
 
 from raypipe.dataset import TokenDataset
 from raypipe.formats import get_format
-from raypipe.formats.llmbatch import LLMBATCH, LLMBatchWriter, pad_token
+from raypipe.formats.llmbatch import LLMBATCH, LLMBatchWriter, pad_token, piece_words
 from raypipe.io.records import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
 from raypipe.sampling.batches import BatchBuffers, BatchBuilder, TokenSource
 from raypipe.sampling.lengths import dataset_lengths
+from raypipe.sampling.pack import separator_of
 from raypipe.sampling.plans import PREFORMED_MODE, BestFitPlan, PackingReport, Plan, make_plan
 
 DESCRIBE_BATCHES = 64
@@ -64,8 +65,8 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, format_name: str,
     mode, packing = PLAN_OF_PACKING[spec.packing]
     positions_per_row = spec.seq_len - 1
     plan = make_plan(mode, dataset.num_tokens, dataset_lengths(dataset, node_cache=False),
-                     positions_per_row,
-                     spec.seed, 0, packing=packing)
+                     positions_per_row, spec.seed, 0, packing=packing,
+                     separator=separator_of(dataset.bos_id, dataset.eos_id))
     pad_id = pad_token(dataset.manifest.tokenizer)
     builder = BatchBuilder(TokenSource(dataset), plan, positions_per_row, pad_id=pad_id,
                            boundaries=False)
@@ -85,7 +86,9 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, format_name: str,
                 positions = steps[:, None] * spec.batch_size + np.arange(spec.batch_size)
                 for batch_plan in builder.describe(positions):
                     builder.fill(batch_plan, buffers)
-                    writer.add_batch(buffers.tokens, builder.row_lengths(batch_plan))
+                    writer.add_batch(buffers.tokens, builder.row_lengths(batch_plan),
+                                     [piece_words(*pieces)
+                                      for pieces in builder.row_pieces(batch_plan)])
             files = staging.publish(writer.commit())
         except BaseException:
             writer.abort()
@@ -109,7 +112,7 @@ def records_report(plan: Plan, records: int, record_len: int) -> PackingReport:
     report = plan.report()
     tail = np.arange(records, plan.size, dtype=np.int64)
     if isinstance(plan, BestFitPlan):
-        tokens = sum(int(take.sum()) for _, _, _, take in plan.rows(tail))
+        tokens = sum(int(row.take.sum()) for _, row in plan.rows(tail))
         padding = tail.size * record_len - tokens
     else:  # windows: each record adds record_len - 1 tokens of the stream
         tokens, padding = tail.size * (record_len - 1), 0

@@ -197,6 +197,28 @@ class TokenSource:
             filled += count
             shard, local = shard + 1, 0
 
+    def span_pieces(self, start: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The documents a stream span [start, start + width) holds (global tokens, no
+        split): (column where each piece starts, it starts its document, it ends its
+        document), from the shards' document starts (a binary search per shard touched)."""
+        columns, starts, ends = [], [], []
+        at = start
+        shard = int(np.searchsorted(self.token_offsets, start, side="right")) - 1
+        while at < start + width and shard < len(self.token_offsets) - 1:
+            base = int(self.token_offsets[shard])
+            bounds = self.dataset.reader(shard).document_starts
+            stop = min(start + width, int(self.token_offsets[shard + 1])) - base
+            local = at - base
+            first = int(np.searchsorted(bounds, local, side="right")) - 1
+            last = int(np.searchsorted(bounds, stop, side="left"))
+            firsts = np.maximum(bounds[first:last], local)
+            columns.append(firsts + base - start)
+            starts.append(firsts == bounds[first:last])
+            ends.append(bounds[first + 1:last + 1] <= stop)
+            at, shard = stop + base, shard + 1
+        return (np.concatenate(columns).astype(np.int64), np.concatenate(starts),
+                np.concatenate(ends))
+
     def locate_documents(self, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, first token, token count) of each document of a plan (an empty
         observation, id -1, is 0 tokens)."""
@@ -253,31 +275,29 @@ class BatchBuilder:
         if isinstance(self.plan, DocumentPlan):
             return self.source.shards_of_documents(self.plan.documents(flat))
         blocks, local = self.plan.row_ids(flat)
-        doc_ids = [self.plan.pack(block).row(row)[0]
+        doc_ids = [self.plan.pack(block).row(row).doc_ids
                    for block, row in zip(blocks.tolist(), local.tolist(), strict=True)]
         return self.source.shards_of_documents(np.concatenate(doc_ids) if doc_ids
                                                else np.empty(0, np.int64))
 
     def _describe_bestfit(self, flat: np.ndarray, steps: int, batch: int):
-        """Per row: (shard, first token in the shard, count, starts a document) segments,
-        located for all rows of all steps in one vectorized pass."""
-        blocks, local = self.plan.row_ids(flat)
-        segments, row_ids = [], []
-        for block, row in zip(blocks.tolist(), local.tolist(), strict=True):
-            segments.append(self.plan.pack(block).row(row))
-            row_ids.append(int(self.plan.row_offsets[block]) + row)
+        """Per row: (shard, first token in the shard, count, starts its document, ends its
+        document) segments, located for all rows of all steps in one vectorized pass."""
+        rows_of = self.plan.rows(flat)
+        pieces = [row for _, row in rows_of]
         shards, firsts, _ = self.source.locate_documents(
-            np.concatenate([doc_ids for doc_ids, _, _ in segments]))
-        starts = np.concatenate([offsets for _, offsets, _ in segments])
+            np.concatenate([row.doc_ids for row in pieces]))
+        starts = np.concatenate([row.starts for row in pieces])
+        ends = np.concatenate([row.ends_document for row in pieces])
         described = list(zip(shards.tolist(), (firsts + starts).tolist(),
-                             np.concatenate([take for _, _, take in segments]).tolist(),
-                             (starts == 0).tolist(), strict=True))
+                             np.concatenate([row.take for row in pieces]).tolist(),
+                             (starts == 0).tolist(), ends.tolist(), strict=True))
         rows, at = [], 0
-        for _, _, take in segments:
-            rows.append(described[at:at + len(take)])
-            at += len(take)
+        for row in pieces:
+            rows.append(described[at:at + len(row.take)])
+            at += len(row.take)
         nested = [rows[i * batch:(i + 1) * batch] for i in range(steps)]
-        return np.array(row_ids, dtype=np.int64), nested
+        return np.array([row_id for row_id, _ in rows_of], dtype=np.int64), nested
 
     def prepare(self, buffers: BatchBuffers) -> None:
         """Once per buffer: the parts that do not change from batch to batch."""
@@ -304,6 +324,23 @@ class BatchBuilder:
             counts = [row[2] for row in plan.rows]
         return np.minimum(np.array(counts, dtype=np.int64), width)
 
+    def row_pieces(self, plan: BatchPlan) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per row `fill` writes: (column where each piece starts, it starts its document,
+        it ends its document); padding is no piece."""
+        if isinstance(self.plan, WindowPlan):
+            return [self.source.span_pieces(offset, self.seq_len + 1) for offset in plan.rows]
+        if isinstance(self.plan, BestFitPlan):
+            pieces = []
+            for row in plan.rows:
+                counts = np.array([segment[2] for segment in row], dtype=np.int64)
+                pieces.append((np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64),
+                               np.array([segment[3] for segment in row], dtype=bool),
+                               np.array([segment[4] for segment in row], dtype=bool)))
+            return pieces
+        return [(np.zeros(int(count > 0), np.int64), np.ones(int(count > 0), bool),
+                 np.full(int(count > 0), count <= self.seq_len + 1))
+                for _, _, count in plan.rows]
+
     def _fill_windows(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
         self.source.copy_windows(plan.rows, buffers.tokens)
         if not self.boundaries:
@@ -315,28 +352,30 @@ class BatchBuilder:
         return [self.source.dataset.window(offset, self.seq_len + 1) for offset in plan.rows]
 
     def _fill_bestfit(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
-        """Segments back to back; a row's unfilled tail is padding: pad_id tokens, masked
-        targets, a sequence of its own (attention never crosses a segment)."""
+        """Pieces back to back, each a sequence of its own; the target that crosses into a
+        piece is masked unless the piece before ends its document and this one starts its
+        own (raypipe.sampling.pack); a row's unfilled tail is padding: pad_id tokens, masked
+        targets, a sequence of its own (attention never crosses a piece)."""
         tokens, starts, flags = self.source.tokens, [], []
         width = self.seq_len + 1
         for row, segments in enumerate(plan.rows):
-            out, at = buffers.tokens[row], 0
-            for shard, first, count, starts_document in segments:
+            out, mask, at, ended = buffers.tokens[row], buffers.mask[row], 0, True
+            mask[:] = 1
+            for shard, first, count, starts_document, ends_document in segments:
                 out[at:at + count] = tokens[shard][first:first + count]
+                if at and not (ended and starts_document):
+                    mask[at - 1] = 0
+                ended = ends_document
                 if at < self.seq_len:
                     starts.append(row * self.seq_len + at)
                     flags.append(starts_document)
                 at += count
-            mask = buffers.mask[row]
             if at < width:  # padding: targets from position at - 1 on are not real
                 out[at:] = self.pad_id
-                mask[:max(at - 1, 0)] = 1
                 mask[max(at - 1, 0):] = 0
                 if at < self.seq_len:
                     starts.append(row * self.seq_len + at)
                     flags.append(False)
-            elif not mask[-1]:  # this ring slot's row was padded in an earlier batch
-                mask[:] = 1
         count = write_boundaries(np.array(starts, dtype=np.int64), buffers, self.seq_len)
         return Filled(count, np.array(flags, dtype=bool))
 
@@ -396,13 +435,42 @@ class PreformedBatchBuilder:
     def fill(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
         index = plan.rows[0]
         buffers.tokens[...] = self.dataset.batch(index)
+        padding = None
         if self.padded:  # the format says where padding is: masked, then pad_id
             padding = self.dataset.padding(index, buffers.tokens)
             np.logical_not(padding[:, 1:], out=buffers.mask)
             buffers.tokens[padding] = self.pad_id
+        pieces = self.dataset.pieces(index)
+        if pieces is not None:  # the file says where its pieces are
+            return self._fill_pieces(pieces, padding, buffers)
         if not self.boundaries:
             return Filled(buffers.tokens.shape[0])
         return scan_boundaries(buffers, self.dataset.bos_id, self.dataset.eos_id)
+
+    def _fill_pieces(self, pieces: Any, padding: np.ndarray | None,
+                     buffers: BatchBuffers) -> Filled:
+        """Masks and sequences from the file's pieces: the target into a piece is masked
+        unless it is a true join; every piece (and a record's padding) is a sequence."""
+        if padding is None:
+            buffers.mask[...] = 1
+        records, columns = pieces.records, pieces.columns
+        false = pieces.false_joins
+        buffers.mask[records[false], columns[false] - 1] = 0
+        if not self.boundaries:
+            return Filled(buffers.tokens.shape[0])
+        seq_len = buffers.position_ids.shape[1]
+        inside = columns < seq_len
+        starts = [records[inside] * seq_len + columns[inside]]
+        flags = [pieces.starts_document[inside]]
+        if padding is not None:
+            real = seq_len + 1 - padding.sum(axis=1)
+            padded = np.flatnonzero(real < seq_len)
+            starts.append(padded * seq_len + real[padded])
+            flags.append(np.zeros(padded.size, dtype=bool))
+        flat = np.concatenate(starts)
+        order = np.argsort(flat, kind="stable")
+        count = write_boundaries(flat[order], buffers, seq_len)
+        return Filled(count, np.concatenate(flags)[order])
 
 
 def write_boundaries(starts: np.ndarray, buffers: BatchBuffers, seq_len: int) -> int:

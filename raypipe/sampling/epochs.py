@@ -18,7 +18,7 @@ from typing import Any
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import ConfigError
 from raypipe.sampling.lengths import DocumentLengths
-from raypipe.sampling.pack import PACKINGS
+from raypipe.sampling.pack import PACKINGS, separator_of
 from raypipe.sampling.plans import (
     MODES,
     PREFORMED_MODE,
@@ -31,6 +31,8 @@ from raypipe.sampling.plans import (
     make_plan,
 )
 from raypipe.sampling.split import SPLITS, DocumentSplit
+
+PIECES_RULE = "separated"  # the cut rule of raypipe.sampling.pack since 0.5
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class PlanSpec:
             knobs["block_documents"] = self.block_documents
             if self.packing != "crop":  # states saved before `packing` existed were crop
                 knobs["packing"] = self.packing
+                # rows whose pieces keep every target true (0.5); older states' rows differ
+                knobs["pieces"] = PIECES_RULE
         if self.preformed:
             knobs["block_batches"] = self.block_batches
         if self.shuffle != "global":  # states saved before `shuffle` existed were global
@@ -150,7 +154,8 @@ class EpochPlans:
         tokens = self.dataset.num_tokens if self.stream_tokens is None else self.stream_tokens
         return make_plan(spec.mode, tokens, self.lengths, spec.seq_len, spec.seed,
                          epoch, spec.block_documents, spec.packing, self.groups(),
-                         memo=self.memo)
+                         memo=self.memo,
+                         separator=separator_of(self.dataset.bos_id, self.dataset.eos_id))
 
     def __call__(self, epoch: int) -> Plan:
         """Epoch `epoch`'s plan (kept until another epoch is asked for)."""

@@ -28,10 +28,24 @@ Three packings of one block of documents (given in their shuffled order):
   one is cropped to fill the row (its tail is not used this epoch). A block's last row, if
   it cannot be filled, is dropped. Used + cropped + dropped tokens = the block's tokens.
 
-Within a row of `fill` or `split`, a piece that ends a cut document comes first, then whole
-documents, then pieces that stop before their document's end; every piece is a sequence of
-its own to the loader (position_ids, cu_seqlens), and it starts a document when its start
-is 0. All are pure functions of (ids, lengths, capacity). Cost, measured on 2 cores per
+Every target is true (`separator`, the side of a document that carries the token a reader
+sees between documents: "bos" where documents start with BOS, "eos" where they only end
+with EOS). A piece that does not start its document begins at its row's start, or right
+after an EOS that ends the piece before it; every other piece in a row starts with its BOS
+or follows an EOS. So a reader that splits a row at BOS, EOS and the row start sees each
+part as a slice of one document, and no separator position is ever spent. This holds
+because the side where documents are cut follows the separator: under "bos" a long
+document's partial piece is its head (its full rows follow) and `fill` cuts the tail of a
+piece into a row, so every piece a row takes whole starts its document and the cut tail, at
+most one per row, goes first; under "eos" the partial piece is the tail (after the full
+rows) and `fill` cuts a piece's head into a row, so every piece but that head, at most one
+per row and placed last, ends its document. (Without BOS or EOS in the data no reader can
+see a boundary; the pieces and masks still hold.) `ends_document` says which pieces reach
+their document's end: a target that crosses from a piece into the next one is true only
+when the first ends its document and the next starts its own (the loader masks the rest).
+Every piece is a sequence of its own to the loader (position_ids, cu_seqlens), and it
+starts a document when its start is 0. All are pure functions of (ids, lengths, capacity,
+separator). Cost, measured on 2 cores per
 document: split ~0.3-0.7 us (one bisect, pop and insort on a sorted list of open rows per
 piece, full-row pieces vectorized), fill ~0.6-1.7 us (split, plus one bisect per piece it
 moves), crop ~1.4 us; memory O(block).
@@ -45,17 +59,27 @@ from dataclasses import dataclass
 import numpy as np
 
 PACKINGS = ("fill", "split", "crop")
+SEPARATORS = ("bos", "eos")
+
+
+def separator_of(bos_id: int | None, eos_id: int | None) -> str:
+    """The side of a document that carries a separator: "bos" when documents start with BOS
+    (with or without EOS), "eos" when they only end with EOS; "bos" when they have neither
+    (no reader can see a boundary then; the loader's masks and cu_seqlens still hold)."""
+    return "eos" if bos_id is None and eos_id is not None else "bos"
 
 
 @dataclass(frozen=True)
 class PackedBlock:
     """Rows as CSR: row r is segments row_offsets[r]:row_offsets[r+1]; segment s is tokens
-    [starts[s], starts[s] + take[s]) of document `doc_ids[s]` (starts are 0 under crop)."""
+    [starts[s], starts[s] + take[s]) of document `doc_ids[s]` (starts are 0 under crop);
+    `ends_document[s]`: the segment reaches its document's last token."""
 
     row_offsets: np.ndarray
     doc_ids: np.ndarray
     starts: np.ndarray
     take: np.ndarray
+    ends_document: np.ndarray
     used_tokens: int
     cropped_tokens: int
     dropped_tokens: int
@@ -65,42 +89,74 @@ class PackedBlock:
     def num_rows(self) -> int:
         return len(self.row_offsets) - 1
 
-    def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(document ids, start in each document, tokens taken) of row `index`."""
+    def row(self, index: int) -> RowPieces:
+        """The pieces of row `index`, in row order."""
         first, stop = self.row_offsets[index], self.row_offsets[index + 1]
-        return self.doc_ids[first:stop], self.starts[first:stop], self.take[first:stop]
+        return RowPieces(self.doc_ids[first:stop], self.starts[first:stop],
+                         self.take[first:stop], self.ends_document[first:stop])
 
 
-def pack(packing: str, doc_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> PackedBlock:
+@dataclass(frozen=True)
+class RowPieces:
+    """One packed row: piece i is tokens [starts[i], starts[i] + take[i]) of document
+    doc_ids[i] (a plan's numbering), `ends_document[i]` when that is the document's end."""
+
+    doc_ids: np.ndarray
+    starts: np.ndarray
+    take: np.ndarray
+    ends_document: np.ndarray
+
+    @property
+    def starts_document(self) -> np.ndarray:
+        return self.starts == 0
+
+    @property
+    def columns(self) -> np.ndarray:
+        """Where each piece starts in the row."""
+        return np.concatenate([[0], np.cumsum(self.take)[:-1]]).astype(np.int64)
+
+    @property
+    def true_joins(self) -> np.ndarray:
+        """Per piece after the first: the target that crosses into it is true (the piece
+        before ends its document and this one starts its own)."""
+        return self.ends_document[:-1] & self.starts_document[1:]
+
+
+def pack(packing: str, doc_ids: np.ndarray, lengths: np.ndarray, capacity: int,
+         separator: str = "bos") -> PackedBlock:
+    if separator not in SEPARATORS:
+        raise ValueError(f"separator {separator!r} not among {list(SEPARATORS)}")
     if packing == "fill":
-        return pack_fill(doc_ids, lengths, capacity)
+        return pack_fill(doc_ids, lengths, capacity, separator)
     if packing == "split":
-        return pack_split(doc_ids, lengths, capacity)
+        return pack_split(doc_ids, lengths, capacity, separator)
     if packing == "crop":
         return pack_block(doc_ids, lengths, capacity)
     raise ValueError(f"packing {packing!r} not among {list(PACKINGS)}")
 
 
-def pack_split(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> PackedBlock:
+def pack_split(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int,
+               separator: str = "bos") -> PackedBlock:
     """Split long documents into row-sized pieces, best-fit-decreasing pack the rest."""
-    pieces = Pieces.of(lengths, capacity)
+    pieces = Pieces.of(lengths, capacity, separator)
     row_of_item = _best_fit_decreasing(pieces.rest[pieces.items].tolist(), capacity)
-    return pieces.assemble(doc_ids, pieces.whole_rests(pieces.items, capacity), row_of_item,
-                           capacity)
+    return pieces.assemble(doc_ids, pieces.whole_rests(pieces.items), row_of_item)
 
 
-def pack_fill(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> PackedBlock:
+def pack_fill(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int,
+              separator: str = "bos") -> PackedBlock:
     """Split packing, then every row filled: exactly ceil(block tokens / capacity) rows.
 
     After best-fit decreasing, the ceil(rest / capacity) fullest rows are kept and the
     others dissolved into a pool. Each kept row's room, largest room first, takes the
     largest pool piece that fits, while one does; then the last `room` tokens of the
-    smallest pool piece (a cut: the piece's head stays in the pool, still the smallest).
+    smallest pool piece ("bos"; its first `room` tokens under "eos": a cut; the rest stays in
+    the pool, still the smallest).
     The pool fits the kept rooms (their sum is >= its tokens), so every row is full but
     the rooms left once the pool is empty: less than one row's worth per block.
     Cuts fall where no whole piece fits, mostly on documents already cut, and a gap takes a
     document's end, so a cut costs context only to the few tokens after it."""
-    pieces = Pieces.of(lengths, capacity)
+    pieces = Pieces.of(lengths, capacity, separator)
     sizes = pieces.rest[pieces.items]
     row_of_item = _best_fit_decreasing(sizes.tolist(), capacity)
     open_rows = int(row_of_item.max()) + 1 if row_of_item.size else 0
@@ -111,20 +167,22 @@ def pack_fill(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> Packed
     kept_rank[by_fill] = np.arange(open_rows)
     kept = kept_rank[row_of_item] < needed
     # kept rows are renumbered by fill rank; the pool's pieces go into their rooms
-    pool = pieces.whole_rests(pieces.items[~kept], capacity)
-    placed = _fill_rooms(capacity - filled[by_fill[:needed]], *(part.tolist() for part in pool))
+    pool = pieces.whole_rests(pieces.items[~kept])
+    placed = _fill_rooms(capacity - filled[by_fill[:needed]], *(part.tolist() for part in pool),
+                         cut_tail=separator == "bos")
     placed_rows, *placed_segments = np.array(placed, dtype=np.int64).reshape(-1, 4).T
     segments = tuple(np.concatenate([kept_part, placed_part]) for kept_part, placed_part in
-                     zip(pieces.whole_rests(pieces.items[kept], capacity), placed_segments,
+                     zip(pieces.whole_rests(pieces.items[kept]), placed_segments,
                          strict=True))
     rows = np.concatenate([kept_rank[row_of_item[kept]], placed_rows])
-    return pieces.assemble(doc_ids, segments, rows, capacity)
+    return pieces.assemble(doc_ids, segments, rows)
 
 
 def _fill_rooms(rooms: np.ndarray, items: list[int], starts: list[int],
-                sizes: list[int]) -> list[tuple[int, int, int, int]]:
+                sizes: list[int], cut_tail: bool = True) -> list[tuple[int, int, int, int]]:
     """Place pool pieces (item, start, size) into rows with `rooms` (row = index); return
-    (row, item, start, take) segments. See pack_fill."""
+    (row, item, start, take) segments. A cut takes the piece's last `room` tokens
+    (`cut_tail`) or its first. See pack_fill."""
     mask = (1 << 32) - 1
     keys = sorted((size << 32) | index for index, size in enumerate(sizes))
     placed: list[tuple[int, int, int, int]] = []
@@ -139,9 +197,13 @@ def _fill_rooms(rooms: np.ndarray, items: list[int], starts: list[int],
                 placed.append((row, items[index], starts[index], size))
                 room -= size
                 continue
-            key = keys[0]  # none fits: the smallest piece's last `room` tokens
+            key = keys[0]  # none fits: `room` tokens of the smallest piece
             size, index = key >> 32, key & mask
-            placed.append((row, items[index], starts[index] + size - room, room))
+            if cut_tail:
+                placed.append((row, items[index], starts[index] + size - room, room))
+            else:
+                placed.append((row, items[index], starts[index], room))
+                starts[index] += room
             keys[0] = ((size - room) << 32) | index
             room = 0
         if not keys:
@@ -151,56 +213,81 @@ def _fill_rooms(rooms: np.ndarray, items: list[int], starts: list[int],
 
 @dataclass(frozen=True)
 class Pieces:
-    """A block's documents as row-sized pieces: document i has `full[i]` full rows
-    (tokens [k * capacity, (k + 1) * capacity)) and a rest of `rest[i]` tokens starting at
-    full[i] * capacity; `items` lists the documents with a rest, largest rest first (ties
-    in the block's order)."""
+    """A block's documents as row-sized pieces: document i has `full[i]` full rows and a rest
+    of `rest[i]` tokens; `items` lists the documents with a rest, largest rest first (ties
+    in the block's order). Under separator "bos" the rest is the document's head and the
+    full rows follow it (a piece that is not the head then fills a row alone, at its start);
+    under "eos" the full rows come first and the rest is the tail."""
 
     full: np.ndarray
     rest: np.ndarray
     items: np.ndarray
+    capacity: int
+    separator: str
 
     @classmethod
-    def of(cls, lengths: np.ndarray, capacity: int) -> Pieces:
+    def of(cls, lengths: np.ndarray, capacity: int, separator: str = "bos") -> Pieces:
         lengths = np.asarray(lengths, dtype=np.int64)
         full = lengths // capacity
         rest = lengths - full * capacity
         items = np.flatnonzero(rest > 0)
-        return cls(full, rest, items[np.lexsort((items, -rest[items]))])
+        return cls(full, rest, items[np.lexsort((items, -rest[items]))], capacity, separator)
 
-    def whole_rests(self, items: np.ndarray, capacity: int
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.full * self.capacity + self.rest
+
+    def rest_starts(self, items: np.ndarray) -> np.ndarray:
+        if self.separator == "bos":
+            return np.zeros(len(items), dtype=np.int64)
+        return self.full[items] * self.capacity
+
+    def whole_rests(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Segments (document index, start, take) of these documents' whole rests."""
-        return items, self.full[items] * capacity, self.rest[items]
+        return items, self.rest_starts(items), self.rest[items]
 
     def assemble(self, doc_ids: np.ndarray,
                  segments: tuple[np.ndarray, np.ndarray, np.ndarray],
-                 row_of_segment: np.ndarray, capacity: int) -> PackedBlock:
+                 row_of_segment: np.ndarray) -> PackedBlock:
         """The block: first the full rows (one piece each), then the rows of `segments`
-        ((document index, start, take), rows numbered from 0). Within a row, a piece that
-        ends its document but does not start it comes first, then whole documents, then
-        pieces that do not reach their document's end, so a reader that finds sequences by
-        BOS or EOS sees as many of them as the row allows."""
+        ((document index, start, take), rows numbered from 0), each row in separator order
+        (`row_order`)."""
+        capacity = self.capacity
         doc_ids = np.asarray(doc_ids, dtype=np.int64)
         full_docs = np.repeat(np.arange(len(self.full)), self.full)
         piece_index = np.arange(full_docs.size) - np.repeat(np.cumsum(self.full) - self.full,
                                                             self.full)
+        full_starts = piece_index * capacity
+        if self.separator == "bos":
+            full_starts = full_starts + self.rest[full_docs]
         items, starts, take = segments
-        ends_document = starts + take == self.full[items] * capacity + self.rest[items]
-        kind = np.where(starts > 0, np.where(ends_document, 0, 2), np.where(ends_document, 1, 2))
-        order = np.lexsort((kind, row_of_segment))
-        items, starts, take = items[order], starts[order], take[order]
+        lengths = self.lengths
+        ends = starts + take == lengths[items]
+        order = np.lexsort((*row_order(starts == 0, ends, self.separator), row_of_segment))
+        items, starts, take, ends = items[order], starts[order], take[order], ends[order]
         open_rows = int(row_of_segment.max()) + 1 if row_of_segment.size else 0
         counts = np.bincount(row_of_segment, minlength=open_rows)
         row_offsets = np.concatenate([np.arange(full_docs.size + 1),
                                       full_docs.size + np.cumsum(counts)]).astype(np.int64)
-        total = int((self.full * capacity + self.rest).sum())
+        total = int(lengths.sum())
         rows = full_docs.size + open_rows
         return PackedBlock(row_offsets, doc_ids[np.concatenate([full_docs, items])],
-                           np.concatenate([piece_index * capacity, starts]).astype(np.int64),
+                           np.concatenate([full_starts, starts]).astype(np.int64),
                            np.concatenate([np.full(full_docs.size, capacity, np.int64),
                                            take]).astype(np.int64),
+                           np.concatenate([full_starts + capacity == lengths[full_docs], ends]),
                            total, 0, 0, rows * capacity - total)
+
+
+def row_order(starts_document: np.ndarray, ends_document: np.ndarray,
+              separator: str) -> tuple[np.ndarray, np.ndarray]:
+    """np.lexsort keys (last is primary) that order one row's pieces: under "bos" the piece
+    that does not start its document first, then whole documents, then heads; under "eos"
+    tails first, then whole documents, then the piece that does not end its document."""
+    starts, stops_short = starts_document.astype(np.int8), (~ends_document).astype(np.int8)
+    if separator == "bos":
+        return stops_short, starts
+    return starts, stops_short
 
 
 def _best_fit_decreasing(sizes: list[int], capacity: int) -> np.ndarray:
@@ -263,6 +350,9 @@ def pack_block(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> Packe
         else:
             offsets.append(len(out_ids))
     rows = len(offsets) - 1
+    take = np.array(out_take, dtype=np.int64)
+    length_of = dict(zip(doc_ids.tolist(), np.asarray(lengths).tolist(), strict=True))
+    whole = np.array([length_of[doc] for doc in out_ids], dtype=np.int64) == take
     return PackedBlock(np.array(offsets, dtype=np.int64), np.array(out_ids, dtype=np.int64),
-                       np.zeros(len(out_ids), dtype=np.int64), np.array(out_take, dtype=np.int64),
+                       np.zeros(len(out_ids), dtype=np.int64), take, whole.astype(bool),
                        rows * capacity, cropped, dropped)

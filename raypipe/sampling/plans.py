@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.sampling.lengths import DocumentLengths
-from raypipe.sampling.pack import PackedBlock, pack
+from raypipe.sampling.pack import PackedBlock, RowPieces, pack
 from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
 
 logger = logging.getLogger("raypipe")
@@ -277,13 +277,16 @@ class BestFitPlan:
 
     def __init__(self, lengths: np.ndarray | DocumentLengths, seq_len: int, seed: int,
                  epoch: int, block_documents: int = 4096, packing: str = "fill",
-                 groups: ShardGroups | None = None, memo: SumsMemo | None = None):
+                 groups: ShardGroups | None = None, memo: SumsMemo | None = None,
+                 separator: str = "bos"):
         """`memo(key, compute)`: returns compute() or what it returned before for `key`
-        (a node-local cache of the block token sums, shared by the node's ranks)."""
+        (a node-local cache of the block token sums, shared by the node's ranks);
+        `separator`: which side of a document carries BOS/EOS (raypipe.sampling.pack)."""
         lengths = DocumentLengths.of(lengths)
         self.memo = memo
         self.lengths = lengths
         self.packing = packing
+        self.separator = separator
         self.capacity = seq_len + 1
         self.seed, self.epoch = seed, epoch
         self.block_documents = block_size(lengths, self.capacity, block_documents, packing)
@@ -304,7 +307,7 @@ class BestFitPlan:
         if packed is None:
             ids = self.block_documents_ids(block)
             packed = self._cached[block] = pack(self.packing, ids, self.lengths[ids],
-                                                self.capacity)
+                                                self.capacity, self.separator)
             if len(self._cached) > CACHED_BLOCKS:
                 self._cached.popitem(last=False)
         else:
@@ -405,16 +408,11 @@ class BestFitPlan:
             local[chosen] = self._row_order(block)(local[chosen])
         return blocks, local
 
-    def rows(self, positions: np.ndarray
-             ) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """For each position: (global row id, document ids, start in each document, tokens
-        taken from each)."""
+    def rows(self, positions: np.ndarray) -> list[tuple[int, RowPieces]]:
+        """For each position: (global row id, the row's pieces)."""
         blocks, local = self.row_ids(positions)
-        out = []
-        for block, row in zip(blocks.tolist(), local.tolist(), strict=True):
-            doc_ids, starts, take = self.pack(block).row(row)
-            out.append((int(self.row_offsets[block]) + row, doc_ids, starts, take))
-        return out
+        return [(int(self.row_offsets[block]) + row, self.pack(block).row(row))
+                for block, row in zip(blocks.tolist(), local.tolist(), strict=True)]
 
 
 def block_size(lengths: DocumentLengths, capacity: int, block_documents: int,
@@ -463,16 +461,18 @@ MODES = ("windows", "bestfit", "documents", PREFORMED_MODE)
 
 def make_plan(mode: str, num_tokens: int, lengths: object, seq_len: int, seed: int,
               epoch: int, block_documents: int = 4096, packing: str = "fill",
-              groups: ShardGroups | None = None, memo: SumsMemo | None = None) -> Plan:
+              groups: ShardGroups | None = None, memo: SumsMemo | None = None,
+              separator: str = "bos") -> Plan:
     """The plan of one epoch. `lengths` (document lengths) may be a zero-argument callable,
     called only by the modes that need it; `groups` makes the shuffle shard-local; `memo`
-    keeps bestfit's block sums (see BestFitPlan)."""
+    keeps bestfit's block sums and `separator` says where documents carry BOS/EOS (see
+    BestFitPlan)."""
     if mode == "windows":
         return WindowPlan(num_tokens, seq_len, seed, epoch, groups)
     values = lengths() if callable(lengths) else lengths
     if mode == "bestfit":
         return BestFitPlan(values, seq_len, seed, epoch, block_documents, packing, groups,
-                           memo)
+                           memo, separator)
     if mode == "documents":
         return DocumentPlan(values, seq_len, seed, epoch, groups)
     raise ValueError(f"mode {mode!r} not among {list(MODES)}")
