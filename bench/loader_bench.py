@@ -110,7 +110,7 @@ def memory_probe(path: str) -> None:
 def waste_comparison(path: Path) -> tuple[float, float, float]:
     """(fill's padding, crop's untrained tokens, nanochat's crop) on the same 32k documents
     in one order."""
-    from raypipe.sampling.plans import BestFitPlan
+    from raypipe.sampling.modes.bestfit import BestFitPlan
 
     plan = TokenLoader(path, SEQ, BATCH, mode="bestfit", seed=1).plan()
     order = np.concatenate([plan.block_documents_ids(b) for b in range(min(plan.num_blocks, 8))])

@@ -41,7 +41,8 @@ from common import print_table
 from nanochat_reference import nanochat_bestfit_crop
 
 from raypipe.demo.train_tokenizer import SHIPPED
-from raypipe.sampling.plans import BestFitPlan, WindowPlan
+from raypipe.sampling.modes.bestfit import BestFitPlan
+from raypipe.sampling.modes.windows import WindowPlan
 
 SEQ_LENS = (512, 2048, 8192)
 HEADER = ("packing", "padding", "trained", "cuts/doc", "docs cut")

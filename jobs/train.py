@@ -21,7 +21,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 from raypipe.errors import RaypipeError, StateError  # noqa: E402
 from raypipe.examples.gpt_train import fit
-from raypipe.sampling.plans import MODES  # noqa: E402
+from raypipe.sampling.modes import mode_names  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=128,
                         help="T: tokens a row trains (rows hold T + 1)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per worker per step")
-    parser.add_argument("--mode", default="bestfit", choices=list(MODES),
+    parser.add_argument("--mode", default="bestfit", choices=list(mode_names()),
                         help="how rows are made (docs/loader.md)")
     parser.add_argument("--seed", type=int, default=0, help="the loader's shuffle seed")
     parser.add_argument("--shuffle", default="global", choices=["global", "shard_local"],

@@ -20,8 +20,8 @@ from raypipe import interrupts
 from raypipe.config import PACKINGS as CONFIG_PACKINGS
 from raypipe.config import TokenizeConfig, load_config
 from raypipe.errors import RaypipeError
+from raypipe.sampling.modes import mode_names
 from raypipe.sampling.pack import PACKINGS
-from raypipe.sampling.plans import MODES, PREFORMED_MODE
 
 
 def _scalar_type(hint: Any) -> Any:
@@ -177,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--seq-len", type=int, default=2048,
                         help="T: tokens a row trains (rows hold T + 1), as TokenLoader's")
     report.add_argument("--mode", default="bestfit",
-                        choices=list(MODES),
-                        help=f"the loader mode to plan ({PREFORMED_MODE}: what the "
-                        "dataset's pre-formed batch records hold, as written)")
+                        choices=list(mode_names()),
+                        help="the loader mode to plan (a pre-formed mode such as llmbatch: "
+                        "what the dataset's batch records hold, as written)")
     report.add_argument("--seed", type=int, default=0, help="the loader's seed")
     report.add_argument("--epoch", type=int, default=0, help="first epoch to report")
     report.add_argument("--epochs", type=int, default=1, help="how many epochs")

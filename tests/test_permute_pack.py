@@ -8,9 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.nanochat_reference import nanochat_bestfit_crop
+from raypipe.sampling.modes import waste_hints
+from raypipe.sampling.modes.bestfit import BestFitPlan
+from raypipe.sampling.modes.windows import WindowPlan
 from raypipe.sampling.pack import PACKINGS, pack, pack_block, pack_fill, pack_split
 from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
-from raypipe.sampling.plans import BestFitPlan, PackingReport, ShardGroups, WindowPlan
+from raypipe.sampling.plans import PackingReport, ShardGroups
 
 SIZES = [1, 2, 3, 7, 2**8, 2**8 - 1, 2**8 + 1, 2**16, 2**16 - 1, 2**16 + 1, 97, 65521, 131071,
          2**17 + 3]
@@ -265,7 +268,7 @@ def test_split_packing_pads_a_third_of_rows_when_lengths_sit_between_half_and_on
 def warning_of(caplog, report: PackingReport, mode: str, packing: str | None) -> str:
     caplog.clear()
     with caplog.at_level("WARNING", logger="raypipe"):
-        warned = report.warn_if_wasteful("what", mode, packing)
+        warned = report.warn_if_wasteful("what", waste_hints(mode, packing))
     messages = [r.getMessage() for r in caplog.records]
     assert warned == bool(messages) and len(messages) <= 1
     return messages[0] if messages else ""

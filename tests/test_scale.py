@@ -10,7 +10,7 @@ import pytest
 
 from raypipe.io.cache import node_cached_array
 from raypipe.loader import TokenLoader
-from raypipe.sampling.plans import BestFitPlan
+from raypipe.sampling.modes.bestfit import BestFitPlan
 
 
 def test_node_cached_array_is_computed_once_then_loaded(tmp_path):

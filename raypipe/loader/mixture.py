@@ -160,7 +160,7 @@ class MixtureLoader:
         if key not in self._builders:
             if len(self._builders) > 4 * len(self.sources):
                 self._builders.clear()
-            self._builders[key] = self.sources[source]._builder(epoch)
+            self._builders[key] = self.sources[source].filler(epoch)
         return self._builders[key]
 
     def _scratch(self, source: int, rows: int) -> BatchBuffers:
@@ -242,11 +242,12 @@ class MixtureLoader:
             prefetcher.close()
 
     # ----- state ----------------------------------------------------------------------------
-    def _knobs(self) -> dict[str, Any]:
-        return self.sources[0]._knobs()
+    def knobs(self) -> dict[str, Any]:
+        """The knobs that shape every source's observations (one set for all)."""
+        return self.sources[0].knobs()
 
     def state_dict(self) -> dict[str, Any]:
-        return MixtureState(self.weights_by_name, self._knobs(), self.steps,
+        return MixtureState(self.weights_by_name, self.knobs(), self.steps,
                             dict(self.positions)).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -262,9 +263,9 @@ class MixtureLoader:
                 raise StateError(f"mixture source {name!r} changed since the checkpoint "
                                  f"(dataset {checked.sources[name].dataset!r}, now "
                                  f"{fingerprint!r})")
-        if checked.knobs != self._knobs():
+        if checked.knobs != self.knobs():
             raise StateError(f"mixture state knobs {checked.knobs} differ from this "
-                             f"mixture's {self._knobs()}")
+                             f"mixture's {self.knobs()}")
         if any(abs(checked.weights[n] - self.weights_by_name[n]) > 1e-12 for n in self.names):
             logger.info("mixture weights changed on resume: %s -> %s; every source continues "
                         "from its own position", checked.weights, self.weights_by_name)

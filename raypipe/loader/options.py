@@ -64,9 +64,10 @@ class LoaderOptions:
                 raise ConfigError(f"{name}: {value!r} must be an int >= 1")
         if self.prefetch < 1:
             raise ConfigError(f"prefetch: {self.prefetch} must be >= 1")
-        if self.metadata and self.mode != "windows":
-            raise ConfigError("metadata=True needs mode='windows' over a stream dataset")
-        self.plan_spec(self.seq_len or 0)  # every plan knob checked now
+        spec = self.plan_spec(self.seq_len or 0)  # every plan knob checked now
+        if self.metadata and not spec.loader_mode.window_metadata:
+            raise ConfigError(f"metadata=True needs a mode whose rows are windows of a stream "
+                              f"dataset (mode 'windows'), not {self.mode!r}")
         self.torch_device()
 
     @classmethod

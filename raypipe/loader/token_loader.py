@@ -35,16 +35,11 @@ from raypipe.loader.batch import Batch
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.state import STATE_VERSION, LoaderState
-from raypipe.sampling.batches import (
-    BatchBuffers,
-    BatchBuilder,
-    BatchPlan,
-    PreformedBatchBuilder,
-    TokenSource,
-)
+from raypipe.sampling.batches import BatchBuffers, BatchPlan, TokenSource
 from raypipe.sampling.epochs import EpochPlans, document_split
 from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
-from raypipe.sampling.plans import PackingReport, Plan
+from raypipe.sampling.modes import BatchFiller, waste_hints
+from raypipe.sampling.plans import PackingReport
 
 logger = logging.getLogger("raypipe")
 DESCRIBE_STEPS = 64
@@ -93,17 +88,17 @@ class TokenLoader:
                 raise ConfigError("seq_len and batch_size must be given (>= 1)")
             self.seq_len, self.batch_size = options.seq_len, options.batch_size
             self._open_source()
+        self.spec = options.plan_spec(self.seq_len)
         if options.metadata and not self.dataset.format.window_metadata:
-            raise ConfigError("metadata=True needs mode='windows' over a format whose "
+            raise ConfigError(f"metadata=True needs mode {self.mode!r} over a format whose "
                               f"windows carry metadata (of {self.dataset.format_name!r}, "
                               "they do not)")
-        self.spec = options.plan_spec(self.seq_len)
         self.state_name: str | None = None  # where adapters (raypipe.ray.train) keep its state
         self._warned = False
         # document boundaries (position_ids, cu_seqlens): on for packed/document rows; for
         # windows only when asked (a BOS scan per batch)
-        self.boundaries = (self.mode != "windows" if options.boundaries is None
-                           else options.boundaries)
+        self.boundaries = (self.spec.loader_mode.boundaries_by_default
+                           if options.boundaries is None else options.boundaries)
         self.device = options.torch_device()
         self.epoch, self.position = 0, 0
         self._lengths: DocumentLengths | None = None
@@ -121,7 +116,8 @@ class TokenLoader:
                         f"{self.dataset.num_documents:,}", self.split.fraction)
         self.source = TokenSource(self.dataset, None if self.split is None
                                   else self.split.ids)
-        if self.split is not None and self.mode == "windows":  # windows of the split's stream
+        if self.split is not None and self.options.plan_spec(0).loader_mode.reads_stream:
+            # rows cut from the stream: the split's documents back to back
             if self.options.metadata:
                 raise ConfigError("split with metadata=True is not supported")
             lengths = self.dataset.document_lengths()
@@ -166,7 +162,7 @@ class TokenLoader:
                              else DocumentLengths.of(every[self.split.ids]))
         return self._lengths
 
-    def plan(self, epoch: int | None = None) -> Plan:
+    def plan(self, epoch: int | None = None) -> Any:
         epoch = self.epoch if epoch is None else epoch
         plan = self.plans(epoch)
         if plan.size < self.global_batch:
@@ -178,7 +174,8 @@ class TokenLoader:
             self._warned = plan.report().warn_if_wasteful(
                 f"TokenLoader({self.dataset.root}, mode={self.mode!r}"
                 + (f", packing={self.spec.packing!r}" if self.spec.packed else "")
-                + f", seq_len={self.seq_len}) epoch {epoch}", self.mode, self.spec.packing)
+                + f", seq_len={self.seq_len}) epoch {epoch}",
+                waste_hints(self.mode, self.spec.packing))
         return plan
 
     def _node_memo(self, key: tuple, compute: Any) -> np.ndarray:
@@ -217,12 +214,13 @@ class TokenLoader:
         return self.plan(epoch).report()
 
     # ----- iteration --------------------------------------------------------------------
-    def _builder(self, epoch: int) -> BatchBuilder | PreformedBatchBuilder:
-        if self.preformed:
-            return PreformedBatchBuilder(self.dataset, self.plan(epoch), self.boundaries,
-                                         self.options.pad_id)
-        return BatchBuilder(self.source, self.plan(epoch), self.seq_len, self.options.pad_id,
-                            self.boundaries)
+    def filler(self, epoch: int) -> BatchFiller:
+        """What describes and fills this loader's batches of epoch `epoch` (its mode's
+        filler over this rank's view of the dataset): a MixtureLoader fills its sources'
+        rows with it, `raypipe trace` asks it what rows hold."""
+        source = self.dataset if self.preformed else self.source
+        return self.spec.loader_mode.filler(source, self.plan(epoch), self.seq_len,
+                                            self.options.pad_id, self.boundaries)
 
     def _jobs(self, builder: Any, epoch: int, start: int) -> Iterator[BatchPlan]:
         """BatchPlans of this rank for the rest of the epoch, described DESCRIBE_STEPS at a
@@ -239,8 +237,8 @@ class TokenLoader:
             return start + steps_here[:, None] * self.global_batch + offsets
 
         for index in range(len(bounds) - 1):
-            if (bounds[index] <= steps // 2 < bounds[index + 1] and self.mode == "bestfit"
-                    and self.spec.packing == "fill"):
+            if (bounds[index] <= steps // 2 < bounds[index + 1]
+                    and self.spec.loader_mode.prepares_next_epoch(self.spec)):
                 self.prepare_epoch(epoch + 1)
             positions = chunk(index)
             if self.dataset.cache is not None:  # fetch this chunk's and the next's shards
@@ -252,7 +250,7 @@ class TokenLoader:
     def __iter__(self) -> Iterator[Batch]:
         """The remaining batches of the current epoch; afterwards the epoch advances."""
         epoch, start = self.epoch, self.position
-        builder = self._builder(epoch)
+        builder = self.filler(epoch)
         with_metadata = self.options.metadata
 
         def fill(job: BatchPlan, views: BatchBuffers) -> tuple:
@@ -292,12 +290,13 @@ class TokenLoader:
         return None if self.dataset.cache is None else self.dataset.cache.stats
 
     # ----- state ------------------------------------------------------------------------
-    def _knobs(self) -> dict[str, Any]:
+    def knobs(self) -> dict[str, Any]:
+        """The knobs that shape this loader's observations (its state records them)."""
         return self.spec.knobs()
 
     def state_dict(self) -> dict[str, Any]:
         return LoaderState(STATE_VERSION, self.dataset.fingerprint, self.dataset.format_name,
-                           self._knobs(), self.epoch, self.position,
+                           self.knobs(), self.epoch, self.position,
                            {"world_size": self.world_size, "batch_size": self.batch_size}
                            ).to_dict()
 
@@ -309,9 +308,9 @@ class TokenLoader:
                 f"loader state was made for dataset {checked.dataset!r} but "
                 f"{self.dataset.root} is {self.dataset.fingerprint!r}: a shard or the manifest "
                 "changed since the checkpoint")
-        if checked.knobs != self._knobs():
+        if checked.knobs != self.knobs():
             raise StateError(f"loader state knobs {checked.knobs} differ from this "
-                             f"loader's {self._knobs()}")
+                             f"loader's {self.knobs()}")
         epoch, position = checked.epoch, checked.position
         if position > self.plan(epoch).size:
             raise StateError(f"loader state position {position} outside epoch {epoch} "

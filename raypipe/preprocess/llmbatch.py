@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,16 +29,11 @@ from raypipe.formats.llmbatch import LLMBATCH, LLMBatchWriter, pad_token, piece_
 from raypipe.io.records import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
-from raypipe.sampling.batches import BatchBuffers, BatchBuilder, TokenSource
-from raypipe.sampling.lengths import dataset_lengths
-from raypipe.sampling.pack import separator_of
-from raypipe.sampling.plans import PREFORMED_MODE, BestFitPlan, PackingReport, Plan, make_plan
+from raypipe.sampling.batches import BatchBuffers
+from raypipe.sampling.modes import preformed_mode, record_plan, waste_hints
+from raypipe.sampling.plans import PackingReport
 
 DESCRIBE_BATCHES = 64
-# packing name -> (plan mode, bestfit packing); "bestfit" is the name `crop` had before 0.2
-PLAN_OF_PACKING = {"fill": ("bestfit", "fill"), "split": ("bestfit", "split"),
-                   "crop": ("bestfit", "crop"),
-                   "bestfit": ("bestfit", "crop"), "concat": ("windows", "split")}
 
 
 @dataclass(frozen=True)
@@ -62,14 +58,9 @@ def write_llmbatch(dataset: TokenDataset, output: Store, spec: LLMBatchSpec,
 def _write_llmbatch(dataset: TokenDataset, staging: Staging, format_name: str,
                     spec: LLMBatchSpec) -> FormatSection:
     directory = staging.directory / format_name
-    mode, packing = PLAN_OF_PACKING[spec.packing]
     positions_per_row = spec.seq_len - 1
-    plan = make_plan(mode, dataset.num_tokens, dataset_lengths(dataset, node_cache=False),
-                     positions_per_row, spec.seed, 0, packing=packing,
-                     separator=separator_of(dataset.bos_id, dataset.eos_id))
     pad_id = pad_token(dataset.manifest.tokenizer)
-    builder = BatchBuilder(TokenSource(dataset), plan, positions_per_row, pad_id=pad_id,
-                           boundaries=False)
+    plan, builder = record_plan(dataset, spec.packing, spec.seq_len, spec.seed, pad_id=pad_id)
     host = np.empty(BatchBuffers.size(spec.batch_size, positions_per_row), dtype=np.int64)
     buffers = BatchBuffers.over(host, spec.batch_size, positions_per_row)
     builder.prepare(buffers)
@@ -86,9 +77,11 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, format_name: str,
                 positions = steps[:, None] * spec.batch_size + np.arange(spec.batch_size)
                 for batch_plan in builder.describe(positions):
                     builder.fill(batch_plan, buffers)
-                    writer.add_batch(buffers.tokens, builder.row_lengths(batch_plan),
-                                     [piece_words(*pieces)
-                                      for pieces in builder.row_pieces(batch_plan)])
+                    rows = builder.segments(batch_plan.positions)
+                    writer.add_batch(buffers.tokens,
+                                     np.array([min(row.length, spec.seq_len) for row in rows]),
+                                     [piece_words(row.columns, row.starts_document,
+                                                  row.ends_document) for row in rows])
             files = staging.publish(writer.commit())
         except BaseException:
             writer.abort()
@@ -96,7 +89,7 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, format_name: str,
         shards.append(ShardEntry(name, tuple(files), first_batch=first, batches=stop - first))
     report = records_report(plan, num_batches * spec.batch_size, spec.seq_len)
     report.warn_if_wasteful(f"LLMBATCH ({spec.packing} packing, records of {spec.seq_len} "
-                            "tokens)", PREFORMED_MODE, spec.packing)
+                            "tokens)", waste_hints(preformed_mode().name, spec.packing))
     options = {"seq_len": spec.seq_len, "batch_size": spec.batch_size,
                "packing": spec.packing, "seed": spec.seed, "total_records": plan.size,
                "num_batches": num_batches, "source_format": dataset.format_name,
@@ -106,16 +99,13 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, format_name: str,
                                            options)
 
 
-def records_report(plan: Plan, records: int, record_len: int) -> PackingReport:
+def records_report(plan: Any, records: int, record_len: int) -> PackingReport:
     """The plan's report, less the records left out to make whole batches: their tokens
     count as dropped, their padding no longer as padding."""
     report = plan.report()
     tail = np.arange(records, plan.size, dtype=np.int64)
-    if isinstance(plan, BestFitPlan):
-        tokens = sum(int(row.take.sum()) for _, row in plan.rows(tail))
-        padding = tail.size * record_len - tokens
-    else:  # windows: each record adds record_len - 1 tokens of the stream
-        tokens, padding = tail.size * (record_len - 1), 0
+    tokens = plan.counted_tokens(tail)
+    padding = tail.size * record_len - tokens if report.padded_tokens else 0
     return PackingReport(report.rows - tail.size, report.used_tokens - tokens,
                          report.cropped_tokens, report.padded_tokens - padding,
                          report.dropped_tokens + tokens, report.total_tokens)

@@ -23,16 +23,23 @@ from ray.data.datasource import Datasource, ReadTask
 from raypipe.dataset import TokenDataset
 from raypipe.io.store import Store
 from raypipe.sampling.batches import TokenSource
-from raypipe.sampling.plans import WindowPlan
+from raypipe.sampling.modes import PlanInputs, PlanSpec, get_mode
 
 ROWS_PER_BLOCK = 256
+WINDOWS = "windows"  # the loader mode whose rows this datasource yields
+
+
+def windows_plan(dataset: TokenDataset, seq_len: int, seed: int, epoch: int) -> Any:
+    """The windows mode's plan of `epoch`: TokenLoader(mode="windows")'s order."""
+    spec = PlanSpec(WINDOWS, seq_len, seed)
+    return get_mode(WINDOWS).plan(spec, PlanInputs(dataset, lambda: None), epoch)
 
 
 def _read_windows(root: str, format_name: str | None, seq_len: int, seed: int, epoch: int,
                   first: int, stop: int) -> list[pa.Table]:
     dataset = TokenDataset(root, format_name)
     source = TokenSource(dataset)
-    plan = WindowPlan(dataset.num_tokens, seq_len, seed, epoch)
+    plan = windows_plan(dataset, seq_len, seed, epoch)
     tables = []
     for block_first in range(first, stop, ROWS_PER_BLOCK):
         positions = np.arange(block_first, min(block_first + ROWS_PER_BLOCK, stop))
@@ -50,7 +57,7 @@ class RaypipeWindowsDatasource(Datasource):
         self.root = Store(path).uri  # a URI stays a URI: read tasks fetch into their cache
         self.seq_len, self.seed, self.epoch, self.format_name = seq_len, seed, epoch, format_name
         dataset = TokenDataset(self.root, format_name)
-        self.num_windows = WindowPlan(dataset.num_tokens, seq_len, seed, epoch).size
+        self.num_windows = windows_plan(dataset, seq_len, seed, epoch).size
 
     def estimate_inmemory_data_size(self) -> int:
         return self.num_windows * (self.seq_len + 2) * 8

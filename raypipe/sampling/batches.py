@@ -1,25 +1,28 @@
-"""Materialize one rank's rows of a batch into caller-provided numpy buffers.
+"""What every loader mode fills batches with: host buffers, global token access, rows.
 
 Invariant: for global positions g (this rank's share of a global step), row i of the output
 holds observation g_i of the epoch plan: T + 1 tokens read straight from the shard memmaps
 (no shard is ever loaded whole), inputs = row[:-1], targets = row[1:]; `position_ids`
-restart at 0 at every document start and `cu_seqlens` lists the document starts over the
+restart at 0 at every sequence start and `cu_seqlens` lists the sequence starts over the
 flattened [B, T] inputs (flash-attention varlen style), so attention can stay inside
-documents. Observations are described (permuted, located) for many batches per numpy call;
-filling a row is then one slice copy per touched shard (windows) or per packed document
-(bestfit). Measured on 2 cores, B=8, T=2048: ~35 us per batch for windows, ~70 us for
-bestfit (see bench/loader_bench.py).
+pieces of documents. `RowSegments` is what a row holds in the dataset's terms (document,
+token range, columns), the record `raypipe trace` prints. The modes themselves
+(raypipe.sampling.modes) describe and fill; measured on 2 cores, B=8, T=2048: ~35 us per
+batch for windows, ~70 us for bestfit (see bench/loader_bench.py).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from raypipe.dataset import LLMBatchDataset, StreamWindow, TokenDataset
-from raypipe.sampling.plans import BestFitPlan, DocumentPlan, PreformedPlan, WindowPlan
+from raypipe.dataset import TokenDataset
+
+RowT = TypeVar("RowT")
+SEGMENT_BOUNDS_CACHED = 64  # shards whose document starts span_segments keeps
 
 
 @dataclass
@@ -63,13 +66,66 @@ class Filled:
 
 
 @dataclass
-class BatchPlan:
-    """What one batch holds, computed ahead: positions, observation ids, and per row either
-    a global token offset (windows), a document id (documents) or packed segments."""
+class BatchPlan(Generic[RowT]):
+    """What one batch holds, computed ahead: positions, observation ids, and one typed row
+    description per row (the mode's own row type)."""
 
     positions: np.ndarray
     observation_ids: np.ndarray
-    rows: list[Any]
+    rows: list[RowT]
+
+
+@dataclass(frozen=True)
+class RowSegments:
+    """What one row holds: piece i is tokens [starts[i], starts[i] + take[i]) of the
+    dataset's document `documents[i]` (global numbering), at columns [columns[i],
+    columns[i] + take[i]) of the row's T + 1 tokens; `ends_document[i]` when the piece
+    reaches its document's last token. Columns past the pieces are padding."""
+
+    documents: np.ndarray
+    starts: np.ndarray
+    take: np.ndarray
+    ends_document: np.ndarray
+
+    @property
+    def columns(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.take)[:-1]]).astype(np.int64)
+
+    @property
+    def starts_document(self) -> np.ndarray:
+        return self.starts == 0
+
+    @property
+    def true_joins(self) -> np.ndarray:
+        """Per piece after the first: the target that crosses into it is true (the piece
+        before ends its document and this one starts its own)."""
+        return self.ends_document[:-1] & self.starts_document[1:]
+
+    @property
+    def length(self) -> int:
+        return int(self.take.sum())
+
+
+def segments_in(bounds: np.ndarray, first_document: int, start: int, stop: int
+                ) -> RowSegments:
+    """The pieces of documents first_document + i (tokens [bounds[i], bounds[i + 1]))
+    that the span [start, stop) covers, in the coordinates of `bounds`."""
+    first = max(int(np.searchsorted(bounds, start, side="right")) - 1, 0)
+    last = min(int(np.searchsorted(bounds, stop, side="left")), bounds.size - 1)
+    begins, ends = bounds[first:last], bounds[first + 1:last + 1]
+    lows = np.maximum(begins, start)
+    highs = np.minimum(ends, stop)
+    return RowSegments(np.arange(first, last, dtype=np.int64) + first_document,
+                       (lows - begins).astype(np.int64), (highs - lows).astype(np.int64),
+                       ends <= stop)
+
+
+def joined(parts: list[RowSegments]) -> RowSegments:
+    """One row's segments from consecutive parts."""
+    if len(parts) == 1:
+        return parts[0]
+    return RowSegments(*(np.concatenate([getattr(part, name) for part in parts])
+                         for name in ("documents", "starts", "take", "ends_document")))
 
 
 def shard_array(dataset: TokenDataset, shard: int, attribute: str) -> np.ndarray:
@@ -115,6 +171,7 @@ class TokenSource:
         self.document_offsets = np.concatenate([[0], np.cumsum(dataset.shard_document_counts)])
         # shards open on first use (a map each, no file descriptor held)
         self.tokens = ShardArrays(dataset, "tokens")
+        self._bounds: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def shards_of_tokens(self, starts: np.ndarray, length: int) -> np.ndarray:
         """The shards that stream spans [start, start + length) start and end in."""
@@ -197,27 +254,34 @@ class TokenSource:
             filled += count
             shard, local = shard + 1, 0
 
-    def span_pieces(self, start: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The documents a stream span [start, start + width) holds (global tokens, no
-        split): (column where each piece starts, it starts its document, it ends its
-        document), from the shards' document starts (a binary search per shard touched)."""
-        columns, starts, ends = [], [], []
-        at = start
+    def span_segments(self, start: int, width: int) -> RowSegments:
+        """The documents stream span [start, start + width) holds (a split's stream, or
+        the global one), from document lengths alone (index files: no token read)."""
+        stop = start + width
+        if self.stream_offsets is not None:
+            assert self.document_ids is not None
+            local = segments_in(self.stream_offsets, 0, start, stop)
+            return RowSegments(self.document_ids[local.documents], local.starts, local.take,
+                               local.ends_document)
+        parts = []
         shard = int(np.searchsorted(self.token_offsets, start, side="right")) - 1
-        while at < start + width and shard < len(self.token_offsets) - 1:
-            base = int(self.token_offsets[shard])
-            bounds = self.dataset.reader(shard).document_starts
-            stop = min(start + width, int(self.token_offsets[shard + 1])) - base
-            local = at - base
-            first = int(np.searchsorted(bounds, local, side="right")) - 1
-            last = int(np.searchsorted(bounds, stop, side="left"))
-            firsts = np.maximum(bounds[first:last], local)
-            columns.append(firsts + base - start)
-            starts.append(firsts == bounds[first:last])
-            ends.append(bounds[first + 1:last + 1] <= stop)
-            at, shard = stop + base, shard + 1
-        return (np.concatenate(columns).astype(np.int64), np.concatenate(starts),
-                np.concatenate(ends))
+        while shard < len(self.token_offsets) - 1 and self.token_offsets[shard] < stop:
+            parts.append(segments_in(self._document_bounds(shard),
+                                     int(self.document_offsets[shard]), start, stop))
+            shard += 1
+        return joined(parts)
+
+    def _document_bounds(self, shard: int) -> np.ndarray:
+        """Global token offsets of a shard's documents' starts (+ its end), from its index;
+        the last SEGMENT_BOUNDS_CACHED shards asked for are kept."""
+        bounds = self._bounds.get(shard)
+        if bounds is None:
+            lengths = self.dataset.shard_document_lengths(shard)
+            bounds = np.concatenate([[0], np.cumsum(lengths)]) + self.token_offsets[shard]
+            self._bounds[shard] = bounds
+            if len(self._bounds) > SEGMENT_BOUNDS_CACHED:
+                self._bounds.popitem(last=False)
+        return bounds
 
     def locate_documents(self, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, first token, token count) of each document of a plan (an empty
@@ -236,163 +300,6 @@ class TokenSource:
         return shards, firsts, counts
 
 
-class BatchBuilder:
-    """Describes batches ahead (vectorized) and fills BatchBuffers from a description."""
-
-    def __init__(self, source: TokenSource, plan: WindowPlan | BestFitPlan | DocumentPlan,
-                 seq_len: int, pad_id: int = 0, boundaries: bool = True):
-        self.source = source
-        self.plan = plan
-        self.seq_len = seq_len
-        self.pad_id = pad_id
-        self.boundaries = boundaries
-        self.bos_id = source.dataset.bos_id
-        self.eos_id = source.dataset.eos_id
-
-    def describe(self, positions: np.ndarray) -> list[BatchPlan]:
-        """`positions` [steps, B] -> one BatchPlan per step, with one numpy pass per kind."""
-        steps, batch = positions.shape
-        flat = positions.reshape(-1)
-        if isinstance(self.plan, WindowPlan):
-            ids, offsets = self.plan.window_starts(flat)
-            rows = offsets.reshape(steps, batch).tolist()
-        elif isinstance(self.plan, DocumentPlan):
-            local_ids = self.plan.documents(flat)
-            shards, firsts, counts = self.source.locate_documents(local_ids)
-            ids = self.source.global_documents(local_ids)
-            rows = np.stack([shards, firsts, counts], axis=1).reshape(steps, batch, 3).tolist()
-        else:
-            ids, rows = self._describe_bestfit(flat, steps, batch)
-        ids = ids.reshape(steps, batch)
-        return [BatchPlan(positions[i], ids[i], rows[i]) for i in range(steps)]
-
-    def shards(self, positions: np.ndarray) -> np.ndarray:
-        """The shards the observations at `positions` read (for fetching them ahead)."""
-        flat = positions.reshape(-1)
-        if isinstance(self.plan, WindowPlan):
-            return self.source.shards_of_tokens(self.plan.window_starts(flat)[1],
-                                                self.seq_len + 1)
-        if isinstance(self.plan, DocumentPlan):
-            return self.source.shards_of_documents(self.plan.documents(flat))
-        blocks, local = self.plan.row_ids(flat)
-        doc_ids = [self.plan.pack(block).row(row).doc_ids
-                   for block, row in zip(blocks.tolist(), local.tolist(), strict=True)]
-        return self.source.shards_of_documents(np.concatenate(doc_ids) if doc_ids
-                                               else np.empty(0, np.int64))
-
-    def _describe_bestfit(self, flat: np.ndarray, steps: int, batch: int):
-        """Per row: (shard, first token in the shard, count, starts its document, ends its
-        document) segments, located for all rows of all steps in one vectorized pass."""
-        rows_of = self.plan.rows(flat)
-        pieces = [row for _, row in rows_of]
-        shards, firsts, _ = self.source.locate_documents(
-            np.concatenate([row.doc_ids for row in pieces]))
-        starts = np.concatenate([row.starts for row in pieces])
-        ends = np.concatenate([row.ends_document for row in pieces])
-        described = list(zip(shards.tolist(), (firsts + starts).tolist(),
-                             np.concatenate([row.take for row in pieces]).tolist(),
-                             (starts == 0).tolist(), ends.tolist(), strict=True))
-        rows, at = [], 0
-        for row in pieces:
-            rows.append(described[at:at + len(row.take)])
-            at += len(row.take)
-        nested = [rows[i * batch:(i + 1) * batch] for i in range(steps)]
-        return np.array([row_id for row_id, _ in rows_of], dtype=np.int64), nested
-
-    def prepare(self, buffers: BatchBuffers) -> None:
-        """Once per buffer: the parts that do not change from batch to batch."""
-        buffers.mask[...] = 1
-        if not self.boundaries:
-            write_row_boundaries(buffers)
-
-    def fill(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
-        """Write the batch into a `prepare`d buffer."""
-        if isinstance(self.plan, WindowPlan):
-            return self._fill_windows(plan, buffers)
-        if isinstance(self.plan, BestFitPlan):
-            return self._fill_bestfit(plan, buffers)
-        return self._fill_documents(plan, buffers)
-
-    def row_lengths(self, plan: BatchPlan) -> np.ndarray:
-        """Real tokens of each row `fill` writes (the rest of a row is padding, its tail)."""
-        width = self.seq_len + 1
-        if isinstance(self.plan, WindowPlan):
-            return np.full(len(plan.rows), width, dtype=np.int64)
-        if isinstance(self.plan, BestFitPlan):
-            counts = [sum(segment[2] for segment in row) for row in plan.rows]
-        else:
-            counts = [row[2] for row in plan.rows]
-        return np.minimum(np.array(counts, dtype=np.int64), width)
-
-    def row_pieces(self, plan: BatchPlan) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Per row `fill` writes: (column where each piece starts, it starts its document,
-        it ends its document); padding is no piece."""
-        if isinstance(self.plan, WindowPlan):
-            return [self.source.span_pieces(offset, self.seq_len + 1) for offset in plan.rows]
-        if isinstance(self.plan, BestFitPlan):
-            pieces = []
-            for row in plan.rows:
-                counts = np.array([segment[2] for segment in row], dtype=np.int64)
-                pieces.append((np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64),
-                               np.array([segment[3] for segment in row], dtype=bool),
-                               np.array([segment[4] for segment in row], dtype=bool)))
-            return pieces
-        return [(np.zeros(int(count > 0), np.int64), np.ones(int(count > 0), bool),
-                 np.full(int(count > 0), count <= self.seq_len + 1))
-                for _, _, count in plan.rows]
-
-    def _fill_windows(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
-        self.source.copy_windows(plan.rows, buffers.tokens)
-        if not self.boundaries:
-            return Filled(len(plan.rows))
-        return scan_boundaries(buffers, self.bos_id, self.eos_id)
-
-    def metadata(self, plan: BatchPlan) -> list[StreamWindow]:
-        """Windows mode over a stream dataset: each row's tokens with their metadata."""
-        return [self.source.dataset.window(offset, self.seq_len + 1) for offset in plan.rows]
-
-    def _fill_bestfit(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
-        """Pieces back to back, each a sequence of its own; the target that crosses into a
-        piece is masked unless the piece before ends its document and this one starts its
-        own (raypipe.sampling.pack); a row's unfilled tail is padding: pad_id tokens, masked
-        targets, a sequence of its own (attention never crosses a piece)."""
-        tokens, starts, flags = self.source.tokens, [], []
-        width = self.seq_len + 1
-        for row, segments in enumerate(plan.rows):
-            out, mask, at, ended = buffers.tokens[row], buffers.mask[row], 0, True
-            mask[:] = 1
-            for shard, first, count, starts_document, ends_document in segments:
-                out[at:at + count] = tokens[shard][first:first + count]
-                if at and not (ended and starts_document):
-                    mask[at - 1] = 0
-                ended = ends_document
-                if at < self.seq_len:
-                    starts.append(row * self.seq_len + at)
-                    flags.append(starts_document)
-                at += count
-            if at < width:  # padding: targets from position at - 1 on are not real
-                out[at:] = self.pad_id
-                mask[max(at - 1, 0):] = 0
-                if at < self.seq_len:
-                    starts.append(row * self.seq_len + at)
-                    flags.append(False)
-        count = write_boundaries(np.array(starts, dtype=np.int64), buffers, self.seq_len)
-        return Filled(count, np.array(flags, dtype=bool))
-
-    def _fill_documents(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
-        tokens, width = self.source.tokens, self.seq_len + 1
-        for row, (shard, first, count) in enumerate(plan.rows):
-            kept = min(count, width)
-            buffers.tokens[row, :kept] = tokens[shard][first:first + kept]
-            buffers.tokens[row, kept:] = self.pad_id
-            buffers.mask[row, :max(kept - 1, 0)] = 1
-            buffers.mask[row, max(kept - 1, 0):] = 0
-        rows = np.arange(len(plan.rows), dtype=np.int64) * self.seq_len
-        count = write_boundaries(rows, buffers, self.seq_len)
-        real = np.array([row[2] > 0 for row in plan.rows], dtype=bool)  # empty: padding only
-        return Filled(count, real)
-
-
 def scan_boundaries(buffers: BatchBuffers, bos_id: int | None, eos_id: int | None) -> Filled:
     """Document starts found by the BOS (else after each EOS) token in the inputs; with BOS
     each sequence is known to start a document or not (a row can begin mid-document)."""
@@ -408,69 +315,6 @@ def scan_boundaries(buffers: BatchBuffers, bos_id: int | None, eos_id: int | Non
     count = write_boundaries(positions, buffers, inputs.shape[1])
     flags = inputs.reshape(-1)[positions] == bos_id if bos_id is not None else None
     return Filled(count, flags)
-
-
-class PreformedBatchBuilder:
-    """LLMBATCH: a batch is one pre-formed [B, T] block, copied out of its mmap slice."""
-
-    def __init__(self, dataset: LLMBatchDataset, plan: PreformedPlan, boundaries: bool = True,
-                 pad_id: int = 0):
-        self.dataset, self.plan, self.boundaries = dataset, plan, boundaries
-        self.pad_id = pad_id
-        self.padded = dataset.padded_tokens > 0
-
-    def shards(self, positions: np.ndarray) -> np.ndarray:
-        ids = self.plan.batches(positions.reshape(-1))
-        return np.unique(np.searchsorted(self.dataset.batch_offsets, ids, side="right") - 1)
-
-    def describe(self, positions: np.ndarray) -> list[BatchPlan]:
-        ids = self.plan.batches(positions.reshape(-1)).reshape(positions.shape)
-        return [BatchPlan(positions[i], ids[i], ids[i].tolist()) for i in range(len(ids))]
-
-    def prepare(self, buffers: BatchBuffers) -> None:
-        buffers.mask[...] = 1
-        if not self.boundaries:
-            write_row_boundaries(buffers)
-
-    def fill(self, plan: BatchPlan, buffers: BatchBuffers) -> Filled:
-        index = plan.rows[0]
-        buffers.tokens[...] = self.dataset.batch(index)
-        padding = None
-        if self.padded:  # the format says where padding is: masked, then pad_id
-            padding = self.dataset.padding(index, buffers.tokens)
-            np.logical_not(padding[:, 1:], out=buffers.mask)
-            buffers.tokens[padding] = self.pad_id
-        pieces = self.dataset.pieces(index)
-        if pieces is not None:  # the file says where its pieces are
-            return self._fill_pieces(pieces, padding, buffers)
-        if not self.boundaries:
-            return Filled(buffers.tokens.shape[0])
-        return scan_boundaries(buffers, self.dataset.bos_id, self.dataset.eos_id)
-
-    def _fill_pieces(self, pieces: Any, padding: np.ndarray | None,
-                     buffers: BatchBuffers) -> Filled:
-        """Masks and sequences from the file's pieces: the target into a piece is masked
-        unless it is a true join; every piece (and a record's padding) is a sequence."""
-        if padding is None:
-            buffers.mask[...] = 1
-        records, columns = pieces.records, pieces.columns
-        false = pieces.false_joins
-        buffers.mask[records[false], columns[false] - 1] = 0
-        if not self.boundaries:
-            return Filled(buffers.tokens.shape[0])
-        seq_len = buffers.position_ids.shape[1]
-        inside = columns < seq_len
-        starts = [records[inside] * seq_len + columns[inside]]
-        flags = [pieces.starts_document[inside]]
-        if padding is not None:
-            real = seq_len + 1 - padding.sum(axis=1)
-            padded = np.flatnonzero(real < seq_len)
-            starts.append(padded * seq_len + real[padded])
-            flags.append(np.zeros(padded.size, dtype=bool))
-        flat = np.concatenate(starts)
-        order = np.argsort(flat, kind="stable")
-        count = write_boundaries(flat[order], buffers, seq_len)
-        return Filled(count, np.concatenate(flags)[order])
 
 
 def write_boundaries(starts: np.ndarray, buffers: BatchBuffers, seq_len: int) -> int:

@@ -9,13 +9,14 @@ reported (a vectorized pass over the lengths for bestfit fill: docs/scale.md).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.sampling.epochs import EpochPlans, PlanSpec
 from raypipe.sampling.lengths import dataset_lengths
 from raypipe.sampling.mixture import mixture_weights, realized_shares
-from raypipe.sampling.plans import PackingReport, Plan
+from raypipe.sampling.plans import PackingReport
 
 MIXTURE_STEPS = 1000
 MIXTURE_ROWS_PER_STEP = 8
@@ -54,14 +55,14 @@ def llmbatch_report(where: str) -> str:
 
 
 def epoch_plans(dataset: TokenDataset, spec: PlanSpec, epochs: range
-                ) -> list[tuple[int, Plan]]:
+                ) -> list[tuple[int, Any]]:
     """The loader's plan of each epoch the report covers."""
     plans = EpochPlans(spec, dataset, lambda: dataset_lengths(dataset, node_cache=False))
     return [(epoch, plans.build(epoch)) for epoch in epochs]
 
 
 def render(where: str, dataset: TokenDataset, spec: PlanSpec,
-           plans: list[tuple[int, Plan]]) -> str:
+           plans: list[tuple[int, Any]]) -> str:
     lines = [f"packing report: {where}",
              f"{spec.describe()}, {spec.shuffle} shuffle, seed {spec.seed}, epoch "
              f"{plans[0][0]} ({dataset.num_documents:,} documents, format "

@@ -1,0 +1,234 @@
+"""Loader modes as plugins: the contract a mode implements, and the registry that names it.
+
+Invariant: a loader mode is one module of this package that registers a `LoaderMode`: which
+knobs shape its observations, how it plans an epoch (a pure function of dataset, spec and
+epoch), and a `BatchFiller` that describes a step's observations ahead (typed rows), names
+the shards they read, fills them into host buffers, and says what each row holds
+(`segments`: document, token range and columns of every piece, from lengths and indexes
+alone, so `raypipe trace` reads no token file). Nothing outside the mode's module names it:
+the loader, the mixture, `pack-report`, `trace`, the LLMBATCH packer and the CLI ask
+`get_mode`. A new mode is one new module, imported in `__init__`. Cost: one dict lookup per
+loader; the modes' own costs are in their modules.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+import numpy as np
+
+from raypipe.errors import ConfigError
+from raypipe.sampling.batches import (
+    BatchBuffers,
+    BatchPlan,
+    Filled,
+    RowSegments,
+    write_row_boundaries,
+)
+from raypipe.sampling.lengths import DocumentLengths
+from raypipe.sampling.pack import PACKINGS
+from raypipe.sampling.plans import SHUFFLES, ShardGroups, SumsMemo
+from raypipe.sampling.split import SPLITS
+
+RowT = TypeVar("RowT")
+
+
+class BatchFiller(ABC, Generic[RowT]):
+    """A mode's batches for one epoch's plan: described ahead, filled into host buffers."""
+
+    @abstractmethod
+    def describe(self, positions: np.ndarray) -> list[BatchPlan[RowT]]:
+        """`positions` [steps, k] -> one BatchPlan per step (vectorized across steps)."""
+
+    @abstractmethod
+    def shards(self, positions: np.ndarray) -> np.ndarray:
+        """The shards the observations at `positions` read (fetched ahead)."""
+
+    @abstractmethod
+    def fill(self, plan: BatchPlan[RowT], buffers: BatchBuffers) -> Filled:
+        """Write the batch into a `prepare`d buffer."""
+
+    @abstractmethod
+    def segments(self, positions: np.ndarray) -> list[RowSegments]:
+        """What the rows of the observations at `positions` hold, in batch row order,
+        without reading any token."""
+
+    boundaries: bool = True
+
+    def prepare(self, buffers: BatchBuffers) -> None:
+        """Once per buffer: the parts that do not change from batch to batch."""
+        buffers.mask[...] = 1
+        if not self.boundaries:
+            write_row_boundaries(buffers)
+
+    def metadata(self, plan: BatchPlan[RowT]) -> list[Any]:
+        raise ConfigError("metadata=True needs mode='windows' over a stream dataset")
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What shapes a loader's epochs: the mode and its knobs, validated once against the
+    mode's own attributes. `seq_len` is the trained row length (rows hold seq_len + 1
+    tokens); `split`/`validation_fraction` pick train or validation documents
+    (raypipe.sampling.split)."""
+
+    mode: str = "bestfit"
+    seq_len: int = 0
+    seed: int = 0
+    block_documents: int = 4096
+    packing: str = "fill"
+    block_batches: int = 64
+    shuffle: str = "global"
+    group_shards: int = 4
+    split: str = "all"
+    validation_fraction: float = 0.001
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("mode", self.mode, mode_names()),
+                                     ("shuffle", self.shuffle, SHUFFLES),
+                                     ("packing", self.packing, PACKINGS),
+                                     ("split", self.split, SPLITS)):
+            if value not in allowed:
+                raise ConfigError(f"{name}: {value!r} not among {list(allowed)}")
+        if self.shuffle == "shard_local" and (not self.loader_mode.shard_local
+                                              or self.group_shards < 1):
+            raise ConfigError(f"shuffle='shard_local' needs a mode that reads documents "
+                              f"(not {self.mode!r}, which already reads blocks of "
+                              "consecutive batches) and group_shards >= 1")
+        if self.block_documents < 1 or self.block_batches < 1:
+            raise ConfigError("block_documents and block_batches must be >= 1")
+        self._check_split()
+
+    def _check_split(self) -> None:
+        if self.split == "all":
+            return
+        if not 0.0 < self.validation_fraction < 1.0:
+            raise ConfigError(f"validation_fraction: {self.validation_fraction} must be in "
+                              "(0, 1)")
+        if self.split not in self.loader_mode.splits:
+            serving = [name for name in mode_names() if self.split in get_mode(name).splits]
+            why = (" (validation is served in order, a document a row)"
+                   if self.split == "validation" else "")
+            raise ConfigError(f"split={self.split!r} needs mode "
+                              f"{' or '.join(repr(name) for name in serving)}, not "
+                              f"{self.mode!r}{why}")
+        if self.shuffle != "global":
+            raise ConfigError("split needs shuffle='global' (shard-local groups count every "
+                              "document)")
+
+    @property
+    def loader_mode(self) -> LoaderMode:
+        return get_mode(self.mode)
+
+    @property
+    def preformed(self) -> bool:
+        """Observations are pre-formed batches, not rows cut from documents."""
+        return self.loader_mode.preformed
+
+    @property
+    def packed(self) -> bool:
+        """Rows are packed from blocks of documents (the `packing` knob applies)."""
+        return self.loader_mode.packed
+
+    def knobs(self) -> dict[str, Any]:
+        """The knobs a loader state records; a knob at its value from before it existed is
+        left out, so older states still load."""
+        knobs: dict[str, Any] = {"mode": self.mode, "seq_len": self.seq_len, "seed": self.seed,
+                                 **self.loader_mode.knobs(self)}
+        if self.shuffle != "global":  # states saved before `shuffle` existed were global
+            knobs["shuffle"], knobs["group_shards"] = self.shuffle, self.group_shards
+        if self.split != "all":
+            knobs["split"], knobs["validation_fraction"] = (self.split,
+                                                            self.validation_fraction)
+        return knobs
+
+    def describe(self) -> str:
+        """The row shape in words, for reports and warnings."""
+        shape = f"{self.mode} ({self.packing})" if self.packed else self.mode
+        return f"{shape} rows of {self.seq_len} + 1 tokens"
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a mode plans an epoch from: the opened dataset, the lengths of the documents the
+    plans number (called only by the modes that need them), the tokens windows are cut from,
+    the observations of one global step, rows per rank, the node's memo of plan arrays and
+    the shard groups of a shard-local shuffle (None: global)."""
+
+    dataset: Any
+    lengths: Callable[[], DocumentLengths]
+    stream_tokens: int | None = None
+    step_observations: int = 1
+    batch_size: int = 1
+    memo: SumsMemo | None = None
+    groups: ShardGroups | None = None
+
+
+class LoaderMode(ABC):
+    """One loader mode. Class attributes say what it is; methods plan and fill."""
+
+    name: ClassVar[str]
+    preformed: ClassVar[bool] = False  # an observation is a whole pre-formed batch
+    packed: ClassVar[bool] = False  # rows are packed from blocks (the `packing` knob applies)
+    boundaries_by_default: ClassVar[bool] = True  # position_ids/cu_seqlens per document
+    splits: ClassVar[tuple[str, ...]] = ("all", "train")
+    shard_local: ClassVar[bool] = True  # serves shuffle="shard_local"
+    window_metadata: ClassVar[bool] = False  # rows can carry a stream's metadata
+    reads_stream: ClassVar[bool] = False  # rows are cut from the token stream (a split's)
+
+    def knobs(self, spec: Any) -> dict[str, Any]:
+        """Knobs beyond (mode, seq_len, seed) a loader state records for this mode."""
+        return {}
+
+    @abstractmethod
+    def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> Any:
+        """Epoch `epoch`'s plan: `size` observations and a `report()`."""
+
+    @abstractmethod
+    def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
+               boundaries: bool = True) -> BatchFiller:
+        """The batches of `plan` (`source`: a TokenSource, or the LLMBatchDataset of a
+        pre-formed mode)."""
+
+    def prepares_next_epoch(self, spec: Any) -> bool:
+        """Whether the loader should build the next epoch's plan in the background."""
+        return False
+
+    def waste_hint(self, waste: str, packing: str | None) -> str:
+        """A way to waste less than this mode does (`waste`: cropped, dropped, padding)."""
+        if waste == "padding":
+            return "fewer, shorter rows (the data holds too few tokens to fill its rows)"
+        return "shuffle 'global' drops only the stream's last partial row"
+
+
+def waste_hints(mode: str, packing: str | None) -> Callable[[str], str]:
+    """The hint a waste warning gives under (mode, packing): a way to waste less that never
+    names what is running."""
+    loader_mode = get_mode(mode)
+    return lambda waste: loader_mode.waste_hint(waste, packing)
+
+
+_MODES: dict[str, LoaderMode] = {}
+
+
+def preformed_mode() -> LoaderMode:
+    """The mode that serves pre-formed batches (what a batch format's records are for)."""
+    return next(mode for mode in _MODES.values() if mode.preformed)
+
+
+def register(mode: LoaderMode) -> LoaderMode:
+    _MODES[mode.name] = mode
+    return mode
+
+
+def get_mode(name: str) -> LoaderMode:
+    if name not in _MODES:
+        raise ConfigError(f"mode: {name!r} not among {list(_MODES)}")
+    return _MODES[name]
+
+
+def mode_names() -> tuple[str, ...]:
+    return tuple(_MODES)

@@ -1,0 +1,198 @@
+"""`llmbatch`: pre-formed LLMBATCH batches, one per observation, and the record plans that
+made them.
+
+Invariant: the loader serves whole batches in a block shuffle (as ZeroBatch's loader does):
+blocks of `block_batches` consecutive batches are visited in a Feistel order per epoch,
+batches inside a block in file order (sequential reads); a partial last block stays last;
+one rank takes one batch per step. Masks and sequences come from the file's `.pieces`
+sidecar (raypipe.formats.llmbatch), never from a token scan (files from before 0.5: a
+BOS/EOS scan). The records themselves are the rows of an epoch-0 plan over the dataset's
+documents (`record_plan`: the one definition of what each LLMBATCH packing is, shared by
+the packer and `raypipe trace`), record r of the output being plan position r. Cost: one
+memmap slice per batch (+ B lengths and its pieces); O(1) memory.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.errors import ConfigError
+from raypipe.sampling.batches import (
+    BatchBuffers,
+    BatchPlan,
+    Filled,
+    RowSegments,
+    TokenSource,
+    scan_boundaries,
+    write_boundaries,
+)
+from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
+from raypipe.sampling.modes.base import (
+    BatchFiller,
+    LoaderMode,
+    PlanInputs,
+    PlanSpec,
+    get_mode,
+    register,
+)
+from raypipe.sampling.permute import FeistelPermutation
+from raypipe.sampling.plans import PackingReport
+
+# an LLMBATCH packing -> (the loader mode whose epoch-0 plan makes its records, that mode's
+# packing); "bestfit" is the name `crop` had before 0.2
+RECORD_PLANS = {"fill": ("bestfit", "fill"), "split": ("bestfit", "split"),
+                "crop": ("bestfit", "crop"), "bestfit": ("bestfit", "crop"),
+                "concat": ("windows", "split")}
+
+
+def record_plan(dataset: TokenDataset, packing: str, record_len: int, seed: int,
+                lengths: DocumentLengths | None = None, pad_id: int = 0
+                ) -> tuple[Any, BatchFiller]:
+    """The plan whose positions are an LLMBATCH output's records (rows of `record_len`
+    tokens), and its filler (no boundaries: a record stores its pieces instead)."""
+    mode_name, mode_packing = RECORD_PLANS[packing]
+    mode = get_mode(mode_name)
+    spec = PlanSpec(mode_name, record_len - 1, seed, packing=mode_packing)
+    if lengths is None:
+        lengths = dataset_lengths(dataset, node_cache=False)
+    plan = mode.plan(spec, PlanInputs(dataset, lambda: lengths), 0)
+    return plan, mode.filler(TokenSource(dataset), plan, record_len - 1, pad_id,
+                             boundaries=False)
+
+
+class PreformedPlan:
+    """Whole pre-formed batches in a block shuffle (see the module)."""
+
+    def __init__(self, num_batches: int, batch_size: int, record_len: int, seed: int,
+                 epoch: int, block_batches: int = 64):
+        self.size = num_batches
+        self.batch_size, self.record_len = batch_size, record_len
+        self.block_batches = block_batches
+        self.full_blocks = num_batches // block_batches
+        self.block_order = FeistelPermutation(self.full_blocks, seed, epoch, salt=4)
+
+    def batches(self, positions: np.ndarray) -> np.ndarray:
+        blocks, offsets = np.divmod(positions, self.block_batches)
+        result = positions.copy()
+        inside = blocks < self.full_blocks
+        result[inside] = self.block_order(blocks[inside]) * self.block_batches + offsets[inside]
+        return result
+
+    def report(self) -> PackingReport:
+        tokens = self.size * self.batch_size * self.record_len
+        return PackingReport(self.size * self.batch_size, tokens, 0, 0, 0, tokens)
+
+
+class PreformedFiller(BatchFiller[int]):
+    """A batch is one pre-formed [B, T] block, copied out of its mmap slice."""
+
+    def __init__(self, dataset: LLMBatchDataset, plan: PreformedPlan, seq_len: int,
+                 pad_id: int = 0, boundaries: bool = True):
+        self.dataset, self.plan, self.boundaries = dataset, plan, boundaries
+        self.pad_id = pad_id
+        self.padded = dataset.padded_tokens > 0
+
+    def shards(self, positions: np.ndarray) -> np.ndarray:
+        ids = self.plan.batches(positions.reshape(-1))
+        return np.unique(np.searchsorted(self.dataset.batch_offsets, ids, side="right") - 1)
+
+    def describe(self, positions: np.ndarray) -> list[BatchPlan[int]]:
+        ids = self.plan.batches(positions.reshape(-1)).reshape(positions.shape)
+        return [BatchPlan(positions[i], ids[i], ids[i].tolist()) for i in range(len(ids))]
+
+    def fill(self, plan: BatchPlan[int], buffers: BatchBuffers) -> Filled:
+        index = plan.rows[0]
+        buffers.tokens[...] = self.dataset.batch(index)
+        padding = None
+        if self.padded:  # the format says where padding is: masked, then pad_id
+            padding = self.dataset.padding(index, buffers.tokens)
+            np.logical_not(padding[:, 1:], out=buffers.mask)
+            buffers.tokens[padding] = self.pad_id
+        pieces = self.dataset.pieces(index)
+        if pieces is not None:  # the file says where its pieces are
+            return self._fill_pieces(pieces, padding, buffers)
+        if not self.boundaries:
+            return Filled(buffers.tokens.shape[0])
+        return scan_boundaries(buffers, self.dataset.bos_id, self.dataset.eos_id)
+
+    def _fill_pieces(self, pieces: Any, padding: np.ndarray | None,
+                     buffers: BatchBuffers) -> Filled:
+        """Masks and sequences from the file's pieces: the target into a piece is masked
+        unless it is a true join; every piece (and a record's padding) is a sequence."""
+        if padding is None:
+            buffers.mask[...] = 1
+        records, columns = pieces.records, pieces.columns
+        false = pieces.false_joins
+        buffers.mask[records[false], columns[false] - 1] = 0
+        if not self.boundaries:
+            return Filled(buffers.tokens.shape[0])
+        seq_len = buffers.position_ids.shape[1]
+        inside = columns < seq_len
+        starts = [records[inside] * seq_len + columns[inside]]
+        flags = [pieces.starts_document[inside]]
+        if padding is not None:
+            real = seq_len + 1 - padding.sum(axis=1)
+            padded = np.flatnonzero(real < seq_len)
+            starts.append(padded * seq_len + real[padded])
+            flags.append(np.zeros(padded.size, dtype=bool))
+        flat = np.concatenate(starts)
+        order = np.argsort(flat, kind="stable")
+        count = write_boundaries(flat[order], buffers, seq_len)
+        return Filled(count, np.concatenate(flags)[order])
+
+    @cached_property
+    def _records(self) -> BatchFiller:
+        """The record plan's filler over the document shards the records were packed from."""
+        dataset, options = self.dataset, self.dataset.options
+        if options.source_format is None or options.source_format not in \
+                dataset.manifest.formats:
+            raise ConfigError(f"{dataset.root}: tracing LLMBATCH records needs the document "
+                              "shards they were packed from (format "
+                              f"{options.source_format!r}), which this output lacks")
+        if dataset.num_batches and dataset.pieces(0) is None:
+            raise ConfigError(f"{dataset.root}: LLMBATCH records written before raypipe 0.5 "
+                              "(no .pieces sidecar) were cut by another rule; convert them "
+                              "again to trace them")
+        source = TokenDataset(dataset.store, options.source_format, manifest=dataset.manifest,
+                              cache=dataset.cache)
+        return record_plan(source, options.packing, options.seq_len, options.seed)[1]
+
+    def segments(self, positions: np.ndarray) -> list[RowSegments]:
+        batch = self.dataset.batch_size
+        records = (self.plan.batches(positions.reshape(-1))[:, None] * batch
+                   + np.arange(batch)).reshape(-1)
+        return self._records.segments(records)
+
+
+class LLMBatchMode(LoaderMode):
+    name = "llmbatch"
+    preformed = True
+    splits = ("all",)
+    shard_local = False
+
+    def knobs(self, spec: Any) -> dict[str, Any]:
+        return {"block_batches": spec.block_batches}
+
+    def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> PreformedPlan:
+        return PreformedPlan(inputs.dataset.num_batches, inputs.batch_size, spec.seq_len + 1,
+                             spec.seed, epoch, spec.block_batches)
+
+    def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
+               boundaries: bool = True) -> PreformedFiller:
+        return PreformedFiller(source, plan, seq_len, pad_id, boundaries)
+
+    def waste_hint(self, waste: str, packing: str | None) -> str:
+        if waste == "padding" and packing not in ("fill", "concat"):
+            return "packing 'fill' fills every row with pieces of documents"
+        if waste != "padding" and packing == "crop":
+            return "packing 'fill' trains every token and pads under 1% of the positions"
+        if waste == "padding":
+            return super().waste_hint(waste, packing)
+        return "a smaller batch size drops fewer records at the end"
+
+
+LLMBATCH = register(LLMBatchMode())
