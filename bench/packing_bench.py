@@ -20,11 +20,16 @@ is split between rows, or cropped) and the share of documents cut at all:
 - concat: windows of the concatenated stream (`mode="windows"`; Megatron, nanoGPT);
 - nanochat (long-tailed only): the reference re-implementation of nanochat's streaming
   best-fit with a 1000-document buffer (bench/nanochat_reference.py), on the same order.
+Every target true: for each tokenization (BOS before each document, EOS after it, both),
+fill packing's rows at T = 2048 on every corpus, with the positions spent on separators
+(joins a reader could not see without an inserted token: raypipe's cut rule needs none)
+and the targets the loader masks because they would cross from one piece into another
+document (per row, and as a share of the targets).
 Then the planner's documents per second on 1 M lognormal documents at T = 2048: the epoch
 plan (row counts and report; fill needs no block packed) and packing every block (what the
 loader does, one block at a time, for the blocks it reads).
-Targets: fill pads <= 1% of the positions and trains every token on every corpus; its
-planner >= 1 M documents/s.
+Targets: fill pads <= 1% of the positions and trains every token on every corpus and for
+every tokenization, with 0 separator positions; its planner >= 1 M documents/s.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from nanochat_reference import nanochat_bestfit_crop
 from raypipe.demo.train_tokenizer import SHIPPED
 from raypipe.sampling.modes.bestfit import BestFitPlan
 from raypipe.sampling.modes.windows import WindowPlan
+from raypipe.sampling.pack import PackedBlock
 
 SEQ_LENS = (512, 2048, 8192)
 HEADER = ("packing", "padding", "trained", "cuts/doc", "docs cut")
@@ -168,6 +174,41 @@ def describe(name: str, lengths: np.ndarray) -> str:
             f"p10/p50/p90/max {' / '.join(f'{p:,}' for p in percentiles)}")
 
 
+TOKENIZATIONS = {"BOS": (True, False), "EOS": (False, True), "BOS+EOS": (True, True)}
+TARGET_HEADER = ("corpus", "tokens", "padding", "trained", "separators", "masked/row",
+                 "masked targets")
+
+
+def join_counts(block: PackedBlock, bos: bool, eos: bool) -> tuple[int, int]:
+    """(joins inside rows no reader could see, joins whose crossing target is masked)."""
+    if block.doc_ids.size < 2:
+        return 0, 0
+    same_row = np.ones(block.doc_ids.size - 1, dtype=bool)
+    same_row[block.row_offsets[1:-1][block.row_offsets[1:-1] > 0] - 1] = False
+    starts, ends = block.starts == 0, block.ends_document
+    visible = (ends[:-1] & eos) | (starts[1:] & bos)
+    true = ends[:-1] & starts[1:]
+    return (int(np.count_nonzero(same_row & ~visible)),
+            int(np.count_nonzero(same_row & ~true)))
+
+
+def target_row(name: str, tokenization: str, lengths: np.ndarray,
+               seq_len: int) -> tuple[str, ...]:
+    """Fill packing under one tokenization: its padding, tokens trained, separator
+    positions and masked targets."""
+    bos, eos = TOKENIZATIONS[tokenization]
+    lengths = lengths + int(bos and eos)  # a corpus's lengths hold one separator each
+    plan = BestFitPlan(lengths, seq_len, seed=1, epoch=0, separator="bos" if bos else "eos")
+    report = plan.report()
+    separators = masked = 0
+    for block in range(plan.num_blocks):
+        hidden, crossing = join_counts(plan.pack(block), bos, eos)
+        separators, masked = separators + hidden, masked + crossing
+    return (name, tokenization, f"{report.padding_fraction:.2%}",
+            f"{report.used_tokens / report.total_tokens:.2%}", f"{separators}",
+            f"{masked / report.rows:.2f}", f"{masked / (report.rows * seq_len):.3%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--files", type=int, default=6000)
@@ -185,6 +226,17 @@ def main() -> None:
         for name, lengths in corpora.items():
             print(f"\n-- {name}, T = {seq_len} (rows of {seq_len + 1} tokens)")
             print_table([HEADER, *compare(lengths, seq_len, name == "long-tailed")])
+    print("\nevery target true: fill at T = 2048, by tokenization")
+    corpora = {"long-tailed": long_tailed}  # lengths with one separator (BOS or EOS) each
+    corpora.update({kind: synthetic_lengths(kind, 2049, args.documents)
+                    for kind in ("narrow", "bimodal", "uniform")})
+    rows = [target_row(name, tokenization, lengths, 2048)
+            for name, lengths in corpora.items() for tokenization in TOKENIZATIONS]
+    print_table([TARGET_HEADER, *rows])
+    held = all(float(row[2].rstrip("%")) <= 1.0 and float(row[3].rstrip("%")) >= 99.0
+               and row[4] == "0" for row in rows)
+    print(f"TARGET fill trains >= 99%, pads <= 1%, 0 separator positions for BOS, EOS and "
+          f"BOS+EOS: {'PASS' if held else 'MISSED'}")
     print("\nplanner, 1,000,000 lognormal documents, T = 2048 (best of 2):")
     rates = {p: planner_rates(p) for p in ("fill", "split", "crop")}
     print_table([("packing", "epoch plan docs/s", "every block packed docs/s"),

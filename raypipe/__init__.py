@@ -1,7 +1,8 @@
 """raypipe: parquet / JSON-lines corpora or Ray Datasets -> token shards -> training batches.
 
 `raypipe.tokenize(...)` runs the preprocessing job on Ray; `raypipe.TokenLoader` (torch)
-feeds training from one dataset, `raypipe.open_loader` from one dataset or a mixture.
+feeds training from one dataset, `raypipe.open_loader` from one dataset or a mixture;
+`raypipe.trace(...)` says which documents and input rows any step held.
 Heavy modules are imported lazily so `import raypipe` stays cheap.
 """
 
@@ -45,6 +46,15 @@ def _is_ray_dataset(inputs: Any) -> bool:
                for cls in type(inputs).__mro__)
 
 
+def trace(data: Any, step: int | None = None, **options: Any):
+    """The pieces of a training step's rows as TraceRecords: (step, rank, row, columns) ->
+    (document, input, input row, token range). Options: raypipe.tools.trace.trace (steps,
+    rank, world_size, seq_len, batch_size, state, text, and the loader's knobs)."""
+    from raypipe.tools.trace import trace as trace_steps
+
+    return trace_steps(data, step, **options)
+
+
 LOADER_NAMES = ("LoaderOptions", "MixtureLoader", "TokenLoader", "open_loader")
 
 
@@ -56,4 +66,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = [*LOADER_NAMES, "__version__", "tokenize"]
+__all__ = [*LOADER_NAMES, "__version__", "tokenize", "trace"]

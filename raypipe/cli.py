@@ -98,6 +98,23 @@ def command_pack_report(args: argparse.Namespace) -> int:
     return 0
 
 
+TRACE_KNOBS = ("mode", "seed", "block_documents", "packing", "shuffle", "group_shards",
+               "split", "validation_fraction", "block_batches")
+
+
+def command_trace(args: argparse.Namespace) -> int:
+    from raypipe.tools.trace import trace
+
+    knobs = {name: getattr(args, name) for name in TRACE_KNOBS
+             if getattr(args, name) is not None}
+    for record in trace(args.data, args.step, steps=args.steps, rank=args.rank,
+                        world_size=args.world_size, seq_len=args.seq_len,
+                        batch_size=args.batch_size, state=args.state, text=args.text,
+                        tokenizer=args.tokenizer, format_name=args.format, **knobs):
+        print(record.line())
+    return 0
+
+
 def command_verify(args: argparse.Namespace) -> int:
     from raypipe.tools.verify import verify_dataset
 
@@ -154,6 +171,30 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or text
 
 
+def add_plan_arguments(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """The loader knobs that shape observations (pack-report, trace); without `defaults`
+    an option left out is None (trace: taken from a state, else the loader's default)."""
+    def default(value: Any) -> Any:
+        return value if defaults else None
+
+    parser.add_argument("--seq-len", type=int, default=default(2048),
+                        help="T: tokens a row trains (rows hold T + 1), as TokenLoader's")
+    parser.add_argument("--mode", default=default("bestfit"), choices=list(mode_names()),
+                        help="the loader mode (a pre-formed mode such as llmbatch: what the "
+                        "dataset's batch records hold, as written)")
+    parser.add_argument("--seed", type=int, default=default(0), help="the loader's seed")
+    parser.add_argument("--block-documents", type=int, default=default(4096),
+                        help="bestfit: documents per packing block (at least)")
+    parser.add_argument("--packing", default=default("fill"), choices=list(PACKINGS),
+                        help="bestfit mode: fill (every token, full rows), split (every "
+                        "token, documents whole where they fit, padded) or crop (nanochat's)")
+    parser.add_argument("--format", default=None, help="megatron or nanogpt (default: any)")
+    parser.add_argument("--shuffle", default=default("global"),
+                        choices=["global", "shard_local"], help="the loader's shuffle")
+    parser.add_argument("--group-shards", type=int, default=default(4),
+                        help="shard_local: consecutive shards per group")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from raypipe._version import __version__
     from raypipe.formats import FORMATS
@@ -174,26 +215,37 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=command_demo)
     report = subcommand("pack-report", help="tokens used/cropped/padded per epoch")
     report.add_argument("dataset", help=DATASET_HELP)
-    report.add_argument("--seq-len", type=int, default=2048,
-                        help="T: tokens a row trains (rows hold T + 1), as TokenLoader's")
-    report.add_argument("--mode", default="bestfit",
-                        choices=list(mode_names()),
-                        help="the loader mode to plan (a pre-formed mode such as llmbatch: "
-                        "what the dataset's batch records hold, as written)")
-    report.add_argument("--seed", type=int, default=0, help="the loader's seed")
+    add_plan_arguments(report, defaults=True)
     report.add_argument("--epoch", type=int, default=0, help="first epoch to report")
     report.add_argument("--epochs", type=int, default=1, help="how many epochs")
-    report.add_argument("--block-documents", type=int, default=4096,
-                        help="bestfit: documents per packing block (at least)")
-    report.add_argument("--packing", default="fill", choices=list(PACKINGS),
-                        help="bestfit mode: fill (every token, full rows), split (every "
-                        "token, documents whole where they fit, padded) or crop (nanochat's)")
-    report.add_argument("--format", default=None, help="megatron or nanogpt (default: any)")
-    report.add_argument("--shuffle", default="global", choices=["global", "shard_local"],
-                        help="the loader shuffle to plan")
-    report.add_argument("--group-shards", type=int, default=4,
-                        help="shard_local: consecutive shards per group")
     report.set_defaults(handler=command_pack_report)
+    trace = subcommand("trace", help="which documents and input rows a training step held: "
+                       "one JSON line per piece of every row")
+    trace.add_argument("data", help=DATASET_HELP + ", or a mixture YAML")
+    trace.add_argument("--step", type=int, default=None,
+                       help="global step from the start of training (default 0; not with "
+                       "--state)")
+    trace.add_argument("--steps", type=int, default=1, help="how many steps from there")
+    trace.add_argument("--rank", type=int, default=None, help="one rank (default: every rank)")
+    trace.add_argument("--world-size", type=int, default=None,
+                       help="the run's ranks (default: the state's, else 1)")
+    trace.add_argument("--batch-size", type=int, default=None,
+                       help="rows per rank (default: the state's; LLMBATCH: its own)")
+    trace.add_argument("--state", default=None,
+                       help="a loader's state_dict() saved as JSON: trace the steps after it "
+                       "(its knobs are the defaults of the options below)")
+    trace.add_argument("--text", action="store_true", help="add each piece's decoded text")
+    trace.add_argument("--tokenizer", default=None,
+                       help="--text: the tokenizer.json to decode with (default: the "
+                       "manifest's, where its path still holds it)")
+    add_plan_arguments(trace, defaults=False)
+    trace.add_argument("--split", default=None, choices=["all", "train", "validation"],
+                       help="the loader's split (default all)")
+    trace.add_argument("--validation-fraction", type=float, default=None,
+                       help="the loader's validation_fraction (default 0.001)")
+    trace.add_argument("--block-batches", type=int, default=None,
+                       help="llmbatch: batches per shuffled block (default 64)")
+    trace.set_defaults(handler=command_trace)
     verify = subcommand("verify", help="re-check every shard against the manifest")
     verify.add_argument("dataset", help=DATASET_HELP)
     verify.set_defaults(handler=command_verify)

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 
 from raypipe.loader import MixtureLoader, TokenLoader, open_loader
+from raypipe.sampling.modes import get_mode, mode_names
 
 T, B, SEED = 32, 2, 5
-MODES = {
-    "windows": {"mode": "windows"},
+# every registered mode at its defaults (a new mode is in the harness as soon as its module
+# registers it), then the variants of the knobs that change what a mode serves
+MODES = {name: {"mode": name} for name in mode_names()} | {
     "windows+metadata": {"mode": "windows", "format": "stream", "metadata": True},
-    "bestfit": {"mode": "bestfit"},  # fill packing
     "bestfit-split": {"mode": "bestfit", "packing": "split"},
     "bestfit-crop": {"mode": "bestfit", "packing": "crop"},
-    "documents": {"mode": "documents"},
-    "llmbatch": {"mode": "llmbatch", "block_batches": 4},
+    "llmbatch-blocks-of-4": {"mode": "llmbatch", "block_batches": 4},
     "windows-shard-local": {"mode": "windows", "shuffle": "shard_local", "group_shards": 2},
     "bestfit-shard-local": {"mode": "bestfit", "shuffle": "shard_local", "group_shards": 2},
     "documents-shard-local": {"mode": "documents", "shuffle": "shard_local",
@@ -32,7 +32,7 @@ MODES = {
 
 def make_loader(path, options, rank, world) -> TokenLoader | MixtureLoader:
     """Every loader mode through the one factory (a dict path: a mixture)."""
-    if options["mode"] == "llmbatch":  # the shape is the LLMBATCH file's
+    if get_mode(options["mode"]).preformed:  # the shape is the pre-formed file's
         return open_loader(path, rank=rank, world_size=world, seed=SEED, **options)
     return open_loader(path, T, B, rank=rank, world_size=world, seed=SEED, **options)
 
@@ -44,7 +44,7 @@ def rows_of(batch, options) -> dict[int, list[int]]:
         return {(int(s), int(p)): batch.inputs[i].tolist()
                 for i, (s, p) in enumerate(zip(batch.source_ids, batch.positions,
                                                strict=True))}
-    if options["mode"] == "llmbatch":
+    if get_mode(options["mode"]).preformed:
         return {int(batch.observation_ids[0]): batch.inputs.reshape(-1).tolist()}
     if options.get("metadata"):  # each row's records came with it
         for row, window in enumerate(batch.metadata):

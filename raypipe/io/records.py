@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
+import numpy as np
+
 from raypipe.errors import FormatError
 from raypipe.io.paths import plain_name, relative_path
 
@@ -282,16 +284,40 @@ class UnitRecord(JsonRecord):
     finished_at: float = 0.0
     peak_rss_bytes: int = 0
     special_literals: int = 0  # documents whose text contains a special token's literal
+    # the rows that made no document, as runs (first row in the unit, count, ...): with the
+    # unit's first row, document k's input row (None: a record from before 0.5)
+    skipped_runs: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.unit, dict):
             object.__setattr__(self, "unit", WorkUnit.from_json(self.unit, "unit"))
         object.__setattr__(self, "shards", _tuple_of(UnitShard, self.shards, "shards"))
+        if self.skipped_runs is not None:
+            object.__setattr__(self, "skipped_runs", tuple(self.skipped_runs))
 
     def check(self, where: str) -> None:
         self.unit.check(where)
         for shard in self.shards:
             shard.check(where)
+        runs = self.skipped_runs
+        if runs is not None and (len(runs) % 2 or not all(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 0
+                for value in runs) or sum(runs[1::2]) != self.rows - self.documents):
+            raise FormatError(where, "field 'skipped_runs' is not (row, count) pairs of the "
+                              f"{self.rows - self.documents} rows that made no document")
+
+    def document_rows(self, documents: np.ndarray) -> np.ndarray | None:
+        """The rows (counted from the unit's first) that documents `documents` of the unit
+        came from; None where the record does not say (before 0.5, with rows skipped)."""
+        documents = np.asarray(documents, dtype=np.int64)
+        if self.skipped_runs is None:
+            return documents if self.rows == self.documents else None
+        starts = np.array(self.skipped_runs[0::2], dtype=np.int64)
+        counts = np.array(self.skipped_runs[1::2], dtype=np.int64)
+        skipped_before = np.concatenate([[0], np.cumsum(counts)])
+        kept_before = starts - skipped_before[:-1]  # documents before each run
+        return documents + skipped_before[np.searchsorted(kept_before, documents,
+                                                          side="right")]
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 
 from raypipe.errors import ConfigError, StateError
+from raypipe.io.states import MixtureState, SourcePosition
 from raypipe.loader.batch import Batch
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
-from raypipe.loader.state import MixtureState, SourcePosition
 from raypipe.loader.token_loader import TokenLoader, _rank_and_world
 from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
-from raypipe.sampling.mixture import allocate, mixture_weights, spread
+from raypipe.sampling.mixture import mixture_weights, step_rows
 
 logger = logging.getLogger("raypipe")
 
@@ -177,21 +177,15 @@ class MixtureLoader:
         positions, step = dict(self.positions), self.steps
         while True:
             consumed = np.array([positions[n].consumed for n in self.names], dtype=np.float64)
-            counts = allocate(self.weights, consumed, self.global_batch)
-            # spread over the ranks' rows (rank-major), so every rank gets its share too;
-            # slot b * W + r is row b of rank r
-            slots = spread(counts).reshape(self.world_size, self.batch_size).T.reshape(-1)
+            counts, slots = step_rows(self.weights, consumed, self.world_size,
+                                      self.batch_size)
             rows_of: list[list[tuple[int, int]]] = []
             for index, name in enumerate(self.names):
                 taken, positions[name] = self._advance(index, positions[name],
                                                        int(counts[index]))
                 rows_of.append(taken)
-            seen = np.zeros(len(self.names), dtype=np.int64)
-            rows = []
-            for slot, source in enumerate(slots.tolist()):
-                if slot % self.world_size == self.rank:
-                    rows.append((source, *rows_of[source][seen[source]]))
-                seen[source] += 1
+            rows = [(source, *rows_of[source][nth]) for rank, _, source, nth in slots
+                    if rank == self.rank]
             step += 1
             yield MixtureStep(step - 1, rows, dict(positions))
 

@@ -26,18 +26,15 @@ import numpy as np
 import torch
 
 from raypipe.config import is_mixture_spec
-from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import ConfigError, StateError
-from raypipe.io.cache import CacheStats, ShardCache, node_cached_array
+from raypipe.io.cache import CacheStats, node_cached_array
 from raypipe.io.records import TokenizerInfo
-from raypipe.io.store import Store
+from raypipe.io.states import STATE_VERSION, LoaderState
 from raypipe.loader.batch import Batch
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
-from raypipe.loader.state import STATE_VERSION, LoaderState
-from raypipe.sampling.batches import BatchBuffers, BatchPlan, TokenSource
-from raypipe.sampling.epochs import EpochPlans, document_split
-from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
+from raypipe.sampling.batches import BatchBuffers, BatchPlan
+from raypipe.sampling.epochs import PlannedDataset
 from raypipe.sampling.modes import BatchFiller, waste_hints
 from raypipe.sampling.plans import PackingReport
 
@@ -72,23 +69,24 @@ class TokenLoader:
         self.options = options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
         self.mode, self.seed = options.mode, options.seed
-        store = Store(path)
-        cache = None if store.local else ShardCache(options.cache_dir, options.cache_bytes)
-        self.preformed = options.plan_spec(0).preformed  # one pre-formed batch per observation
-        if self.preformed:
-            self.dataset: Any = LLMBatchDataset(store, cache=cache)
-            for index in range(self.dataset.num_shards if cache is None else 0):
+        spec = options.plan_spec(options.seq_len or 0)
+        if options.metadata and spec.split != "all":
+            raise ConfigError("split with metadata=True is not supported")
+        self.planned = PlannedDataset.open(path, spec, self.world_size, options.batch_size,
+                                           options.format, options.cache_dir,
+                                           options.cache_bytes, self._node_memo)
+        self.dataset: Any = self.planned.dataset
+        self.spec, self.split, self.source = (self.planned.spec, self.planned.split,
+                                              self.planned.source)
+        self.seq_len, self.batch_size = self.spec.seq_len, self.planned.batch_size
+        self.preformed = self.spec.preformed  # one pre-formed batch per observation
+        if self.preformed and self.dataset.cache is None:
+            for index in range(self.dataset.num_shards):
                 self.dataset.reader(index)  # every local file checked up front
-            self.seq_len, self.batch_size = self._preformed_shape(options.seq_len,
-                                                                  options.batch_size)
-            self.source = None
-        else:
-            self.dataset = TokenDataset(store, options.format, cache=cache)
-            if options.seq_len is None or options.batch_size is None:
-                raise ConfigError("seq_len and batch_size must be given (>= 1)")
-            self.seq_len, self.batch_size = options.seq_len, options.batch_size
-            self._open_source()
-        self.spec = options.plan_spec(self.seq_len)
+        if self.split is not None and self.rank == 0:
+            logger.info("%s: split %r holds %s of %s documents (validation_fraction %s)",
+                        self.dataset.root, self.split.name, f"{self.split.ids.size:,}",
+                        f"{self.dataset.num_documents:,}", self.split.fraction)
         if options.metadata and not self.dataset.format.window_metadata:
             raise ConfigError(f"metadata=True needs mode {self.mode!r} over a format whose "
                               f"windows carry metadata (of {self.dataset.format_name!r}, "
@@ -101,66 +99,18 @@ class TokenLoader:
                            if options.boundaries is None else options.boundaries)
         self.device = options.torch_device()
         self.epoch, self.position = 0, 0
-        self._lengths: DocumentLengths | None = None
-        self.plans = EpochPlans(self.spec, self.dataset, self._document_lengths,
-                                None if self.preformed else self._stream_tokens(),
-                                self.global_batch, self._node_memo,
-                                self.batch_size)
-
-    def _open_source(self) -> None:
-        """The documents this loader reads: every one, or its split's."""
-        self.split = document_split(self.options.plan_spec(self.seq_len), self.dataset)
-        if self.split is not None and self.rank == 0:
-            logger.info("%s: split %r holds %s of %s documents (validation_fraction %s)",
-                        self.dataset.root, self.split.name, f"{self.split.ids.size:,}",
-                        f"{self.dataset.num_documents:,}", self.split.fraction)
-        self.source = TokenSource(self.dataset, None if self.split is None
-                                  else self.split.ids)
-        if self.split is not None and self.options.plan_spec(0).loader_mode.reads_stream:
-            # rows cut from the stream: the split's documents back to back
-            if self.options.metadata:
-                raise ConfigError("split with metadata=True is not supported")
-            lengths = self.dataset.document_lengths()
-            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-            self.source.restrict_stream(starts[self.split.ids], lengths[self.split.ids])
-
-    def _preformed_shape(self, seq_len: int | None, batch_size: int | None) -> tuple[int, int]:
-        """LLMBATCH fixes the shape: records of T tokens train T - 1 positions."""
-        self.split = None
-        shape = (self.dataset.seq_len - 1, self.dataset.batch_size)
-        if (seq_len or shape[0], batch_size or shape[1]) != shape:
-            raise ConfigError(f"{self.dataset.root}: LLMBATCH batches are [{shape[1]}, "
-                              f"{shape[0] + 1}] records, i.e. seq_len={shape[0]}, "
-                              f"batch_size={shape[1]}; got seq_len={seq_len}, "
-                              f"batch_size={batch_size}")
-        return shape
+        self.plans = self.planned.plans
 
     # ----- the epoch plan -------------------------------------------------------------
     @property
     def observations_per_batch(self) -> int:
         """Observations one rank takes per step: rows, or one pre-formed batch."""
-        return 1 if self.preformed else self.batch_size
+        return self.planned.observations_per_step
 
     @property
     def global_batch(self) -> int:
         """Observations consumed per global step."""
-        return self.world_size * self.observations_per_batch
-
-    def _stream_tokens(self) -> int:
-        """Tokens of the stream windows are cut from: the dataset's, or a split's."""
-        if self.source is not None and self.source.stream_offsets is not None:
-            return int(self.source.stream_offsets[-1])
-        return self.dataset.num_tokens
-
-    def _document_lengths(self) -> DocumentLengths:
-        """Lengths of the documents the plans number: a split's (one array), or every
-        document's (a map of the node's lengths file, so the rank keeps no per-document
-        array: raypipe.sampling.lengths.dataset_lengths)."""
-        if self._lengths is None:
-            every = dataset_lengths(self.dataset, self.options.cache_dir)
-            self._lengths = (every if self.split is None
-                             else DocumentLengths.of(every[self.split.ids]))
-        return self._lengths
+        return self.planned.global_batch
 
     def plan(self, epoch: int | None = None) -> Any:
         epoch = self.epoch if epoch is None else epoch
@@ -218,16 +168,14 @@ class TokenLoader:
         """What describes and fills this loader's batches of epoch `epoch` (its mode's
         filler over this rank's view of the dataset): a MixtureLoader fills its sources'
         rows with it, `raypipe trace` asks it what rows hold."""
-        source = self.dataset if self.preformed else self.source
-        return self.spec.loader_mode.filler(source, self.plan(epoch), self.seq_len,
-                                            self.options.pad_id, self.boundaries)
+        self.plan(epoch)  # checked: at least one global step
+        return self.planned.filler(epoch, self.options.pad_id, self.boundaries)
 
     def _jobs(self, builder: Any, epoch: int, start: int) -> Iterator[BatchPlan]:
         """BatchPlans of this rank for the rest of the epoch, described DESCRIBE_STEPS at a
         time (one vectorized permutation call per chunk, not per batch); the first chunk is
         one step, so the first batch waits for one step's description, not 64."""
-        offsets = (np.arange(self.observations_per_batch, dtype=np.int64) * self.world_size
-                   + self.rank)
+        offsets = self.planned.rank_positions(0, self.rank)[0]
         steps = (self.plan(epoch).size - start) // self.global_batch
         bounds = sorted({0, min(1, steps), *range(DESCRIBE_STEPS, steps, DESCRIBE_STEPS),
                          steps})

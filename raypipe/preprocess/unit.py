@@ -128,6 +128,26 @@ class MetadataBuilder:
         return sorted(mapped, key=lambda item: item[0])
 
 
+class SkippedRuns:
+    """The rows of a unit that made no document, as runs [first row, count, ...] counted
+    from the unit's first row (what maps a document back to its input row: 0 bytes per
+    document kept, 2 ints per run of skipped rows)."""
+
+    def __init__(self) -> None:
+        self.runs: list[int] = []
+
+    def add(self, kept: np.ndarray, num_rows: int, first_row: int) -> None:
+        """A batch of `num_rows` rows from `first_row`, of which rows `kept` made documents."""
+        gone = np.ones(num_rows, dtype=np.int8)
+        gone[kept] = 0
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], gone, [0]])))
+        for start, stop in zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True):
+            if self.runs and self.runs[-2] + self.runs[-1] == first_row + start:
+                self.runs[-1] += stop - start  # continues the run the last batch ended
+            else:
+                self.runs += [first_row + start, stop - start]
+
+
 def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
                   batches: Iterable[pa.RecordBatch] | None = None) -> UnitRecord:
     """Tokenize `unit`, commit its shards and its record; return the record. Its rows are
@@ -142,12 +162,14 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
     if batches is None:
         batches = unit_batches(unit, settings.columns, config.encode_batch_rows)
     skipped: Counter = Counter()
+    skipped_runs = SkippedRuns()
     rows = documents = tokens_total = special_literals = 0
     try:
         for batch in batches:
             texts, kept, batch_skipped = clean_texts_with_rows(
                 batch.column(config.text_column), config.document_char_limit)
             skipped.update(batch_skipped)
+            skipped_runs.add(kept, batch.num_rows, rows)
             counted = reader_skips(batch)  # rows the reader turned into nulls
             skipped.update(counted)
             skipped.subtract({"null": sum(counted.values())})
@@ -173,7 +195,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
     record = UnitRecord(
         unit=unit, fingerprint=settings.fingerprint, rows=rows, documents=documents,
         tokens=tokens_total, skipped=dict(sorted((+skipped).items())), shards=tuple(shards),
-        special_literals=special_literals,
+        special_literals=special_literals, skipped_runs=tuple(skipped_runs.runs),
         seconds=round(time.perf_counter() - started, 4),
         cpu_seconds=round(time.thread_time() - started_cpu, 4), started_at=started_at,
         finished_at=time.time(),

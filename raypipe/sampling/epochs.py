@@ -12,15 +12,24 @@ object per epoch asked for (the latest is kept); what a plan costs is in its mod
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from raypipe.dataset import LLMBatchDataset, TokenDataset
-from raypipe.sampling.lengths import DocumentLengths
-from raypipe.sampling.modes import PlanInputs, PlanSpec
+from raypipe.errors import ConfigError
+from raypipe.io.cache import ShardCache
+from raypipe.io.store import Store
+from raypipe.sampling.batches import TokenSource
+from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
+from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec
 from raypipe.sampling.plans import ShardGroups, SumsMemo
 from raypipe.sampling.split import DocumentSplit
 
-__all__ = ["EpochPlans", "PlanSpec", "document_split"]
+__all__ = ["EpochPlans", "PlanSpec", "PlannedDataset", "document_split"]
 
 
 class EpochPlans:
@@ -64,3 +73,150 @@ def document_split(spec: PlanSpec, dataset: TokenDataset) -> DocumentSplit | Non
         return None
     return DocumentSplit.of(spec.split, spec.validation_fraction, dataset.num_documents,
                             dataset.fingerprint)
+
+
+class PlannedDataset:
+    """One dataset opened under a spec for one world size: the documents its plans number
+    (a split's, or all), the token source rows are read from, its epoch plans, and the
+    positions each rank takes per step (position p + i*W + r is observation i of rank r at
+    the step starting at p). What TokenLoader and `raypipe trace` share."""
+
+    def __init__(self, dataset: TokenDataset | LLMBatchDataset, spec: PlanSpec,
+                 world_size: int, batch_size: int, cache_dir: str | Path | None = None,
+                 memo: SumsMemo | None = None):
+        self.dataset, self.spec = dataset, spec
+        self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
+        self.preformed = spec.preformed
+        self.split = None if self.preformed else document_split(spec, dataset)
+        self.source: TokenSource | None = None
+        if not self.preformed:
+            self.source = TokenSource(dataset, None if self.split is None else self.split.ids)
+            if self.split is not None and spec.loader_mode.reads_stream:
+                lengths = dataset.document_lengths()  # rows cut from the split's stream
+                starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                self.source.restrict_stream(starts[self.split.ids], lengths[self.split.ids])
+        self._lengths: DocumentLengths | None = None
+        self.plans = EpochPlans(spec, dataset, self.document_lengths,
+                                None if self.source is None else self.stream_tokens(),
+                                self.global_batch, memo, batch_size)
+
+    @classmethod
+    def open(cls, path: str | Path, spec: PlanSpec, world_size: int, batch_size: int | None,
+             format_name: str | None = None, cache_dir: str | Path | None = None,
+             cache_bytes: int | str | None = None, memo: SumsMemo | None = None
+             ) -> PlannedDataset:
+        """Open `path` (a directory or URI: shards through the node cache) for `spec`; a
+        pre-formed dataset fixes seq_len and batch_size (0 / None take its own)."""
+        store = Store(path)
+        cache = None if store.local else ShardCache(cache_dir, cache_bytes)
+        if not spec.preformed:
+            if not spec.seq_len or not batch_size:
+                raise ConfigError("seq_len and batch_size must be given (>= 1)")
+            return cls(TokenDataset(store, format_name, cache=cache), spec, world_size,
+                       batch_size, cache_dir, memo)
+        dataset = LLMBatchDataset(store, cache=cache)
+        shape = (dataset.seq_len - 1, dataset.batch_size)
+        if (spec.seq_len or shape[0], batch_size or shape[1]) != shape:
+            raise ConfigError(f"{dataset.root}: LLMBATCH batches are [{shape[1]}, "
+                              f"{shape[0] + 1}] records, i.e. seq_len={shape[0]}, "
+                              f"batch_size={shape[1]}; got seq_len={spec.seq_len}, "
+                              f"batch_size={batch_size}")
+        return cls(dataset, replace(spec, seq_len=shape[0]), world_size, shape[1], cache_dir,
+                   memo)
+
+    @property
+    def seq_len(self) -> int:
+        return self.spec.seq_len
+
+    @property
+    def observations_per_step(self) -> int:
+        """Observations one rank takes per step: rows, or one pre-formed batch."""
+        return 1 if self.preformed else self.batch_size
+
+    @property
+    def global_batch(self) -> int:
+        """Observations consumed per global step."""
+        return self.world_size * self.observations_per_step
+
+    def stream_tokens(self) -> int:
+        """Tokens of the stream windows are cut from: the dataset's, or a split's."""
+        if self.source is not None and self.source.stream_offsets is not None:
+            return int(self.source.stream_offsets[-1])
+        return self.dataset.num_tokens
+
+    def document_lengths(self) -> DocumentLengths:
+        """Lengths of the documents the plans number: a split's (one array), or every
+        document's (a map of the node's lengths file, so the rank keeps no per-document
+        array: raypipe.sampling.lengths.dataset_lengths)."""
+        if self._lengths is None:
+            every = dataset_lengths(self.dataset, self.cache_dir)
+            self._lengths = (every if self.split is None
+                             else DocumentLengths.of(every[self.split.ids]))
+        return self._lengths
+
+    def plan(self, epoch: int) -> Any:
+        return self.plans(epoch)
+
+    def filler(self, epoch: int, pad_id: int = 0, boundaries: bool | None = None
+               ) -> BatchFiller:
+        """The mode's filler of epoch `epoch` (boundaries: the mode's default when None)."""
+        mode = self.spec.loader_mode
+        return mode.filler(self.dataset if self.preformed else self.source, self.plan(epoch),
+                           self.seq_len, pad_id,
+                           mode.boundaries_by_default if boundaries is None else boundaries)
+
+    def rank_positions(self, step_start: int, rank: int) -> np.ndarray:
+        """[1, k]: the positions rank `rank` takes in the step that starts at `step_start`."""
+        offsets = np.arange(self.observations_per_step, dtype=np.int64) * self.world_size
+        return (step_start + offsets + rank)[None, :]
+
+    def steps_in(self, epoch: int) -> int:
+        return self.plan(epoch).size // self.global_batch
+
+    def step_start(self, epoch: int, position: int) -> tuple[int, int]:
+        """Where the step taken at (epoch, position) starts: the next epoch's first step
+        when fewer than one global step is left (drop-last)."""
+        while position + self.global_batch > self.plan(epoch).size:
+            if self.steps_in(epoch + 1) == 0 and self.steps_in(epoch) == 0:
+                raise ConfigError(f"{self.dataset.root}: an epoch holds fewer observations "
+                                  "than one global step")
+            epoch, position = epoch + 1, 0
+        return epoch, position
+
+    def locate(self, epoch: int | None, position: int | None, step: int | None
+               ) -> tuple[int, int, int]:
+        """(epoch, position, global step number) of global step `step` from the start of
+        training, or of the step after a state at (epoch, position)."""
+        if epoch is not None and position is not None:
+            if step is not None:
+                raise ConfigError("give a step or a loader state, not both")
+            before = sum(self.steps_in(earlier) for earlier in range(epoch))
+            return epoch, position, before + position // self.global_batch
+        step = step or 0
+        remaining, epoch = step, 0
+        while remaining >= self.steps_in(epoch):
+            if self.steps_in(epoch) == 0:
+                raise ConfigError(f"{self.dataset.root}: an epoch holds fewer observations "
+                                  "than one global step")
+            remaining -= self.steps_in(epoch)
+            epoch += 1
+        return epoch, remaining * self.global_batch, step
+
+    def row_position(self, consumed: int) -> tuple[int, int]:
+        """(epoch, position) of the row after `consumed` rows taken one after another across
+        epochs (a mixture source: nothing of an epoch is dropped)."""
+        epoch = 0
+        while consumed >= self.plan(epoch).size:
+            consumed -= self.plan(epoch).size
+            epoch += 1
+        return epoch, consumed
+
+    @cached_property
+    def document_dataset(self) -> TokenDataset:
+        """The documents rows are cut from (a pre-formed output: the shards its records were
+        packed from)."""
+        if isinstance(self.dataset, TokenDataset):
+            return self.dataset
+        source_format = self.dataset.options.source_format
+        return TokenDataset(self.dataset.store, source_format, manifest=self.dataset.manifest,
+                            cache=self.dataset.cache)

@@ -56,3 +56,18 @@ def mixture_weights(names: list[str], weights: dict[str, float] | None,
         if not np.all(np.isfinite(values)) or (values < 0).any() or values.sum() <= 0:
             raise ConfigError(f"mixture weights {weights} must be >= 0 and not all 0")
     return values / values.sum()
+
+
+def step_rows(weights: np.ndarray, consumed: np.ndarray, world_size: int, batch_size: int
+              ) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
+    """One global step of a mixture: rows per source, and per slot of the step (rank-major
+    spread, so every rank gets its share: slot b * W + r is row b of rank r) the tuple
+    (rank, row in the rank's batch, source, the source's n-th row of this step)."""
+    counts = allocate(weights, consumed, world_size * batch_size)
+    slots = spread(counts).reshape(world_size, batch_size).T.reshape(-1)
+    seen = np.zeros(len(weights), dtype=np.int64)
+    rows = []
+    for slot, source in enumerate(slots.tolist()):
+        rows.append((slot % world_size, slot // world_size, source, int(seen[source])))
+        seen[source] += 1
+    return counts, rows

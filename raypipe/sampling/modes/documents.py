@@ -91,17 +91,22 @@ class DocumentsFiller(BatchFiller[DocumentRow]):
         return self.source.shards_of_documents(self.plan.documents(positions.reshape(-1)))
 
     def fill(self, plan: BatchPlan[DocumentRow], buffers: BatchBuffers) -> Filled:
+        """A document per row; its padded tail is pad_id, masked, a sequence of its own."""
         tokens, width = self.source.tokens, self.seq_len + 1
+        starts, flags = [], []
         for row, (shard, first, count) in enumerate(plan.rows):
             kept = min(count, width)
             buffers.tokens[row, :kept] = tokens[shard][first:first + kept]
             buffers.tokens[row, kept:] = self.pad_id
             buffers.mask[row, :max(kept - 1, 0)] = 1
             buffers.mask[row, max(kept - 1, 0):] = 0
-        rows = np.arange(len(plan.rows), dtype=np.int64) * self.seq_len
-        count = write_boundaries(rows, buffers, self.seq_len)
-        real = np.array([row.count > 0 for row in plan.rows], dtype=bool)  # empty: padding
-        return Filled(count, real)
+            starts.append(row * self.seq_len)
+            flags.append(count > 0)  # an empty row (a padded validation step): padding
+            if 0 < kept < self.seq_len:
+                starts.append(row * self.seq_len + kept)
+                flags.append(False)
+        count = write_boundaries(np.array(starts, dtype=np.int64), buffers, self.seq_len)
+        return Filled(count, np.array(flags, dtype=bool))
 
     def segments(self, positions: np.ndarray) -> list[RowSegments]:
         local_ids = self.plan.documents(positions.reshape(-1))

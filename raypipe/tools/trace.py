@@ -1,0 +1,300 @@
+"""`raypipe trace`: which documents, and which rows of which inputs, a training step held.
+
+Invariant: a loader's order is a pure function of (dataset fingerprint, seed, epoch, world
+size, step), so the rows of step S on rank R are computed, not logged: trace opens the
+dataset under the run's loader knobs through the same `PlannedDataset` and mode fillers the
+loader runs (raypipe.sampling.epochs, raypipe.sampling.modes), asks each row's filler what
+it holds (`segments`: document, token range, columns), and maps each document to its input
+and input row through the manifest's units and their unit records (the rows a unit
+skipped, stored as runs at tokenize time: 0 bytes per document kept). It reads no token
+file (`text=True` decodes the tokens of the rows it prints, and so reads those). A record's
+columns index the row's T + 1 tokens (`inputs` then the last target), col_end exclusive;
+token_start..token_end (exclusive) index the document's stored tokens, its BOS/EOS
+included; `step` counts global steps from the start of training (at this world size).
+Cost: one epoch plan per epoch crossed (bestfit fill: one vectorized pass over the
+document lengths, ~70 ns a document), then O(rows) per step, plus one unit record read per
+unit printed; a mixture replays its row allocation step by step (~15 us a step).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from raypipe.config import is_mixture_spec, read_mixture, spec_weights
+from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.errors import ConfigError
+from raypipe.io.manifest import unit_record_name
+from raypipe.io.records import UnitRecord
+from raypipe.io.states import LoaderState, MixtureState, read_state
+from raypipe.preprocess.jsonl import LineLocator
+from raypipe.sampling.batches import RowSegments
+from raypipe.sampling.epochs import PlannedDataset, PlanSpec
+from raypipe.sampling.mixture import mixture_weights, step_rows
+
+PLAN_KNOBS = ("mode", "seq_len", "seed", "block_documents", "packing", "block_batches",
+              "shuffle", "group_shards", "split", "validation_fraction")
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One piece of one row of one step: where it sits in the batch and where it came from
+    (`source`: the mixture source's name, None for one dataset; `input`: the input file's
+    URI or a Dataset block's id, `input_row` the 0-based row there, None where the output
+    does not know it: a converted dataset, or a unit record from before 0.5 whose unit
+    skipped rows)."""
+
+    step: int
+    rank: int
+    row: int
+    col_start: int
+    col_end: int
+    source: str | None
+    document: int
+    input: str | None
+    input_row: int | None
+    token_start: int
+    token_end: int
+    epoch: int
+    text: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        record = asdict(self)
+        if self.text is None:
+            del record["text"]
+        return record
+
+    def line(self) -> str:
+        return json.dumps(self.to_json(), ensure_ascii=False)
+
+
+class InputRows:
+    """Document index -> (input, row in it): the manifest's units in order give each unit's
+    documents; a unit's record (read on first use, kept) gives its input and skipped rows."""
+
+    def __init__(self, dataset: TokenDataset | LLMBatchDataset):
+        self.dataset = dataset
+        units = dataset.manifest.units
+        self.names = [unit.name for unit in units]
+        self.firsts = np.concatenate([[0], np.cumsum([unit.documents for unit in units])]
+                                     ).astype(np.int64)
+        self.records: dict[int, UnitRecord] = {}
+        self.first_rows: dict[int, int] = {}
+
+    def __call__(self, document: int) -> tuple[str | None, int | None]:
+        if not self.names or document >= self.firsts[-1]:
+            return None, None  # no unit records: a converted dataset
+        unit = int(np.searchsorted(self.firsts, document, side="right")) - 1
+        record = self._record(unit)
+        rows = record.document_rows(np.array([document - self.firsts[unit]]))
+        work = record.unit
+        where = work.source if work.kind == "block" else work.uri
+        if rows is None:
+            return where, None
+        return where, self._first_row(unit) + int(rows[0])
+
+    def _record(self, unit: int) -> UnitRecord:
+        if unit not in self.records:
+            path = unit_record_name(self.names[unit])
+            store = self.dataset.store
+            self.records[unit] = UnitRecord.from_json(store.read_json(path), store.uri_of(path))
+        return self.records[unit]
+
+    def _first_row(self, unit: int) -> int:
+        """The input row the unit starts at (a JSON-lines byte range: its lines before)."""
+        if unit not in self.first_rows:
+            work = self.records[unit].unit
+            self.first_rows[unit] = (LineLocator(work).first_row() if work.kind == "jsonl"
+                                     else work.first_row)
+        return self.first_rows[unit]
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One row of one rank's batch at one step, what it holds, and the documents its
+    pieces are numbered in (a mixture's: its source's)."""
+
+    step: int
+    rank: int
+    row: int
+    epoch: int
+    segments: RowSegments
+    documents: TokenDataset
+    source: str | None = None
+
+
+def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: int = 1,
+          rank: int | None = None, world_size: int | None = None, seq_len: int | None = None,
+          batch_size: int | None = None, state: dict[str, Any] | str | Path | None = None,
+          text: bool = False, tokenizer: str | None = None, format_name: str | None = None,
+          cache_dir: str | Path | None = None, weights: dict[str, float] | None = None,
+          **knobs: Any) -> Iterator[TraceRecord]:
+    """The pieces of `steps` steps from global step `step` (or from where `state`, a
+    loader's `state_dict()` or its JSON file, stands) on rank `rank` (None: every rank),
+    as TraceRecords. `data`: a dataset path or URI, a mixture YAML or {name: path} (with
+    `weights`, as the MixtureLoader's); the loader's knobs (mode, seed, packing, ...) as
+    keywords, or taken from `state`; `text`: decode each piece (`tokenizer`: a
+    tokenizer.json where the manifest's path no longer holds it)."""
+    unknown = sorted(set(knobs) - set(PLAN_KNOBS))
+    if unknown:
+        raise ConfigError(f"unknown trace option(s) {', '.join(unknown)}; the loader knobs "
+                          f"are {', '.join(PLAN_KNOBS)}")
+    saved = _read_state(state)
+    if saved is not None:
+        knobs = {**{k: v for k, v in saved.knobs.items() if k in PLAN_KNOBS}, **knobs}
+        seq_len = seq_len or saved.knobs.get("seq_len")
+        if isinstance(saved, LoaderState):
+            world_size = world_size or saved.saved_with.get("world_size")
+            batch_size = batch_size or saved.saved_with.get("batch_size")
+    spec = PlanSpec(seq_len=seq_len or 0, **{k: v for k, v in knobs.items()
+                                            if k in PLAN_KNOBS and k != "seq_len"})
+    world_size = world_size or 1
+    ranks = range(world_size) if rank is None else [rank]
+    if rank is not None and not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} not in [0, world_size={world_size})")
+    if isinstance(data, dict) or is_mixture_spec(data):
+        rows = _mixture_rows(data, spec, saved, step, steps, ranks, world_size, batch_size,
+                             cache_dir, weights)
+    else:
+        planned = PlannedDataset.open(data, spec, world_size, batch_size, format_name,
+                                      cache_dir)
+        rows = _rows(planned, saved, step, steps, ranks)
+    yield from _records(rows, text, tokenizer)
+
+
+def _read_state(state: dict[str, Any] | str | Path | None
+                ) -> LoaderState | MixtureState | None:
+    if state is None:
+        return None
+    if not isinstance(state, dict):
+        try:
+            state = json.loads(Path(state).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{state}: cannot read the loader state: {exc}") from exc
+    if state.get("kind") == "mixture":
+        return read_state(MixtureState, state, "mixture state")
+    return read_state(LoaderState, state, "loader state")
+
+
+def _rows(planned: PlannedDataset, saved: LoaderState | MixtureState | None,
+          step: int | None, steps: int, ranks: Any) -> Iterator[StepRow]:
+    """The rows of one dataset's steps: from global step `step`, or after `saved`."""
+    if isinstance(saved, MixtureState):
+        raise ConfigError("a mixture state needs the mixture (a YAML or {name: path}) as data")
+    epoch, position, number = planned.locate(saved.epoch if saved else None,
+                                             saved.position if saved else None, step)
+    for _ in range(steps):
+        epoch, position = planned.step_start(epoch, position)
+        filler = planned.filler(epoch)
+        for rank in ranks:
+            segments = filler.segments(planned.rank_positions(position, rank))
+            for row, segment in enumerate(segments):
+                yield StepRow(number, rank, row, epoch, segment, planned.document_dataset)
+        position += planned.global_batch
+        number += 1
+
+
+def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
+                  saved: LoaderState | MixtureState | None, step: int | None, steps: int,
+                  ranks: Any, world_size: int, batch_size: int | None,
+                  cache_dir: str | Path | None, weights: dict[str, float] | None
+                  ) -> Iterator[StepRow]:
+    """A mixture's steps: the row allocation replayed from the start (or `saved`), each
+    row traced in its source's own plan."""
+    if batch_size is None:
+        raise ConfigError("tracing a mixture needs batch_size (its state does not record it)")
+    if isinstance(saved, LoaderState):
+        raise ConfigError("a single dataset's loader state cannot trace a mixture")
+    if isinstance(data, dict):
+        paths = dict(data)
+    else:
+        mixture = read_mixture(data)
+        paths = {name: source.path for name, source in mixture.items()}
+        weights = spec_weights(mixture) if weights is None else weights
+    names = sorted(paths)
+    sources = [PlannedDataset.open(paths[name], spec, 1, batch_size, None, cache_dir)
+               for name in names]
+    if saved is not None:
+        weights = saved.weights
+    weight = mixture_weights(names, weights,
+                             {name: source.dataset.num_tokens
+                              for name, source in zip(names, sources, strict=True)})
+    consumed = np.array([saved.sources[n].consumed if saved else 0 for n in names],
+                        dtype=np.float64)
+    number = saved.steps if saved is not None else 0
+    if step is not None and saved is None:
+        for _ in range(step):
+            consumed += step_rows(weight, consumed, world_size, batch_size)[0]
+        number = step
+    for _ in range(steps):
+        counts, rows = step_rows(weight, consumed, world_size, batch_size)
+        for rank_of_row, row, index, nth in rows:
+            if rank_of_row not in ranks:
+                continue
+            source = sources[index]
+            epoch, position = source.row_position(int(consumed[index]) + nth)
+            segment = source.filler(epoch).segments(np.array([[position]]))[0]
+            yield StepRow(number, rank_of_row, row, epoch, segment, source.document_dataset,
+                          names[index])
+        consumed += counts
+        number += 1
+
+
+def _records(rows: Iterator[StepRow], text: bool, tokenizer: str | None
+             ) -> Iterator[TraceRecord]:
+    inputs: dict[str | None, InputRows] = {}
+    decoders: dict[str | None, Any] = {}
+    for row in rows:
+        key = row.source
+        if key not in inputs:
+            inputs[key] = InputRows(row.documents)
+        segments = row.segments
+        columns = segments.columns
+        for index in range(segments.take.size):
+            document = int(segments.documents[index])
+            start, take = int(segments.starts[index]), int(segments.take[index])
+            where, input_row = inputs[key](document)
+            piece_text = None
+            if text:
+                piece_text = _decode(row.documents, decoders, key, document, start, take,
+                                     tokenizer)
+            yield TraceRecord(row.step, row.rank, row.row, int(columns[index]),
+                              int(columns[index]) + take, row.source, document, where,
+                              input_row, start, start + take, row.epoch, piece_text)
+
+
+def _decode(dataset: TokenDataset, decoders: dict[str | None, Any], key: str | None,
+            document: int, start: int, take: int, tokenizer: str | None) -> str:
+    """The piece's tokens, decoded (special tokens shown) with the dataset's tokenizer, or
+    `tokenizer` (a tokenizer.json) where the manifest's path no longer holds it."""
+    if key not in decoders:
+        decoders[key] = checked_tokenizer(dataset, tokenizer)
+    shard = int(np.searchsorted(dataset.document_offsets, document, side="right")) - 1
+    tokens = dataset.reader(shard).document(document - int(dataset.document_offsets[shard]))
+    return decoders[key].decode(tokens[start:start + take].tolist(),
+                                skip_special_tokens=False)
+
+
+def checked_tokenizer(dataset: TokenDataset, spec: str | None) -> Any:
+    """The tokenizer that made `dataset` (same sha256 as its manifest's), to decode with."""
+    from raypipe.preprocess.encoding.encoder import load_tokenizer, tokenizer_sha256
+
+    info = dataset.manifest.tokenizer
+    loaded = load_tokenizer(spec or info.spec)
+    if tokenizer_sha256(loaded) != info.sha256:
+        raise ConfigError(f"tokenizer {spec or info.spec}: not the one {dataset.root} was "
+                          f"made with (sha256 {info.sha256[:12]}); pass that tokenizer.json")
+    return loaded
+
+
+def render(records: Iterator[TraceRecord]) -> Iterator[str]:
+    for record in records:
+        yield record.line()
+
+
+__all__ = ["InputRows", "TraceRecord", "trace"]
