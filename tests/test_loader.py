@@ -387,3 +387,21 @@ def test_the_default_device_follows_the_machine(token_dataset):
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert loader.device.type == expected
     assert next(iter(loader)).inputs.device.type == expected
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 4])
+def test_a_batch_stays_intact_while_prefetch_more_are_taken(token_dataset, prefetch):
+    """The ring hands batches over a few at a time; a batch the trainer keeps is not
+    rewritten before it has taken `prefetch` more, wherever the hand-off chunks begin."""
+    import copy
+
+    loader = TokenLoader(token_dataset, T, B, seed=2, prefetch=prefetch)
+    kept, copies = [], []
+    for index, batch in enumerate(loader):
+        kept.append(batch)
+        copies.append(copy.deepcopy(batch))
+        if index >= prefetch:
+            old = index - prefetch
+            assert torch.equal(kept[old].inputs, copies[old].inputs), f"batch {old} rewritten"
+        if index == 14:
+            break

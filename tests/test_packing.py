@@ -19,11 +19,7 @@ from tests.conftest import write_parquet
 RECORD = 513
 
 
-@pytest.fixture(scope="module")
-def long_tailed(tmp_path_factory, corpus_texts, tokenizer_path):
-    from raypipe.config import load_config
-    from raypipe.preprocess.job import run_job
-
+def long_tailed_texts(corpus_texts: list[str]) -> list[str]:
     rng = np.random.default_rng(0)
     texts, pool = [], corpus_texts * 3
     at = 0
@@ -31,23 +27,13 @@ def long_tailed(tmp_path_factory, corpus_texts, tokenizer_path):
         count = int(min(rng.lognormal(1.0, 1.4) + 1, 150))
         texts.append("\n\n".join(pool[at:at + count]))
         at += count
-    root = tmp_path_factory.mktemp("long")
-    write_parquet(root / "corpus" / "a.parquet", texts, row_group_rows=64)
-    config = load_config(None, inputs=[str(root / "corpus")], output=str(root / "tokens"),
-                         tokenizer=tokenizer_path, formats=["megatron", "llmbatch"],
-                         seq_len=RECORD, batch_size=2, batches_per_shard=64)
-    run_job(config)
-    return root / "tokens"
+    return texts
 
 
-@pytest.fixture(scope="module")
-def narrow(tmp_path_factory, corpus_texts, tokenizer_path):
-    """~600 documents of 0.56-0.78 x 2049 tokens: spans of the docstrings' token stream,
-    cut at token offsets (the job adds EOS, and re-encoding a span moves a few tokens)."""
+def narrow_texts(corpus_texts: list[str], tokenizer_path: str) -> list[str]:
+    """~600 texts of 0.56-0.78 x 2049 tokens: spans of the docstrings' token stream, cut at
+    token offsets (re-encoding a span, with its BOS or EOS, moves a few tokens)."""
     from tokenizers import Tokenizer
-
-    from raypipe.config import load_config
-    from raypipe.preprocess.job import run_job
 
     text = "\n\n".join(corpus_texts * 12)
     offsets = Tokenizer.from_file(tokenizer_path).encode(text).offsets
@@ -59,13 +45,32 @@ def narrow(tmp_path_factory, corpus_texts, tokenizer_path):
             break
         texts.append(text[offsets[at][0]:offsets[stop][0]])
         at = stop
-    root = tmp_path_factory.mktemp("narrow")
+    return texts
+
+
+def tokenized(root, texts: list[str], tokenizer_path: str, record: int, bos: bool = True,
+              eos: bool = False):
+    from raypipe.config import load_config
+    from raypipe.preprocess.job import run_job
+
     write_parquet(root / "corpus" / "a.parquet", texts, row_group_rows=64)
     config = load_config(None, inputs=[str(root / "corpus")], output=str(root / "tokens"),
                          tokenizer=tokenizer_path, formats=["megatron", "llmbatch"],
-                         seq_len=2049, batch_size=2, batches_per_shard=64)
+                         seq_len=record, batch_size=2, batches_per_shard=64, bos=bos, eos=eos)
     run_job(config)
     return root / "tokens"
+
+
+@pytest.fixture(scope="module")
+def long_tailed(tmp_path_factory, corpus_texts, tokenizer_path):
+    return tokenized(tmp_path_factory.mktemp("long"), long_tailed_texts(corpus_texts),
+                     tokenizer_path, RECORD)
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory, corpus_texts, tokenizer_path):
+    return tokenized(tmp_path_factory.mktemp("narrow"),
+                     narrow_texts(corpus_texts, tokenizer_path), tokenizer_path, 2049)
 
 
 def coverage_of_one_epoch(path, seq_len: int, world: int) -> tuple[np.ndarray, int]:
@@ -164,3 +169,28 @@ def test_split_packing_pads_a_narrow_corpus_and_the_warning_says_so(narrow, capl
     (message,) = [r.getMessage() for r in caplog.records]
     assert "of the positions are padding" in message and "not trained" not in message
     assert "hint: packing 'fill'" in message
+
+
+TOKENIZATIONS = {"BOS": (True, False), "EOS": (False, True), "BOS+EOS": (True, True)}
+
+
+@pytest.mark.parametrize("tokenization", sorted(TOKENIZATIONS))
+@pytest.mark.parametrize("corpus", ["long-tailed", "narrow"])
+def test_fill_trains_99_percent_in_rows_under_1_percent_padding_for_every_tokenization(
+        tmp_path, corpus_texts, tokenizer_path, corpus, tokenization):
+    """The cut rule follows the separator (BOS: heads stay whole; EOS only: tails do); it
+    costs no position, so the packing targets hold for each way of marking documents, in
+    the loader at T = 2048 and in LLMBATCH records of 2049."""
+    texts = (long_tailed_texts(corpus_texts) if corpus == "long-tailed"
+             else narrow_texts(corpus_texts, tokenizer_path))
+    bos, eos = TOKENIZATIONS[tokenization]
+    path = tokenized(tmp_path, texts, tokenizer_path, 2049, bos, eos)
+    counts, positions = coverage_of_one_epoch(path, 2048, 2)
+    assert counts.max() == 1 and counts.mean() >= 0.99, f"{counts.mean():.2%} trained"
+    assert 1 - counts.sum() / positions <= 0.01, f"{1 - counts.sum() / positions:.2%} padding"
+    options = LLMBatchDataset(path).section.options
+    total = TokenDataset(path).num_tokens
+    assert options["used_tokens"] >= 0.99 * total - 2 * 2049  # the last partial batch
+    padding = options["padded_tokens"] / (options["used_tokens"] + options["padded_tokens"])
+    assert padding <= 0.01, f"{padding:.2%} of the LLMBATCH positions are padding"
+

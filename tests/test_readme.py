@@ -57,3 +57,20 @@ def test_every_readme_and_docs_python_block_runs_as_written(ray_session, tmp_pat
     assert (tmp_path / "out-filtered" / "manifest.json").exists()
     assert "3\n" in capsys.readouterr().out  # the resumed loader's first step
     assert namespace["result"].checkpoint is not None
+    run_trace_commands(capsys)
+
+
+def run_trace_commands(capsys) -> None:
+    """The `raypipe trace` commands of the README and docs, on the dataset their Python
+    blocks made: each ends with status 0 and prints JSON lines naming input rows."""
+    import shlex
+
+    from raypipe.cli import main
+
+    commands = [line for page in [README, *DOCS] for line in page.read_text().splitlines()
+                if line.startswith("raypipe trace ")]
+    assert commands
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, command
+        records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert records and all(record["input_row"] is not None for record in records)

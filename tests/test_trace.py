@@ -124,6 +124,34 @@ def test_trace_from_a_saved_state_covers_the_steps_after_it(gapped, tokenizer_pa
                                       tokenizer)
 
 
+def test_trace_refuses_a_state_from_a_release_that_cut_rows_otherwise(gapped):
+    from raypipe.errors import ConfigError
+
+    loader = TokenLoader(gapped, T, B, seed=4)
+    next(iter(loader))
+    state = loader.state_dict()
+    del state["knobs"]["pieces"]  # as 0.4 saved it: its rows were cut by another rule
+    with pytest.raises(ConfigError, match="another release"):
+        list(trace(gapped, state=state))
+
+
+def test_trace_of_a_mixture_from_its_saved_state(gapped, second, tokenizer_path):
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    paths = {"a": str(gapped), "b": str(second)}
+    loader = MixtureLoader(paths, T, B, weights={"a": 0.4, "b": 0.6}, seed=2, rank=0,
+                           world_size=2)
+    batches = iter(loader)
+    for _ in range(4):
+        next(batches)
+    state = loader.state_dict()
+    following = [next(batches) for _ in range(2)]
+    records = list(trace(paths, state=state, steps=2, rank=0, world_size=2, batch_size=B))
+    assert sorted({r.step for r in records}) == [4, 5]
+    for number, batch in zip((4, 5), following, strict=True):
+        assert_records_hold_the_batch([r for r in records if r.step == number], batch,
+                                      tokenizer)
+
+
 def test_trace_of_a_mixture_step_names_each_row_source_and_input(gapped, second,
                                                                   tokenizer_path):
     tokenizer = Tokenizer.from_file(tokenizer_path)

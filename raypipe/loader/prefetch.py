@@ -1,9 +1,11 @@
 """Background batch preparation into a ring of (pinned) host buffers, one H2D copy each.
 
 Invariant: a producer thread builds batch n directly into host slot n mod S and hands
-batches over `chunk` at a time (S = (depth + 2) x chunk: `depth` chunks queued, one held by
-the trainer, one being built), so no slot is rewritten while the trainer may still read
-it. With CUDA the slot is page-locked, copied with one `non_blocking` copy on a side
+batches over `chunk` at a time (S = (depth + 2) x chunk + depth: `depth` chunks queued, one
+held by the trainer, one being built, and `depth` more), so a batch's slot is not rewritten
+until the trainer has taken `depth` more batches, wherever the hand-off chunks begin (with
+S = (depth + 2) x chunk, the last batch of a chunk was rewritten as soon as the trainer
+took the next one). With CUDA the slot is page-locked, copied with one `non_blocking` copy on a side
 stream, and the producer waits for that copy's event before queueing, so the slot is free
 again and the device tensor is ready; the device tensor is marked as used by the
 consumer's stream so the caching allocator never recycles it early. Without CUDA the same
@@ -117,10 +119,11 @@ def batch_stream(jobs: Iterator[Any], fill: Callable[[Any, BatchBuffers], Any],
     """Batches of `rows` x (`seq_len` + 1) tokens: `fill(job, host_views) -> meta` on the
     producer thread, `finish(device_views, meta)` on the trainer's. Small batches are
     handed over a few at a time (thread wake-ups dominate them), large ones one by one, so
-    the (pinned) ring stays ~(depth + 2) batches; `prepare` sets up each host slot once."""
+    the (pinned) ring stays ~2 x depth + 2 batches, and a batch taken stays intact while
+    the trainer takes `depth` more; `prepare` sets up each host slot once."""
     numel = BatchBuffers.size(rows, seq_len)
     chunk = max(1, min(HANDOFF_CHUNK, HANDOFF_ELEMENTS // numel))
-    ring = HostRing((depth + 2) * chunk, numel, dtype, pin=device.type == "cuda")
+    ring = HostRing((depth + 2) * chunk + depth, numel, dtype, pin=device.type == "cuda")
     host_views = [BatchBuffers.over(array, rows, seq_len) for array in ring.arrays]
     for views in host_views if prepare is not None else ():
         prepare(views)

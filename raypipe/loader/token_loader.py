@@ -14,8 +14,6 @@ except the last (size mod G) positions of each epoch (drop-last; `packing_report
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -27,7 +25,7 @@ import torch
 
 from raypipe.config import is_mixture_spec
 from raypipe.errors import ConfigError, StateError
-from raypipe.io.cache import CacheStats, node_cached_array
+from raypipe.io.cache import CacheStats
 from raypipe.io.records import TokenizerInfo
 from raypipe.io.states import STATE_VERSION, LoaderState
 from raypipe.loader.batch import Batch
@@ -74,7 +72,7 @@ class TokenLoader:
             raise ConfigError("split with metadata=True is not supported")
         self.planned = PlannedDataset.open(path, spec, self.world_size, options.batch_size,
                                            options.format, options.cache_dir,
-                                           options.cache_bytes, self._node_memo)
+                                           options.cache_bytes)
         self.dataset: Any = self.planned.dataset
         self.spec, self.split, self.source = (self.planned.spec, self.planned.split,
                                               self.planned.source)
@@ -127,16 +125,6 @@ class TokenLoader:
                 + f", seq_len={self.seq_len}) epoch {epoch}",
                 waste_hints(self.mode, self.spec.packing))
         return plan
-
-    def _node_memo(self, key: tuple, compute: Any) -> np.ndarray:
-        """A plan's arrays kept once per node (raypipe.io.cache.node_cached_array), keyed
-        by this dataset's fingerprint, the documents its plans number and the shuffle."""
-        spec = self.spec
-        split = None if self.split is None else (self.split.name, self.split.fraction)
-        identity = [self.dataset.fingerprint, self.dataset.format_name, split, spec.shuffle,
-                    spec.group_shards, *key]
-        digest = hashlib.sha256(json.dumps(identity, default=str).encode()).hexdigest()[:32]
-        return node_cached_array(digest, compute, self.options.cache_dir)
 
     def prepare_epoch(self, epoch: int) -> threading.Thread:
         """Start building epoch `epoch`'s plan on a background thread into the node's plan

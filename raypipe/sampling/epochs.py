@@ -11,6 +11,8 @@ object per epoch asked for (the latest is kept); what a plan costs is in its mod
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
@@ -21,7 +23,7 @@ import numpy as np
 
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import ConfigError
-from raypipe.io.cache import ShardCache
+from raypipe.io.cache import ShardCache, node_cached_array
 from raypipe.io.store import Store
 from raypipe.sampling.batches import TokenSource
 from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
@@ -84,6 +86,7 @@ class PlannedDataset:
     def __init__(self, dataset: TokenDataset | LLMBatchDataset, spec: PlanSpec,
                  world_size: int, batch_size: int, cache_dir: str | Path | None = None,
                  memo: SumsMemo | None = None):
+        """`memo`: where plan arrays are kept (default: once per node, `node_memo`)."""
         self.dataset, self.spec = dataset, spec
         self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
         self.preformed = spec.preformed
@@ -98,7 +101,18 @@ class PlannedDataset:
         self._lengths: DocumentLengths | None = None
         self.plans = EpochPlans(spec, dataset, self.document_lengths,
                                 None if self.source is None else self.stream_tokens(),
-                                self.global_batch, memo, batch_size)
+                                self.global_batch, memo or self.node_memo, batch_size)
+
+    def node_memo(self, key: tuple, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """A plan's arrays kept once per node (raypipe.io.cache.node_cached_array), keyed
+        by the dataset's fingerprint, the documents its plans number and the shuffle: the
+        node's ranks, and `raypipe trace`, compute each once."""
+        spec = self.spec
+        split = None if self.split is None else (self.split.name, self.split.fraction)
+        identity = [self.dataset.fingerprint, self.dataset.format_name, split, spec.shuffle,
+                    spec.group_shards, *key]
+        digest = hashlib.sha256(json.dumps(identity, default=str).encode()).hexdigest()[:32]
+        return node_cached_array(digest, compute, self.cache_dir)
 
     @classmethod
     def open(cls, path: str | Path, spec: PlanSpec, world_size: int, batch_size: int | None,

@@ -15,7 +15,7 @@ Three packings of one block of documents (given in their shuffled order):
   Measured (bench/packing_bench.py, docs/packing.md) at T = 512, 2048 and 8192: padding
   <= 0.03% of the positions on long-tailed, narrow, bimodal and uniform corpora (split:
   up to 33%); documents cut 32.5% against concatenation's 67.5% (narrow), 5.7% against
-  44.5% (bimodal), 44% against 65% (long-tailed, T = 2048).
+  44.5% (bimodal), 44% against 64% (long-tailed, T = 2048).
 - `split` (for whole documents): a document longer than a row is cut into row-sized pieces
   (the last one shorter); every piece and short document is then placed by best-fit
   decreasing (largest first, into the open row with the least room that holds it, else a

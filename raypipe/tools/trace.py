@@ -153,6 +153,10 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
             batch_size = batch_size or saved.saved_with.get("batch_size")
     spec = PlanSpec(seq_len=seq_len or 0, **{k: v for k, v in knobs.items()
                                             if k in PLAN_KNOBS and k != "seq_len"})
+    if saved is not None and saved.knobs != spec.knobs():
+        raise ConfigError(f"the loader state's knobs {saved.knobs} differ from these "
+                          f"{spec.knobs()}: a state from another release (whose rows were "
+                          "cut otherwise) or other options given")
     world_size = world_size or 1
     ranks = range(world_size) if rank is None else [rank]
     if rank is not None and not 0 <= rank < world_size:
@@ -163,6 +167,9 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
     else:
         planned = PlannedDataset.open(data, spec, world_size, batch_size, format_name,
                                       cache_dir)
+        if isinstance(saved, LoaderState) and saved.dataset != planned.dataset.fingerprint:
+            raise ConfigError(f"the loader state was saved for dataset {saved.dataset!r}, "
+                              f"{planned.dataset.root} is {planned.dataset.fingerprint!r}")
         rows = _rows(planned, saved, step, steps, ranks)
     yield from _records(rows, text, tokenizer)
 
@@ -221,6 +228,12 @@ def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
                for name in names]
     if saved is not None:
         weights = saved.weights
+        changed = [name for name, source in zip(names, sources, strict=True)
+                   if saved.sources.get(name) is None
+                   or saved.sources[name].dataset != source.dataset.fingerprint]
+        if changed or sorted(saved.sources) != names:
+            raise ConfigError(f"the mixture state does not match the sources {names}: "
+                              f"{changed or sorted(saved.sources)} differ")
     weight = mixture_weights(names, weights,
                              {name: source.dataset.num_tokens
                               for name, source in zip(names, sources, strict=True)})
