@@ -20,6 +20,7 @@ import torch
 
 from raypipe.errors import ConfigError
 from raypipe.sampling.epochs import PlanSpec
+from raypipe.sampling.modes import metadata_modes
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class LoaderOptions:
         spec = self.plan_spec(self.seq_len or 0)  # every plan knob checked now
         if self.metadata and not spec.loader_mode.window_metadata:
             raise ConfigError(f"metadata=True needs a mode whose rows are windows of a stream "
-                              f"dataset (mode 'windows'), not {self.mode!r}")
+                              f"dataset ({', '.join(metadata_modes())}), not {self.mode!r}")
         self.torch_device()
 
     @classmethod

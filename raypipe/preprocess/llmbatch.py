@@ -7,10 +7,12 @@ once, unfilled positions padded; `crop` (alias `bestfit`): nanochat's
 BOS-aligned rows, tails cropped; `concat`: windows of seq_len tokens of the concatenated
 stream, consecutive windows sharing one token), taken in that plan's Feistel order with
 `seed` (a global shuffle, not per shard), grouped B at a time; the last total_records mod
-B records are dropped. Padding positions hold the tokenizer's pad token and each record's
-real length goes to the format's sidecar (raypipe.formats.llmbatch). What the packing kept,
+B records are dropped. Padding positions hold the tokenizer's pad token; each record's
+real length and its pieces (where each starts, whether it starts and ends its document) go
+to the format's sidecars (raypipe.formats.llmbatch). What the packing kept,
 cropped, padded and dropped is recorded in the manifest section and warned about past 5%.
-Shards hold `batches_per_shard` batches each, named `batches-NNNNN.batch` (+ `.lengths`),
+Shards hold `batches_per_shard` batches each, named `batches-NNNNN.batch` (+ `.lengths`,
+`.pieces`),
 listed in order in the manifest. Each shard file is committed atomically. Cost: one memmap
 read and one sequential write per token kept.
 """

@@ -12,6 +12,7 @@ from raypipe.sampling.modes.base import (
     PlanInputs,
     PlanSpec,
     get_mode,
+    metadata_modes,
     mode_names,
     preformed_mode,
     register,
@@ -25,4 +26,5 @@ for _module in sorted(module.name for module in pkgutil.iter_modules(__path__)):
 from raypipe.sampling.modes.llmbatch import RECORD_PLANS, record_plan  # noqa: E402
 
 __all__ = ["RECORD_PLANS", "BatchFiller", "LoaderMode", "PlanInputs", "PlanSpec", "get_mode",
-           "mode_names", "preformed_mode", "record_plan", "register", "waste_hints"]
+           "metadata_modes", "mode_names", "preformed_mode", "record_plan", "register",
+           "waste_hints"]

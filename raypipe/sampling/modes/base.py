@@ -7,8 +7,8 @@ the shards they read, fills them into host buffers, and says what each row holds
 (`segments`: document, token range and columns of every piece, from lengths and indexes
 alone, so `raypipe trace` reads no token file). Nothing outside the mode's module names it:
 the loader, the mixture, `pack-report`, `trace`, the LLMBATCH packer and the CLI ask
-`get_mode`. A new mode is one new module, imported in `__init__`. Cost: one dict lookup per
-loader; the modes' own costs are in their modules.
+`get_mode`. A new mode is one new module: the package imports every module in it. Cost: one
+dict lookup per loader; the modes' own costs are in their modules.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class BatchFiller(ABC, Generic[RowT]):
             write_row_boundaries(buffers)
 
     def metadata(self, plan: BatchPlan[RowT]) -> list[Any]:
-        raise ConfigError("metadata=True needs mode='windows' over a stream dataset")
+        raise ConfigError(f"metadata=True needs a mode whose rows are windows of a stream "
+                          f"dataset ({', '.join(metadata_modes())})")
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,11 @@ def waste_hints(mode: str, packing: str | None) -> Callable[[str], str]:
 
 
 _MODES: dict[str, LoaderMode] = {}
+
+
+def metadata_modes() -> list[str]:
+    """The modes whose rows can carry a stream dataset's metadata."""
+    return [name for name, mode in _MODES.items() if mode.window_metadata]
 
 
 def preformed_mode() -> LoaderMode:
