@@ -32,11 +32,21 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 # raypipe's node-local caches (shards of object-storage datasets, self-check verdicts), the
 # staging directory of uploads and pytest's own temp root: this session's, never shared
 # with another run or the user's (~/.cache/raypipe, <tmp>/raypipe-staging), removed at
-# the end of the session
-SESSION_DIRS = [tempfile.mkdtemp(prefix=f"rp-{name}-", dir="/tmp")
-                for name in ("cache", "staging", "pytest")]
-os.environ.setdefault("RAYPIPE_CACHE_DIR", SESSION_DIRS[0])
-os.environ.setdefault("RAYPIPE_STAGING_DIR", SESSION_DIRS[1])
+# the end of the session. Made once, by the pytest process: a Ray worker that imports this
+# module (a test function shipped by reference) inherits the variables and makes none.
+OWNED_DIRS: list[str] = []
+
+
+def _session_dir(variable: str, name: str) -> str:
+    if variable not in os.environ:
+        os.environ[variable] = tempfile.mkdtemp(prefix=f"rp-{name}-", dir="/tmp")
+        OWNED_DIRS.append(os.environ[variable])
+    return os.environ[variable]
+
+
+SESSION_DIRS = [_session_dir("RAYPIPE_CACHE_DIR", "cache"),
+                _session_dir("RAYPIPE_STAGING_DIR", "staging"),
+                _session_dir("RAYPIPE_TEST_PYTEST_DIR", "pytest")]
 
 
 def _free_port() -> int:
@@ -192,6 +202,6 @@ def pytest_configure(config) -> None:
 def pytest_unconfigure(config) -> None:
     import shutil
 
-    for directory in [*SESSION_DIRS, OWN_RAY_TMPDIR]:
+    for directory in [*OWNED_DIRS, OWN_RAY_TMPDIR]:
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)

@@ -161,7 +161,7 @@ def test_a_driver_killed_mid_job_then_rerun_gives_the_clean_runs_bytes(
     clean, output = tmp_path / "clean", tmp_path / "out"
     run_tokenize(config_for(corpus_dir, clean, tokenizer_path, formats=["megatron",
                                                                        "nanogpt"]))
-    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rp-", dir="/tmp")}
+    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="t-", dir=os.environ["RAY_TMPDIR"])}
     env.pop("RAY_ADDRESS", None)
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(corpus_dir), str(output),
                                tokenizer_path], env=env, start_new_session=True,

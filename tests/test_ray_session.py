@@ -38,7 +38,7 @@ print(json.dumps(report))
 
 @pytest.mark.slow
 def test_the_local_session_raypipe_started_stops_monitor_first_and_leaves_no_process():
-    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rp-", dir="/tmp"),
+    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="t-", dir=os.environ["RAY_TMPDIR"]),
            "RAY_ADDRESS": "", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", STARTS_AND_STOPS_A_LOCAL_SESSION], env=env,
                           capture_output=True, text=True, timeout=180)

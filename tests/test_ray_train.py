@@ -116,7 +116,7 @@ def test_jobs_train_prints_no_ray_noise_a_user_cannot_act_on(token_dataset, tmp_
     import tempfile
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rp-train-", dir="/tmp")}
+    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="t-", dir=os.environ["RAY_TMPDIR"])}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, "jobs/train.py", "--data", str(token_dataset),
                            "--workers", "2", "--max-steps", "4", "--checkpoint-every", "2",
