@@ -31,6 +31,57 @@ def docstring_corpus(directory: Path, target_bytes: int, files: int = 16) -> Pat
     return corpus
 
 
+TEXT_SUFFIXES = (".py", ".md", ".rst", ".txt", ".pyi", ".toml", ".cfg", ".json")
+TEXT_FILE_BYTES = (200, 1 << 20)  # files outside this range are left out
+
+
+def unique_corpus(directory: Path, target_bytes: int, files: int = 16, seed: int = 0) -> Path:
+    """Up to `target_bytes` of text that never repeats: the docstrings of the stdlib and
+    installed packages, then whole text files (.py, .md, .rst, .txt, ...) of both, each
+    unique by content (sha256), in a seeded shuffle; built once and cached in `directory`.
+    If the machine holds less, the corpus is smaller (its size is printed), never repeated:
+    a cache in an encoder cannot flatter it."""
+    import hashlib
+    import random
+
+    corpus = directory / f"unique-{target_bytes >> 20}MB"
+    if any(corpus.glob("*.parquet")):
+        return corpus
+    roots = [stdlib_root(), *map(Path, site.getsitepackages())]
+    candidates = gather_docstrings(roots, limit_chars=target_bytes * 3 // 2,
+                                   skip_site_packages=False)
+    gathered = sum(map(len, candidates))
+    for root in roots if gathered < target_bytes * 3 // 2 else ():
+        for path in sorted(root.rglob("*")):
+            if path.suffix in TEXT_SUFFIXES and path.is_file():
+                try:
+                    if TEXT_FILE_BYTES[0] <= path.stat().st_size <= TEXT_FILE_BYTES[1]:
+                        candidates.append(path.read_text(encoding="utf-8"))
+                        gathered += len(candidates[-1])
+                except (OSError, UnicodeDecodeError):
+                    continue
+            if gathered >= target_bytes * 3 // 2:
+                break
+    seen: set[bytes] = set()
+    documents, size = [], 0
+    random.Random(seed).shuffle(candidates)
+    for text in candidates:
+        try:
+            encoded = text.encode("utf-8")  # a docstring can hold a lone surrogate
+        except UnicodeEncodeError:
+            continue
+        digest = hashlib.sha256(encoded).digest()
+        if digest in seen or not text.strip():
+            continue
+        seen.add(digest)
+        documents.append(text)
+        size += len(encoded)
+        if size >= target_bytes:
+            break
+    write_corpus(documents, corpus, files=files, row_group_rows=2000)
+    return corpus
+
+
 def corpus_texts(corpus: Path) -> list[list[str]]:
     """Texts per parquet file, in file order."""
     return [pq.read_table(p, columns=["text"]).column(0).to_pylist()

@@ -279,7 +279,7 @@ class UnitRecord(JsonRecord):
     skipped: dict[str, int]
     shards: tuple[UnitShard, ...]
     seconds: float = 0.0
-    cpu_seconds: float = 0.0  # its thread's CPU time (below `seconds` where cores are shared)
+    cpu_seconds: float = 0.0  # its thread's CPU time and its encoder's worker threads'
     started_at: float = 0.0
     finished_at: float = 0.0
     peak_rss_bytes: int = 0

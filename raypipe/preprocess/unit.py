@@ -152,7 +152,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
                   batches: Iterable[pa.RecordBatch] | None = None) -> UnitRecord:
     """Tokenize `unit`, commit its shards and its record; return the record. Its rows are
     read from its file, or given as `batches` (a block of a ray.data.Dataset)."""
-    started, started_at, started_cpu = time.perf_counter(), time.time(), time.thread_time()
+    started, started_at, started_cpu = time.perf_counter(), time.time(), encoder.cpu_seconds()
     config = settings.config
     store = settings.output
     staging = Staging(store)
@@ -197,7 +197,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
         tokens=tokens_total, skipped=dict(sorted((+skipped).items())), shards=tuple(shards),
         special_literals=special_literals, skipped_runs=tuple(skipped_runs.runs),
         seconds=round(time.perf_counter() - started, 4),
-        cpu_seconds=round(time.thread_time() - started_cpu, 4), started_at=started_at,
+        cpu_seconds=round(encoder.cpu_seconds() - started_cpu, 4), started_at=started_at,
         finished_at=time.time(),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     faults.point("unit.before_record", unit.name)

@@ -3,18 +3,20 @@
 Invariant: `DocumentEncoder.encode(texts)` returns exactly the ids `tokenizers` gives for
 each text (without the tokenizer's own post-processor specials), with BOS prepended and/or
 EOS appended per the policy, as one flat uint32 array plus per-document lengths, whichever
-backend encodes: `tokenizers` itself, or tiktoken over the converted vocabulary
-(`tiktoken_backend` beside this module, chosen per job by `self_check`).
-Cost: one `encode_batch_fast` call per batch (no offsets; about 2x cheaper than
-`encode_batch`), or one tiktoken call per text (into a uint32 buffer), plus an O(tokens) numpy
-flatten (and rank -> id table lookup), ~1% of the encode time on 2 cores.
+backend encodes: `tokenizers` itself, or a fast backend (`backends` beside this module:
+fastokens over the tokenizer.json, or tiktoken over the converted vocabulary; chosen per
+job by `self_check`, which proves the ids equal). Cost: one `encode_batch_fast` call per
+batch (no offsets; about 2x cheaper than `encode_batch`), one fastokens call per batch (two
+buffers back), or one tiktoken call per text (into a uint32 buffer), plus an O(tokens) numpy
+pass that places BOS/EOS (and maps tiktoken ranks to ids), ~1% of the encode time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from itertools import chain
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from tokenizers import Tokenizer
 
 from raypipe.errors import ConfigError
 from raypipe.io.records import TokenizerInfo
-from raypipe.preprocess.encoding.tiktoken_backend import TiktokenIds
+from raypipe.preprocess.encoding.backends import FAST_BACKENDS, threads_cpu_seconds
 
 BOS_CANDIDATES = ("<|bos|>", "<bos>", "<s>", "<|begin_of_text|>", "<|endoftext|>")
 EOS_CANDIDATES = ("<|eos|>", "<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>")
@@ -118,21 +120,22 @@ def concatenated(ids: Sequence[Sequence[int]] | Sequence[np.ndarray]
 
 
 def flatten_documents(ids: Sequence[Sequence[int]] | Sequence[np.ndarray], bos_id: int | None,
-                      eos_id: int | None,
-                      translate: Callable[[np.ndarray], np.ndarray] | None = None
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-document ids -> (flat uint32 tokens with BOS/EOS, int64 document lengths);
-    `translate` maps the flat content first (tiktoken ranks -> the tokenizer's ids)."""
-    content, content_lengths = concatenated(ids)
-    if translate is not None:
-        content = translate(content)
+                      eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-document ids -> (flat uint32 tokens with BOS/EOS, int64 document lengths)."""
+    return with_separators(*concatenated(ids), bos_id, eos_id)
+
+
+def with_separators(content: np.ndarray, content_lengths: np.ndarray, bos_id: int | None,
+                    eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Flat content ids and their lengths -> (flat uint32 tokens with BOS/EOS, int64
+    document lengths)."""
     extra = int(bos_id is not None) + int(eos_id is not None)
     if extra == 0:
         return content, content_lengths
     lengths = content_lengths + extra
     ends = np.cumsum(lengths)
     starts = ends - lengths
-    tokens = np.empty(int(ends[-1]) if len(ids) else 0, dtype=np.uint32)
+    tokens = np.empty(int(ends[-1]) if len(lengths) else 0, dtype=np.uint32)
     shift = np.repeat(starts + int(bos_id is not None), content_lengths)
     within = np.arange(content.size, dtype=np.int64) - np.repeat(
         np.cumsum(content_lengths) - content_lengths, content_lengths)
@@ -166,8 +169,16 @@ class DocumentEncoder:
         self.special_literals = [token.content for token in
                                  tokenizer.get_added_tokens_decoder().values() if token.special]
         self.backend = backend
-        self.fast = (TiktokenIds(tokenizer, tokenizer_sha256(tokenizer), special_tokens_in_text)
-                     if backend == "tiktoken" else None)
+        self.fast = (FAST_BACKENDS[backend].make(tokenizer, tokenizer_sha256(tokenizer),
+                                                 special_tokens_in_text)
+                     if backend in FAST_BACKENDS else None)
+
+    def cpu_seconds(self) -> float:
+        """The calling thread's CPU time plus that of the backend's own worker threads
+        (fastokens runs part of a batch on its pool thread: ~25% of the work)."""
+        threads = (FAST_BACKENDS[self.backend].threads if self.backend in FAST_BACKENDS
+                   else None)
+        return time.thread_time() + (threads_cpu_seconds(threads) if threads else 0.0)
 
     def count_special_literals(self, texts: list[str]) -> int:
         """How many texts contain a special token's literal (e.g. `<|endoftext|>`)."""
@@ -178,8 +189,7 @@ class DocumentEncoder:
         if not texts:
             return np.empty(0, np.uint32), np.empty(0, np.int64)
         if self.fast is not None:
-            return flatten_documents(self.fast(texts), self.bos_id, self.eos_id,
-                                     self.fast.translate)
+            return with_separators(*self.fast.encode_flat(texts), self.bos_id, self.eos_id)
         return flatten_documents(ids_of(self.tokenizer, texts), self.bos_id, self.eos_id)
 
     def encode_with_offsets(self, texts: list[str]

@@ -1,21 +1,24 @@
-"""Which library encodes a job: tiktoken where it gives `tokenizers`' exact ids, checked.
+"""Which library encodes a job: the fastest one that gives `tokenizers`' exact ids, checked.
 
-Invariant: a job encodes with tiktoken only when (1) tiktoken is installed, (2) the
-tokenizer.json converts exactly (raypipe.preprocess.encoding.tiktoken_backend.why_not), and (3) at
-job start both backends, under the job's special-token policy, give the same ids for a
-sample of the job's own texts (up to SAMPLE_CHARS characters from its first pending unit)
-and for a fixed adversarial set: the tokenizer's special-token literals, characters of every
-Unicode general category, combining marks, emoji sequences, CJK, `\\r\\n`, long whitespace
-runs, a 1 MB run without whitespace, contractions with ' and ’, digits in several scripts.
-Any difference falls back to `tokenizers` with one log line naming the first differing
-text; `auto` does the same for (1) and (2). `tokenizers` asked for is never checked.
-The choice is recorded in the manifest (`tokenizer.backend`). The fixed set's verdict is a
-function of the tokenizer, the policy, the set itself, both libraries' versions and
-raypipe's encoding code, so it is cached under that key (`<RAYPIPE_CACHE_DIR or
-~/.cache/raypipe>/self-check/`): the first job on a machine encodes it, later ones reuse the
-verdict (the job's own sample is always encoded). Cost, GPT-2 vocabulary on one core: the
-sample 0.05 s, the set 0.66 s (its 1 MB run without whitespace), a cached verdict 0.01 s;
-nothing on a rerun with no unit left to run.
+Invariant: a job encodes with a fast backend (raypipe.preprocess.encoding.backends:
+fastokens, then tiktoken, for `auto`) only when (1) its library is installed, (2) it can run
+the tokenizer.json (tiktoken: an exact conversion, tiktoken_backend.why_not; fastokens: it
+loads it), and (3) at job start it gives, under the job's special-token policy, the same ids
+as `tokenizers` for a sample of the job's own texts (up to SAMPLE_CHARS characters from its
+first pending unit) and for a fixed adversarial set: the tokenizer's special-token literals,
+characters of every Unicode general category, combining marks, emoji sequences, CJK,
+`\\r\\n`, long whitespace runs, a 1 MB run without whitespace, contractions with ' and ’,
+digits in several scripts. `auto` takes the first backend that passes and says in one line
+why each one before it did not; a backend asked for by name that is not installed or
+cannot run the tokenizer is one ConfigError, and one that fails the self-check falls back
+to `tokenizers` with one log line naming the first differing text. `tokenizers` asked for is
+never checked. The choice is recorded in the manifest (`tokenizer.backend`). The fixed set's
+verdict is a function of the backend, the tokenizer, the policy, the set itself, both
+libraries' versions and raypipe's encoding code, so it is cached under that key
+(`<RAYPIPE_CACHE_DIR or ~/.cache/raypipe>/self-check/`): the first job on a machine encodes
+it, later ones reuse the verdict (the job's own sample is always encoded). Cost, GPT-2
+vocabulary on one core: the sample 0.05 s, the set 0.66 s under tiktoken (its 1 MB run
+without whitespace), a cached verdict 0.01 s; nothing on a rerun with no unit left to run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import sys
 import unicodedata
 from dataclasses import dataclass
 from functools import cache
@@ -38,9 +40,9 @@ from raypipe.errors import ConfigError
 from raypipe.io.atomic import write_json_atomic
 from raypipe.io.cache import default_cache_dir
 from raypipe.io.records import WorkUnit
-from raypipe.preprocess.encoding import encoder, tiktoken_backend
+from raypipe.preprocess.encoding import encoder
+from raypipe.preprocess.encoding.backends import AUTO_ORDER, FAST_BACKENDS, FastBackend
 from raypipe.preprocess.encoding.encoder import DocumentEncoder, tokenizer_sha256
-from raypipe.preprocess.encoding.tiktoken_backend import why_not
 from raypipe.preprocess.inputs import unit_batches
 from raypipe.preprocess.texts import clean_texts_with_rows
 
@@ -101,12 +103,12 @@ def sample_texts(unit: WorkUnit, text_column: str) -> list[str]:
 
 
 def first_difference(tokenizer: Tokenizer, policy: str, texts: list[str],
-                     label: str = "text") -> str | None:
-    """None if both backends give the same ids for every text, else which text differs."""
+                     label: str = "text", backend: str = "tiktoken") -> str | None:
+    """None if `backend` gives `tokenizers`' ids for every text, else which text differs."""
     if not texts:
         return None
     reference = DocumentEncoder(tokenizer, None, None, policy, backend="tokenizers")
-    candidate = DocumentEncoder(tokenizer, None, None, policy, backend="tiktoken")
+    candidate = DocumentEncoder(tokenizer, None, None, policy, backend=backend)
     expected, expected_lengths = reference.encode(texts)
     got, got_lengths = candidate.encode(texts)
     if expected.size == got.size and (expected == got).all():
@@ -127,16 +129,16 @@ class CachedVerdict:
     texts: int
 
 
-def verdict_key(sha256: str, policy: str, texts: list[str]) -> str:
-    """What the fixed set's verdict depends on: the tokenizer, the policy, the texts, both
-    libraries and raypipe's encoding code (the source of the modules that encode)."""
-    import tiktoken
-
+def verdict_key(sha256: str, policy: str, texts: list[str],
+                backend: FastBackend = FAST_BACKENDS["tiktoken"]) -> str:
+    """What the fixed set's verdict depends on: the backend, the tokenizer, the policy, the
+    texts, both libraries and raypipe's encoding code (the source of the modules that
+    encode)."""
     digest = hashlib.sha256()
-    for part in (sha256, policy, tiktoken.__version__, tokenizers.__version__,
+    for part in (backend.name, sha256, policy, backend.version(), tokenizers.__version__,
                  _version.__version__):
         digest.update(part.encode() + b"\0")
-    for module in (encoder, tiktoken_backend):
+    for module in (encoder, backend.module):
         digest.update(Path(module.__file__).read_bytes() + b"\0")
     for text in texts:
         digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
@@ -157,18 +159,19 @@ def read_verdict(key: str) -> CachedVerdict | None:
 
 
 def adversarial_difference(tokenizer: Tokenizer, sha256: str, policy: str,
-                           texts: list[str]) -> str | None:
+                           texts: list[str],
+                           backend: FastBackend = FAST_BACKENDS["tiktoken"]) -> str | None:
     """`first_difference` over the fixed set, cached per `verdict_key` (see the module
     docstring); a cache that cannot be written is logged and skipped."""
     try:
-        key = verdict_key(sha256, policy, texts)
+        key = verdict_key(sha256, policy, texts, backend)
     except OSError as exc:  # raypipe's source not readable as files (a zip import)
         logger.info("self-check verdict not cached (%s)", exc)
-        return first_difference(tokenizer, policy, texts, "adversarial text")
+        return first_difference(tokenizer, policy, texts, "adversarial text", backend.name)
     cached = read_verdict(key)
     if cached is not None:
         return cached.difference
-    difference = first_difference(tokenizer, policy, texts, "adversarial text")
+    difference = first_difference(tokenizer, policy, texts, "adversarial text", backend.name)
     try:
         write_json_atomic(verdict_path(key),
                           dataclasses.asdict(CachedVerdict(key, difference, len(texts))))
@@ -187,27 +190,38 @@ def choose_backend(requested: str, tokenizer: Tokenizer, policy: str,
     """The backend a job encodes with (see the module docstring)."""
     if requested == "tokenizers":
         return BackendChoice("tokenizers", "asked for")
-    if "tiktoken" not in sys.modules:
-        try:
-            import tiktoken  # noqa: F401
-        except ImportError:
-            if requested == "tiktoken":
-                raise ConfigError("tokenizer_backend: tiktoken is not installed "
-                                  "(pip install tiktoken)") from None
-            return BackendChoice("tokenizers", "tiktoken is not installed")
     sha256 = tokenizer_sha256(tokenizer)
-    reason = why_not(tokenizer, sha256)
-    if reason is not None:
-        if requested == "tiktoken":
-            raise ConfigError(f"tokenizer_backend: tiktoken cannot reproduce this tokenizer: "
-                              f"{reason}")
-        return BackendChoice("tokenizers", f"tiktoken cannot reproduce it: {reason}")
     literals = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
     fixed = adversarial_texts(literals)
-    checked = len(sample) + len(fixed)
-    difference = first_difference(tokenizer, policy, sample, "sample text") or \
-        adversarial_difference(tokenizer, sha256, policy, fixed)
-    if difference is not None:
-        logger.warning("tiktoken self-check failed (%s); encoding with tokenizers", difference)
-        return BackendChoice("tokenizers", f"self-check failed: {difference}", checked)
-    return BackendChoice("tiktoken", "self-check passed", checked)
+    passed_over: list[str] = []
+    checked = 0
+    for name in AUTO_ORDER if requested == "auto" else (requested,):
+        backend = FAST_BACKENDS[name]
+        reason = unusable(backend, tokenizer, sha256)
+        if reason is not None:
+            if requested == name:
+                raise ConfigError(f"tokenizer_backend: {reason}")
+            passed_over.append(reason)
+            continue
+        checked = len(sample) + len(fixed)
+        difference = (first_difference(tokenizer, policy, sample, "sample text", name)
+                      or adversarial_difference(tokenizer, sha256, policy, fixed, backend))
+        if difference is None:
+            return BackendChoice(name, "; ".join(["self-check passed", *passed_over]),
+                                 checked)
+        logger.warning("%s self-check failed (%s); %s", name, difference,
+                       "trying the next backend" if requested == "auto" and
+                       name != AUTO_ORDER[-1] else "encoding with tokenizers")
+        passed_over.append(f"{name} self-check failed: {difference}")
+    return BackendChoice("tokenizers", "; ".join(passed_over), checked)
+
+
+def unusable(backend: FastBackend, tokenizer: Tokenizer, sha256: str) -> str | None:
+    """Why `backend` cannot encode with this tokenizer (None: it can; its ids are checked
+    next)."""
+    if not backend.installed():
+        return f"{backend.name} is not installed ({backend.install})"
+    reason = backend.why_not(tokenizer, sha256)
+    if reason is not None:
+        return f"{backend.name} cannot reproduce this tokenizer: {reason}"
+    return None

@@ -210,6 +210,14 @@ class TiktokenIds:
     def __call__(self, texts: list[str]) -> list[np.ndarray]:
         return [self.ranks(text, index) for index, text in enumerate(texts)]
 
+    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Texts -> (flat uint32 tokenizer ids, int64 lengths)."""
+        ranks = self(texts)
+        lengths = np.fromiter(map(len, ranks), dtype=np.int64, count=len(ranks))
+        content = (np.concatenate(ranks).astype(np.uint32, copy=False) if ranks
+                   else np.empty(0, np.uint32))
+        return self.translate(content), lengths
+
     def ranks(self, text: str, index: int = 0) -> np.ndarray:
         """One text's ranks. A lone surrogate (only a Python caller can pass one; parquet
         text is valid UTF-8) is refused, as `tokenizers` refuses it, never silently

@@ -1,0 +1,144 @@
+"""The fastokens backend: the same shard bytes as `tokenizers` for every special-token policy,
+on real text and the adversarial corpus, with a byte-level BPE and a Llama-3-style `Split`
+regex vocabulary; `auto` picks it first when it is installed and exact, says why it did not
+otherwise, and a missing library is one line. No Ray."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from raypipe.cli import main
+from raypipe.errors import ConfigError, InputError
+from raypipe.io.manifest import read_manifest
+from raypipe.preprocess.encoding import fastokens_backend
+from raypipe.preprocess.encoding.backends import FastBackend
+from raypipe.preprocess.encoding.encoder import DocumentEncoder
+from raypipe.preprocess.encoding.self_check import choose_backend
+from tests.helpers import shard_files
+from tests.test_tiktoken_backend import adversarial_corpus, tokenize  # noqa: F401  (fixture)
+
+pytest.importorskip("fastokens")
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.fixture(scope="module")
+def split_regex_tokenizer(tmp_path_factory, corpus_texts) -> str:
+    """A Llama-3-style vocabulary: one Split regex, then byte level without its own regex,
+    trained on the test corpus."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(LLAMA3_SPLIT, behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=["<|bos|>", "<|eos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus_texts[:3000], trainer)
+    path = tmp_path_factory.mktemp("llama3") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("vocabulary", ["byte-level", "split-regex"])
+@pytest.mark.parametrize("policy", ["text", "special"])
+def test_fastokens_shards_are_byte_identical_to_tokenizers(
+        tmp_path, corpus_dir, adversarial_corpus, tokenizer_path,  # noqa: F811
+        split_regex_tokenizer, vocabulary, policy, figure):
+    path = tokenizer_path if vocabulary == "byte-level" else split_regex_tokenizer
+    for name, corpus in (("docstrings", corpus_dir), ("adversarial", adversarial_corpus)):
+        fast = tokenize(corpus, tmp_path / f"{name}-fast", path, "fastokens", policy,
+                        ("megatron", "nanogpt"))
+        slow = tokenize(corpus, tmp_path / f"{name}-slow", path, "tokenizers", policy,
+                        ("megatron", "nanogpt"))
+        assert fast.backend == "fastokens" and slow.backend == "tokenizers"
+        assert read_manifest(tmp_path / f"{name}-fast").tokenizer.backend == "fastokens"
+        files = shard_files(tmp_path / f"{name}-fast")
+        assert files and files == shard_files(tmp_path / f"{name}-slow"), \
+            f"{vocabulary}, {name}, policy {policy}: shards differ between backends"
+    figure(f"fastokens = tokenizers ({vocabulary}, {policy})",
+           f"{len(files)} shard files byte-identical on docstrings and the adversarial corpus")
+
+
+def test_auto_picks_fastokens_when_it_is_installed_and_exact(tmp_path, corpus_dir,
+                                                             tokenizer_path):
+    summary = tokenize(corpus_dir, tmp_path / "out", tokenizer_path, "auto", "text")
+    assert summary.backend == "fastokens" and summary.backend_reason == "self-check passed"
+    assert "encoder    fastokens (self-check passed)" in summary.render()
+
+
+def test_a_missing_fastokens_is_one_line_and_auto_says_why_it_took_tiktoken(
+        tmp_path, corpus_dir, tokenizer_path, monkeypatch, capsys):
+    real = FastBackend.installed
+    monkeypatch.setattr(FastBackend, "installed",
+                        lambda self: self.name != "fastokens" and real(self))
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    choice = choose_backend("auto", tokenizer, "text", ["hello world"])
+    assert choice.backend == "tiktoken"
+    assert "fastokens is not installed (pip install 'raypipe[fast]')" in choice.reason
+    with pytest.raises(ConfigError, match="fastokens is not installed"):
+        choose_backend("fastokens", tokenizer, "text", ["hello world"])
+    status = main(["tokenize", str(corpus_dir), "--output", str(tmp_path / "out"),
+                   "--tokenizer", tokenizer_path, "--tokenizer-backend", "fastokens"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and error[-1].startswith("raypipe: error: tokenizer_backend: "
+                                                "fastokens is not installed")
+    assert "Traceback" not in "\n".join(error)
+
+
+def test_a_fastokens_difference_is_caught_and_auto_falls_back_to_the_next_backend(
+        tokenizer_path, monkeypatch, caplog):
+    """A fastokens that got one text wrong (a wrong id injected where a text holds
+    'zebra') never encodes the job: the self-check names the text."""
+    real = fastokens_backend.FastokensIds.encode_flat
+
+    def one_wrong_id(self, texts):
+        content, lengths = real(self, texts)
+        wrong = content.copy()
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        for index, text in enumerate(texts):
+            if "zebra" in text and lengths[index]:
+                wrong[starts[index]] += 1
+        return wrong, lengths
+
+    monkeypatch.setattr(fastokens_backend.FastokensIds, "encode_flat", one_wrong_id)
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        choice = choose_backend("auto", tokenizer, "text", ["a horse", "a zebra"])
+    assert choice.backend == "tiktoken"
+    assert "fastokens self-check failed: sample text 1" in choice.reason
+    assert "fastokens self-check failed" in caplog.text and "zebra" in caplog.text
+    asked = choose_backend("fastokens", tokenizer, "text", ["a zebra"])
+    assert asked.backend == "tokenizers" and "self-check failed" in asked.reason
+
+
+def test_a_lone_surrogate_is_refused_by_fastokens_naming_the_text(tokenizer_path):
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    encoder = DocumentEncoder(tokenizer, None, None, "text", "fastokens")
+    with pytest.raises(InputError, match="text 1: a lone surrogate"):
+        encoder.encode(["fine", "a\ud800b"])
+
+
+def test_a_units_cpu_seconds_count_the_encoders_own_worker_thread(tokenizer_path):
+    """fastokens runs part of each batch on its pool thread, which the caller's
+    thread_time() does not see; DocumentEncoder.cpu_seconds adds that thread's CPU."""
+    import time
+
+    from raypipe.preprocess.encoding.backends import threads_cpu_seconds
+
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 6)) for _ in range(5000)]
+    texts = [" ".join(rng.choice(words, 400)) + f" {index}" for index in range(6000)]
+    encoder = DocumentEncoder(Tokenizer.from_file(tokenizer_path), None, None, "text",
+                              "fastokens")
+    pool_before, own_before = threads_cpu_seconds("fastokens-"), time.thread_time()
+    total_before = encoder.cpu_seconds()
+    encoder.encode(texts)
+    pool = threads_cpu_seconds("fastokens-") - pool_before
+    own = time.thread_time() - own_before
+    assert pool > 0, "the pool thread did no work: nothing to count"
+    assert encoder.cpu_seconds() - total_before >= own + pool - 0.02
