@@ -107,9 +107,10 @@ def test_ray_data_datasource_reads_the_loader_windows(ray_session, token_dataset
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_jobs_train_prints_no_ray_noise_a_user_cannot_act_on(token_dataset, tmp_path):
+def test_jobs_train_prints_no_ray_noise_and_says_where_it_resumed(token_dataset, tmp_path):
     """jobs/train.py starts its local Ray with the dashboard, whose State API Ray Train's
-    placement-group cleaner polls: without it the cleaner warned every few seconds."""
+    placement-group cleaner polls: without it the cleaner warned every few seconds. Run
+    again with more steps, it says the step and checkpoint it resumed from."""
     import os
     import subprocess
     import sys
@@ -127,3 +128,10 @@ def test_jobs_train_prints_no_ray_noise_a_user_cannot_act_on(token_dataset, tmp_
     assert done.returncode == 0, output[-3000:]
     assert "finished: {'step': 4" in output
     assert "Failed to query Ray Train Controller" not in output
+    assert "resumed at step" not in output
+    again = subprocess.run(done.args[:done.args.index("--max-steps") + 1] + ["6"]
+                           + done.args[done.args.index("--max-steps") + 2:],
+                           capture_output=True, text=True, cwd=root, env=env, timeout=300)
+    output = again.stdout + again.stderr
+    assert again.returncode == 0, output[-3000:]
+    assert "resumed at step 4 from " in output and "finished: {'step': 6" in output

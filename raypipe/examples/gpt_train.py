@@ -123,7 +123,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.manual_seed(config.get("seed", 0))
     model = TinyGPT(vocab, config["seq_len"], config.get("width", 64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.get("lr", 3e-3))
-    step = _restore(model, optimizer, ray.train.get_checkpoint())
+    checkpoint = ray.train.get_checkpoint()
+    step = _restore(model, optimizer, checkpoint)
+    if step and rank == 0:
+        print(f"resumed at step {step} from {checkpoint.path} (loader epoch {loader.epoch}, "
+              f"position {loader.position}, {loader.world_size} ranks)", flush=True)
     if config.get("log_dir"):  # what this attempt resumed from: model step vs loader position
         resumed = {"step": step, "epoch": loader.epoch, "position": loader.position,
                    "world_size": loader.world_size,
@@ -136,8 +140,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     while step < max_steps:
         for batch in loader:
             step += 1
-            logits = model(batch.inputs, batch.position_ids)
-            loss = F.cross_entropy(logits.reshape(-1, vocab), batch.targets.reshape(-1).long())
+            loss = masked_loss(model(batch.inputs, batch.position_ids), batch, vocab)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -151,6 +154,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 break
 
 
+def masked_loss(logits: torch.Tensor, batch: Any, vocab: int) -> torch.Tensor:
+    """Mean cross entropy over the targets `batch.mask` keeps: padding and the targets that
+    would join one document's piece to another's are left out, so every target is true."""
+    per_token = F.cross_entropy(logits.reshape(-1, vocab), batch.targets.reshape(-1).long(),
+                                reduction="none")
+    mask = batch.mask.reshape(-1).to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
 def _evaluate(model: nn.Module, validation: Any, vocab: int, batches: int) -> float | None:
     """Mean loss over the next `batches` validation batches (the held-out documents in
     order; a new pass starts when one ends); None without a validation loader."""
@@ -160,11 +172,8 @@ def _evaluate(model: nn.Module, validation: Any, vocab: int, batches: int) -> fl
     with torch.no_grad():
         while len(losses) < batches:
             for batch in validation:
-                logits = model(batch.inputs, batch.position_ids)
-                per_token = F.cross_entropy(logits.reshape(-1, vocab),
-                                            batch.targets.reshape(-1).long(), reduction="none")
-                mask = batch.mask.reshape(-1).float()
-                losses.append(float((per_token * mask).sum() / mask.sum().clamp(min=1)))
+                losses.append(float(masked_loss(model(batch.inputs, batch.position_ids),
+                                                batch, vocab)))
                 if len(losses) == batches:
                     break
     return sum(losses) / len(losses)
