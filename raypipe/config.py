@@ -69,8 +69,12 @@ class TokenizeConfig:
     """What `raypipe tokenize` does. Field names are the YAML keys; each field's help is
     its command-line help."""
 
-    inputs: tuple[str, ...] = option(help="parquet files, directories (all *.parquet below) "
-                                          "or globs (** crosses directories)", positional=True)
+    inputs: tuple[str, ...] = option(help="parquet or JSON-lines files (.jsonl, .json, "
+                                          ".jsonl.gz, .jsonl.zst), directories (every such "
+                                          "file below), globs (** crosses directories), "
+                                          "local or s3:// gs:// ...; from Python also a "
+                                          "ray.data.Dataset (raypipe.tokenize)",
+                                     positional=True)
     output: str = option(help="output directory", short="-o")
     tokenizer: str = option(help="a tokenizer.json path (or a hub name where the network "
                                  "allows)")

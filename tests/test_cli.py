@@ -207,7 +207,7 @@ def test_progress_counts_the_drivers_units_at_once_and_never_extrapolates_its_pa
 def test_help_states_each_default_once_and_never_as_none(capsys):
     from raypipe.cli import main
 
-    for command in (["tokenize"], ["pack-report"], ["convert"]):
+    for command in (["tokenize"], ["pack-report"], ["convert"], ["trace"]):
         with pytest.raises(SystemExit):
             main([*command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
@@ -217,6 +217,17 @@ def test_help_states_each_default_once_and_never_as_none(capsys):
     with pytest.raises(SystemExit):
         main(["pack-report", "--help"])
     assert "(default: 2048)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_tokenize_help_names_every_kind_of_input(capsys):
+    from raypipe.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["tokenize", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for kind in ("parquet", "JSON-lines", ".jsonl.zst", "directories", "globs", "s3://",
+                 "ray.data.Dataset"):
+        assert kind in text, kind
 
 
 def test_a_comma_list_with_spaces_names_the_same_formats():
