@@ -35,7 +35,7 @@ from raypipe.io.states import LoaderState, MixtureState, read_state
 from raypipe.preprocess.jsonl import LineLocator
 from raypipe.sampling.batches import RowSegments
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
-from raypipe.sampling.mixture import mixture_weights, step_rows
+from raypipe.sampling.mixture import allocate, mixture_weights, step_rows
 
 PLAN_KNOBS = ("mode", "seq_len", "seed", "block_documents", "packing", "block_batches",
               "shuffle", "group_shards", "split", "validation_fraction")
@@ -241,8 +241,8 @@ def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
                         dtype=np.float64)
     number = saved.steps if saved is not None else 0
     if step is not None and saved is None:
-        for _ in range(step):
-            consumed += step_rows(weight, consumed, world_size, batch_size)[0]
+        for _ in range(step):  # only the counts: O(sources) a step
+            consumed += allocate(weight, consumed, world_size * batch_size)
         number = step
     for _ in range(steps):
         counts, rows = step_rows(weight, consumed, world_size, batch_size)
@@ -303,11 +303,6 @@ def checked_tokenizer(dataset: TokenDataset, spec: str | None) -> Any:
         raise ConfigError(f"tokenizer {spec or info.spec}: not the one {dataset.root} was "
                           f"made with (sha256 {info.sha256[:12]}); pass that tokenizer.json")
     return loaded
-
-
-def render(records: Iterator[TraceRecord]) -> Iterator[str]:
-    for record in records:
-        yield record.line()
 
 
 __all__ = ["InputRows", "TraceRecord", "trace"]
