@@ -54,7 +54,7 @@ import numpy as np
 from common import corpus_texts, docstring_corpus, print_table, unique_corpus
 from gpt2_tokenizer import gpt2_tokenizer_json
 
-from raypipe.demo.train_tokenizer import SHIPPED
+from raypipe.demo.train_tokenizer import LLAMA3_SPLIT, SHIPPED, train_bpe
 from raypipe.preprocess.encoding.encoder import DocumentEncoder, single_threaded_tokenizers
 
 BATCH = 1024
@@ -63,8 +63,6 @@ CORES = 2  # Ray's CPUs in every run, and the ceiling's processes
 JOB_BACKEND = {"tokenizers": "tokenizers", "tiktoken": "tiktoken", "fastokens": "auto"}
 BACKENDS = tuple(JOB_BACKEND)
 EOS = {"gpt2": "<|endoftext|>", "shipped": "<|eos|>", "llama3-style": "<|eos|>"}
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def ceiling_worker(texts: list[list[str]], tokenizer_path: str, eos: str, backend: str,
@@ -366,24 +364,13 @@ def bench_tokenizer(name: str, workdir: Path, corpus: Path, gpt2_dir: Path | Non
         return SHIPPED
     path = workdir / f"llama3-style-{corpus.name}.json"
     if not path.exists():
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-        tokenizer = Tokenizer(models.BPE())
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(LLAMA3_SPLIT, behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=32_000, special_tokens=["<|bos|>", "<|eos|>"],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         texts, chars = [], 0
         for file_texts in corpus_texts(corpus):
-            for text in file_texts:
-                texts.append(text)
-                chars += len(text)
+            texts += file_texts
+            chars += sum(map(len, file_texts))
             if chars > 50_000_000:
                 break
-        tokenizer.train_from_iterator(texts, trainer)
-        tokenizer.save(str(path))
+        train_bpe(texts, 32_000, LLAMA3_SPLIT).save(str(path))
     return path
 
 

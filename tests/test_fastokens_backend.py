@@ -9,9 +9,10 @@ import logging
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from raypipe.cli import main
+from raypipe.demo.train_tokenizer import LLAMA3_SPLIT, train_bpe
 from raypipe.errors import ConfigError, InputError
 from raypipe.io.manifest import read_manifest
 from raypipe.preprocess.encoding import fastokens_backend
@@ -23,24 +24,12 @@ from tests.test_tiktoken_backend import adversarial_corpus, tokenize  # noqa: F4
 
 pytest.importorskip("fastokens")
 
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
 @pytest.fixture(scope="module")
 def split_regex_tokenizer(tmp_path_factory, corpus_texts) -> str:
-    """A Llama-3-style vocabulary: one Split regex, then byte level without its own regex,
-    trained on the test corpus."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(LLAMA3_SPLIT, behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=["<|bos|>", "<|eos|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(corpus_texts[:3000], trainer)
+    """A Llama-3-style vocabulary (one Split regex, then byte level) trained on the test
+    corpus."""
     path = tmp_path_factory.mktemp("llama3") / "tokenizer.json"
-    tokenizer.save(str(path))
+    train_bpe(corpus_texts[:3000], 1500, LLAMA3_SPLIT).save(str(path))
     return str(path)
 
 

@@ -17,9 +17,20 @@ SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 SHIPPED = Path(__file__).with_name("tokenizer.json")
 
 
-def train_bpe(texts: list[str], vocab_size: int = 8192) -> Tokenizer:
+# Llama-3's pre-tokenizer regex (one Split, then byte level without GPT-2's own regex)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def train_bpe(texts: list[str], vocab_size: int = 8192, split_regex: str | None = None
+              ) -> Tokenizer:
+    """A byte-level BPE trained on `texts`: GPT-2's pre-tokenizer, or with `split_regex` a
+    Llama-3-style one (that regex as a Split, then byte level without its own regex)."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                          use_regex=split_regex is None)
+    tokenizer.pre_tokenizer = byte_level if split_regex is None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(split_regex, behavior="isolated"), byte_level])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
