@@ -381,7 +381,7 @@ def core_seconds_line(job: dict, ceiling_wall: float) -> str:
     other, idle = max(busy - units, 0.0), max(CORES * job["wall"] - busy, 0.0)
     cap = ceiling_wall / (ceiling_wall + other / CORES)
     return (f"core-seconds of the end-to-end run ({CORES} cores x {job['wall']:.2f} s): "
-            f"{units:.1f} tokenizing units, {other:.1f} everything else (Ray's and Ray Data's "
+            f"{units:.3f} tokenizing units, {other:.1f} everything else (Ray's and Ray Data's "
             f"processes, the driver outside units), {idle:.1f} idle; that other CPU alone "
             f"caps end to end at {cap:.2f} of the ceiling")
 
