@@ -156,7 +156,7 @@ config = load_config(None, inputs=[corpus], output=output, tokenizer=tokenizer,
 summary = run_tokenize(config)  # starts a local Ray (2 CPUs) unless given an address
 print(json.dumps({"ray_start": summary.startup_seconds, "tokens": summary.tokens_run,
                   "data_start": summary.data_startup_seconds,
-                  "on_driver": summary.units_on_driver, "units": summary.units,
+                  "units": summary.units,
                   "unit_cpu": sum(r.cpu_seconds for _, r in unit_records(Store(output))),
                   "backend": summary.backend, "rss": summary.peak_rss_bytes}), flush=True)
 shutdown_local_ray()  # as `raypipe tokenize` does once its summary is printed
@@ -427,7 +427,7 @@ def report(ceilings: dict, loops: dict, jobs: dict, datatrove: list[float], smal
     ceiling_wall = best[job["backend"]][0]
     print(core_seconds_line(job, ceiling_wall))
     print(f"Ray Data start-up (pipeline launched -> first record): {job['data_start']:.2f} s; "
-          f"the driver tokenized {job['on_driver']} of {job['units']} units meanwhile")
+          f"all {job['units']} units ran on Ray Data")
     if on_cluster:
         cluster_job = min(on_cluster, key=lambda j: j["wall"])
         rate = cluster_job["tokens"] / cluster_job["wall"]

@@ -3,7 +3,8 @@ optimizer and loader state every k steps; rerunning with the same --storage/--na
 
     python jobs/train.py --data demo_out/tokens --workers 2            # local CPU, gloo
     ray job submit --working-dir . -- python jobs/train.py --data s3://bucket/tokens \\
-        --use-gpu --workers 8 --seq-len 1024 --batch-size 16 --shuffle shard_local
+        --use-gpu --workers 8 --seq-len 1024 --batch-size 16 --shuffle shard_local \\
+        --wait-for-resources
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default="tiny-gpt",
                         help="the run's name: the same --storage and --name resume it")
     parser.add_argument("--address", default=None, help="Ray address (None: local)")
+    parser.add_argument("--wait-for-resources", action="store_true",
+                        help="start even if the cluster lacks the workers' CPUs/GPUs now "
+                        "(an autoscaling cluster adds them); without it, fail at once")
     return parser
 
 
@@ -77,6 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     from raypipe.ray.session import ensure_ray
 
     ensure_ray(args.address, dashboard=True)  # Ray Train's controller polls its State API
+    from raypipe.ray.train import missing_worker_resources
+
+    missing = missing_worker_resources(args.workers, args.use_gpu)
+    if missing and not args.wait_for_resources:
+        print(f"raypipe: error: {missing}; pass fewer --workers, or --wait-for-resources "
+              "on a cluster that autoscales", file=sys.stderr)
+        return 2
     data = args.data if "://" in args.data else os.path.abspath(args.data)
     config = {"data": data, "seq_len": args.seq_len, "shuffle": args.shuffle,
               "cache_dir": args.cache_dir, "validation_fraction": args.validation_fraction,

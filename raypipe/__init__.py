@@ -24,20 +24,14 @@ def tokenize(inputs: Any, output: str, tokenizer: str,
     the JobSummary."""
     from raypipe.config import load_config
     from raypipe.formats import DEFAULT_FORMATS
+    from raypipe.ray.executor import describe_dataset, run_tokenize
 
     formats = DEFAULT_FORMATS if formats is None else formats
-
-    if _is_ray_dataset(inputs):
-        from raypipe.ray.executor import describe_dataset, run_tokenize_dataset
-
-        config = load_config(None, inputs=[describe_dataset(inputs)], output=output,
-                             tokenizer=tokenizer, formats=formats, **options)
-        return run_tokenize_dataset(inputs, config)
-    from raypipe.ray.executor import run_tokenize
-
-    config = load_config(None, inputs=inputs, output=output, tokenizer=tokenizer,
-                         formats=formats, **options)
-    return run_tokenize(config)
+    dataset = inputs if _is_ray_dataset(inputs) else None
+    config = load_config(None, inputs=[describe_dataset(dataset)] if dataset is not None
+                         else inputs, output=output, tokenizer=tokenizer, formats=formats,
+                         **options)
+    return run_tokenize(config, dataset)
 
 
 def _is_ray_dataset(inputs: Any) -> bool:

@@ -13,7 +13,8 @@ temp written), `unit.before_record` (shards committed, record not),
 Actions: `kill` (SIGKILL this process), `exit` (os._exit, no cleanup), `raise`, `enospc`
 (OSError 28), `pause` (write this pid to the marker and sleep: the test kills it).
 With `"in": "worker"` a fault fires only in a Ray worker (whose environment, from
-`environment()`, says so), never on the driver, which also tokenizes units while Ray starts.
+`environment()`, says so), never on the driver (a fault in a shared code path such as
+`tokenize_unit` would otherwise fire in a test's own serial run).
 """
 
 from __future__ import annotations

@@ -1,3 +1,3 @@
 """The package version, in one place (pyproject reads it too)."""
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"

@@ -121,6 +121,11 @@ def command_verify(args: argparse.Namespace) -> int:
     counts = verify_dataset(args.dataset)
     print(f"{args.dataset}: OK ({counts.files} files in {counts.shards} shards of "
           f"{counts.formats} format(s) match the manifest)")
+    if counts.unlisted:
+        shown = counts.unlisted[:10]
+        print(f"{args.dataset}: {len(counts.unlisted)} file(s) the manifest does not list "
+              f"(not raypipe's): " + ", ".join(shown)
+              + (f" and {len(counts.unlisted) - 10} more" if len(counts.unlisted) > 10 else ""))
     return 0
 
 

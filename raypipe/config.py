@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,18 +30,26 @@ from raypipe.formats import DEFAULT_FORMATS, FORMATS, FormatOptions, document_fo
 PACKINGS = ("fill", "split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
 # Fields that do not change output bytes: excluded from the fingerprint.
 EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
-                              "tokenizer_backend", "head_start", "allow_empty"})
+                              "tokenizer_backend", "allow_empty"})
 TOKENIZER_BACKENDS = ("auto", "fastokens", "tiktoken", "tokenizers")
 LOCATION_FIELDS = frozenset({"inputs", "output", "tokenizer"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
 # fields added after 0.1 -> the value that behaves as 0.1 did (not part of the fingerprint)
 LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 << 30}
+# keys of earlier releases that no longer do anything -> why (a config holding one loads,
+# with a warning)
+RETIRED_KEYS = {"head_start": "removed in 0.6: every unit runs on Ray Data"}
 # worker memory to tokenize one document, per character: measured 122 B (8k BPE) and ~180 B
 # (GPT-2 vocabulary) at 2-10 M characters; planned with 200 B
 BYTES_PER_CHARACTER = 200
 
 
+logger = logging.getLogger("raypipe")
+
 BUILT_IN_METADATA_FIELDS = ("source", "row")  # every stream metadata record has these
+# formats whose ecosystem separates documents with EOS (the default separator of a job
+# that writes only these)
+EOS_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.separator == "eos")
 
 
 # the config fields that set format options: {option name: TokenizeConfig field}
@@ -54,6 +63,21 @@ def flag_of(name: str) -> str:
     if spec is None or spec.metadata.get("positional"):
         return name
     return spec.metadata.get("flag", "--" + name.replace("_", "-"))
+
+
+def document_separators(formats: tuple[str, ...], bos: bool | None, eos: bool | None
+                        ) -> tuple[bool, bool]:
+    """(bos, eos) as given, the unset ones by each ecosystem's habit: neither given, EOS
+    when every format is one whose ecosystem appends EOS (Megatron, MDS), else BOS; one
+    given, the other is its opposite (`--eos` alone means EOS is the separator)."""
+    if bos is None and eos is None:
+        eos_only = all(FORMATS[name].separator == "eos" for name in formats)
+        return not eos_only, eos_only
+    if bos is None:
+        return not eos, bool(eos)
+    if eos is None:
+        return bool(bos), not bos
+    return bos, eos
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
@@ -76,15 +100,21 @@ class TokenizeConfig:
                                           "ray.data.Dataset (raypipe.tokenize)",
                                      positional=True)
     output: str = option(help="output directory", short="-o")
-    tokenizer: str = option(help="a tokenizer.json path (or a hub name where the network "
-                                 "allows)")
+    tokenizer: str = option(help="a tokenizer.json path, a tiktoken encoding name "
+                                 "(cl100k_base, o200k_base, gpt2, ...) or a Hugging Face hub "
+                                 "name (from the local cache, or the hub when it answers)")
     formats: tuple[str, ...] = option(DEFAULT_FORMATS,
                                       help="comma list of " + ", ".join(FORMATS),
                                       flag="--format")
     text_column: str = option("text", help="column holding the documents")
-    bos: bool = option(True, help="prepend BOS to every document (NanoGPT/nanochat style)")
-    eos: bool = option(False, help="append EOS/EOD to every document (Megatron "
-                                   "--append-eod)")
+    bos: bool | None = option(None, help="prepend BOS to every document (nanoGPT/nanochat "
+                                         "style; default: on, unless every format is one "
+                                         "of " + "/".join(EOS_FORMATS) + ", or --eos alone "
+                                         "is given)")
+    eos: bool | None = option(None, help="append EOS/EOD to every document (Megatron "
+                                         "--append-eod, LLM Foundry eos_text; default: on "
+                                         "when every format is one of "
+                                         + "/".join(EOS_FORMATS) + ", or --no-bos is given)")
     bos_token: str | None = option(None, help="BOS token string (default: detected)")
     eos_token: str | None = option(None, help="EOS token string (default: detected)")
     shard_tokens: int = option(1 << 29, help="a shard rolls over before the document that "
@@ -132,9 +162,6 @@ class TokenizeConfig:
                                      "also the CPUs of a local Ray raypipe starts")
     address: str | None = option(None, help="Ray cluster address (default: RAY_ADDRESS or "
                                             "a local Ray)")
-    head_start: bool = option(True, help="the driver tokenizes units itself while Ray and Ray "
-                                         "Data's actors start (--no-head-start: every unit "
-                                         "runs on the actor pool, e.g. on a small head node)")
     overwrite: bool = option(False, help="replace an output made with a different config")
     allow_empty: bool = option(False, help="accept inputs that yield no document (without it, "
                                            "such a job is an error: exit status 2)")
@@ -181,6 +208,9 @@ class TokenizeConfig:
                 f"{flag_of('metadata_columns')}: {clashing} would overwrite the built-in "
                 f"field(s) of every metadata record ({', '.join(BUILT_IN_METADATA_FIELDS)}: "
                 "the input file and row); rename the column(s) in the input")
+        bos, eos = document_separators(self.formats, self.bos, self.eos)
+        object.__setattr__(self, "bos", bos)
+        object.__setattr__(self, "eos", eos)
         if not self.bos and not self.eos:
             raise ConfigError(
                 "bos/eos: at least one of --bos/--eos is needed, or document boundaries are lost"
@@ -224,6 +254,9 @@ class TokenizeConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TokenizeConfig:
         names = {f.name for f in dataclasses.fields(cls)}
+        for key in sorted(set(data) & set(RETIRED_KEYS)):
+            logger.warning("config key %r ignored (%s)", key, RETIRED_KEYS[key])
+            data = {k: v for k, v in data.items() if k != key}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; known: {sorted(names)}")

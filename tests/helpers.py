@@ -56,32 +56,3 @@ def upload_tree(local: Path, uri: str) -> str:
     return uri
 
 
-def import_streaming():
-    """mosaicml-streaming's package, whose `__init__` also imports its vision datasets
-    (torchvision) and its DataLoader's Hugging Face batch types (transformers). Neither is
-    on the path the MDS reader takes, and neither can be installed beside torch 2.13's CPU
-    build, so where they are missing each is registered as an empty module with the names
-    streaming's imports ask for; StreamingDataset and its MDS reader run unchanged."""
-    import importlib
-    import importlib.util
-    import sys
-    import types
-
-    placeholders = {
-        "torchvision": {}, "torchvision.datasets": {"VisionDataset": object,
-                                                    "CIFAR10": object},
-        "torchvision.transforms": {}, "torchvision.transforms.functional": {"to_tensor": None},
-        "transformers": {}, "transformers.feature_extraction_utils": {"BatchFeature": dict},
-        "transformers.tokenization_utils_base": {"BatchEncoding": dict},
-        "transformers.models": {}, "transformers.models.auto": {},
-        "transformers.models.auto.tokenization_auto": {"AutoTokenizer": object},
-    }
-    for top in ("torchvision", "transformers"):
-        if top in sys.modules or importlib.util.find_spec(top) is not None:
-            continue
-        for name, attributes in placeholders.items():
-            if name.split(".")[0] == top and name not in sys.modules:
-                module = types.ModuleType(name)
-                module.__dict__.update(attributes)
-                sys.modules[name] = module
-    return importlib.import_module("streaming")

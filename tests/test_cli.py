@@ -172,33 +172,31 @@ def test_progress_prints_between_commits_with_an_honest_eta():
                          for line in after)
 
 
-def test_progress_counts_the_drivers_units_at_once_and_never_extrapolates_its_pace():
-    """While Ray starts the driver commits units itself: they count as they commit (and once,
-    though the job reports them again), and the ETA waits for the workers' own rate instead
-    of extrapolating one process's pace over the whole job."""
+def test_progress_leaves_the_first_unit_out_of_the_workers_rate_and_notes_ray_start():
+    """The workers' first unit carries their start-up: the ETA's rate window opens when it
+    commits, so one slow start is never extrapolated over the job; Ray's start-up is a line
+    of its own."""
     import io
 
     from raypipe.io.records import UnitRecord, WorkUnit
     from raypipe.preprocess.progress import Progress
 
-    units = [WorkUnit(f"u{i}.parquet", 0, 1, 10, f"u{i}", size_bytes=100) for i in range(6)]
+    units = [WorkUnit(f"u{i}.parquet", 0, 1, 10, f"u{i}", size_bytes=100) for i in range(4)]
     records = [UnitRecord(unit=unit, fingerprint="f", rows=10, documents=10, tokens=100,
                           skipped={}, shards=()) for unit in units]
     log = io.StringIO()
     progress = Progress(units, every=1000, stream=log)
     progress.await_workers()
-    for record in records[:2]:
-        progress.update(record, by_workers=False)
-    progress.update(records[0])  # reported again with the workers' records: counted once
-    progress._show(progress.started + 5, finished=False)
-    assert "raypipe: 2/6 units (33%)" in log.getvalue().splitlines()[-1]
-    assert log.getvalue().splitlines()[-1].endswith(
-        "ETA once Ray's workers run")
-    progress.update(records[2])  # the workers' first unit opens the rate window
+    progress._show(progress.started + 1, finished=False)
+    assert log.getvalue().splitlines()[-1].endswith("ETA unknown until a unit commits")
+    progress.note("Ray up in 3.20 s (2 CPUs)")
+    assert log.getvalue().splitlines()[-1] == "raypipe: Ray up in 3.20 s (2 CPUs)"
+    progress.update(records[0])  # the workers' first unit opens the rate window
     progress._show(progress.window[0] + 1, finished=False)
+    assert "raypipe: 1/4 units (25%)" in log.getvalue().splitlines()[-1]
     assert log.getvalue().splitlines()[-1].endswith(
         "ETA unknown until the workers commit a unit")
-    progress.update(records[3])
+    progress.update(records[1])
     since = progress.window[0]
     progress._show(since + 2, finished=False)  # 100 bytes in 2 s: 200 left take 4 s
     assert log.getvalue().splitlines()[-1].endswith("ETA 0:00:04")

@@ -59,8 +59,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def without_venv_on_path(env: dict[str, str]) -> dict[str, str]:
+    """`env` as a shell without the venv activated has it (the venv's bin off PATH)."""
+    venv_bin = str(RAY.parent)
+    path = [part for part in env.get("PATH", "").split(os.pathsep) if part != venv_bin]
+    return {**env, "PATH": os.pathsep.join(path)}
+
+
 def cluster_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = without_venv_on_path({k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
     env["RAY_AUTH_MODE"] = "disabled"
     # Multi-node needs Ray's cluster mode, in which Ray resolves 127.0.0.1 to this machine's
     # own interface address: the nodes still talk only to this machine.
@@ -109,6 +116,9 @@ def real_cluster():
         pytest.skip("the ray CLI is not installed next to this Python")
     port, dashboard = free_port(), free_port()
     env = cluster_env()
+    # as docs/tokenize.md and cluster.yaml start Ray: the venv's bin first on its PATH, so
+    # a submitted job's `python` is the venv's
+    started_env = {**env, "PATH": str(RAY.parent) + os.pathsep + env["PATH"]}
     head = [str(RAY), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
             "--include-dashboard=true", "--num-cpus=1", "--disable-usage-stats",
@@ -116,10 +126,10 @@ def real_cluster():
     worker = [str(RAY), "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
               "--num-cpus=1", *agent_ports()]
     try:
-        started = subprocess.run(head, check=True, env=env, capture_output=True, text=True,
-                                 timeout=120)
+        started = subprocess.run(head, check=True, env=started_env, capture_output=True,
+                                 text=True, timeout=120)
         assert "Ray runtime started" in _plain(started.stdout + started.stderr)
-        subprocess.run(worker, check=True, env=env, capture_output=True, timeout=120)
+        subprocess.run(worker, check=True, env=started_env, capture_output=True, timeout=120)
         yield {"gcs": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}",
                "env": env}
     finally:
@@ -131,14 +141,14 @@ def real_cluster():
 def submit_job(cluster: dict, working_dir: str, *entrypoint: str,
                env_vars: dict[str, str] | None = None, wait: bool = True
                ) -> subprocess.CompletedProcess:
-    """`ray job submit --working-dir DIR -- python ENTRYPOINT...` from the repository root
-    (`wait=False`: --no-wait), retried while the job agent is still registering (a few
-    seconds after `ray start`)."""
+    """`ray job submit --working-dir DIR -- python ENTRYPOINT...` from the repository root,
+    from a shell without the venv activated (`wait=False`: --no-wait), retried while the job
+    agent is still registering (a few seconds after `ray start`)."""
     runtime = (["--runtime-env-json", json.dumps({"env_vars": env_vars})] if env_vars
                else [])
     command = [str(RAY), "job", "submit", f"--address={cluster['dashboard']}",
                "--working-dir", working_dir, *runtime, *([] if wait else ["--no-wait"]),
-               "--", sys.executable, *entrypoint]
+               "--", "python", *entrypoint]
     for _ in range(12):
         submit = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
                                 env=cluster["env"], timeout=400)
@@ -177,12 +187,17 @@ def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, co
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_documented_demo_job_submits_as_written(real_cluster, tmp_path):
-    """docs/tokenize.md's `ray job submit ... jobs/tokenize.py --config
-    jobs/configs/demo.yaml` (with this environment's Python for `python`, and the demo
-    directory in tmp_path through RAYPIPE_DEMO_DIR): it builds the demo corpus there and
-    prints the absolute output path, which holds a verified dataset."""
-    submit = submit_job(real_cluster, ".", "jobs/tokenize.py", "--config",
-                        "jobs/configs/demo.yaml", env_vars={"RAYPIPE_DEMO_DIR": str(tmp_path)})
+    """docs/tokenize.md's `ray job submit ... -- python jobs/tokenize.py --config
+    jobs/configs/demo.yaml`, on a Ray started as the docs start it, from a shell without the
+    venv activated (the demo directory in tmp_path through RAYPIPE_DEMO_DIR): it builds the
+    demo corpus there and prints the absolute output path, which holds a verified
+    dataset."""
+    documented = next(line for line in (ROOT / "docs" / "tokenize.md").read_text().splitlines()
+                      if "ray job submit" in line and "demo.yaml" in line)
+    entrypoint = documented.split(" -- ", 1)[1].split()
+    assert entrypoint[0] == "python" and "--working-dir ." in documented
+    submit = submit_job(real_cluster, ".", *entrypoint[1:],
+                        env_vars={"RAYPIPE_DEMO_DIR": str(tmp_path)})
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "demo corpus: " in submit.stdout and str(tmp_path / "corpus") in submit.stdout
     assert f"raypipe tokenize -> {tmp_path / 'tokens'}" in submit.stdout
@@ -216,7 +231,7 @@ def test_ray_job_stop_ends_the_job_with_143_and_leaves_the_output_resumable(
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump({
         "inputs": [str(corpus_dir)], "output": str(tmp_path / "out"),
-        "tokenizer": tokenizer_path, "unit_bytes": 1, "head_start": False}))
+        "tokenizer": tokenizer_path, "unit_bytes": 1}))
     submit = submit_job(real_cluster, ".", "jobs/tokenize.py", "--config", str(config),
                         env_vars={faults.ENVIRONMENT_VARIABLE: json.dumps(fault)},
                         wait=False)

@@ -127,3 +127,26 @@ def test_manifest_records_accept_optional_fields_absent_or_null():
     assert FileEntry.from_json(entry, "w").mtime_ns is None
     assert FileEntry.from_json({**entry, "mtime_ns": None}, "w").mtime_ns is None
     assert FileEntry.from_json({**entry, "mtime_ns": 7}, "w").mtime_ns == 7
+
+
+def test_a_directory_of_parquet_files_passes_over_its_json_files(tmp_path, caplog):
+    """A `dataset_info.json` or a stats file beside parquet data is not read as JSON lines;
+    a directory of JSON lines alone is still read."""
+    import logging
+
+    from raypipe.preprocess.inputs import find_inputs
+
+    write_parquet(tmp_path / "d" / "a.parquet", ["x"])
+    (tmp_path / "d" / "corpus_stats.json").write_text('{"rows": 1,\n "bytes": 1}\n')
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        found = find_inputs([str(tmp_path / "d")])
+    assert [p.rsplit("/", 1)[1] for p in found.files] == ["a.parquet"]
+    assert [p.rsplit("/", 1)[1] for p in found.passed_over] == ["corpus_stats.json"]
+    assert "corpus_stats.json" in caplog.text
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "part.jsonl").write_text('{"text": "x"}\n')
+    only_jsonl = find_inputs([str(tmp_path / "j")])
+    assert [p.rsplit("/", 1)[1] for p in only_jsonl.files] == ["part.jsonl"]
+    assert only_jsonl.passed_over == []
+    named = find_inputs([str(tmp_path / "d"), str(tmp_path / "d" / "corpus_stats.json")])
+    assert len(named.files) == 2 and named.passed_over == []  # named: read, not passed over

@@ -354,12 +354,12 @@ def test_the_temp_sweep_touches_only_raypipes_own_temp_names(tmp_path, corpus_di
     from raypipe.preprocess.job import run_job
 
     output = tmp_path / "out"
-    output.mkdir()
+    config = load_config(None, inputs=[str(corpus_dir)], output=str(output),
+                         tokenizer=tokenizer_path)
+    run_job(config)
     mine = output / ".notes.tmp"
     mine.write_text("the user's")
     stale = output / "megatron" / ".x.bin.123.raypipe.tmp"
-    stale.parent.mkdir()
     stale.write_bytes(b"left by a killed writer")
-    run_job(load_config(None, inputs=[str(corpus_dir)], output=str(output),
-                        tokenizer=tokenizer_path))
+    run_job(config)
     assert mine.read_text() == "the user's" and not stale.exists()

@@ -94,7 +94,7 @@ def interrupted_tokenize(corpus: Path, output: Path, tokenizer_path: str, fault:
     env = {**os.environ, faults.ENVIRONMENT_VARIABLE: json.dumps(fault)}
     process = subprocess.Popen(
         [*RAYPIPE, "tokenize", str(corpus), "--tokenizer", tokenizer_path, "--output",
-         str(output), "--unit-bytes", "1", "--num-workers", "2", "--no-head-start"],
+         str(output), "--unit-bytes", "1", "--num-workers", "2"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         start_new_session=True)
     deadline = time.monotonic() + 120

@@ -20,13 +20,6 @@ from tests.conftest import write_parquet
 from tests.helpers import expected_documents, file_identities, shard_files
 
 
-class SlowSerialRunner(SerialRunner):
-    """The serial runner as if connecting took long (as a local Ray's start does): the
-    job gives the driver a head start."""
-
-    starts_slowly = True
-
-
 def config_for(corpus, output, tokenizer_path, **options):
     options = {"unit_bytes": 1, "formats": ["megatron", "nanogpt"], **options}
     return load_config(None, inputs=[str(corpus)], output=str(output), tokenizer=tokenizer_path,
@@ -239,7 +232,7 @@ def test_a_runner_connects_while_the_encoder_self_checks(tmp_path, corpus_dir, t
         overlapped.append(connecting.wait(timeout=20))
         return real_with_backend(*args)
 
-    class ConnectingRunner(SlowSerialRunner):
+    class ConnectingRunner(SerialRunner):
         def connect(self):
             connecting.set()
 
@@ -251,122 +244,48 @@ def test_a_runner_connects_while_the_encoder_self_checks(tmp_path, corpus_dir, t
     assert shard_files(tmp_path / "out")
 
 
-def test_a_failed_head_start_unit_stops_the_runner_at_its_next_record(tmp_path, corpus_dir,
-                                                                      tokenizer_path,
-                                                                      monkeypatch):
-    """The driver's own unit fails (here an injected fault) while Ray starts: the runner is
-    closed after one record instead of running every other unit first."""
+def test_every_pending_unit_runs_on_the_runner_however_slowly_it_starts(
+        tmp_path, corpus_dir, tokenizer_path, capsys):
+    """A runner that takes long to connect (a local Ray on a loaded machine) still gets
+    every pending unit: the driver tokenizes none itself, and its start-up is a progress
+    line of its own."""
     import time
-
-    from raypipe import _faults as faults
-
-    marker = tmp_path / "fault-marker"
-    monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, json.dumps(
-        {"point": "unit.rows", "action": "raise", "marker": str(marker)}))
-
-    class Runner(SlowSerialRunner):
-        ran, given, closed = 0, 0, False
-
-        def connect(self):  # returns once the driver's unit has hit the fault
-            deadline = time.monotonic() + 30
-            while not marker.exists():
-                assert time.monotonic() < deadline, "the driver tokenized nothing meanwhile"
-                time.sleep(0.01)
-            time.sleep(0.2)  # the head start's thread has raised by now
-
-        def run(self, units, settings):
-            self.given = len(units)
-            try:
-                for record in SerialRunner.run(self, units, settings):
-                    self.ran += 1
-                    yield record
-            finally:
-                self.closed = True
-
-    runner = Runner()
-    with pytest.raises(faults.InjectedFault):
-        run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, unit_bytes=1), runner)
-    assert runner.given >= 5 and runner.ran == 1 and runner.closed
-    assert not (tmp_path / "out" / "manifest.json").exists()
-
-
-def test_the_driver_tokenizes_units_while_the_runner_connects(tmp_path, corpus_dir,
-                                                              tokenizer_path):
-    """While `connect` runs (Ray starting), the driver takes units from the front of the
-    queue; the runner gets only the rest, and the output equals a serial run's."""
-    import time
-
-    from raypipe.preprocess.summary import steady_seconds
 
     output = tmp_path / "out"
 
-    class SlowConnectingRunner(SlowSerialRunner):
+    class SlowStartRunner(SerialRunner):
         given: list = []
 
-        def connect(self):  # returns once the driver has committed a unit (or after 30 s)
-            deadline = time.monotonic() + 30
-            while not list((output / "_units").glob("part-*.json")):
-                assert time.monotonic() < deadline, "the driver tokenized nothing meanwhile"
-                time.sleep(0.01)
+        def connect(self):
+            time.sleep(1.0)
+            self.startup_seconds = 1.0
+
+        def startup_line(self):
+            return f"runner up in {self.startup_seconds:.2f} s"
 
         def run(self, units, settings):
+            assert not list((output / "_units").glob("part-*.json")), "a unit ran elsewhere"
             self.given = list(units)
-            self.records = list(SerialRunner.run(self, units, settings))
-            return self.records
+            return SerialRunner.run(self, units, settings)
 
-    runner = SlowConnectingRunner()
-    summary = run_job(config_for(corpus_dir, output, tokenizer_path, unit_bytes=1), runner)
-    assert 1 <= summary.units_on_driver < summary.units == summary.units_run
-    assert len(runner.given) == summary.units - summary.units_on_driver
-    assert "on the driver while Ray started" in summary.render()
-    # worker figures come from the runner's units alone (the driver's start before Ray)
-    assert summary.steady_seconds == steady_seconds(runner.records)
-    assert summary.run_seconds > summary.steady_seconds  # the run began with the driver's
+    runner = SlowStartRunner()
+    summary = run_job(config_for(corpus_dir, output, tokenizer_path, unit_bytes=1), runner,
+                      progress_every=0.0)
+    assert len(runner.given) == summary.units == summary.units_run > 1
+    assert "raypipe: runner up in 1.00 s" in capsys.readouterr().err
     run_job(config_for(corpus_dir, tmp_path / "serial", tokenizer_path, unit_bytes=1))
     assert shard_files(output) == shard_files(tmp_path / "serial")
 
 
-def test_the_driver_claims_units_from_the_back_until_the_runners_first_record(
-        tmp_path, corpus_dir, tokenizer_path):
-    """After connecting, a runner whose workers start slowly (Ray Data's actors) lets the
-    driver claim units from the back of its list; each unit is tokenized exactly once, by
-    whoever claimed it first, and the output equals a serial run's."""
-    import threading
-    import time
-
-    output = tmp_path / "out"
-
-    class ClaimingRunner(SlowSerialRunner):
-        def __init__(self):
-            super().__init__()
-            self.lock, self.owner, self.first = threading.Lock(), {}, threading.Event()
-            self.ran: list[str] = []
-
-        def claim(self, unit):
-            with self.lock:
-                return not self.first.is_set() and \
-                    self.owner.setdefault(unit.name, "driver") == "driver"
-
-        def run(self, units, settings):  # workers start once the driver has claimed 2
-            deadline = time.monotonic() + 30
-            while sum(owner == "driver" for owner in self.owner.values()) < 2:
-                assert time.monotonic() < deadline, "the driver claimed nothing meanwhile"
-                time.sleep(0.01)
-            for unit in units:
-                with self.lock:
-                    if self.owner.setdefault(unit.name, "worker") != "worker":
-                        continue
-                self.ran.append(unit.name)
-                yield from SerialRunner.run(self, [unit], settings)
-                self.first.set()
-
-    runner = ClaimingRunner()
-    summary = run_job(config_for(corpus_dir, output, tokenizer_path, unit_bytes=1), runner)
-    claimed = [name for name, owner in runner.owner.items() if owner == "driver"]
-    assert len(claimed) >= 2 and not set(claimed) & set(runner.ran)
-    assert summary.units_on_driver >= 2 and summary.units_run == summary.units
-    run_job(config_for(corpus_dir, tmp_path / "serial", tokenizer_path, unit_bytes=1))
-    assert shard_files(output) == shard_files(tmp_path / "serial")
+def test_a_config_of_the_previous_release_with_head_start_loads_with_a_warning(
+        tmp_path, caplog):
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text("inputs: [a.parquet]\noutput: out\ntokenizer: t.json\n"
+                           "head_start: false\n")
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        config = load_config(str(config_file))
+    assert config.inputs == ("a.parquet",)
+    assert "config key 'head_start' ignored (removed in 0.6" in caplog.text
 
 
 def test_an_input_of_zero_rows_is_refused_before_anything_starts(tmp_path, tokenizer_path,
@@ -420,3 +339,86 @@ def test_a_unit_record_keeps_the_cpu_time_its_unit_took(tmp_path, corpus_dir, to
     assert records and all(record.cpu_seconds > 0 for record in records)
     unit_cpu, unit_wall = (sum(r.cpu_seconds for r in records), sum(r.seconds for r in records))
     assert unit_cpu < 0.8 * unit_wall  # the spinner held the GIL part of each unit's time
+
+
+def test_a_directory_input_with_a_stats_json_tokenizes_its_parquet_and_says_so(
+        tmp_path, corpus_dir, tokenizer_path):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    (data / "corpus_stats.json").write_text('{"rows": 900,\n "note": "not JSON lines"}\n')
+    summary = run_job(config_for(data, tmp_path / "out", tokenizer_path))
+    assert summary.documents == len(expected_documents(corpus_dir, tokenizer_path))
+    assert "passed over 1 JSON-lines file(s) in a directory of parquet files: " \
+        f"{(data / 'corpus_stats.json').resolve()}" in summary.render()
+
+
+@pytest.mark.parametrize("stray", ["notes.txt", "megatron/mine.bin"])
+def test_a_non_empty_directory_that_is_not_a_raypipe_output_is_refused(
+        tmp_path, corpus_dir, tokenizer_path, stray):
+    output = tmp_path / "out"
+    (output / stray).parent.mkdir(parents=True, exist_ok=True)
+    (output / stray).write_text("the user's own")
+    with pytest.raises(ConfigError, match=f"{output}: not a raypipe output and not empty "
+                                          rf"\({stray}\)"):
+        run_job(config_for(corpus_dir, output, tokenizer_path))
+    assert sorted(p.relative_to(output).as_posix() for p in output.rglob("*")
+                  if p.is_file()) == [stray]  # nothing written beside it, nothing removed
+    with pytest.raises(ConfigError, match="not a raypipe output"):
+        run_job(config_for(corpus_dir, output, tokenizer_path, overwrite=True))
+    assert (output / stray).read_text() == "the user's own"
+
+
+def test_verify_names_files_the_manifest_does_not_list(tmp_path, corpus_dir, tokenizer_path,
+                                                       capsys):
+    from raypipe.cli import main
+
+    output = tmp_path / "out"
+    run_job(config_for(corpus_dir, output, tokenizer_path))
+    assert main(["verify", str(output)]) == 0
+    assert "does not list" not in capsys.readouterr().out
+    (output / "notes.txt").write_text("mine")
+    (output / "megatron" / "mine.bin").write_bytes(b"\0" * 8)
+    assert main(["verify", str(output)]) == 0
+    out = capsys.readouterr().out
+    assert ": OK (" in out
+    assert "2 file(s) the manifest does not list (not raypipe's): megatron/mine.bin, " \
+        "notes.txt" in out
+
+
+@pytest.mark.parametrize("formats,flags,separators", [
+    (["megatron"], {}, (False, True)),  # Megatron's --append-eod
+    (["mds"], {}, (False, True)),  # LLM Foundry's eos_text
+    (["megatron", "mds"], {}, (False, True)),
+    (["nanogpt"], {}, (True, False)),
+    (["megatron", "nanogpt"], {}, (True, False)),
+    (["megatron", "nanogpt"], {"eos": True}, (False, True)),  # --eos alone: EOS separates
+    (["megatron"], {"bos": True}, (True, False)),
+    (["nanogpt"], {"bos": False}, (False, True)),
+    (["megatron"], {"bos": True, "eos": True}, (True, True)),
+])
+def test_each_format_gets_its_ecosystems_separator_by_default(tmp_path, tokenizer_path,
+                                                              formats, flags, separators):
+    config = load_config(None, inputs=["x.parquet"], output=str(tmp_path / "out"),
+                         tokenizer=tokenizer_path, formats=formats, **flags)
+    assert (config.bos, config.eos) == separators
+
+
+def test_megatron_output_with_eos_has_one_separator_between_documents(tmp_path, corpus_dir,
+                                                                      tokenizer_path):
+    """`--format megatron --eos` writes `doc EOS doc EOS`: no BOS beside the EOS."""
+    run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, formats=["megatron"],
+                       eos=True))
+    got = [doc.tolist() for doc in TokenDataset(tmp_path / "out", "megatron").iter_documents()]
+    assert got == expected_documents(corpus_dir, tokenizer_path, bos=False, eos=True)
+
+
+def test_bos_and_eos_that_are_one_token_are_refused_together(tmp_path, corpus_dir,
+                                                             tokenizer_path):
+    """GPT-2's <|endoftext|> is both: --bos with --eos would write it twice in a row."""
+    with pytest.raises(ConfigError, match=r"BOS and EOS are the same token .*keep one: "
+                                          r"--no-bos"):
+        run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, bos=True, eos=True,
+                           bos_token="<|eos|>", eos_token="<|eos|>"))
+    assert not (tmp_path / "out").exists()

@@ -62,8 +62,8 @@ def test_jsonl_inputs_yield_the_parquet_runs_documents(tmp_path, corpus_texts, t
     jsonl = tokenize(tmp_path / "jsonl", tmp_path / "from-jsonl", tokenizer_path,
                      unit_bytes=4096)
     assert documents_of(tmp_path / "from-jsonl") == documents_of(tmp_path / "from-parquet")
-    assert documents_of(tmp_path / "from-jsonl") == expected_documents(tmp_path / "parquet",
-                                                                       tokenizer_path)
+    assert documents_of(tmp_path / "from-jsonl") == expected_documents(  # megatron: EOS
+        tmp_path / "parquet", tokenizer_path, bos=False, eos=True)
     assert (jsonl.rows, jsonl.tokens) == (parquet.rows, parquet.tokens)
     compressed = not name.endswith((".jsonl", ".json"))
     assert (jsonl.units == 1) == compressed  # a compressed file cannot be cut

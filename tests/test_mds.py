@@ -13,8 +13,9 @@ import pytest
 from raypipe.cli import main
 from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
+from raypipe.loader.mosaic_streaming import import_streaming
 from raypipe.preprocess.job import run_job
-from tests.helpers import expected_documents, import_streaming
+from tests.helpers import expected_documents
 
 SHARD_TOKENS = 5_000
 
@@ -51,7 +52,8 @@ def test_streaming_dataset_reads_every_document_with_its_row_and_source(
     output = tokenize(corpus_dir, tmp_path / "out", tokenizer_path,
                       mds_compression=compression)
     samples = streaming_samples(output / "mds")
-    expected = expected_documents(corpus_dir, tokenizer_path)
+    # MDS alone: EOS after each document, as LLM Foundry's eos_text
+    expected = expected_documents(corpus_dir, tokenizer_path, bos=False, eos=True)
     assert len(samples) == len(expected)
     for sample, document in zip(samples, expected, strict=True):
         assert sample["tokens"].dtype == np.uint16  # the tokenizer's width (1,024 ids)

@@ -96,3 +96,43 @@ def test_demo_runs_end_to_end(ray_session, tmp_path, capsys):
     from raypipe.tools.verify import verify_dataset
 
     assert verify_dataset(tmp_path / "demo" / "tokens").formats == 2
+
+
+def ray_data_plans(stage: str) -> set[str]:
+    """The Datasets whose execution plan, as Ray Data logged it in this Ray session, names
+    `stage` (a plan is in the session's log and in its Dataset's own)."""
+    import re
+    from pathlib import Path
+
+    import ray
+
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    return {match.group(1)
+            for log in sorted((session / "logs" / "ray-data").glob("ray-data*.log"))
+            for line in log.read_text(errors="replace").splitlines()
+            if stage in line
+            for match in [re.search(r"Execution plan of Dataset (\S+):", line)] if match}
+
+
+@pytest.mark.slow
+def test_a_small_job_on_a_loaded_machine_runs_as_a_ray_data_dataset(ray_session, tmp_path,
+                                                                     corpus_dir,
+                                                                     tokenizer_path):
+    """Two busy processes hold both cores while a small job (one unit per file) runs: its
+    units still run in Ray Data's tokenize map stage (one plan more in Ray Data's log), not
+    on the driver."""
+    import subprocess
+
+    before = ray_data_plans("MapBatches(TokenizeUnits)")
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        summary = run_tokenize(load_config(None, inputs=[str(corpus_dir)],
+                                           output=str(tmp_path / "out"),
+                                           tokenizer=tokenizer_path, unit_bytes=1 << 30))
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert summary.units_run == summary.units == len(list(corpus_dir.glob("*.parquet")))
+    assert len(ray_data_plans("MapBatches(TokenizeUnits)") - before) == 1
+    assert summary.data_startup_seconds > 0 and "Ray start" in summary.render()

@@ -135,3 +135,19 @@ def test_jobs_train_prints_no_ray_noise_and_says_where_it_resumed(token_dataset,
     output = again.stdout + again.stderr
     assert again.returncode == 0, output[-3000:]
     assert "resumed at step 4 from " in output and "finished: {'step': 6" in output
+
+
+@pytest.mark.ray
+def test_jobs_train_with_more_workers_than_the_cluster_has_cpus_fails_in_one_line(
+        ray_session, token_dataset, tmp_path, capsys):
+    """`--workers 3` on a 2-CPU Ray: one line naming what is missing, exit status 2, instead
+    of Ray Train retrying the worker group's start forever."""
+    import runpy
+
+    job = runpy.run_path(str(Path(__file__).resolve().parents[1] / "jobs" / "train.py"))
+    code = job["main"](["--data", str(token_dataset), "--workers", "3",
+                        "--storage", str(tmp_path / "runs")])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(error) == 1
+    assert error[0].startswith("raypipe: error: 3 Ray Train worker(s) need 3 CPUs "
+                               "(the cluster has 2)")

@@ -76,7 +76,7 @@ def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus
     from raypipe.ray.executor import run_tokenize
 
     marker = tmp_path / "fault"
-    # the fault fires in workers only; the driver tokenizes nothing itself (no head start)
+    # the fault fires in workers only (the driver tokenizes nothing itself)
     fault = {"point": point, "unit": "part-0", "action": action, "marker": str(marker),
              "after_rows": 60 if point == "unit.rows" else 0, "in": "worker"}
     killer = None
@@ -90,7 +90,7 @@ def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus
     began = time.perf_counter()
     monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, json.dumps(fault))
     summary = run_tokenize(config_for(corpus_dir, tmp_path / "out", tokenizer_path,
-                                      num_workers=2, head_start=False))
+                                      num_workers=2))
     assert marker.exists()  # the worker really died
     assert summary.unit_retries == 1 and "retried    1 unit run(s)" in summary.render()
     assert shard_files(tmp_path / "out") == clean_run
@@ -108,7 +108,7 @@ def test_a_unit_that_kills_every_worker_fails_naming_its_file_and_keeps_the_rest
     from raypipe.ray.executor import UNIT_RETRIES, run_tokenize
 
     output = tmp_path / "out"
-    config = config_for(corpus_dir, output, tokenizer_path, num_workers=2, head_start=False)
+    config = config_for(corpus_dir, output, tokenizer_path, num_workers=2)
     unit = plan_units(config.inputs, "text", 1)[0]
     fault = {"point": "unit.rows", "unit": unit.name, "action": "kill", "always": True,
              "marker": str(tmp_path / "fault"), "after_rows": 60, "in": "worker"}

@@ -27,7 +27,7 @@ def tokenize(corpus, output, tokenizer_path, backend, policy, formats=("megatron
     config = load_config(None, inputs=[str(corpus)], output=str(output),
                          tokenizer=tokenizer_path, shard_tokens=20_000, unit_bytes=1 << 30,
                          tokenizer_backend=backend, special_tokens_in_text=policy,
-                         formats=list(formats), eos=True)
+                         formats=list(formats), bos=True, eos=True)
     return run_job(config)
 
 

@@ -158,7 +158,8 @@ class Format:
     """A format plugin: its file suffixes, token dtype rule, writer, reader, what a shard
     holds (documents, or pre-formed batches packed from documents after the units), its
     options with their defaults, whether its writer wants each document's metadata record
-    (source, row, columns), and an optional dataset-level index file. Nothing outside
+    (source, row, columns), an optional dataset-level index file, and the separator (BOS
+    or EOS) its ecosystem expects by default. Nothing outside
     this package branches on a format's name; it asks these."""
 
     name: str
@@ -173,6 +174,9 @@ class Format:
     wants_metadata: Callable[[Any], bool] = _no_metadata
     dataset_index: DatasetIndex | None = None
     window_metadata: bool = False  # windows of its token stream carry metadata records
+    # the document separator its ecosystem writes by default: Megatron's --append-eod and
+    # LLM Foundry's eos_text append EOS; nanoGPT/nanochat-style loaders look for BOS
+    separator: Literal["bos", "eos"] = "bos"
 
     def token_dtype(self, largest_id: int) -> np.dtype:
         return self.dtype_for_largest_id(largest_id)

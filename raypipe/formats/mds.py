@@ -284,4 +284,4 @@ class MDSOptions(FormatOptions):
 MDS = register(Format(NAME, (RAW, ZSTD), MDSWriter, MDSReader, mds_dtype,
                       options_type=MDSOptions, read_order=400,
                       wants_metadata=lambda options: True,
-                      dataset_index=(f"{NAME}/{INDEX}", index_bytes)))
+                      dataset_index=(f"{NAME}/{INDEX}", index_bytes), separator="eos"))

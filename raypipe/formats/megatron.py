@@ -200,4 +200,5 @@ class MegatronIndex:
 
 
 MEGATRON = register(Format("megatron", (".bin", ".idx"), MegatronWriter, MegatronReader,
-                           megatron_dtype, read_order=0, index_suffixes=(".idx",)))
+                           megatron_dtype, read_order=0, index_suffixes=(".idx",),
+                           separator="eos"))

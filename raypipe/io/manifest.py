@@ -26,6 +26,7 @@ logger = logging.getLogger("raypipe")
 
 
 MANIFEST_NAME = "manifest.json"
+CONFIG_NAME = "config.yaml"  # the job's config, beside the manifest
 
 
 UNITS_DIR = "_units"

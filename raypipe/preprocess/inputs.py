@@ -4,7 +4,8 @@ and the record batches of one unit.
 Invariant: the unit list and every unit's name are a pure function of the input files and
 `unit_bytes`, never of parallelism, so the shards written for a unit (named after it) are
 the same at any worker count or batch size. Inputs are a glob, a directory (every parquet
-and JSON-lines file below it) or a list of those, on any filesystem pyarrow understands
+file below it; its JSON-lines files when it has no parquet file, else they are passed over,
+logged and named in the summary) or a list of those, on any filesystem pyarrow understands
 (local, s3://, gs://, ...). Parquet files are cut at row groups, JSON-lines files as
 `raypipe.preprocess.jsonl` says. Planning reads only parquet footers and the first line of
 each JSON-lines file: the text column is checked in every file before any task starts.
@@ -15,9 +16,11 @@ file plus one per cut.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 import pyarrow as pa
@@ -38,6 +41,7 @@ from raypipe.preprocess.jsonl import (
 from raypipe.preprocess.texts import can_hold_text
 
 INPUT_SUFFIXES = (".parquet", *JSONL_SUFFIXES)
+logger = logging.getLogger("raypipe")
 
 GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -72,9 +76,34 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(out))
 
 
+@dataclass(frozen=True)
+class InputFiles:
+    """The files a job's input specs name, and the input-looking files passed over: the
+    JSON-lines files of a directory that holds parquet files (a `dataset_info.json` or a
+    stats file beside the data)."""
+
+    files: list[str]
+    passed_over: list[str]
+
+
 def expand_input(spec: str) -> list[str]:
     """One input spec -> sorted file URIs (local files by their resolved path)."""
+    return find_input(spec).files
+
+
+def of_directory(found: list[str]) -> tuple[list[str], list[str]]:
+    """A directory's inputs: its parquet files if it has any, else its JSON-lines files;
+    and the JSON-lines files passed over."""
+    parquet = [path for path in found if path.endswith(".parquet")]
+    jsonl = [path for path in found if path.endswith(JSONL_SUFFIXES)]
+    return (parquet, jsonl) if parquet else (jsonl, [])
+
+
+def find_input(spec: str) -> InputFiles:
+    """One input spec -> its sorted file URIs (local files by their resolved path), and
+    what a directory's listing passed over."""
     filesystem, path = filesystem_and_path(spec)
+    passed_over: list[str] = []
     if GLOB_CHARS.search(path):
         base = path[:GLOB_CHARS.search(path).start()].rsplit("/", 1)[0] or "/"
         pattern = glob_regex(path)
@@ -84,15 +113,16 @@ def expand_input(spec: str) -> list[str]:
         if info.type == pafs.FileType.NotFound:
             raise InputError(f"{spec}: no such file or directory")
         if info.type == pafs.FileType.Directory:
-            matches = [p for p in _list_files(filesystem, path, spec)
-                       if p.endswith(INPUT_SUFFIXES)]
+            matches, passed_over = of_directory(_list_files(filesystem, path, spec))
         elif info.type == pafs.FileType.File:
             matches = [path]
         else:  # a FIFO, socket or device would block or mislead the readers
             raise InputError(f"{spec}: not a regular file ({info.type.name})")
     if isinstance(filesystem, pafs.LocalFileSystem):  # one identity per file
         matches = [os.path.realpath(m) for m in matches]
-    return sorted({uri_of(m, spec) for m in matches})
+        passed_over = [os.path.realpath(m) for m in passed_over]
+    return InputFiles(sorted({uri_of(m, spec) for m in matches}),
+                      sorted({uri_of(m, spec) for m in passed_over}))
 
 
 def _list_files(filesystem: pafs.FileSystem, base: str, spec: str) -> list[str]:
@@ -123,14 +153,23 @@ def _walk_local(base: str) -> list[str]:
 
 
 def expand_inputs(specs: tuple[str, ...] | list[str]) -> list[str]:
-    files: list[str] = []
-    for spec in specs:
-        files.extend(expand_input(spec))
-    unique = sorted(set(files))
+    return find_inputs(specs).files
+
+
+def find_inputs(specs: tuple[str, ...] | list[str]) -> InputFiles:
+    """Every spec's files, each once (a file some spec names is not passed over); a spec
+    list that names no file is an error. Passed-over files are logged."""
+    found = [find_input(spec) for spec in specs]
+    unique = sorted({path for each in found for path in each.files})
     if not unique:
         raise InputError(f"inputs {list(specs)}: no parquet or JSON-lines file "
                          f"({', '.join(INPUT_SUFFIXES)}) matches")
-    return unique
+    passed_over = sorted({path for each in found for path in each.passed_over} - set(unique))
+    if passed_over:
+        logger.warning("%d JSON-lines file(s) passed over in a directory of parquet files "
+                       "(name them to read them): %s", len(passed_over),
+                       ", ".join(passed_over[:5]) + (" ..." if len(passed_over) > 5 else ""))
+    return InputFiles(unique, passed_over)
 
 
 def open_parquet(uri: str) -> pq.ParquetFile:
@@ -220,9 +259,15 @@ def units_of_jsonl(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUn
 
 def plan_units(inputs: tuple[str, ...] | list[str], text_column: str, unit_bytes: int,
                extra_columns: tuple[str, ...] = ()) -> list[WorkUnit]:
+    return plan_files(expand_inputs(inputs), text_column, unit_bytes, extra_columns)
+
+
+def plan_files(files: list[str], text_column: str, unit_bytes: int,
+               extra_columns: tuple[str, ...] = ()) -> list[WorkUnit]:
+    """The work units of `files`, in order; checks every file's text column."""
     units: list[WorkUnit] = []
     columns = [text_column, *extra_columns]
-    for uri in expand_inputs(inputs):
+    for uri in files:
         plan = units_of_jsonl if is_jsonl(uri) else units_of_file
         units.extend(plan(uri, columns, unit_bytes))
     return units

@@ -19,8 +19,15 @@ from typing import Any
 from raypipe.config import LOCATION_FIELDS, TokenizeConfig, flag_of
 from raypipe.errors import ConfigError
 from raypipe.formats import FORMATS
-from raypipe.io.atomic import remove_stale_temps
-from raypipe.io.manifest import JOB_RECORD, MANIFEST_NAME, UNITS_DIR, unit_record_paths
+from raypipe.io.atomic import TEMP_SUFFIX, remove_stale_temps
+from raypipe.io.lock import LOCK_NAME
+from raypipe.io.manifest import (
+    CONFIG_NAME,
+    JOB_RECORD,
+    MANIFEST_NAME,
+    UNITS_DIR,
+    unit_record_paths,
+)
 from raypipe.io.records import JobRecord, UnitRecord
 from raypipe.io.store import Store
 from raypipe.preprocess.unit import UnitSettings
@@ -55,11 +62,25 @@ def prepare_output(config: TokenizeConfig, settings: UnitSettings,
     elif output.exists(MANIFEST_NAME) and not config.overwrite:
         raise ConfigError(f"{output}: holds a manifest without a job record; "
                           "pass --overwrite to replace it")
+    elif not output.exists(MANIFEST_NAME):
+        refuse_foreign_files(output)
     if output.local:
         remove_stale_temps(output.root)
     if not output.exists(JOB_PATH) or output.read_json(JOB_PATH) != job.to_json():
         output.write_json(JOB_PATH, job.to_json())
     return output
+
+
+def refuse_foreign_files(output: Store) -> None:
+    """An output without raypipe's job record must hold nothing but the lock: files raypipe
+    did not write would sit among its shards (and `--overwrite` would delete them)."""
+    foreign = [name for name in output.list_files() if name != LOCK_NAME
+               and not name.endswith(TEMP_SUFFIX)]  # a killed writer's: swept below
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more"
+                                          if len(foreign) > 3 else "")
+        raise ConfigError(f"{output}: not a raypipe output and not empty ({shown}); give a "
+                          "new or empty directory for the output")
 
 
 def check_inputs(config: TokenizeConfig, output: Store, before: list[str] | None,
@@ -125,6 +146,6 @@ def describe_difference(previous: JobRecord, current: JobRecord) -> str:
 def clear_output(output: Store) -> None:
     """Remove what raypipe wrote (never other files of the user's)."""
     output.delete(MANIFEST_NAME)
-    output.delete("config.yaml")
+    output.delete(CONFIG_NAME)
     for name in (*FORMATS, UNITS_DIR):
         output.delete_tree(name)

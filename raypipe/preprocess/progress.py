@@ -2,12 +2,11 @@
 least every `every` seconds (logs, pipes, `ray job logs`), also while no unit commits.
 
 Invariant: progress is computed from the commit records (units done of total, tokens,
-input bytes read), counted once per unit as soon as it commits, whether a worker or the
-driver (while Ray starts) committed it, so it never runs ahead of what is committed nor
-behind it. The ETA is the remaining input bytes at the rate the workers have shown: while
-Ray starts and only the driver tokenizes it says so instead of extrapolating one process's
-pace, and its window opens when the workers' first unit commits (that unit's time was
-mostly start-up, so it is left out); it says "unknown" until there is a rate. A job whose
+input bytes read), counted as each unit commits (the job reports every unit once), so it
+never runs ahead of what is committed nor behind it. Ray's start-up is a line of its own.
+The ETA is the remaining input bytes at the rate the workers have shown: its window opens
+when the workers' first unit commits (that unit's time was mostly actors starting, so it is
+left out); it says "unknown" until there is a rate. A job whose
 units are not known in advance (a ray.data.Dataset's blocks) reports blocks and tokens
 without a share or ETA. Cost: one format
 and one write per record or per interval, and a timer thread asleep in between.
@@ -49,9 +48,7 @@ class Progress:
         self.started = time.perf_counter()
         self.last_shown = self.started
         self.done_units = self.done_weight = self.tokens = 0
-        self.counted: set[str] = set()
-        # while Ray starts only the driver tokenizes: no ETA from its pace (`await_workers`)
-        self.waiting_for_workers = False
+        self.waiting_for_workers = False  # Ray and its actors starting (`await_workers`)
         self.window = (self.started, 0)  # (time, done weight) the workers' rate is taken from
         self.lines = 0
         self.lock = threading.Lock()
@@ -78,22 +75,27 @@ class Progress:
                     self._show(now, finished=False)
 
     def await_workers(self) -> None:
-        """The workers are starting (Ray, its actors; the driver may tokenize meanwhile):
-        hold the ETA until they commit, and measure their rate from then on."""
+        """The workers are starting (Ray, its actors): hold the ETA until they commit, and
+        measure their rate from then on."""
         with self.lock:
             self.waiting_for_workers = True
 
-    def update(self, record: UnitRecord, by_workers: bool = True) -> None:
-        """Count a committed unit (once, however often it is reported)."""
+    def note(self, line: str | None) -> None:
+        """A line of its own (Ray's start-up), between progress lines."""
+        if not line:
+            return
         with self.lock:
-            if record.unit.name in self.counted:
-                return
-            self.counted.add(record.unit.name)
+            self.stream.write(("\n" if self.live and self.lines else "") + f"raypipe: {line}\n")
+            self.stream.flush()
+
+    def update(self, record: UnitRecord) -> None:
+        """Count a committed unit (each is reported once)."""
+        with self.lock:
             self.done_units += 1
             self.done_weight += self.weight_of.get(record.unit.name, 0)
             self.tokens += record.tokens
             now = time.perf_counter()
-            if by_workers and self.waiting_for_workers:  # their first unit: the window opens
+            if self.waiting_for_workers:  # their first unit: the window opens
                 self.waiting_for_workers = False
                 self.window = (now, self.done_weight)
             finished = self.done_units == self.total_units
@@ -105,8 +107,6 @@ class Progress:
             return _clock(0)
         if not self.done_units:
             return "unknown until a unit commits"
-        if self.waiting_for_workers:
-            return "once Ray's workers run"
         since, weight = self.window
         gained, span = self.done_weight - weight, now - since
         if gained <= 0 or span <= 0:

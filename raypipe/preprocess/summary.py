@@ -3,8 +3,8 @@
 
 Invariant: every row or token the job did not turn into training tokens is a line of the
 summary (skipped rows by reason; batch formats' cropped, padded and dropped tokens), next to
-what ran where (units run, on the driver, retried, already committed) and how long it took
-(Ray start-up apart). Cost: built once from the manifest's totals and the fresh records.
+what ran (units run, retried, already committed) and how long it took, Ray's start-up on a
+line of its own. Cost: built once from the manifest's totals and the fresh records.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class JobSummary:
     shards: int
     bytes: int
     wall_seconds: float
-    run_seconds: float  # first unit started to last committed (the driver's included)
+    run_seconds: float = 0.0  # Ray up and self-checked -> last unit committed
     startup_seconds: float = 0.0  # connecting to (or starting) Ray
     data_startup_seconds: float = 0.0  # Ray Data pipeline launched -> its first record
     peak_rss_bytes: int = 0
@@ -41,10 +41,10 @@ class JobSummary:
     special_policy: str = "text"
     backend: str = "tokenizers"
     backend_reason: str = ""
-    units_on_driver: int = 0  # run by the driver while the runner connected (Ray starting)
     unit_retries: int = 0  # unit runs lost to a dead worker and run again
     units_removed: int = 0  # units of an earlier run that the inputs no longer yield
     noun: str = "units"  # "blocks" for a ray.data.Dataset input
+    files_passed_over: tuple[str, ...] = ()  # JSON-lines files beside a directory's parquet
 
     @property
     def tokens_per_second(self) -> float:
@@ -59,14 +59,18 @@ class JobSummary:
         noun = self.noun
         lines = [
             f"raypipe tokenize -> {self.output}",
-            f"  {noun:<10} {self.units} ({self.units_run} run"
-            + (f", {self.units_on_driver} of them on the driver while Ray started"
-               if self.units_on_driver else "")
-            + f", {self.units - self.units_run} already committed)",
+            f"  {noun:<10} {self.units} ({self.units_run} run, "
+            f"{self.units - self.units_run} already committed)",
         ]
         if self.unit_retries:
             lines.append(f"  retried    {self.unit_retries} unit run(s) lost to a dead worker, "
                          "run again")
+        if self.files_passed_over:
+            shown = ", ".join(self.files_passed_over[:3])
+            more = len(self.files_passed_over) - 3
+            lines.append(f"  passed over {len(self.files_passed_over)} JSON-lines file(s) in a "
+                         f"directory of parquet files: {shown}"
+                         + (f" and {more} more" if more > 0 else ""))
         if self.units_removed:
             lines.append(f"  removed    {self.units_removed} unit(s) of an earlier run that "
                          "the inputs no longer yield")
@@ -80,11 +84,12 @@ class JobSummary:
             f"  encoder    {self.backend}" + (f" ({self.backend_reason})"
                                               if self.backend_reason else ""),
             f"  shards     {self.shards} per format, {self.bytes / 1e6:,.1f} MB stored",
-            f"  wall time  {self.wall_seconds:.2f} s (Ray start-up {self.startup_seconds:.2f} s)",
+            f"  wall time  {self.wall_seconds:.2f} s",
         ]
-        if self.data_startup_seconds:
-            lines.append(f"  Ray Data   first record {self.data_startup_seconds:.2f} s after the "
-                         "pipeline started (its actors starting)")
+        if self.startup_seconds or self.data_startup_seconds:
+            lines.append(f"  Ray start  {self.startup_seconds:.2f} s to connect or start Ray, "
+                         f"then {self.data_startup_seconds:.2f} s to the Ray Data pipeline's "
+                         "first record (its actors starting)")
         if self.units_run:
             lines += [
                 f"  throughput {self.tokens_per_second / 1e6:.3f} M tokens/s over the {noun} "

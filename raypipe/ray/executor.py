@@ -7,16 +7,16 @@ any worker count. Planned units run as `from_items(units, one block each)` ->
 `map_batches(TokenizeUnits, actor pool)`; a user's Dataset runs as
 `dataset.map_batches(TokenizeBlocks, actor pool)`, one unit per block, named by the hash of
 its rows. Each map actor loads the tokenizer once (adopting the tiktoken conversion the
-driver made for its self-check) and encodes with one thread; token arrays never cross the
+driver made for its self-check, both read from one object-store copy) and encodes with one
+thread; token arrays never cross the
 object store. Ray Data restarts a killed actor and runs its block again; the job's
 `UnitLedger` actor counts every unit's attempts, so retries are reported, and a unit that
 killed its worker UNIT_RETRIES + 1 times fails the job naming its file and rows instead of
 restarting forever (committed units stay). Bad input (a RaypipeError) comes back as the
 unit's result and is raised on the driver as itself: Ray Data neither retries it nor wraps
-it. The ledger also hands out units exactly once:
-while Ray Data's actors start (~2.5 s after `ray.init` on 2 cores, against 0.8 s for a
-plain actor) the driver keeps tokenizing units from the back of the plan, each claimed in
-the ledger first, so no unit runs twice.
+it. Every pending unit runs here, whatever Ray's start-up costs (there is no driver-side
+head start), so every job with work leaves its execution plan, with the tokenize map stage,
+in Ray Data's log.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,35 +39,25 @@ from raypipe.errors import InputError, RaypipeError
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
 from raypipe.preprocess.encoding.tiktoken_backend import Conversion, adopt, converted
-from raypipe.preprocess.job import (
-    BlockRun,
-    JobSummary,
-    make_encoder,
-    run_dataset_job,
-    run_job,
-)
+from raypipe.preprocess.job import JobSummary, run_dataset_job, run_job
+from raypipe.preprocess.runners import BlockRun, make_encoder
 from raypipe.preprocess.texts import clean_texts
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 from raypipe.ray.session import cluster_cpus, ensure_ray
 
 logger = logging.getLogger("raypipe")
 UNIT_RETRIES = 3  # runs of a unit after its worker died, before the job fails
-DRIVER, WORKER = "driver", "worker"
 
 
 class UnitLedger:
-    """A Ray actor (no CPU): who runs each unit, and how often a worker started it."""
+    """A Ray actor (no CPU): how often a worker started each unit."""
 
     def __init__(self) -> None:
-        self.owner: dict[str, str] = {}
         self.attempts: dict[str, int] = {}
 
-    def claim(self, name: str, claimant: str) -> int:
-        """0 if another claimant has the unit, else the claimant's attempt (1 the first
-        time; a worker's later attempts are runs again after its actor died)."""
-        owner = self.owner.setdefault(name, claimant)
-        if owner != claimant:
-            return 0
+    def attempt(self, name: str) -> int:
+        """This start's number (1 the first time; later ones are runs again after the
+        unit's actor died)."""
         self.attempts[name] = self.attempts.get(name, 0) + 1
         return self.attempts[name]
 
@@ -76,37 +65,49 @@ class UnitLedger:
         return sum(count - 1 for count in self.attempts.values())
 
 
-class MapTokenizer:
-    """What both map stages share: the encoder loaded once per actor, and the ledger."""
+@dataclasses.dataclass(frozen=True)
+class JobShared:
+    """What every map actor of a job reads once: the settings (with the tokenizer's JSON),
+    the tiktoken conversion the driver made, and a Dataset job's committed block units."""
 
-    def __init__(self, settings: UnitSettings, conversion: list[Any], ledger: Any):
-        converted_vocabulary: Conversion | None = ray.get(conversion[0])
-        if converted_vocabulary is not None:
-            adopt(settings.tokenizer.sha256, converted_vocabulary)
+    settings: UnitSettings
+    conversion: Conversion | None
+    committed: frozenset[str] = frozenset()
+
+
+class MapTokenizer:
+    """What both map stages share: the encoder loaded once per actor, and the ledger. The
+    job's JobShared comes as an object reference inside a list: the constructor's own
+    arguments stay small, so Ray inlines them instead of keeping an object-store copy for
+    actor restarts (which it logs at error level for every actor)."""
+
+    def __init__(self, shared: list[Any], ledger: Any):
+        job: JobShared = ray.get(shared[0])
+        settings = job.settings
+        if job.conversion is not None:
+            adopt(settings.tokenizer.sha256, job.conversion)
+        self.job = job
         self.settings = settings
         self.encoder: DocumentEncoder = make_encoder(settings)
         self.ledger = ledger
 
-    def claimed(self, unit: WorkUnit) -> bool:
-        """Claim `unit` for this worker; False if the driver runs it. Raises once the unit
-        has killed its worker more than UNIT_RETRIES times."""
-        attempt = ray.get(self.ledger.claim.remote(unit.name, WORKER))
+    def count_attempt(self, unit: WorkUnit) -> None:
+        """Count this start of `unit`; raises once the unit has killed its worker more than
+        UNIT_RETRIES times."""
+        attempt = ray.get(self.ledger.attempt.remote(unit.name))
+        if attempt > UNIT_RETRIES + 1:
+            raise InputError(f"{unit.location}: the worker tokenizing them died "
+                             f"{attempt - 1} times (out of memory?)")
         if attempt > 1:
-            if attempt > UNIT_RETRIES + 1:
-                raise InputError(f"{unit.location}: the worker tokenizing them died "
-                                 f"{attempt - 1} times (out of memory?)")
             logger.warning("%s: the worker died; running the unit again (%d of %d)",
                            unit.location, attempt - 1, UNIT_RETRIES)
-        return attempt > 0
 
-
-    def outcome(self, unit: WorkUnit, batches: Any = None) -> UnitRecord | RaypipeError | None:
-        """The unit's record; None if the driver claimed it; a RaypipeError (bad input, or
-        a unit that keeps killing its worker) as a value: Ray Data would retry a raised one
-        and its wrapper loses the original, while the driver raises it as itself."""
+    def outcome(self, unit: WorkUnit, batches: Any = None) -> UnitRecord | RaypipeError:
+        """The unit's record, or a RaypipeError (bad input, or a unit that keeps killing
+        its worker) as a value: Ray Data would retry a raised one and its wrapper loses the
+        original, while the driver raises it as itself."""
         try:
-            if not self.claimed(unit):
-                return None
+            self.count_attempt(unit)
             return tokenize_unit(unit, self.settings, self.encoder, batches)
         except RaypipeError as exc:
             return exc
@@ -119,8 +120,8 @@ def _outcomes(outcomes: list[UnitRecord | RaypipeError | None]) -> dict[str, np.
 
 
 def _record_or_raise(outcome: Any) -> UnitRecord | None:
-    """A unit's record from the map stage's column (None: no record: the driver ran it,
-    or it was committed before; Ray Data turns a block of Nones into NaN)."""
+    """A unit's record from the map stage's column (None: no record: the block's unit was
+    committed before; Ray Data turns a block of Nones into NaN)."""
     if isinstance(outcome, RaypipeError):
         raise outcome
     return outcome if isinstance(outcome, UnitRecord) else None
@@ -147,10 +148,9 @@ class TokenizeBlocks(MapTokenizer):
     """Map stage over a user's Dataset: each block is one unit named by the hash of its
     rows; a block whose unit is committed already is not tokenized again."""
 
-    def __init__(self, settings: UnitSettings, conversion: list[Any], ledger: Any,
-                 committed: frozenset[str], label: str):
-        super().__init__(settings, conversion, ledger)
-        self.committed = committed
+    def __init__(self, shared: list[Any], ledger: Any, label: str):
+        super().__init__(shared, ledger)
+        self.committed = self.job.committed
         self.label = label
 
     def __call__(self, table: pa.Table) -> dict[str, np.ndarray]:
@@ -176,8 +176,6 @@ class RayDataRunner:
     """Runs a job's units (or a Dataset's blocks) as one Ray Data Dataset; connects to (or
     starts) Ray only when there is work to run."""
 
-    starts_slowly = True  # a local Ray starts in 3-5 s: the driver tokenizes meanwhile
-
     def __init__(self, num_workers: int | None, address: str | None = None):
         self.num_workers = num_workers
         self.address = address
@@ -185,22 +183,21 @@ class RayDataRunner:
         self.data_startup_seconds = 0.0  # pipeline launched -> first record on the driver
         self.retries = 0
         self.ledger: Any = None
-        self.first_record = threading.Event()  # the driver stops claiming units then
+        self.joined = False  # a Ray session that was running already
 
     def connect(self) -> None:
         """Connect to (or start) Ray, and start the job's ledger."""
         if not ray.is_initialized():
             self.startup_seconds = ensure_ray(self.address, self.num_workers)
+        elif not self.startup_seconds:
+            self.joined = True
         if self.ledger is None:
             self.ledger = ray.remote(num_cpus=0)(UnitLedger).remote()
-            self.first_record.clear()
 
-    def claim(self, unit: WorkUnit) -> bool:
-        """For the driver: True if it may run `unit` (no worker has claimed it), until the
-        first record has come from Ray Data."""
-        if self.first_record.is_set() or self.ledger is None:
-            return False
-        return ray.get(self.ledger.claim.remote(unit.name, DRIVER)) > 0
+    def startup_line(self) -> str | None:
+        how = ("joined the running Ray session" if self.joined
+               else f"Ray up in {self.startup_seconds:.2f} s")
+        return f"{how} ({cluster_cpus()} CPUs); the units run on Ray Data"
 
     def _map_options(self, workers: int, actor_cpus: float) -> dict[str, Any]:
         options: dict[str, Any] = {"compute": ray.data.ActorPoolStrategy(size=workers),
@@ -209,11 +206,12 @@ class RayDataRunner:
             options["runtime_env"] = {"env_vars": faults.environment()}
         return options
 
-    def _start(self, settings: UnitSettings) -> list[Any]:
-        """The job's ledger running; the tiktoken conversion in the object store (passed
-        inside a list: a constructor argument Ray would otherwise keep for restarts)."""
+    def _start(self, settings: UnitSettings, committed: frozenset[str] = frozenset()
+               ) -> list[Any]:
+        """The job's ledger running, and its JobShared in the object store (a reference
+        in a list: the map actors' constructor argument)."""
         self.connect()
-        return [ray.put(converted(settings.tokenizer.sha256))]
+        return [ray.put(JobShared(settings, converted(settings.tokenizer.sha256), committed))]
 
     def _finish(self) -> None:
         if self.ledger is not None:
@@ -222,12 +220,8 @@ class RayDataRunner:
             self.ledger = None
 
     def run(self, units: list[WorkUnit], settings: UnitSettings) -> Iterator[UnitRecord]:
-        """Records of `units` as they commit (None-free; units the driver claimed are left
-        out: the driver has their records)."""
-        if not units:  # the driver ran them all while Ray started
-            self._finish()
-            return
-        conversion = self._start(settings)
+        """Records of `units` as they commit."""
+        shared = self._start(settings)
         workers = max(1, min(self.num_workers or cluster_cpus(), len(units)))
         try:
             with objects_as_pickles():
@@ -235,40 +229,37 @@ class RayDataRunner:
                                               override_num_blocks=len(units))
             # no reads compete for CPUs here: a whole CPU per actor cannot starve them
             mapped = dataset.map_batches(TokenizeUnits, fn_constructor_args=(
-                settings, conversion, self.ledger), batch_format="numpy",
+                shared, self.ledger), batch_format="numpy",
                 **self._map_options(workers, 1.0))
             mapped.context.enable_progress_bars = False  # raypipe's own line has the ETA
             mapped.context.enable_fallback_to_arrow_object_ext_type = True
             launched = time.perf_counter()
             for batch in mapped.iter_batches(batch_size=None, batch_format="numpy"):
-                if not self.first_record.is_set():
-                    self.data_startup_seconds = time.perf_counter() - launched
-                    self.first_record.set()
+                self.data_startup_seconds = self.data_startup_seconds or \
+                    time.perf_counter() - launched
                 for outcome in batch["record"]:
                     record = _record_or_raise(outcome)
                     if record is not None:
                         yield record
         finally:
-            self.first_record.set()
             self._finish()
 
     def run_blocks(self, dataset: Any, settings: UnitSettings,
                    committed: frozenset[str], label: str) -> Iterator[BlockRun]:
         """(unit name, its new record or None if committed before) per block, in the
         Dataset's block order."""
-        conversion = self._start(settings)
-        self.first_record.set()  # the driver runs no blocks
+        shared = self._start(settings, committed)
         cpus = cluster_cpus()
         workers = max(1, self.num_workers or cpus)
-        # leave a CPU to the Dataset's own read and map tasks (an actor pool holding every
-        # CPU would starve them: NOTES-RAY.md)
+        # leave a CPU to the Dataset's own read and map tasks: an actor pool holding every
+        # CPU starves them (measured on 2 CPUs: the read tasks never got scheduled)
         actor_cpus = min(1.0, max(cpus - 1, 0.5) / workers)
         context = dataset.context  # shared with the Dataset derived below: restored after
         saved = (context.execution_options.preserve_order,
                  context.enable_fallback_to_arrow_object_ext_type)
         try:
             mapped = dataset.map_batches(TokenizeBlocks, fn_constructor_args=(
-                settings, conversion, self.ledger, committed, label), batch_format="pyarrow",
+                shared, self.ledger, label), batch_format="pyarrow",
                 **{**self._map_options(workers, actor_cpus), "batch_size": None})
             context.execution_options.preserve_order = True  # the manifest's order
             context.enable_fallback_to_arrow_object_ext_type = True
@@ -338,21 +329,16 @@ def _with_ray_errors_unwrapped(run: Any) -> JobSummary:
         raise cause from None
 
 
-def run_tokenize(config: TokenizeConfig) -> JobSummary:
-    """Run the job inside the caller's Ray session, or a new one (left running); a rerun
-    with nothing left to do never touches Ray."""
+def run_tokenize(config: TokenizeConfig, dataset: Any = None) -> JobSummary:
+    """Run the job on Ray Data, inside the caller's Ray session or a new one (left
+    running): over `config.inputs`' files, or over `dataset` (a ray.data.Dataset) when
+    given. A rerun of a file job with nothing left to do never touches Ray."""
     runner = RayDataRunner(config.num_workers, config.address)
-    summary = _with_ray_errors_unwrapped(lambda: run_job(config, runner))
-    return dataclasses.replace(summary, startup_seconds=runner.startup_seconds,
-                               data_startup_seconds=runner.data_startup_seconds,
-                               unit_retries=runner.retries)
-
-
-def run_tokenize_dataset(dataset: Any, config: TokenizeConfig) -> JobSummary:
-    """Tokenize a ray.data.Dataset's text column (`config.inputs` names it)."""
-    runner = RayDataRunner(config.num_workers, config.address)
-    summary = _with_ray_errors_unwrapped(
-        lambda: run_dataset_job(dataset, describe_dataset(dataset), config, runner))
+    if dataset is None:
+        summary = _with_ray_errors_unwrapped(lambda: run_job(config, runner))
+    else:
+        summary = _with_ray_errors_unwrapped(
+            lambda: run_dataset_job(dataset, describe_dataset(dataset), config, runner))
     return dataclasses.replace(summary, startup_seconds=runner.startup_seconds,
                                data_startup_seconds=runner.data_startup_seconds,
                                unit_retries=runner.retries)

@@ -26,12 +26,41 @@ from raypipe import interrupts
 logger = logging.getLogger("raypipe")
 _started_here: set[str] = set()  # GCS addresses of the local sessions this process started
 
+# Ray's notices that nobody running raypipe can act on, dropped from its logs: logger ->
+# message starts (a local Ray's auth token, made once per machine and used on loopback;
+# Ray Data's progress bars, which raypipe replaces with its own progress line)
+RAY_NOTICES = {
+    "ray._private.authentication.authentication_token_setup": (
+        "Generated new authentication token", "Token authentication is enabled for this"),
+    "ray.data._internal.progress": ("Progress bars disabled",),
+}
+
+
+class DropNotices(logging.Filter):
+    """Drops records whose message starts with one of `starts`."""
+
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def quiet_ray_notices() -> None:
+    """Install the RAY_NOTICES filters (once per process)."""
+    for name, starts in RAY_NOTICES.items():
+        target = logging.getLogger(name)
+        if not any(isinstance(each, DropNotices) for each in target.filters):
+            target.addFilter(DropNotices(starts))
+
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None,
                dashboard: bool = False) -> float:
     """Make sure Ray is initialized; return the seconds spent connecting or starting.
     `dashboard`: a local Ray starts with its dashboard, whose State API Ray Train's
     controller polls (without it, a warning every few seconds that no one can act on)."""
+    quiet_ray_notices()
     if ray.is_initialized():
         return 0.0
     started = time.perf_counter()

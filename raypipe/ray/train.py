@@ -80,3 +80,18 @@ def worker_loader(path: str | Path, seq_len: int | None = None, batch_size: int 
     if state is not None:
         loader.load_state_dict(state)
     return loader
+
+
+def missing_worker_resources(workers: int, use_gpu: bool,
+                             cpus_per_worker: float = 1.0) -> str | None:
+    """What the connected Ray cluster lacks, right now, to place `workers` Ray Train workers
+    (each `cpus_per_worker` CPUs and, with `use_gpu`, one GPU: ScalingConfig's defaults), in
+    one phrase; None if it has them. Ray Train would otherwise retry the worker group's
+    start forever. An autoscaling cluster may add the nodes later (the caller decides)."""
+    total = ray.cluster_resources()
+    needs = {"CPU": workers * cpus_per_worker, **({"GPU": float(workers)} if use_gpu else {})}
+    short = [f"{amount:g} {name}s (the cluster has {total.get(name, 0):g})"
+             for name, amount in needs.items() if total.get(name, 0) < amount]
+    if not short:
+        return None
+    return f"{workers} Ray Train worker(s) need " + " and ".join(short)

@@ -4,7 +4,9 @@ Invariant: a dataset passes only if every file the manifest lists exists inside 
 directory with the recorded size and sha256, every shard opens in its format's reader
 (headers, index consistency) with the manifest's document/token/batch counts, every stream
 metadata id is inside its shard's index, and a format's dataset-level index file (MDS's
-index.json) is exactly what the committed shards give. The first failure raises
+index.json) is exactly what the committed shards give. Files the manifest does not list
+(and raypipe's own bookkeeping does not explain) are named in the counts: they pass, but
+`raypipe verify` says so. The first failure raises
 FormatError naming the file (its URI on object storage) and the expected versus actual
 value. Cost: one full read of every file (sha256 at ~1 GB/s; on object storage, one
 download into the node-local cache, checked on arrival and then opened there, even if the
@@ -21,7 +23,8 @@ from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, dataset_index_problems, get_format
 from raypipe.formats.base import require_size
 from raypipe.io.cache import ShardCache
-from raypipe.io.manifest import as_store, read_manifest
+from raypipe.io.lock import LOCK_NAME
+from raypipe.io.manifest import CONFIG_NAME, MANIFEST_NAME, UNITS_DIR, as_store, read_manifest
 from raypipe.io.records import FileEntry, Manifest
 from raypipe.io.store import Store
 
@@ -31,6 +34,25 @@ class VerifyCounts:
     formats: int
     shards: int
     files: int
+    unlisted: tuple[str, ...] = ()  # files in the output that the manifest does not list
+
+
+# raypipe's bookkeeping beside the shards: the manifest, the job's config, unit and job
+# records, the lock of a running job
+BOOKKEEPING = (MANIFEST_NAME, CONFIG_NAME, LOCK_NAME)
+BOOKKEEPING_DIRS = (f"{UNITS_DIR}/",)
+
+
+def unlisted_files(store: Store, manifest: Manifest) -> tuple[str, ...]:
+    """Files of the output that neither the manifest, a format's dataset index nor
+    raypipe's bookkeeping accounts for (a user's notes, a stray shard)."""
+    known = {entry.path for section in manifest.formats.values()
+             for shard in section.shards for entry in shard.files}
+    known |= {index[0] for name in manifest.formats
+              for index in [get_format(name).dataset_index] if index is not None}
+    return tuple(name for name in store.list_files()
+                 if name not in known and name not in BOOKKEEPING
+                 and not name.startswith(BOOKKEEPING_DIRS))
 
 
 def check_file(root: Store, entry: FileEntry) -> None:
@@ -88,4 +110,4 @@ def verify_dataset(root: str | Path, cache: ShardCache | None = None) -> VerifyC
     if problems:
         raise FormatError(problems[0], "a format's dataset index differs from what its "
                           "committed shards give (rerun the job, or convert, to rewrite it)")
-    return VerifyCounts(len(manifest.formats), shards, files)
+    return VerifyCounts(len(manifest.formats), shards, files, unlisted_files(store, manifest))

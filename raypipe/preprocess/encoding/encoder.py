@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from raypipe.errors import ConfigError
 from raypipe.io.records import TokenizerInfo
 from raypipe.preprocess.encoding.backends import FAST_BACKENDS, threads_cpu_seconds
+from raypipe.preprocess.encoding.named import load_named
 
 BOS_CANDIDATES = ("<|bos|>", "<bos>", "<s>", "<|begin_of_text|>", "<|endoftext|>")
 EOS_CANDIDATES = ("<|eos|>", "<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>")
@@ -41,7 +42,8 @@ def single_threaded_tokenizers() -> None:
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """A tokenizer.json path, or a Hugging Face hub name where the network allows."""
+    """A tokenizer.json path, a tiktoken encoding name, or a Hugging Face hub name (from the
+    local cache, or the hub when it answers): raypipe.preprocess.encoding.named."""
     if Path(spec).is_file():
         try:
             return Tokenizer.from_file(str(spec))
@@ -49,13 +51,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
             raise ConfigError(f"tokenizer: {spec}: not a readable tokenizer.json: "
                               f"{str(exc)[:200]}") from None
     if spec.endswith(".json") or spec.startswith((".", "/", "~")) or Path(spec).exists():
-        raise ConfigError(f"tokenizer: {spec}: no such file (a tokenizer.json path, or a "
-                          "hub name such as gpt2)")
-    try:
-        return Tokenizer.from_pretrained(spec)
-    except Exception as exc:  # the hub raises several unrelated types
-        raise ConfigError(
-            f"tokenizer: {spec!r} is neither a file nor a loadable hub name: {exc}") from exc
+        raise ConfigError(f"tokenizer: {spec}: no such file (a tokenizer.json path, a "
+                          "tiktoken encoding name such as cl100k_base, or a hub name)")
+    return load_named(spec)
 
 
 def tokenizer_sha256(tokenizer: Tokenizer) -> str:
@@ -83,14 +81,18 @@ def resolve_special_id(tokenizer: Tokenizer, token: str | None, candidates: tupl
 def describe_tokenizer(tokenizer: Tokenizer, spec: str, bos: bool, eos: bool,
                        bos_token: str | None = None,
                        eos_token: str | None = None) -> TokenizerInfo:
-    return TokenizerInfo(
-        spec=spec,
-        sha256=tokenizer_sha256(tokenizer),
-        largest_id=largest_token_id(tokenizer),
-        bos_id=resolve_special_id(tokenizer, bos_token, BOS_CANDIDATES, "bos") if bos else None,
-        eos_id=resolve_special_id(tokenizer, eos_token, EOS_CANDIDATES, "eos") if eos else None,
-        pad_id=pad_token_id(tokenizer),
-    )
+    """The tokenizer's identity and separator ids; refuses BOS and EOS that are one token
+    (GPT-2's <|endoftext|>): every boundary would hold it twice in a row."""
+    bos_id = resolve_special_id(tokenizer, bos_token, BOS_CANDIDATES, "bos") if bos else None
+    eos_id = resolve_special_id(tokenizer, eos_token, EOS_CANDIDATES, "eos") if eos else None
+    if bos_id is not None and bos_id == eos_id:
+        raise ConfigError(f"{spec}: BOS and EOS are the same token "
+                          f"({tokenizer.id_to_token(bos_id)!r}, id {bos_id}), so --bos with "
+                          "--eos would write it twice between documents; keep one: --no-bos "
+                          "(EOS after each document, as Megatron's --append-eod) or --no-eos")
+    return TokenizerInfo(spec=spec, sha256=tokenizer_sha256(tokenizer),
+                         largest_id=largest_token_id(tokenizer), bos_id=bos_id, eos_id=eos_id,
+                         pad_id=pad_token_id(tokenizer))
 
 
 def pad_token_id(tokenizer: Tokenizer) -> int | None:

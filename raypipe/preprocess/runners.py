@@ -1,0 +1,101 @@
+"""Where a job's units run: the protocol, and the serial runner (tests, tiny inputs, debugging).
+
+Invariant: a runner only moves work; every unit is read, tokenized and written by
+`raypipe.preprocess.unit.tokenize_unit`, so any runner writes the same bytes. The job runs
+every pending unit on its runner (Ray Data in raypipe.ray; there is no driver-side head
+start), and a runner reports its own start-up (connecting to or starting Ray) apart from the
+run. Cost: nothing beyond the units; the serial runner loads the encoder once, at its first
+unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tokenizers import Tokenizer
+
+from raypipe.io.records import UnitRecord, WorkUnit
+from raypipe.preprocess.encoding.encoder import (
+    DocumentEncoder,
+    load_tokenizer,
+    single_threaded_tokenizers,
+)
+from raypipe.preprocess.unit import UnitSettings, tokenize_unit
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """What became of one block of a Dataset: its unit's name, and its record if it was
+    tokenized now (None: committed by an earlier run)."""
+
+    name: str
+    record: UnitRecord | None
+
+
+class UnitRunner(Protocol):
+    """Runs a job's planned units, or a ray.data.Dataset's blocks."""
+
+    startup_seconds: float  # spent connecting to (or starting) what it runs on
+    data_startup_seconds: float  # run launched -> its first record (workers starting)
+    retries: int  # unit runs lost to a dead worker and run again
+
+    def connect(self) -> None:
+        """Connect to what the units run on (seconds for a local Ray: the job's self-check
+        runs meanwhile)."""
+
+    def startup_line(self) -> str | None:
+        """One progress line on what `connect` started (None: nothing to say)."""
+
+    def run(self, units: list[WorkUnit], settings: UnitSettings) -> Iterator[UnitRecord]:
+        """Records of `units` as they commit."""
+
+    def sample_texts(self, dataset: Any, text_column: str, rows: int) -> list[str]:
+        """Texts of the Dataset's first rows; refuses a Dataset without the column."""
+
+    def run_blocks(self, dataset: Any, settings: UnitSettings, committed: frozenset[str],
+                   label: str) -> Iterator[BlockRun]:
+        """One BlockRun per block, in the Dataset's order."""
+
+
+def make_encoder(settings: UnitSettings, tokenizer: Tokenizer | None = None
+                 ) -> DocumentEncoder:
+    """The encoder a process tokenizes with (the tokenizer loaded here unless given)."""
+    single_threaded_tokenizers()
+    if tokenizer is None:
+        tokenizer = (Tokenizer.from_str(settings.tokenizer_json) if settings.tokenizer_json
+                     else load_tokenizer(settings.tokenizer.spec))
+    return DocumentEncoder(tokenizer, settings.tokenizer.bos_id, settings.tokenizer.eos_id,
+                           settings.config.special_tokens_in_text, settings.tokenizer.backend)
+
+
+class SerialRunner:
+    """Runs planned units one after another in this process (tests, tiny inputs,
+    debugging); the encoder is loaded at the first unit. Datasets need Ray."""
+
+    startup_seconds = 0.0
+    data_startup_seconds = 0.0
+    retries = 0
+
+    def __init__(self, tokenizer: Tokenizer | None = None):
+        self.tokenizer = tokenizer
+
+    def connect(self) -> None:
+        return None
+
+    def startup_line(self) -> str | None:
+        return None
+
+    def run(self, units: Iterable[WorkUnit], settings: UnitSettings) -> Iterator[UnitRecord]:
+        encoder = None
+        for unit in units:
+            encoder = encoder or make_encoder(settings, self.tokenizer)
+            yield tokenize_unit(unit, settings, encoder)
+
+    def sample_texts(self, dataset: Any, text_column: str, rows: int) -> list[str]:
+        raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")
+
+    def run_blocks(self, dataset: Any, settings: UnitSettings, committed: frozenset[str],
+                   label: str) -> Iterator[BlockRun]:
+        raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")

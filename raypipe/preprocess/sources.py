@@ -1,0 +1,140 @@
+"""What a tokenize job runs over: planned units of files, or the blocks of a ray.data.Dataset.
+
+Invariant: a source decides which of its units are committed already (same fingerprint,
+same input identity, files intact) and yields every record of the run, each once, with the
+final order the manifest lists. Planned units are known before the run (progress has a
+total and an ETA; a finished output is left untouched without starting Ray); a Dataset's
+blocks become units as they stream, each named by the hash of its rows, and two blocks with
+the same rows are refused (their units would be one). Cost: one unit-record read per planned
+unit, or a listing of the output's unit records for a Dataset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from raypipe.errors import InputError
+from raypipe.io.manifest import MANIFEST_NAME, committed_unit_record, read_manifest, record_problem
+from raypipe.io.records import UnitRecord, WorkUnit
+from raypipe.io.store import Store
+from raypipe.preprocess.encoding.self_check import SAMPLE_ROWS, sample_texts
+from raypipe.preprocess.output import unit_records
+from raypipe.preprocess.runners import UnitRunner
+from raypipe.preprocess.unit import UnitSettings
+
+
+class PlannedUnits:
+    """The units planned over input files (raypipe.preprocess.inputs.plan_units)."""
+
+    noun = "units"
+    samples_without_runner = True  # its texts are read here: the self-check overlaps connect
+
+    def __init__(self, units: list[WorkUnit], passed_over: tuple[str, ...] = ()):
+        self.units = units
+        self.passed_over = passed_over
+        self.label = "the inputs"
+        self.committed: dict[str, UnitRecord] = {}
+        self.pending: list[WorkUnit] = []
+
+    def input_names(self) -> list[str]:
+        return sorted({unit.uri for unit in self.units})
+
+    def check(self, runner: UnitRunner, text_column: str) -> None:
+        """Nothing left to check: planning read every file's schema."""
+
+    def open(self, output: Store, accepted: set[str]) -> bool:
+        """Find the committed units; True if the job has anything to write (a unit to run,
+        or a manifest that is missing or lists other units)."""
+        for unit in self.units:
+            record = committed_unit_record(output, unit, accepted)
+            if record is None:
+                self.pending.append(unit)
+            else:
+                self.committed[unit.name] = record
+        if self.pending or not output.exists(MANIFEST_NAME):
+            return True
+        listed = [summary.name for summary in read_manifest(output).units]
+        return listed != [unit.name for unit in self.units]
+
+    @property
+    def progress_units(self) -> list[WorkUnit] | None:
+        return self.pending
+
+    def sample(self, runner: UnitRunner, text_column: str) -> list[str]:
+        first = self.pending[0] if self.pending else self.units[0] if self.units else None
+        return sample_texts(first, text_column) if first is not None else []
+
+    def run(self, runner: UnitRunner, settings: UnitSettings
+            ) -> Iterator[tuple[UnitRecord, bool]]:
+        """(record, tokenized now) as units commit: only the pending ones are reported."""
+        if self.pending:
+            for record in runner.run(self.pending, settings):
+                self.committed[record.unit.name] = record
+                yield record, True
+
+    def ordered(self) -> list[UnitRecord]:
+        return [self.committed[unit.name] for unit in self.units]
+
+    def names(self) -> set[str]:
+        return {unit.name for unit in self.units}
+
+
+class DatasetBlocks:
+    """The blocks of a user's ray.data.Dataset (`label` names it in records and messages)."""
+
+    noun = "blocks"
+    samples_without_runner = False  # sampling a Dataset runs on Ray
+    passed_over: tuple[str, ...] = ()
+
+    def __init__(self, dataset: Any, label: str):
+        self.dataset = dataset
+        self.label = label
+        self.committed: dict[str, UnitRecord] = {}
+        self.records: list[UnitRecord] = []
+        self.seen: set[str] = set()
+        self.sample_rows: list[str] = []
+
+    def input_names(self) -> list[str]:
+        return [self.label]
+
+    def check(self, runner: UnitRunner, text_column: str) -> None:
+        """Before the output is touched: refuse a Dataset without the text column (this
+        starts Ray), and keep its first texts for the self-check."""
+        self.sample_rows = runner.sample_texts(self.dataset, text_column, SAMPLE_ROWS)
+
+    def open(self, output: Store, accepted: set[str]) -> bool:
+        for _, record in unit_records(output):
+            if record.unit.kind == "block" and record.fingerprint in accepted \
+                    and record_problem(output, record) is None:
+                self.committed[record.unit.name] = record
+        return True  # blocks are known only by running the Dataset
+
+    @property
+    def progress_units(self) -> list[WorkUnit] | None:
+        return None
+
+    def sample(self, runner: UnitRunner, text_column: str) -> list[str]:
+        return self.sample_rows
+
+    def run(self, runner: UnitRunner, settings: UnitSettings
+            ) -> Iterator[tuple[UnitRecord, bool]]:
+        """(record, tokenized now) for every block, in the Dataset's order."""
+        for block in runner.run_blocks(self.dataset, settings, frozenset(self.committed),
+                                       self.label):
+            if block.name in self.seen:
+                raise InputError(f"{self.label}: two blocks hold the same rows ({block.name}); "
+                                 "their units would be one: drop the duplicate rows or "
+                                 "repartition the Dataset")
+            self.seen.add(block.name)
+            record = block.record or self.committed[block.name]
+            self.records.append(record)
+            yield record, block.record is not None
+        if not self.records:
+            raise InputError(f"{self.label}: the Dataset yields no block")
+
+    def ordered(self) -> list[UnitRecord]:
+        return self.records
+
+    def names(self) -> set[str]:
+        return self.seen
