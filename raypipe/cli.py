@@ -129,9 +129,20 @@ def command_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def command_inspect(args: argparse.Namespace) -> int:
-    from raypipe.tools.inspect import inspect_dataset
+def trainer_formats() -> list[str]:
+    """Formats whose trainer takes a data-path argument (Megatron's --data-path)."""
+    from raypipe.formats import FORMATS
 
+    return [name for name, fmt in FORMATS.items() if fmt.trainer_prefix is not None]
+
+
+def command_inspect(args: argparse.Namespace) -> int:
+    from raypipe.tools.inspect import inspect_dataset, trainer_data_path
+
+    wanted = [name for name in trainer_formats() if getattr(args, f"{name}_data_path")]
+    if wanted:
+        print(trainer_data_path(args.dataset, wanted[0]))
+        return 0
     print(inspect_dataset(args.dataset, samples=args.samples, tokenizer=args.tokenizer,
                           plot=args.plot))
     return 0
@@ -259,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--samples", type=int, default=3, help="documents shown per format")
     inspect.add_argument("--tokenizer", help="tokenizer.json to decode samples with")
     inspect.add_argument("--plot", help="write a PNG histogram of document lengths here")
+    for name in trainer_formats():
+        inspect.add_argument(f"--{name}-data-path", action="store_true",
+                             help=f"print only the data-path argument of {name}'s trainer for "
+                             "every shard prefix (a mixture spec: the weighted blend); "
+                             "thousands of prefixes fit in a --data-args-path file")
     inspect.set_defaults(handler=command_inspect)
     convert = subcommand("convert", help="convert an output to another format")
     convert.add_argument("source", help=DATASET_HELP)

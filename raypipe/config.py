@@ -35,7 +35,10 @@ TOKENIZER_BACKENDS = ("auto", "fastokens", "tiktoken", "tokenizers")
 LOCATION_FIELDS = frozenset({"inputs", "output", "tokenizer"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
 # fields added after 0.1 -> the value that behaves as 0.1 did (not part of the fingerprint)
-LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 << 30}
+LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 << 30,
+                 "chat": False, "messages_column": "messages", "prompt_column": None,
+                 "completion_column": None, "chat_template": None, "train_on": "assistant"}
+TRAIN_ON = ("assistant", "last-assistant", "all")
 # keys of earlier releases that no longer do anything -> why (a config holding one loads,
 # with a warning)
 RETIRED_KEYS = {"head_start": "removed in 0.6: every unit runs on Ray Data"}
@@ -65,11 +68,22 @@ def flag_of(name: str) -> str:
     return spec.metadata.get("flag", "--" + name.replace("_", "-"))
 
 
-def document_separators(formats: tuple[str, ...], bos: bool | None, eos: bool | None
-                        ) -> tuple[bool, bool]:
+def default_formats(chat: bool) -> tuple[str, ...]:
+    """The formats a job writes unless told: megatron and nanogpt; for chat data, the
+    formats that hold a loss mask."""
+    if not chat:
+        return DEFAULT_FORMATS
+    return tuple(name for name, fmt in FORMATS.items() if fmt.holds_loss_mask)
+
+
+def document_separators(formats: tuple[str, ...], bos: bool | None, eos: bool | None,
+                        chat: bool = False) -> tuple[bool, bool]:
     """(bos, eos) as given, the unset ones by each ecosystem's habit: neither given, EOS
     when every format is one whose ecosystem appends EOS (Megatron, MDS), else BOS; one
-    given, the other is its opposite (`--eos` alone means EOS is the separator)."""
+    given, the other is its opposite (`--eos` alone means EOS is the separator). Chat data
+    adds neither unless asked: the rendered template is the document."""
+    if chat:
+        return bool(bos), bool(eos)
     if bos is None and eos is None:
         eos_only = all(FORMATS[name].separator == "eos" for name in formats)
         return not eos_only, eos_only
@@ -103,10 +117,26 @@ class TokenizeConfig:
     tokenizer: str = option(help="a tokenizer.json path, a tiktoken encoding name "
                                  "(cl100k_base, o200k_base, gpt2, ...) or a Hugging Face hub "
                                  "name (from the local cache, or the hub when it answers)")
-    formats: tuple[str, ...] = option(DEFAULT_FORMATS,
-                                      help="comma list of " + ", ".join(FORMATS),
-                                      flag="--format")
+    formats: tuple[str, ...] | None = option(
+        None, help="comma list of " + ", ".join(FORMATS) + " (default: "
+                   + ",".join(DEFAULT_FORMATS) + "; with --chat, the formats that hold a "
+                   "loss mask)", flag="--format")
     text_column: str = option("text", help="column holding the documents")
+    chat: bool = option(False, help="the input holds conversations (--messages-column, or "
+                                    "--prompt-column with --completion-column), rendered "
+                                    "by the chat template, with a loss mask")
+    messages_column: str = option("messages", help="chat: column of [{role, content}, ...]")
+    prompt_column: str | None = option(None, help="chat: a prompt column (a user turn); "
+                                                  "with --completion-column")
+    completion_column: str | None = option(None, help="chat: a completion column (the "
+                                                      "assistant's turn)")
+    chat_template: str | None = option(None, help="chat: a .jinja file, or chatml (the "
+                                                  "built-in); default: the chat_template of "
+                                                  "the tokenizer_config.json beside the "
+                                                  "tokenizer, else chatml")
+    train_on: str = option("assistant", help="chat: which tokens are trained: assistant "
+                                             "(each assistant turn and its end), "
+                                             "last-assistant, or all")
     bos: bool | None = option(None, help="prepend BOS to every document (nanoGPT/nanochat "
                                          "style; default: on, unless every format is one "
                                          "of " + "/".join(EOS_FORMATS) + ", or --eos alone "
@@ -168,7 +198,10 @@ class TokenizeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", _as_tuple(self.inputs, "inputs"))
-        object.__setattr__(self, "formats", _as_tuple(self.formats, "formats"))
+        if self.prompt_column or self.completion_column:
+            object.__setattr__(self, "chat", True)
+        object.__setattr__(self, "formats", default_formats(self.chat) if self.formats is None
+                           else _as_tuple(self.formats, "formats"))
         object.__setattr__(self, "metadata_columns",
                            _as_tuple(self.metadata_columns, "metadata_columns"))
         if not self.inputs:
@@ -208,10 +241,11 @@ class TokenizeConfig:
                 f"{flag_of('metadata_columns')}: {clashing} would overwrite the built-in "
                 f"field(s) of every metadata record ({', '.join(BUILT_IN_METADATA_FIELDS)}: "
                 "the input file and row); rename the column(s) in the input")
-        bos, eos = document_separators(self.formats, self.bos, self.eos)
+        bos, eos = document_separators(self.formats, self.bos, self.eos, self.chat)
         object.__setattr__(self, "bos", bos)
         object.__setattr__(self, "eos", eos)
-        if not self.bos and not self.eos:
+        self._check_chat()
+        if not self.bos and not self.eos and not self.chat:
             raise ConfigError(
                 "bos/eos: at least one of --bos/--eos is needed, or document boundaries are lost"
             )
@@ -244,6 +278,25 @@ class TokenizeConfig:
         if self.max_document_chars is None:
             return budget_chars
         return min(self.max_document_chars, budget_chars)
+
+    def _check_chat(self) -> None:
+        if self.train_on not in TRAIN_ON:
+            raise ConfigError(f"train_on: {self.train_on!r} not among {list(TRAIN_ON)}")
+        if bool(self.prompt_column) != bool(self.completion_column):
+            raise ConfigError("chat: --prompt-column and --completion-column go together")
+        if not self.chat:
+            return
+        cannot = [name for name in self.formats if not FORMATS[name].holds_loss_mask]
+        if cannot:
+            raise ConfigError(f"--chat: format(s) {', '.join(cannot)} cannot hold a loss mask; "
+                              f"the formats that can: {', '.join(default_formats(True))}")
+
+    @property
+    def chat_columns(self) -> list[str]:
+        """The columns a chat unit reads: the messages, or the prompt and completion."""
+        if self.prompt_column and self.completion_column:
+            return [self.prompt_column, self.completion_column]
+        return [self.messages_column]
 
     def format_options(self, name: str) -> FormatOptions:
         """Format `name`'s typed options as this config sets them (stream: metadata,

@@ -11,7 +11,7 @@ from bench.nanochat_reference import nanochat_bestfit_crop
 from raypipe.sampling.modes import waste_hints
 from raypipe.sampling.modes.bestfit import BestFitPlan
 from raypipe.sampling.modes.windows import WindowPlan
-from raypipe.sampling.pack import PACKINGS, pack, pack_block, pack_fill, pack_split
+from raypipe.sampling.pack import PACKINGS, pack, pack_crop, pack_fill, pack_split
 from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
 from raypipe.sampling.plans import PackingReport, ShardGroups
 
@@ -65,7 +65,7 @@ def test_scalar_and_range_checks():
 def test_pack_block_rows_are_full_bos_aligned_and_conserve_tokens(lengths, capacity):
     lengths = np.array(lengths, dtype=np.int64)
     ids = np.arange(len(lengths), dtype=np.int64)[::-1].copy()
-    packed = pack_block(ids, lengths[ids], capacity)
+    packed = pack_crop(ids, lengths[ids], capacity)
     total = int(lengths.sum())
     assert packed.used_tokens + packed.cropped_tokens + packed.dropped_tokens == total
     seen = []
@@ -81,7 +81,7 @@ def test_pack_block_rows_are_full_bos_aligned_and_conserve_tokens(lengths, capac
 
 
 def test_pack_prefers_largest_fit_then_crops_shortest():
-    packed = pack_block(np.arange(4), np.array([6, 5, 3, 9]), 10)
+    packed = pack_crop(np.arange(4), np.array([6, 5, 3, 9]), 10)
     # row 0: 9 fits first; nothing fits the last token, so the shortest (3) is cropped to 1
     assert packed.row(0).doc_ids.tolist() == [3, 2] and packed.row(0).take.tolist() == [9, 1]
     assert packed.row(0).ends_document.tolist() == [True, False]  # 2 is cropped

@@ -33,12 +33,13 @@ def filtered_dataset(ray_session, corpus_dir: Path):
 
 
 def expected_of(dataset, tokenizer_path: str) -> list[list[int]]:
+    """The Dataset's documents as a megatron-only job writes them: EOS after each."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(tokenizer_path)
-    bos = tokenizer.token_to_id("<|bos|>")
+    eos = tokenizer.token_to_id("<|eos|>")
     dataset.context.execution_options.preserve_order = True  # the order the job keeps
-    return [[bos, *tokenizer.encode(row["text"], add_special_tokens=False).ids]
+    return [[*tokenizer.encode(row["text"], add_special_tokens=False).ids, eos]
             for row in dataset.iter_rows() if row["text"]]
 
 

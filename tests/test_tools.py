@@ -155,3 +155,33 @@ def test_inspect_prints_tables_samples_metadata_and_plot(all_formats, tmp_path, 
     lengths = np.array([len(d) for d in documents(all_formats)])
     assert f"{lengths.max():,} tokens" in out
     assert "matplotlib, axes and labels" in out  # the dev extra brings matplotlib
+
+
+def test_inspect_prints_megatrons_data_path_for_every_prefix_and_a_mixtures_blend(
+        tmp_path, corpus_dir, tokenizer_path, capsys):
+    """The printed argument, parsed by megatron-core's own `get_blend_from_list`, names
+    every shard (megatron-core opens each, all documents once); a mixture's blend splits
+    each source's weight over its prefixes by tokens."""
+    utils = pytest.importorskip("megatron.core.datasets.utils")
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    from raypipe.cli import main
+    from raypipe.config import load_config
+    from raypipe.preprocess.job import run_job
+
+    summaries = {}
+    for name in ("a", "b"):
+        summaries[name] = run_job(load_config(
+            None, inputs=[str(corpus_dir)], output=str(tmp_path / name),
+            tokenizer=tokenizer_path, formats=["megatron"], unit_bytes=1))
+    assert main(["inspect", str(tmp_path / "a"), "--megatron-data-path"]) == 0
+    prefixes, weights = utils.get_blend_from_list(capsys.readouterr().out.split())
+    assert weights is None and len(prefixes) == summaries["a"].shards > 1
+    assert sum(len(indexed.IndexedDataset(prefix)) for prefix in prefixes) == \
+        summaries["a"].documents
+    spec = tmp_path / "mix.yaml"
+    spec.write_text("sources:\n  a: {path: a, weight: 0.7}\n  b: {path: b, weight: 0.3}\n")
+    assert main(["inspect", str(spec), "--megatron-data-path"]) == 0
+    prefixes, weights = utils.get_blend_from_list(capsys.readouterr().out.split())
+    share_a = sum(w for w, p in zip(weights, prefixes, strict=True) if "/a/" in p)
+    assert len(prefixes) == summaries["a"].shards + summaries["b"].shards
+    assert abs(share_a - 0.7) < 1e-6 and abs(sum(weights) - 1.0) < 1e-6

@@ -1,13 +1,18 @@
 """The contracts every output format implements, and the registry that names them.
 
 Invariant: a ShardWriter writes only temporary files (hashed as they are written) until
-`commit()`, which renames every file of the shard to its final name (data files first,
-index last) and returns their FileEntry records; `abort()` leaves nothing behind. A
+`commit()`, which renames every file of the shard to its final name in the order its
+module states (Megatron and NanoGPT: `.bin` first, then the index; a stream shard: its
+sidecars first, `.tokens` last) and returns their FileEntry records; `abort()` leaves
+nothing behind (a shard is committed only by its unit record, written after). A
 ShardReader validates headers and sizes before creating any array, so a corrupt or crafted
 file raises FormatError naming the file in O(1) time and memory, and then serves its
-contents as zero-copy slices of a memmap. `Reader.from_manifest` opens a shard from its
-manifest entry, so nothing above this package branches on a format's name: a new format is
-one module that calls `register`. Byte layouts: docs/formats.md.
+tokens as zero-copy slices of a map of the file (small indexes, such as NanoGPT's
+`.bos.idx` or Megatron's document offsets, may be read into private arrays; MDS, whose
+samples interleave headers with the ids, decodes its tokens into one private array).
+`Reader.from_manifest` opens a shard from its manifest entry, so nothing above this package
+branches on a format's name: a new format is one module that calls `register`. Byte
+layouts: docs/formats.md.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import numpy as np
 
 from raypipe.errors import ConfigError, FormatError
 from raypipe.io.atomic import HashedTempFile, file_sha256
-from raypipe.io.mapping import map_file
 from raypipe.io.paths import plain_name, safe_join
 from raypipe.io.records import FileEntry, FormatSection, JsonRecord, ShardEntry, TokenizerInfo
 from raypipe.io.store import Store
@@ -58,6 +62,12 @@ class ShardWriter(ABC):
         """Append whole documents; `tokens` is uint32 and sums to `lengths`; `metadata`
         (one DocumentMetadata per document, or None) is kept by formats that store it."""
 
+    def add_loss_mask(self, loss_mask: np.ndarray) -> None:
+        """Append the loss mask of the documents the last `add` appended: one byte per
+        token, 1 where the token is a trained target (chat data). Only formats whose
+        `holds_loss_mask` is set store one."""
+        raise FormatError(self.directory / self.name, "this format cannot hold a loss mask")
+
     @abstractmethod
     def commit(self) -> list[FileEntry]:
         """Close, fsync and rename every file to its final name; return their entries."""
@@ -72,7 +82,8 @@ class ShardWriter(ABC):
 class ShardReader(ABC):
     """Random access to the documents of one committed shard."""
 
-    tokens: np.ndarray          # 1-D token array (a memmap view; never a copy of the shard)
+    tokens: np.ndarray          # 1-D token array (a map of the file; MDS: decoded, private)
+    loss_mask: np.ndarray | None = None  # uint8 per token, 1: a trained target (chat data)
     document_starts: np.ndarray  # int64[N + 1] token offsets; document i = starts[i]:starts[i+1]
 
     @classmethod
@@ -177,6 +188,10 @@ class Format:
     # the document separator its ecosystem writes by default: Megatron's --append-eod and
     # LLM Foundry's eos_text append EOS; nanoGPT/nanochat-style loaders look for BOS
     separator: Literal["bos", "eos"] = "bos"
+    # a shard's path prefix as its trainer's data-path argument takes it (Megatron's
+    # --data-path: the path without .bin/.idx); None: no such argument
+    trainer_prefix: Callable[[ShardEntry], str] | None = None
+    holds_loss_mask: bool = False  # its shards can store a per-token loss mask (chat data)
 
     def token_dtype(self, largest_id: int) -> np.dtype:
         return self.dtype_for_largest_id(largest_id)
@@ -260,11 +275,6 @@ def require_file(path: Path) -> int:
 def require_size(path: Path, expected: int, actual: int, what: str = "file size") -> None:
     if expected != actual:
         raise FormatError(path, f"{what} does not match its header", expected, actual)
-
-
-def memmap_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
-    """A read-only map of the file's tokens that holds no file descriptor."""
-    return map_file(path, dtype, offset, count)
 
 
 def starts_from_markers(tokens: np.ndarray, bos_id: int | None,

@@ -239,10 +239,6 @@ class MDSReader(ShardReader):
             first = int(self.document_starts[index])
             self.tokens[first:first + count] = raw[at:at + count * item].view(self.dtype)
 
-    def source(self, index: int) -> str:
-        start = int(self.source_starts[index])
-        return self.raw[start:start + int(self.source_sizes[index])].tobytes().decode()
-
 
 def index_bytes(store: Store, section: FormatSection) -> bytes:
     """MDS's `index.json` for the committed shards of `section`, in manifest order (the

@@ -24,7 +24,6 @@ from raypipe.formats.base import (
     ShardReader,
     ShardWriter,
     check_token_range,
-    memmap_tokens,
     register,
     require_file,
     require_size,
@@ -36,6 +35,7 @@ from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerIn
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes
+MASK = ".mask"  # raypipe's loss-mask sidecar (chat data): u8 per token of .bin
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float64, 7: np.float32, 8: np.uint16}
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
@@ -61,6 +61,7 @@ class MegatronWriter(ShardWriter):
         super().__init__(directory, name, token_dtype, bos_id)
         self.bin_file = self.open_file(".bin")
         self.lengths: list[np.ndarray] = []
+        self.masked_tokens = 0  # tokens whose loss mask is written (chat data: all of them)
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
         check_token_range(tokens, self.token_dtype, str(self.bin_file.final))
@@ -69,7 +70,17 @@ class MegatronWriter(ShardWriter):
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
 
+    def add_loss_mask(self, loss_mask: np.ndarray) -> None:
+        """`<name>.mask`: one u8 per token of `.bin` (1: a trained target); megatron-core
+        opens `.bin`/`.idx` only and never reads it."""
+        mask_file = self._files.get(MASK) or self.open_file(MASK)
+        mask_file.write(np.ascontiguousarray(loss_mask, dtype=np.uint8).data)
+        self.masked_tokens += int(loss_mask.size)
+
     def commit(self) -> list[FileEntry]:
+        if self.masked_tokens not in (0, self.num_tokens):
+            raise FormatError(self.directory / f"{self.name}{MASK}", "a loss mask byte per "
+                              "token", self.num_tokens, self.masked_tokens)
         lengths = np.concatenate(self.lengths) if self.lengths else np.empty(0, np.int32)
         index = encode_index(lengths, self.token_dtype)
         idx_file = self.open_file(".idx")
@@ -77,6 +88,8 @@ class MegatronWriter(ShardWriter):
         faults.point("megatron.mid_index", self.name)
         idx_file.write(index[len(index) // 2:])
         entries = [self.commit_file(".bin")]
+        if MASK in self._files:
+            entries.append(self.commit_file(MASK))
         faults.point("megatron.after_bin", self.name)
         entries.append(self.commit_file(".idx"))
         return entries
@@ -88,7 +101,8 @@ class MegatronReader(ShardReader):
     @classmethod
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> MegatronReader:
-        return cls(shard_prefix(root, shard))
+        return cls(shard_prefix(root, shard),
+                   loss_mask=any(entry.path.endswith(MASK) for entry in shard.files))
 
     @classmethod
     def index_document_lengths(cls, root: Path, shard: ShardEntry,
@@ -104,7 +118,7 @@ class MegatronReader(ShardReader):
         offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         return np.diff(offsets[index.document_indices])
 
-    def __init__(self, prefix: str | Path):
+    def __init__(self, prefix: str | Path, loss_mask: bool = False):
         prefix = Path(prefix)
         self.idx_path = prefix.with_name(prefix.name + ".idx")
         self.bin_path = prefix.with_name(prefix.name + ".bin")
@@ -117,7 +131,12 @@ class MegatronReader(ShardReader):
         self.document_indices = index.document_indices
         self._check_consistency(bin_size, index.sequence_lengths.size)
         index.check_documents(index.sequence_lengths.size)
-        self.tokens = memmap_tokens(self.bin_path, self.dtype, 0, bin_size // self.dtype.itemsize)
+        self.tokens = map_file(self.bin_path, self.dtype, 0, bin_size // self.dtype.itemsize)
+        if loss_mask:
+            mask_path = prefix.with_name(prefix.name + MASK)
+            require_size(mask_path, self.tokens.size, require_file(mask_path),
+                         "loss mask bytes (one per token)")
+            self.loss_mask = map_file(mask_path, np.uint8)
 
     @cached_property
     def document_starts(self) -> np.ndarray:  # type: ignore[override]
@@ -199,6 +218,12 @@ class MegatronIndex:
                               f"[0 .. {count}]", indices[:1].tolist() + indices[-1:].tolist())
 
 
-MEGATRON = register(Format("megatron", (".bin", ".idx"), MegatronWriter, MegatronReader,
+def data_path_prefix(shard: ShardEntry) -> str:
+    """The shard's prefix as Megatron's --data-path takes it: its .bin without the suffix."""
+    return shard.files[0].path.removesuffix(".bin")
+
+
+MEGATRON = register(Format("megatron", (".bin", ".idx", MASK), MegatronWriter, MegatronReader,
                            megatron_dtype, read_order=0, index_suffixes=(".idx",),
-                           separator="eos"))
+                           separator="eos", trainer_prefix=data_path_prefix,
+                           holds_loss_mask=True))

@@ -22,13 +22,13 @@ from raypipe.formats.base import (
     ShardReader,
     ShardWriter,
     check_token_range,
-    memmap_tokens,
     register,
     require_file,
     require_size,
     shard_prefix,
     starts_from_markers,
 )
+from raypipe.io.mapping import map_file
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 
 HEADER_INTS = 256
@@ -118,7 +118,7 @@ class NanoGPTReader(ShardReader):
             raise FormatError(self.bin_path, "negative token count", ">= 0", count)
         require_size(self.bin_path, HEADER_BYTES + count * itemsize, size)
         self.dtype = np.dtype(np.uint16 if itemsize == 2 else np.uint32)
-        self.tokens = memmap_tokens(self.bin_path, self.dtype, HEADER_BYTES, count)
+        self.tokens = map_file(self.bin_path, self.dtype, HEADER_BYTES, count)
         self.document_starts = self._document_starts(bos_id, eos_id, require_bos_index)
 
     def _document_starts(self, bos_id: int | None, eos_id: int | None,

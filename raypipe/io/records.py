@@ -200,6 +200,7 @@ class TokenizerInfo(JsonRecord):
     eos_id: int | None
     backend: str = "tokenizers"  # the library that encoded (same ids either way)
     pad_id: int | None = None  # its pad token, where it has one (None in raypipe <= 0.3)
+    chat_template_sha256: str | None = None  # chat data: the template that rendered it
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class LoaderOptions:
     boundaries: bool | None = None
     metadata: bool = False
     block_batches: int = 64
-    packing: str = "fill"
+    packing: str = "auto"  # split for chat data (conversations kept whole), else fill
     shuffle: str = "global"
     group_shards: int = 4
     cache_dir: str | Path | None = None

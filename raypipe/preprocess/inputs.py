@@ -218,14 +218,15 @@ def _check_columns(uri: str, columns: list[str], available: list[str], noun: str
                              f"available {noun}s: {available}")
 
 
-def units_of_file(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUnit]:
+def units_of_file(uri: str, columns: list[str], unit_bytes: int,
+                  text_first: bool = True) -> list[WorkUnit]:
     """Split one file into consecutive row-group ranges of about `unit_bytes` each; every
-    name in `columns` (text column first) must exist."""
+    name in `columns` (text column first, of a type that holds text) must exist."""
     parquet, identity = _open_with_identity(uri)
     schema = parquet.schema_arrow
     _check_columns(uri, columns, schema.names, "column")
     text_type = schema.field(columns[0]).type
-    if not can_hold_text(text_type):
+    if text_first and not can_hold_text(text_type):
         raise InputError(f"{uri}: text column {columns[0]!r} has type {text_type}, which "
                          "cannot hold text (expected string, binary or a dictionary of them)")
     meta = parquet.metadata
@@ -243,7 +244,8 @@ def units_of_file(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUni
     return units
 
 
-def units_of_jsonl(uri: str, columns: list[str], unit_bytes: int) -> list[WorkUnit]:
+def units_of_jsonl(uri: str, columns: list[str], unit_bytes: int,
+                   text_first: bool = True) -> list[WorkUnit]:
     """Byte ranges of about `unit_bytes` (a compressed file whole); the first record must
     hold every field in `columns` (text field first)."""
     _check_columns(uri, columns, first_record_fields(uri), "field")
@@ -263,21 +265,25 @@ def plan_units(inputs: tuple[str, ...] | list[str], text_column: str, unit_bytes
 
 
 def plan_files(files: list[str], text_column: str, unit_bytes: int,
-               extra_columns: tuple[str, ...] = ()) -> list[WorkUnit]:
-    """The work units of `files`, in order; checks every file's text column."""
+               extra_columns: tuple[str, ...] = (), text_first: bool = True
+               ) -> list[WorkUnit]:
+    """The work units of `files`, in order; checks every file's columns (and that the
+    first holds text, unless `text_first` is off: chat rows)."""
     units: list[WorkUnit] = []
     columns = [text_column, *extra_columns]
     for uri in files:
         plan = units_of_jsonl if is_jsonl(uri) else units_of_file
-        units.extend(plan(uri, columns, unit_bytes))
+        units.extend(plan(uri, columns, unit_bytes, text_first))
     return units
 
 
-def unit_batches(unit: WorkUnit, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
-    """The rows of a file unit as record batches of `columns` (text first), in file order;
-    a decode error is an InputError naming the unit's file and range."""
+def unit_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
+                 text_first: bool = True) -> Iterator[pa.RecordBatch]:
+    """The rows of a file unit as record batches of `columns` (text first; chat rows:
+    `text_first=False`), in file order; a decode error is an InputError naming the unit's
+    file and range."""
     if unit.kind == "jsonl":
-        yield from jsonl_batches(unit, columns, batch_rows)
+        yield from jsonl_batches(unit, columns, batch_rows, text_first)
         return
     parquet = open_parquet(unit.uri)
     batches = parquet.iter_batches(batch_size=batch_rows, columns=list(dict.fromkeys(columns)),

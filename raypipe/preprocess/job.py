@@ -34,7 +34,13 @@ from raypipe.io.lock import output_lock
 from raypipe.io.manifest import CONFIG_NAME, read_manifest, shard_table, write_manifest
 from raypipe.io.records import Manifest, UnitRecord, WorkUnit
 from raypipe.io.store import Store
-from raypipe.preprocess.encoding.encoder import describe_tokenizer, load_tokenizer
+from raypipe.preprocess.chat import resolve_template
+from raypipe.preprocess.encoding.encoder import (
+    BOS_CANDIDATES,
+    EOS_CANDIDATES,
+    describe_tokenizer,
+    load_tokenizer,
+)
 from raypipe.preprocess.encoding.self_check import BackendChoice, choose_backend
 from raypipe.preprocess.inputs import find_inputs, plan_files
 from raypipe.preprocess.llmbatch import BATCH_PACKERS, LLMBatchSpec
@@ -60,18 +66,39 @@ def resolve(config: TokenizeConfig) -> Resolved:
     tokenizer = load_tokenizer(config.tokenizer)
     info = describe_tokenizer(tokenizer, config.tokenizer, config.bos, config.eos,
                               config.bos_token, config.eos_token)
+    template, identity = None, info.sha256
+    if config.chat:  # the template shapes the output: its hash joins the fingerprint
+        template = resolve_template(config.chat_template, config.tokenizer, tokenizer,
+                                    *separator_texts(tokenizer, config))
+        info = dataclasses.replace(info, chat_template_sha256=template.compiled().sha256)
+        identity = f"{info.sha256}+{info.chat_template_sha256}"
     settings = UnitSettings(config=config, tokenizer=info,
-                            fingerprint=config.output_fingerprint(info.sha256),
-                            output=Store(config.output), tokenizer_json=tokenizer.to_str())
+                            fingerprint=config.output_fingerprint(identity),
+                            output=Store(config.output), tokenizer_json=tokenizer.to_str(),
+                            chat_template=template)
     return Resolved(settings, tokenizer)
+
+
+def separator_texts(tokenizer: Tokenizer, config: TokenizeConfig
+                    ) -> tuple[str | None, str | None]:
+    """The BOS and EOS strings a chat template renders with, where the tokenizer has
+    them (a chat job adds neither to its documents unless asked)."""
+    def first(candidates: tuple[str, ...], given: str | None) -> str | None:
+        names = (given,) if given else candidates
+        return next((name for name in names if tokenizer.token_to_id(name) is not None), None)
+
+    return first(BOS_CANDIDATES, config.bos_token), first(EOS_CANDIDATES, config.eos_token)
 
 
 def with_backend(resolved: Resolved, sample: list[str]) -> tuple[UnitSettings, BackendChoice]:
     """Settings whose tokenizer names the backend the job encodes with (self-checked on
     `sample`, texts of the job's own input)."""
     config = resolved.settings.config
-    choice = choose_backend(config.tokenizer_backend, resolved.tokenizer,
-                            config.special_tokens_in_text, sample)
+    if config.chat:  # templates and masks need the tokenizer's offsets: tokenizers encodes
+        choice = BackendChoice("tokenizers", "chat: rendered, encoded and masked by tokenizers")
+    else:
+        choice = choose_backend(config.tokenizer_backend, resolved.tokenizer,
+                                config.special_tokens_in_text, sample)
     info = dataclasses.replace(resolved.settings.tokenizer, backend=choice.backend)
     return dataclasses.replace(resolved.settings, tokenizer=info), choice
 
@@ -148,7 +175,7 @@ class Job:
         """Settings with the self-checked backend, the runner connected: the check (on its
         own thread when the source's texts need no runner) overlaps a local Ray's start."""
         column = self.config.text_column
-        wanted = self.config.tokenizer_backend != "tokenizers"
+        wanted = self.config.tokenizer_backend != "tokenizers" and not self.config.chat
 
         def check() -> tuple[UnitSettings, BackendChoice]:
             return with_backend(self.resolved, source.sample(self.runner, column)
@@ -174,8 +201,9 @@ def run_job(config: TokenizeConfig, runner: UnitRunner | None = None,
     resolved = resolve(config)
     # plan first: bad input fails before the output directory is touched
     found = find_inputs(config.inputs)
-    units = plan_files(found.files, config.text_column, config.unit_bytes,
-                       tuple(resolved.settings.columns[1:]))
+    columns = resolved.settings.columns
+    units = plan_files(found.files, columns[0], config.unit_bytes, tuple(columns[1:]),
+                       text_first=not config.chat)
     if units and all(unit.num_rows == 0 for unit in units) and not config.allow_empty:
         files = sorted({unit.uri for unit in units})
         raise InputError(f"{', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: the "

@@ -38,6 +38,7 @@ IDENTITY_BYTES = 1 << 20
 READ_BYTES = 8 << 20
 FIRST_RECORD_BYTES = 64 << 10
 TEXT_SKIPS = "text_skips"  # schema metadata key: rows the reader already classified
+JSON_FIELDS = "json_fields"  # schema metadata key: the fields are JSON text (chat rows)
 
 
 def is_jsonl(uri: str) -> bool:
@@ -210,6 +211,23 @@ def _field_array(values: list[Any], where: Any, field: str) -> pa.Array:
                          f"column can hold: {exc}") from None
 
 
+def _json_batch(rows: list[dict[str, Any] | None], columns: list[str], skipped: Counter
+                ) -> pa.RecordBatch:
+    """Rows whose fields are kept as JSON text (chat conversations: nested values of any
+    shape; `JSON_FIELDS` in the schema metadata says so)."""
+    present = [row or {} for row in rows]
+    arrays = [pa.array([None if row.get(name) is None else json.dumps(row[name])
+                        for row in present], pa.large_string()) for name in columns]
+    schema = pa.schema([pa.field(name, pa.large_string()) for name in columns],
+                       metadata={TEXT_SKIPS: json.dumps(dict(skipped)), JSON_FIELDS: "1"})
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def fields_as_json(batch: pa.RecordBatch) -> bool:
+    """The batch's fields are JSON text (`jsonl_batches(..., text_first=False)`)."""
+    return JSON_FIELDS.encode() in (batch.schema.metadata or {})
+
+
 def _batch(rows: list[dict[str, Any] | None], columns: list[str], skipped: Counter,
            where: Any) -> pa.RecordBatch:
     """Rows (None: a skipped line, already counted in `skipped`) as a record batch; rows
@@ -252,10 +270,13 @@ class LineLocator:
         return self.before
 
 
-def jsonl_batches(unit: WorkUnit, columns: list[str], batch_rows: int
-                  ) -> Iterator[pa.RecordBatch]:
-    """The unit's lines as record batches of `columns` (text first), `batch_rows` lines
-    each: one row per line, so a row's index is its line's."""
+def jsonl_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
+                  text_first: bool = True) -> Iterator[pa.RecordBatch]:
+    """The unit's lines as record batches of `columns` (text first; `text_first=False`:
+    every field as JSON text), `batch_rows` lines each: one row per line, so a row's index
+    is its line's."""
+    make = _batch if text_first else (lambda rows, columns, skipped, where:
+                                      _json_batch(rows, columns, skipped))
     where = LineLocator(unit)
 
     def lines_from(first: int) -> Any:
@@ -274,7 +295,7 @@ def jsonl_batches(unit: WorkUnit, columns: list[str], batch_rows: int
                 skipped["invalid_utf8"] += 1
         rows.append(record)
         if len(rows) == batch_rows:
-            yield _batch(rows, columns, skipped, lines_from(number - len(rows) + 1))
+            yield make(rows, columns, skipped, lines_from(number - len(rows) + 1))
             rows, skipped = [], Counter()
     if rows:
-        yield _batch(rows, columns, skipped, lines_from(len(rows) and number - len(rows) + 1))
+        yield make(rows, columns, skipped, lines_from(len(rows) and number - len(rows) + 1))

@@ -93,7 +93,9 @@ class ShardRoller:
         self.shards.append(shard)
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray,
-            metadata: list[DocumentMetadata] | None = None) -> None:
+            metadata: list[DocumentMetadata] | None = None,
+            loss_mask: np.ndarray | None = None) -> None:
+        """Append whole documents (and, for chat data, their tokens' loss mask)."""
         ends = np.cumsum(lengths)
         first = 0
         while first < len(lengths):
@@ -112,6 +114,8 @@ class ShardRoller:
                 with storage_errors(writer):
                     faults.point("write", self.unit_name, path=writer.directory / writer.name)
                     writer.add(chunk, lengths[first:stop], chunk_metadata)
+                    if loss_mask is not None:
+                        writer.add_loss_mask(loss_mask[base:int(ends[stop - 1])])
             self.open_tokens += int(chunk.size)
             first = stop
             if first < len(lengths):

@@ -32,6 +32,8 @@ from raypipe.io.manifest import write_unit_record
 from raypipe.io.records import TokenizerInfo, UnitRecord, WorkUnit
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
+from raypipe.preprocess.chat import ChatEncoder, TemplateSource
+from raypipe.preprocess.chat_rows import MalformedRows, encode_chat_batch
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
 from raypipe.preprocess.inputs import unit_batches
 from raypipe.preprocess.jsonl import LineLocator, reader_skips
@@ -50,6 +52,7 @@ class UnitSettings:
     # the tokenizer itself (its tokenizer.json text), read once on the driver: a worker on
     # another node, or started in another working directory, never resolves the driver's path
     tokenizer_json: str = ""
+    chat_template: TemplateSource | None = None  # chat data: the template, resolved once
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -62,8 +65,11 @@ class UnitSettings:
 
     @property
     def columns(self) -> list[str]:
-        """The input columns a unit reads: the text, then the metadata ones."""
+        """The input columns a unit reads: the text (chat: the conversation's columns),
+        then the metadata ones."""
         config = self.config
+        if config.chat:
+            return config.chat_columns
         extra = [*config.metadata_columns, *filter(None, [config.span_column])]
         return list(dict.fromkeys([config.text_column, *(extra if self.wants_metadata
                                                          else [])]))
@@ -148,6 +154,21 @@ class SkippedRuns:
                 self.runs += [first_row + start, stop - start]
 
 
+def chat_encoder(settings: UnitSettings, encoder: DocumentEncoder) -> ChatEncoder:
+    """The process's ChatEncoder for the job's template (built once, kept on `encoder`)."""
+    template = settings.chat_template
+    assert template is not None
+    cached = getattr(encoder, "chat_encoders", None)
+    if cached is None:
+        cached = encoder.chat_encoders = {}  # type: ignore[attr-defined]
+    key = (template.text, settings.config.special_tokens_in_text, settings.config.train_on)
+    if key not in cached:
+        cached[key] = ChatEncoder(encoder.tokenizer, template.compiled(),
+                                  settings.config.special_tokens_in_text,
+                                  settings.config.train_on)
+    return cached[key]
+
+
 def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
                   batches: Iterable[pa.RecordBatch] | None = None) -> UnitRecord:
     """Tokenize `unit`, commit its shards and its record; return the record. Its rows are
@@ -160,12 +181,26 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
     metadata = (MetadataBuilder(unit, settings, encoder.bos_id is not None)
                 if settings.wants_metadata else None)
     if batches is None:
-        batches = unit_batches(unit, settings.columns, config.encode_batch_rows)
+        batches = unit_batches(unit, settings.columns, config.encode_batch_rows,
+                               text_first=not config.chat)
     skipped: Counter = Counter()
     skipped_runs = SkippedRuns()
     rows = documents = tokens_total = special_literals = 0
+    chat = chat_encoder(settings, encoder) if config.chat else None
+    malformed = MalformedRows()
     try:
         for batch in batches:
+            if chat is not None:
+                done = encode_chat_batch(batch, config, chat, encoder.bos_id, encoder.eos_id,
+                                         rows, malformed)
+                skipped.update(done.skipped)
+                skipped_runs.add(done.kept, batch.num_rows, rows)
+                roller.add(done.tokens, done.lengths, None, done.loss_mask)
+                rows += batch.num_rows
+                documents += len(done.lengths)
+                tokens_total += int(done.tokens.size)
+                faults.point("unit.rows", unit.name, rows)
+                continue
             texts, kept, batch_skipped = clean_texts_with_rows(
                 batch.column(config.text_column), config.document_char_limit)
             skipped.update(batch_skipped)
@@ -186,6 +221,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
             documents += len(lengths)
             tokens_total += int(tokens.size)
             faults.point("unit.rows", unit.name, rows)
+        malformed.check(unit.location, rows)
         shards = roller.finish()
     except BaseException:
         roller.abort()

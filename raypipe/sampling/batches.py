@@ -286,7 +286,10 @@ class TokenSource:
     def locate_documents(self, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, first token, token count) of each document of a plan (an empty
         observation, id -1, is 0 tokens)."""
-        doc_ids = self.global_documents(doc_ids)
+        return self.locate_global(self.global_documents(doc_ids))
+
+    def locate_global(self, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, first token, token count) of global documents (-1: none, 0 tokens)."""
         empty = doc_ids < 0
         doc_ids = np.where(empty, 0, doc_ids)
         shards = np.searchsorted(self.document_offsets, doc_ids, side="right") - 1

@@ -27,6 +27,7 @@ from raypipe.io.cache import ShardCache, node_cached_array
 from raypipe.io.store import Store
 from raypipe.sampling.batches import TokenSource
 from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
+from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
 from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec
 from raypipe.sampling.plans import ShardGroups, SumsMemo
 from raypipe.sampling.split import DocumentSplit
@@ -126,8 +127,9 @@ class PlannedDataset:
         if not spec.preformed:
             if not spec.seq_len or not batch_size:
                 raise ConfigError("seq_len and batch_size must be given (>= 1)")
-            return cls(TokenDataset(store, format_name, cache=cache), spec, world_size,
-                       batch_size, cache_dir, memo)
+            dataset = TokenDataset(store, format_name, cache=cache)
+            return cls(dataset, spec.for_data(dataset.has_loss_mask), world_size, batch_size,
+                       cache_dir, memo)
         dataset = LLMBatchDataset(store, cache=cache)
         shape = (dataset.seq_len - 1, dataset.batch_size)
         if (spec.seq_len or shape[0], batch_size or shape[1]) != shape:
@@ -135,8 +137,8 @@ class PlannedDataset:
                               f"{shape[0] + 1}] records, i.e. seq_len={shape[0]}, "
                               f"batch_size={shape[1]}; got seq_len={spec.seq_len}, "
                               f"batch_size={batch_size}")
-        return cls(dataset, replace(spec, seq_len=shape[0]), world_size, shape[1], cache_dir,
-                   memo)
+        return cls(dataset, replace(spec.for_data(False), seq_len=shape[0]), world_size,
+                   shape[1], cache_dir, memo)
 
     @property
     def seq_len(self) -> int:
@@ -175,9 +177,12 @@ class PlannedDataset:
                ) -> BatchFiller:
         """The mode's filler of epoch `epoch` (boundaries: the mode's default when None)."""
         mode = self.spec.loader_mode
-        return mode.filler(self.dataset if self.preformed else self.source, self.plan(epoch),
-                           self.seq_len, pad_id,
-                           mode.boundaries_by_default if boundaries is None else boundaries)
+        filler = mode.filler(self.dataset if self.preformed else self.source,
+                             self.plan(epoch), self.seq_len, pad_id,
+                             mode.boundaries_by_default if boundaries is None else boundaries)
+        if self.source is not None and self.dataset.has_loss_mask:
+            return LossMaskedFiller(filler, LossMasks(self.source))
+        return filler
 
     def rank_positions(self, step_start: int, rank: int) -> np.ndarray:
         """[1, k]: the positions rank `rank` takes in the step that starts at `step_start`."""

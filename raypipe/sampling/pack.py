@@ -131,7 +131,7 @@ def pack(packing: str, doc_ids: np.ndarray, lengths: np.ndarray, capacity: int,
     if packing == "split":
         return pack_split(doc_ids, lengths, capacity, separator)
     if packing == "crop":
-        return pack_block(doc_ids, lengths, capacity)
+        return pack_crop(doc_ids, lengths, capacity)
     raise ValueError(f"packing {packing!r} not among {list(PACKINGS)}")
 
 
@@ -320,7 +320,7 @@ def _best_fit_decreasing(sizes: list[int], capacity: int) -> np.ndarray:
     return np.array(rows, dtype=np.int64)
 
 
-def pack_block(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> PackedBlock:
+def pack_crop(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> PackedBlock:
     """Crop packing of documents (given in their shuffled order) into rows of `capacity`
     tokens."""
     order = np.lexsort((np.arange(len(lengths)), lengths))  # by length, then shuffled order

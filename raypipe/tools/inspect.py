@@ -14,6 +14,7 @@ import numpy as np
 
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.errors import FormatError
 from raypipe.formats import get_format
 from raypipe.io.manifest import as_store, read_manifest
 from raypipe.io.records import FormatSection, Manifest
@@ -43,6 +44,38 @@ def inspect_dataset(root: str | Path | Store, samples: int = 3, tokenizer: str |
     if is_mixture_spec(root):
         return inspect_mixture(str(root), samples, tokenizer)
     return inspect_output(root, samples, tokenizer, plot)
+
+
+def trainer_data_path(root: str | Path | Store, format_name: str) -> str:
+    """The data-path argument of `format_name`'s trainer (Megatron's --data-path) naming
+    every shard prefix of a dataset (each document once: Megatron builds every prefix whole
+    when no weights are given), or of a mixture spec (a blend: each source's weight split
+    over its prefixes by their tokens)."""
+    prefix_of = get_format(format_name).trainer_prefix
+    if prefix_of is None:
+        raise FormatError(format_name, "this format has no trainer data-path argument")
+    if not is_mixture_spec(root):
+        return " ".join(prefix for prefix, _ in shard_prefixes(root, format_name, prefix_of))
+    spec = read_mixture(str(root))
+    names = sorted(spec)
+    prefixes = {name: shard_prefixes(spec[name].path, format_name, prefix_of)
+                for name in names}
+    totals = {name: sum(tokens for _, tokens in prefixes[name]) for name in names}
+    weights = mixture_weights(names, spec_weights(spec), totals)
+    return " ".join(f"{weight * tokens / max(totals[name], 1):.8g} {prefix}"
+                    for name, weight in zip(names, weights.tolist(), strict=True)
+                    for prefix, tokens in prefixes[name])
+
+
+def shard_prefixes(root: str | Path | Store, format_name: str,
+                   prefix_of: Any) -> list[tuple[str, int]]:
+    """(the trainer's prefix URI, tokens) of every shard of `format_name`, in order."""
+    store = as_store(root)
+    section = read_manifest(store).formats.get(format_name)
+    if section is None:
+        raise FormatError(store.uri_of("manifest.json"), f"no {format_name} output in this "
+                          "dataset (tokenize with --format including it)")
+    return [(store.uri_of(prefix_of(shard)), shard.tokens or 0) for shard in section.shards]
 
 
 def inspect_mixture(spec_path: str, samples: int, tokenizer: str | None) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
@@ -34,6 +34,7 @@ from raypipe.sampling.plans import SHUFFLES, ShardGroups, SumsMemo
 from raypipe.sampling.split import SPLITS
 
 RowT = TypeVar("RowT")
+PACKING_BY_DATA = "auto"  # split for chat data, fill for text (PlanSpec.for_data)
 
 
 class BatchFiller(ABC, Generic[RowT]):
@@ -80,7 +81,7 @@ class PlanSpec:
     seq_len: int = 0
     seed: int = 0
     block_documents: int = 4096
-    packing: str = "fill"
+    packing: str = PACKING_BY_DATA
     block_batches: int = 64
     shuffle: str = "global"
     group_shards: int = 4
@@ -90,7 +91,7 @@ class PlanSpec:
     def __post_init__(self) -> None:
         for name, value, allowed in (("mode", self.mode, mode_names()),
                                      ("shuffle", self.shuffle, SHUFFLES),
-                                     ("packing", self.packing, PACKINGS),
+                                     ("packing", self.packing, (*PACKINGS, PACKING_BY_DATA)),
                                      ("split", self.split, SPLITS)):
             if value not in allowed:
                 raise ConfigError(f"{name}: {value!r} not among {list(allowed)}")
@@ -123,6 +124,13 @@ class PlanSpec:
     @property
     def loader_mode(self) -> LoaderMode:
         return get_mode(self.mode)
+
+    def for_data(self, chat: bool) -> PlanSpec:
+        """The spec with packing "auto" resolved: "split" for chat data (a conversation
+        that fits a row is never cut), "fill" for text."""
+        if self.packing != PACKING_BY_DATA:
+            return self
+        return replace(self, packing="split" if chat else "fill")
 
     @property
     def preformed(self) -> bool:

@@ -1,0 +1,230 @@
+"""Chat data end to end: parquet or JSON-lines conversations -> `raypipe tokenize --chat`
+-> Megatron shards with a loss-mask sidecar -> the loader's batch.mask, exact to
+`transformers`' template and mask, with malformed rows counted, conversations kept whole
+and resume across world sizes."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import AddedToken, Tokenizer
+
+from raypipe.config import load_config
+from raypipe.dataset import TokenDataset
+from raypipe.errors import ConfigError, InputError
+from raypipe.loader import TokenLoader
+from raypipe.preprocess.chat import CHATML, ChatEncoder, ChatTemplate
+from raypipe.preprocess.job import run_job
+from tests.test_chat import LLAMA3, SPECIALS, conversations
+
+T = 128
+MALFORMED = [None, [], [{"role": "user", "content": "no answer"}],
+             [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}],
+             "not a list"]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_path(tmp_path_factory, tokenizer_path) -> str:
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIALS])
+    path = tmp_path_factory.mktemp("chat-tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def chats(corpus_texts):
+    return conversations([text for text in corpus_texts if text.strip()])
+
+
+def write_chats(path, rows) -> None:
+    """A parquet file of `rows` conversations (messages as JSON text where a row is not a
+    list of messages: parquet needs one type per column)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    values = [json.dumps(row) for row in rows]
+    pq.write_table(pa.table({"messages": pa.array(values, pa.string())}), path,
+                   row_group_size=250)
+
+
+def expected(tokenizer_path, template, rows, policy="text"):
+    encoder = ChatEncoder(Tokenizer.from_file(tokenizer_path),
+                          ChatTemplate(template, {"bos_token": "<|begin_of_text|>",
+                                                  "eos_token": "<|eot_id|>"}), policy)
+    return [encoder.encode(row) for row in rows]
+
+
+@pytest.fixture(scope="module")
+def chat_output(tmp_path_factory, chat_tokenizer_path, chats):
+    """1,000 conversations and the 5 malformed rows, tokenized with the built-in ChatML."""
+    root = tmp_path_factory.mktemp("chat-job")
+    rows = chats[:500] + MALFORMED + chats[500:]
+    write_chats(root / "in" / "chats.parquet", rows)
+    summary = run_job(load_config(None, inputs=[str(root / "in")], output=str(root / "out"),
+                                  tokenizer=chat_tokenizer_path, chat=True))
+    return root / "out", summary
+
+
+def test_documents_and_masks_equal_the_template_and_transformers_rule(
+        chat_output, chat_tokenizer_path, chats):
+    output, summary = chat_output
+    assert summary.documents == len(chats)
+    assert summary.skipped == {"empty": 1, "no_assistant": 1, "not_a_list": 2,
+                               "unknown_role": 1}  # None reads as not a list either
+    dataset = TokenDataset(output, "megatron")
+    got_ids, got_masks = [], []
+    for shard in range(dataset.num_shards):
+        reader = dataset.reader(shard)
+        starts = reader.document_starts
+        for first, stop in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+            got_ids.append(np.asarray(reader.tokens[first:stop]).tolist())
+            got_masks.append(np.asarray(reader.loss_mask[first:stop]).astype(bool).tolist())
+    want = expected(chat_tokenizer_path, CHATML, chats)
+    assert got_ids == [w.ids.tolist() for w in want]
+    assert got_masks == [w.trained.tolist() for w in want]
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["tokenizer"]["chat_template_sha256"] == ChatTemplate(CHATML, {}).sha256
+    assert manifest["tokenizer"]["bos_id"] is None and manifest["tokenizer"]["eos_id"] is None
+
+
+def test_one_bestfit_epoch_trains_exactly_the_assistant_tokens(chat_output,
+                                                              chat_tokenizer_path, chats):
+    """Every trained token of the data is a target with mask 1 exactly once, except one
+    that begins a row (no target predicts column 0: only pieces of the conversation longer
+    than a row begin rows mid-conversation); no other target has mask 1; every
+    conversation that fits a row is in one row, whole."""
+    output, _ = chat_output
+    want = expected(chat_tokenizer_path, CHATML, chats)
+    loader = TokenLoader(output, seq_len=T, batch_size=1, mode="bestfit", seed=3,
+                         device="cpu")
+    assert loader.spec.packing == "split"  # chat data: conversations kept whole
+    filler = loader.filler(0)
+    targets: Counter = Counter()
+    row_starts = set()
+    pieces_of: Counter = Counter()
+    for batch in loader:
+        (segments,) = filler.segments(batch.positions)
+        mask = batch.mask[0].numpy()
+        for document, start, take, column in zip(segments.documents.tolist(),
+                                                 segments.starts.tolist(),
+                                                 segments.take.tolist(),
+                                                 segments.columns.tolist(), strict=True):
+            pieces_of[document] += 1
+            if column == 0:
+                row_starts.add((document, start))
+            for offset in range(take):
+                if column + offset >= 1 and mask[column + offset - 1]:
+                    targets[(document, start + offset)] += 1
+        if batch.epoch > 0:
+            break
+    trained = {(document, offset) for document, encoded in enumerate(want)
+               for offset in np.flatnonzero(encoded.trained).tolist()}
+    assert set(targets) == trained - row_starts
+    assert max(targets.values()) == 1
+    fits = [document for document, encoded in enumerate(want) if encoded.ids.size <= T + 1]
+    assert all(pieces_of[document] == 1 for document in fits)
+    assert pieces_of[0] > 1  # the long conversation, split into row-sized pieces
+
+
+def test_a_two_rank_run_resumed_at_three_ranks_continues_exactly(chat_output):
+    output, _ = chat_output
+
+    def rows(world, state, steps=None):
+        loaders = [TokenLoader(output, seq_len=T, batch_size=2, mode="bestfit", seed=3,
+                               rank=rank, world_size=world, device="cpu")
+                   for rank in range(world)]
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(state)
+        iterators = [iter(loader) for loader in loaders]
+        seen, done = {}, 0
+        while steps is None or done < steps:
+            batches = [next(iterator, None) for iterator in iterators]
+            if batches[0] is None:
+                break
+            for batch in batches:
+                for row, observation in enumerate(batch.observation_ids.tolist()):
+                    seen[observation] = (batch.inputs[row].tolist(), batch.mask[row].tolist())
+            done += 1
+        for iterator in iterators:
+            iterator.close()
+        return seen, loaders[0].state_dict()
+
+    whole, _ = rows(1, None)
+    first, state = rows(2, None, steps=3)
+    rest, _ = rows(3, state)
+    assert not set(first) & set(rest)
+    resumed = first | rest
+    assert set(resumed) <= set(whole) and len(whole) - len(resumed) < 3 * 2
+    assert all(resumed[observation] == whole[observation] for observation in resumed)
+
+
+def test_a_template_from_tokenizer_config_and_json_lines_input(tmp_path, chat_tokenizer_path,
+                                                               chats):
+    """A Llama-3-style template from the tokenizer_config.json beside the tokenizer (its
+    bos_token rendered), rows from JSON lines, the special policy: ids and masks as the
+    library gives them."""
+    import shutil
+
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    shutil.copy(chat_tokenizer_path, folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": LLAMA3, "bos_token": "<|begin_of_text|>",
+         "eos_token": {"content": "<|eot_id|>"}}))
+    rows = chats[1:200]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "chats.jsonl").write_text(
+        "".join(json.dumps({"messages": row}) + "\n" for row in rows))
+    run_job(load_config(None, inputs=[str(tmp_path / "in")], output=str(tmp_path / "out"),
+                        tokenizer=str(folder / "tokenizer.json"), chat=True,
+                        special_tokens_in_text="special"))
+    dataset = TokenDataset(tmp_path / "out")
+    got = [document.tolist() for document in dataset.iter_documents()]
+    want = expected(chat_tokenizer_path, LLAMA3, rows, policy="special")
+    assert got == [w.ids.tolist() for w in want]
+    assert got[0][0] == Tokenizer.from_file(chat_tokenizer_path).token_to_id(
+        "<|begin_of_text|>")
+
+
+def test_prompt_and_completion_columns_make_a_user_and_an_assistant_turn(
+        tmp_path, chat_tokenizer_path):
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"prompt": ["What is 2 + 2?", "Name a color."],
+                             "completion": ["4", "Blue."]}), tmp_path / "in" / "p.parquet")
+    summary = run_job(load_config(None, inputs=[str(tmp_path / "in")],
+                                  output=str(tmp_path / "out"),
+                                  tokenizer=chat_tokenizer_path, prompt_column="prompt",
+                                  completion_column="completion"))
+    assert summary.documents == 2
+    tokenizer = Tokenizer.from_file(chat_tokenizer_path)
+    reader = TokenDataset(tmp_path / "out").reader(0)
+    first = np.asarray(reader.tokens[:reader.document_starts[1]])
+    trained = np.asarray(reader.loss_mask[:reader.document_starts[1]]).astype(bool)
+    assert tokenizer.decode(first.tolist(), skip_special_tokens=False) == \
+        "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+    assert tokenizer.decode(first[trained].tolist(), skip_special_tokens=False) == \
+        "4<|im_end|>"
+
+
+def test_mostly_malformed_input_is_an_error_naming_the_file_and_row(tmp_path,
+                                                                  chat_tokenizer_path,
+                                                                  chats):
+    write_chats(tmp_path / "in" / "bad.parquet",
+                chats[:5] + [[{"role": "user", "content": "hi"}]] * 20)
+    with pytest.raises(InputError, match=r"bad.parquet.*20 of 25 rows are not conversations "
+                                         r"raypipe trains on \(first: row 5, no_assistant"):
+        run_job(load_config(None, inputs=[str(tmp_path / "in")],
+                            output=str(tmp_path / "out"), tokenizer=chat_tokenizer_path,
+                            chat=True))
+
+
+def test_a_format_that_cannot_hold_a_mask_refuses_chat_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"--chat: format\(s\) nanogpt, mds cannot hold a "
+                                          r"loss mask; the formats that can: megatron"):
+        load_config(None, inputs=["x"], output=str(tmp_path / "o"), tokenizer="t",
+                    chat=True, formats="megatron,nanogpt,mds")
