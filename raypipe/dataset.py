@@ -314,6 +314,16 @@ class TokenDataset(ShardSet):
         local = index - int(self.document_offsets[shard])
         return int(self.token_offsets[shard]) + int(self.reader(shard).document_starts[local])
 
+    def document_loss_mask(self, index: int) -> np.ndarray | None:
+        """Document `index`'s loss mask (uint8 per token; None: the data has none)."""
+        if not self.has_loss_mask:
+            return None
+        shard = int(np.searchsorted(self.document_offsets, index, side="right")) - 1
+        reader = self.reader(shard)
+        starts = reader.document_starts
+        local = index - int(self.document_offsets[shard])
+        return np.asarray(reader.loss_mask[int(starts[local]):int(starts[local + 1])])
+
     def iter_documents(self) -> Iterator[np.ndarray]:
         for index in range(self.num_shards):
             reader = self.reader(index)

@@ -35,3 +35,18 @@ def test_the_tokenize_benchmark_runs_at_a_tiny_size(tmp_path):
     accounting = next(line for line in lines if line.startswith("core-seconds"))
     tokenizing = float(accounting.split("s): ")[1].split(" tokenizing")[0])
     assert tokenizing > 0, accounting  # the units' CPU time reached the bench
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_chat_benchmark_runs_at_a_tiny_size(tmp_path):
+    done = subprocess.run([sys.executable, "bench/chat_bench.py", "--conversations", "300",
+                           "--tokenizer", "shipped", "--repeats", "1", "--seq-lens", "256",
+                           "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tokens equal: True" in done.stdout, done.stdout
+    packed = next(line for line in done.stdout.splitlines() if line.startswith("T=256"))
+    cut = int(packed.split("conversations cut ")[1].split()[0])
+    longer = int(packed.split("longer than a row: ")[1].rstrip(")"))
+    assert "(split packing)" in packed and cut <= longer, packed  # only the overlong are cut

@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+import transformers  # a dev dependency: the reference these tests compare with
 from tokenizers import AddedToken, Tokenizer
 
 from raypipe.preprocess.chat import (
@@ -17,8 +18,6 @@ from raypipe.preprocess.chat import (
     ChatTemplate,
     problem_of,
 )
-
-transformers = pytest.importorskip("transformers")
 
 # Llama 3 Instruct's template (no generation blocks: the mask comes from content spans)
 LLAMA3 = (

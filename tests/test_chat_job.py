@@ -228,3 +228,66 @@ def test_a_format_that_cannot_hold_a_mask_refuses_chat_in_one_line(tmp_path):
                                           r"loss mask; the formats that can: megatron"):
         load_config(None, inputs=["x"], output=str(tmp_path / "o"), tokenizer="t",
                     chat=True, formats="megatron,nanogpt,mds")
+
+
+def test_inspect_shows_a_conversation_with_its_trained_spans_marked(chat_output,
+                                                                   chat_tokenizer_path,
+                                                                   capsys):
+    from raypipe.cli import main
+
+    output, _ = chat_output
+    assert main(["inspect", str(output), "--samples", "2",
+                 "--tokenizer", chat_tokenizer_path]) == 0
+    shown = capsys.readouterr().out
+    line = next(line for line in shown.splitlines() if "conversation 1 (" in line)
+    assert "between [[ ]]" in line and "<|im_start|>assistant\\n[[" in line
+    assert "<|im_end|>]]" in line and "[[<|im_start|>" not in line
+
+
+def test_a_mixture_of_text_and_chat_trains_each_as_its_data_says_and_resumes_exactly(
+        tmp_path, chat_output, chat_tokenizer_path, corpus_dir):
+    """Pretraining text and chat at 0.5 / 0.5: chat rows train only trained tokens, text
+    rows every real target; 2 ranks stopped after 2 steps and resumed at 3 serve each
+    row once, as an uninterrupted run does."""
+    from raypipe.loader import open_loader
+
+    text = tmp_path / "text"
+    run_job(load_config(None, inputs=[str(corpus_dir)], output=str(text),
+                        tokenizer=chat_tokenizer_path, formats=["megatron"]))
+    sources = {"chat": str(chat_output[0]), "text": str(text)}
+    weights = {"chat": 0.5, "text": 0.5}
+
+    def run(world, state, steps=None):
+        loaders = [open_loader(sources, T, 2, weights=weights, mode="bestfit", seed=4,
+                               rank=rank, world_size=world, device="cpu")
+                   for rank in range(world)]
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(state)
+        iterators, seen, done = [iter(loader) for loader in loaders], {}, 0
+        while steps is None or done < steps:
+            batches = [next(iterator, None) for iterator in iterators]
+            if batches[0] is None:
+                break
+            for batch in batches:
+                for row, (source, position) in enumerate(zip(batch.source_ids.tolist(),
+                                                             batch.positions.tolist(),
+                                                             strict=True)):
+                    seen[(source, position)] = (batch.inputs[row].tolist(),
+                                                batch.mask[row].tolist())
+            done += 1
+        for iterator in iterators:
+            iterator.close()
+        return seen, loaders[0].state_dict()
+
+    whole, _ = run(1, None, steps=12)
+    chat_rows = [mask for (source, _), (_, mask) in whole.items() if source == 0]
+    text_rows = [mask for (source, _), (_, mask) in whole.items() if source == 1]
+    assert chat_rows and text_rows
+    assert np.mean([np.mean(mask) for mask in chat_rows]) < 0.9  # prompts are not trained
+    assert np.mean([np.mean(mask) for mask in text_rows]) > 0.99  # text: every real target
+    first, state = run(2, None, steps=2)
+    rest, _ = run(3, state, steps=2)
+    assert not set(first) & set(rest)
+    for key, row in (first | rest).items():
+        assert key not in whole or whole[key] == row

@@ -39,6 +39,26 @@ def _show(tokens: np.ndarray, decoder: Any, chars: int = 200) -> str:
     return repr(decoder.decode(tokens.tolist(), skip_special_tokens=False)[:chars])
 
 
+TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"  # around the trained spans of a conversation
+
+
+def _show_trained(tokens: np.ndarray, trained: np.ndarray, decoder: Any,
+                  chars: int = 600) -> str:
+    """A conversation decoded, its trained spans (loss mask 1) between [[ and ]]."""
+    if decoder is None:
+        return f"trained ids {tokens[trained.astype(bool)][:24].tolist()}..."
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], trained.astype(np.int8), [0]])))
+    cuts = [0, *edges.tolist(), tokens.size]
+    parts = []
+    for start, stop in zip(cuts[:-1], cuts[1:], strict=True):
+        if stop <= start:
+            continue
+        text = decoder.decode(tokens[start:stop].tolist(), skip_special_tokens=False)
+        inside = bool(trained[start])
+        parts.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if inside else text)
+    return repr("".join(parts)[:chars])
+
+
 def inspect_dataset(root: str | Path | Store, samples: int = 3, tokenizer: str | None = None,
                     plot: str | Path | None = None) -> str:
     if is_mixture_spec(root):
@@ -140,6 +160,12 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
     for index, tokens in enumerate(dataset.iter_documents()):
         if index >= samples:
             break
+        trained = dataset.document_loss_mask(index)
+        if trained is not None:  # chat data: the conversation, its trained spans marked
+            lines.append(f"  conversation {index} ({tokens.size} tokens, {int(trained.sum())} "
+                         f"trained, between {TRAINED_OPEN} {TRAINED_CLOSE}): "
+                         f"{_show_trained(tokens, trained, decoder)}")
+            continue
         lines.append(f"  sample {index} ({tokens.size} tokens): {_show(tokens, decoder)}")
         if dataset.format.window_metadata and dataset.format_options.metadata:
             start = int(dataset.document_starts_global(index))
