@@ -19,14 +19,13 @@ def tokenize(inputs: Any, output: str, tokenizer: str,
 
     `inputs`: parquet / JSON-lines files, directories or globs (a string or a list), or a
     `ray.data.Dataset` with a text column (each block becomes one unit, named by the hash
-    of its rows). `formats`: names of registered formats (default: megatron and nanogpt).
+    of its rows). `formats`: names of registered formats (default: megatron and nanogpt;
+    with chat=True, the formats that hold a loss mask).
     Options are TokenizeConfig fields (text_column, bos, eos, shard_tokens, ...). Returns
     the JobSummary."""
     from raypipe.config import load_config
-    from raypipe.formats import DEFAULT_FORMATS
     from raypipe.ray.executor import describe_dataset, run_tokenize
 
-    formats = DEFAULT_FORMATS if formats is None else formats
     dataset = inputs if _is_ray_dataset(inputs) else None
     config = load_config(None, inputs=[describe_dataset(dataset)] if dataset is not None
                          else inputs, output=output, tokenizer=tokenizer, formats=formats,

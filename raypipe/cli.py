@@ -201,9 +201,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser, defaults: bool) -> None:
     parser.add_argument("--seed", type=int, default=default(0), help="the loader's seed")
     parser.add_argument("--block-documents", type=int, default=default(4096),
                         help="bestfit: documents per packing block (at least)")
-    parser.add_argument("--packing", default=default("fill"), choices=list(PACKINGS),
+    parser.add_argument("--packing", default=default("auto"),
+                        choices=[*PACKINGS, "auto"],
                         help="bestfit mode: fill (every token, full rows), split (every "
-                        "token, documents whole where they fit, padded) or crop (nanochat's)")
+                        "token, documents whole where they fit, padded), crop (nanochat's) "
+                        "or auto (split for chat data, fill for text)")
     parser.add_argument("--format", default=None, help="megatron or nanogpt (default: any)")
     parser.add_argument("--shuffle", default=default("global"),
                         choices=["global", "shard_local"], help="the loader's shuffle")

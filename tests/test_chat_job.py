@@ -291,3 +291,20 @@ def test_a_mixture_of_text_and_chat_trains_each_as_its_data_says_and_resumes_exa
     assert not set(first) & set(rest)
     for key, row in (first | rest).items():
         assert key not in whole or whole[key] == row
+
+
+def test_the_packing_report_counts_the_loss_masks_trained_tokens(chat_output,
+                                                                 chat_tokenizer_path, chats,
+                                                                 capsys):
+    from raypipe.cli import main
+
+    output, _ = chat_output
+    trained = sum(int(w.trained.sum()) for w in expected(chat_tokenizer_path, CHATML, chats))
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["totals"]["trained_tokens"] == trained
+    assert main(["pack-report", str(output), "--seq-len", str(T)]) == 0
+    report = capsys.readouterr().out
+    assert "bestfit (split) rows" in report  # auto packing: split for chat data
+    assert f"loss mask 1     {trained:,} (" in report
+    loader = TokenLoader(output, seq_len=T, batch_size=2, device="cpu")
+    assert loader.packing_report().loss_mask_tokens == trained

@@ -183,3 +183,32 @@ def test_a_driver_killed_mid_job_then_rerun_gives_the_clean_runs_bytes(
     assert summary.units_run <= summary.units - committed
     assert shard_files(output) == shard_files(clean)
     assert sorted(p.name for p in output.rglob("*.tmp")) == []
+
+
+@pytest.mark.slow
+def test_a_dataset_of_conversations_tokenizes_with_its_loss_mask(ray_session, tmp_path,
+                                                                 tokenizer_path):
+    """A Ray Dataset with a `messages` column (list of structs) under --chat: its
+    conversations in the Dataset's order, ids and masks as the chat encoder gives them."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from raypipe.preprocess.chat import CHATML, ChatEncoder, ChatTemplate
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    tokenizer.add_special_tokens([AddedToken("<|im_start|>", special=True),
+                                  AddedToken("<|im_end|>", special=True)])
+    chat_tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.save(str(chat_tokenizer))
+    rows = [{"messages": [{"role": "user", "content": f"question {index}?"},
+                          {"role": "assistant", "content": f"answer {index}."}]}
+            for index in range(40)]
+    dataset = ray_session.data.from_items(rows, override_num_blocks=4)
+    summary = raypipe.tokenize(dataset, str(tmp_path / "out"), str(chat_tokenizer),
+                               chat=True)
+    assert summary.documents == 40 and summary.units == 4
+    encoder = ChatEncoder(tokenizer, ChatTemplate(CHATML, {}))
+    want = [encoder.encode(row["messages"]) for row in rows]
+    got = TokenDataset(tmp_path / "out")
+    assert [d.tolist() for d in got.iter_documents()] == [w.ids.tolist() for w in want]
+    assert [got.document_loss_mask(i).astype(bool).tolist() for i in range(40)] == \
+        [w.trained.tolist() for w in want]

@@ -288,6 +288,7 @@ class UnitRecord(JsonRecord):
     # the rows that made no document, as runs (first row in the unit, count, ...): with the
     # unit's first row, document k's input row (None: a record from before 0.5)
     skipped_runs: tuple[int, ...] | None = None
+    trained_tokens: int | None = None  # chat data: tokens whose loss mask is 1
 
     def __post_init__(self) -> None:
         if isinstance(self.unit, dict):
@@ -387,6 +388,13 @@ class Totals(JsonRecord):
     shards: int = 0
     bytes: int = 0
     special_literals: int = 0
+    trained_tokens: int | None = None  # chat data: tokens whose loss mask is 1
+
+
+def trained_total(records: Iterable[UnitRecord]) -> int | None:
+    """The units' trained tokens (chat data), None when no unit counts them."""
+    counted = [r.trained_tokens for r in records if r.trained_tokens is not None]
+    return sum(counted) if counted else None
 
 
 @dataclass(frozen=True)
@@ -421,7 +429,8 @@ class Manifest(JsonRecord):
                             tokens=sum(r.tokens for r in records),
                             skipped=dict(sorted(skipped.items())),
                             shards=sum(len(r.shards) for r in records),
-                            special_literals=sum(r.special_literals for r in records))
+                            special_literals=sum(r.special_literals for r in records),
+                            trained_tokens=trained_total(records))
         totals = dataclasses.replace(totals, bytes=sum(s.bytes for s in formats.values()))
         return cls(fingerprint=fingerprint, tokenizer=tokenizer, formats=dict(formats),
                    config=config, units=tuple(UnitSummary.of(r) for r in records),

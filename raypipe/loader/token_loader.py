@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +150,10 @@ class TokenLoader:
         return max(0, (self.plan().size - self.position) // self.global_batch)
 
     def packing_report(self, epoch: int | None = None) -> PackingReport:
-        return self.plan(epoch).report()
+        """What the epoch's rows make of the data (chat data: with its loss mask's count)."""
+        report = self.plan(epoch).report()
+        trained = getattr(self.dataset.manifest.totals, "trained_tokens", None)
+        return report if trained is None else replace(report, loss_mask_tokens=trained)
 
     # ----- iteration --------------------------------------------------------------------
     def filler(self, epoch: int) -> BatchFiller:

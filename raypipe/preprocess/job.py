@@ -112,7 +112,7 @@ class Source(Protocol):
     passed_over: tuple[str, ...]  # input-looking files not read (named in the summary)
 
     def input_names(self) -> list[str]: ...
-    def check(self, runner: UnitRunner, text_column: str) -> None: ...
+    def check(self, runner: UnitRunner, columns: list[str]) -> None: ...
     def open(self, output: Store, accepted: set[str]) -> bool: ...
     @property
     def progress_units(self) -> list[WorkUnit] | None: ...
@@ -136,7 +136,8 @@ class Job:
         return self.resolved.settings.config
 
     def run(self, source: Source, started: float) -> JobSummary:
-        source.check(self.runner, self.config.text_column)  # before the output is touched
+        # before the output is touched: the columns a unit reads
+        source.check(self.runner, self.resolved.settings.columns)
         with output_lock(self.resolved.settings.output):
             return self._run_locked(source, started)
 

@@ -51,8 +51,9 @@ class UnitRunner(Protocol):
     def run(self, units: list[WorkUnit], settings: UnitSettings) -> Iterator[UnitRecord]:
         """Records of `units` as they commit."""
 
-    def sample_texts(self, dataset: Any, text_column: str, rows: int) -> list[str]:
-        """Texts of the Dataset's first rows; refuses a Dataset without the column."""
+    def sample_texts(self, dataset: Any, columns: list[str], rows: int) -> list[str]:
+        """Texts of the first of `columns` in the Dataset's first rows; refuses a Dataset
+        without one of them."""
 
     def run_blocks(self, dataset: Any, settings: UnitSettings, committed: frozenset[str],
                    label: str) -> Iterator[BlockRun]:
@@ -93,7 +94,7 @@ class SerialRunner:
             encoder = encoder or make_encoder(settings, self.tokenizer)
             yield tokenize_unit(unit, settings, encoder)
 
-    def sample_texts(self, dataset: Any, text_column: str, rows: int) -> list[str]:
+    def sample_texts(self, dataset: Any, columns: list[str], rows: int) -> list[str]:
         raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")
 
     def run_blocks(self, dataset: Any, settings: UnitSettings, committed: frozenset[str],

@@ -40,7 +40,7 @@ class PlannedUnits:
     def input_names(self) -> list[str]:
         return sorted({unit.uri for unit in self.units})
 
-    def check(self, runner: UnitRunner, text_column: str) -> None:
+    def check(self, runner: UnitRunner, columns: list[str]) -> None:
         """Nothing left to check: planning read every file's schema."""
 
     def open(self, output: Store, accepted: set[str]) -> bool:
@@ -98,10 +98,10 @@ class DatasetBlocks:
     def input_names(self) -> list[str]:
         return [self.label]
 
-    def check(self, runner: UnitRunner, text_column: str) -> None:
-        """Before the output is touched: refuse a Dataset without the text column (this
-        starts Ray), and keep its first texts for the self-check."""
-        self.sample_rows = runner.sample_texts(self.dataset, text_column, SAMPLE_ROWS)
+    def check(self, runner: UnitRunner, columns: list[str]) -> None:
+        """Before the output is touched: refuse a Dataset without the columns a unit reads
+        (this starts Ray), and keep its first texts for the self-check."""
+        self.sample_rows = runner.sample_texts(self.dataset, columns, SAMPLE_ROWS)
 
     def open(self, output: Store, accepted: set[str]) -> bool:
         for _, record in unit_records(output):

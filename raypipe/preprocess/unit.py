@@ -188,6 +188,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
     rows = documents = tokens_total = special_literals = 0
     chat = chat_encoder(settings, encoder) if config.chat else None
     malformed = MalformedRows()
+    trained_tokens = 0
     try:
         for batch in batches:
             if chat is not None:
@@ -196,6 +197,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
                 skipped.update(done.skipped)
                 skipped_runs.add(done.kept, batch.num_rows, rows)
                 roller.add(done.tokens, done.lengths, None, done.loss_mask)
+                trained_tokens += int(done.loss_mask.sum())
                 rows += batch.num_rows
                 documents += len(done.lengths)
                 tokens_total += int(done.tokens.size)
@@ -232,6 +234,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
         unit=unit, fingerprint=settings.fingerprint, rows=rows, documents=documents,
         tokens=tokens_total, skipped=dict(sorted((+skipped).items())), shards=tuple(shards),
         special_literals=special_literals, skipped_runs=tuple(skipped_runs.runs),
+        trained_tokens=trained_tokens if chat is not None else None,
         seconds=round(time.perf_counter() - started, 4),
         cpu_seconds=round(encoder.cpu_seconds() - started_cpu, 4), started_at=started_at,
         finished_at=time.time(),

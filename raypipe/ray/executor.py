@@ -275,16 +275,20 @@ class RayDataRunner:
              context.enable_fallback_to_arrow_object_ext_type) = saved
             self._finish()
 
-    def sample_texts(self, dataset: Any, text_column: str, rows: int) -> list[str]:
-        """Up to `rows` texts from the Dataset's first rows (for the encoder's self-check);
-        refuses a Dataset without the text column, naming its columns."""
+    def sample_texts(self, dataset: Any, columns: list[str], rows: int) -> list[str]:
+        """Up to `rows` texts of the first of `columns` from the Dataset's first rows (for
+        the encoder's self-check; none where it holds no text: chat rows); refuses a Dataset
+        without one of `columns`, naming its columns."""
         self.connect()  # raypipe's session (loopback, address), before Ray Data would init one
-        columns = dataset.columns()
-        if text_column not in columns:
-            raise InputError(f"{describe_dataset(dataset)}: text column {text_column!r} not "
-                             f"found; available columns: {columns}")
-        sample = dataset.select_columns([text_column]).take_batch(rows, batch_format="pyarrow")
-        return clean_texts(sample.column(text_column))[0]
+        available = dataset.columns()
+        missing = [name for name in columns if name not in available]
+        if missing:
+            role = "text column" if len(columns) == 1 else "column(s)"
+            shown = repr(missing[0]) if len(missing) == 1 else str(missing)
+            raise InputError(f"{describe_dataset(dataset)}: {role} {shown} not found; "
+                             f"available columns: {available}")
+        sample = dataset.select_columns(columns[:1]).take_batch(rows, batch_format="pyarrow")
+        return clean_texts(sample.column(columns[0]))[0]
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ class PackingReport:
     padded_tokens: int
     dropped_tokens: int
     total_tokens: int
+    loss_mask_tokens: int | None = None  # chat data: tokens its loss mask trains (mask 1)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> PackingReport:
@@ -111,7 +112,9 @@ class PackingReport:
             f"{self.dropped_tokens:,}",
             f"padding         {self.padded_tokens:,} ({self.padded_tokens / positions:.2%} "
             "of the positions)",
-        ]
+        ] + ([] if self.loss_mask_tokens is None else [
+            f"loss mask 1     {self.loss_mask_tokens:,} ({self.loss_mask_tokens / total:.2%} "
+            "of the tokens: the targets chat data trains)"])
 
     def render(self) -> str:
         return "\n".join(self.lines())

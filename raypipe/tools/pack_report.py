@@ -8,6 +8,7 @@ reported (a vectorized pass over the lengths for bestfit fill: docs/scale.md).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ MIXTURE_ROWS_PER_STEP = 8
 
 def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", seed: int = 0,
                 epoch: int = 0, epochs: int = 1, block_documents: int = 4096,
-                format_name: str | None = None, packing: str = "fill",
+                format_name: str | None = None, packing: str = "auto",
                 shuffle: str = "global", group_shards: int = 4) -> str:
     """The report for `epochs` epochs from `epoch`, as printed text (a dataset on object
     storage: only its index files are fetched; a mixture YAML: each source's report, and the
@@ -37,6 +38,7 @@ def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", s
     if spec.preformed:
         return llmbatch_report(str(dataset_path))
     dataset = TokenDataset(dataset_path, format_name)
+    spec = spec.for_data(dataset.has_loss_mask)
     return render(str(dataset_path), dataset, spec, epoch_plans(dataset, spec, epoch_range))
 
 
@@ -70,7 +72,11 @@ def render(where: str, dataset: TokenDataset, spec: PlanSpec,
     for epoch, plan in plans:
         if len(plans) > 1:
             lines.append(f"-- epoch {epoch}")
-        lines.append(plan.report().render())
+        report = plan.report()
+        if dataset.manifest.totals.trained_tokens is not None:  # chat data: its loss mask
+            report = dataclasses.replace(
+                report, loss_mask_tokens=dataset.manifest.totals.trained_tokens)
+        lines.append(report.render())
     return "\n".join(lines)
 
 
@@ -89,11 +95,12 @@ def mixture_report(spec_path: str, spec: PlanSpec, epochs: range) -> str:
              f"   (over {MIXTURE_STEPS:,} steps of {MIXTURE_ROWS_PER_STEP} rows)"]
     sections = []
     for index, name in enumerate(names):
-        plans = epoch_plans(datasets[name], spec, epochs)
+        source_spec = spec.for_data(datasets[name].has_loss_mask)
+        plans = epoch_plans(datasets[name], source_spec, epochs)
         observations = plans[0][1].size
         served = shares[index] * rows / observations if observations else float("nan")
         lines.append(f"{name:<16}{tokens[name]:>16,}{weights[index]:>10.4f}"
                      f"{shares[index]:>12.4f}{served:>10.2f}")
         sections.append(f"== source {name} (weight {weights[index]:.4f})\n"
-                        + render(mixture[name].path, datasets[name], spec, plans))
+                        + render(mixture[name].path, datasets[name], source_spec, plans))
     return "\n".join(lines + [""] + sections)
