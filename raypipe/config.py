@@ -37,7 +37,8 @@ NANOGPT_MAX_TOKENS = 2**31 - 1
 # fields added after 0.1 -> the value that behaves as 0.1 did (not part of the fingerprint)
 LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 << 30,
                  "chat": False, "messages_column": "messages", "prompt_column": None,
-                 "completion_column": None, "chat_template": None, "train_on": "assistant"}
+                 "completion_column": None, "chat_template": None, "train_on": "assistant",
+                 "mds_concat_tokens": None}
 TRAIN_ON = ("assistant", "last-assistant", "all")
 # keys of earlier releases that no longer do anything -> why (a config holding one loads,
 # with a warning)
@@ -57,7 +58,8 @@ EOS_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.separator == "e
 
 # the config fields that set format options: {option name: TokenizeConfig field}
 FORMAT_OPTION_FIELDS = {"metadata": "metadata", "serializer": "metadata_serializer",
-                        "compression": "mds_compression"}
+                        "compression": "mds_compression",
+                        "concat_tokens": "mds_concat_tokens"}
 
 
 def flag_of(name: str) -> str:
@@ -163,6 +165,12 @@ class TokenizeConfig:
     span_column: str | None = option(None, help="stream: column of [{start, end, ...}] "
                                                 "character spans")
     metadata_serializer: str = option("json", help="stream: json or msgpack")
+    mds_concat_tokens: int | None = option(None, help="mds: samples of exactly N tokens, "
+                                                      "documents back to back (LLM "
+                                                      "Foundry's --concat_tokens; each "
+                                                      "shard's tail under N is dropped and "
+                                                      "counted); default: a sample per "
+                                                      "document")
     mds_compression: str | None = option(None, help="mds: zstd compresses each shard whole "
                                                     "(default: none, so shards map "
                                                     "without a copy)")

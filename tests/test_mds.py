@@ -93,3 +93,40 @@ def test_convert_to_mds_is_read_by_streaming_and_back_is_lossless(tmp_path, corp
                  "megatron"]) == 0
     assert [d.tolist() for d in TokenDataset(tmp_path / "back").iter_documents()] == documents
     capsys.readouterr()
+
+
+def test_concat_tokens_writes_fixed_length_samples_that_streaming_reads(
+        tmp_path, corpus_dir, tokenizer_path, caplog):
+    """`--mds-concat-tokens 64` (LLM Foundry's --concat_tokens): every sample holds exactly
+    64 tokens, the samples of a shard are its documents back to back, each shard's tail
+    under 64 is dropped and counted in the summary; Megatron beside it keeps every
+    document."""
+    import logging
+
+    from raypipe.io.manifest import read_manifest
+
+    output = tmp_path / "out"
+    config = load_config(None, inputs=[str(corpus_dir)], output=str(output),
+                         tokenizer=tokenizer_path, unit_bytes=1, shard_tokens=1_000,
+                         formats=["megatron", "mds"], mds_concat_tokens=64)
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        summary = run_job(config)
+    samples = streaming_samples(output / "mds")
+    assert samples and all(sample["tokens"].size == 64 for sample in samples)
+    manifest = read_manifest(output)
+    megatron, mds = manifest.formats["megatron"], manifest.formats["mds"]
+    got = [sample["tokens"].tolist() for sample in samples]
+    at = 0
+    for documents_shard, samples_shard in zip(megatron.shards, mds.shards, strict=True):
+        reader = TokenDataset(output, "megatron").reader(megatron.shards.index(documents_shard))
+        stream = np.asarray(reader.tokens).tolist()
+        count = samples_shard.documents
+        assert count == len(stream) // 64 and samples_shard.tokens == count * 64
+        assert [token for sample in got[at:at + count] for token in sample] == \
+            stream[:count * 64]
+        at += count
+    dropped = manifest.totals.tokens - sum(shard.tokens for shard in mds.shards)
+    assert 0 < dropped < 64 * len(mds.shards)
+    assert f"dropped {dropped:,} tokens" in summary.render()
+    assert "dropped as shard tails" in caplog.text  # small shards: over 1% dropped, warned
+    assert sum(shard.tokens for shard in megatron.shards) == manifest.totals.tokens

@@ -192,6 +192,9 @@ class Format:
     # --data-path: the path without .bin/.idx); None: no such argument
     trainer_prefix: Callable[[ShardEntry], str] | None = None
     holds_loss_mask: bool = False  # its shards can store a per-token loss mask (chat data)
+    # a line of the job summary on what the format made of the tokens (its section and the
+    # job's total tokens -> the line; None: nothing to add)
+    summary_line: Callable[[FormatSection, int], str | None] = lambda section, total: None
 
     def token_dtype(self, largest_id: int) -> np.dtype:
         return self.dtype_for_largest_id(largest_id)

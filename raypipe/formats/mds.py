@@ -19,6 +19,7 @@ tokens and no zero-copy view exists.
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,8 @@ COMPRESSIONS = (None, "zstd")
 COLUMNS = ("id", "source", "tokens")  # MDS orders columns by name
 SHAPE_WIDTHS = {0: 1, 1: 2, 2: 4, 3: 8}  # MDS ndarray shape dtype code -> bytes
 COPY_CHUNK = 8 << 20
+CONCAT_DROP_WARNING = 0.01  # share of the tokens dropped as shard tails that is warned about
+logger = logging.getLogger("raypipe")
 
 
 def token_encoding(dtype: np.dtype) -> str:
@@ -74,13 +77,45 @@ def encode_sample(row: int, source: bytes, tokens: np.ndarray) -> bytes:
             + np.int64(row).astype("<i8").tobytes() + source + encoded)
 
 
+class Concatenation:
+    """LLM Foundry's `--concat_tokens N`: documents back to back, cut into samples of
+    exactly N tokens; a sample's id and source are those of the document its first token
+    belongs to. The shard's tail under N tokens is dropped (`pending` at commit: counted
+    in the manifest, as the shard's tokens fall short of its documents')."""
+
+    def __init__(self, size: int, dtype: np.dtype):
+        self.size = size
+        self.pending = np.empty(0, dtype)
+        self.pending_owner: tuple[int, str] | None = None
+
+    def samples(self, tokens: np.ndarray, lengths: np.ndarray,
+                owners: list[tuple[int, str]]) -> list[tuple[tuple[int, str], np.ndarray]]:
+        stream = np.concatenate([self.pending, tokens])
+        lead = [self.pending_owner] if self.pending_owner is not None else []
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else []
+        starts = [0] * len(lead) + [self.pending.size + int(at) for at in offsets]
+        who = lead + owners
+        count = stream.size // self.size
+        out = []
+        for index in range(count):
+            first = index * self.size
+            owner = who[int(np.searchsorted(starts, first, side="right")) - 1]
+            out.append((owner, stream[first:first + self.size]))
+        cut = count * self.size
+        self.pending = stream[cut:].copy()
+        self.pending_owner = (who[int(np.searchsorted(starts, cut, side="right")) - 1]
+                              if self.pending.size else None)
+        return out
+
+
 class MDSWriter(ShardWriter):
     """Appends documents as MDS samples; the header (sample offsets) is written at commit,
     so samples go to a spool file first."""
 
     def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None,
-                 compression: str | None = None):
+                 compression: str | None = None, concat_tokens: int | None = None):
         super().__init__(directory, name, np.dtype(token_dtype).newbyteorder("<"), bos_id)
+        self.concat = Concatenation(concat_tokens, self.token_dtype) if concat_tokens else None
         if compression not in COMPRESSIONS:
             raise FormatError(self.directory / name, "mds compression", COMPRESSIONS,
                               compression)
@@ -89,27 +124,34 @@ class MDSWriter(ShardWriter):
                                  sort_keys=True).encode()
         self.spool = tempfile.TemporaryFile(dir=self.directory, prefix=f".{name}.samples.")
         self.sizes: list[int] = []
+        self.documents_seen = 0
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
         check_token_range(tokens, self.token_dtype, str(self.directory / self.name))
         tokens = np.ascontiguousarray(tokens, dtype=self.token_dtype)
-        ends = np.cumsum(lengths)
         records = metadata if isinstance(metadata, list) else None
-        for index, (stop, length) in enumerate(zip(ends.tolist(), lengths.tolist(),
-                                                   strict=True)):
+        owners = [(int(records[index].record["row"]), str(records[index].record["source"]))
+                  if records is not None else (self.documents_seen + index, self.name)
+                  for index in range(len(lengths))]  # without metadata: index in the shard
+        self.documents_seen += len(lengths)
+        if self.concat is not None:
+            for (row, source), sample in self.concat.samples(tokens, lengths, owners):
+                self._write(row, source, sample)
+            return
+        ends = np.cumsum(lengths)
+        for (row, source), stop, length in zip(owners, ends.tolist(), lengths.tolist(),
+                                               strict=True):
             if length < 1:
                 raise FormatError(self.directory / self.name, "an MDS sample needs >= 1 "
                                   "token (an empty document)", ">= 1", length)
-            if records is not None:
-                row, source = records[index].record["row"], records[index].record["source"]
-            else:  # documents without metadata (convert): their index in this shard
-                row, source = self.num_documents + index, self.name
-            sample = encode_sample(int(row), str(source).encode(),
-                                   tokens[stop - length:stop])
-            self.spool.write(sample)
-            self.sizes.append(len(sample))
-        self.num_documents += len(lengths)
-        self.num_tokens += int(tokens.size)
+            self._write(row, source, tokens[stop - length:stop])
+
+    def _write(self, row: int, source: str, sample_tokens: np.ndarray) -> None:
+        sample = encode_sample(row, source.encode(), sample_tokens)
+        self.spool.write(sample)
+        self.sizes.append(len(sample))
+        self.num_documents += 1
+        self.num_tokens += int(sample_tokens.size)
 
     def _raw_header(self) -> bytes:
         count = len(self.sizes)
@@ -267,17 +309,41 @@ def mds_dtype(largest_id: int) -> np.dtype:
 
 @dataclass(frozen=True)
 class MDSOptions(FormatOptions):
-    """compression: None (shards map without a copy) or "zstd" (each shard one frame)."""
+    """compression: None (shards map without a copy) or "zstd" (each shard one frame);
+    concat_tokens: None (a sample per document) or N (LLM Foundry's --concat_tokens:
+    samples of exactly N tokens, documents back to back)."""
 
     compression: str | None = None
+    concat_tokens: int | None = None
 
     def check(self, where: str) -> None:
         if self.compression not in COMPRESSIONS:
             raise FormatError(where, f"mds compression {self.compression!r} not among "
                               f"{list(COMPRESSIONS)}")
+        if self.concat_tokens is not None and self.concat_tokens < 1:
+            raise FormatError(where, f"mds concat_tokens {self.concat_tokens} must be >= 1")
+
+
+def concat_summary(section: FormatSection, total_tokens: int) -> str | None:
+    """The summary line of a concatenated MDS output: samples, and the shards' tails under
+    N tokens that were dropped."""
+    size = section.options.get("concat_tokens")
+    if not size:
+        return None
+    samples = sum(shard.documents or 0 for shard in section.shards)
+    kept = sum(shard.tokens or 0 for shard in section.shards)
+    dropped = total_tokens - kept
+    if dropped > CONCAT_DROP_WARNING * total_tokens:
+        logger.warning("mds: %d tokens (%.1f%%) dropped as shard tails under %d tokens; raise "
+                       "--shard-tokens or --unit-bytes (fewer, larger shards drop less)",
+                       dropped, 100 * dropped / max(total_tokens, 1), size)
+    return (f"{samples:,} samples of {size} tokens (documents back to back); dropped "
+            f"{dropped:,} tokens ({dropped / max(total_tokens, 1):.3%}): each shard's tail "
+            f"under {size}")
 
 
 MDS = register(Format(NAME, (RAW, ZSTD), MDSWriter, MDSReader, mds_dtype,
                       options_type=MDSOptions, read_order=400,
                       wants_metadata=lambda options: True,
-                      dataset_index=(f"{NAME}/{INDEX}", index_bytes), separator="eos"))
+                      dataset_index=(f"{NAME}/{INDEX}", index_bytes), separator="eos",
+                      summary_line=concat_summary))

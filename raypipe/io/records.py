@@ -245,12 +245,15 @@ class ShardEntry(JsonRecord):
 
 @dataclass(frozen=True)
 class UnitShard(JsonRecord):
-    """One shard a unit wrote: the same documents in every format of the job."""
+    """One shard a unit wrote: the same documents in every format of the job, except a
+    format that stores them otherwise (MDS concatenated into fixed-length samples), whose
+    [records, tokens] are in `counts`."""
 
     name: str
     documents: int
     tokens: int
     files: dict[str, tuple[FileEntry, ...]]
+    counts: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", {name: _tuple_of(FileEntry, entries, self.name)
@@ -264,8 +267,9 @@ class UnitShard(JsonRecord):
 
 
     def entry(self, format_name: str) -> ShardEntry:
-        return ShardEntry(self.name, self.files[format_name], documents=self.documents,
-                          tokens=self.tokens)
+        documents, tokens = self.counts.get(format_name, (self.documents, self.tokens))
+        return ShardEntry(self.name, self.files[format_name], documents=documents,
+                          tokens=tokens)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ environment), nothing is registered. Install: `pip install 'raypipe[mds]'` then
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -38,6 +39,8 @@ def import_streaming() -> Any:
             if name.split(".")[0] == top and name not in sys.modules:
                 module = types.ModuleType(name)
                 module.__dict__.update(attributes)
+                # a spec, so that `importlib.util.find_spec` (transformers asks it) answers
+                module.__spec__ = importlib.machinery.ModuleSpec(name, None)
                 sys.modules[name] = module
     try:
         return importlib.import_module("streaming")

@@ -270,11 +270,22 @@ def summarize(config: TokenizeConfig, manifest: Manifest, output: Store, started
         wall_seconds=time.perf_counter() - started,
         peak_rss_bytes=max((r.peak_rss_bytes for r in fresh), default=0),
         steady_seconds=steady_seconds(fresh),
-        packing={name: packing_line(section.options) for name, section in
-                 manifest.formats.items() if "used_tokens" in section.options},
+        packing=format_lines(manifest),
         special_literals=totals.special_literals,
         special_policy=config.special_tokens_in_text,
         backend=manifest.tokenizer.backend, backend_reason=backend_reason, **extra)
+
+
+def format_lines(manifest: Manifest) -> dict[str, str]:
+    """Per format, the summary's line on what it made of the tokens: a batch format's
+    packing, or the format's own (MDS concatenated into fixed-length samples)."""
+    lines = {}
+    for name, section in manifest.formats.items():
+        line = (packing_line(section.options) if "used_tokens" in section.options
+                else get_format(name).summary_line(section, manifest.totals.tokens))
+        if line:
+            lines[name] = line
+    return lines
 
 
 def add_batch_formats(config: TokenizeConfig, output: Store, manifest: Manifest) -> Manifest:

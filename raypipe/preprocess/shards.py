@@ -57,7 +57,7 @@ class ShardRoller:
         self.dtypes = spec.token_dtypes()
         self.writers: list[ShardWriter] = []
         self.shards: list[UnitShard] = []
-        self.open_tokens = 0
+        self.open_tokens = self.open_documents = 0
 
     def _open(self) -> None:
         name = f"{self.unit_name}-{len(self.shards):04d}"
@@ -66,7 +66,7 @@ class ShardRoller:
         self.writers = [fmt.writer(self.output / fmt.name, name, self.dtypes[fmt.name],
                                    self.spec.bos_id, **self._options(fmt.name))
                         for fmt in self.formats]
-        self.open_tokens = 0
+        self.open_tokens = self.open_documents = 0
 
     def _options(self, name: str) -> dict[str, Any]:
         """The keyword options format `name`'s writer takes."""
@@ -81,9 +81,12 @@ class ShardRoller:
         for fmt, writer in zip(self.formats, self.writers, strict=True):
             with storage_errors(writer):
                 files[fmt.name] = tuple(writer.commit())
-        first = self.writers[0]
-        shard = UnitShard(first.name, first.num_documents, first.num_tokens, files)
-        self.writers, self.open_tokens = [], 0
+        documents, tokens = self.open_documents, self.open_tokens
+        counts = {fmt.name: [writer.num_documents, writer.num_tokens]
+                  for fmt, writer in zip(self.formats, self.writers, strict=True)
+                  if (writer.num_documents, writer.num_tokens) != (documents, tokens)}
+        shard = UnitShard(self.writers[0].name, documents, tokens, files, counts)
+        self.writers, self.open_tokens, self.open_documents = [], 0, 0
         if self.staging is not None:
             try:
                 shard = self.staging.publish_shard(shard)
@@ -117,6 +120,7 @@ class ShardRoller:
                     if loss_mask is not None:
                         writer.add_loss_mask(loss_mask[base:int(ends[stop - 1])])
             self.open_tokens += int(chunk.size)
+            self.open_documents += stop - first
             first = stop
             if first < len(lengths):
                 self._close()
