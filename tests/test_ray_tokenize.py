@@ -136,3 +136,18 @@ def test_a_small_job_on_a_loaded_machine_runs_as_a_ray_data_dataset(ray_session,
     assert summary.units_run == summary.units == len(list(corpus_dir.glob("*.parquet")))
     assert len(ray_data_plans("MapBatches(TokenizeUnits)") - before) == 1
     assert summary.data_startup_seconds > 0 and "Ray start" in summary.render()
+
+
+def test_a_run_prints_no_ray_line_at_error_level_and_no_progress_bar_notice(
+        ray_session, tmp_path, corpus_dir, tokenizer_path, capfd):
+    """What reaches the terminal (fd 2, where Ray's C++ core worker writes): raypipe's lines
+    and Ray Data's plan, not Ray's error line for every map actor (ray-project/ray#57733)
+    nor its "Progress bars disabled" notice."""
+    code = main(["tokenize", str(corpus_dir), "--tokenizer", tokenizer_path, "--output",
+                 str(tmp_path / "out"), "--unit-bytes", "1", "--num-workers", "2"])
+    captured = capfd.readouterr()
+    err = captured.err
+    assert code == 0 and "raypipe tokenize -> " in captured.out
+    assert "has constructor arguments in the object store" not in err
+    assert "Progress bars disabled" not in err
+    assert "units (100%)" in err  # raypipe's own progress still gets through the filter

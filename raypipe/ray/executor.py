@@ -43,7 +43,8 @@ from raypipe.preprocess.job import JobSummary, run_dataset_job, run_job
 from raypipe.preprocess.runners import BlockRun, make_encoder
 from raypipe.preprocess.texts import clean_texts
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
-from raypipe.ray.session import cluster_cpus, ensure_ray
+from raypipe.ray.session import cluster_cpus, ensure_ray, quiet_ray_notices
+from raypipe.ray.stderr_lines import dropping_ray_noise
 
 logger = logging.getLogger("raypipe")
 UNIT_RETRIES = 3  # runs of a unit after its worker died, before the job fails
@@ -187,6 +188,7 @@ class RayDataRunner:
 
     def connect(self) -> None:
         """Connect to (or start) Ray, and start the job's ledger."""
+        quiet_ray_notices()  # also in a session the caller started
         if not ray.is_initialized():
             self.startup_seconds = ensure_ray(self.address, self.num_workers)
         elif not self.startup_seconds:
@@ -234,13 +236,14 @@ class RayDataRunner:
             mapped.context.enable_progress_bars = False  # raypipe's own line has the ETA
             mapped.context.enable_fallback_to_arrow_object_ext_type = True
             launched = time.perf_counter()
-            for batch in mapped.iter_batches(batch_size=None, batch_format="numpy"):
-                self.data_startup_seconds = self.data_startup_seconds or \
-                    time.perf_counter() - launched
-                for outcome in batch["record"]:
-                    record = _record_or_raise(outcome)
-                    if record is not None:
-                        yield record
+            with dropping_ray_noise():  # Ray's error line for every actor (ray#57733)
+                for batch in mapped.iter_batches(batch_size=None, batch_format="numpy"):
+                    self.data_startup_seconds = self.data_startup_seconds or \
+                        time.perf_counter() - launched
+                    for outcome in batch["record"]:
+                        record = _record_or_raise(outcome)
+                        if record is not None:
+                            yield record
         finally:
             self._finish()
 
@@ -264,12 +267,13 @@ class RayDataRunner:
             context.execution_options.preserve_order = True  # the manifest's order
             context.enable_fallback_to_arrow_object_ext_type = True
             launched = time.perf_counter()
-            for batch in mapped.iter_batches(batch_size=None, batch_format="numpy"):
-                self.data_startup_seconds = self.data_startup_seconds or \
-                    time.perf_counter() - launched
-                for name, outcome in zip(batch["name"].tolist(), batch["record"],
-                                         strict=True):
-                    yield BlockRun(str(name), _record_or_raise(outcome))
+            with dropping_ray_noise():  # Ray's error line for every actor (ray#57733)
+                for batch in mapped.iter_batches(batch_size=None, batch_format="numpy"):
+                    self.data_startup_seconds = self.data_startup_seconds or \
+                        time.perf_counter() - launched
+                    for name, outcome in zip(batch["name"].tolist(), batch["record"],
+                                             strict=True):
+                        yield BlockRun(str(name), _record_or_raise(outcome))
         finally:
             (context.execution_options.preserve_order,
              context.enable_fallback_to_arrow_object_ext_type) = saved
