@@ -169,6 +169,68 @@ def chat_encoder(settings: UnitSettings, encoder: DocumentEncoder) -> ChatEncode
     return cached[key]
 
 
+@dataclass
+class EncodedBatch:
+    """What one batch of a unit's rows became: its documents (flat tokens, lengths), the
+    rows that made them, the rest by reason, and what some formats keep beside the tokens
+    (metadata records; chat data's loss mask)."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    kept: np.ndarray
+    skipped: Counter
+    metadata: list[DocumentMetadata] | None = None
+    loss_mask: np.ndarray | None = None
+    special_literals: int = 0
+
+
+class TextBatches:
+    """Encodes batches of text rows (the text column, and metadata where asked)."""
+
+    def __init__(self, unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder):
+        self.config, self.encoder = settings.config, encoder
+        self.metadata = (MetadataBuilder(unit, settings, encoder.bos_id is not None)
+                         if settings.wants_metadata else None)
+
+    def __call__(self, batch: pa.RecordBatch, first_row: int) -> EncodedBatch:
+        config, encoder = self.config, self.encoder
+        texts, kept, skipped = clean_texts_with_rows(batch.column(config.text_column),
+                                                     config.document_char_limit)
+        counted = reader_skips(batch)  # rows the reader turned into nulls
+        skipped.update(counted)
+        skipped.subtract({"null": sum(counted.values())})
+        offsets = None
+        if self.metadata is not None and config.span_column:
+            tokens, lengths, offsets = encoder.encode_with_offsets(texts)
+        else:
+            tokens, lengths = encoder.encode(texts)
+        records = (self.metadata.build(batch, first_row, kept, texts, offsets)
+                   if self.metadata is not None else None)
+        return EncodedBatch(tokens, lengths, kept, skipped, records,
+                            special_literals=encoder.count_special_literals(texts))
+
+    def check(self, rows: int) -> None:
+        """Nothing to check once the unit's rows are read (bad text is skipped per row)."""
+
+
+class ChatBatches:
+    """Encodes batches of chat rows; counts the unit's malformed ones (`check` at the end)."""
+
+    def __init__(self, unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder):
+        self.unit, self.config, self.encoder = unit, settings.config, encoder
+        self.chat = chat_encoder(settings, encoder)
+        self.malformed = MalformedRows()
+
+    def __call__(self, batch: pa.RecordBatch, first_row: int) -> EncodedBatch:
+        done = encode_chat_batch(batch, self.config, self.chat, self.encoder.bos_id,
+                                 self.encoder.eos_id, first_row, self.malformed)
+        return EncodedBatch(done.tokens, done.lengths, done.kept, done.skipped,
+                            loss_mask=done.loss_mask)
+
+    def check(self, rows: int) -> None:
+        self.malformed.check(self.unit.location, rows)
+
+
 def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
                   batches: Iterable[pa.RecordBatch] | None = None) -> UnitRecord:
     """Tokenize `unit`, commit its shards and its record; return the record. Its rows are
@@ -178,52 +240,27 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
     store = settings.output
     staging = Staging(store)
     roller = ShardRoller(settings.shard_spec(), unit.name, staging=staging)
-    metadata = (MetadataBuilder(unit, settings, encoder.bos_id is not None)
-                if settings.wants_metadata else None)
+    encode = (ChatBatches if config.chat else TextBatches)(unit, settings, encoder)
     if batches is None:
         batches = unit_batches(unit, settings.columns, config.encode_batch_rows,
                                text_first=not config.chat)
     skipped: Counter = Counter()
     skipped_runs = SkippedRuns()
-    rows = documents = tokens_total = special_literals = 0
-    chat = chat_encoder(settings, encoder) if config.chat else None
-    malformed = MalformedRows()
-    trained_tokens = 0
+    rows = documents = tokens_total = special_literals = trained_tokens = 0
     try:
         for batch in batches:
-            if chat is not None:
-                done = encode_chat_batch(batch, config, chat, encoder.bos_id, encoder.eos_id,
-                                         rows, malformed)
-                skipped.update(done.skipped)
-                skipped_runs.add(done.kept, batch.num_rows, rows)
-                roller.add(done.tokens, done.lengths, None, done.loss_mask)
-                trained_tokens += int(done.loss_mask.sum())
-                rows += batch.num_rows
-                documents += len(done.lengths)
-                tokens_total += int(done.tokens.size)
-                faults.point("unit.rows", unit.name, rows)
-                continue
-            texts, kept, batch_skipped = clean_texts_with_rows(
-                batch.column(config.text_column), config.document_char_limit)
-            skipped.update(batch_skipped)
-            skipped_runs.add(kept, batch.num_rows, rows)
-            counted = reader_skips(batch)  # rows the reader turned into nulls
-            skipped.update(counted)
-            skipped.subtract({"null": sum(counted.values())})
-            special_literals += encoder.count_special_literals(texts)
-            offsets = None
-            if metadata is not None and config.span_column:
-                tokens, lengths, offsets = encoder.encode_with_offsets(texts)
-            else:
-                tokens, lengths = encoder.encode(texts)
-            records = (metadata.build(batch, rows, kept, texts, offsets)
-                       if metadata is not None else None)
-            roller.add(tokens, lengths, records)
+            done = encode(batch, rows)
+            skipped.update(done.skipped)
+            skipped_runs.add(done.kept, batch.num_rows, rows)
+            roller.add(done.tokens, done.lengths, done.metadata, done.loss_mask)
             rows += batch.num_rows
-            documents += len(lengths)
-            tokens_total += int(tokens.size)
+            documents += len(done.lengths)
+            tokens_total += int(done.tokens.size)
+            special_literals += done.special_literals
+            if done.loss_mask is not None:
+                trained_tokens += int(done.loss_mask.sum())
             faults.point("unit.rows", unit.name, rows)
-        malformed.check(unit.location, rows)
+        encode.check(rows)
         shards = roller.finish()
     except BaseException:
         roller.abort()
@@ -234,7 +271,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
         unit=unit, fingerprint=settings.fingerprint, rows=rows, documents=documents,
         tokens=tokens_total, skipped=dict(sorted((+skipped).items())), shards=tuple(shards),
         special_literals=special_literals, skipped_runs=tuple(skipped_runs.runs),
-        trained_tokens=trained_tokens if chat is not None else None,
+        trained_tokens=trained_tokens if config.chat else None,
         seconds=round(time.perf_counter() - started, 4),
         cpu_seconds=round(encoder.cpu_seconds() - started_cpu, 4), started_at=started_at,
         finished_at=time.time(),
