@@ -59,6 +59,7 @@ print(json.dumps({"seconds": time.perf_counter() - started, "rows": len(rows),
 JOB = r"""
 import json, sys
 from raypipe.config import load_config
+from raypipe.io.manifest import read_manifest
 from raypipe.io.store import Store
 from raypipe.preprocess.output import unit_records
 from raypipe.ray.executor import run_tokenize
@@ -67,6 +68,7 @@ corpus, output, tokenizer = sys.argv[1:4]
 summary = run_tokenize(load_config(None, inputs=[corpus], output=output, tokenizer=tokenizer,
                                    chat=True, num_workers=2, unit_bytes=1 << 20))
 print(json.dumps({"documents": summary.documents, "tokens": summary.tokens_run,
+                  "trained": read_manifest(Store(output)).totals.trained_tokens,
                   "skipped": summary.skipped, "ray_start": summary.startup_seconds,
                   "unit_cpu": sum(r.cpu_seconds for _, r in unit_records(Store(output)))}))
 shutdown_local_ray()
@@ -212,8 +214,9 @@ def main() -> None:
     print(f"RATIO raypipe units / transformers loop (per core) = "
           f"{loop['seconds'] / (job['unit_cpu'] / 2):.2f}")
     print(f"tokens equal: {loop['tokens'] == job['tokens']} (transformers {loop['tokens']:,}, "
-          f"raypipe {job['tokens']:,}); transformers' assistant mask trains "
-          f"{loop['trained']:,} tokens")
+          f"raypipe {job['tokens']:,}); trained tokens equal: "
+          f"{loop['trained'] == job['trained']} (transformers' assistant mask "
+          f"{loop['trained']:,}, raypipe's loss mask {job['trained']:,})")
     for seq_len in (int(value) for value in args.seq_lens.split(",")):
         result = packing(workdir / "out", seq_len)
         print(f"T={seq_len} ({result['packing']} packing): trained targets "

@@ -46,6 +46,7 @@ def test_the_chat_benchmark_runs_at_a_tiny_size(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tokens equal: True" in done.stdout, done.stdout
+    assert "trained tokens equal: True" in done.stdout, done.stdout
     packed = next(line for line in done.stdout.splitlines() if line.startswith("T=256"))
     cut = int(packed.split("conversations cut ")[1].split()[0])
     longer = int(packed.split("longer than a row: ")[1].rstrip(")"))
