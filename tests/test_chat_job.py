@@ -300,6 +300,7 @@ def test_the_packing_report_counts_the_loss_masks_trained_tokens(chat_output,
 
     output, _ = chat_output
     trained = sum(int(w.trained.sum()) for w in expected(chat_tokenizer_path, CHATML, chats))
+    assert f"trained    {trained:,} tokens by the loss mask" in chat_output[1].render()
     manifest = json.loads((output / "manifest.json").read_text())
     assert manifest["totals"]["trained_tokens"] == trained
     assert main(["pack-report", str(output), "--seq-len", str(T)]) == 0

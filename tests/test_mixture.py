@@ -148,3 +148,16 @@ def test_token_loader_refuses_a_mixture_and_names_open_loader(sources, tmp_path)
     for mixture in (sources, str(write_mixture(tmp_path, sources))):
         with pytest.raises(ConfigError, match="open_loader"):
             TokenLoader(mixture, 16, 4)
+
+
+def test_the_example_trainer_reports_where_a_mixture_or_a_dataset_stands(sources):
+    """jobs/train.py on a mixture YAML: the trainer's metrics and resume line name the
+    mixture's steps (a MixtureLoader has no single epoch or position)."""
+    from raypipe.examples.gpt_train import position_metrics
+    from raypipe.loader import TokenLoader, open_loader
+
+    mixture = open_loader(sources, 16, 2, device="cpu")
+    next(iter(mixture))
+    assert position_metrics(mixture) == {"mixture_steps": 1}
+    single = TokenLoader(next(iter(sources.values())), 16, 2, device="cpu")
+    assert position_metrics(single) == {"epoch": 0, "position": 0}

@@ -126,11 +126,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     step = _restore(model, optimizer, checkpoint)
     if step and rank == 0:
-        print(f"resumed at step {step} from {checkpoint.path} (loader epoch {loader.epoch}, "
-              f"position {loader.position}, {loader.world_size} ranks)", flush=True)
+        where = ", ".join(f"{name} {value}" for name, value in position_metrics(loader).items())
+        print(f"resumed at step {step} from {checkpoint.path} (loader {where}, "
+              f"{loader.world_size} ranks)", flush=True)
     if config.get("log_dir"):  # what this attempt resumed from: model step vs loader position
-        resumed = {"step": step, "epoch": loader.epoch, "position": loader.position,
-                   "world_size": loader.world_size,
+        resumed = {"step": step, **position_metrics(loader), "world_size": loader.world_size,
                    "validation": None if validation is None else validation.state_dict()}
         path = Path(config["log_dir"]) / f"resume-rank{rank}-{os.getpid()}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -179,14 +179,22 @@ def _evaluate(model: nn.Module, validation: Any, vocab: int, batches: int) -> fl
     return sum(losses) / len(losses)
 
 
+def position_metrics(loader: Any) -> dict[str, int]:
+    """Where the training loader stands: a dataset's epoch and position, or a mixture's
+    steps (its sources each keep their own)."""
+    from raypipe.loader import MixtureLoader
+
+    if isinstance(loader, MixtureLoader):
+        return {"mixture_steps": loader.steps}
+    return {"epoch": loader.epoch, "position": loader.position}
+
+
 def _report(model: nn.Module, optimizer: torch.optim.Optimizer, loaders: list[Any], step: int,
             loss: float, rank: int, save_loader_state: Any,
             val_loss: float | None = None) -> None:
     import ray.train
 
-    loader = loaders[0]
-    metrics = {"step": step, "loss": loss, "epoch": loader.epoch,
-               "position": loader.position}
+    metrics = {"step": step, "loss": loss, **position_metrics(loaders[0])}
     if val_loss is not None:
         metrics["val_loss"] = val_loss
     with tempfile.TemporaryDirectory() as directory:

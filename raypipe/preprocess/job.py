@@ -272,7 +272,7 @@ def summarize(config: TokenizeConfig, manifest: Manifest, output: Store, started
         steady_seconds=steady_seconds(fresh),
         packing=format_lines(manifest),
         special_literals=totals.special_literals,
-        special_policy=config.special_tokens_in_text,
+        special_policy=config.special_tokens_in_text, trained_tokens=totals.trained_tokens,
         backend=manifest.tokenizer.backend, backend_reason=backend_reason, **extra)
 
 

@@ -45,6 +45,7 @@ class JobSummary:
     units_removed: int = 0  # units of an earlier run that the inputs no longer yield
     noun: str = "units"  # "blocks" for a ray.data.Dataset input
     files_passed_over: tuple[str, ...] = ()  # JSON-lines files beside a directory's parquet
+    trained_tokens: int | None = None  # chat data: tokens its loss mask trains
 
     @property
     def tokens_per_second(self) -> float:
@@ -81,6 +82,9 @@ class JobSummary:
             f"  special-token literals in {self.special_literals:,} documents (encoded as "
             f"{'plain text' if self.special_policy == 'text' else 'special ids'})",
             f"  tokens     {self.tokens:,} ({self.tokens_run:,} this run)",
+            *([] if self.trained_tokens is None else [
+                f"  trained    {self.trained_tokens:,} tokens by the loss mask "
+                f"({self.trained_tokens / max(self.tokens, 1):.1%}; chat data)"]),
             f"  encoder    {self.backend}" + (f" ({self.backend_reason})"
                                               if self.backend_reason else ""),
             f"  shards     {self.shards} per format, {self.bytes / 1e6:,.1f} MB stored",
