@@ -62,7 +62,7 @@ def test_scalar_and_range_checks():
 @settings(max_examples=80, deadline=None)
 @given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=200),
        capacity=st.integers(2, 257))
-def test_pack_block_rows_are_full_bos_aligned_and_conserve_tokens(lengths, capacity):
+def test_crop_packing_rows_are_full_bos_aligned_and_conserve_tokens(lengths, capacity):
     lengths = np.array(lengths, dtype=np.int64)
     ids = np.arange(len(lengths), dtype=np.int64)[::-1].copy()
     packed = pack_crop(ids, lengths[ids], capacity)
