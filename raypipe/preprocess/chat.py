@@ -43,8 +43,6 @@ ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_VARIABLES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # transformers' private-use markers around control tokens in the caller's strings
 MARK_START, MARK_END = "\U000f0000", "\U000f0001"
-PROBLEMS = ("not_a_list", "empty", "malformed_message", "unknown_role", "no_assistant",
-            "content_not_rendered", "template_error")
 
 # ChatML, with the assistant's content and its <|im_end|> in a generation block
 CHATML = (
