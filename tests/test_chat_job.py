@@ -125,6 +125,8 @@ def test_one_bestfit_epoch_trains_exactly_the_assistant_tokens(chat_output,
                for offset in np.flatnonzero(encoded.trained).tolist()}
     assert set(targets) == trained - row_starts
     assert max(targets.values()) == 1
+    continued = {(document, start) for document, start in row_starts if start > 0}
+    assert loader.packing_report().continued_pieces == len(continued) > 0  # counted
     fits = [document for document, encoded in enumerate(want) if encoded.ids.size <= T + 1]
     assert all(pieces_of[document] == 1 for document in fits)
     assert pieces_of[0] > 1  # the long conversation, split into row-sized pieces
@@ -307,5 +309,6 @@ def test_the_packing_report_counts_the_loss_masks_trained_tokens(chat_output,
     report = capsys.readouterr().out
     assert "bestfit (split) rows" in report  # auto packing: split for chat data
     assert f"loss mask 1     {trained:,} (" in report
+    assert "row starts inside a conversation " in report
     loader = TokenLoader(output, seq_len=T, batch_size=2, device="cpu")
     assert loader.packing_report().loss_mask_tokens == trained

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +152,10 @@ class TokenLoader:
         """What the epoch's rows make of the data (chat data: with its loss mask's count)."""
         report = self.plan(epoch).report()
         trained = getattr(self.dataset.manifest.totals, "trained_tokens", None)
-        return report if trained is None else replace(report, loss_mask_tokens=trained)
+        if trained is None:
+            return report
+        lengths = (chunk for _, chunk in self.planned.document_lengths().chunks())
+        return report.with_loss_mask(trained, lengths, self.spec.packing, self.seq_len)
 
     # ----- iteration --------------------------------------------------------------------
     def filler(self, epoch: int) -> BatchFiller:

@@ -306,17 +306,15 @@ class ChatEncoder:
         if not piece:
             return
         tokenizer = self.as_text if as_text else self.tokenizer
-        shift = 0
-        encoding = tokenizer.encode(piece, add_special_tokens=False)
         if not first:
             behind = tokenizer.encode("\n" + piece, add_special_tokens=False)
-            count = len(self.newline_ids)
-            if behind.ids[:count] == self.newline_ids:
-                encoding, shift, skip = behind, -1, count
-                ids.extend(encoding.ids[skip:])
-                offsets.append(np.asarray(encoding.offsets[skip:], np.int64).reshape(-1, 2)
-                               + at + shift)
+            skip = len(self.newline_ids)
+            if behind.ids[:skip] == self.newline_ids:  # offsets shift by the newline
+                ids.extend(behind.ids[skip:])
+                offsets.append(np.asarray(behind.offsets[skip:], np.int64).reshape(-1, 2)
+                               + at - 1)
                 return
+        encoding = tokenizer.encode(piece, add_special_tokens=False)
         ids.extend(encoding.ids)
         offsets.append(np.asarray(encoding.offsets, np.int64).reshape(-1, 2) + at)
 

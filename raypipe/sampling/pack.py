@@ -211,6 +211,13 @@ def _fill_rooms(rooms: np.ndarray, items: list[int], starts: list[int],
     return placed
 
 
+def continued_pieces(lengths: np.ndarray, capacity: int) -> int:
+    """Pieces that begin a row inside their document when documents longer than a row are
+    cut into row-sized pieces (split packing): no target predicts their first token."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return int(np.maximum(-(-lengths // capacity) - 1, 0).sum())
+
+
 @dataclass(frozen=True)
 class Pieces:
     """A block's documents as row-sized pieces: document i has `full[i]` full rows and a rest

@@ -20,12 +20,13 @@ permute.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from raypipe.sampling.pack import continued_pieces
 from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
 
 logger = logging.getLogger("raypipe")
@@ -46,6 +47,9 @@ class PackingReport:
     dropped_tokens: int
     total_tokens: int
     loss_mask_tokens: int | None = None  # chat data: tokens its loss mask trains (mask 1)
+    # chat data: pieces of conversations longer than a row that begin a row (their first
+    # token, trained or not, is no target)
+    continued_pieces: int | None = None
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> PackingReport:
@@ -114,10 +118,24 @@ class PackingReport:
             "of the positions)",
         ] + ([] if self.loss_mask_tokens is None else [
             f"loss mask 1     {self.loss_mask_tokens:,} ({self.loss_mask_tokens / total:.2%} "
-            "of the tokens: the targets chat data trains)"])
+            "of the tokens: the targets chat data trains)"]) + (
+            [] if not self.continued_pieces else [
+                f"row starts inside a conversation {self.continued_pieces:,} (pieces of "
+                "conversations longer than a row: each one's first token is no target)"])
 
     def render(self) -> str:
         return "\n".join(self.lines())
+
+    def with_loss_mask(self, trained: int | None, lengths: Iterable[np.ndarray], packing: str,
+                       seq_len: int) -> PackingReport:
+        """The report of chat data: its loss mask's trained tokens and, under split
+        packing, the row starts that fall inside a conversation (`lengths`: the documents'
+        lengths, in chunks)."""
+        if trained is None:
+            return self
+        continued = (sum(continued_pieces(chunk, seq_len + 1) for chunk in lengths)
+                     if packing == "split" else None)
+        return replace(self, loss_mask_tokens=trained, continued_pieces=continued)
 
     def summary_line(self) -> str:
         """The report in one line (the tokenize summary, inspect)."""

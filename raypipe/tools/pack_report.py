@@ -8,7 +8,6 @@ reported (a vectorized pass over the lengths for bestfit fill: docs/scale.md).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +71,9 @@ def render(where: str, dataset: TokenDataset, spec: PlanSpec,
     for epoch, plan in plans:
         if len(plans) > 1:
             lines.append(f"-- epoch {epoch}")
-        report = plan.report()
-        if dataset.manifest.totals.trained_tokens is not None:  # chat data: its loss mask
-            report = dataclasses.replace(
-                report, loss_mask_tokens=dataset.manifest.totals.trained_tokens)
+        report = plan.report().with_loss_mask(  # chat data: its loss mask
+            dataset.manifest.totals.trained_tokens, [dataset.document_lengths()],
+            spec.packing, spec.seq_len)
         lines.append(report.render())
     return "\n".join(lines)
 
