@@ -24,7 +24,7 @@ from common import print_table, synthetic_token_dataset, write_synthetic_dataset
 
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.formats.stream import DocumentMetadata
-from raypipe.preprocess.llmbatch import LLMBatchSpec
+from raypipe.preprocess.batch_packing import BatchSpec
 from raypipe.tools.convert import convert_dataset
 
 WINDOW, B, T = 2048, 8, 2049
@@ -101,7 +101,7 @@ def main() -> None:
     source = synthetic_token_dataset(args.workdir, args.tokens)
     llm_dir = args.workdir / f"llmbatch-{args.tokens // 1_000_000}M"
     if not (llm_dir / "manifest.json").exists():
-        convert_dataset(source, llm_dir, "llmbatch", LLMBatchSpec(T, B, "bestfit", 1, 1 << 30))
+        convert_dataset(source, llm_dir, "llmbatch", BatchSpec(T, B, "bestfit", 1, 1 << 30))
     llm = LLMBatchDataset(llm_dir)
     base_llm, llm_rate = llmbatch_rates(llm, args.reads)
     stream = TokenDataset(stream_dataset(args.workdir, args.tokens // 5), "stream")

@@ -131,9 +131,10 @@ def command_verify(args: argparse.Namespace) -> int:
 
 def trainer_formats() -> list[str]:
     """Formats whose trainer takes a data-path argument (Megatron's --data-path)."""
-    from raypipe.formats import FORMATS
+    from raypipe.formats import document_format, document_formats
 
-    return [name for name, fmt in FORMATS.items() if fmt.trainer_prefix is not None]
+    return [name for name in document_formats()
+            if document_format(name).trainer_prefix is not None]
 
 
 def command_inspect(args: argparse.Namespace) -> int:
@@ -149,24 +150,24 @@ def command_inspect(args: argparse.Namespace) -> int:
 
 
 def command_convert(args: argparse.Namespace) -> int:
-    from raypipe.formats import get_format
+    from raypipe.formats import is_batch_format
     from raypipe.io.manifest import read_manifest
-    from raypipe.preprocess.llmbatch import LLMBatchSpec
+    from raypipe.preprocess.batch_packing import BatchSpec
     from raypipe.tools.convert import convert_dataset
 
     spec = None
     if args.seq_len and args.batch_size:
-        spec = LLMBatchSpec(args.seq_len, args.batch_size, args.packing, args.seed,
-                            args.batches_per_shard)
+        spec = BatchSpec(args.seq_len, args.batch_size, args.packing, args.seed,
+                         args.batches_per_shard)
     manifest = convert_dataset(args.source, args.destination, args.format, spec,
                                overwrite=args.overwrite, source_format=args.source_format)
     section = manifest.formats[args.format]
     print(f"{args.source} -> {args.destination}: {len(section.shards)} {args.format} shards")
     source_formats = read_manifest(args.source).formats
     reads_batches = (args.source_format is not None
-                     and get_format(args.source_format).holds_batches)
-    if not get_format(args.format).holds_batches and (reads_batches or not any(
-            not get_format(name).holds_batches for name in source_formats)):
+                     and is_batch_format(args.source_format))
+    if not is_batch_format(args.format) and (reads_batches or all(
+            is_batch_format(name) for name in source_formats)):
         print("note: a batch-format source yields its records (packed rows), not the "
               "original documents")
     return 0

@@ -25,7 +25,15 @@ from typing import Any
 import yaml
 
 from raypipe.errors import ConfigError, FormatError
-from raypipe.formats import DEFAULT_FORMATS, FORMATS, FormatOptions, document_formats
+from raypipe.formats import (
+    DEFAULT_FORMATS,
+    FORMATS,
+    DocumentFormat,
+    FormatOptions,
+    document_format,
+    document_formats,
+    is_batch_format,
+)
 
 PACKINGS = ("fill", "split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
 # Fields that do not change output bytes: excluded from the fingerprint.
@@ -53,13 +61,14 @@ logger = logging.getLogger("raypipe")
 BUILT_IN_METADATA_FIELDS = ("source", "row")  # every stream metadata record has these
 # formats whose ecosystem separates documents with EOS (the default separator of a job
 # that writes only these)
-EOS_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.separator == "eos")
+EOS_FORMATS = tuple(name for name, fmt in FORMATS.items()
+                    if isinstance(fmt, DocumentFormat) and fmt.separator == "eos")
 
 
 # the config fields that set format options: {option name: TokenizeConfig field}
 FORMAT_OPTION_FIELDS = {"metadata": "metadata", "serializer": "metadata_serializer",
                         "compression": "mds_compression",
-                        "concat_tokens": "mds_concat_tokens"}
+                        "concat_tokens": "mds_concat_tokens", "loss_mask": "chat"}
 
 
 def flag_of(name: str) -> str:
@@ -70,12 +79,18 @@ def flag_of(name: str) -> str:
     return spec.metadata.get("flag", "--" + name.replace("_", "-"))
 
 
+def holds_loss_mask(name: str) -> bool:
+    """Format `name` can store chat data's loss mask (every batch format does)."""
+    fmt = FORMATS[name]
+    return not isinstance(fmt, DocumentFormat) or fmt.holds_loss_mask
+
+
 def default_formats(chat: bool) -> tuple[str, ...]:
-    """The formats a job writes unless told: megatron and nanogpt; for chat data, the
-    formats that hold a loss mask."""
+    """The formats a job writes unless told: megatron and nanogpt; for chat data, those of
+    them that hold a loss mask (megatron)."""
     if not chat:
         return DEFAULT_FORMATS
-    return tuple(name for name, fmt in FORMATS.items() if fmt.holds_loss_mask)
+    return tuple(name for name in DEFAULT_FORMATS if holds_loss_mask(name))
 
 
 def document_separators(formats: tuple[str, ...], bos: bool | None, eos: bool | None,
@@ -87,7 +102,7 @@ def document_separators(formats: tuple[str, ...], bos: bool | None, eos: bool | 
     if chat:
         return bool(bos), bool(eos)
     if bos is None and eos is None:
-        eos_only = all(FORMATS[name].separator == "eos" for name in formats)
+        eos_only = all(name in EOS_FORMATS for name in formats)
         return not eos_only, eos_only
     if bos is None:
         return not eos, bool(eos)
@@ -227,7 +242,7 @@ class TokenizeConfig:
                      "worker_memory_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        batches = [f for f in self.formats if FORMATS[f].holds_batches]
+        batches = self.batch_formats
         if batches:
             if not self.seq_len or not self.batch_size or self.seq_len < 2 or self.batch_size < 1:
                 raise ConfigError(f"{batches[0]}: needs {flag_of('seq_len')} (tokens per "
@@ -275,8 +290,13 @@ class TokenizeConfig:
     def document_formats(self) -> tuple[str, ...]:
         """Formats written per work unit; batch formats are packed afterwards from the
         first of them (a batch format alone: from the preferred document format)."""
-        chosen = tuple(f for f in self.formats if not FORMATS[f].holds_batches)
+        chosen = tuple(f for f in self.formats if not is_batch_format(f))
         return chosen if chosen else document_formats()[:1]
+
+    @property
+    def batch_formats(self) -> tuple[str, ...]:
+        """Formats packed from the document shards after the units (pre-formed batches)."""
+        return tuple(f for f in self.formats if is_batch_format(f))
 
     @property
     def document_char_limit(self) -> int:
@@ -294,10 +314,17 @@ class TokenizeConfig:
             raise ConfigError("chat: --prompt-column and --completion-column go together")
         if not self.chat:
             return
-        cannot = [name for name in self.formats if not FORMATS[name].holds_loss_mask]
+        cannot = [name for name in self.formats if not holds_loss_mask(name)]
         if cannot:
+            able = [name for name in FORMATS if holds_loss_mask(name)]
             raise ConfigError(f"--chat: format(s) {', '.join(cannot)} cannot hold a loss mask; "
-                              f"the formats that can: {', '.join(default_formats(True))}")
+                              f"the formats that can: {', '.join(able)}")
+        by_separator = [name for name in self.document_formats
+                        if document_format(name).finds_documents_by_separator]
+        if by_separator and not (self.bos or self.eos):
+            raise ConfigError(f"--chat: {', '.join(by_separator)} finds conversations by a "
+                              "separator token, and chat data adds none unless asked: add "
+                              "--bos or --eos (an untrained token around each conversation)")
 
     @property
     def chat_columns(self) -> list[str]:

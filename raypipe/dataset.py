@@ -428,6 +428,12 @@ class LLMBatchDataset(ShardSet):
         reader, local = self._locate(index)
         return reader.pieces(local)
 
+    def loss_mask(self, index: int) -> np.ndarray | None:
+        """[B, T] uint8: batch `index`'s per-token loss mask (chat data; None: every target
+        is trained)."""
+        reader, local = self._locate(index)
+        return reader.loss_mask(local)
+
     def records(self, index: int) -> list[np.ndarray]:
         """Batch `index`'s records without their padding."""
         reader, local = self._locate(index)

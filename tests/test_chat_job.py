@@ -226,8 +226,9 @@ def test_mostly_malformed_input_is_an_error_naming_the_file_and_row(tmp_path,
 
 
 def test_a_format_that_cannot_hold_a_mask_refuses_chat_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"--chat: format\(s\) nanogpt, mds cannot hold a "
-                                          r"loss mask; the formats that can: megatron"):
+    with pytest.raises(ConfigError, match=r"--chat: format\(s\) nanogpt cannot hold a loss "
+                                          r"mask; the formats that can: llmbatch, mds, "
+                                          r"megatron, stream$"):
         load_config(None, inputs=["x"], output=str(tmp_path / "o"), tokenizer="t",
                     chat=True, formats="megatron,nanogpt,mds")
 

@@ -22,9 +22,9 @@ import torch
 from raypipe.config import load_config
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import FormatError
-from raypipe.formats import FORMATS, document_formats, get_format
+from raypipe.formats import FORMATS, document_formats, get_format, is_batch_format
+from raypipe.preprocess.batch_packing import BatchSpec
 from raypipe.preprocess.job import run_job
-from raypipe.preprocess.llmbatch import LLMBatchSpec
 from raypipe.tools.convert import convert_dataset
 from raypipe.tools.inspect import inspect_dataset
 from raypipe.tools.verify import verify_dataset
@@ -60,7 +60,7 @@ def every_format(tmp_path_factory, corpus, tokenizer_path):
 
 def records(output, name):
     """What a format holds, as token lists: documents, or a batch format's records."""
-    if get_format(name).holds_batches:
+    if is_batch_format(name):
         return [r.tolist() for r in LLMBatchDataset(output).iter_records()]
     return [d.tolist() for d in TokenDataset(output, name).iter_documents()]
 
@@ -69,7 +69,7 @@ def records(output, name):
 def test_round_trip_through_tokenize(every_format, corpus, tokenizer_path, name):
     expected = expected_documents(corpus, tokenizer_path)
     held = records(every_format, name)
-    if get_format(name).holds_batches:  # records: pieces of the documents, none invented
+    if is_batch_format(name):  # records: pieces of the documents, none invented
         corpus_tokens = np.bincount(np.concatenate([np.array(d) for d in expected]))
         served = np.bincount(np.concatenate([np.array(r) for r in held]),
                              minlength=corpus_tokens.size)
@@ -81,10 +81,10 @@ def test_round_trip_through_tokenize(every_format, corpus, tokenizer_path, name)
 @pytest.mark.parametrize("name", EVERY_FORMAT)
 def test_round_trip_through_convert(every_format, tmp_path, name):
     original = records(every_format, "megatron")
-    spec = LLMBatchSpec(**{k: BATCH_OPTIONS[k] for k in ("seq_len", "batch_size")})
+    spec = BatchSpec(**{k: BATCH_OPTIONS[k] for k in ("seq_len", "batch_size")})
     convert_dataset(every_format, tmp_path / "to", name, spec, source_format="megatron")
     verify_dataset(tmp_path / "to")
-    if get_format(name).holds_batches:
+    if is_batch_format(name):
         assert records(tmp_path / "to", name) == records(every_format, name)  # same plan
         return
     assert records(tmp_path / "to", name) == original

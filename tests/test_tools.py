@@ -15,8 +15,8 @@ from raypipe.config import load_config
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import FormatError
 from raypipe.io.records import Manifest
+from raypipe.preprocess.batch_packing import BatchSpec
 from raypipe.preprocess.job import run_job
-from raypipe.preprocess.llmbatch import LLMBatchSpec
 from raypipe.tools.convert import convert_dataset
 from raypipe.tools.verify import open_every_shard, verify_dataset
 
@@ -59,7 +59,7 @@ def test_convert_a_b_a_is_lossless(all_formats, tmp_path, chain):
 def test_llmbatch_source_yields_records_and_target_packs(all_formats, tmp_path, capsys):
     llm = LLMBatchDataset(all_formats)
     only_llm = tmp_path / "only"
-    convert_dataset(all_formats, only_llm, "llmbatch", LLMBatchSpec(48, 4))
+    convert_dataset(all_formats, only_llm, "llmbatch", BatchSpec(48, 4))
     assert main(["convert", str(only_llm), str(tmp_path / "rec"), "--format", "megatron"]) == 0
     assert "records (packed rows), not the original documents" in capsys.readouterr().out
     records = documents(tmp_path / "rec")

@@ -1,25 +1,37 @@
-"""Output formats, registered by name: one module per format, each with a Writer and a Reader
-(`Reader.from_manifest` opens a shard from its manifest entry). Importing this package
-registers all of them; a new format is one new module imported here."""
+"""Output formats, registered by name: one module per format. A format is one of two kinds:
+a `DocumentFormat` (a ShardWriter and ShardReader of documents) or a `BatchFormat` (a
+BatchWriter and BatchReader of pre-formed batches); `Reader.from_manifest` opens a shard
+from its manifest entry. Importing this package registers all of them; a new format is one
+new module imported here."""
 
 from __future__ import annotations
 
 from raypipe.formats import llmbatch, mds, megatron, nanogpt, stream  # noqa: F401  (registers)
 from raypipe.formats.base import (
     FORMATS,
+    BatchFormat,
+    BatchReader,
+    BatchWriter,
+    DocumentFormat,
     Format,
     FormatOptions,
+    RecordPieces,
     ShardReader,
     ShardWriter,
+    batch_format,
     batch_formats,
     dataset_index_problems,
+    document_format,
     document_formats,
     get_format,
+    is_batch_format,
     write_dataset_indexes,
 )
 
 DEFAULT_FORMATS = ("megatron", "nanogpt")  # what tokenize writes when no format is named
 
-__all__ = ["DEFAULT_FORMATS", "FORMATS", "Format", "FormatOptions", "ShardReader", "ShardWriter",
-           "batch_formats", "dataset_index_problems", "document_formats", "get_format",
+__all__ = ["DEFAULT_FORMATS", "FORMATS", "BatchFormat", "BatchReader", "BatchWriter",
+           "DocumentFormat", "Format", "FormatOptions", "RecordPieces", "ShardReader",
+           "ShardWriter", "batch_format", "batch_formats", "dataset_index_problems",
+           "document_format", "document_formats", "get_format", "is_batch_format",
            "write_dataset_indexes"]

@@ -27,21 +27,19 @@ import numpy as np
 
 from raypipe.errors import ConfigError, FormatError
 from raypipe.io.atomic import HashedTempFile, file_sha256
+from raypipe.io.mapping import map_file
 from raypipe.io.paths import plain_name, safe_join
 from raypipe.io.records import FileEntry, FormatSection, JsonRecord, ShardEntry, TokenizerInfo
 from raypipe.io.store import Store
 
 
-class ShardWriter(ABC):
-    """Appends documents (flat uint32 tokens + lengths) to one shard."""
+class ShardFiles:
+    """The files of one shard being written: hashed temp files `<name><suffix>` in
+    `directory`, each committed by suffix, all removed by `abort`."""
 
-    def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None):
+    def __init__(self, directory: Path, name: str):
         self.directory = Path(directory)
         self.name = plain_name(name, str(directory), "shard name")  # never a path
-        self.token_dtype = np.dtype(token_dtype)
-        self.bos_id = bos_id
-        self.num_tokens = 0
-        self.num_documents = 0
         self.directory.mkdir(parents=True, exist_ok=True)
         self._files: dict[str, HashedTempFile] = {}
 
@@ -57,26 +55,56 @@ class ShardWriter(ABC):
         size, sha256, mtime_ns = handle.commit()
         return FileEntry(f"{self.directory.name}/{handle.final.name}", size, sha256, mtime_ns)
 
+    def abort(self) -> None:
+        """Remove the temporary files."""
+        for handle in self._files.values():
+            handle.abort()
+        self._files.clear()
+
+
+MASK_SIDECAR = ".mask"  # a document shard's loss mask (chat data): u8 per token
+
+
+class ShardWriter(ShardFiles, ABC):
+    """Appends documents (flat uint32 tokens + lengths) to one shard."""
+
+    def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None):
+        super().__init__(directory, name)
+        self.token_dtype = np.dtype(token_dtype)
+        self.bos_id = bos_id
+        self.num_tokens = 0
+        self.num_documents = 0
+        self.masked_tokens = 0  # tokens whose loss mask is written (chat data: all of them)
+
     @abstractmethod
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
         """Append whole documents; `tokens` is uint32 and sums to `lengths`; `metadata`
         (one DocumentMetadata per document, or None) is kept by formats that store it."""
 
     def add_loss_mask(self, loss_mask: np.ndarray) -> None:
-        """Append the loss mask of the documents the last `add` appended: one byte per
-        token, 1 where the token is a trained target (chat data). Only formats whose
+        """The loss mask of the documents the next `add` appends: one byte per token, 1
+        where the token is a trained target (chat data). Only formats whose
         `holds_loss_mask` is set store one."""
         raise FormatError(self.directory / self.name, "this format cannot hold a loss mask")
+
+    def write_mask_sidecar(self, loss_mask: np.ndarray) -> None:
+        """`add_loss_mask` of a format that keeps the mask in `<name>.mask` (one u8 per
+        token, in token order), a file its ecosystem's readers never open."""
+        mask_file = self._files.get(MASK_SIDECAR) or self.open_file(MASK_SIDECAR)
+        mask_file.write(np.ascontiguousarray(loss_mask, dtype=np.uint8).data)
+        self.masked_tokens += int(loss_mask.size)
+
+    def commit_mask_sidecar(self) -> list[FileEntry]:
+        """The `.mask` sidecar's entry (none without chat data), once it holds a byte per
+        token of the shard."""
+        if self.masked_tokens not in (0, self.num_tokens):
+            raise FormatError(self.directory / f"{self.name}{MASK_SIDECAR}", "a loss mask "
+                              "byte per token", self.num_tokens, self.masked_tokens)
+        return [self.commit_file(MASK_SIDECAR)] if MASK_SIDECAR in self._files else []
 
     @abstractmethod
     def commit(self) -> list[FileEntry]:
         """Close, fsync and rename every file to its final name; return their entries."""
-
-    def abort(self) -> None:
-        """Remove the temporary files."""
-        for handle in self._files.values():
-            handle.abort()
-        self._files.clear()
 
 
 class ShardReader(ABC):
@@ -132,6 +160,18 @@ class ShardReader(ABC):
         """Checks beyond headers and sizes that need a pass over the data (verify only)."""
 
 
+def lists_mask_sidecar(shard: ShardEntry) -> bool:
+    """The shard's manifest entry lists a `.mask` sidecar (chat data)."""
+    return any(entry.path.endswith(MASK_SIDECAR) for entry in shard.files)
+
+
+def map_mask_sidecar(prefix: Path, tokens: int) -> np.ndarray:
+    """The `<prefix>.mask` sidecar as a read-only u8 map, its size checked: a byte a token."""
+    path = prefix.with_name(prefix.name + MASK_SIDECAR)
+    require_size(path, tokens, require_file(path), "loss mask bytes (one per token)")
+    return map_file(path, np.uint8)
+
+
 def shard_prefix(root: Path, shard: ShardEntry) -> Path:
     """`<root>/<format dir>/<shard name>`: the path every file of the shard extends."""
     if not shard.files:
@@ -166,32 +206,20 @@ DatasetIndex = tuple[str, Callable[[Store, FormatSection], bytes]]
 
 @dataclass(frozen=True)
 class Format:
-    """A format plugin: its file suffixes, token dtype rule, writer, reader, what a shard
-    holds (documents, or pre-formed batches packed from documents after the units), its
-    options with their defaults, whether its writer wants each document's metadata record
-    (source, row, columns), an optional dataset-level index file, and the separator (BOS
-    or EOS) its ecosystem expects by default. Nothing outside
-    this package branches on a format's name; it asks these."""
+    """What every format plugin declares: its file suffixes, token dtype rule, writer and
+    reader, its options with their defaults, an optional dataset-level index file and a
+    line for the job summary. A format is one of two kinds, each its own typed record:
+    `DocumentFormat` (shards of documents, written per work unit) and `BatchFormat`
+    (shards of pre-formed batches, packed from the document shards after the units).
+    Nothing outside this package branches on a format's name; it asks these."""
 
     name: str
     suffixes: tuple[str, ...]
     writer: type
     reader: type
     dtype_for_largest_id: Callable[[int], np.dtype]
-    holds: Literal["documents", "batches"] = "documents"
     options_type: type[FormatOptions] = FormatOptions
-    read_order: int = 100  # which document format a reader opens when several exist
-    index_suffixes: tuple[str, ...] = ()  # files enough for document lengths (no tokens)
-    wants_metadata: Callable[[Any], bool] = _no_metadata
     dataset_index: DatasetIndex | None = None
-    window_metadata: bool = False  # windows of its token stream carry metadata records
-    # the document separator its ecosystem writes by default: Megatron's --append-eod and
-    # LLM Foundry's eos_text append EOS; nanoGPT/nanochat-style loaders look for BOS
-    separator: Literal["bos", "eos"] = "bos"
-    # a shard's path prefix as its trainer's data-path argument takes it (Megatron's
-    # --data-path: the path without .bin/.idx); None: no such argument
-    trainer_prefix: Callable[[ShardEntry], str] | None = None
-    holds_loss_mask: bool = False  # its shards can store a per-token loss mask (chat data)
     # a line of the job summary on what the format made of the tokens (its section and the
     # job's total tokens -> the line; None: nothing to add)
     summary_line: Callable[[FormatSection, int], str | None] = lambda section, total: None
@@ -206,15 +234,115 @@ class Format:
         options as the manifest records them."""
         return FormatSection(self.token_dtype(largest_id).name, tuple(shards), options)
 
-    @property
-    def holds_batches(self) -> bool:
-        """Its shards hold pre-formed batches (packed after the units), not documents."""
-        return self.holds == "batches"
-
     def options(self, given: dict[str, Any] | None = None) -> Any:
         """The format's typed options (its `options_type`) from a config's or a manifest
         section's plain dict: defaults for what `given` leaves out."""
         return self.options_type.of(given, f"{self.name} options")
+
+
+@dataclass(frozen=True)
+class DocumentFormat(Format):
+    """A format whose shards hold documents (a ShardWriter / ShardReader pair): which one a
+    reader opens when several exist, the files enough for document lengths, whether its
+    writer wants each document's metadata record (source, row, columns) and its windows
+    carry them, the separator (BOS or EOS) its ecosystem expects by default, its trainer's
+    data-path argument, and whether it stores chat data's loss mask."""
+
+    read_order: int = 100  # which document format a reader opens when several exist
+    index_suffixes: tuple[str, ...] = ()  # files enough for document lengths (no tokens)
+    wants_metadata: Callable[[Any], bool] = _no_metadata
+    window_metadata: bool = False  # windows of its token stream carry metadata records
+    # the document separator its ecosystem writes by default: Megatron's --append-eod and
+    # LLM Foundry's eos_text append EOS; nanoGPT/nanochat-style loaders look for BOS
+    separator: Literal["bos", "eos"] = "bos"
+    # a shard's path prefix as its trainer's data-path argument takes it (Megatron's
+    # --data-path: the path without .bin/.idx); None: no such argument
+    trainer_prefix: Callable[[ShardEntry], str] | None = None
+    holds_loss_mask: bool = False  # its shards can store a per-token loss mask (chat data)
+    # its readers find documents by the separator token alone (no index of their own)
+    finds_documents_by_separator: bool = False
+
+
+@dataclass(frozen=True)
+class BatchFormat(Format):
+    """A format whose shards hold pre-formed [batch_size, record_len] batches (a BatchWriter
+    / BatchReader pair), packed from a job's document shards by one record plan; every
+    batch format stores chat data's loss mask, and says which id its padding holds."""
+
+    pad_token: Callable[[TokenizerInfo], int] = lambda tokenizer: 0
+
+
+@dataclass(frozen=True)
+class RecordPieces:
+    """Where one packed record's pieces start (`columns`, the first 0) and whether each
+    starts and ends its document: what a batch format stores so that a loader finds
+    sequences and true targets without a token scan."""
+
+    columns: np.ndarray
+    starts_document: np.ndarray
+    ends_document: np.ndarray
+
+
+class BatchWriter(ShardFiles, ABC):
+    """Writes `num_batches` pre-formed batches into one shard (told up front)."""
+
+    def __init__(self, directory: Path, name: str, batch_size: int, record_len: int,
+                 num_batches: int, seed: int, total_records: int):
+        super().__init__(directory, name)
+
+    @abstractmethod
+    def add_batch(self, batch: np.ndarray, lengths: np.ndarray, pieces: list[RecordPieces],
+                  loss_mask: np.ndarray | None = None) -> None:
+        """One [B, T] batch of ids; each record's real tokens (the rest is padding, holding
+        the format's pad token), its pieces, and (chat data) its [B, T] per-token loss
+        mask (1: the token is a trained target)."""
+
+    @abstractmethod
+    def commit(self) -> list[FileEntry]:
+        """Close, fsync and rename every file to its final name; return their entries."""
+
+
+class BatchReader(ABC):
+    """Zero-copy access to the batches of one committed batch shard."""
+
+    batch_size: int
+    seq_len: int  # the record length T
+    num_batches: int
+
+    @classmethod
+    @abstractmethod
+    def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
+                      tokenizer: TokenizerInfo) -> BatchReader:
+        """Open the shard a manifest entry names (paths checked to stay inside `root`)."""
+
+    def check_counts(self, shard: ShardEntry, where: Path) -> None:
+        if shard.batches != self.num_batches:
+            raise FormatError(where, "batches differ from the manifest", shard.batches,
+                              self.num_batches)
+
+    def verify_contents(self) -> None:  # noqa: B027  (optional hook)
+        """Checks beyond headers and sizes that need a pass over the data (verify only)."""
+
+    @abstractmethod
+    def batch(self, index: int) -> np.ndarray:
+        """Batch `index` as a read-only [B, T] view."""
+
+    @abstractmethod
+    def padding(self, index: int, batch: np.ndarray | None = None) -> np.ndarray:
+        """[B, T] bool: where batch `index`'s records hold padding."""
+
+    @abstractmethod
+    def pieces(self, index: int) -> Any:
+        """Batch `index`'s record pieces (None where the file predates them)."""
+
+    @abstractmethod
+    def records(self, index: int) -> list[np.ndarray]:
+        """Batch `index`'s records without their padding."""
+
+    def loss_mask(self, index: int) -> np.ndarray | None:
+        """[B, T] uint8: batch `index`'s per-token loss mask (chat data); None: every
+        target is trained."""
+        return None
 
 
 FORMATS: dict[str, Format] = {}
@@ -232,15 +360,36 @@ def get_format(name: str) -> Format:
         raise ConfigError(f"format {name!r} unknown; known: {list(FORMATS)}") from None
 
 
+def document_format(name: str) -> DocumentFormat:
+    """The document format `name` (ConfigError for a batch format or an unknown name)."""
+    fmt = get_format(name)
+    if not isinstance(fmt, DocumentFormat):
+        raise ConfigError(f"format {name!r} holds pre-formed batches, not documents")
+    return fmt
+
+
+def batch_format(name: str) -> BatchFormat:
+    """The batch format `name` (ConfigError for a document format or an unknown name)."""
+    fmt = get_format(name)
+    if not isinstance(fmt, BatchFormat):
+        raise ConfigError(f"format {name!r} holds documents, not pre-formed batches")
+    return fmt
+
+
+def is_batch_format(name: str) -> bool:
+    """Format `name` (a known one) holds pre-formed batches."""
+    return isinstance(get_format(name), BatchFormat)
+
+
 def document_formats() -> tuple[str, ...]:
     """Names of the formats whose shards hold documents, in preference order for reading."""
-    chosen = [fmt for fmt in FORMATS.values() if not fmt.holds_batches]
+    chosen = [fmt for fmt in FORMATS.values() if isinstance(fmt, DocumentFormat)]
     return tuple(fmt.name for fmt in sorted(chosen, key=lambda fmt: fmt.read_order))
 
 
 def batch_formats() -> tuple[str, ...]:
     """Names of the formats whose shards hold pre-formed batches."""
-    return tuple(fmt.name for fmt in FORMATS.values() if fmt.holds_batches)
+    return tuple(fmt.name for fmt in FORMATS.values() if isinstance(fmt, BatchFormat))
 
 
 def write_dataset_indexes(store: Store, formats: dict[str, FormatSection]) -> None:
@@ -303,6 +452,8 @@ def check_token_range(tokens: np.ndarray, dtype: np.dtype, where: str) -> None:
                           f"<= {np.iinfo(dtype).max}", int(tokens.max()))
 
 
-__all__ = ["FORMATS", "Format", "ShardReader", "ShardWriter", "batch_formats",
-           "dataset_index_problems", "document_formats", "file_sha256", "get_format",
-           "register", "shard_prefix", "write_dataset_indexes"]
+__all__ = ["FORMATS", "BatchFormat", "BatchReader", "BatchWriter", "DocumentFormat", "Format",
+           "RecordPieces", "ShardReader", "ShardWriter", "batch_format", "batch_formats",
+           "dataset_index_problems", "document_format", "document_formats", "file_sha256",
+           "get_format", "is_batch_format", "register", "shard_prefix",
+           "write_dataset_indexes"]

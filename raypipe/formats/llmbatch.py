@@ -36,9 +36,11 @@ import numpy as np
 
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
-    Format,
+    BatchFormat,
+    BatchReader,
+    BatchWriter,
     FormatOptions,
-    ShardWriter,
+    RecordPieces,
     register,
     require_file,
     require_size,
@@ -55,6 +57,7 @@ MAX_U32 = 2**32 - 1
 LEGACY_PAD_ID = MAX_U32  # the padding of raypipe 0.3 files (no `.lengths` sidecar)
 LENGTHS = ".lengths"  # the sidecar: real tokens per record
 PIECES = ".pieces"  # the sidecar: where each record's pieces start, and their kind
+MASK = ".mask"  # the sidecar of chat data: u8 per record position, 1: a trained target
 STARTS_DOCUMENT = np.uint32(1 << 30)
 ENDS_DOCUMENT = np.uint32(1 << 31)
 COLUMN_BITS = np.uint32((1 << 30) - 1)
@@ -128,14 +131,16 @@ def encode_header(batch_size: int, seq_len: int, num_batches: int, seed: int,
     return packed + bytes(PAGE - len(packed))
 
 
-class LLMBatchWriter(ShardWriter):
+class LLMBatchWriter(BatchWriter):
     """Writes `num_batches` whole batches ([B, T] arrays of token ids) into `<name>.batch`
-    in `directory`, each record's real tokens into `<name>.lengths` and its pieces into
-    `<name>.pieces` (kept in memory until commit: ~4 bytes a piece)."""
+    in `directory`, each record's real tokens into `<name>.lengths`, its pieces into
+    `<name>.pieces` (kept in memory until commit: ~4 bytes a piece) and, for chat data,
+    its per-token loss mask into `<name>.mask`."""
 
     def __init__(self, directory: Path, name: str, batch_size: int, seq_len: int,
                  num_batches: int, seed: int, total_records: int):
-        super().__init__(directory, name, np.dtype("<u4"), None)
+        super().__init__(directory, name, batch_size, seq_len, num_batches, seed,
+                         total_records)
         self.batch_size, self.seq_len, self.num_batches = batch_size, seq_len, num_batches
         self.padded = slot_bytes(batch_size, seq_len)
         self.padding = bytes(self.padded - batch_size * seq_len * 4)
@@ -145,10 +150,13 @@ class LLMBatchWriter(ShardWriter):
         self.piece_words: list[np.ndarray] = []
         self.written = 0
 
-    def add_batch(self, batch: np.ndarray, lengths: np.ndarray,
-                  pieces: list[np.ndarray]) -> None:
+    def add_batch(self, batch: np.ndarray, lengths: np.ndarray, pieces: list[RecordPieces],
+                  loss_mask: np.ndarray | None = None) -> None:
         """One batch, its records' real tokens (the rest of each record is padding, already
-        holding the pad token) and each record's piece words (piece_words)."""
+        holding the pad token), each record's pieces and (chat data) its loss mask: every
+        batch of a shard has one, or none does."""
+        words = [piece_words(record.columns, record.starts_document, record.ends_document)
+                 for record in pieces]
         if batch.shape != (self.batch_size, self.seq_len):
             raise FormatError(self.file.final, "batch shape", (self.batch_size, self.seq_len),
                               batch.shape)
@@ -159,20 +167,31 @@ class LLMBatchWriter(ShardWriter):
                 lengths.max() > self.seq_len):
             raise FormatError(self.lengths.final, "record lengths", f"{self.batch_size} in "
                               f"[0, {self.seq_len}]", lengths.tolist())
-        if len(pieces) != self.batch_size or any(
-                words.size and int((words & COLUMN_BITS).max()) >= max(int(length), 1)
-                for words, length in zip(pieces, lengths.tolist(), strict=True)):
+        if len(words) != self.batch_size or any(
+                record.size and int((record & COLUMN_BITS).max()) >= max(int(length), 1)
+                for record, length in zip(words, lengths.tolist(), strict=True)):
             raise FormatError(self.file.final, "record pieces", "a piece list per record, "
                               "each column inside the record's real tokens",
-                              [words.size for words in pieces])
+                              [record.size for record in words])
+        self._add_loss_mask(loss_mask)
         self.file.write(np.ascontiguousarray(batch, dtype="<u4").data)
         self.file.write(self.padding)
         self.lengths.write(np.ascontiguousarray(lengths, dtype="<u4").data)
-        self.piece_words.extend(pieces)
+        self.piece_words.extend(words)
         self.written += 1
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
-        raise FormatError(self.file.final, "LLMBATCH holds pre-formed batches, not documents")
+    def _add_loss_mask(self, loss_mask: np.ndarray | None) -> None:
+        masked = MASK in self._files
+        if loss_mask is None and not masked:
+            return
+        if loss_mask is None or (self.written and not masked):
+            raise FormatError(self.directory / f"{self.name}{MASK}", "a loss mask for every "
+                              "batch of a shard, or for none", "all or none", "some")
+        if loss_mask.shape != (self.batch_size, self.seq_len):
+            raise FormatError(self.directory / f"{self.name}{MASK}", "loss mask shape",
+                              (self.batch_size, self.seq_len), loss_mask.shape)
+        mask_file = self._files.get(MASK) or self.open_file(MASK)
+        mask_file.write(np.ascontiguousarray(loss_mask, dtype=np.uint8).data)
 
     def commit(self) -> list[FileEntry]:
         if self.written != self.num_batches:
@@ -183,29 +202,29 @@ class LLMBatchWriter(ShardWriter):
         pieces.write(np.concatenate([[0], np.cumsum(counts)]).astype("<u8").data)
         if self.piece_words:
             pieces.write(np.concatenate(self.piece_words).astype("<u4").data)
-        return [self.commit_file(".batch"), self.commit_file(LENGTHS), self.commit_file(PIECES)]
+        masks = [self.commit_file(MASK)] if MASK in self._files else []
+        return [self.commit_file(".batch"), self.commit_file(LENGTHS), self.commit_file(PIECES),
+                *masks]
 
 
-class LLMBatchReader:
+class LLMBatchReader(BatchReader):
     @classmethod
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> LLMBatchReader:
         paths = [safe_join(root, entry.path) for entry in shard.files]
         by_suffix = {suffix: [path for path in paths if path.name.endswith(suffix)]
-                     for suffix in (".batch", LENGTHS, PIECES)}
-        batches, lengths, pieces = by_suffix.values()
+                     for suffix in (".batch", LENGTHS, PIECES, MASK)}
+        batches, lengths, pieces, masks = by_suffix.values()
         if (len(batches) != 1 or len(lengths) > 1 or len(pieces) > len(lengths)
+                or len(masks) > len(pieces)
                 or len(paths) != sum(map(len, by_suffix.values()))):
             raise FormatError(root / shard.name, "an LLMBATCH shard is a .batch file and "
-                              "its .lengths and .pieces sidecars (0.4: no .pieces; 0.3: the "
-                              ".batch file alone)", [".batch", LENGTHS, PIECES],
+                              "its .lengths and .pieces sidecars, and .mask for chat data "
+                              "(0.4: no .pieces; 0.3: the .batch file alone)",
+                              [".batch", LENGTHS, PIECES, MASK],
                               [entry.path for entry in shard.files])
-        return cls(batches[0], lengths[0] if lengths else None, pieces[0] if pieces else None)
-
-    def check_counts(self, shard: ShardEntry, where: Path) -> None:
-        if shard.batches != self.num_batches:
-            raise FormatError(where, "batches differ from the manifest", shard.batches,
-                              self.num_batches)
+        return cls(batches[0], lengths[0] if lengths else None, pieces[0] if pieces else None,
+                   masks[0] if masks else None)
 
     def verify_contents(self) -> None:
         """Every record length within [0, seq_len]; every record's pieces start at column 0
@@ -233,9 +252,10 @@ class LLMBatchReader:
                               int(columns[at]))
 
     def __init__(self, path: str | Path, lengths_path: str | Path | None = None,
-                 pieces_path: str | Path | None = None):
+                 pieces_path: str | Path | None = None, mask_path: str | Path | None = None):
         """`lengths_path`: the `.lengths` sidecar (None: a raypipe 0.3 file, whose padding
-        is LEGACY_PAD_ID); `pieces_path`: the `.pieces` sidecar (None: before 0.5)."""
+        is LEGACY_PAD_ID); `pieces_path`: the `.pieces` sidecar (None: before 0.5);
+        `mask_path`: the `.mask` sidecar (chat data; None: every target is trained)."""
         self.path = Path(path)
         size = require_file(self.path)
         if size < PAGE:
@@ -271,6 +291,11 @@ class LLMBatchReader:
         self.piece_words: np.ndarray | None = None
         if self.pieces_path is not None:
             self._map_pieces(self.pieces_path, num_batches * batch_size)
+        self.mask: np.ndarray | None = None
+        if mask_path is not None:
+            require_size(Path(mask_path), num_batches * batch_size * seq_len,
+                         require_file(Path(mask_path)), "loss mask bytes (one per position)")
+            self.mask = map_file(Path(mask_path), np.uint8)
 
     def _map_pieces(self, path: Path, records: int) -> None:
         size = require_file(path)
@@ -313,6 +338,14 @@ class LLMBatchReader:
         offsets = offsets.astype(np.int64)
         return BatchPieces(offsets - offsets[0], self.piece_words[offsets[0]:offsets[-1]])
 
+    def loss_mask(self, index: int) -> np.ndarray | None:
+        """[B, T] uint8 view: batch `index`'s loss mask (None: no `.mask` sidecar)."""
+        if self.mask is None:
+            return None
+        size = self.batch_size * self.seq_len
+        return self.mask[index * size:(index + 1) * size].reshape(self.batch_size,
+                                                                  self.seq_len)
+
     def records(self, index: int) -> list[np.ndarray]:
         """Batch `index`'s records without their padding (views)."""
         batch = self.batch(index)
@@ -353,6 +386,6 @@ def llmbatch_dtype(largest_id: int) -> np.dtype:
     return np.dtype(np.uint32)
 
 
-LLMBATCH = register(Format("llmbatch", (".batch", LENGTHS, PIECES), LLMBatchWriter,
-                           LLMBatchReader,
-                           llmbatch_dtype, holds="batches", options_type=LLMBatchOptions))
+LLMBATCH = register(BatchFormat("llmbatch", (".batch", LENGTHS, PIECES, MASK), LLMBatchWriter,
+                                LLMBatchReader, llmbatch_dtype, options_type=LLMBatchOptions,
+                                pad_token=pad_token))

@@ -5,15 +5,17 @@ open the output unchanged (no mosaicml-streaming dependency).
 Invariant: a shard `<name>.mds` is [u32 samples n][u32 offsets[n + 1], absolute in the
 file][the shard's config JSON][samples]; a sample is [u32 size of each variable-size
 column][its columns in name order]: `id` (int64: the document's row in its input; a
-converted dataset's: its index in the source shard), `source` (str: the input file, or the
-source shard) and `tokens` (`ndarray:uint16` or `ndarray:uint32`, the tokenizer's width: one
-byte (1 << 2 | shape width), the length, then the ids). With `compression: zstd` the whole
-shard is one zstd frame in `<name>.mds.zstd`. `mds/index.json` lists every shard in manifest
-order (`index_bytes`, written when the manifest is committed), so the bytes are the same at
-any parallelism. Cost: writing keeps 4 B per document of the open shard (zstd: the raw shard
-in memory at commit); raypipe's reader decodes a shard into one private token array when it
-opens it (O(shard tokens), a vectorized pass), since MDS interleaves sample headers with
-tokens and no zero-copy view exists.
+converted dataset's: its index in the source shard), for chat data `loss_mask`
+(`ndarray:uint8`, one per token, 1: a trained target), `source` (str: the input file, or
+the source shard) and `tokens` (`ndarray:uint16` or `ndarray:uint32`, the tokenizer's
+width: one byte (1 << 2 | shape width), the length, then the ids; `loss_mask` is encoded
+alike). With `compression: zstd` the whole shard is one zstd frame in `<name>.mds.zstd`.
+`mds/index.json` lists every shard in manifest order (`index_bytes`, written when the
+manifest is committed), so the bytes are the same at any parallelism. Cost: writing keeps 4
+B per document of the open shard (zstd: the raw shard in memory at commit); raypipe's
+reader decodes a shard into one private token array when it opens it (O(shard tokens), a
+vectorized pass), since MDS interleaves sample headers with tokens and no zero-copy view
+exists.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import pyarrow as pa
 
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
-    Format,
+    DocumentFormat,
     FormatOptions,
     ShardReader,
     ShardWriter,
@@ -58,23 +60,41 @@ def token_encoding(dtype: np.dtype) -> str:
     return f"ndarray:{np.dtype(dtype).name}"
 
 
-def shard_config(dtype: np.dtype, compression: str | None) -> dict[str, Any]:
+def column_encodings(dtype: np.dtype, loss_mask: bool) -> dict[str, str]:
+    """Each column's MDS encoding, in name order."""
+    masked = {"loss_mask": "ndarray:uint8"} if loss_mask else {}
+    return {"id": "int64", **masked, "source": "str", "tokens": token_encoding(dtype)}
+
+
+def shard_config(dtype: np.dtype, compression: str | None,
+                 loss_mask: bool = False) -> dict[str, Any]:
     """The writer config MDS embeds in every shard and repeats in index.json."""
-    return {"column_encodings": ["int64", "str", token_encoding(dtype)],
-            "column_names": list(COLUMNS), "column_sizes": [8, None, None],
+    encodings = column_encodings(dtype, loss_mask)
+    return {"column_encodings": list(encodings.values()),
+            "column_names": list(encodings),
+            "column_sizes": [8 if name == "id" else None for name in encodings],
             "compression": compression, "format": "mds", "hashes": [], "size_limit": None,
             "version": 2}
 
 
-def encode_sample(row: int, source: bytes, tokens: np.ndarray) -> bytes:
-    """One sample: the sizes of `source` and `tokens`, then id, source, tokens."""
-    count = tokens.size
+def encode_ndarray(values: np.ndarray) -> bytes:
+    """MDS's encoding of a 1-D array of a fixed dtype: (1 << 2 | shape width), the length,
+    then the values."""
+    count = values.size
     code = next(code for code, width in SHAPE_WIDTHS.items() if count < 1 << (8 * width))
-    shape = count.to_bytes(SHAPE_WIDTHS[code], "little")
-    values = tokens.tobytes()
-    encoded = bytes([1 << 2 | code]) + shape + values
-    return (np.array([len(source), len(encoded)], "<u4").tobytes()
-            + np.int64(row).astype("<i8").tobytes() + source + encoded)
+    return bytes([1 << 2 | code]) + count.to_bytes(SHAPE_WIDTHS[code], "little") + \
+        values.tobytes()
+
+
+def encode_sample(row: int, source: bytes, tokens: np.ndarray,
+                  loss_mask: np.ndarray | None = None) -> bytes:
+    """One sample: the sizes of its variable columns, then id and those columns in name
+    order (loss_mask, source, tokens)."""
+    columns = [source, encode_ndarray(tokens)]
+    if loss_mask is not None:
+        columns.insert(0, encode_ndarray(np.ascontiguousarray(loss_mask, dtype=np.uint8)))
+    return b"".join([np.array([len(column) for column in columns], "<u4").tobytes(),
+                     np.int64(row).astype("<i8").tobytes(), *columns])
 
 
 class Concatenation:
@@ -113,14 +133,17 @@ class MDSWriter(ShardWriter):
     so samples go to a spool file first."""
 
     def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None,
-                 compression: str | None = None, concat_tokens: int | None = None):
+                 compression: str | None = None, concat_tokens: int | None = None,
+                 loss_mask: bool = False):
         super().__init__(directory, name, np.dtype(token_dtype).newbyteorder("<"), bos_id)
         self.concat = Concatenation(concat_tokens, self.token_dtype) if concat_tokens else None
         if compression not in COMPRESSIONS:
             raise FormatError(self.directory / name, "mds compression", COMPRESSIONS,
                               compression)
         self.compression = compression
-        self.config = json.dumps(shard_config(self.token_dtype, compression),
+        self.with_loss_mask = loss_mask
+        self.pending_mask: np.ndarray | None = None  # add_loss_mask's, for the next add
+        self.config = json.dumps(shard_config(self.token_dtype, compression, loss_mask),
                                  sort_keys=True).encode()
         self.spool = tempfile.TemporaryFile(dir=self.directory, prefix=f".{name}.samples.")
         self.sizes: list[int] = []
@@ -134,6 +157,13 @@ class MDSWriter(ShardWriter):
                   if records is not None else (self.documents_seen + index, self.name)
                   for index in range(len(lengths))]  # without metadata: index in the shard
         self.documents_seen += len(lengths)
+        loss_mask, self.pending_mask = self.pending_mask, None
+        if self.with_loss_mask != (loss_mask is not None) or (
+                loss_mask is not None and loss_mask.size != tokens.size):
+            raise FormatError(self.directory / self.name, "a loss mask byte per token of "
+                              "every document of a shard with a loss_mask column, else none",
+                              tokens.size if self.with_loss_mask else 0,
+                              0 if loss_mask is None else loss_mask.size)
         if self.concat is not None:
             for (row, source), sample in self.concat.samples(tokens, lengths, owners):
                 self._write(row, source, sample)
@@ -144,10 +174,16 @@ class MDSWriter(ShardWriter):
             if length < 1:
                 raise FormatError(self.directory / self.name, "an MDS sample needs >= 1 "
                                   "token (an empty document)", ">= 1", length)
-            self._write(row, source, tokens[stop - length:stop])
+            self._write(row, source, tokens[stop - length:stop],
+                        None if loss_mask is None else loss_mask[stop - length:stop])
 
-    def _write(self, row: int, source: str, sample_tokens: np.ndarray) -> None:
-        sample = encode_sample(row, source.encode(), sample_tokens)
+    def add_loss_mask(self, loss_mask: np.ndarray) -> None:
+        """The `loss_mask` column of the documents the next `add` appends (chat data)."""
+        self.pending_mask = loss_mask
+
+    def _write(self, row: int, source: str, sample_tokens: np.ndarray,
+               loss_mask: np.ndarray | None = None) -> None:
+        sample = encode_sample(row, source.encode(), sample_tokens, loss_mask)
         self.spool.write(sample)
         self.sizes.append(len(sample))
         self.num_documents += 1
@@ -235,8 +271,9 @@ class MDSReader(ShardReader):
         if np.any(np.diff(offsets) < 17) or offsets[-1] != raw.size:
             raise FormatError(self.path, "MDS sample offsets", f"increasing, ending at "
                               f"{raw.size}", f"ending at {int(offsets[-1])}")
-        self.dtype = np.dtype(self.config["column_encodings"][2].split(":")[1]
-                              ).newbyteorder("<")
+        layout = dict(zip(self.config["column_names"], self.config["column_encodings"],
+                          strict=True))
+        self.dtype = np.dtype(layout["tokens"].split(":")[1]).newbyteorder("<")
         if token_dtype is not None and self.dtype != np.dtype(token_dtype):
             raise FormatError(self.path, "MDS token dtype differs from the manifest",
                               np.dtype(token_dtype).name, self.dtype.name)
@@ -249,44 +286,77 @@ class MDSReader(ShardReader):
         except ValueError as exc:
             raise FormatError(self.path, f"MDS shard config is not JSON ({exc})") from None
         encodings = config.get("column_encodings") if isinstance(config, dict) else None
-        if (config.get("format") != "mds" or config.get("column_names") != list(COLUMNS)
-                or not isinstance(encodings, list) or len(encodings) != 3
-                or encodings[:2] != ["int64", "str"]
-                or encodings[2] not in ("ndarray:uint16", "ndarray:uint32")):
+        names = config.get("column_names") if isinstance(config, dict) else None
+        layout = (dict(zip(names, encodings, strict=True))
+                  if isinstance(names, list) and isinstance(encodings, list)
+                  and len(names) == len(encodings) else None)
+        if (config.get("format") != "mds" or layout is None
+                or layout.get("tokens") not in ("ndarray:uint16", "ndarray:uint32")
+                or layout != column_encodings(np.dtype(layout["tokens"].split(":")[1]),
+                                              "loss_mask" in layout)):
             raise FormatError(self.path, "MDS columns", f"{list(COLUMNS)} as int64, str, "
-                              "ndarray:uint16|uint32", config.get("column_names"))
+                              "ndarray:uint16|uint32 (chat data: and loss_mask as "
+                              "ndarray:uint8)", names)
         return config
 
     def _decode(self, raw: np.ndarray, starts: np.ndarray) -> None:
-        """Locate every sample's columns (vectorized), then gather the tokens."""
-        heads = raw[starts[:, None] + np.arange(16)]  # [n, 16]: two u32 sizes, the int64 id
-        sizes = heads[:, :8].copy().view("<u4").astype(np.int64)
-        self.ids = heads[:, 8:].copy().view("<i8")[:, 0].astype(np.int64)
-        self.source_starts, self.source_sizes = starts + 16, sizes[:, 0]
-        encoded = self.source_starts + self.source_sizes
-        codes = raw[np.minimum(encoded, raw.size - 1)].astype(np.int64)
-        if np.any(codes >> 2 != 1):
-            raise FormatError(self.path, "MDS tokens are not 1-D arrays", "ndim 1", "other")
-        widths = np.array([SHAPE_WIDTHS[code] for code in range(4)])[codes & 3]
-        item = self.dtype.itemsize
-        counts = (sizes[:, 1] - 1 - widths) // item
-        if np.any(counts < 1) or np.any(encoded + 1 + widths + counts * item
-                                        != encoded + sizes[:, 1]):
-            raise FormatError(self.path, "MDS token column sizes", "whole token ids",
-                              "a partial one")
+        """Locate every sample's columns (vectorized), then gather the tokens (and the
+        loss mask where the shard has one)."""
+        masked = "loss_mask" in self.config["column_names"]
+        variable = 3 if masked else 2  # (loss_mask), source, tokens: a u32 size each
+        head = 4 * variable + 8
+        heads = raw[starts[:, None] + np.arange(head)]  # the sizes, then the int64 id
+        sizes = heads[:, :4 * variable].copy().view("<u4").astype(np.int64)
+        self.ids = heads[:, 4 * variable:].copy().view("<i8")[:, 0].astype(np.int64)
+        column_starts = starts[:, None] + head + np.concatenate(
+            [np.zeros((sizes.shape[0], 1), np.int64), np.cumsum(sizes, axis=1)[:, :-1]],
+            axis=1)
+        self.source_starts, self.source_sizes = column_starts[:, -2], sizes[:, -2]
+        firsts, counts = self._ndarray_column(raw, column_starts[:, -1], sizes[:, -1],
+                                              self.dtype, "tokens")
         self.document_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.tokens = np.empty(int(self.document_starts[-1]), self.dtype)
-        firsts = (encoded + 1 + widths).tolist()
-        for index, (at, count) in enumerate(zip(firsts, counts.tolist(), strict=True)):
-            first = int(self.document_starts[index])
-            self.tokens[first:first + count] = raw[at:at + count * item].view(self.dtype)
+        self.tokens = gather(raw, firsts, counts, self.document_starts, self.dtype)
+        if masked:
+            mask_firsts, mask_counts = self._ndarray_column(
+                raw, column_starts[:, 0], sizes[:, 0], np.dtype(np.uint8), "loss_mask")
+            if not np.array_equal(mask_counts, counts):
+                raise FormatError(self.path, "MDS loss_mask column", "a byte per token",
+                                  "another length")
+            self.loss_mask = gather(raw, mask_firsts, mask_counts, self.document_starts,
+                                    np.dtype(np.uint8))
+
+    def _ndarray_column(self, raw: np.ndarray, at: np.ndarray, size: np.ndarray,
+                        dtype: np.dtype, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(first value byte, value count) of every sample's 1-D ndarray column `name`."""
+        codes = raw[np.minimum(at, raw.size - 1)].astype(np.int64)
+        if np.any(codes >> 2 != 1):
+            raise FormatError(self.path, f"MDS {name} are not 1-D arrays", "ndim 1", "other")
+        widths = np.array([SHAPE_WIDTHS[code] for code in range(4)])[codes & 3]
+        item = dtype.itemsize
+        counts = (size - 1 - widths) // item
+        if np.any(counts < 1) or np.any(1 + widths + counts * item != size):
+            raise FormatError(self.path, f"MDS {name} column sizes", "whole values",
+                              "a partial one")
+        return at + 1 + widths, counts
+
+
+def gather(raw: np.ndarray, firsts: np.ndarray, counts: np.ndarray, starts: np.ndarray,
+           dtype: np.dtype) -> np.ndarray:
+    """The samples' values (`counts[i]` of `dtype` at byte `firsts[i]`) as one array."""
+    out = np.empty(int(starts[-1]), dtype)
+    item = dtype.itemsize
+    for index, (at, count) in enumerate(zip(firsts.tolist(), counts.tolist(), strict=True)):
+        first = int(starts[index])
+        out[first:first + count] = raw[at:at + count * item].view(dtype)
+    return out
 
 
 def index_bytes(store: Store, section: FormatSection) -> bytes:
     """MDS's `index.json` for the committed shards of `section`, in manifest order (the
     compressed shards' raw sizes from their frame headers: one 18-byte read each)."""
     dtype = np.dtype(section.dtype)
-    compression = MDS.options(section.options).compression
+    options = MDS.options(section.options)
+    compression = options.compression
     shards = []
     for shard in section.shards:
         entry = shard.files[0]
@@ -298,7 +368,7 @@ def index_bytes(store: Store, section: FormatSection) -> bytes:
             zipped = raw
             raw = {"basename": basename[:-len(".zstd")], "hashes": {},
                    "bytes": zstd_content_size(head, store.uri_of(entry.path))}
-        shards.append({**shard_config(dtype, compression), "raw_data": raw,
+        shards.append({**shard_config(dtype, compression, options.loss_mask), "raw_data": raw,
                        "samples": shard.documents, "zip_data": zipped})
     return json.dumps({"shards": shards, "version": 2}, sort_keys=True).encode()
 
@@ -311,12 +381,18 @@ def mds_dtype(largest_id: int) -> np.dtype:
 class MDSOptions(FormatOptions):
     """compression: None (shards map without a copy) or "zstd" (each shard one frame);
     concat_tokens: None (a sample per document) or N (LLM Foundry's --concat_tokens:
-    samples of exactly N tokens, documents back to back)."""
+    samples of exactly N tokens, documents back to back); loss_mask: samples carry a
+    `loss_mask` column (chat data)."""
 
     compression: str | None = None
     concat_tokens: int | None = None
+    loss_mask: bool = False
 
     def check(self, where: str) -> None:
+        if self.loss_mask and self.concat_tokens is not None:
+            raise FormatError(where, "mds concat_tokens cuts documents into fixed-length "
+                              "samples, for pretraining text: chat data keeps a sample per "
+                              "conversation")
         if self.compression not in COMPRESSIONS:
             raise FormatError(where, f"mds compression {self.compression!r} not among "
                               f"{list(COMPRESSIONS)}")
@@ -342,8 +418,8 @@ def concat_summary(section: FormatSection, total_tokens: int) -> str | None:
             f"under {size}")
 
 
-MDS = register(Format(NAME, (RAW, ZSTD), MDSWriter, MDSReader, mds_dtype,
-                      options_type=MDSOptions, read_order=400,
-                      wants_metadata=lambda options: True,
-                      dataset_index=(f"{NAME}/{INDEX}", index_bytes), separator="eos",
-                      summary_line=concat_summary))
+MDS = register(DocumentFormat(NAME, (RAW, ZSTD), MDSWriter, MDSReader, mds_dtype,
+                              options_type=MDSOptions, read_order=400,
+                              wants_metadata=lambda options: True, holds_loss_mask=True,
+                              dataset_index=(f"{NAME}/{INDEX}", index_bytes), separator="eos",
+                              summary_line=concat_summary))

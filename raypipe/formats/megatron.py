@@ -20,10 +20,13 @@ import numpy as np
 from raypipe import _faults as faults
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
-    Format,
+    MASK_SIDECAR,
+    DocumentFormat,
     ShardReader,
     ShardWriter,
     check_token_range,
+    lists_mask_sidecar,
+    map_mask_sidecar,
     register,
     require_file,
     require_size,
@@ -35,7 +38,6 @@ from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerIn
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes
-MASK = ".mask"  # raypipe's loss-mask sidecar (chat data): u8 per token of .bin
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float64, 7: np.float32, 8: np.uint16}
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
@@ -61,7 +63,6 @@ class MegatronWriter(ShardWriter):
         super().__init__(directory, name, token_dtype, bos_id)
         self.bin_file = self.open_file(".bin")
         self.lengths: list[np.ndarray] = []
-        self.masked_tokens = 0  # tokens whose loss mask is written (chat data: all of them)
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
         check_token_range(tokens, self.token_dtype, str(self.bin_file.final))
@@ -71,25 +72,19 @@ class MegatronWriter(ShardWriter):
         self.num_documents += len(lengths)
 
     def add_loss_mask(self, loss_mask: np.ndarray) -> None:
-        """`<name>.mask`: one u8 per token of `.bin` (1: a trained target); megatron-core
-        opens `.bin`/`.idx` only and never reads it."""
-        mask_file = self._files.get(MASK) or self.open_file(MASK)
-        mask_file.write(np.ascontiguousarray(loss_mask, dtype=np.uint8).data)
-        self.masked_tokens += int(loss_mask.size)
+        """`<name>.mask`: one u8 per token of `.bin` (1: a trained target), for the
+        documents the next `add` appends; megatron-core opens `.bin`/`.idx` only and never
+        reads it."""
+        self.write_mask_sidecar(loss_mask)
 
     def commit(self) -> list[FileEntry]:
-        if self.masked_tokens not in (0, self.num_tokens):
-            raise FormatError(self.directory / f"{self.name}{MASK}", "a loss mask byte per "
-                              "token", self.num_tokens, self.masked_tokens)
         lengths = np.concatenate(self.lengths) if self.lengths else np.empty(0, np.int32)
         index = encode_index(lengths, self.token_dtype)
         idx_file = self.open_file(".idx")
         idx_file.write(index[:len(index) // 2])
         faults.point("megatron.mid_index", self.name)
         idx_file.write(index[len(index) // 2:])
-        entries = [self.commit_file(".bin")]
-        if MASK in self._files:
-            entries.append(self.commit_file(MASK))
+        entries = [self.commit_file(".bin"), *self.commit_mask_sidecar()]
         faults.point("megatron.after_bin", self.name)
         entries.append(self.commit_file(".idx"))
         return entries
@@ -102,7 +97,7 @@ class MegatronReader(ShardReader):
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> MegatronReader:
         return cls(shard_prefix(root, shard),
-                   loss_mask=any(entry.path.endswith(MASK) for entry in shard.files))
+                   loss_mask=lists_mask_sidecar(shard))
 
     @classmethod
     def index_document_lengths(cls, root: Path, shard: ShardEntry,
@@ -133,10 +128,7 @@ class MegatronReader(ShardReader):
         index.check_documents(index.sequence_lengths.size)
         self.tokens = map_file(self.bin_path, self.dtype, 0, bin_size // self.dtype.itemsize)
         if loss_mask:
-            mask_path = prefix.with_name(prefix.name + MASK)
-            require_size(mask_path, self.tokens.size, require_file(mask_path),
-                         "loss mask bytes (one per token)")
-            self.loss_mask = map_file(mask_path, np.uint8)
+            self.loss_mask = map_mask_sidecar(prefix, self.tokens.size)
 
     @cached_property
     def document_starts(self) -> np.ndarray:  # type: ignore[override]
@@ -223,7 +215,8 @@ def data_path_prefix(shard: ShardEntry) -> str:
     return shard.files[0].path.removesuffix(".bin")
 
 
-MEGATRON = register(Format("megatron", (".bin", ".idx", MASK), MegatronWriter, MegatronReader,
-                           megatron_dtype, read_order=0, index_suffixes=(".idx",),
-                           separator="eos", trainer_prefix=data_path_prefix,
-                           holds_loss_mask=True))
+MEGATRON = register(DocumentFormat("megatron", (".bin", ".idx", MASK_SIDECAR), MegatronWriter,
+                                   MegatronReader, megatron_dtype, read_order=0,
+                                   index_suffixes=(".idx",),
+                                   separator="eos", trainer_prefix=data_path_prefix,
+                                   holds_loss_mask=True))

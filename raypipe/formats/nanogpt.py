@@ -18,7 +18,7 @@ import numpy as np
 
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
-    Format,
+    DocumentFormat,
     ShardReader,
     ShardWriter,
     check_token_range,
@@ -154,5 +154,5 @@ class NanoGPTReader(ShardReader):
         return positions
 
 
-NANOGPT = register(Format("nanogpt", (".bin", ".bos.idx"), NanoGPTWriter, NanoGPTReader,
-                          nanogpt_dtype, read_order=1))
+NANOGPT = register(DocumentFormat("nanogpt", (".bin", ".bos.idx"), NanoGPTWriter, NanoGPTReader,
+                                  nanogpt_dtype, read_order=1))

@@ -6,7 +6,9 @@ index[0] = 0 and index[M] = size of `.metadata.bin`; metadata ids are shard-loca
 allocated in token order (a document's record, then its spans' records in span order), so
 the ids of any window form one contiguous range: a window's metadata is one index read and
 one data read. Document boundaries are not stored: readers find them by the BOS (or EOS)
-token, as NanoGPT readers do. Cost: writer keeps one batch in memory plus 8 bytes per
+token, as NanoGPT readers do. Chat data (which needs --bos or --eos here) adds `.mask`, one
+u8 per token (1: a trained target), and a span record per turn: its role and whether it is
+trained. Cost: writer keeps one batch in memory plus 8 bytes per
 record for the index; reader validation is O(1) (ids are range-checked per window read).
 """
 
@@ -20,11 +22,14 @@ import numpy as np
 
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
-    Format,
+    MASK_SIDECAR,
+    DocumentFormat,
     FormatOptions,
     ShardReader,
     ShardWriter,
     check_token_range,
+    lists_mask_sidecar,
+    map_mask_sidecar,
     register,
     require_file,
     require_size,
@@ -89,12 +94,16 @@ class StreamWriter(ShardWriter):
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
 
+    def add_loss_mask(self, loss_mask: np.ndarray) -> None:
+        """`<name>.mask` (chat data): one u8 per token of `.tokens`."""
+        self.write_mask_sidecar(loss_mask)
+
     def commit(self) -> list[FileEntry]:
-        entries = []
+        entries = self.commit_mask_sidecar()
         if self.bin_file is not None:
             self.open_file(".metadata.index").write(np.array(self.offsets, dtype="<u8").data)
             bin_entry = self.commit_file(".metadata.bin")
-            entries = [self.commit_file(".metadata.index"), bin_entry]
+            entries += [self.commit_file(".metadata.index"), bin_entry]
         return [self.commit_file(".tokens"), *entries]
 
 
@@ -120,10 +129,11 @@ class StreamReader(ShardReader):
                       tokenizer: TokenizerInfo) -> StreamReader:
         options = STREAM.options(section.options)
         return cls(shard_prefix(root, shard), tokenizer.bos_id, tokenizer.eos_id,
-                   options.metadata, options.serializer)
+                   options.metadata, options.serializer, lists_mask_sidecar(shard))
 
     def __init__(self, prefix: str | Path, bos_id: int | None = None, eos_id: int | None = None,
-                 metadata: bool | None = None, serializer: str = "json"):
+                 metadata: bool | None = None, serializer: str = "json",
+                 loss_mask: bool = False):
         prefix = Path(prefix)
         self.tokens_path = prefix.with_name(prefix.name + ".tokens")
         self.index_path = prefix.with_name(prefix.name + ".metadata.index")
@@ -145,6 +155,8 @@ class StreamReader(ShardReader):
         if metadata:
             self._open_metadata()
         self.document_starts = starts_from_markers(self.tokens, bos_id, eos_id)
+        if loss_mask:
+            self.loss_mask = map_mask_sidecar(prefix, self.tokens.size)
 
     def _open_metadata(self) -> None:
         index_size = require_file(self.index_path)
@@ -195,8 +207,10 @@ class StreamReader(ShardReader):
                               f"{self.serializer.name}: {exc}") from exc
 
 
-STREAM = register(Format("stream", (".tokens", ".metadata.index", ".metadata.bin"),
-                         StreamWriter, StreamReader, stream_dtype,
-                         options_type=StreamOptions, read_order=2,
-                         wants_metadata=lambda options: options.metadata,
-                         window_metadata=True))
+STREAM = register(DocumentFormat("stream", (".tokens", ".metadata.index", ".metadata.bin",
+                                            MASK_SIDECAR),
+                                 StreamWriter, StreamReader, stream_dtype,
+                                 options_type=StreamOptions, read_order=2,
+                                 wants_metadata=lambda options: options.metadata,
+                                 window_metadata=True, holds_loss_mask=True,
+                                 finds_documents_by_separator=True))

@@ -38,6 +38,9 @@ class ChatBatch:
     loss_mask: np.ndarray
     kept: np.ndarray  # rows that made a conversation
     skipped: Counter
+    # per conversation kept: its turns (role, first token, stop token, trained), separator
+    # included in the token offsets
+    turns: list[list[tuple[str, int, int, bool]]] = field(default_factory=list)
 
 
 @dataclass
@@ -98,10 +101,14 @@ def conversations_of(batch: pa.RecordBatch, config: TokenizeConfig) -> list[Any]
 
 def encode_chat_batch(batch: pa.RecordBatch, config: TokenizeConfig, encoder: ChatEncoder,
                       bos_id: int | None, eos_id: int | None, first_row: int,
-                      malformed: MalformedRows) -> ChatBatch:
+                      malformed: MalformedRows, where: str = "",
+                      separated: bool = False) -> ChatBatch:
+    """`separated`: a format finds conversations by their BOS/EOS, so neither may occur
+    inside one (InputError naming the row)."""
     import jinja2
 
-    ids, masks, kept, skipped = [], [], [], Counter()
+    ids, masks, kept, skipped, turns = [], [], [], Counter(), []
+    separators = [token for token in (bos_id, eos_id) if token is not None and separated]
     for row, messages in enumerate(conversations_of(batch, config)):
         reason = problem_of(messages)
         if reason is None:
@@ -116,6 +123,15 @@ def encode_chat_batch(batch: pa.RecordBatch, config: TokenizeConfig, encoder: Ch
             malformed.add(first_row + row, reason)
             continue
         tokens, trained = encoded.ids, encoded.trained
+        if separators and np.isin(tokens, separators).any():
+            inside = int(tokens[np.isin(tokens, separators)][0])
+            raise InputError(f"{where}: row {first_row + row}: the conversation holds the "
+                             f"separator token (id {inside}) inside it, so its end could not "
+                             "be found: choose the other of --bos/--eos, or formats with an "
+                             "index (megatron, mds)")
+        shift = int(bos_id is not None)
+        turns.append([(role, first + shift, stop + shift, bool(trained[first:stop].any()))
+                      for role, first, stop, _ in encoded.turns])
         if bos_id is not None:
             tokens, trained = np.concatenate([[bos_id], tokens]), np.concatenate([[False],
                                                                                   trained])
@@ -128,4 +144,4 @@ def encode_chat_batch(batch: pa.RecordBatch, config: TokenizeConfig, encoder: Ch
     lengths = np.array([part.size for part in ids], dtype=np.int64)
     return ChatBatch(np.concatenate(ids) if ids else np.empty(0, np.uint32), lengths,
                      np.concatenate(masks) if masks else np.empty(0, np.uint8),
-                     np.array(kept, dtype=np.int64), skipped)
+                     np.array(kept, dtype=np.int64), skipped, turns)

@@ -34,6 +34,7 @@ from raypipe.io.lock import output_lock
 from raypipe.io.manifest import CONFIG_NAME, read_manifest, shard_table, write_manifest
 from raypipe.io.records import Manifest, UnitRecord, WorkUnit
 from raypipe.io.store import Store
+from raypipe.preprocess.batch_packing import BatchSpec, pack_batches_from_manifest
 from raypipe.preprocess.chat import resolve_template
 from raypipe.preprocess.encoding.encoder import (
     BOS_CANDIDATES,
@@ -43,7 +44,6 @@ from raypipe.preprocess.encoding.encoder import (
 )
 from raypipe.preprocess.encoding.self_check import BackendChoice, choose_backend
 from raypipe.preprocess.inputs import find_inputs, plan_files
-from raypipe.preprocess.llmbatch import BATCH_PACKERS, LLMBatchSpec
 from raypipe.preprocess.output import accepted_fingerprints, prepare_output, remove_units
 from raypipe.preprocess.progress import Progress
 from raypipe.preprocess.runners import SerialRunner, UnitRunner
@@ -289,15 +289,12 @@ def format_lines(manifest: Manifest) -> dict[str, str]:
 
 
 def add_batch_formats(config: TokenizeConfig, output: Store, manifest: Manifest) -> Manifest:
-    """Pack the batch formats the config asks for from the document shards (each by the
-    packer its format's writer registered)."""
-    for name in config.formats:
-        fmt = get_format(name)
-        if fmt.holds_batches:
-            spec = LLMBatchSpec(config.seq_len, config.batch_size, config.packing,
-                                config.seed, config.batches_per_shard)
-            manifest = manifest.with_format(
-                name, BATCH_PACKERS[fmt.writer](output, manifest, spec, name))
+    """Pack the batch formats the config asks for from the document shards."""
+    spec = BatchSpec(config.seq_len or 0, config.batch_size or 0, config.packing, config.seed,
+                     config.batches_per_shard)
+    for name in config.batch_formats:
+        manifest = manifest.with_format(name, pack_batches_from_manifest(output, manifest,
+                                                                         spec, name))
     return manifest
 
 

@@ -116,9 +116,9 @@ class ShardRoller:
             for writer in self.writers:
                 with storage_errors(writer):
                     faults.point("write", self.unit_name, path=writer.directory / writer.name)
-                    writer.add(chunk, lengths[first:stop], chunk_metadata)
                     if loss_mask is not None:
                         writer.add_loss_mask(loss_mask[base:int(ends[stop - 1])])
+                    writer.add(chunk, lengths[first:stop], chunk_metadata)
             self.open_tokens += int(chunk.size)
             self.open_documents += stop - first
             first = stop

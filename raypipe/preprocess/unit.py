@@ -26,7 +26,7 @@ import pyarrow as pa
 from raypipe import _faults as faults
 from raypipe.config import BUILT_IN_METADATA_FIELDS, TokenizeConfig
 from raypipe.errors import InputError
-from raypipe.formats import get_format
+from raypipe.formats import document_format
 from raypipe.formats.stream import DocumentMetadata
 from raypipe.io.manifest import write_unit_record
 from raypipe.io.records import TokenizerInfo, UnitRecord, WorkUnit
@@ -60,7 +60,7 @@ class UnitSettings:
 
     @property
     def wants_metadata(self) -> bool:
-        return any(get_format(name).wants_metadata(self.config.format_options(name))
+        return any(document_format(name).wants_metadata(self.config.format_options(name))
                    for name in self.formats)
 
     @property
@@ -68,11 +68,11 @@ class UnitSettings:
         """The input columns a unit reads: the text (chat: the conversation's columns),
         then the metadata ones."""
         config = self.config
-        if config.chat:
-            return config.chat_columns
         extra = [*config.metadata_columns, *filter(None, [config.span_column])]
-        return list(dict.fromkeys([config.text_column, *(extra if self.wants_metadata
-                                                         else [])]))
+        if config.chat:
+            extra = list(config.metadata_columns)  # a chat row's spans are its turns
+        first = config.chat_columns if config.chat else [config.text_column]
+        return list(dict.fromkeys([*first, *(extra if self.wants_metadata else [])]))
 
     def shard_spec(self) -> ShardSpec:
         return ShardSpec(self.output.uri, self.formats, self.config.shard_tokens,
@@ -93,22 +93,40 @@ class MetadataBuilder:
         self.first_row = unit.first_row if unit.first_row >= 0 else \
             LineLocator(unit).first_row()
 
-    def build(self, batch: pa.RecordBatch, first_row: int, rows: np.ndarray, texts: list[str],
-              offsets: list[np.ndarray] | None) -> list[DocumentMetadata]:
+    def records(self, batch: pa.RecordBatch, first_row: int,
+                rows: np.ndarray) -> list[DocumentMetadata]:
+        """Each kept row's record: its source, its row in the input, its metadata columns."""
         columns = {name: batch.column(name).take(pa.array(rows)).to_pylist()
                    for name in self.columns}
-        spans = (batch.column(self.span_column).take(pa.array(rows)).to_pylist()
-                 if self.span_column else None)
         documents = []
         for index, row in enumerate(rows.tolist()):
             absolute = self.first_row + first_row + row
             record = dict(zip(BUILT_IN_METADATA_FIELDS, (self.source, absolute), strict=True))
             record.update({name: values[index] for name, values in columns.items()})
-            document = DocumentMetadata(record)
-            if spans is not None and spans[index]:
+            documents.append(DocumentMetadata(record))
+        return documents
+
+    def build(self, batch: pa.RecordBatch, first_row: int, rows: np.ndarray, texts: list[str],
+              offsets: list[np.ndarray] | None) -> list[DocumentMetadata]:
+        """The records of a batch of text rows, with their span column's spans."""
+        documents = self.records(batch, first_row, rows)
+        if not self.span_column:
+            return documents
+        spans = batch.column(self.span_column).take(pa.array(rows)).to_pylist()
+        for index, document in enumerate(documents):
+            if spans[index]:
                 document.spans = self._map_spans(spans[index], texts[index], offsets[index],
-                                                 absolute)
-            documents.append(document)
+                                                 document.record["row"])
+        return documents
+
+    def build_chat(self, batch: pa.RecordBatch, first_row: int, rows: np.ndarray,
+                   turns: list[list[tuple[str, int, int, bool]]]) -> list[DocumentMetadata]:
+        """The records of a batch of conversations, a span record per turn: its role and
+        whether its tokens are trained."""
+        documents = self.records(batch, first_row, rows)
+        for document, conversation in zip(documents, turns, strict=True):
+            document.spans = [(first, stop, {"role": role, "trained": trained})
+                              for role, first, stop, trained in conversation if stop > first]
         return documents
 
     def _map_spans(self, spans: list[Any], text: str, offsets: np.ndarray,
@@ -220,11 +238,18 @@ class ChatBatches:
         self.unit, self.config, self.encoder = unit, settings.config, encoder
         self.chat = chat_encoder(settings, encoder)
         self.malformed = MalformedRows()
+        self.metadata = (MetadataBuilder(unit, settings, encoder.bos_id is not None)
+                         if settings.wants_metadata else None)
+        self.separated = any(document_format(name).finds_documents_by_separator
+                             for name in settings.formats)
 
     def __call__(self, batch: pa.RecordBatch, first_row: int) -> EncodedBatch:
         done = encode_chat_batch(batch, self.config, self.chat, self.encoder.bos_id,
-                                 self.encoder.eos_id, first_row, self.malformed)
-        return EncodedBatch(done.tokens, done.lengths, done.kept, done.skipped,
+                                 self.encoder.eos_id, first_row, self.malformed,
+                                 self.unit.location, self.separated)
+        records = (self.metadata.build_chat(batch, first_row, done.kept, done.turns)
+                   if self.metadata is not None else None)
+        return EncodedBatch(done.tokens, done.lengths, done.kept, done.skipped, records,
                             loss_mask=done.loss_mask)
 
     def check(self, rows: int) -> None:

@@ -45,6 +45,10 @@ class LossMasks:
                                                              first + start + take]
         return out
 
+    def rows(self, rows: list[RowSegments], width: int) -> np.ndarray:
+        """[len(rows), width] uint8: the loss mask of the tokens each row holds."""
+        return np.stack([self.trained(segments, width) for segments in rows])
+
     def apply(self, rows: list[RowSegments], buffers: BatchBuffers) -> None:
         width = buffers.tokens.shape[1]
         for row, segments in enumerate(rows):

@@ -5,7 +5,7 @@ document, so megatron <-> nanogpt <-> stream (tokens and document boundaries) ro
 losslessly. Metadata does not survive a trip through megatron or nanogpt (they cannot hold
 it); a stream target from another format is written without metadata. LLMBATCH as a source
 yields its records (packed rows), not the original documents; as a target it packs the
-source documents (raypipe.preprocess.llmbatch). The destination gets its own manifest
+source documents (raypipe.preprocess.batch_packing). The destination gets its own manifest
 naming its source. Cost: one sequential read and write of every token.
 """
 
@@ -19,13 +19,18 @@ import numpy as np
 
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import ConfigError, FormatError
-from raypipe.formats import document_formats, get_format, write_dataset_indexes
+from raypipe.formats import (
+    document_formats,
+    get_format,
+    is_batch_format,
+    write_dataset_indexes,
+)
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.manifest import MANIFEST_NAME, as_store, read_manifest, write_manifest
 from raypipe.io.records import Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
-from raypipe.preprocess.llmbatch import LLMBatchSpec, write_llmbatch
+from raypipe.preprocess.batch_packing import BatchSpec, pack_batches
 from raypipe.preprocess.shards import ShardRoller, ShardSpec
 
 DOCUMENTS_PER_ADD = 4096
@@ -37,7 +42,7 @@ def _source_documents(src: Store, manifest: Manifest, source_format: str | None 
     """(shard name, iterator of token arrays) per source shard: documents of a document
     format (the one named, else the first the source has), else the records of a batch
     format (named, or the only one)."""
-    batches_named = source_format is not None and get_format(source_format).holds_batches
+    batches_named = source_format is not None and is_batch_format(source_format)
     if not batches_named and any(name in manifest.formats for name in document_formats()):
         dataset = TokenDataset(src, source_format, manifest=manifest)
         for index in range(dataset.num_shards):
@@ -75,7 +80,7 @@ def _flush(roller: ShardRoller, pending: list[np.ndarray]) -> None:
 
 
 def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
-                    llmbatch: LLMBatchSpec | None = None, overwrite: bool = False,
+                    llmbatch: BatchSpec | None = None, overwrite: bool = False,
                     source_format: str | None = None) -> Manifest:
     """Convert `src` into `format_name` at `dst` (paths or URIs); LLMBATCH targets need
     `llmbatch`."""
@@ -92,7 +97,7 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
     info = manifest.tokenizer
     fingerprint = hashlib.sha256(f"{manifest.fingerprint}->{format_name}".encode()
                                  ).hexdigest()[:16]
-    if fmt.holds_batches:
+    if is_batch_format(format_name):
         if llmbatch is None:
             raise ConfigError(f"convert to {format_name} needs --record-len and "
                               "--batch-size")
@@ -100,8 +105,8 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
             raise FormatError(source.uri_of(MANIFEST_NAME),
                               f"{format_name} from batches alone is not a conversion: "
                               "the source holds no document format")
-        section = write_llmbatch(TokenDataset(source, source_format, manifest=manifest),
-                                 target, llmbatch, format_name)
+        section = pack_batches(TokenDataset(source, source_format, manifest=manifest),
+                               target, llmbatch, format_name)
     else:
         options = fmt.options({"metadata": False})
         spec = ShardSpec(target.uri, (format_name,), NO_SHARD_LIMIT, info.largest_id,

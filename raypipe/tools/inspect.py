@@ -15,7 +15,7 @@ import numpy as np
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import LLMBatchDataset, TokenDataset
 from raypipe.errors import FormatError
-from raypipe.formats import get_format
+from raypipe.formats import document_format, is_batch_format
 from raypipe.io.manifest import as_store, read_manifest
 from raypipe.io.records import FormatSection, Manifest
 from raypipe.io.store import Store
@@ -71,7 +71,7 @@ def trainer_data_path(root: str | Path | Store, format_name: str) -> str:
     every shard prefix of a dataset (each document once: Megatron builds every prefix whole
     when no weights are given), or of a mixture spec (a blend: each source's weight split
     over its prefixes by their tokens)."""
-    prefix_of = get_format(format_name).trainer_prefix
+    prefix_of = document_format(format_name).trainer_prefix
     if prefix_of is None:
         raise FormatError(format_name, "this format has no trainer data-path argument")
     if not is_mixture_spec(root):
@@ -128,7 +128,7 @@ def inspect_output(root: str | Path | Store, samples: int = 3, tokenizer: str | 
     decoder = _decoder(manifest, tokenizer)
     for name, section in manifest.formats.items():
         lines.append(f"format {name}: dtype {section.dtype}, {len(section.shards)} shards")
-        if get_format(name).holds_batches:
+        if is_batch_format(name):
             lines += _inspect_llmbatch(root, manifest, section, samples, decoder)
             continue
         lines += _inspect_documents(TokenDataset(root, name, manifest), samples, decoder, plot)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from raypipe.dataset import LLMBatchDataset, ShardSet, TokenDataset
 from raypipe.errors import FormatError
-from raypipe.formats import FORMATS, dataset_index_problems, get_format
+from raypipe.formats import FORMATS, dataset_index_problems, get_format, is_batch_format
 from raypipe.formats.base import require_size
 from raypipe.io.cache import ShardCache
 from raypipe.io.lock import LOCK_NAME
@@ -70,7 +70,7 @@ def check_file(root: Store, entry: FileEntry) -> None:
 def shard_set(root: Store, name: str, manifest: Manifest, cache: ShardCache | None = None
               ) -> ShardSet:
     """The shards of format `name`, opened the way the loader opens them."""
-    if get_format(name).holds_batches:
+    if is_batch_format(name):
         return LLMBatchDataset(root, manifest, cache)
     return TokenDataset(root, name, manifest, cache)
 

@@ -114,10 +114,15 @@ class PreformedFiller(BatchFiller[int]):
             buffers.tokens[padding] = self.pad_id
         pieces = self.dataset.pieces(index)
         if pieces is not None:  # the file says where its pieces are
-            return self._fill_pieces(pieces, padding, buffers)
-        if not self.boundaries:
-            return Filled(buffers.tokens.shape[0])
-        return scan_boundaries(buffers, self.dataset.bos_id, self.dataset.eos_id)
+            filled = self._fill_pieces(pieces, padding, buffers)
+        elif not self.boundaries:
+            filled = Filled(buffers.tokens.shape[0])
+        else:
+            filled = scan_boundaries(buffers, self.dataset.bos_id, self.dataset.eos_id)
+        loss_mask = self.dataset.loss_mask(index)
+        if loss_mask is not None:  # chat data: only the trained targets
+            buffers.mask &= loss_mask[:, 1:].astype(buffers.mask.dtype)
+        return filled
 
     def _fill_pieces(self, pieces: Any, padding: np.ndarray | None,
                      buffers: BatchBuffers) -> Filled:

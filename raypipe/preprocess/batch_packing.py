@@ -1,4 +1,6 @@
-"""Pack a tokenized dataset into LLMBATCH shards: records shuffled across the whole dataset.
+"""Pack a tokenized dataset into the shards of a batch format (LLMBATCH): records shuffled
+across the whole dataset. One packer serves every `BatchFormat` of the registry: it writes
+through the format's BatchWriter and pads with the format's pad token.
 
 Invariant: records are the rows of an epoch-0 plan over ALL documents of the dataset
 (`fill`, the default: every token once, every record full but < 1 record's worth per packing
@@ -7,9 +9,10 @@ once, unfilled positions padded; `crop` (alias `bestfit`): nanochat's
 BOS-aligned rows, tails cropped; `concat`: windows of seq_len tokens of the concatenated
 stream, consecutive windows sharing one token), taken in that plan's Feistel order with
 `seed` (a global shuffle, not per shard), grouped B at a time; the last total_records mod
-B records are dropped. Padding positions hold the tokenizer's pad token; each record's
-real length and its pieces (where each starts, whether it starts and ends its document) go
-to the format's sidecars (raypipe.formats.llmbatch). What the packing kept,
+B records are dropped. Padding positions hold the format's pad token; each record's
+real length, its pieces (where each starts, whether it starts and ends its document) and,
+for chat data, its per-token loss mask (the document shards' mask at the tokens the record
+holds) go to the format's writer. What the packing kept,
 cropped, padded and dropped is recorded in the manifest section and warned about past 5%.
 Shards hold `batches_per_shard` batches each, named `batches-NNNNN.batch` (+ `.lengths`,
 `.pieces`),
@@ -26,12 +29,12 @@ from typing import Any
 import numpy as np
 
 from raypipe.dataset import TokenDataset
-from raypipe.formats import get_format
-from raypipe.formats.llmbatch import LLMBATCH, LLMBatchWriter, pad_token, piece_words
+from raypipe.formats import BatchFormat, RecordPieces, batch_format
 from raypipe.io.records import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
-from raypipe.sampling.batches import BatchBuffers
+from raypipe.sampling.batches import BatchBuffers, RowSegments, TokenSource
+from raypipe.sampling.loss_masks import LossMasks
 from raypipe.sampling.modes import preformed_mode, record_plan, waste_hints
 from raypipe.sampling.plans import PackingReport
 
@@ -39,8 +42,8 @@ DESCRIBE_BATCHES = 64
 
 
 @dataclass(frozen=True)
-class LLMBatchSpec:
-    """The shape of an LLMBATCH output: records of `seq_len` tokens, `batch_size` per batch,
+class BatchSpec:
+    """The shape of a batch format's output: records of `seq_len` tokens, `batch_size` per batch,
     packed by `packing` with `seed`, `batches_per_shard` batches per file."""
 
     seq_len: int
@@ -50,18 +53,20 @@ class LLMBatchSpec:
     batches_per_shard: int = 1024
 
 
-def write_llmbatch(dataset: TokenDataset, output: Store, spec: LLMBatchSpec,
-                   format_name: str = LLMBATCH.name) -> FormatSection:
-    """Write the shards into `output/<format_name>`; return the manifest's section."""
+def pack_batches(dataset: TokenDataset, output: Store, spec: BatchSpec,
+                 format_name: str) -> FormatSection:
+    """Write batch format `format_name`'s shards into `output/<format_name>`; return the
+    manifest's section."""
     with Staging(output) as staging:
-        return _write_llmbatch(dataset, staging, format_name, spec)
+        return _pack_batches(dataset, staging, batch_format(format_name), spec)
 
 
-def _write_llmbatch(dataset: TokenDataset, staging: Staging, format_name: str,
-                    spec: LLMBatchSpec) -> FormatSection:
-    directory = staging.directory / format_name
+def _pack_batches(dataset: TokenDataset, staging: Staging, fmt: BatchFormat,
+                  spec: BatchSpec) -> FormatSection:
+    directory = staging.directory / fmt.name
     positions_per_row = spec.seq_len - 1
-    pad_id = pad_token(dataset.manifest.tokenizer)
+    pad_id = fmt.pad_token(dataset.manifest.tokenizer)
+    masks = LossMasks(TokenSource(dataset)) if dataset.has_loss_mask else None
     plan, builder = record_plan(dataset, spec.packing, spec.seq_len, spec.seed, pad_id=pad_id)
     host = np.empty(BatchBuffers.size(spec.batch_size, positions_per_row), dtype=np.int64)
     buffers = BatchBuffers.over(host, spec.batch_size, positions_per_row)
@@ -71,8 +76,8 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, format_name: str,
     for first in range(0, num_batches, spec.batches_per_shard):
         stop = min(first + spec.batches_per_shard, num_batches)
         name = f"batches-{len(shards):05d}"
-        writer = LLMBatchWriter(Path(directory), name, spec.batch_size, spec.seq_len,
-                                stop - first, spec.seed, plan.size)
+        writer = fmt.writer(Path(directory), name, spec.batch_size, spec.seq_len,
+                            stop - first, spec.seed, plan.size)
         try:
             for chunk in range(first, stop, DESCRIBE_BATCHES):
                 steps = np.arange(chunk, min(chunk + DESCRIBE_BATCHES, stop), dtype=np.int64)
@@ -82,23 +87,28 @@ def _write_llmbatch(dataset: TokenDataset, staging: Staging, format_name: str,
                     rows = builder.segments(batch_plan.positions)
                     writer.add_batch(buffers.tokens,
                                      np.array([min(row.length, spec.seq_len) for row in rows]),
-                                     [piece_words(row.columns, row.starts_document,
-                                                  row.ends_document) for row in rows])
+                                     [record_pieces(row) for row in rows],
+                                     None if masks is None else
+                                     masks.rows(rows, spec.seq_len))
             files = staging.publish(writer.commit())
         except BaseException:
             writer.abort()
             raise
         shards.append(ShardEntry(name, tuple(files), first_batch=first, batches=stop - first))
     report = records_report(plan, num_batches * spec.batch_size, spec.seq_len)
-    report.warn_if_wasteful(f"LLMBATCH ({spec.packing} packing, records of {spec.seq_len} "
+    report.warn_if_wasteful(f"{fmt.name} ({spec.packing} packing, records of {spec.seq_len} "
                             "tokens)", waste_hints(preformed_mode().name, spec.packing))
     options = {"seq_len": spec.seq_len, "batch_size": spec.batch_size,
                "packing": spec.packing, "seed": spec.seed, "total_records": plan.size,
                "num_batches": num_batches, "source_format": dataset.format_name,
                "pad_id": pad_id,
                **report.as_options()}
-    return get_format(format_name).section(dataset.manifest.tokenizer.largest_id, shards,
-                                           options)
+    return fmt.section(dataset.manifest.tokenizer.largest_id, shards, options)
+
+
+def record_pieces(row: RowSegments) -> RecordPieces:
+    """What a batch format stores of one record's pieces."""
+    return RecordPieces(row.columns, row.starts_document, row.ends_document)
 
 
 def records_report(plan: Any, records: int, record_len: int) -> PackingReport:
@@ -113,12 +123,7 @@ def records_report(plan: Any, records: int, record_len: int) -> PackingReport:
                          report.dropped_tokens + tokens, report.total_tokens)
 
 
-def write_llmbatch_from_manifest(output: Store, manifest: Manifest, spec: LLMBatchSpec,
-                                 format_name: str = LLMBATCH.name) -> FormatSection:
-    dataset = TokenDataset(output, manifest=manifest)
-    return write_llmbatch(dataset, output, spec, format_name)
-
-
-# the packer of each batch format, by its writer: how the job fills a batch format from the
-# finished document shards (a new batch format registers its packer here)
-BATCH_PACKERS = {LLMBATCH.writer: write_llmbatch_from_manifest}
+def pack_batches_from_manifest(output: Store, manifest: Manifest, spec: BatchSpec,
+                               format_name: str) -> FormatSection:
+    """Pack batch format `format_name` from the document shards `manifest` lists."""
+    return pack_batches(TokenDataset(output, manifest=manifest), output, spec, format_name)

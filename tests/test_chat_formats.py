@@ -1,0 +1,149 @@
+"""Chat data in every format that can hold its loss mask: Megatron's `.mask` sidecar, MDS's
+`loss_mask` column (read by `streaming.StreamingDataset`), the stream format's `.mask`
+sidecar and span record per turn, and LLMBATCH's `.mask` sidecar, each equal to the
+conversations' own mask and each reaching the loader's `batch.mask`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from raypipe.config import load_config
+from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.errors import ConfigError, InputError
+from raypipe.loader import TokenLoader
+from raypipe.loader.mosaic_streaming import import_streaming
+from raypipe.preprocess.chat import CHATML
+from raypipe.preprocess.job import run_job
+from tests.test_chat_job import chat_tokenizer_path, chats, expected, write_chats  # noqa: F401
+
+RECORD_LEN, BATCH = 65, 4
+MASK_FORMATS = ["megatron", "mds", "stream", "llmbatch"]
+
+
+@pytest.fixture(scope="module")
+def every_mask_format(tmp_path_factory, chat_tokenizer_path, chats):  # noqa: F811
+    """300 conversations into every format that holds a mask, EOS after each (stream finds
+    conversations by it)."""
+    root = tmp_path_factory.mktemp("chat-formats")
+    write_chats(root / "in" / "chats.parquet", chats[:300])
+    run_job(load_config(None, inputs=[str(root / "in")], output=str(root / "out"),
+                        tokenizer=chat_tokenizer_path, chat=True, formats=MASK_FORMATS,
+                        eos=True, seq_len=RECORD_LEN, batch_size=BATCH, packing="split",
+                        shard_tokens=20_000))
+    return root / "out"
+
+
+def documents_and_masks(output, name):
+    dataset = TokenDataset(output, name)
+    assert dataset.has_loss_mask
+    return ([np.asarray(document).tolist() for document in dataset.iter_documents()],
+            [dataset.document_loss_mask(index).tolist()
+             for index in range(dataset.num_documents)])
+
+
+def test_each_document_format_stores_the_conversations_ids_and_mask(
+        every_mask_format, chat_tokenizer_path, chats):  # noqa: F811
+    want = expected(chat_tokenizer_path, CHATML, chats[:300])
+    eos = json.loads((every_mask_format / "manifest.json").read_text())["tokenizer"]["eos_id"]
+    want_ids = [[*w.ids.tolist(), eos] for w in want]
+    want_masks = [[*w.trained.astype(int).tolist(), 0] for w in want]  # EOS: untrained
+    for name in ("megatron", "mds", "stream"):
+        ids, masks = documents_and_masks(every_mask_format, name)
+        assert ids == want_ids, name
+        assert masks == want_masks, name
+
+
+def test_stream_keeps_a_span_record_per_turn_with_its_role_and_whether_it_is_trained(
+        every_mask_format, chats):  # noqa: F811
+    dataset = TokenDataset(every_mask_format, "stream")
+    reader = dataset.reader(0)
+    starts = reader.document_starts
+    for index in range(5):
+        first, stop = int(starts[index]), int(starts[index + 1])
+        ids = np.asarray(reader.metadata_ids[first:stop])
+        records = reader.read_records(int(ids.min()), int(ids.max()))
+        document, turns = records[0], records[1:]
+        assert document["row"] == index and document["source"] == "chats.parquet"
+        assert [turn["role"] for turn in turns] == [m["role"] for m in chats[index]]
+        mask = np.asarray(reader.loss_mask[first:stop])
+        for offset, turn in enumerate(turns, start=int(ids.min()) + 1):
+            at = np.flatnonzero(ids == offset)  # the turn's tokens carry its record's id
+            assert turn["trained"] == bool(mask[at].any())
+            assert turn["trained"] == (turn["role"] == "assistant")
+
+
+def test_mds_loss_mask_column_is_read_by_streaming_dataset(every_mask_format):
+    streaming = import_streaming()
+    samples = streaming.StreamingDataset(local=str(every_mask_format / "mds"), batch_size=1,
+                                         shuffle=False)
+    ids, masks = documents_and_masks(every_mask_format, "megatron")
+    assert len(samples) == len(ids)
+    for index in (0, 1, len(ids) - 1):
+        sample = samples[index]
+        assert sample["tokens"].tolist() == ids[index]
+        assert sample["loss_mask"].dtype == np.uint8
+        assert sample["loss_mask"].tolist() == masks[index]
+
+
+def test_llmbatch_records_carry_the_mask_of_the_tokens_they_hold(every_mask_format):
+    """Every record position's stored mask is the document shards' mask of the token there
+    (0 on padding), and the llmbatch loader's batch.mask is it shifted to the targets,
+    ANDed with the records' own join and padding rule."""
+    documents = TokenDataset(every_mask_format, "megatron")
+    batches = LLMBatchDataset(every_mask_format)
+    loader = TokenLoader(every_mask_format, seq_len=RECORD_LEN - 1, batch_size=BATCH,
+                         mode="llmbatch", device="cpu")
+    filler = loader.filler(0)
+    trained = 0
+    for batch in loader:
+        (index,) = filler.describe(batch.positions[None, :1])[0].rows
+        stored = batches.loss_mask(index)
+        want = np.zeros_like(stored)
+        for row, segments in enumerate(filler.segments(batch.positions[None, :1])[:BATCH]):
+            for document, start, take, column in zip(
+                    segments.documents.tolist(), segments.starts.tolist(),
+                    segments.take.tolist(), segments.columns.tolist(), strict=True):
+                mask = documents.document_loss_mask(document)
+                want[row, column:column + take] = mask[start:start + take]
+        assert np.array_equal(stored, want)
+        got = batch.mask.numpy().astype(bool)
+        assert not (got & ~stored[:, 1:].astype(bool)).any()  # nothing untrained trains
+        trained += int(got.sum())
+    assert trained > 0
+
+
+def test_stream_in_a_chat_job_needs_a_separator_and_mds_concat_is_refused(tmp_path):
+    common = dict(inputs=["x"], output=str(tmp_path / "o"), tokenizer="t", chat=True)
+    with pytest.raises(ConfigError, match="stream finds conversations by a separator token"):
+        load_config(None, formats=["megatron", "stream"], **common)
+    with pytest.raises(ConfigError, match="chat data keeps a sample per conversation"):
+        load_config(None, formats=["mds"], mds_concat_tokens=64, **common)
+
+
+def test_a_separator_inside_a_conversation_is_an_error_naming_the_row(
+        tmp_path, chat_tokenizer_path, chats):  # noqa: F811
+    """Under `special`, a literal EOS in a message is the EOS id: stream could not find
+    where that conversation ends, so the job stops and names the row."""
+    from tokenizers import Tokenizer
+
+    eos_text = Tokenizer.from_file(chat_tokenizer_path).id_to_token(
+        _eos_id(chat_tokenizer_path))
+    rows = chats[:20]
+    rows[7] = [{"role": "user", "content": f"say {eos_text}"},
+               {"role": "assistant", "content": "ok"}]
+    write_chats(tmp_path / "in" / "c.parquet", rows)
+    with pytest.raises(InputError, match=r"c\.parquet.*row 7: the conversation holds the "
+                                         r"separator token"):
+        run_job(load_config(None, inputs=[str(tmp_path / "in")], output=str(tmp_path / "o"),
+                            tokenizer=chat_tokenizer_path, chat=True, formats=["stream"],
+                            eos=True, special_tokens_in_text="special"))
+
+
+def _eos_id(tokenizer_path: str) -> int:
+    from raypipe.preprocess.encoding.encoder import describe_tokenizer, load_tokenizer
+
+    return describe_tokenizer(load_tokenizer(tokenizer_path), tokenizer_path, False,
+                              True).eos_id
