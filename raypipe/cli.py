@@ -21,7 +21,7 @@ from raypipe.config import PACKINGS as CONFIG_PACKINGS
 from raypipe.config import TokenizeConfig, load_config
 from raypipe.errors import RaypipeError
 from raypipe.sampling.modes import mode_names
-from raypipe.sampling.pack import PACKINGS
+from raypipe.sampling.pack import OVERLONGS, PACKINGS
 
 
 def _scalar_type(hint: Any) -> Any:
@@ -94,12 +94,12 @@ def command_pack_report(args: argparse.Namespace) -> int:
 
     print(pack_report(args.dataset, args.seq_len, args.mode, args.seed, args.epoch,
                       args.epochs, args.block_documents, args.format, args.packing,
-                      args.shuffle, args.group_shards))
+                      args.shuffle, args.group_shards, args.overlong))
     return 0
 
 
 TRACE_KNOBS = ("mode", "seed", "block_documents", "packing", "shuffle", "group_shards",
-               "split", "validation_fraction", "block_batches")
+               "split", "validation_fraction", "block_batches", "overlong")
 
 
 def command_trace(args: argparse.Namespace) -> int:
@@ -207,6 +207,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser, defaults: bool) -> None:
                         help="bestfit mode: fill (every token, full rows), split (every "
                         "token, documents whole where they fit, padded), crop (nanochat's) "
                         "or auto (split for chat data, fill for text)")
+    parser.add_argument("--overlong", default=default("auto"),
+                        choices=[*OVERLONGS, "auto"],
+                        help="split packing, a document longer than a row: split (pieces "
+                        "overlapping by one token: every target once), cut (pieces edge "
+                        "to edge), truncate (its first row), drop; auto: split for chat "
+                        "data, cut for text")
     parser.add_argument("--format", default=None, help="megatron or nanogpt (default: any)")
     parser.add_argument("--shuffle", default=default("global"),
                         choices=["global", "shard_local"], help="the loader's shuffle")

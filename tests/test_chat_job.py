@@ -91,17 +91,21 @@ def test_documents_and_masks_equal_the_template_and_transformers_rule(
     assert manifest["tokenizer"]["bos_id"] is None and manifest["tokenizer"]["eos_id"] is None
 
 
+@pytest.mark.parametrize("overlong", ["auto", "cut"])
 def test_one_bestfit_epoch_trains_exactly_the_assistant_tokens(chat_output,
-                                                              chat_tokenizer_path, chats):
-    """Every trained token of the data is a target with mask 1 exactly once, except one
-    that begins a row (no target predicts column 0: only pieces of the conversation longer
-    than a row begin rows mid-conversation); no other target has mask 1; every
-    conversation that fits a row is in one row, whole."""
+                                                              chat_tokenizer_path, chats,
+                                                              overlong):
+    """Every trained token of the data is a target with mask 1 exactly once (under
+    overlong `cut`: except one that begins a row, no target predicting column 0: only
+    pieces of the conversation longer than a row begin rows mid-conversation, and they
+    are counted); no other target has mask 1; every conversation that fits a row is in one
+    row, whole."""
     output, _ = chat_output
     want = expected(chat_tokenizer_path, CHATML, chats)
     loader = TokenLoader(output, seq_len=T, batch_size=1, mode="bestfit", seed=3,
-                         device="cpu")
+                         device="cpu", overlong=overlong)
     assert loader.spec.packing == "split"  # chat data: conversations kept whole
+    assert loader.spec.overlong == ("split" if overlong == "auto" else "cut")
     filler = loader.filler(0)
     targets: Counter = Counter()
     row_starts = set()
@@ -123,10 +127,16 @@ def test_one_bestfit_epoch_trains_exactly_the_assistant_tokens(chat_output,
             break
     trained = {(document, offset) for document, encoded in enumerate(want)
                for offset in np.flatnonzero(encoded.trained).tolist()}
-    assert set(targets) == trained - row_starts
     assert max(targets.values()) == 1
     continued = {(document, start) for document, start in row_starts if start > 0}
-    assert loader.packing_report().continued_pieces == len(continued) > 0  # counted
+    assert continued  # the long conversation begins rows mid-conversation
+    report = loader.packing_report()
+    if overlong == "cut":
+        assert set(targets) == trained - row_starts
+        assert report.continued_pieces == len(continued)  # counted
+    else:  # each later piece starts with the token before it: no target lost
+        assert set(targets) == trained
+        assert not report.continued_pieces and report.repeated_tokens == len(continued)
     fits = [document for document, encoded in enumerate(want) if encoded.ids.size <= T + 1]
     assert all(pieces_of[document] == 1 for document in fits)
     assert pieces_of[0] > 1  # the long conversation, split into row-sized pieces
@@ -310,6 +320,6 @@ def test_the_packing_report_counts_the_loss_masks_trained_tokens(chat_output,
     report = capsys.readouterr().out
     assert "bestfit (split) rows" in report  # auto packing: split for chat data
     assert f"loss mask 1     {trained:,} (" in report
-    assert "row starts inside a conversation " in report
+    assert "repeated        " in report  # the long conversation's overlapping pieces
     loader = TokenLoader(output, seq_len=T, batch_size=2, device="cpu")
     assert loader.packing_report().loss_mask_tokens == trained

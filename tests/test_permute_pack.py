@@ -338,3 +338,69 @@ def test_shard_local_windows_stay_inside_their_group(shard_tokens, group_shards,
     assert np.array_equal(group_of_first, group_of_last), "a window crosses its group"
     report = plan.report()
     assert report.used_tokens + report.dropped_tokens == tokens.sum()
+
+
+def targets_of(block) -> list[tuple[int, int]]:
+    """(document, token) of every target a row's pieces train: each token after its piece's
+    first (a target from the piece's own previous token)."""
+    return [(int(doc), int(start) + offset)
+            for doc, start, take in zip(block.doc_ids, block.starts, block.take, strict=True)
+            for offset in range(1, int(take))]
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.integers(1, 700), min_size=1, max_size=200),
+       capacity=st.integers(2, 256), separator=st.sampled_from(["bos", "eos"]))
+def test_overlong_split_trains_every_target_of_every_document_once(lengths, capacity,
+                                                                   separator):
+    """Pieces of a document longer than a row overlap by one token, so every token but a
+    document's first is a target inside some piece exactly once; a document that fits a
+    row stays one piece; rows stay within capacity; the repeated tokens are counted."""
+    lengths_array = np.array(lengths, dtype=np.int64)
+    doc_ids = np.arange(len(lengths)) * 7 + 3  # plan numbering, not block indices
+    block = pack("split", doc_ids, lengths_array, capacity, separator, overlong="split")
+    assert sorted(targets_of(block)) == sorted(
+        (int(doc), token) for doc, length in zip(doc_ids, lengths, strict=True)
+        for token in range(1, length))
+    pieces = np.bincount(np.searchsorted(doc_ids, block.doc_ids), minlength=len(lengths))
+    assert all(pieces[lengths_array <= capacity] == 1)
+    widths = np.add.reduceat(block.take, block.row_offsets[:-1]) if block.take.size else []
+    assert all(0 < width <= capacity for width in widths)
+    by_doc = dict(zip(doc_ids.tolist(), lengths, strict=True))
+    assert np.array_equal(block.ends_document,
+                          block.starts + block.take == [by_doc[d] for d in block.doc_ids])
+    assert block.used_tokens == sum(lengths)
+    assert block.repeated_tokens == int((pieces - 1).sum())
+    assert block.used_tokens + block.repeated_tokens + block.padded_tokens == \
+        block.num_rows * capacity
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 700), min_size=1, max_size=200),
+       capacity=st.integers(2, 256), overlong=st.sampled_from(["truncate", "drop"]))
+def test_overlong_truncate_keeps_a_first_row_and_drop_leaves_out_counting_the_rest(
+        lengths, capacity, overlong):
+    lengths_array = np.array(lengths, dtype=np.int64)
+    block = pack("split", np.arange(len(lengths)), lengths_array, capacity, "bos",
+                 overlong=overlong)
+    over = lengths_array > capacity
+    placed = np.bincount(block.doc_ids, weights=block.take, minlength=len(lengths))
+    kept = np.where(over, capacity if overlong == "truncate" else 0, lengths_array)
+    assert np.array_equal(placed, kept)
+    assert not block.ends_document[over[block.doc_ids]].any()  # never joined onward
+    lost = int((lengths_array - kept).sum())
+    assert (block.cropped_tokens, block.dropped_tokens) == (
+        (lost, 0) if overlong == "truncate" else (0, lost))
+    assert block.used_tokens + lost == sum(lengths)
+
+
+def test_overlong_is_a_rule_of_split_packing_only():
+    from raypipe.errors import ConfigError
+    from raypipe.sampling.modes import PlanSpec
+
+    with pytest.raises(ValueError, match="only 'cut' under 'fill'"):
+        pack("fill", np.arange(2), np.array([5, 9]), 4, overlong="split")
+    with pytest.raises(ConfigError, match="overlong='drop' is a rule of split packing"):
+        PlanSpec("bestfit", 8, packing="fill", overlong="drop")
+    assert PlanSpec("bestfit", 8).for_data(True).overlong == "split"
+    assert PlanSpec("bestfit", 8).for_data(False).overlong == "cut"

@@ -55,6 +55,7 @@ class LoaderOptions:
     cache_bytes: int | str | None = None
     split: str = "all"
     validation_fraction: float = 0.001
+    overlong: str = "auto"  # split packing: chat data's longer conversations overlap by 1
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.int32, torch.int64):
@@ -89,7 +90,7 @@ class LoaderOptions:
     def plan_spec(self, seq_len: int) -> PlanSpec:
         return PlanSpec(self.mode, seq_len, self.seed, self.block_documents, self.packing,
                         self.block_batches, self.shuffle, self.group_shards, self.split,
-                        self.validation_fraction)
+                        self.validation_fraction, self.overlong)
 
     def torch_device(self) -> torch.device:
         """Where batches go: `device`, with "auto" = cuda when available, else cpu."""

@@ -155,7 +155,8 @@ class TokenLoader:
         if trained is None:
             return report
         lengths = (chunk for _, chunk in self.planned.document_lengths().chunks())
-        return report.with_loss_mask(trained, lengths, self.spec.packing, self.seq_len)
+        return report.with_loss_mask(trained, lengths, self.spec.packing, self.seq_len,
+                                     self.spec.resolved_overlong)
 
     # ----- iteration --------------------------------------------------------------------
     def filler(self, epoch: int) -> BatchFiller:

@@ -54,11 +54,17 @@ moves), crop ~1.4 us; memory O(block).
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 PACKINGS = ("fill", "split", "crop")
+# what split packing does with a document longer than a row (docs/packing.md): `cut` into
+# row-sized pieces edge to edge (a later piece's first token is no target: text's rule
+# since 0.1), `split` into row-sized pieces that overlap by one token (each later piece
+# starts with the token before it as its first input: every target trained once), its first
+# row kept and the rest cropped (`truncate`), or the document left out (`drop`)
+OVERLONGS = ("cut", "split", "truncate", "drop")
 SEPARATORS = ("bos", "eos")
 
 
@@ -84,6 +90,7 @@ class PackedBlock:
     cropped_tokens: int
     dropped_tokens: int
     padded_tokens: int = 0
+    repeated_tokens: int = 0  # overlong `split`: tokens placed twice (inputs only, again)
 
     @property
     def num_rows(self) -> int:
@@ -123,11 +130,17 @@ class RowPieces:
 
 
 def pack(packing: str, doc_ids: np.ndarray, lengths: np.ndarray, capacity: int,
-         separator: str = "bos") -> PackedBlock:
+         separator: str = "bos", overlong: str = "cut") -> PackedBlock:
+    """`overlong`: split packing's rule for documents longer than a row (OVERLONGS)."""
     if separator not in SEPARATORS:
         raise ValueError(f"separator {separator!r} not among {list(SEPARATORS)}")
+    if overlong not in OVERLONGS or (overlong != "cut" and packing != "split"):
+        raise ValueError(f"overlong {overlong!r}: one of {list(OVERLONGS)}, and only 'cut' "
+                         f"under {packing!r} packing")
     if packing == "fill":
         return pack_fill(doc_ids, lengths, capacity, separator)
+    if packing == "split" and overlong != "cut":
+        return pack_overlong(doc_ids, lengths, capacity, separator, overlong)
     if packing == "split":
         return pack_split(doc_ids, lengths, capacity, separator)
     if packing == "crop":
@@ -141,6 +154,56 @@ def pack_split(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int,
     pieces = Pieces.of(lengths, capacity, separator)
     row_of_item = _best_fit_decreasing(pieces.rest[pieces.items].tolist(), capacity)
     return pieces.assemble(doc_ids, pieces.whole_rests(pieces.items), row_of_item)
+
+
+def pack_overlong(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int,
+                  separator: str, overlong: str) -> PackedBlock:
+    """Split packing under overlong `split`, `truncate` or `drop` (see OVERLONGS). Under
+    `split` a document of L > capacity tokens becomes n = ceil((L - 1) / (capacity - 1))
+    pieces that overlap by one token: packed as a document of L + n - 1 tokens cut edge to
+    edge (the same rows and places), whose piece k then starts k tokens earlier in the real
+    document. Truncated documents never end their document (no target joins them to the
+    next piece); cropped and dropped tokens are counted."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    over = lengths > capacity
+    if overlong == "split" and capacity > 1:
+        pieces_of = np.where(over, -(-(lengths - 1) // (capacity - 1)), 1)
+        packed = pack_split(doc_ids, lengths + pieces_of - 1, capacity, separator)
+        starts = real_starts(packed.starts, packed.doc_ids, doc_ids, lengths, capacity,
+                             separator, over)
+        ends = starts + packed.take == lengths[index_in_block(packed.doc_ids, doc_ids)]
+        repeated = int((pieces_of - 1).sum())
+        return replace(packed, starts=starts, ends_document=ends,
+                       used_tokens=packed.used_tokens - repeated, repeated_tokens=repeated)
+    kept = np.where(over, capacity if overlong == "truncate" else 0, lengths)
+    packed = pack_split(doc_ids, kept, capacity, separator)
+    cut = over[index_in_block(packed.doc_ids, doc_ids)]
+    lost = int((lengths - kept).sum())
+    return replace(packed, ends_document=packed.ends_document & ~cut,
+                   cropped_tokens=lost if overlong == "truncate" else 0,
+                   dropped_tokens=lost if overlong == "drop" else 0)
+
+
+def index_in_block(packed_ids: np.ndarray, doc_ids: np.ndarray) -> np.ndarray:
+    """Each packed segment's document as an index into the block's `doc_ids`."""
+    doc_ids = np.asarray(doc_ids, dtype=np.int64)
+    order = np.argsort(doc_ids, kind="stable")
+    return order[np.searchsorted(doc_ids[order], packed_ids)]
+
+
+def real_starts(starts: np.ndarray, packed_ids: np.ndarray, doc_ids: np.ndarray,
+                lengths: np.ndarray, capacity: int, separator: str,
+                over: np.ndarray) -> np.ndarray:
+    """Overlong `split`: a segment's start in the document of L + n - 1 tokens -> in the
+    real one (piece k starts k tokens earlier). Under "bos" the head piece (the rest r)
+    comes first, so the pieces start at 0, r, r + c, ...; under "eos" at 0, c, 2c, ..."""
+    index = index_in_block(packed_ids, doc_ids)
+    pieces_of = -(-(lengths[index] - 1) // (capacity - 1))
+    virtual = lengths[index] + pieces_of - 1
+    rest = virtual % capacity
+    shift = (capacity - rest) % capacity if separator == "bos" else 0
+    before = (starts + shift) // capacity  # pieces of the document before this one
+    return np.where(over[index], starts - before, starts).astype(np.int64)
 
 
 def pack_fill(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int,

@@ -50,6 +50,9 @@ class PackingReport:
     # chat data: pieces of conversations longer than a row that begin a row (their first
     # token, trained or not, is no target)
     continued_pieces: int | None = None
+    # overlong `split`: the token before each later piece of a document longer than a row,
+    # placed again as that piece's first input (a position, no second target)
+    repeated_tokens: int = 0
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> PackingReport:
@@ -75,7 +78,7 @@ class PackingReport:
 
     @property
     def positions(self) -> int:
-        return self.used_tokens + self.padded_tokens
+        return self.used_tokens + self.repeated_tokens + self.padded_tokens
 
     @property
     def padding_fraction(self) -> float:
@@ -121,20 +124,23 @@ class PackingReport:
             "of the tokens: the targets chat data trains)"]) + (
             [] if not self.continued_pieces else [
                 f"row starts inside a conversation {self.continued_pieces:,} (pieces of "
-                "conversations longer than a row: each one's first token is no target)"])
+                "conversations longer than a row: each one's first token is no target)"]) + (
+            [] if not self.repeated_tokens else [
+                f"repeated        {self.repeated_tokens:,} (each later piece of a document "
+                "longer than a row starts with the token before it, as an input)"])
 
     def render(self) -> str:
         return "\n".join(self.lines())
 
     def with_loss_mask(self, trained: int | None, lengths: Iterable[np.ndarray], packing: str,
-                       seq_len: int) -> PackingReport:
+                       seq_len: int, overlong: str = "cut") -> PackingReport:
         """The report of chat data: its loss mask's trained tokens and, under split
-        packing, the row starts that fall inside a conversation (`lengths`: the documents'
-        lengths, in chunks)."""
+        packing with overlong `cut`, the row starts that fall inside a conversation
+        (`lengths`: the documents' lengths, in chunks)."""
         if trained is None:
             return self
         continued = (sum(continued_pieces(chunk, seq_len + 1) for chunk in lengths)
-                     if packing == "split" else None)
+                     if packing == "split" and overlong == "cut" else None)
         return replace(self, loss_mask_tokens=trained, continued_pieces=continued)
 
     def summary_line(self) -> str:

@@ -25,12 +25,13 @@ MIXTURE_ROWS_PER_STEP = 8
 def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", seed: int = 0,
                 epoch: int = 0, epochs: int = 1, block_documents: int = 4096,
                 format_name: str | None = None, packing: str = "auto",
-                shuffle: str = "global", group_shards: int = 4) -> str:
+                shuffle: str = "global", group_shards: int = 4,
+                overlong: str = "auto") -> str:
     """The report for `epochs` epochs from `epoch`, as printed text (a dataset on object
     storage: only its index files are fetched; a mixture YAML: each source's report, and the
     mixture's shares)."""
     spec = PlanSpec(mode, seq_len, seed, block_documents, packing, shuffle=shuffle,
-                    group_shards=group_shards)
+                    group_shards=group_shards, overlong=overlong)
     epoch_range = range(epoch, epoch + epochs)
     if is_mixture_spec(dataset_path):
         return mixture_report(str(dataset_path), spec, epoch_range)
@@ -73,7 +74,7 @@ def render(where: str, dataset: TokenDataset, spec: PlanSpec,
             lines.append(f"-- epoch {epoch}")
         report = plan.report().with_loss_mask(  # chat data: its loss mask
             dataset.manifest.totals.trained_tokens, [dataset.document_lengths()],
-            spec.packing, spec.seq_len)
+            spec.packing, spec.seq_len, spec.resolved_overlong)
         lines.append(report.render())
     return "\n".join(lines)
 

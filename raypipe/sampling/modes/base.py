@@ -29,7 +29,7 @@ from raypipe.sampling.batches import (
     write_row_boundaries,
 )
 from raypipe.sampling.lengths import DocumentLengths
-from raypipe.sampling.pack import PACKINGS
+from raypipe.sampling.pack import OVERLONGS, PACKINGS
 from raypipe.sampling.plans import SHUFFLES, ShardGroups, SumsMemo
 from raypipe.sampling.split import SPLITS
 
@@ -87,14 +87,21 @@ class PlanSpec:
     group_shards: int = 4
     split: str = "all"
     validation_fraction: float = 0.001
+    overlong: str = PACKING_BY_DATA  # split packing's rule for a document over a row
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("mode", self.mode, mode_names()),
                                      ("shuffle", self.shuffle, SHUFFLES),
                                      ("packing", self.packing, (*PACKINGS, PACKING_BY_DATA)),
-                                     ("split", self.split, SPLITS)):
+                                     ("split", self.split, SPLITS),
+                                     ("overlong", self.overlong, (*OVERLONGS,
+                                                                  PACKING_BY_DATA))):
             if value not in allowed:
                 raise ConfigError(f"{name}: {value!r} not among {list(allowed)}")
+        if self.overlong not in ("cut", PACKING_BY_DATA) and self.packing not in (
+                "split", PACKING_BY_DATA):
+            raise ConfigError(f"overlong={self.overlong!r} is a rule of split packing (a "
+                              f"document longer than a row), not of {self.packing!r}")
         if self.shuffle == "shard_local" and (not self.loader_mode.shard_local
                                               or self.group_shards < 1):
             raise ConfigError(f"shuffle='shard_local' needs a mode that reads documents "
@@ -126,11 +133,22 @@ class PlanSpec:
         return get_mode(self.mode)
 
     def for_data(self, chat: bool) -> PlanSpec:
-        """The spec with packing "auto" resolved: "split" for chat data (a conversation
-        that fits a row is never cut), "fill" for text."""
-        if self.packing != PACKING_BY_DATA:
-            return self
-        return replace(self, packing="split" if chat else "fill")
+        """The spec with packing and overlong "auto" resolved: for chat data "split" (a
+        conversation that fits a row is never cut) and overlong "split" (a longer one in
+        overlapping pieces: no trained token lost); for text "fill" and "cut"."""
+        packing = self.packing if self.packing != PACKING_BY_DATA else (
+            "split" if chat else "fill")
+        overlong = self.overlong if self.overlong != PACKING_BY_DATA else (
+            "split" if chat and packing == "split" else "cut")
+        if overlong != "cut" and packing != "split":
+            raise ConfigError(f"overlong={overlong!r} is a rule of split packing, not of "
+                              f"{packing!r} (chat data packs with split unless told)")
+        return replace(self, packing=packing, overlong=overlong)
+
+    @property
+    def resolved_overlong(self) -> str:
+        """overlong as the plan applies it ("auto" left unresolved: "cut")."""
+        return "cut" if self.overlong == PACKING_BY_DATA else self.overlong
 
     @property
     def preformed(self) -> bool:

@@ -54,7 +54,7 @@ class BestFitPlan:
     def __init__(self, lengths: np.ndarray | DocumentLengths, seq_len: int, seed: int,
                  epoch: int, block_documents: int = 4096, packing: str = "fill",
                  groups: ShardGroups | None = None, memo: SumsMemo | None = None,
-                 separator: str = "bos"):
+                 separator: str = "bos", overlong: str = "cut"):
         """`memo(key, compute)`: returns compute() or what it returned before for `key`
         (a node-local cache of the block token sums, shared by the node's ranks);
         `separator`: which side of a document carries BOS/EOS (raypipe.sampling.pack)."""
@@ -63,6 +63,7 @@ class BestFitPlan:
         self.lengths = lengths
         self.packing = packing
         self.separator = separator
+        self.overlong = overlong
         self.capacity = seq_len + 1
         self.seed, self.epoch = seed, epoch
         self.block_documents = block_size(lengths, self.capacity, block_documents, packing)
@@ -83,7 +84,7 @@ class BestFitPlan:
         if packed is None:
             ids = self.block_documents_ids(block)
             packed = self._cached[block] = pack(self.packing, ids, self.lengths[ids],
-                                                self.capacity, self.separator)
+                                                self.capacity, self.separator, self.overlong)
             if len(self._cached) > CACHED_BLOCKS:
                 self._cached.popitem(last=False)
         else:
@@ -95,7 +96,7 @@ class BestFitPlan:
         if self.packing == "fill":
             return self._fill_summary()
         rows = np.zeros(self.num_blocks + 1, dtype=np.int64)
-        used = cropped = dropped = padded = 0
+        used = cropped = dropped = padded = repeated = 0
         for block in range(self.num_blocks):
             packed = self.pack(block)
             rows[block + 1] = packed.num_rows
@@ -103,8 +104,9 @@ class BestFitPlan:
             cropped += packed.cropped_tokens
             dropped += packed.dropped_tokens
             padded += packed.padded_tokens
+            repeated += packed.repeated_tokens
         report = PackingReport(int(rows.sum()), used, cropped, padded, dropped,
-                               self.lengths.total)
+                               self.lengths.total, repeated_tokens=repeated)
         return np.cumsum(rows), report
 
     def _fill_summary(self) -> tuple[np.ndarray, PackingReport]:
@@ -293,13 +295,16 @@ class BestFitMode(LoaderMode):
         if spec.packing != "crop":  # states saved before `packing` existed were crop
             knobs["packing"] = spec.packing
             knobs["pieces"] = PIECES_RULE  # rows of older releases cut documents otherwise
+        if spec.resolved_overlong != "cut":  # states saved before `overlong` cut
+            knobs["overlong"] = spec.resolved_overlong
         return knobs
 
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> BestFitPlan:
         dataset = inputs.dataset
         return BestFitPlan(inputs.lengths(), spec.seq_len, spec.seed, epoch,
                            spec.block_documents, spec.packing, inputs.groups, inputs.memo,
-                           separator_of(dataset.bos_id, dataset.eos_id))
+                           separator_of(dataset.bos_id, dataset.eos_id),
+                           spec.resolved_overlong)
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
                boundaries: bool = True) -> BestFitFiller:

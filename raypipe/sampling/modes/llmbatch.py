@@ -56,7 +56,8 @@ def record_plan(dataset: TokenDataset, packing: str, record_len: int, seed: int,
     tokens), and its filler (no boundaries: a record stores its pieces instead)."""
     mode_name, mode_packing = RECORD_PLANS[packing]
     mode = get_mode(mode_name)
-    spec = PlanSpec(mode_name, record_len - 1, seed, packing=mode_packing)
+    spec = PlanSpec(mode_name, record_len - 1, seed, packing=mode_packing).for_data(
+        dataset.has_loss_mask)  # chat data: overlong conversations in overlapping pieces
     if lengths is None:
         lengths = dataset_lengths(dataset, node_cache=False)
     plan = mode.plan(spec, PlanInputs(dataset, lambda: lengths), 0)
