@@ -1,18 +1,20 @@
-"""The contracts every output format implements, and the registry that names them.
+"""The contracts every output format implements, and the registry that names them. A format is
+one of two typed kinds: a DocumentFormat (ShardWriter / ShardReader: documents, written per
+work unit) or a BatchFormat (BatchWriter / BatchReader: pre-formed batches, packed from the
+document shards after the units by one packer for every batch format).
 
-Invariant: a ShardWriter writes only temporary files (hashed as they are written) until
-`commit()`, which renames every file of the shard to its final name in the order its
-module states (Megatron and NanoGPT: `.bin` first, then the index; a stream shard: its
-sidecars first, `.tokens` last) and returns their FileEntry records; `abort()` leaves
-nothing behind (a shard is committed only by its unit record, written after). A
+Invariant: a ShardWriter (or BatchWriter) writes only temporary files (hashed as they are
+written) until `commit()`, which renames every file of the shard to its final name in the
+order its module states (Megatron and NanoGPT: `.bin` first, then the index; a stream
+shard: its sidecars first, `.tokens` last) and returns their FileEntry records; `abort()`
+leaves nothing behind (a shard is committed only by its unit record, written after). A
 ShardReader validates headers and sizes before creating any array, so a corrupt or crafted
-file raises FormatError naming the file in O(1) time and memory, and then serves its
-tokens as zero-copy slices of a map of the file (small indexes, such as NanoGPT's
-`.bos.idx` or Megatron's document offsets, may be read into private arrays; MDS, whose
-samples interleave headers with the ids, decodes its tokens into one private array).
-`Reader.from_manifest` opens a shard from its manifest entry, so nothing above this package
-branches on a format's name: a new format is one module that calls `register`. Byte
-layouts: docs/formats.md.
+file raises FormatError naming the file in O(1) time and memory, and then serves its tokens
+as zero-copy slices of a map of the file (small indexes, such as NanoGPT's `.bos.idx` or
+Megatron's document offsets, may be read into private arrays; MDS, whose samples interleave
+headers with the ids, decodes its tokens into one private array). `Reader.from_manifest`
+opens a shard from its manifest entry, so nothing above this package branches on a format's
+name: a new format is one module that calls `register`. Byte layouts: docs/formats.md.
 """
 
 from __future__ import annotations
