@@ -48,6 +48,7 @@ LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 
                  "completion_column": None, "chat_template": None, "train_on": "assistant",
                  "mds_concat_tokens": None}
 TRAIN_ON = ("assistant", "last-assistant", "all")
+PACKING_BY_DATA = "auto"  # the packing default: split for chat data, fill for text
 # keys of earlier releases that no longer do anything -> why (a config holding one loads,
 # with a warning)
 RETIRED_KEYS = {"head_start": "removed in 0.6: every unit runs on Ray Data"}
@@ -194,10 +195,11 @@ class TokenizeConfig:
                                             "--seq-len is an older name of it",
                                  flag="--record-len", aliases=("--seq-len",))
     batch_size: int | None = option(None, help="llmbatch: records per batch")
-    packing: str = option("fill", help="llmbatch: fill (every token, every record full), "
+    packing: str = option("auto", help="llmbatch: fill (every token, every record full), "
                                        "split (every token, documents whole where they "
                                        "fit, padding marked), crop (nanochat: records "
-                                       "start with BOS, tails cropped) or concat")
+                                       "start with BOS, tails cropped), concat, or auto "
+                                       "(split for chat data, fill for text)")
     seed: int = option(0, help="llmbatch: record shuffle seed")
     batches_per_shard: int = option(1024, help="llmbatch: batches per file")
     special_tokens_in_text: str = option(
@@ -225,6 +227,8 @@ class TokenizeConfig:
             object.__setattr__(self, "chat", True)
         object.__setattr__(self, "formats", default_formats(self.chat) if self.formats is None
                            else _as_tuple(self.formats, "formats"))
+        if self.packing == PACKING_BY_DATA:  # chat data: conversations whole where they fit
+            object.__setattr__(self, "packing", "split" if self.chat else "fill")
         object.__setattr__(self, "metadata_columns",
                            _as_tuple(self.metadata_columns, "metadata_columns"))
         if not self.inputs:

@@ -31,7 +31,7 @@ def every_mask_format(tmp_path_factory, chat_tokenizer_path, chats):  # noqa: F8
     write_chats(root / "in" / "chats.parquet", chats[:300])
     run_job(load_config(None, inputs=[str(root / "in")], output=str(root / "out"),
                         tokenizer=chat_tokenizer_path, chat=True, formats=MASK_FORMATS,
-                        eos=True, seq_len=RECORD_LEN, batch_size=BATCH, packing="split",
+                        eos=True, seq_len=RECORD_LEN, batch_size=BATCH,
                         shard_tokens=20_000))
     return root / "out"
 
@@ -96,6 +96,7 @@ def test_llmbatch_records_carry_the_mask_of_the_tokens_they_hold(every_mask_form
     batches = LLMBatchDataset(every_mask_format)
     loader = TokenLoader(every_mask_format, seq_len=RECORD_LEN - 1, batch_size=BATCH,
                          mode="llmbatch", device="cpu")
+    assert batches.options.packing == "split"  # chat data's default: conversations whole
     filler = loader.filler(0)
     trained = 0
     for batch in loader:
