@@ -13,7 +13,9 @@ loader trains of chat data at T = 2048 and 8192.
   CPUs and stops it), timed from launch to exit; and its units' CPU seconds / 2.
 - Packing: one epoch of the bestfit loader (packing auto = split for chat data) over the
   output at each T: the share of target positions trained (mask 1), of padding, and how
-  many conversations were cut (only those longer than a row may be).
+  many conversations were cut (only those longer than a row may be); and at a short row
+  (`--overlong-seq-len`, 256) that many conversations pass, each `overlong` rule's share of
+  the loss mask's trained tokens that one epoch trains (split: all of them, once).
 
 Prints a table and RATIO lines; nothing is asserted (bench/README conventions).
 """
@@ -160,12 +162,12 @@ def raypipe_job(corpus: Path, output: Path, tokenizer: Path) -> dict:
     return {**result, "wall": time.perf_counter() - started}
 
 
-def packing(output: Path, seq_len: int) -> dict:
+def packing(output: Path, seq_len: int, overlong: str = "auto") -> dict:
     """One epoch of bestfit over the chat output: trained, padded and cut shares."""
     from raypipe.loader import TokenLoader
 
     loader = TokenLoader(output, seq_len=seq_len, batch_size=1, mode="bestfit", seed=1,
-                         device="cpu", prefetch=2)
+                         device="cpu", prefetch=2, overlong=overlong)
     filler = loader.filler(0)
     positions = trained = padded = 0
     pieces: dict[int, int] = {}
@@ -180,7 +182,9 @@ def packing(output: Path, seq_len: int) -> dict:
     longer = int((lengths > seq_len + 1).sum())
     cut = sum(1 for count in pieces.values() if count > 1)
     return {"positions": positions, "trained": trained, "padded": padded, "cut": cut,
-            "longer": longer, "packing": loader.spec.packing}
+            "longer": longer, "packing": loader.spec.packing,
+            "overlong": loader.spec.overlong,
+            "repeated": loader.packing_report().repeated_tokens}
 
 
 def main() -> None:
@@ -189,6 +193,9 @@ def main() -> None:
     parser.add_argument("--workdir", default="bench_out/chat")
     parser.add_argument("--repeats", type=int, default=2, help="best of N for each side")
     parser.add_argument("--seq-lens", default="2048,8192")
+    parser.add_argument("--overlong-seq-len", type=int, default=256,
+                        help="a row length some conversations pass: each overlong rule's "
+                        "share of the assistant tokens trained")
     parser.add_argument("--tokenizer", choices=["gpt2", "shipped"], default="gpt2")
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
@@ -223,6 +230,13 @@ def main() -> None:
               f"{result['trained'] / result['positions']:.1%} of positions, padding "
               f"{result['padded'] / result['positions']:.1%}, conversations cut "
               f"{result['cut']} (longer than a row: {result['longer']})")
+    for overlong in ("split", "cut", "truncate", "drop"):
+        result = packing(workdir / "out", args.overlong_seq_len, overlong)
+        print(f"T={args.overlong_seq_len} overlong {overlong}: {result['longer']:,} "
+              f"conversations longer than a row; trained targets / the loss mask's trained "
+              f"tokens = {result['trained'] / job['trained']:.4f}; positions repeated "
+              f"{result['repeated'] / result['positions']:.2%}, padding "
+              f"{result['padded'] / result['positions']:.1%}")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,8 @@ def test_one_bestfit_epoch_trains_exactly_the_assistant_tokens(chat_output,
                                                  segments.take.tolist(),
                                                  segments.columns.tolist(), strict=True):
             pieces_of[document] += 1
+            if column < T:  # every piece is its own sequence: cu_seqlens per conversation
+                assert column in batch.cu_seqlens.tolist()
             if column == 0:
                 row_starts.add((document, start))
             for offset in range(take):
