@@ -17,6 +17,7 @@ from raypipe.loader import TokenLoader
 from raypipe.loader.mosaic_streaming import import_streaming
 from raypipe.preprocess.chat import CHATML
 from raypipe.preprocess.job import run_job
+from raypipe.sampling.plans import PackingReport
 from tests.test_chat_job import chat_tokenizer_path, chats, expected, write_chats  # noqa: F401
 
 RECORD_LEN, BATCH = 65, 4
@@ -114,6 +115,11 @@ def test_llmbatch_records_carry_the_mask_of_the_tokens_they_hold(every_mask_form
         assert not (got & ~stored[:, 1:].astype(bool)).any()  # nothing untrained trains
         trained += int(got.sum())
     assert trained > 0
+    report = PackingReport.from_options(batches.section.options)  # what the section records
+    assert report.used_tokens + report.cropped_tokens + report.dropped_tokens == \
+        documents.num_tokens
+    assert report.repeated_tokens > 0  # conversations longer than a record overlap by one
+    assert report.positions == batches.num_batches * BATCH * RECORD_LEN
 
 
 def test_stream_in_a_chat_job_needs_a_separator_and_mds_concat_is_refused(tmp_path):

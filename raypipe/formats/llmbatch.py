@@ -376,6 +376,7 @@ class LLMBatchOptions(FormatOptions):
     cropped_tokens: int | None = None
     padded_tokens: int = 0
     dropped_tokens: int | None = None
+    repeated_tokens: int = 0  # chat data's overlong `split` pieces: tokens placed twice
 
     @property
     def has_report(self) -> bool:

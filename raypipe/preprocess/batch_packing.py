@@ -3,21 +3,20 @@ across the whole dataset. One packer serves every `BatchFormat` of the registry:
 through the format's BatchWriter and pads with the format's pad token.
 
 Invariant: records are the rows of an epoch-0 plan over ALL documents of the dataset
-(`fill`, the default: every token once, every record full but < 1 record's worth per packing
-block; `split`: documents cut into record-sized pieces and best-fit packed, every token
-once, unfilled positions padded; `crop` (alias `bestfit`): nanochat's
-BOS-aligned rows, tails cropped; `concat`: windows of seq_len tokens of the concatenated
+(`fill`, the default for text: every token once, every record full but < 1 record's worth
+per packing block; `split`: documents cut into record-sized pieces and best-fit packed,
+every token once, unfilled positions padded; `crop` (alias `bestfit`): nanochat's BOS-
+aligned rows, tails cropped; `concat`: windows of seq_len tokens of the concatenated
 stream, consecutive windows sharing one token), taken in that plan's Feistel order with
-`seed` (a global shuffle, not per shard), grouped B at a time; the last total_records mod
-B records are dropped. Padding positions hold the format's pad token; each record's
-real length, its pieces (where each starts, whether it starts and ends its document) and,
-for chat data, its per-token loss mask (the document shards' mask at the tokens the record
-holds) go to the format's writer. What the packing kept,
-cropped, padded and dropped is recorded in the manifest section and warned about past 5%.
-Shards hold `batches_per_shard` batches each, named `batches-NNNNN.batch` (+ `.lengths`,
-`.pieces`),
-listed in order in the manifest. Each shard file is committed atomically. Cost: one memmap
-read and one sequential write per token kept.
+`seed` (a global shuffle, not per shard), grouped B at a time; the last total_records mod B
+records are dropped. Padding positions hold the format's pad token; each record's real
+length, its pieces (where each starts, whether it starts and ends its document) and, for
+chat data, its per-token loss mask (the document shards' mask at the tokens the record
+holds) go to the format's writer. What the packing kept, cropped, padded and dropped is
+recorded in the manifest section and warned about past 5%. Shards hold `batches_per_shard`
+batches each, named `batches-NNNNN.batch` (+ `.lengths`, `.pieces`, and `.mask` for chat
+data), listed in order in the manifest. Each shard file is committed atomically. Cost: one
+memmap read and one sequential write per token kept.
 """
 
 from __future__ import annotations
@@ -116,11 +115,14 @@ def records_report(plan: Any, records: int, record_len: int) -> PackingReport:
     count as dropped, their padding no longer as padding."""
     report = plan.report()
     tail = np.arange(records, plan.size, dtype=np.int64)
-    tokens = plan.counted_tokens(tail)
-    padding = tail.size * record_len - tokens if report.padded_tokens else 0
+    placed = plan.counted_tokens(tail)
+    repeated = plan.repeated_tokens(tail)
+    tokens = placed - repeated
+    padding = tail.size * record_len - placed if report.padded_tokens else 0
     return PackingReport(report.rows - tail.size, report.used_tokens - tokens,
                          report.cropped_tokens, report.padded_tokens - padding,
-                         report.dropped_tokens + tokens, report.total_tokens)
+                         report.dropped_tokens + tokens, report.total_tokens,
+                         repeated_tokens=report.repeated_tokens - repeated)
 
 
 def pack_batches_from_manifest(output: Store, manifest: Manifest, spec: BatchSpec,

@@ -61,11 +61,14 @@ class PackingReport:
                                   ("used_tokens", "cropped_tokens", "dropped_tokens"))
         rows = int(options.get("num_batches", 0)) * int(options.get("batch_size", 0))
         return cls(rows, used, cropped, int(options["padded_tokens"]), dropped,
-                   used + cropped + dropped)
+                   used + cropped + dropped,
+                   repeated_tokens=int(options.get("repeated_tokens", 0)))
 
     def as_options(self) -> dict[str, int]:
+        repeated = {"repeated_tokens": self.repeated_tokens} if self.repeated_tokens else {}
         return {"used_tokens": self.used_tokens, "cropped_tokens": self.cropped_tokens,
-                "padded_tokens": self.padded_tokens, "dropped_tokens": self.dropped_tokens}
+                "padded_tokens": self.padded_tokens, "dropped_tokens": self.dropped_tokens,
+                **repeated}
 
     @property
     def untrained_tokens(self) -> int:

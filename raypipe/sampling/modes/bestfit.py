@@ -190,6 +190,14 @@ class BestFitPlan:
         """Tokens the report counts for the rows at `positions` (their pieces)."""
         return sum(int(row.take.sum()) for _, row in self.rows(positions))
 
+    def repeated_tokens(self, positions: np.ndarray) -> int:
+        """Of those, the tokens placed a second time (overlong `split`: the first token of
+        every later piece of a document longer than a row, the only pieces with start > 0
+        under split packing)."""
+        if self.overlong != "split":
+            return 0
+        return sum(int((row.starts > 0).sum()) for _, row in self.rows(positions))
+
     def rows(self, positions: np.ndarray) -> list[tuple[int, RowPieces]]:
         """For each position: (global row id, the row's pieces)."""
         blocks, local = self.row_ids(positions)
@@ -320,6 +328,9 @@ class BestFitMode(LoaderMode):
             return super().waste_hint(waste, packing)
         if packing == "crop":
             return "packing 'fill' trains every token and pads under 1% of the positions"
+        if packing == "split":  # cropped or dropped under split: overlong truncate or drop
+            return ("overlong 'split' trains every token of a document longer than a row, "
+                    "in pieces that overlap by one token")
         return super().waste_hint(waste, packing)
 
 

@@ -62,6 +62,10 @@ class WindowPlan:
         windows share a token)."""
         return int(positions.size) * self.seq_len
 
+    def repeated_tokens(self, positions: np.ndarray) -> int:
+        """None placed twice (the token two windows share is counted once)."""
+        return 0
+
     def report(self) -> PackingReport:
         used = self.size * self.seq_len
         return PackingReport(self.size, used, 0, 0, self.total_tokens - used, self.total_tokens)
