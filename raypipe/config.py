@@ -80,18 +80,12 @@ def flag_of(name: str) -> str:
     return spec.metadata.get("flag", "--" + name.replace("_", "-"))
 
 
-def holds_loss_mask(name: str) -> bool:
-    """Format `name` can store chat data's loss mask (every batch format does)."""
-    fmt = FORMATS[name]
-    return not isinstance(fmt, DocumentFormat) or fmt.holds_loss_mask
-
-
 def default_formats(chat: bool) -> tuple[str, ...]:
     """The formats a job writes unless told: megatron and nanogpt; for chat data, those of
     them that hold a loss mask (megatron)."""
     if not chat:
         return DEFAULT_FORMATS
-    return tuple(name for name in DEFAULT_FORMATS if holds_loss_mask(name))
+    return tuple(name for name in DEFAULT_FORMATS if FORMATS[name].holds_loss_mask)
 
 
 def document_separators(formats: tuple[str, ...], bos: bool | None, eos: bool | None,
@@ -318,9 +312,9 @@ class TokenizeConfig:
             raise ConfigError("chat: --prompt-column and --completion-column go together")
         if not self.chat:
             return
-        cannot = [name for name in self.formats if not holds_loss_mask(name)]
+        cannot = [name for name in self.formats if not FORMATS[name].holds_loss_mask]
         if cannot:
-            able = [name for name in FORMATS if holds_loss_mask(name)]
+            able = [name for name, fmt in FORMATS.items() if fmt.holds_loss_mask]
             raise ConfigError(f"--chat: format(s) {', '.join(cannot)} cannot hold a loss mask; "
                               f"the formats that can: {', '.join(able)}")
         by_separator = [name for name in self.document_formats

@@ -154,3 +154,30 @@ def _eos_id(tokenizer_path: str) -> int:
 
     return describe_tokenizer(load_tokenizer(tokenizer_path), tokenizer_path, False,
                               True).eos_id
+
+
+@pytest.mark.parametrize("mode", ["bestfit", "windows", "documents"])
+def test_every_loader_mode_masks_every_target_the_data_does_not_train(every_mask_format,
+                                                                      mode):
+    """batch.mask is 1 only on targets whose token the loss mask trains (the token each row
+    holds there, from the mode's own description of its rows), in every mode that cuts rows
+    from documents; and such targets exist."""
+    documents = TokenDataset(every_mask_format, "megatron")
+    loader = TokenLoader(every_mask_format, seq_len=RECORD_LEN - 1, batch_size=2, mode=mode,
+                         seed=5, device="cpu")
+    filler = loader.filler(0)
+    trained = 0
+    for step, batch in enumerate(loader):
+        for row, segments in enumerate(filler.segments(batch.positions)):
+            want = np.zeros(RECORD_LEN, dtype=bool)
+            for document, start, take, column in zip(
+                    segments.documents.tolist(), segments.starts.tolist(),
+                    segments.take.tolist(), segments.columns.tolist(), strict=True):
+                mask = documents.document_loss_mask(document)[start:start + take]
+                want[column:column + take] = mask.astype(bool)
+            got = batch.mask[row].numpy().astype(bool)
+            assert not (got & ~want[1:]).any(), (mode, step, row)
+            trained += int(got.sum())
+        if step == 40:
+            break
+    assert trained > 0

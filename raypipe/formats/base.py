@@ -225,6 +225,7 @@ class Format:
     # a line of the job summary on what the format made of the tokens (its section and the
     # job's total tokens -> the line; None: nothing to add)
     summary_line: Callable[[FormatSection, int], str | None] = lambda section, total: None
+    holds_loss_mask: bool = False  # its shards can store a per-token loss mask (chat data)
 
     def token_dtype(self, largest_id: int) -> np.dtype:
         return self.dtype_for_largest_id(largest_id)
@@ -260,7 +261,6 @@ class DocumentFormat(Format):
     # a shard's path prefix as its trainer's data-path argument takes it (Megatron's
     # --data-path: the path without .bin/.idx); None: no such argument
     trainer_prefix: Callable[[ShardEntry], str] | None = None
-    holds_loss_mask: bool = False  # its shards can store a per-token loss mask (chat data)
     # its readers find documents by the separator token alone (no index of their own)
     finds_documents_by_separator: bool = False
 
@@ -272,6 +272,7 @@ class BatchFormat(Format):
     batch format stores chat data's loss mask, and says which id its padding holds."""
 
     pad_token: Callable[[TokenizerInfo], int] = lambda tokenizer: 0
+    holds_loss_mask: bool = True  # a BatchWriter takes each batch's loss mask
 
 
 @dataclass(frozen=True)
