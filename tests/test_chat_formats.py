@@ -181,3 +181,16 @@ def test_every_loader_mode_masks_every_target_the_data_does_not_train(every_mask
         if step == 40:
             break
     assert trained > 0
+
+
+def test_inspect_marks_trained_tokens_in_every_format(every_mask_format,
+                                                      chat_tokenizer_path):  # noqa: F811
+    from raypipe.tools.inspect import inspect_dataset
+
+    shown = inspect_dataset(every_mask_format, samples=1, tokenizer=chat_tokenizer_path)
+    sections = shown.split("\nformat ")[1:]
+    assert sorted(section.split(":", 1)[0] for section in sections) == sorted(MASK_FORMATS)
+    for section in sections:
+        marked = [line for line in section.splitlines()
+                  if "trained, between [[ ]]" in line]
+        assert len(marked) == 1 and "[[" in marked[0].split("]]): ", 1)[1], section[:80]

@@ -185,8 +185,18 @@ def _inspect_llmbatch(root: Store, manifest: Manifest, section: FormatSection,
              "  records, not documents: each row is a packed sequence"]
     if options.has_report:
         lines.append(f"  {packing_line(section.options)}")
-    for index, record in enumerate(dataset.iter_records()):
-        if index >= samples:
-            break
-        lines.append(f"  record {index}: {_show(record, decoder)}")
+    shown = 0
+    for batch in range(dataset.num_batches):
+        trained = dataset.loss_mask(batch)
+        for row, record in enumerate(dataset.records(batch)):
+            if shown >= samples:
+                return lines
+            if trained is not None:  # chat data: the record, its trained tokens marked
+                mask = trained[row, :record.size]
+                lines.append(f"  record {shown} ({int(mask.sum())} trained, between "
+                             f"{TRAINED_OPEN} {TRAINED_CLOSE}): "
+                             f"{_show_trained(record, mask, decoder)}")
+            else:
+                lines.append(f"  record {shown}: {_show(record, decoder)}")
+            shown += 1
     return lines
