@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from common import print_table, synthetic_token_dataset, write_synthetic_dataset
 
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.formats.stream import DocumentMetadata
 from raypipe.preprocess.batch_packing import BatchSpec
 from raypipe.tools.convert import convert_dataset
@@ -55,7 +55,7 @@ def stream_dataset(workdir: Path, total_tokens: int) -> Path:
     return write_synthetic_dataset(output, "stream", batches(), "synthetic-stream", 1 << 26)
 
 
-def llmbatch_rates(dataset: LLMBatchDataset, reads: int) -> tuple[float, float]:
+def llmbatch_rates(dataset: BatchDataset, reads: int) -> tuple[float, float]:
     reader = dataset.reader(0)
     raw = np.memmap(reader.path, dtype=np.uint8, mode="r")
     out = np.empty((dataset.batch_size, dataset.seq_len), dtype=np.int64)
@@ -102,7 +102,7 @@ def main() -> None:
     llm_dir = args.workdir / f"llmbatch-{args.tokens // 1_000_000}M"
     if not (llm_dir / "manifest.json").exists():
         convert_dataset(source, llm_dir, "llmbatch", BatchSpec(T, B, "bestfit", 1, 1 << 30))
-    llm = LLMBatchDataset(llm_dir)
+    llm = BatchDataset(llm_dir)
     base_llm, llm_rate = llmbatch_rates(llm, args.reads)
     stream = TokenDataset(stream_dataset(args.workdir, args.tokens // 5), "stream")
     base_stream, stream_rate, records = stream_rates(stream, args.reads)

@@ -371,8 +371,9 @@ class TokenDataset(ShardSet):
         return StreamWindow(tokens, ids, records)
 
 
-class LLMBatchDataset(ShardSet):
-    """The LLMBATCH shards of an output, in manifest order: batch i of the whole dataset."""
+class BatchDataset(ShardSet):
+    """The shards of an output's batch format (LLMBATCH), in manifest order: batch i of the
+    whole dataset."""
 
     def __init__(self, root: str | Path | Store, manifest: Manifest | None = None,
                  cache: ShardCache | None = None):

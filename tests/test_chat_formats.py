@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from raypipe.config import load_config
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError, InputError
 from raypipe.loader import TokenLoader
 from raypipe.loader.mosaic_streaming import import_streaming
@@ -94,7 +94,7 @@ def test_llmbatch_records_carry_the_mask_of_the_tokens_they_hold(every_mask_form
     (0 on padding), and the llmbatch loader's batch.mask is it shifted to the targets,
     ANDed with the records' own join and padding rule."""
     documents = TokenDataset(every_mask_format, "megatron")
-    batches = LLMBatchDataset(every_mask_format)
+    batches = BatchDataset(every_mask_format)
     loader = TokenLoader(every_mask_format, seq_len=RECORD_LEN - 1, batch_size=BATCH,
                          mode="llmbatch", device="cpu")
     assert batches.options.packing == "split"  # chat data's default: conversations whole

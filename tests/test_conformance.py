@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from raypipe.config import load_config
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, document_formats, get_format, is_batch_format
 from raypipe.preprocess.batch_packing import BatchSpec
@@ -61,7 +61,7 @@ def every_format(tmp_path_factory, corpus, tokenizer_path):
 def records(output, name):
     """What a format holds, as token lists: documents, or a batch format's records."""
     if is_batch_format(name):
-        return [r.tolist() for r in LLMBatchDataset(output).iter_records()]
+        return [r.tolist() for r in BatchDataset(output).iter_records()]
     return [d.tolist() for d in TokenDataset(output, name).iter_documents()]
 
 

@@ -311,9 +311,9 @@ def test_pack_report_cli(token_dataset, capsys):
 
 
 def test_llmbatch_mode_serves_preformed_batches_exactly_once(rich_dataset):
-    from raypipe.dataset import LLMBatchDataset
+    from raypipe.dataset import BatchDataset
 
-    batches = LLMBatchDataset(rich_dataset)
+    batches = BatchDataset(rich_dataset)
     probe = TokenLoader(rich_dataset, mode="llmbatch", world_size=2, seed=3, block_batches=4)
     assert (probe.seq_len, probe.batch_size) == (32, 2)
     first, state = [], None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.loader import TokenLoader
 from tests.conftest import write_parquet
 
@@ -110,7 +110,7 @@ def test_default_loader_trains_99_percent_of_tokens_once(long_tailed, seq_len, w
 
 
 def test_default_llmbatch_output_holds_99_percent_of_tokens(long_tailed):
-    dataset = LLMBatchDataset(long_tailed)
+    dataset = BatchDataset(long_tailed)
     options = dataset.section.options
     total = TokenDataset(long_tailed).num_tokens
     served = sum(len(record) for record in dataset.iter_records())
@@ -147,7 +147,7 @@ def test_default_loader_fills_the_rows_of_a_narrow_corpus_on_2_ranks(narrow):
 
 
 def test_default_llmbatch_records_of_2049_are_full_on_a_narrow_corpus(narrow):
-    dataset = LLMBatchDataset(narrow)
+    dataset = BatchDataset(narrow)
     options = dataset.section.options
     assert (options["packing"], dataset.seq_len) == ("fill", 2049)
     records = np.stack([dataset.batch(i) for i in range(dataset.num_batches)]).reshape(-1, 2049)
@@ -188,7 +188,7 @@ def test_fill_trains_99_percent_in_rows_under_1_percent_padding_for_every_tokeni
     counts, positions = coverage_of_one_epoch(path, 2048, 2)
     assert counts.max() == 1 and counts.mean() >= 0.99, f"{counts.mean():.2%} trained"
     assert 1 - counts.sum() / positions <= 0.01, f"{1 - counts.sum() / positions:.2%} padding"
-    options = LLMBatchDataset(path).section.options
+    options = BatchDataset(path).section.options
     total = TokenDataset(path).num_tokens
     assert options["used_tokens"] >= 0.99 * total - 2 * 2049  # the last partial batch
     padding = options["padded_tokens"] / (options["used_tokens"] + options["padded_tokens"])

@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer
 
 from raypipe.config import load_config
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import InputError
 from raypipe.formats.llmbatch import LEGACY_PAD_ID, LLMBatchReader
 from raypipe.preprocess.job import run_job
@@ -196,7 +196,7 @@ def test_split_llmbatch_holds_every_document_piece_once_and_the_loader_masks_pad
     assert "llmbatch   split packing: trained 99." in summary.render()
     assert "(cropped 0.00%" in summary.render()
     documents = [tuple(d) for d in expected_documents(corpus_dir, tokenizer_path)]
-    dataset = LLMBatchDataset(tmp_path / "out")
+    dataset = BatchDataset(tmp_path / "out")
     pieces = [tuple(r.tolist()) for r in dataset.iter_records()]
     # each record is pieces of documents back to back; together, with the few records left
     # out of the last batch, they are every document's tokens exactly once
@@ -243,7 +243,7 @@ def test_tokenize_summary_inspect_and_pack_report_agree_on_llmbatch_waste(
     out = tmp_path / "out"
     summary = run(corpus_dir, out, tokenizer_path, formats=["llmbatch"], seq_len=65,
                   batch_size=2, packing="split")
-    report = PackingReport.from_options(LLMBatchDataset(out).section.options)
+    report = PackingReport.from_options(BatchDataset(out).section.options)
     assert report.padded_tokens > 0 and report.dropped_tokens > 0  # all three lines matter
     line = f"split packing: {report.summary_line()}"
     assert line in summary.render()
@@ -263,7 +263,7 @@ def as_legacy_llmbatch(root):
 
     manifest = read_manifest(root)
     section = manifest.formats["llmbatch"]
-    dataset = LLMBatchDataset(root)
+    dataset = BatchDataset(root)
     shards = []
     for index, shard in enumerate(section.shards):
         batch_file, lengths_file, pieces_file = (root / entry.path for entry in shard.files)
@@ -293,7 +293,7 @@ def test_llmbatch_ids_are_all_real_tokens_and_a_legacy_sentinel_file_still_reads
 
     run(corpus_dir, tmp_path / "out", tokenizer_path, formats=["llmbatch"], seq_len=65,
         batch_size=2, batches_per_shard=7, packing="split")
-    dataset = LLMBatchDataset(tmp_path / "out")
+    dataset = BatchDataset(tmp_path / "out")
     vocabulary = dataset.manifest.tokenizer.largest_id + 1
     ids = np.stack([dataset.batch(i) for i in range(dataset.num_batches)])
     assert ids.max() < vocabulary  # what an embedding of the vocabulary accepts
@@ -302,7 +302,7 @@ def test_llmbatch_ids_are_all_real_tokens_and_a_legacy_sentinel_file_still_reads
                TokenLoader(tmp_path / "out", mode="llmbatch", pad_id=5, seed=1)]
     assert sum(int((~b[1].bool()).sum()) for b in current) > 0  # the corpus pads
     as_legacy_llmbatch(tmp_path / "out")
-    legacy = LLMBatchDataset(tmp_path / "out")
+    legacy = BatchDataset(tmp_path / "out")
     assert any((legacy.batch(i) == LEGACY_PAD_ID).any() for i in range(legacy.num_batches))
     assert [r.tolist() for r in legacy.iter_records()] == [r.tolist() for r in records]
     served = [(b.inputs.clone(), b.mask.clone()) for b in
@@ -335,7 +335,7 @@ def test_a_spec_reader_splitting_llmbatch_records_at_separators_sees_slices_of_s
         seq_len=record_len, batch_size=2, packing=packing, bos=bos, eos=eos)
     documents = [np.array(d, dtype=np.uint32).tobytes() for d in
                  expected_documents(corpus_dir, tokenizer_path, bos=bos, eos=eos)]
-    dataset = LLMBatchDataset(tmp_path / "out")
+    dataset = BatchDataset(tmp_path / "out")
     tokenizer = dataset.manifest.tokenizer
     cut_documents = segments = 0
     for record in dataset.iter_records():

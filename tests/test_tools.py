@@ -12,7 +12,7 @@ import pytest
 
 from raypipe.cli import main
 from raypipe.config import load_config
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import FormatError
 from raypipe.io.records import Manifest
 from raypipe.preprocess.batch_packing import BatchSpec
@@ -57,13 +57,13 @@ def test_convert_a_b_a_is_lossless(all_formats, tmp_path, chain):
 
 
 def test_llmbatch_source_yields_records_and_target_packs(all_formats, tmp_path, capsys):
-    llm = LLMBatchDataset(all_formats)
+    llm = BatchDataset(all_formats)
     only_llm = tmp_path / "only"
     convert_dataset(all_formats, only_llm, "llmbatch", BatchSpec(48, 4))
     assert main(["convert", str(only_llm), str(tmp_path / "rec"), "--format", "megatron"]) == 0
     assert "records (packed rows), not the original documents" in capsys.readouterr().out
     records = documents(tmp_path / "rec")
-    assert records == [r.tolist() for r in LLMBatchDataset(only_llm).iter_records()]
+    assert records == [r.tolist() for r in BatchDataset(only_llm).iter_records()]
     assert records == [r.tolist() for r in llm.iter_records()]  # same seed, same plan
     assert all(0 < len(r) <= 48 for r in records)
     assert sum(map(len, records)) == llm.section.options["used_tokens"]  # no padding kept
@@ -73,7 +73,7 @@ def test_convert_reads_the_source_format_named(all_formats, tmp_path, capsys):
     assert main(["convert", str(all_formats), str(tmp_path / "from-llm"), "--format",
                  "megatron", "--source-format", "llmbatch"]) == 0
     assert "records (packed rows)" in capsys.readouterr().out
-    records = [r.tolist() for r in LLMBatchDataset(all_formats).iter_records()]
+    records = [r.tolist() for r in BatchDataset(all_formats).iter_records()]
     assert documents(tmp_path / "from-llm") == records
     assert main(["convert", str(all_formats), str(tmp_path / "from-stream"), "--format",
                  "megatron", "--source-format", "stream"]) == 0

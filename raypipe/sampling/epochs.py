@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError
 from raypipe.io.cache import ShardCache, node_cached_array
 from raypipe.io.store import Store
@@ -43,7 +43,7 @@ class EpochPlans:
     `step_observations` the observations of one global step (a validation epoch is padded
     to a whole number of them); `memo` keeps bestfit's block sums."""
 
-    def __init__(self, spec: PlanSpec, dataset: TokenDataset | LLMBatchDataset,
+    def __init__(self, spec: PlanSpec, dataset: TokenDataset | BatchDataset,
                  lengths: Callable[[], DocumentLengths], stream_tokens: int | None = None,
                  step_observations: int = 1, memo: SumsMemo | None = None,
                  batch_size: int = 1):
@@ -84,7 +84,7 @@ class PlannedDataset:
     positions each rank takes per step (position p + i*W + r is observation i of rank r at
     the step starting at p). What TokenLoader and `raypipe trace` share."""
 
-    def __init__(self, dataset: TokenDataset | LLMBatchDataset, spec: PlanSpec,
+    def __init__(self, dataset: TokenDataset | BatchDataset, spec: PlanSpec,
                  world_size: int, batch_size: int, cache_dir: str | Path | None = None,
                  memo: SumsMemo | None = None):
         """`memo`: where plan arrays are kept (default: once per node, `node_memo`)."""
@@ -130,7 +130,7 @@ class PlannedDataset:
             dataset = TokenDataset(store, format_name, cache=cache)
             return cls(dataset, spec.for_data(dataset.has_loss_mask), world_size, batch_size,
                        cache_dir, memo)
-        dataset = LLMBatchDataset(store, cache=cache)
+        dataset = BatchDataset(store, cache=cache)
         shape = (dataset.seq_len - 1, dataset.batch_size)
         if (spec.seq_len or shape[0], batch_size or shape[1]) != shape:
             raise ConfigError(f"{dataset.root}: LLMBATCH batches are [{shape[1]}, "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError, FormatError
 from raypipe.formats import (
     document_formats,
@@ -50,7 +50,7 @@ def _source_documents(src: Store, manifest: Manifest, source_format: str | None 
             yield dataset.shards[index].name, (reader.document(d)
                                                for d in range(reader.num_documents))
     else:
-        batches = LLMBatchDataset(src, manifest)
+        batches = BatchDataset(src, manifest)
         offsets = batches.batch_offsets
         for index, shard in enumerate(batches.shards):
             yield shard.name, (record for batch in range(offsets[index], offsets[index + 1])

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import FormatError
 from raypipe.formats import document_format, is_batch_format
 from raypipe.io.manifest import as_store, read_manifest
@@ -177,7 +177,7 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
 
 def _inspect_llmbatch(root: Store, manifest: Manifest, section: FormatSection,
                       samples: int, decoder: Any) -> list[str]:
-    dataset = LLMBatchDataset(root, manifest)
+    dataset = BatchDataset(root, manifest)
     options = dataset.options
     lines = [f"  {dataset.num_batches:,} batches of [{dataset.batch_size}, {dataset.seq_len}] "
              f"({options.packing} packing, seed {options.seed}, "

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.sampling.epochs import EpochPlans, PlanSpec
 from raypipe.sampling.lengths import dataset_lengths
 from raypipe.sampling.mixture import mixture_weights, realized_shares
@@ -45,7 +45,7 @@ def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", s
 def llmbatch_report(where: str) -> str:
     """What the LLMBATCH records written at tokenize (or convert) time hold: the report
     their manifest section recorded (records are fixed; seq_len and seed are theirs)."""
-    dataset = LLMBatchDataset(where)
+    dataset = BatchDataset(where)
     report = PackingReport.from_options(dataset.section.options)
     return "\n".join([
         f"packing report: {where}",

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.config import is_mixture_spec, read_mixture, spec_weights
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError
 from raypipe.io.manifest import unit_record_name
 from raypipe.io.records import UnitRecord
@@ -77,7 +77,7 @@ class InputRows:
     """Document index -> (input, row in it): the manifest's units in order give each unit's
     documents; a unit's record (read on first use, kept) gives its input and skipped rows."""
 
-    def __init__(self, dataset: TokenDataset | LLMBatchDataset):
+    def __init__(self, dataset: TokenDataset | BatchDataset):
         self.dataset = dataset
         units = dataset.manifest.units
         self.names = [unit.name for unit in units]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from raypipe.dataset import LLMBatchDataset, ShardSet, TokenDataset
+from raypipe.dataset import BatchDataset, ShardSet, TokenDataset
 from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, dataset_index_problems, get_format, is_batch_format
 from raypipe.formats.base import require_size
@@ -71,7 +71,7 @@ def shard_set(root: Store, name: str, manifest: Manifest, cache: ShardCache | No
               ) -> ShardSet:
     """The shards of format `name`, opened the way the loader opens them."""
     if is_batch_format(name):
-        return LLMBatchDataset(root, manifest, cache)
+        return BatchDataset(root, manifest, cache)
     return TokenDataset(root, name, manifest, cache)
 
 

@@ -217,7 +217,7 @@ class LoaderMode(ABC):
     @abstractmethod
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
                boundaries: bool = True) -> BatchFiller:
-        """The batches of `plan` (`source`: a TokenSource, or the LLMBatchDataset of a
+        """The batches of `plan` (`source`: a TokenSource, or the BatchDataset of a
         pre-formed mode)."""
 
     def prepares_next_epoch(self, spec: Any) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.dataset import LLMBatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError
 from raypipe.sampling.batches import (
     BatchBuffers,
@@ -91,7 +91,7 @@ class PreformedPlan:
 class PreformedFiller(BatchFiller[int]):
     """A batch is one pre-formed [B, T] block, copied out of its mmap slice."""
 
-    def __init__(self, dataset: LLMBatchDataset, plan: PreformedPlan, seq_len: int,
+    def __init__(self, dataset: BatchDataset, plan: PreformedPlan, seq_len: int,
                  pad_id: int = 0, boundaries: bool = True):
         self.dataset, self.plan, self.boundaries = dataset, plan, boundaries
         self.pad_id = pad_id
