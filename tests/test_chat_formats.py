@@ -194,3 +194,16 @@ def test_inspect_marks_trained_tokens_in_every_format(every_mask_format,
         marked = [line for line in section.splitlines()
                   if "trained, between [[ ]]" in line]
         assert len(marked) == 1 and "[[" in marked[0].split("]]): ", 1)[1], section[:80]
+
+
+@pytest.mark.parametrize("target", ["mds", "stream", "megatron"])
+def test_convert_carries_the_loss_mask_and_refuses_a_format_that_cannot_hold_it(
+        every_mask_format, tmp_path, target):
+    from raypipe.tools.convert import convert_dataset
+
+    source = "stream" if target == "megatron" else "megatron"
+    convert_dataset(every_mask_format, tmp_path / target, target, source_format=source)
+    assert documents_and_masks(tmp_path / target, target) == \
+        documents_and_masks(every_mask_format, source)
+    with pytest.raises(ConfigError, match="nanogpt cannot hold its mask: convert to one of"):
+        convert_dataset(every_mask_format, tmp_path / "nanogpt", "nanogpt")

@@ -20,6 +20,9 @@ import numpy as np
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError, FormatError
 from raypipe.formats import (
+    FORMATS,
+    DocumentFormat,
+    ShardReader,
     document_formats,
     get_format,
     is_batch_format,
@@ -37,33 +40,49 @@ DOCUMENTS_PER_ADD = 4096
 NO_SHARD_LIMIT = 2**31 - 1  # one target shard per source shard
 
 
+# a document's (or record's) tokens and, for chat data, its loss mask
+Document = tuple[np.ndarray, np.ndarray | None]
+
+
 def _source_documents(src: Store, manifest: Manifest, source_format: str | None = None
-                      ) -> Iterator[tuple[str, Iterable[np.ndarray]]]:
-    """(shard name, iterator of token arrays) per source shard: documents of a document
-    format (the one named, else the first the source has), else the records of a batch
-    format (named, or the only one)."""
+                      ) -> Iterator[tuple[str, Iterable[Document]]]:
+    """(shard name, iterator of documents with their loss masks) per source shard:
+    documents of a document format (the one named, else the first the source has), else
+    the records of a batch format (named, or the only one)."""
     batches_named = source_format is not None and is_batch_format(source_format)
     if not batches_named and any(name in manifest.formats for name in document_formats()):
         dataset = TokenDataset(src, source_format, manifest=manifest)
         for index in range(dataset.num_shards):
-            reader = dataset.reader(index)
-            yield dataset.shards[index].name, (reader.document(d)
-                                               for d in range(reader.num_documents))
+            yield dataset.shards[index].name, _shard_documents(dataset.reader(index))
     else:
         batches = BatchDataset(src, manifest)
         offsets = batches.batch_offsets
         for index, shard in enumerate(batches.shards):
-            yield shard.name, (record for batch in range(offsets[index], offsets[index + 1])
-                               for record in batches.records(batch))
+            yield shard.name, (document for batch in range(offsets[index], offsets[index + 1])
+                               for document in _batch_records(batches, batch))
 
 
-def _write_documents(spec: ShardSpec, name: str, documents: Iterable[np.ndarray],
+def _shard_documents(reader: ShardReader) -> Iterator[Document]:
+    starts = reader.document_starts
+    for index in range(reader.num_documents):
+        first, stop = int(starts[index]), int(starts[index + 1])
+        mask = reader.loss_mask
+        yield reader.tokens[first:stop], None if mask is None else mask[first:stop]
+
+
+def _batch_records(batches: BatchDataset, batch: int) -> Iterator[Document]:
+    mask = batches.loss_mask(batch)
+    for row, record in enumerate(batches.records(batch)):
+        yield record, None if mask is None else mask[row, :record.size]
+
+
+def _write_documents(spec: ShardSpec, name: str, documents: Iterable[Document],
                      staging: Staging) -> list[ShardEntry]:
     roller = ShardRoller(spec, name, number_parts=False, staging=staging)
-    pending: list[np.ndarray] = []
+    pending: list[Document] = []
     try:
-        for document in documents:
-            pending.append(np.asarray(document, dtype=np.uint32))
+        for tokens, mask in documents:
+            pending.append((np.asarray(tokens, dtype=np.uint32), mask))
             if len(pending) == DOCUMENTS_PER_ADD:
                 _flush(roller, pending)
         _flush(roller, pending)
@@ -73,10 +92,32 @@ def _write_documents(spec: ShardSpec, name: str, documents: Iterable[np.ndarray]
         raise
 
 
-def _flush(roller: ShardRoller, pending: list[np.ndarray]) -> None:
+def _flush(roller: ShardRoller, pending: list[Document]) -> None:
     if pending:
-        roller.add(np.concatenate(pending), np.array([d.size for d in pending], np.int64))
+        masks = [mask for _, mask in pending]
+        roller.add(np.concatenate([tokens for tokens, _ in pending]),
+                   np.array([tokens.size for tokens, _ in pending], np.int64),
+                   loss_mask=None if masks[0] is None else np.concatenate(masks))
         pending.clear()
+
+
+def _check_chat_target(source: Store, manifest: Manifest, format_name: str) -> bool:
+    """Whether the source is chat data (its loss mask goes with it); refuses a target
+    that cannot hold the mask, or cannot find conversations without a separator."""
+    info = manifest.tokenizer
+    if info.chat_template_sha256 is None:
+        return False
+    fmt = get_format(format_name)
+    if not fmt.holds_loss_mask:
+        able = [name for name, other in FORMATS.items() if other.holds_loss_mask]
+        raise ConfigError(f"{source}: chat data (a loss mask per token); {format_name} "
+                          f"cannot hold its mask: convert to one of {', '.join(able)}")
+    if (isinstance(fmt, DocumentFormat) and fmt.finds_documents_by_separator
+            and info.bos_id is None and info.eos_id is None):
+        raise ConfigError(f"{source}: its conversations have no BOS or EOS, and "
+                          f"{format_name} finds documents by one: tokenize again with --eos, "
+                          "or convert to a format with an index (megatron, mds)")
+    return True
 
 
 def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
@@ -95,6 +136,7 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
     if target.local:
         remove_stale_temps(target.root)
     info = manifest.tokenizer
+    chat = _check_chat_target(source, manifest, format_name)
     fingerprint = hashlib.sha256(f"{manifest.fingerprint}->{format_name}".encode()
                                  ).hexdigest()[:16]
     if is_batch_format(format_name):
@@ -108,7 +150,7 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
         section = pack_batches(TokenDataset(source, source_format, manifest=manifest),
                                target, llmbatch, format_name)
     else:
-        options = fmt.options({"metadata": False})
+        options = fmt.options({"metadata": False, "loss_mask": chat})
         spec = ShardSpec(target.uri, (format_name,), NO_SHARD_LIMIT, info.largest_id,
                          info.bos_id, {format_name: options})
         with Staging(target) as staging:
