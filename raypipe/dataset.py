@@ -215,6 +215,12 @@ class ShardSet:
         """Once per opened shard: its contents match its manifest entry."""
         reader.check_counts(shard, self.store.uri_of(shard.files[0].path))
 
+    @property
+    def has_loss_mask(self) -> bool:
+        """Its shards carry a per-token loss mask (chat data in a format that holds one)."""
+        return (self.manifest.tokenizer.chat_template_sha256 is not None
+                and self.format.holds_loss_mask)
+
     @cached_property
     def fingerprint(self) -> str:
         """Changes whenever the manifest or any shard file of this format changes."""
@@ -240,12 +246,6 @@ def choose_document_format(root: Store, manifest: Manifest, format_name: str | N
 
 class TokenDataset(ShardSet):
     """The documents of one document format (megatron, nanogpt or stream) of an output."""
-
-    @property
-    def has_loss_mask(self) -> bool:
-        """Its shards carry a per-token loss mask (chat data in a format that holds one)."""
-        return (self.manifest.tokenizer.chat_template_sha256 is not None
-                and self.format.holds_loss_mask)
 
     def __init__(self, root: str | Path | Store, format_name: str | None = None,
                  manifest: Manifest | None = None, cache: ShardCache | None = None):

@@ -207,3 +207,20 @@ def test_convert_carries_the_loss_mask_and_refuses_a_format_that_cannot_hold_it(
         documents_and_masks(every_mask_format, source)
     with pytest.raises(ConfigError, match="nanogpt cannot hold its mask: convert to one of"):
         convert_dataset(every_mask_format, tmp_path / "nanogpt", "nanogpt")
+
+
+def test_the_padding_warning_on_chat_data_never_advises_cutting_conversations(
+        tmp_path, chat_tokenizer_path, chats, caplog):  # noqa: F811
+    """Split packing pads chat data by design (here: conversations of 0.6 rows, one a row);
+    the warning's hint says so instead of naming a packing that would cut them."""
+    write_chats(tmp_path / "in" / "c.parquet", [chats[1]] * 40)
+    run_job(load_config(None, inputs=[str(tmp_path / "in")], output=str(tmp_path / "o"),
+                        tokenizer=chat_tokenizer_path, chat=True))
+    length = int(TokenDataset(tmp_path / "o").document_lengths()[0])
+    loader = TokenLoader(tmp_path / "o", seq_len=int(length / 0.6), batch_size=1,
+                         device="cpu")
+    with caplog.at_level("WARNING", logger="raypipe"):
+        loader.plan(0)
+    (message,) = [record.getMessage() for record in caplog.records if "padding" in
+                  record.getMessage()]
+    assert "hint: the padding is what keeps conversations whole" in message

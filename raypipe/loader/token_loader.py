@@ -123,7 +123,7 @@ class TokenLoader:
                 f"TokenLoader({self.dataset.root}, mode={self.mode!r}"
                 + (f", packing={self.spec.packing!r}" if self.spec.packed else "")
                 + f", seq_len={self.seq_len}) epoch {epoch}",
-                waste_hints(self.mode, self.spec.packing))
+                waste_hints(self.mode, self.spec.packing, self.dataset.has_loss_mask))
         return plan
 
     def prepare_epoch(self, epoch: int) -> threading.Thread:

@@ -96,7 +96,8 @@ def _pack_batches(dataset: TokenDataset, staging: Staging, fmt: BatchFormat,
         shards.append(ShardEntry(name, tuple(files), first_batch=first, batches=stop - first))
     report = records_report(plan, num_batches * spec.batch_size, spec.seq_len)
     report.warn_if_wasteful(f"{fmt.name} ({spec.packing} packing, records of {spec.seq_len} "
-                            "tokens)", waste_hints(preformed_mode().name, spec.packing))
+                            "tokens)", waste_hints(preformed_mode().name, spec.packing,
+                                                    masks is not None))
     options = {"seq_len": spec.seq_len, "batch_size": spec.batch_size,
                "packing": spec.packing, "seed": spec.seed, "total_records": plan.size,
                "num_batches": num_batches, "source_format": dataset.format_name,

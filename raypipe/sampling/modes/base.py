@@ -231,10 +231,18 @@ class LoaderMode(ABC):
         return "shuffle 'global' drops only the stream's last partial row"
 
 
-def waste_hints(mode: str, packing: str | None) -> Callable[[str], str]:
+CHAT_PADDING_HINT = ("the padding is what keeps conversations whole: a longer seq_len packs "
+                     "more of them per row (packing 'fill' cuts them to fill every row)")
+
+
+def waste_hints(mode: str, packing: str | None, chat: bool = False) -> Callable[[str], str]:
     """The hint a waste warning gives under (mode, packing): a way to waste less that never
-    names what is running."""
+    names what is running. Chat data under split packing pads by design: its hint says so
+    rather than advising a packing that cuts conversations."""
     loader_mode = get_mode(mode)
+    if chat and packing == "split":
+        return lambda waste: (CHAT_PADDING_HINT if waste == "padding"
+                              else loader_mode.waste_hint(waste, packing))
     return lambda waste: loader_mode.waste_hint(waste, packing)
 
 
