@@ -23,7 +23,7 @@ import numpy as np
 from common import print_table, synthetic_token_dataset, write_synthetic_dataset
 
 from raypipe.dataset import BatchDataset, TokenDataset
-from raypipe.formats.stream import DocumentMetadata
+from raypipe.formats import DocumentMetadata
 from raypipe.preprocess.batch_packing import BatchSpec
 from raypipe.tools.convert import convert_dataset
 

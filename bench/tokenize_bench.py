@@ -180,8 +180,9 @@ def fresh_env(workdir: Path) -> dict[str, str]:
     """A child's environment: its own Ray temp dir, no auth token, Ray on loopback."""
     import tempfile
 
-    ray_tmpdir = tempfile.mkdtemp(prefix="rp-",  # inside the caller's own, if any (tests)
-                                  dir=os.environ.get("RAY_TMPDIR", "/tmp"))
+    parent = os.environ.get("RAY_TMPDIR", "/tmp")  # inside the caller's own, if any (tests)
+    os.makedirs(parent, exist_ok=True)  # Ray makes its temp dir when it starts; do as it does
+    ray_tmpdir = tempfile.mkdtemp(prefix="rp-", dir=parent)
     return {**os.environ, "RAY_TMPDIR": ray_tmpdir,
             "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

@@ -332,10 +332,9 @@ class TokenDataset(ShardSet):
 
     @cached_property
     def record_offsets(self) -> np.ndarray:
-        """Stream format: global id of each shard's first metadata record (from the sizes of
-        the `.metadata.index` files the manifest records)."""
-        counts = [sum(max(0, entry.bytes // 8 - 1) for entry in shard.files
-                      if entry.path.endswith(".metadata.index")) for shard in self.shards]
+        """Formats whose windows carry metadata: global id of each shard's first metadata
+        record (each shard's count from its manifest entry)."""
+        counts = [self.format.metadata_records(shard) for shard in self.shards]
         return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     @cached_property

@@ -13,6 +13,7 @@ from raypipe.formats.base import (
     BatchReader,
     BatchWriter,
     DocumentFormat,
+    DocumentMetadata,
     Format,
     FormatOptions,
     RecordPieces,
@@ -31,7 +32,7 @@ from raypipe.formats.base import (
 DEFAULT_FORMATS = ("megatron", "nanogpt")  # what tokenize writes when no format is named
 
 __all__ = ["DEFAULT_FORMATS", "FORMATS", "BatchFormat", "BatchReader", "BatchWriter",
-           "DocumentFormat", "Format", "FormatOptions", "RecordPieces", "ShardReader",
-           "ShardWriter", "batch_format", "batch_formats", "dataset_index_problems",
-           "document_format", "document_formats", "get_format", "is_batch_format",
-           "write_dataset_indexes"]
+           "DocumentFormat", "DocumentMetadata", "Format", "FormatOptions", "RecordPieces",
+           "ShardReader", "ShardWriter", "batch_format", "batch_formats",
+           "dataset_index_problems", "document_format", "document_formats", "get_format",
+           "is_batch_format", "write_dataset_indexes"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +33,16 @@ from raypipe.io.mapping import map_file
 from raypipe.io.paths import plain_name, safe_join
 from raypipe.io.records import FileEntry, FormatSection, JsonRecord, ShardEntry, TokenizerInfo
 from raypipe.io.store import Store
+
+
+@dataclass
+class DocumentMetadata:
+    """One document's metadata record and its spans, as a writer that keeps metadata gets
+    them: (first token, stop token, record), token offsets relative to the document's first
+    token (BOS included)."""
+
+    record: dict[str, Any]
+    spans: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
 
 
 class ShardFiles:
@@ -263,6 +273,9 @@ class DocumentFormat(Format):
     trainer_prefix: Callable[[ShardEntry], str] | None = None
     # its readers find documents by the separator token alone (no index of their own)
     finds_documents_by_separator: bool = False
+    # how many metadata records a shard holds, from its manifest entry (formats whose
+    # windows carry records; else 0)
+    metadata_records: Callable[[ShardEntry], int] = lambda shard: 0
 
 
 @dataclass(frozen=True)
@@ -455,7 +468,8 @@ def check_token_range(tokens: np.ndarray, dtype: np.dtype, where: str) -> None:
                           f"<= {np.iinfo(dtype).max}", int(tokens.max()))
 
 
-__all__ = ["FORMATS", "BatchFormat", "BatchReader", "BatchWriter", "DocumentFormat", "Format",
+__all__ = ["FORMATS", "BatchFormat", "BatchReader", "BatchWriter", "DocumentFormat",
+           "DocumentMetadata", "Format",
            "RecordPieces", "ShardReader", "ShardWriter", "batch_format", "batch_formats",
            "dataset_index_problems", "document_format", "document_formats", "file_sha256",
            "get_format", "is_batch_format", "register", "shard_prefix",

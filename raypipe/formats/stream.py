@@ -14,7 +14,7 @@ record for the index; reader validation is O(1) (ids are range-checked per windo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from raypipe.errors import FormatError
 from raypipe.formats.base import (
     MASK_SIDECAR,
     DocumentFormat,
+    DocumentMetadata,
     FormatOptions,
     ShardReader,
     ShardWriter,
@@ -42,15 +43,6 @@ from raypipe.io.serialize import SERIALIZERS, get_serializer
 
 RECORD = np.dtype([("token", "<u4"), ("metadata_id", "<u4")])
 PLAIN = np.dtype("<u4")
-
-
-@dataclass
-class DocumentMetadata:
-    """One document's record and its spans: (first token, stop token, record), token
-    offsets relative to the document's first token (BOS included)."""
-
-    record: dict[str, Any]
-    spans: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
 
 
 def stream_dtype(largest_id: int) -> np.dtype:
@@ -207,10 +199,17 @@ class StreamReader(ShardReader):
                               f"{self.serializer.name}: {exc}") from exc
 
 
+def metadata_records(shard: ShardEntry) -> int:
+    """The metadata records of a shard, from its `.metadata.index` size in the manifest."""
+    return sum(max(0, entry.bytes // 8 - 1) for entry in shard.files
+               if entry.path.endswith(".metadata.index"))
+
+
 STREAM = register(DocumentFormat("stream", (".tokens", ".metadata.index", ".metadata.bin",
                                             MASK_SIDECAR),
                                  StreamWriter, StreamReader, stream_dtype,
                                  options_type=StreamOptions, read_order=2,
                                  wants_metadata=lambda options: options.metadata,
                                  window_metadata=True, holds_loss_mask=True,
-                                 finds_documents_by_separator=True))
+                                 finds_documents_by_separator=True,
+                                 metadata_records=metadata_records))

@@ -21,8 +21,7 @@ import numpy as np
 
 from raypipe import _faults as faults
 from raypipe.errors import StorageError
-from raypipe.formats import Format, FormatOptions, ShardWriter, get_format
-from raypipe.formats.stream import DocumentMetadata
+from raypipe.formats import DocumentMetadata, Format, FormatOptions, ShardWriter, get_format
 from raypipe.io.records import UnitShard
 from raypipe.io.staging import Staging
 

@@ -26,8 +26,7 @@ import pyarrow as pa
 from raypipe import _faults as faults
 from raypipe.config import BUILT_IN_METADATA_FIELDS, TokenizeConfig
 from raypipe.errors import InputError
-from raypipe.formats import document_format
-from raypipe.formats.stream import DocumentMetadata
+from raypipe.formats import DocumentMetadata, document_format
 from raypipe.io.manifest import write_unit_record
 from raypipe.io.records import TokenizerInfo, UnitRecord, WorkUnit
 from raypipe.io.staging import Staging
