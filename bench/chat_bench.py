@@ -187,6 +187,35 @@ def packing(output: Path, seq_len: int, overlong: str = "auto") -> dict:
             "repeated": loader.packing_report().repeated_tokens}
 
 
+def mask_cost(output: Path, seq_len: int = 2048, batch_size: int = 8,
+              batches: int = 200) -> dict:
+    """Seconds to fill `batches` bestfit batches with the loss mask applied (the loader's
+    filler) and without it (the mode's own filler underneath), alternated, best of 3."""
+    import numpy as np
+
+    from raypipe.loader import TokenLoader
+    from raypipe.sampling.batches import BatchBuffers
+
+    loader = TokenLoader(output, seq_len=seq_len, batch_size=batch_size, mode="bestfit",
+                         seed=1, device="cpu")
+    masked = loader.filler(0)
+    plain = masked.inner
+    host = np.empty(BatchBuffers.size(batch_size, seq_len), dtype=np.int64)
+    buffers = BatchBuffers.over(host, batch_size, seq_len)
+    steps = min(batches, loader.plan(0).size // batch_size)
+    positions = np.arange(steps * batch_size, dtype=np.int64).reshape(steps, batch_size)
+    plans = masked.describe(positions)
+    best = {"masked": float("inf"), "plain": float("inf")}
+    for _ in range(3):
+        for name, filler in (("plain", plain), ("masked", masked)):
+            filler.prepare(buffers)
+            started = time.perf_counter()
+            for plan in plans:
+                filler.fill(plan, buffers)
+            best[name] = min(best[name], time.perf_counter() - started)
+    return {**best, "batches": steps, "rows": steps * batch_size}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=20000)
@@ -230,6 +259,12 @@ def main() -> None:
               f"{result['trained'] / result['positions']:.1%} of positions, padding "
               f"{result['padded'] / result['positions']:.1%}, conversations cut "
               f"{result['cut']} (longer than a row: {result['longer']})")
+    cost = mask_cost(workdir / "out")
+    print(f"loss mask in the loader (bestfit, B=8, T=2048, {cost['batches']} batches): "
+          f"{1e6 * cost['plain'] / cost['rows']:.1f} us a row without it, "
+          f"{1e6 * cost['masked'] / cost['rows']:.1f} us with it")
+    print(f"RATIO loader fill with the loss mask / without = "
+          f"{cost['masked'] / cost['plain']:.2f}")
     for overlong in ("split", "cut", "truncate", "drop"):
         result = packing(workdir / "out", args.overlong_seq_len, overlong)
         print(f"T={args.overlong_seq_len} overlong {overlong}: {result['longer']:,} "

@@ -5,8 +5,11 @@ the model learns, the assistant's) trains only those targets: after the mode fil
 batch, its mask is ANDed, row by row, with the loss mask of the tokens its rows hold,
 shifted by one (target t of a row is its token t + 1). What a row holds comes from the
 mode's own `segments` (document, token range and column of every piece), so every mode
-that cuts rows from documents gets it, with its padding and join rules kept. Cost: one
-`segments` call per batch and one slice copy per piece (a few us per row).
+that cuts rows from documents gets it, with its padding and join rules kept; a mode whose
+batch plan already holds its pieces located (bestfit) hands them over instead. Cost: a
+slice copy per piece, plus one `segments` call and one vectorized locate per batch in the
+other modes (bench/chat_bench.py measures it against the fill without the mask:
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -33,26 +36,44 @@ class LossMasks:
         self.source = source
         self.masks = ShardArrays(source.dataset, "loss_mask")
 
-    def trained(self, segments: RowSegments, width: int) -> np.ndarray:
-        """[width] uint8: the loss mask of the tokens a row holds (0 past its pieces)."""
-        out = np.zeros(width, dtype=np.uint8)
-        shards, firsts, _ = self.source.locate_global(segments.documents)
-        for shard, first, start, take, column in zip(
-                shards.tolist(), firsts.tolist(), segments.starts.tolist(),
-                segments.take.tolist(), segments.columns.tolist(), strict=True):
-            if take:
-                out[column:column + take] = self.masks[shard][first + start:
-                                                             first + start + take]
+    def rows(self, rows: list[RowSegments], width: int) -> np.ndarray:
+        """[len(rows), width] uint8: the loss mask of the tokens each row holds (0 past its
+        pieces), its pieces located in one call."""
+        if not rows:
+            return np.zeros((0, width), dtype=np.uint8)
+        documents = np.concatenate([segments.documents for segments in rows])
+        shards, firsts, _ = self.source.locate_global(documents)
+        begins = (firsts + np.concatenate([segments.starts for segments in rows])).tolist()
+        takes = np.concatenate([segments.take for segments in rows]).tolist()
+        shard_list, ranges, at = shards.tolist(), [], 0
+        for segments in rows:
+            count = segments.documents.size
+            ranges.append(list(zip(shard_list[at:at + count], begins[at:at + count],
+                                   takes[at:at + count], strict=True)))
+            at += count
+        return self.gather(ranges, width)
+
+    def gather(self, ranges: list[list[tuple[int, int, int]]], width: int) -> np.ndarray:
+        """[rows, width] uint8 from each row's (shard, first token, count) pieces laid
+        side by side from column 0: a slice copy per piece (pieces are hundreds of tokens:
+        measured faster than one gather of every token)."""
+        out = np.zeros((len(ranges), width), dtype=np.uint8)
+        views: dict[int, np.ndarray] = {}
+        for row, pieces in enumerate(ranges):
+            column = 0
+            for shard, first, count in pieces:
+                if count:
+                    view = views.get(shard)
+                    if view is None:
+                        view = views[shard] = self.masks[shard]
+                    out[row, column:column + count] = view[first:first + count]
+                column += count
         return out
 
-    def rows(self, rows: list[RowSegments], width: int) -> np.ndarray:
-        """[len(rows), width] uint8: the loss mask of the tokens each row holds."""
-        return np.stack([self.trained(segments, width) for segments in rows])
-
-    def apply(self, rows: list[RowSegments], buffers: BatchBuffers) -> None:
-        width = buffers.tokens.shape[1]
-        for row, segments in enumerate(rows):
-            buffers.mask[row] &= self.trained(segments, width)[1:].astype(buffers.mask.dtype)
+    def apply(self, trained: np.ndarray, buffers: BatchBuffers) -> None:
+        """AND the batch's mask with `trained` ([B, T + 1] per token) shifted by one (target
+        t of a row is its token t + 1)."""
+        buffers.mask &= trained[:, 1:].astype(buffers.mask.dtype, copy=False)
 
 
 class LossMaskedFiller(BatchFiller[Any]):
@@ -70,7 +91,11 @@ class LossMaskedFiller(BatchFiller[Any]):
 
     def fill(self, plan: BatchPlan[Any], buffers: BatchBuffers) -> Filled:
         filled = self.inner.fill(plan, buffers)
-        self.masks.apply(self.inner.segments(plan.positions), buffers)
+        width = buffers.tokens.shape[1]
+        ranges = self.inner.token_ranges(plan)
+        trained = (self.masks.gather(ranges, width) if ranges is not None
+                   else self.masks.rows(self.inner.segments(plan.positions), width))
+        self.masks.apply(trained, buffers)
         return filled
 
     def segments(self, positions: np.ndarray) -> list[RowSegments]:

@@ -59,6 +59,12 @@ class BatchFiller(ABC, Generic[RowT]):
 
     boundaries: bool = True
 
+    def token_ranges(self, plan: BatchPlan[RowT]) -> list[list[tuple[int, int, int]]] | None:
+        """Per row of a described batch: (shard, first token in the shard, count) of each
+        piece in row order, where the plan already holds them located (the loss mask reads
+        them); None: the caller asks `segments` and locates them itself."""
+        return None
+
     def prepare(self, buffers: BatchBuffers) -> None:
         """Once per buffer: the parts that do not change from batch to batch."""
         buffers.mask[...] = 1

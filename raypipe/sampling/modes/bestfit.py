@@ -255,6 +255,10 @@ class BestFitFiller(BatchFiller[list[Piece]]):
         return [BatchPlan(positions[i], ids[i], rows[i * batch:(i + 1) * batch])
                 for i in range(steps)]
 
+    def token_ranges(self, plan: BatchPlan[list[Piece]]) -> list[list[tuple[int, int, int]]]:
+        return [[(piece.shard, piece.first, piece.count) for piece in row]
+                for row in plan.rows]
+
     def shards(self, positions: np.ndarray) -> np.ndarray:
         doc_ids = [row.doc_ids for _, row in self.plan.rows(positions.reshape(-1))]
         return self.source.shards_of_documents(np.concatenate(doc_ids) if doc_ids
