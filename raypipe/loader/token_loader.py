@@ -122,6 +122,8 @@ class TokenLoader:
             self._warned = plan.report().warn_if_wasteful(
                 f"TokenLoader({self.dataset.root}, mode={self.mode!r}"
                 + (f", packing={self.spec.packing!r}" if self.spec.packed else "")
+                + (f", overlong={self.spec.resolved_overlong!r}"
+                   if self.spec.packed and self.spec.resolved_overlong != "cut" else "")
                 + f", seq_len={self.seq_len}) epoch {epoch}",
                 waste_hints(self.mode, self.spec.packing, self.dataset.has_loss_mask))
         return plan
