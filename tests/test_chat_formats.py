@@ -37,6 +37,13 @@ def every_mask_format(tmp_path_factory, chat_tokenizer_path, chats):  # noqa: F8
     return root / "out"
 
 
+def document_tokens(dataset, index):
+    """Document `index` (global numbering) of `dataset` as a list of ids."""
+    shard = int(np.searchsorted(dataset.document_offsets, index, side="right")) - 1
+    local = index - int(dataset.document_offsets[shard])
+    return np.asarray(dataset.reader(shard).document(local)).tolist()
+
+
 def documents_and_masks(output, name):
     dataset = TokenDataset(output, name)
     assert dataset.has_loss_mask
@@ -224,3 +231,30 @@ def test_the_padding_warning_on_chat_data_never_advises_cutting_conversations(
     (message,) = [record.getMessage() for record in caplog.records if "padding" in
                   record.getMessage()]
     assert "hint: the padding is what keeps conversations whole" in message
+
+
+def test_trace_of_a_chat_state_names_the_overlapping_pieces_the_loader_served(
+        every_mask_format):
+    """A chat loader's state (overlong `split` recorded) traces the rows served next: every
+    record's tokens are the document's tokens it names, later pieces starting one token
+    before the previous piece's end."""
+    from raypipe.tools.trace import trace
+
+    documents = TokenDataset(every_mask_format, "megatron")
+    loader = TokenLoader(every_mask_format, seq_len=RECORD_LEN - 1, batch_size=4, seed=2,
+                         device="cpu")
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    assert state["knobs"]["overlong"] == "split"
+    served = [next(batches) for _ in range(6)]
+    batches.close()
+    records = list(trace(every_mask_format, state=state, steps=6))
+    assert {record.step for record in records} == {batch.step for batch in served}
+    for record in records:
+        batch = next(b for b in served if b.step == record.step)
+        row = [*batch.inputs[record.row].tolist(), int(batch.targets[record.row, -1])]
+        held = row[record.col_start:record.col_end]
+        assert held == document_tokens(documents, record.document)[
+            record.token_start:record.token_end], record
+    assert any(record.token_start > 0 for record in records)  # overlapping later pieces

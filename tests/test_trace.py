@@ -135,6 +135,21 @@ def test_trace_refuses_a_state_from_a_release_that_cut_rows_otherwise(gapped):
         list(trace(gapped, state=state))
 
 
+def test_trace_reads_a_state_from_before_a_knob_existed_at_that_knobs_old_value(
+        gapped, tokenizer_path):
+    """A crop state as 0.1 saved it (no `packing`, `pieces`, `shuffle` knobs) traces the
+    rows the crop loader serves next."""
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    loader = TokenLoader(gapped, T, B, seed=4, packing="crop")
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    assert {"packing", "pieces", "shuffle"}.isdisjoint(state["knobs"])  # left out at crop
+    served = next(batches)
+    batches.close()
+    assert_records_hold_the_batch(list(trace(gapped, state=state)), served, tokenizer)
+
+
 def test_trace_of_a_mixture_from_its_saved_state(gapped, second, tokenizer_path):
     tokenizer = Tokenizer.from_file(tokenizer_path)
     paths = {"a": str(gapped), "b": str(second)}

@@ -36,9 +36,10 @@ from raypipe.preprocess.jsonl import LineLocator
 from raypipe.sampling.batches import RowSegments
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.mixture import allocate, mixture_weights, step_rows
+from raypipe.sampling.modes import upgrade_knobs
 
 PLAN_KNOBS = ("mode", "seq_len", "seed", "block_documents", "packing", "block_batches",
-              "shuffle", "group_shards", "split", "validation_fraction")
+              "shuffle", "group_shards", "split", "validation_fraction", "overlong")
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,9 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
                           f"are {', '.join(PLAN_KNOBS)}")
     saved = _read_state(state)
     if saved is not None:
-        knobs = {**{k: v for k, v in saved.knobs.items() if k in PLAN_KNOBS}, **knobs}
+        # a knob the state leaves out ran at its value from before it existed
+        knobs = {**{k: v for k, v in upgrade_knobs(saved.knobs).items() if k in PLAN_KNOBS},
+                 **knobs}
         seq_len = seq_len or saved.knobs.get("seq_len")
         if isinstance(saved, LoaderState):
             world_size = world_size or saved.saved_with.get("world_size")

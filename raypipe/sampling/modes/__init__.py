@@ -16,6 +16,7 @@ from raypipe.sampling.modes.base import (
     mode_names,
     preformed_mode,
     register,
+    upgrade_knobs,
     waste_hints,
 )
 
@@ -27,4 +28,4 @@ from raypipe.sampling.modes.llmbatch import RECORD_PLANS, record_plan  # noqa: E
 
 __all__ = ["RECORD_PLANS", "BatchFiller", "LoaderMode", "PlanInputs", "PlanSpec", "get_mode",
            "metadata_modes", "mode_names", "preformed_mode", "record_plan", "register",
-           "waste_hints"]
+           "upgrade_knobs", "waste_hints"]

@@ -168,15 +168,12 @@ class PlanSpec:
 
     def knobs(self) -> dict[str, Any]:
         """The knobs a loader state records; a knob at its value from before it existed is
-        left out, so older states still load."""
-        knobs: dict[str, Any] = {"mode": self.mode, "seq_len": self.seq_len, "seed": self.seed,
-                                 **self.loader_mode.knobs(self)}
-        if self.shuffle != "global":  # states saved before `shuffle` existed were global
-            knobs["shuffle"], knobs["group_shards"] = self.shuffle, self.group_shards
-        if self.split != "all":
-            knobs["split"], knobs["validation_fraction"] = (self.split,
-                                                            self.validation_fraction)
-        return knobs
+        left out (`compact_knobs`), so older states still load."""
+        return compact_knobs({"mode": self.mode, "seq_len": self.seq_len, "seed": self.seed,
+                              "shuffle": self.shuffle, "group_shards": self.group_shards,
+                              "split": self.split,
+                              "validation_fraction": self.validation_fraction,
+                              **self.loader_mode.knobs(self)})
 
     def describe(self) -> str:
         """The row shape in words, for reports and warnings."""
@@ -200,6 +197,39 @@ class PlanInputs:
     groups: ShardGroups | None = None
 
 
+# Backward compatibility of loader states, in one table: a knob a state leaves out where
+# it holds the value it had before the knob existed (a state of an earlier release, which
+# lacks it, then loads unchanged): knob -> (that value, the knobs left out with it). A mode
+# adds its own knobs' (LoaderMode.knobs_before).
+KNOBS_BEFORE: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "shuffle": ("global", ("group_shards",)),  # before 0.3: a global shuffle
+    "split": ("all", ("validation_fraction",)),  # before 0.4: no validation split
+}
+
+
+def knobs_before(mode: str) -> dict[str, tuple[Any, tuple[str, ...]]]:
+    """The table above with mode `mode`'s own entries."""
+    return {**KNOBS_BEFORE, **get_mode(mode).knobs_before}
+
+
+def compact_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
+    """`knobs` without those at their value from before they existed (and their
+    companions): what a loader state records."""
+    compact = dict(knobs)
+    for knob, (before, companions) in knobs_before(knobs["mode"]).items():
+        if knob in compact and compact[knob] == before:
+            for name in (knob, *companions):
+                compact.pop(name, None)
+    return compact
+
+
+def upgrade_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
+    """A saved state's knobs with each one it leaves out at its value from before it
+    existed (what an earlier release ran with; companions keep their defaults)."""
+    table = knobs_before(knobs["mode"]) if knobs.get("mode") in _MODES else KNOBS_BEFORE
+    return {**{knob: before for knob, (before, _) in table.items()}, **knobs}
+
+
 class LoaderMode(ABC):
     """One loader mode. Class attributes say what it is; methods plan and fill."""
 
@@ -211,6 +241,8 @@ class LoaderMode(ABC):
     shard_local: ClassVar[bool] = True  # serves shuffle="shard_local"
     window_metadata: ClassVar[bool] = False  # rows can carry a stream's metadata
     reads_stream: ClassVar[bool] = False  # rows are cut from the token stream (a split's)
+    # its knobs' values from before they existed (see KNOBS_BEFORE)
+    knobs_before: ClassVar[dict[str, tuple[Any, tuple[str, ...]]]] = {}
 
     def knobs(self, spec: Any) -> dict[str, Any]:
         """Knobs beyond (mode, seq_len, seed) a loader state records for this mode."""

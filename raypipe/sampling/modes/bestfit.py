@@ -301,15 +301,15 @@ class BestFitFiller(BatchFiller[list[Piece]]):
 class BestFitMode(LoaderMode):
     name = "bestfit"
     packed = True
+    knobs_before = {
+        "packing": ("crop", ("pieces",)),  # before 0.2: crop packing only (no pieces)
+        "pieces": ("edges", ()),  # before 0.5: pieces cut edge to edge, another rule
+        "overlong": ("cut", ()),  # before 0.6: a document over a row cut edge to edge
+    }
 
     def knobs(self, spec: Any) -> dict[str, Any]:
-        knobs: dict[str, Any] = {"block_documents": spec.block_documents}
-        if spec.packing != "crop":  # states saved before `packing` existed were crop
-            knobs["packing"] = spec.packing
-            knobs["pieces"] = PIECES_RULE  # rows of older releases cut documents otherwise
-        if spec.resolved_overlong != "cut":  # states saved before `overlong` cut
-            knobs["overlong"] = spec.resolved_overlong
-        return knobs
+        return {"block_documents": spec.block_documents, "packing": spec.packing,
+                "pieces": PIECES_RULE, "overlong": spec.resolved_overlong}
 
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> BestFitPlan:
         dataset = inputs.dataset
