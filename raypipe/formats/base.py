@@ -93,15 +93,17 @@ class ShardWriter(ShardFiles, ABC):
         """Append whole documents; `tokens` is uint32 and sums to `lengths`; `metadata`
         (one DocumentMetadata per document, or None) is kept by formats that store it."""
 
+    # the writer keeps chat data's loss mask in `<name>.mask` (one u8 per token, in token
+    # order), a file its ecosystem's readers never open
+    keeps_mask_sidecar: bool = False
+
     def add_loss_mask(self, loss_mask: np.ndarray) -> None:
         """The loss mask of the documents the next `add` appends: one byte per token, 1
         where the token is a trained target (chat data). Only formats whose
-        `holds_loss_mask` is set store one."""
-        raise FormatError(self.directory / self.name, "this format cannot hold a loss mask")
-
-    def write_mask_sidecar(self, loss_mask: np.ndarray) -> None:
-        """`add_loss_mask` of a format that keeps the mask in `<name>.mask` (one u8 per
-        token, in token order), a file its ecosystem's readers never open."""
+        `holds_loss_mask` is set store one: in the `.mask` sidecar where the writer
+        `keeps_mask_sidecar`, else by overriding this."""
+        if not self.keeps_mask_sidecar:
+            raise FormatError(self.directory / self.name, "this format cannot hold a loss mask")
         mask_file = self._files.get(MASK_SIDECAR) or self.open_file(MASK_SIDECAR)
         mask_file.write(np.ascontiguousarray(loss_mask, dtype=np.uint8).data)
         self.masked_tokens += int(loss_mask.size)

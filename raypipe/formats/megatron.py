@@ -59,6 +59,8 @@ def encode_index(lengths: np.ndarray, dtype: np.dtype) -> bytes:
 
 
 class MegatronWriter(ShardWriter):
+    keeps_mask_sidecar = True  # megatron-core opens .bin/.idx only
+
     def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None):
         super().__init__(directory, name, token_dtype, bos_id)
         self.bin_file = self.open_file(".bin")
@@ -70,12 +72,6 @@ class MegatronWriter(ShardWriter):
         self.lengths.append(lengths.astype(np.int32))
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
-
-    def add_loss_mask(self, loss_mask: np.ndarray) -> None:
-        """`<name>.mask`: one u8 per token of `.bin` (1: a trained target), for the
-        documents the next `add` appends; megatron-core opens `.bin`/`.idx` only and never
-        reads it."""
-        self.write_mask_sidecar(loss_mask)
 
     def commit(self) -> list[FileEntry]:
         lengths = np.concatenate(self.lengths) if self.lengths else np.empty(0, np.int32)

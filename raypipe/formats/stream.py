@@ -50,6 +50,8 @@ def stream_dtype(largest_id: int) -> np.dtype:
 
 
 class StreamWriter(ShardWriter):
+    keeps_mask_sidecar = True  # chat data: `<name>.mask`, a byte per token of `.tokens`
+
     def __init__(self, directory: Path, name: str, token_dtype: np.dtype, bos_id: int | None,
                  metadata: bool = True, serializer: str = "json"):
         super().__init__(directory, name, token_dtype, bos_id)
@@ -85,10 +87,6 @@ class StreamWriter(ShardWriter):
             self.tokens_file.write(records.data)
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
-
-    def add_loss_mask(self, loss_mask: np.ndarray) -> None:
-        """`<name>.mask` (chat data): one u8 per token of `.tokens`."""
-        self.write_mask_sidecar(loss_mask)
 
     def commit(self) -> list[FileEntry]:
         entries = self.commit_mask_sidecar()
