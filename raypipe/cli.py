@@ -297,10 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="llmbatch: tokens per record, T + 1, as tokenize's "
                          "--record-len (--seq-len is an older name of it)")
     convert.add_argument("--batch-size", type=int, help="llmbatch: records per batch")
-    convert.add_argument("--packing", default="fill", choices=list(CONFIG_PACKINGS),
+    convert.add_argument("--packing", default="auto", choices=[*CONFIG_PACKINGS, "auto"],
                          help="llmbatch: fill (every token, every record full), split "
-                         "(every token, documents whole where they fit), crop (nanochat's) "
-                         "or concat")
+                         "(every token, documents whole where they fit), crop (nanochat's), "
+                         "concat, or auto (split for chat data, fill for text)")
     convert.add_argument("--seed", type=int, default=0, help="llmbatch: record shuffle seed")
     convert.add_argument("--batches-per-shard", type=int, default=1024,
                          help="llmbatch: batches per file")

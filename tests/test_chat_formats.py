@@ -258,3 +258,16 @@ def test_trace_of_a_chat_state_names_the_overlapping_pieces_the_loader_served(
         assert held == document_tokens(documents, record.document)[
             record.token_start:record.token_end], record
     assert any(record.token_start > 0 for record in records)  # overlapping later pieces
+
+
+def test_convert_to_llmbatch_packs_chat_data_with_split_unless_told(every_mask_format,
+                                                                   tmp_path):
+    """`--packing auto` (the default) keeps every conversation that fits a record whole;
+    the loss mask comes along."""
+    from raypipe.preprocess.batch_packing import BatchSpec
+    from raypipe.tools.convert import convert_dataset
+
+    convert_dataset(every_mask_format, tmp_path / "b", "llmbatch", BatchSpec(RECORD_LEN, BATCH))
+    converted = BatchDataset(tmp_path / "b")
+    assert converted.options.packing == "split"
+    assert converted.loss_mask(0) is not None

@@ -21,7 +21,7 @@ memmap read and one sequential write per token kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ class BatchSpec:
 
     seq_len: int
     batch_size: int
-    packing: str = "fill"
+    packing: str = "auto"  # split for chat data (conversations whole), fill for text
     seed: int = 0
     batches_per_shard: int = 1024
 
@@ -56,6 +56,8 @@ def pack_batches(dataset: TokenDataset, output: Store, spec: BatchSpec,
                  format_name: str) -> FormatSection:
     """Write batch format `format_name`'s shards into `output/<format_name>`; return the
     manifest's section."""
+    if spec.packing == "auto":
+        spec = replace(spec, packing="split" if dataset.has_loss_mask else "fill")
     with Staging(output) as staging:
         return _pack_batches(dataset, staging, batch_format(format_name), spec)
 
