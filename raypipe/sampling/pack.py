@@ -166,15 +166,17 @@ def pack_overlong(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int,
     next piece); cropped and dropped tokens are counted."""
     lengths = np.asarray(lengths, dtype=np.int64)
     over = lengths > capacity
-    if overlong == "split" and capacity > 1:
+    if overlong == "split":
+        if capacity < 2:
+            raise ValueError(f"overlong 'split' needs rows of >= 2 tokens, not {capacity}")
         pieces_of = np.where(over, -(-(lengths - 1) // (capacity - 1)), 1)
         packed = pack_split(doc_ids, lengths + pieces_of - 1, capacity, separator)
-        starts = real_starts(packed.starts, packed.doc_ids, doc_ids, lengths, capacity,
-                             separator, over)
-        ends = starts + packed.take == lengths[index_in_block(packed.doc_ids, doc_ids)]
+        index = index_in_block(packed.doc_ids, doc_ids)
+        starts = real_starts(packed.starts, lengths[index], over[index], capacity, separator)
         repeated = int((pieces_of - 1).sum())
-        return replace(packed, starts=starts, ends_document=ends,
-                       used_tokens=packed.used_tokens - repeated, repeated_tokens=repeated)
+        return replace(packed, starts=starts, ends_document=starts + packed.take
+                       == lengths[index], used_tokens=packed.used_tokens - repeated,
+                       repeated_tokens=repeated)
     kept = np.where(over, capacity if overlong == "truncate" else 0, lengths)
     packed = pack_split(doc_ids, kept, capacity, separator)
     cut = over[index_in_block(packed.doc_ids, doc_ids)]
@@ -191,19 +193,17 @@ def index_in_block(packed_ids: np.ndarray, doc_ids: np.ndarray) -> np.ndarray:
     return order[np.searchsorted(doc_ids[order], packed_ids)]
 
 
-def real_starts(starts: np.ndarray, packed_ids: np.ndarray, doc_ids: np.ndarray,
-                lengths: np.ndarray, capacity: int, separator: str,
-                over: np.ndarray) -> np.ndarray:
-    """Overlong `split`: a segment's start in the document of L + n - 1 tokens -> in the
-    real one (piece k starts k tokens earlier). Under "bos" the head piece (the rest r)
-    comes first, so the pieces start at 0, r, r + c, ...; under "eos" at 0, c, 2c, ..."""
-    index = index_in_block(packed_ids, doc_ids)
-    pieces_of = -(-(lengths[index] - 1) // (capacity - 1))
-    virtual = lengths[index] + pieces_of - 1
-    rest = virtual % capacity
+def real_starts(starts: np.ndarray, lengths: np.ndarray, over: np.ndarray, capacity: int,
+                separator: str) -> np.ndarray:
+    """Overlong `split`: each segment's start in its document of L + n - 1 tokens -> in
+    the real one of L (`lengths`, `over`: per segment) where piece k starts k tokens
+    earlier. Under "bos" the head piece (the rest r) comes first, so the pieces start at
+    0, r, r + c, ...; under "eos" at 0, c, 2c, ..."""
+    pieces_of = -(-(lengths - 1) // (capacity - 1))
+    rest = (lengths + pieces_of - 1) % capacity
     shift = (capacity - rest) % capacity if separator == "bos" else 0
     before = (starts + shift) // capacity  # pieces of the document before this one
-    return np.where(over[index], starts - before, starts).astype(np.int64)
+    return np.where(over, starts - before, starts).astype(np.int64)
 
 
 def pack_fill(doc_ids: np.ndarray, lengths: np.ndarray, capacity: int,
