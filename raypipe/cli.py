@@ -138,8 +138,11 @@ def trainer_formats() -> list[str]:
 
 
 def command_inspect(args: argparse.Namespace) -> int:
-    from raypipe.tools.inspect import inspect_dataset, trainer_data_path
+    from raypipe.tools.inspect import inspect_dataset, list_rejects, trainer_data_path
 
+    if args.rejects:
+        print(list_rejects(args.dataset))
+        return 0
     wanted = [name for name in trainer_formats() if getattr(args, f"{name}_data_path")]
     if wanted:
         print(trainer_data_path(args.dataset, wanted[0]))
@@ -279,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--samples", type=int, default=3, help="documents shown per format")
     inspect.add_argument("--tokenizer", help="tokenizer.json to decode samples with")
     inspect.add_argument("--plot", help="write a PNG histogram of document lengths here")
+    inspect.add_argument("--rejects", action="store_true",
+                         help="list the input files skipped as bad, and the rows that made "
+                              "no document (file, row, reason; the first 100 of each unit)")
     for name in trainer_formats():
         inspect.add_argument(f"--{name}-data-path", action="store_true",
                              help=f"print only the data-path argument of {name}'s trainer for "

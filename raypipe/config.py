@@ -38,7 +38,7 @@ from raypipe.formats import (
 PACKINGS = ("fill", "split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
 # Fields that do not change output bytes: excluded from the fingerprint.
 EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
-                              "tokenizer_backend", "allow_empty"})
+                              "tokenizer_backend", "allow_empty", "skip_bad_files"})
 TOKENIZER_BACKENDS = ("auto", "fastokens", "tiktoken", "tokenizers")
 LOCATION_FIELDS = frozenset({"inputs", "output", "tokenizer"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
@@ -161,8 +161,9 @@ class TokenizeConfig:
     eos_token: str | None = option(None, help="EOS token string (default: detected)")
     shard_tokens: int = option(1 << 29, help="a shard rolls over before the document that "
                                              "would exceed this many tokens")
-    unit_bytes: int = option(64 << 20, help="parquet bytes per work unit (the unit of "
-                                            "parallelism)")
+    unit_bytes: int = option(64 << 20, help="input bytes per work unit (the unit of "
+                                            "parallelism): larger files are cut, smaller "
+                                            "ones grouped")
     max_document_chars: int | None = option(10_000_000, help="longer documents are skipped "
                                                              "and counted as too_long")
     worker_memory_budget: int = option(2 << 30, help="bytes a worker may spend tokenizing one "
@@ -212,6 +213,12 @@ class TokenizeConfig:
     address: str | None = option(None, help="Ray cluster address (default: RAY_ADDRESS or "
                                             "a local Ray)")
     overwrite: bool = option(False, help="replace an output made with a different config")
+    skip_bad_files: bool = option(False, help="skip an input file that cannot be read (a "
+                                              "truncated .gz, a corrupt parquet footer or "
+                                              "page, a line that is not JSON), keeping the "
+                                              "rows read before the error; each is named in "
+                                              "the summary and the manifest (without it, "
+                                              "such a file fails the job, naming it)")
     allow_empty: bool = option(False, help="accept inputs that yield no document (without it, "
                                            "such a job is an error: exit status 2)")
 

@@ -11,7 +11,8 @@ from tokenizers import Tokenizer
 
 from raypipe.errors import FormatError, InputError
 from raypipe.preprocess.encoding.encoder import DocumentEncoder, flatten_documents
-from raypipe.preprocess.inputs import expand_inputs, plan_units, unit_name
+from raypipe.preprocess.inputs import expand_inputs, unit_name
+from raypipe.preprocess.planning import plan_units
 from raypipe.preprocess.texts import clean_texts
 from tests.conftest import write_parquet
 

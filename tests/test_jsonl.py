@@ -17,8 +17,9 @@ from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
 from raypipe.errors import InputError
 from raypipe.io.records import WorkUnit
-from raypipe.preprocess.inputs import plan_units, unit_batches
+from raypipe.preprocess.inputs import unit_batches
 from raypipe.preprocess.job import run_job
+from raypipe.preprocess.planning import plan_units
 from tests.conftest import write_parquet
 from tests.helpers import expected_documents, file_identities, shard_files
 

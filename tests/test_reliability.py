@@ -19,8 +19,8 @@ from raypipe import _faults as faults
 from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
 from raypipe.errors import FormatError, InputError, StorageError
-from raypipe.preprocess.inputs import plan_units
 from raypipe.preprocess.job import run_job
+from raypipe.preprocess.planning import plan_units
 from raypipe.tools.verify import verify_dataset
 from tests.conftest import write_parquet
 from tests.helpers import expected_documents, file_identities, shard_files

@@ -5,20 +5,22 @@ Invariant: the commit order is shard files -> unit record (`_units/<unit>.json`)
 parses (raypipe.io.records), carries the job's fingerprint and every file it lists exists
 with the recorded size (and, where its modification time moved, sha256); the manifest is
 written last and is the record that the whole dataset is complete. Cost: one small JSON
-file per unit; checking 1,000 committed units is ~1,000 stats (tens of ms).
+file per unit; checking the committed units of a job is one listing of the output plus one
+record read per committed unit, 32 in flight (`committed_unit_records`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 from raypipe import _faults as faults
 from raypipe.errors import FormatError
 from raypipe.io.atomic import atomic_writer
+from raypipe.io.parallel import map_threads
 from raypipe.io.records import FileEntry, Manifest, ShardEntry, UnitRecord, WorkUnit, to_json
 from raypipe.io.store import Store
 
@@ -64,13 +66,17 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def file_problem(root: Store | str | Path, entry: FileEntry) -> str | None:
+Listing = dict[str, tuple[int, int | None]]  # Store.list_infos: path -> (size, mtime)
+
+
+def file_problem(root: Store | str | Path, entry: FileEntry,
+                 listing: Listing | None = None) -> str | None:
     """Why the file an entry names is not the file that was committed, or None. A stat
-    (a HEAD on object storage) decides when size and modification time match the record; a
-    changed modification time (an edit in place, a copy that did not keep times) is settled
-    by the file's sha256."""
+    (a HEAD on object storage), or the output's `listing` where given, decides when size
+    and modification time match the record; a changed modification time (an edit in place,
+    a copy that did not keep times) is settled by the file's sha256."""
     store = as_store(root)
-    found = store.info(entry.path)
+    found = store.info(entry.path) if listing is None else listing.get(entry.path)
     if found is None:
         return "file listed in the manifest is missing"
     size, mtime_ns = found
@@ -82,24 +88,40 @@ def file_problem(root: Store | str | Path, entry: FileEntry) -> str | None:
     return None
 
 
-def record_problem(output: Store, record: UnitRecord) -> str | None:
+def record_problem(output: Store, record: UnitRecord,
+                   listing: Listing | None = None) -> str | None:
     """The first file of a unit's record that is not intact, described, or None."""
     for shard in record.shards:
         for entries in shard.files.values():
             for entry in entries:
-                problem = file_problem(output, entry)
+                problem = file_problem(output, entry, listing)
                 if problem is not None:
                     return f"{output.uri_of(entry.path)}: {problem}"
     return None
 
 
-def committed_unit_record(output: Store, unit: WorkUnit, fingerprints: Collection[str]
-                          ) -> UnitRecord | None:
+def committed_unit_records(output: Store, units: Sequence[WorkUnit],
+                           fingerprints: Collection[str]) -> dict[str, UnitRecord]:
+    """The records of the `units` that are committed (`committed_unit_record`), by unit
+    name. One listing of the output finds which units have a record and the size and time
+    of every file; only those records are read, side by side: a rerun of a finished output
+    of 2,000 units costs a listing and 2,000 small GETs 32 at a time, no HEAD per file."""
+    listing = output.list_infos()
+    present = [unit for unit in units if unit_record_name(unit.name) in listing]
+    found = map_threads(lambda unit: committed_unit_record(output, unit, fingerprints,
+                                                           listing), present)
+    return {unit.name: record for unit, record in zip(present, found, strict=True)
+            if record is not None}
+
+
+def committed_unit_record(output: Store, unit: WorkUnit, fingerprints: Collection[str],
+                          listing: Listing | None = None) -> UnitRecord | None:
     """The unit's record if the unit is fully committed for one of these fingerprints (the
     job's, and the one an older release computed for the same config) from the same input
-    (a record from before input identities were kept is taken as is), else None."""
+    (a record from before input identities were kept is taken as is), else None. Files
+    are checked against `listing` where given (Store.list_infos of the output)."""
     name = unit_record_name(unit.name)
-    if not output.exists(name):
+    if (name not in listing) if listing is not None else not output.exists(name):
         return None
     record = UnitRecord.from_json(output.read_json(name), output.uri_of(name))
     if record.fingerprint not in fingerprints:
@@ -108,7 +130,7 @@ def committed_unit_record(output: Store, unit: WorkUnit, fingerprints: Collectio
         logger.warning("re-running unit %s: %s changed since it was tokenized", unit.name,
                        unit.uri)
         return None
-    problem = record_problem(output, record)
+    problem = record_problem(output, record, listing)
     if problem is not None:
         logger.warning("re-running unit %s: %s", unit.name, problem)
         return None

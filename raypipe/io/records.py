@@ -135,7 +135,7 @@ def _tuple_of(cls: type[Record], items: Iterable[Any], where: str) -> tuple[Reco
                  for item in items)
 
 
-UNIT_KINDS = ("parquet", "jsonl", "block")
+UNIT_KINDS = ("parquet", "jsonl", "block", "group")
 
 
 @dataclass(frozen=True)
@@ -157,8 +157,9 @@ class JobRecord(JsonRecord):
 class WorkUnit(JsonRecord):
     """One unit of a tokenize job, by `kind`: row groups [row_group_start, row_group_stop)
     of a parquet file; bytes [byte_start, byte_stop) of a JSON-lines file (byte_stop -1:
-    to its end); or one block of a user's ray.data.Dataset (`uri` names the Dataset,
-    `source` is the hash of the block's rows)."""
+    to its end); one block of a user's ray.data.Dataset (`uri` names the Dataset,
+    `source` is the hash of the block's rows); or a `group` of small files read whole, one
+    after another (`members`, each a whole-file unit; `uri` is the first member's)."""
 
     uri: str
     row_group_start: int
@@ -171,11 +172,32 @@ class WorkUnit(JsonRecord):
     byte_start: int = 0
     byte_stop: int = -1
     size_bytes: int = 0  # input bytes of the unit (progress weighs units by them)
+    members: tuple[WorkUnit, ...] = ()  # a group's files, in order (empty: not a group)
+
+    def __post_init__(self) -> None:
+        if self.members:
+            object.__setattr__(self, "members", _tuple_of(WorkUnit, self.members, self.name))
 
     def check(self, where: str) -> None:
         plain_name(self.name, where, "unit name")
         if self.kind not in UNIT_KINDS:
             raise FormatError(where, f"unit kind {self.kind!r} not among {list(UNIT_KINDS)}")
+        if (self.kind == "group") != bool(self.members):
+            raise FormatError(where, f"unit {self.name}: a group unit, and only one, lists "
+                              "its member files")
+        for member in self.members:
+            member.check(where)
+
+    @property
+    def files(self) -> tuple[WorkUnit, ...]:
+        """The whole-file or ranged units this unit reads, in order (itself unless a
+        group)."""
+        return self.members or (self,)
+
+    @property
+    def uris(self) -> tuple[str, ...]:
+        """The input files (or Dataset) the unit reads."""
+        return tuple(member.uri for member in self.files)
 
     @property
     def location(self) -> str:
@@ -186,6 +208,9 @@ class WorkUnit(JsonRecord):
             return f"{self.uri}: bytes {self.byte_start}..{self.byte_stop - 1}"
         if self.kind == "block":
             return f"{self.uri}: block {self.source} ({self.num_rows} rows)"
+        if self.kind == "group":
+            return (f"{len(self.members)} files, {self.members[0].uri} .. "
+                    f"{self.members[-1].uri}")
         return f"{self.uri}: row groups {self.row_group_start}..{self.row_group_stop - 1}"
 
 
@@ -273,6 +298,27 @@ class UnitShard(JsonRecord):
 
 
 @dataclass(frozen=True)
+class BadFile(JsonRecord):
+    """An input file that could not be read, skipped under `skip_bad_files`: which, why,
+    its size, and the rows read from it before the error (kept: they were whole rows)."""
+
+    uri: str
+    reason: str
+    bytes: int = 0
+    rows_read: int = 0
+
+
+@dataclass(frozen=True)
+class Reject(JsonRecord):
+    """One input row that made no document: its file (or Dataset), its row there (-1: not
+    known) and the skip reason it is counted under."""
+
+    uri: str
+    row: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class UnitRecord(JsonRecord):
     """The commit record of one work unit (`_units/<unit>.json`)."""
 
@@ -293,11 +339,19 @@ class UnitRecord(JsonRecord):
     # unit's first row, document k's input row (None: a record from before 0.5)
     skipped_runs: tuple[int, ...] | None = None
     trained_tokens: int | None = None  # chat data: tokens whose loss mask is 1
+    # a group unit: the rows read from each member file, in order (None: not a group)
+    member_rows: tuple[int, ...] | None = None
+    bad_files: tuple[BadFile, ...] = ()  # files skipped under skip_bad_files
+    rejects: tuple[Reject, ...] = ()  # the first REJECTS_KEPT skipped rows, named
 
     def __post_init__(self) -> None:
         if isinstance(self.unit, dict):
             object.__setattr__(self, "unit", WorkUnit.from_json(self.unit, "unit"))
         object.__setattr__(self, "shards", _tuple_of(UnitShard, self.shards, "shards"))
+        object.__setattr__(self, "bad_files", _tuple_of(BadFile, self.bad_files, "bad_files"))
+        object.__setattr__(self, "rejects", _tuple_of(Reject, self.rejects, "rejects"))
+        if self.member_rows is not None:
+            object.__setattr__(self, "member_rows", tuple(self.member_rows))
         if self.skipped_runs is not None:
             object.__setattr__(self, "skipped_runs", tuple(self.skipped_runs))
 
@@ -324,6 +378,15 @@ class UnitRecord(JsonRecord):
         kept_before = starts - skipped_before[:-1]  # documents before each run
         return documents + skipped_before[np.searchsorted(kept_before, documents,
                                                           side="right")]
+
+    def input_row(self, row: int) -> tuple[WorkUnit, int]:
+        """The file unit and the row in it that row `row` of the unit (counted from the
+        unit's first) was read from; for a group, through `member_rows`."""
+        if not self.member_rows:
+            return self.unit, row
+        ends = np.cumsum(self.member_rows)
+        member = int(np.searchsorted(ends, row, side="right"))
+        return self.unit.members[member], row - int(ends[member] - self.member_rows[member])
 
 
 @dataclass(frozen=True)
@@ -414,6 +477,7 @@ class Manifest(JsonRecord):
     created_at: str = ""
     versions: dict[str, str] = field(default_factory=dict)
     converted_from: dict[str, str] | None = None
+    bad_files: tuple[BadFile, ...] = ()  # input files skipped under skip_bad_files
     manifest_version: int = MANIFEST_VERSION
     kind: str = MANIFEST_KIND
 
@@ -421,9 +485,11 @@ class Manifest(JsonRecord):
     def build(cls, fingerprint: str, tokenizer: TokenizerInfo,
               formats: dict[str, FormatSection], config: dict[str, Any],
               records: list[UnitRecord] = (), totals: Totals | None = None,
-              converted_from: dict[str, str] | None = None) -> Manifest:
+              converted_from: dict[str, str] | None = None,
+              bad_files: tuple[BadFile, ...] = ()) -> Manifest:
         """The one place a manifest is made: totals from the unit records (or given, for a
-        conversion) and the bytes of every format's files."""
+        conversion), the bytes of every format's files, and every skipped bad file (those
+        planning found, `bad_files`, then the units')."""
         if totals is None:
             skipped: Counter = Counter()
             for record in records:
@@ -440,7 +506,8 @@ class Manifest(JsonRecord):
                    config=config, units=tuple(UnitSummary.of(r) for r in records),
                    totals=totals,
                    created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                   versions=library_versions(), converted_from=converted_from)
+                   versions=library_versions(), converted_from=converted_from,
+                   bad_files=(*bad_files, *(bad for r in records for bad in r.bad_files)))
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> Manifest:
@@ -458,6 +525,7 @@ class Manifest(JsonRecord):
             formats={name: FormatSection.from_json(section, f"{where}: formats.{name}")
                      for name, section in formats.items()},
             units=_tuple_of(UnitSummary, plain.units, where),
+            bad_files=_tuple_of(BadFile, plain.bad_files, where),
             totals=Totals.from_json(plain.totals, where) if isinstance(plain.totals, dict)
             else plain.totals)
         for unit in manifest.units:

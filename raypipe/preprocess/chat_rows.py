@@ -41,6 +41,7 @@ class ChatBatch:
     # per conversation kept: its turns (role, first token, stop token, trained), separator
     # included in the token offsets
     turns: list[list[tuple[str, int, int, bool]]] = field(default_factory=list)
+    reasons: dict[int, str] = field(default_factory=dict)  # each skipped row's reason
 
 
 @dataclass
@@ -107,7 +108,7 @@ def encode_chat_batch(batch: pa.RecordBatch, config: TokenizeConfig, encoder: Ch
     inside one (InputError naming the row)."""
     import jinja2
 
-    ids, masks, kept, skipped, turns = [], [], [], Counter(), []
+    ids, masks, kept, skipped, turns, reasons = [], [], [], Counter(), [], {}
     separators = [token for token in (bos_id, eos_id) if token is not None and separated]
     for row, messages in enumerate(conversations_of(batch, config)):
         reason = problem_of(messages)
@@ -120,6 +121,7 @@ def encode_chat_batch(batch: pa.RecordBatch, config: TokenizeConfig, encoder: Ch
                 reason = str(exc) if str(exc) == "content_not_rendered" else "template_error"
         if reason is not None:
             skipped[reason] += 1
+            reasons[row] = reason
             malformed.add(first_row + row, reason)
             continue
         tokens, trained = encoded.ids, encoded.trained
@@ -144,4 +146,4 @@ def encode_chat_batch(batch: pa.RecordBatch, config: TokenizeConfig, encoder: Ch
     lengths = np.array([part.size for part in ids], dtype=np.int64)
     return ChatBatch(np.concatenate(ids) if ids else np.empty(0, np.uint32), lengths,
                      np.concatenate(masks) if masks else np.empty(0, np.uint8),
-                     np.array(kept, dtype=np.int64), skipped, turns)
+                     np.array(kept, dtype=np.int64), skipped, turns, reasons)

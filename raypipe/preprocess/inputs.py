@@ -19,8 +19,9 @@ import hashlib
 import logging
 import os
 import re
+import stat as stat_module
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 import pyarrow as pa
@@ -35,7 +36,6 @@ from raypipe.preprocess.jsonl import (
     byte_ranges,
     file_identity,
     first_record_fields,
-    is_jsonl,
     jsonl_batches,
 )
 from raypipe.preprocess.texts import can_hold_text
@@ -77,13 +77,22 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
 
 
 @dataclass(frozen=True)
+class FileStat:
+    """A file's size and modification time, as its listing gives them (no read)."""
+
+    size: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
 class InputFiles:
-    """The files a job's input specs name, and the input-looking files passed over: the
-    JSON-lines files of a directory that holds parquet files (a `dataset_info.json` or a
-    stats file beside the data)."""
+    """The files a job's input specs name (with their listing's size and time), and the
+    input-looking files passed over: the JSON-lines files of a directory that holds parquet
+    files (a `dataset_info.json` or a stats file beside the data)."""
 
     files: list[str]
     passed_over: list[str]
+    stats: dict[str, FileStat] = field(default_factory=dict)
 
 
 def expand_input(spec: str) -> list[str]:
@@ -107,39 +116,48 @@ def find_input(spec: str) -> InputFiles:
     if GLOB_CHARS.search(path):
         base = path[:GLOB_CHARS.search(path).start()].rsplit("/", 1)[0] or "/"
         pattern = glob_regex(path)
-        matches = [p for p in _list_files(filesystem, base, spec) if pattern.fullmatch(p)]
+        listed = {p: stat for p, stat in _list_files(filesystem, base, spec).items()
+                  if pattern.fullmatch(p)}
     else:
         info = filesystem.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise InputError(f"{spec}: no such file or directory")
         if info.type == pafs.FileType.Directory:
-            matches, passed_over = of_directory(_list_files(filesystem, path, spec))
+            every = _list_files(filesystem, path, spec)
+            matches, passed_over = of_directory(list(every))
+            listed = {p: every[p] for p in matches}
         elif info.type == pafs.FileType.File:
-            matches = [path]
+            listed = {path: _stat_of(info)}
         else:  # a FIFO, socket or device would block or mislead the readers
             raise InputError(f"{spec}: not a regular file ({info.type.name})")
     if isinstance(filesystem, pafs.LocalFileSystem):  # one identity per file
-        matches = [os.path.realpath(m) for m in matches]
+        listed = {os.path.realpath(p): stat for p, stat in listed.items()}
         passed_over = [os.path.realpath(m) for m in passed_over]
-    return InputFiles(sorted({uri_of(m, spec) for m in matches}),
-                      sorted({uri_of(m, spec) for m in passed_over}))
+    stats = {uri_of(p, spec): stat for p, stat in listed.items()}
+    return InputFiles(sorted(stats), sorted({uri_of(m, spec) for m in passed_over}), stats)
 
 
-def _list_files(filesystem: pafs.FileSystem, base: str, spec: str) -> list[str]:
-    """Every file below `base`. Locally a walk that follows directory links but enters each
-    directory (by device and inode) once, so a link loop ends instead of multiplying."""
+def _stat_of(info: pafs.FileInfo) -> FileStat:
+    return FileStat(int(info.size or 0), int(info.mtime_ns or 0))
+
+
+def _list_files(filesystem: pafs.FileSystem, base: str, spec: str) -> dict[str, FileStat]:
+    """Every file below `base`, with its size and time (one listing: a LIST request per
+    1,000 objects on object storage). Locally a walk that follows directory links but
+    enters each directory (by device and inode) once, so a link loop ends instead of
+    multiplying."""
     try:
         if isinstance(filesystem, pafs.LocalFileSystem):
             return _walk_local(base)
         infos = filesystem.get_file_info(pafs.FileSelector(base, recursive=True))
-        return [info.path for info in infos if info.is_file]
+        return {info.path: _stat_of(info) for info in infos if info.is_file}
     except (OSError, pa.ArrowException) as exc:
         raise InputError(f"{spec}: cannot list {base}: {exc}") from exc
 
 
-def _walk_local(base: str) -> list[str]:
+def _walk_local(base: str) -> dict[str, FileStat]:
     seen: set[tuple[int, int]] = set()
-    files = []
+    files = {}
     for root, directories, names in os.walk(base, followlinks=True):
         status = os.stat(root)
         if (status.st_dev, status.st_ino) in seen:
@@ -147,8 +165,14 @@ def _walk_local(base: str) -> list[str]:
             continue
         seen.add((status.st_dev, status.st_ino))
         directories.sort()
-        files.extend(os.path.join(root, name) for name in sorted(names)
-                     if os.path.isfile(os.path.join(root, name)))
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            try:
+                found = os.stat(path)
+            except OSError:  # a dangling link
+                continue
+            if stat_module.S_ISREG(found.st_mode):
+                files[path] = FileStat(found.st_size, found.st_mtime_ns)
     return files
 
 
@@ -160,7 +184,8 @@ def find_inputs(specs: tuple[str, ...] | list[str]) -> InputFiles:
     """Every spec's files, each once (a file some spec names is not passed over); a spec
     list that names no file is an error. Passed-over files are logged."""
     found = [find_input(spec) for spec in specs]
-    unique = sorted({path for each in found for path in each.files})
+    stats = {path: stat for each in found for path, stat in each.stats.items()}
+    unique = sorted(stats)
     if not unique:
         raise InputError(f"inputs {list(specs)}: no parquet or JSON-lines file "
                          f"({', '.join(INPUT_SUFFIXES)}) matches")
@@ -169,7 +194,7 @@ def find_inputs(specs: tuple[str, ...] | list[str]) -> InputFiles:
         logger.warning("%d JSON-lines file(s) passed over in a directory of parquet files "
                        "(name them to read them): %s", len(passed_over),
                        ", ".join(passed_over[:5]) + (" ..." if len(passed_over) > 5 else ""))
-    return InputFiles(unique, passed_over)
+    return InputFiles(unique, passed_over, stats)
 
 
 def open_parquet(uri: str) -> pq.ParquetFile:
@@ -196,22 +221,31 @@ def _open_with_identity(uri: str) -> tuple[pq.ParquetFile, str]:
         raise InputError(f"{uri}: not a readable parquet file: {exc}") from exc
 
 
+def file_stem(uri: str) -> str:
+    """A file's name without its input suffix, in characters a unit name may hold."""
+    name = PurePosixPath(uri).name
+    for suffix in INPUT_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def name_digest(text: str) -> str:
+    """The short hash a unit name carries (of its file's URI, or a group's URIs)."""
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
 def unit_name(uri: str, start: int | None = None, stop: int | None = None,
               part: str = "rg") -> str:
     """`<file stem>-<hash of the URI>-<part><start>-<stop>`: row groups (`rg`) or, for
     JSON lines, byte offsets (`b`); `-whole` for a file read whole (no range)."""
-    name = PurePosixPath(uri).name
-    for suffix in INPUT_SUFFIXES:
-        name = name.removesuffix(suffix)
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-    digest = hashlib.sha1(uri.encode()).hexdigest()[:8]
+    stem, digest = file_stem(uri), name_digest(uri)
     if start is None or stop is None:
         return f"{stem[:48]}-{digest}-whole"
     width = 5 if part == "rg" else 12
     return f"{stem[:48]}-{digest}-{part}{start:0{width}d}-{stop:0{width}d}"
 
 
-def _check_columns(uri: str, columns: list[str], available: list[str], noun: str) -> None:
+def check_columns(uri: str, columns: list[str], available: list[str], noun: str) -> None:
     for role, column in zip([f"text {noun}"] + [noun] * len(columns), columns, strict=False):
         if column not in available:
             raise InputError(f"{uri}: {role} {column!r} not found; "
@@ -224,7 +258,7 @@ def units_of_file(uri: str, columns: list[str], unit_bytes: int,
     name in `columns` (text column first, of a type that holds text) must exist."""
     parquet, identity = _open_with_identity(uri)
     schema = parquet.schema_arrow
-    _check_columns(uri, columns, schema.names, "column")
+    check_columns(uri, columns, schema.names, "column")
     text_type = schema.field(columns[0]).type
     if text_first and not can_hold_text(text_type):
         raise InputError(f"{uri}: text column {columns[0]!r} has type {text_type}, which "
@@ -248,7 +282,7 @@ def units_of_jsonl(uri: str, columns: list[str], unit_bytes: int,
                    text_first: bool = True) -> list[WorkUnit]:
     """Byte ranges of about `unit_bytes` (a compressed file whole); the first record must
     hold every field in `columns` (text field first)."""
-    _check_columns(uri, columns, first_record_fields(uri), "field")
+    check_columns(uri, columns, first_record_fields(uri), "field")
     identity, size = file_identity(uri)
     ranges = byte_ranges(uri, size, unit_bytes)
     whole = len(ranges) == 1
@@ -259,22 +293,13 @@ def units_of_jsonl(uri: str, columns: list[str], unit_bytes: int,
             for start, stop in ranges]
 
 
-def plan_units(inputs: tuple[str, ...] | list[str], text_column: str, unit_bytes: int,
-               extra_columns: tuple[str, ...] = ()) -> list[WorkUnit]:
-    return plan_files(expand_inputs(inputs), text_column, unit_bytes, extra_columns)
-
-
-def plan_files(files: list[str], text_column: str, unit_bytes: int,
-               extra_columns: tuple[str, ...] = (), text_first: bool = True
-               ) -> list[WorkUnit]:
-    """The work units of `files`, in order; checks every file's columns (and that the
-    first holds text, unless `text_first` is off: chat rows)."""
-    units: list[WorkUnit] = []
-    columns = [text_column, *extra_columns]
+def stat_files(files: list[str]) -> dict[str, FileStat]:
+    """Each file's listing size and time (one stat or HEAD each)."""
+    stats = {}
     for uri in files:
-        plan = units_of_jsonl if is_jsonl(uri) else units_of_file
-        units.extend(plan(uri, columns, unit_bytes, text_first))
-    return units
+        filesystem, path = filesystem_and_path(uri)
+        stats[uri] = _stat_of(filesystem.get_file_info(path))
+    return stats
 
 
 def unit_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
@@ -283,11 +308,16 @@ def unit_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
     `text_first=False`), in file order; a decode error is an InputError naming the unit's
     file and range."""
     if unit.kind == "jsonl":
+        if unit.row_group_stop < 0:  # a group's member: its columns are checked here
+            check_columns(unit.uri, columns, first_record_fields(unit.uri), "field")
         yield from jsonl_batches(unit, columns, batch_rows, text_first)
         return
     parquet = open_parquet(unit.uri)
+    if unit.row_group_stop < 0:  # a group's member: every row group, columns checked here
+        check_columns(unit.uri, columns, parquet.schema_arrow.names, "column")
+    stop = unit.row_group_stop if unit.row_group_stop >= 0 else parquet.num_row_groups
     batches = parquet.iter_batches(batch_size=batch_rows, columns=list(dict.fromkeys(columns)),
-                                   row_groups=range(unit.row_group_start, unit.row_group_stop),
+                                   row_groups=range(unit.row_group_start, stop),
                                    use_threads=False)
     try:
         yield from batches

@@ -32,7 +32,7 @@ from raypipe.formats import get_format, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.lock import output_lock
 from raypipe.io.manifest import CONFIG_NAME, read_manifest, shard_table, write_manifest
-from raypipe.io.records import Manifest, UnitRecord, WorkUnit
+from raypipe.io.records import BadFile, Manifest, UnitRecord, WorkUnit
 from raypipe.io.store import Store
 from raypipe.preprocess.batch_packing import BatchSpec, pack_batches_from_manifest
 from raypipe.preprocess.chat import resolve_template
@@ -43,8 +43,9 @@ from raypipe.preprocess.encoding.encoder import (
     load_tokenizer,
 )
 from raypipe.preprocess.encoding.self_check import BackendChoice, choose_backend
-from raypipe.preprocess.inputs import find_inputs, plan_files
+from raypipe.preprocess.inputs import find_inputs
 from raypipe.preprocess.output import accepted_fingerprints, prepare_output, remove_units
+from raypipe.preprocess.planning import plan_inputs
 from raypipe.preprocess.progress import Progress
 from raypipe.preprocess.runners import SerialRunner, UnitRunner
 from raypipe.preprocess.sources import DatasetBlocks, PlannedUnits
@@ -110,6 +111,7 @@ class Source(Protocol):
     label: str
     samples_without_runner: bool
     passed_over: tuple[str, ...]  # input-looking files not read (named in the summary)
+    bad_files: tuple[BadFile, ...]  # files skipped before any unit ran (skip_bad_files)
 
     def input_names(self) -> list[str]: ...
     def check(self, runner: UnitRunner, columns: list[str]) -> None: ...
@@ -121,6 +123,7 @@ class Source(Protocol):
             ) -> Iterator[tuple[UnitRecord, bool]]: ...
     def ordered(self) -> list[UnitRecord]: ...
     def names(self) -> set[str]: ...
+    def input_bytes(self) -> int: ...
 
 
 @dataclass
@@ -159,7 +162,8 @@ class Job:
                         fresh.append(record)
                     progress.update(record)
                 run_seconds = time.perf_counter() - launched
-            manifest = commit_manifest(config, settings, output, source.ordered())
+            manifest = commit_manifest(config, settings, output, source.ordered(),
+                                       source.bad_files)
             removed = remove_unplanned(output, source.names(), source.label)
         else:
             manifest, removed = read_manifest(output), 0
@@ -167,7 +171,9 @@ class Job:
                             choice.reason if choice is not None else
                             "recorded in the manifest", run_seconds=run_seconds,
                             units_removed=removed, noun=source.noun,
-                            files_passed_over=source.passed_over)
+                            files_passed_over=source.passed_over,
+                            bad_files=manifest.bad_files, input_bytes=source.input_bytes())
+        warn_bad_files(summary)
         refuse_empty(config, summary, source.label)
         return summary
 
@@ -202,16 +208,17 @@ def run_job(config: TokenizeConfig, runner: UnitRunner | None = None,
     resolved = resolve(config)
     # plan first: bad input fails before the output directory is touched
     found = find_inputs(config.inputs)
-    columns = resolved.settings.columns
-    units = plan_files(found.files, columns[0], config.unit_bytes, tuple(columns[1:]),
-                       text_first=not config.chat)
+    plan = plan_inputs(found, resolved.settings.columns, config.unit_bytes,
+                       text_first=not config.chat, skip_bad_files=config.skip_bad_files)
+    units = plan.units
     if units and all(unit.num_rows == 0 for unit in units) and not config.allow_empty:
         files = sorted({unit.uri for unit in units})
         raise InputError(f"{', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: the "
                          f"input ({len(files)} file(s)) has 0 rows, so the job would write "
                          "no document; pass --allow-empty to write an empty dataset anyway")
     job = Job(resolved, runner or SerialRunner(resolved.tokenizer), progress_every)
-    return job.run(PlannedUnits(units, tuple(found.passed_over)), started)
+    return job.run(PlannedUnits(units, tuple(found.passed_over), found.files,
+                                plan.bad_files), started)
 
 
 def run_dataset_job(dataset: Any, label: str, config: TokenizeConfig, runner: UnitRunner,
@@ -220,6 +227,18 @@ def run_dataset_job(dataset: Any, label: str, config: TokenizeConfig, runner: Un
     started = time.perf_counter()
     job = Job(resolve(config), runner, progress_every)
     return job.run(DatasetBlocks(dataset, label), started)
+
+
+BAD_FILES_WARN_SHARE = 0.01  # of the input bytes: past it, skipped files are a warning
+
+
+def warn_bad_files(summary: JobSummary) -> None:
+    """Skipped bad files are a warning once they pass BAD_FILES_WARN_SHARE of the input."""
+    if summary.bad_files and summary.bad_share > BAD_FILES_WARN_SHARE:
+        logger.warning("%d bad input file(s) skipped: %.1f%% of the input bytes (first: %s: "
+                       "%s); see manifest.json's bad_files", len(summary.bad_files),
+                       100 * summary.bad_share, summary.bad_files[0].uri,
+                       summary.bad_files[0].reason)
 
 
 def refuse_empty(config: TokenizeConfig, summary: JobSummary, what: str) -> None:
@@ -247,9 +266,11 @@ def remove_unplanned(output: Store, planned: set[str], what: str) -> int:
 
 
 def commit_manifest(config: TokenizeConfig, settings: UnitSettings, output: Store,
-                    records: list[UnitRecord]) -> Manifest:
+                    records: list[UnitRecord], bad_files: tuple[BadFile, ...] = ()
+                    ) -> Manifest:
     """Build the manifest of `records` (in order), pack the batch formats, write it last."""
-    manifest = add_batch_formats(config, output, build_manifest(config, settings, records))
+    manifest = add_batch_formats(config, output, build_manifest(config, settings, records,
+                                                                bad_files))
     output.write_bytes(CONFIG_NAME, dump_config_yaml(config).encode())
     write_dataset_indexes(output, manifest.formats)
     write_manifest(output, manifest)
@@ -299,10 +320,11 @@ def add_batch_formats(config: TokenizeConfig, output: Store, manifest: Manifest)
 
 
 def build_manifest(config: TokenizeConfig, settings: UnitSettings,
-                   records: list[UnitRecord]) -> Manifest:
+                   records: list[UnitRecord], bad_files: tuple[BadFile, ...] = ()
+                   ) -> Manifest:
     largest_id = settings.tokenizer.largest_id
     formats = {name: get_format(name).section(largest_id, shard_table(records, name),
                                               config.format_options(name).to_json())
                for name in settings.formats}
     return Manifest.build(settings.fingerprint, settings.tokenizer, formats, config.to_dict(),
-                          records)
+                          records, bad_files=bad_files)

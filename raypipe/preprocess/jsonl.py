@@ -38,6 +38,8 @@ IDENTITY_BYTES = 1 << 20
 READ_BYTES = 8 << 20
 FIRST_RECORD_BYTES = 64 << 10
 TEXT_SKIPS = "text_skips"  # schema metadata key: rows the reader already classified
+TEXT_SKIP_ROWS = "text_skip_rows"  # schema metadata key: the first of them, by row
+SKIP_ROWS_NAMED = 100  # rows of a batch the reader names with their reason
 JSON_FIELDS = "json_fields"  # schema metadata key: the fields are JSON text (chat rows)
 
 
@@ -118,9 +120,11 @@ def _lines(uri: str, start: int, stop: int | None, chunk_bytes: int = READ_BYTES
     with _open_stream(uri, start) as stream:
         remaining = None if stop is None else stop - start
         tail = b""
+        read = start
         while remaining is None or remaining > 0:
-            chunk = stream.read(chunk_bytes if remaining is None
-                                else min(chunk_bytes, remaining))
+            chunk = _read(stream, chunk_bytes if remaining is None
+                          else min(chunk_bytes, remaining), uri, read)
+            read += len(chunk)
             if not chunk:
                 break
             if remaining is not None:
@@ -130,6 +134,16 @@ def _lines(uri: str, start: int, stop: int | None, chunk_bytes: int = READ_BYTES
             yield from lines
         if tail:
             yield tail
+
+
+def _read(stream: Any, size: int, uri: str, offset: int) -> bytes:
+    """`size` bytes of the stream; a read or decompression error (a truncated .gz, a
+    corrupt .zst frame) is an InputError naming the file and the (decompressed) offset."""
+    try:
+        return stream.read(size)
+    except (OSError, EOFError, pa.ArrowException) as exc:
+        at = "decompressed byte" if compression_of(uri) else "byte"
+        raise InputError(f"{uri}: cannot be read past {at} {offset}: {exc}") from None
 
 
 def lines_before(uri: str, offset: int) -> int:
@@ -184,13 +198,31 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
-def _text_array(values: list[Any], skipped: Counter) -> pa.Array:
+class ReaderSkips:
+    """The rows of one batch the reader turned into nulls: counted by reason, and the first
+    SKIP_ROWS_NAMED of them named by row (for the unit's rejects)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self.rows: dict[int, str] = {}
+
+    def add(self, row: int, reason: str) -> None:
+        self.counts[reason] += 1
+        if len(self.rows) < SKIP_ROWS_NAMED:
+            self.rows[row] = reason
+
+    def metadata(self) -> dict[str, str]:
+        return {TEXT_SKIPS: json.dumps(dict(self.counts)),
+                TEXT_SKIP_ROWS: json.dumps(self.rows)}
+
+
+def _text_array(values: list[Any], skipped: ReaderSkips) -> pa.Array:
     """The text field as a large_string array; a non-string or a string that is not valid
     Unicode becomes a null counted under its reason."""
     texts = []
-    for value in values:
+    for row, value in enumerate(values):
         if value is not None and not isinstance(value, str):
-            skipped["non_string"] += 1
+            skipped.add(row, "non_string")
             value = None
         texts.append(value)
     try:
@@ -198,7 +230,7 @@ def _text_array(values: list[Any], skipped: Counter) -> pa.Array:
     except (UnicodeEncodeError, pa.ArrowException):
         for index, text in enumerate(texts):
             if text is not None and not _is_unicode(text):
-                skipped["invalid_utf8"] += 1
+                skipped.add(index, "invalid_utf8")
                 texts[index] = None
         return pa.array(texts, type=pa.large_string())
 
@@ -211,7 +243,7 @@ def _field_array(values: list[Any], where: Any, field: str) -> pa.Array:
                          f"column can hold: {exc}") from None
 
 
-def _json_batch(rows: list[dict[str, Any] | None], columns: list[str], skipped: Counter
+def _json_batch(rows: list[dict[str, Any] | None], columns: list[str], skipped: ReaderSkips
                 ) -> pa.RecordBatch:
     """Rows whose fields are kept as JSON text (chat conversations: nested values of any
     shape; `JSON_FIELDS` in the schema metadata says so)."""
@@ -219,7 +251,7 @@ def _json_batch(rows: list[dict[str, Any] | None], columns: list[str], skipped: 
     arrays = [pa.array([None if row.get(name) is None else json.dumps(row[name])
                         for row in present], pa.large_string()) for name in columns]
     schema = pa.schema([pa.field(name, pa.large_string()) for name in columns],
-                       metadata={TEXT_SKIPS: json.dumps(dict(skipped)), JSON_FIELDS: "1"})
+                       metadata={**skipped.metadata(), JSON_FIELDS: "1"})
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
@@ -228,7 +260,7 @@ def fields_as_json(batch: pa.RecordBatch) -> bool:
     return JSON_FIELDS.encode() in (batch.schema.metadata or {})
 
 
-def _batch(rows: list[dict[str, Any] | None], columns: list[str], skipped: Counter,
+def _batch(rows: list[dict[str, Any] | None], columns: list[str], skipped: ReaderSkips,
            where: Any) -> pa.RecordBatch:
     """Rows (None: a skipped line, already counted in `skipped`) as a record batch; rows
     the reader turned into nulls are named in the schema metadata (`reader_skips`) so they
@@ -240,7 +272,7 @@ def _batch(rows: list[dict[str, Any] | None], columns: list[str], skipped: Count
     schema = pa.schema([pa.field(columns[0], pa.large_string()),
                         *[pa.field(name, array.type)
                           for name, array in zip(columns[1:], arrays[1:], strict=True)]],
-                       metadata={TEXT_SKIPS: json.dumps(dict(skipped))})
+                       metadata=skipped.metadata())
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
@@ -248,6 +280,12 @@ def reader_skips(batch: pa.RecordBatch) -> Counter:
     """Rows of `batch` the JSONL reader already counted (as nulls), by reason."""
     raw = (batch.schema.metadata or {}).get(TEXT_SKIPS.encode())
     return Counter(json.loads(raw)) if raw else Counter()
+
+
+def reader_skip_rows(batch: pa.RecordBatch) -> dict[int, str]:
+    """The first rows of `batch` the JSONL reader turned into nulls, with their reason."""
+    raw = (batch.schema.metadata or {}).get(TEXT_SKIP_ROWS.encode())
+    return {int(row): reason for row, reason in json.loads(raw).items()} if raw else {}
 
 
 class LineLocator:
@@ -284,18 +322,18 @@ def jsonl_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
 
     stop = None if unit.byte_stop < 0 else unit.byte_stop
     rows: list[dict[str, Any] | None] = []
-    skipped: Counter = Counter()
+    skipped = ReaderSkips()
     for number, line in enumerate(_lines(unit.uri, unit.byte_start, stop), 1):
         record = None
         if not line.strip():
-            skipped["blank_line"] += 1
+            skipped.add(len(rows), "blank_line")
         else:
             record = _parse(line, where, number)
             if record is None:
-                skipped["invalid_utf8"] += 1
+                skipped.add(len(rows), "invalid_utf8")
         rows.append(record)
         if len(rows) == batch_rows:
             yield make(rows, columns, skipped, lines_from(number - len(rows) + 1))
-            rows, skipped = [], Counter()
+            rows, skipped = [], ReaderSkips()
     if rows:
         yield make(rows, columns, skipped, lines_from(len(rows) and number - len(rows) + 1))

@@ -5,8 +5,9 @@ same input identity, files intact) and yields every record of the run, each once
 final order the manifest lists. Planned units are known before the run (progress has a
 total and an ETA; a finished output is left untouched without starting Ray); a Dataset's
 blocks become units as they stream, each named by the hash of its rows, and two blocks with
-the same rows are refused (their units would be one). Cost: one unit-record read per planned
-unit, or a listing of the output's unit records for a Dataset.
+the same rows are refused (their units would be one). Cost: one listing of the output and a
+record read per committed planned unit (32 in flight), or a listing of the output's unit
+records for a Dataset.
 """
 
 from __future__ import annotations
@@ -15,13 +16,20 @@ from collections.abc import Iterator
 from typing import Any
 
 from raypipe.errors import InputError
-from raypipe.io.manifest import MANIFEST_NAME, committed_unit_record, read_manifest, record_problem
-from raypipe.io.records import UnitRecord, WorkUnit
+from raypipe.io.manifest import (
+    MANIFEST_NAME,
+    committed_unit_records,
+    read_manifest,
+    record_problem,
+)
+from raypipe.io.records import BadFile, UnitRecord, WorkUnit
 from raypipe.io.store import Store
 from raypipe.preprocess.encoding.self_check import SAMPLE_ROWS, sample_texts
 from raypipe.preprocess.output import unit_records
 from raypipe.preprocess.runners import UnitRunner
 from raypipe.preprocess.unit import UnitSettings
+
+SAMPLE_UNITS = 8  # units tried for the self-check's sample before it goes without
 
 
 class PlannedUnits:
@@ -30,15 +38,20 @@ class PlannedUnits:
     noun = "units"
     samples_without_runner = True  # its texts are read here: the self-check overlaps connect
 
-    def __init__(self, units: list[WorkUnit], passed_over: tuple[str, ...] = ()):
+    def __init__(self, units: list[WorkUnit], passed_over: tuple[str, ...] = (),
+                 files: list[str] | None = None, bad_files: tuple[BadFile, ...] = ()):
         self.units = units
         self.passed_over = passed_over
+        self.files = files  # every input file (None: the units' files)
+        self.bad_files = bad_files  # files planning skipped (skip_bad_files)
         self.label = "the inputs"
         self.committed: dict[str, UnitRecord] = {}
         self.pending: list[WorkUnit] = []
 
     def input_names(self) -> list[str]:
-        return sorted({unit.uri for unit in self.units})
+        if self.files is not None:
+            return list(self.files)
+        return sorted({uri for unit in self.units for uri in unit.uris})
 
     def check(self, runner: UnitRunner, columns: list[str]) -> None:
         """Nothing left to check: planning read every file's schema."""
@@ -46,24 +59,27 @@ class PlannedUnits:
     def open(self, output: Store, accepted: set[str]) -> bool:
         """Find the committed units; True if the job has anything to write (a unit to run,
         or a manifest that is missing or lists other units)."""
-        for unit in self.units:
-            record = committed_unit_record(output, unit, accepted)
-            if record is None:
-                self.pending.append(unit)
-            else:
-                self.committed[unit.name] = record
+        self.committed = committed_unit_records(output, self.units, accepted)
+        self.pending = [unit for unit in self.units if unit.name not in self.committed]
         if self.pending or not output.exists(MANIFEST_NAME):
             return True
-        listed = [summary.name for summary in read_manifest(output).units]
-        return listed != [unit.name for unit in self.units]
+        manifest = read_manifest(output)
+        return ([summary.name for summary in manifest.units] != [u.name for u in self.units]
+                or manifest.bad_files[:len(self.bad_files)] != self.bad_files)
 
     @property
     def progress_units(self) -> list[WorkUnit] | None:
         return self.pending
 
     def sample(self, runner: UnitRunner, text_column: str) -> list[str]:
-        first = self.pending[0] if self.pending else self.units[0] if self.units else None
-        return sample_texts(first, text_column) if first is not None else []
+        """Texts of the first unit that can be read (a bad file fails, or is skipped, in
+        its own unit, where the good units in flight still commit)."""
+        for unit in (self.pending or self.units)[:SAMPLE_UNITS]:
+            try:
+                return sample_texts(unit, text_column)
+            except InputError:
+                continue
+        return []
 
     def run(self, runner: UnitRunner, settings: UnitSettings
             ) -> Iterator[tuple[UnitRecord, bool]]:
@@ -79,6 +95,10 @@ class PlannedUnits:
     def names(self) -> set[str]:
         return {unit.name for unit in self.units}
 
+    def input_bytes(self) -> int:
+        return (sum(unit.size_bytes for unit in self.units)
+                + sum(bad.bytes for bad in self.bad_files))
+
 
 class DatasetBlocks:
     """The blocks of a user's ray.data.Dataset (`label` names it in records and messages)."""
@@ -86,6 +106,7 @@ class DatasetBlocks:
     noun = "blocks"
     samples_without_runner = False  # sampling a Dataset runs on Ray
     passed_over: tuple[str, ...] = ()
+    bad_files: tuple[BadFile, ...] = ()
 
     def __init__(self, dataset: Any, label: str):
         self.dataset = dataset
@@ -138,3 +159,6 @@ class DatasetBlocks:
 
     def names(self) -> set[str]:
         return self.seen
+
+    def input_bytes(self) -> int:
+        return sum(record.unit.size_bytes for record in self.records)

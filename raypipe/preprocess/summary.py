@@ -2,7 +2,9 @@
 `raypipe.tokenize` returns it.
 
 Invariant: every row or token the job did not turn into training tokens is a line of the
-summary (skipped rows by reason; batch formats' cropped, padded and dropped tokens), next to
+summary (skipped rows by reason, the first of them named in the unit records and listed by
+`raypipe inspect --rejects`; input files skipped as bad; batch formats' cropped, padded and
+dropped tokens), next to
 what ran (units run, retried, already committed) and how long it took, Ray's start-up on a
 line of its own. Cost: built once from the manifest's totals and the fresh records.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypipe.io.records import UnitRecord
+from raypipe.io.records import BadFile, UnitRecord
 from raypipe.sampling.plans import PackingReport
 
 
@@ -46,6 +48,13 @@ class JobSummary:
     noun: str = "units"  # "blocks" for a ray.data.Dataset input
     files_passed_over: tuple[str, ...] = ()  # JSON-lines files beside a directory's parquet
     trained_tokens: int | None = None  # chat data: tokens its loss mask trains
+    bad_files: tuple[BadFile, ...] = ()  # input files skipped under skip_bad_files
+    input_bytes: int = 0  # bytes of the input files (bad files included)
+
+    @property
+    def bad_share(self) -> float:
+        """The bad files' share of the input bytes."""
+        return sum(bad.bytes for bad in self.bad_files) / max(self.input_bytes, 1)
 
     @property
     def tokens_per_second(self) -> float:
@@ -72,6 +81,13 @@ class JobSummary:
             lines.append(f"  passed over {len(self.files_passed_over)} JSON-lines file(s) in a "
                          f"directory of parquet files: {shown}"
                          + (f" and {more} more" if more > 0 else ""))
+        if self.bad_files:
+            lines.append(f"  bad files  {len(self.bad_files)} skipped ({self.bad_share:.2%} of "
+                         "the input bytes; listed in manifest.json's bad_files): "
+                         + "; ".join(f"{bad.uri} ({bad.rows_read} rows read before: "
+                                     f"{bad.reason})" for bad in self.bad_files[:3])
+                         + (f" and {len(self.bad_files) - 3} more"
+                            if len(self.bad_files) > 3 else ""))
         if self.units_removed:
             lines.append(f"  removed    {self.units_removed} unit(s) of an earlier run that "
                          "the inputs no longer yield")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import resource
 import time
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -28,16 +28,16 @@ from raypipe.config import BUILT_IN_METADATA_FIELDS, TokenizeConfig
 from raypipe.errors import InputError
 from raypipe.formats import DocumentMetadata, document_format
 from raypipe.io.manifest import write_unit_record
-from raypipe.io.records import TokenizerInfo, UnitRecord, WorkUnit
+from raypipe.io.records import BadFile, Reject, TokenizerInfo, UnitRecord, WorkUnit
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
 from raypipe.preprocess.chat import ChatEncoder, TemplateSource
 from raypipe.preprocess.chat_rows import MalformedRows, encode_chat_batch
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
 from raypipe.preprocess.inputs import unit_batches
-from raypipe.preprocess.jsonl import LineLocator, reader_skips
+from raypipe.preprocess.jsonl import LineLocator, reader_skip_rows, reader_skips
 from raypipe.preprocess.shards import ShardRoller, ShardSpec
-from raypipe.preprocess.texts import clean_texts_with_rows
+from raypipe.preprocess.texts import clean_texts_with_rows, skip_reasons
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,9 @@ class UnitSettings:
         return ShardSpec(self.output.uri, self.formats, self.config.shard_tokens,
                          self.tokenizer.largest_id, self.tokenizer.bos_id,
                          {name: self.config.format_options(name) for name in self.formats})
+
+
+REJECTS_KEPT = 100  # skipped rows a unit names in its record (the rest are counted)
 
 
 class MetadataBuilder:
@@ -226,6 +229,14 @@ class TextBatches:
         return EncodedBatch(tokens, lengths, kept, skipped, records,
                             special_literals=encoder.count_special_literals(texts))
 
+    def skip_reasons(self, batch: pa.RecordBatch, rows: np.ndarray) -> list[str]:
+        """Why each of `rows` (of the last batch) made no document."""
+        read = reader_skip_rows(batch)
+        derived = skip_reasons(batch.column(self.config.text_column), rows,
+                               self.config.document_char_limit)
+        return [read.get(row, reason) for row, reason in zip(rows.tolist(), derived,
+                                                             strict=True)]
+
     def check(self, rows: int) -> None:
         """Nothing to check once the unit's rows are read (bad text is skipped per row)."""
 
@@ -248,43 +259,85 @@ class ChatBatches:
                                  self.unit.location, self.separated)
         records = (self.metadata.build_chat(batch, first_row, done.kept, done.turns)
                    if self.metadata is not None else None)
+        self.reasons = done.reasons
         return EncodedBatch(done.tokens, done.lengths, done.kept, done.skipped, records,
                             loss_mask=done.loss_mask)
+
+    def skip_reasons(self, batch: pa.RecordBatch, rows: np.ndarray) -> list[str]:
+        """Why each of `rows` (of the last batch) made no conversation."""
+        return [self.reasons.get(row, "null") for row in rows.tolist()]
 
     def check(self, rows: int) -> None:
         self.malformed.check(self.unit.location, rows)
 
 
+class UnitRejects:
+    """The first REJECTS_KEPT rows of a unit that made no document, each named by its
+    file, its row there and its reason (the rest are only counted, under `skipped`)."""
+
+    def __init__(self) -> None:
+        self.named: list[Reject] = []
+
+    def add(self, member: WorkUnit, first_row: int, num_rows: int, kept: np.ndarray,
+            reasons: Callable[[np.ndarray], list[str]]) -> None:
+        """A batch of `num_rows` rows from row `first_row` of `member`, of which `kept`
+        made documents."""
+        room = REJECTS_KEPT - len(self.named)
+        if room <= 0 or len(kept) == num_rows:
+            return
+        gone = np.setdiff1d(np.arange(num_rows), kept, assume_unique=True)[:room]
+        base = file_first_row(member) + first_row
+        self.named += [Reject(member.uri, base + row, reason)
+                       for row, reason in zip(gone.tolist(), reasons(gone), strict=True)]
+
+
+def file_first_row(unit: WorkUnit) -> int:
+    """The row of its file a file unit starts at (a JSON-lines byte range: its lines
+    before, counted by one read of the file's prefix)."""
+    return unit.first_row if unit.first_row >= 0 else LineLocator(unit).first_row()
+
+
+@dataclass
+class UnitTally:
+    """What a unit's rows became, added up batch by batch."""
+
+    rows: int = 0
+    documents: int = 0
+    tokens: int = 0
+    special_literals: int = 0
+    trained_tokens: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    skipped_runs: SkippedRuns = field(default_factory=SkippedRuns)
+    rejects: UnitRejects = field(default_factory=UnitRejects)
+    member_rows: list[int] = field(default_factory=list)
+    bad_files: list[BadFile] = field(default_factory=list)
+
+    def add(self, done: EncodedBatch, num_rows: int) -> None:
+        self.skipped.update(done.skipped)
+        self.skipped_runs.add(done.kept, num_rows, self.rows)
+        self.rows += num_rows
+        self.documents += len(done.lengths)
+        self.tokens += int(done.tokens.size)
+        self.special_literals += done.special_literals
+        if done.loss_mask is not None:
+            self.trained_tokens += int(done.loss_mask.sum())
+
+
 def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
                   batches: Iterable[pa.RecordBatch] | None = None) -> UnitRecord:
     """Tokenize `unit`, commit its shards and its record; return the record. Its rows are
-    read from its file, or given as `batches` (a block of a ray.data.Dataset)."""
+    read from its files (a group's one after another), or given as `batches` (a block of a
+    ray.data.Dataset)."""
     started, started_at, started_cpu = time.perf_counter(), time.time(), encoder.cpu_seconds()
     config = settings.config
     store = settings.output
     staging = Staging(store)
     roller = ShardRoller(settings.shard_spec(), unit.name, staging=staging)
-    encode = (ChatBatches if config.chat else TextBatches)(unit, settings, encoder)
-    if batches is None:
-        batches = unit_batches(unit, settings.columns, config.encode_batch_rows,
-                               text_first=not config.chat)
-    skipped: Counter = Counter()
-    skipped_runs = SkippedRuns()
-    rows = documents = tokens_total = special_literals = trained_tokens = 0
+    tally = UnitTally()
     try:
-        for batch in batches:
-            done = encode(batch, rows)
-            skipped.update(done.skipped)
-            skipped_runs.add(done.kept, batch.num_rows, rows)
-            roller.add(done.tokens, done.lengths, done.metadata, done.loss_mask)
-            rows += batch.num_rows
-            documents += len(done.lengths)
-            tokens_total += int(done.tokens.size)
-            special_literals += done.special_literals
-            if done.loss_mask is not None:
-                trained_tokens += int(done.loss_mask.sum())
-            faults.point("unit.rows", unit.name, rows)
-        encode.check(rows)
+        for member in unit.files:
+            read = tokenize_file(member, settings, encoder, roller, tally, batches)
+            tally.member_rows.append(read)
         shards = roller.finish()
     except BaseException:
         roller.abort()
@@ -292,14 +345,46 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
     finally:
         staging.close()
     record = UnitRecord(
-        unit=unit, fingerprint=settings.fingerprint, rows=rows, documents=documents,
-        tokens=tokens_total, skipped=dict(sorted((+skipped).items())), shards=tuple(shards),
-        special_literals=special_literals, skipped_runs=tuple(skipped_runs.runs),
-        trained_tokens=trained_tokens if config.chat else None,
+        unit=unit, fingerprint=settings.fingerprint, rows=tally.rows,
+        documents=tally.documents, tokens=tally.tokens,
+        skipped=dict(sorted((+tally.skipped).items())), shards=tuple(shards),
+        special_literals=tally.special_literals, skipped_runs=tuple(tally.skipped_runs.runs),
+        trained_tokens=tally.trained_tokens if config.chat else None,
         seconds=round(time.perf_counter() - started, 4),
         cpu_seconds=round(encoder.cpu_seconds() - started_cpu, 4), started_at=started_at,
         finished_at=time.time(),
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        member_rows=tuple(tally.member_rows) if unit.kind == "group" else None,
+        bad_files=tuple(tally.bad_files), rejects=tuple(tally.rejects.named))
     faults.point("unit.before_record", unit.name)
     write_unit_record(store, record)
     return record
+
+
+def tokenize_file(member: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
+                  roller: ShardRoller, tally: UnitTally,
+                  batches: Iterable[pa.RecordBatch] | None = None) -> int:
+    """Tokenize the rows of one file unit (or the given `batches`) into `roller`; the rows
+    read. A file that cannot be read fails the unit naming it, unless `skip_bad_files`:
+    then it is named in `tally.bad_files` and the rows read before the error are kept."""
+    config = settings.config
+    encode = (ChatBatches if config.chat else TextBatches)(member, settings, encoder)
+    if batches is None:
+        batches = unit_batches(member, settings.columns, config.encode_batch_rows,
+                               text_first=not config.chat)
+    read = 0
+    try:
+        for batch in batches:
+            done = encode(batch, read)
+            roller.add(done.tokens, done.lengths, done.metadata, done.loss_mask)
+            tally.add(done, batch.num_rows)
+            tally.rejects.add(member, read, batch.num_rows, done.kept,
+                              lambda rows, batch=batch: encode.skip_reasons(batch, rows))
+            read += batch.num_rows
+            faults.point("unit.rows", roller.unit_name, tally.rows)
+        encode.check(read)
+    except InputError as exc:
+        if not config.skip_bad_files or member.kind == "block":
+            raise
+        tally.bad_files.append(BadFile(member.uri, str(exc), member.size_bytes, read))
+    return read

@@ -3,8 +3,9 @@
 Invariant: Ray Data only moves work (WorkUnit dataclasses, or a user Dataset's blocks) in
 and small commit records (UnitRecord) out; all reading, tokenizing and writing is
 `raypipe.preprocess.unit.tokenize_unit`, so output is byte-identical to the serial runner at
-any worker count. Planned units run as `from_items(units, one block each)` ->
-`map_batches(TokenizeUnits, actor pool)`; a user's Dataset runs as
+any worker count. Planned units run as `from_items(units, up to UNITS_PER_BLOCK a block)`
+-> `map_batches(TokenizeUnits, actor pool)` (the driver pays per block, not per unit:
+`units_per_block`); a user's Dataset runs as
 `dataset.map_batches(TokenizeBlocks, actor pool)`, one unit per block, named by the hash of
 its rows. Each map actor loads the tokenizer once (adopting the tiktoken conversion the
 driver made for its self-check, both read from one object-store copy) and encodes with one
@@ -14,9 +15,11 @@ object store. Ray Data restarts a killed actor and runs its block again; the job
 killed its worker UNIT_RETRIES + 1 times fails the job naming its file and rows instead of
 restarting forever (committed units stay). Bad input (a RaypipeError) comes back as the
 unit's result and is raised on the driver as itself: Ray Data neither retries it nor wraps
-it. Every pending unit runs here, whatever Ray's start-up costs (there is no driver-side
-head start), so every job with work leaves its execution plan, with the tokenize map stage,
-in Ray Data's log.
+it. It is raised once the stage drains: the ledger then starts no further unit, and the
+units in flight on other actors finish and commit. A unit whose block runs again after its
+actor died is taken as it was committed, if it was. Every pending unit runs here,
+whatever Ray's start-up costs (there is no driver-side head start), so every job with work
+leaves its execution plan, with the tokenize map stage, in Ray Data's log.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ import ray
 from raypipe import _faults as faults
 from raypipe.config import TokenizeConfig
 from raypipe.errors import InputError, RaypipeError
+from raypipe.io.manifest import committed_unit_record
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
+from raypipe.preprocess.encoding.self_check import SAMPLE_CHARS
 from raypipe.preprocess.encoding.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.job import JobSummary, run_dataset_job, run_job
 from raypipe.preprocess.runners import BlockRun, make_encoder
@@ -51,16 +56,25 @@ UNIT_RETRIES = 3  # runs of a unit after its worker died, before the job fails
 
 
 class UnitLedger:
-    """A Ray actor (no CPU): how often a worker started each unit."""
+    """A Ray actor (no CPU): how often a worker started each unit, and whether the job has
+    failed (then units not yet started are not started: the ones in flight finish and
+    commit, and the driver raises the failure once they have)."""
 
     def __init__(self) -> None:
         self.attempts: dict[str, int] = {}
+        self.failed = False
 
-    def attempt(self, name: str) -> int:
-        """This start's number (1 the first time; later ones are runs again after the
-        unit's actor died)."""
-        self.attempts[name] = self.attempts.get(name, 0) + 1
-        return self.attempts[name]
+    def attempt(self, names: list[str]) -> list[int] | None:
+        """Each unit's start number (1 the first time; later ones are runs again after the
+        unit's actor died), or None once the job has failed: start none of them."""
+        if self.failed:
+            return None
+        for name in names:
+            self.attempts[name] = self.attempts.get(name, 0) + 1
+        return [self.attempts[name] for name in names]
+
+    def fail(self) -> None:
+        self.failed = True
 
     def retries(self) -> int:
         return sum(count - 1 for count in self.attempts.values())
@@ -92,26 +106,40 @@ class MapTokenizer:
         self.encoder: DocumentEncoder = make_encoder(settings)
         self.ledger = ledger
 
-    def count_attempt(self, unit: WorkUnit) -> None:
-        """Count this start of `unit`; raises once the unit has killed its worker more than
-        UNIT_RETRIES times."""
-        attempt = ray.get(self.ledger.attempt.remote(unit.name))
-        if attempt > UNIT_RETRIES + 1:
-            raise InputError(f"{unit.location}: the worker tokenizing them died "
-                             f"{attempt - 1} times (out of memory?)")
-        if attempt > 1:
-            logger.warning("%s: the worker died; running the unit again (%d of %d)",
-                           unit.location, attempt - 1, UNIT_RETRIES)
+    def outcomes(self, units: list[WorkUnit], batches: Any = None
+                 ) -> list[UnitRecord | RaypipeError | None]:
+        """Each unit's record, a RaypipeError (bad input, or a unit that keeps killing its
+        worker) as a value (Ray Data would retry a raised one and its wrapper loses the
+        original, while the driver raises it as itself), or None: not started, the job
+        has failed. One ledger call for the lot."""
+        attempts = ray.get(self.ledger.attempt.remote([unit.name for unit in units]))
+        if attempts is None:
+            return [None] * len(units)
+        return [self.outcome(unit, attempt, batches)
+                for unit, attempt in zip(units, attempts, strict=True)]
 
-    def outcome(self, unit: WorkUnit, batches: Any = None) -> UnitRecord | RaypipeError:
-        """The unit's record, or a RaypipeError (bad input, or a unit that keeps killing
-        its worker) as a value: Ray Data would retry a raised one and its wrapper loses the
-        original, while the driver raises it as itself."""
+    def outcome(self, unit: WorkUnit, attempt: int, batches: Any = None
+                ) -> UnitRecord | RaypipeError:
         try:
-            self.count_attempt(unit)
+            if attempt > 1:  # its block ran before, on an actor that died
+                done = committed_unit_record(self.settings.output, unit,
+                                             {self.settings.fingerprint})
+                if done is not None:
+                    return done
+                check_attempt(unit, attempt)
             return tokenize_unit(unit, self.settings, self.encoder, batches)
         except RaypipeError as exc:
             return exc
+
+
+def check_attempt(unit: WorkUnit, attempt: int) -> None:
+    """A unit started again after its worker died: fails once it has killed its worker
+    more than UNIT_RETRIES times."""
+    if attempt > UNIT_RETRIES + 1:
+        raise InputError(f"{unit.location}: the worker tokenizing them died "
+                         f"{attempt - 1} times (out of memory?)")
+    logger.warning("%s: the worker died; running the unit again (%d of %d)",
+                   unit.location, attempt - 1, UNIT_RETRIES)
 
 
 def _outcomes(outcomes: list[UnitRecord | RaypipeError | None]) -> dict[str, np.ndarray]:
@@ -120,19 +148,36 @@ def _outcomes(outcomes: list[UnitRecord | RaypipeError | None]) -> dict[str, np.
     return {"record": column}
 
 
-def _record_or_raise(outcome: Any) -> UnitRecord | None:
-    """A unit's record from the map stage's column (None: no record: the block's unit was
-    committed before; Ray Data turns a block of Nones into NaN)."""
-    if isinstance(outcome, RaypipeError):
-        raise outcome
-    return outcome if isinstance(outcome, UnitRecord) else None
+class Outcomes:
+    """The driver's side of the map stage's outcomes: records pass, and the first error
+    stops new units (the ledger) while the units in flight finish and commit; `raise_first`
+    raises it once the stage has drained."""
+
+    def __init__(self, ledger: Any):
+        self.ledger = ledger
+        self.error: RaypipeError | None = None
+
+    def record(self, outcome: Any) -> UnitRecord | None:
+        """A unit's record from the map stage's column (None: no record: not started, or
+        the block's unit was committed before; Ray Data turns a block of Nones into NaN)."""
+        if isinstance(outcome, RaypipeError):
+            if self.error is None:
+                self.error = outcome
+                ray.get(self.ledger.fail.remote())
+            return None
+        return outcome if isinstance(outcome, UnitRecord) else None
+
+    def raise_first(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 class TokenizeUnits(MapTokenizer):
-    """Map stage over planned units (rows {"unit": WorkUnit}): an outcome per unit."""
+    """Map stage over planned units (rows {"unit": WorkUnit}, several a block): an outcome
+    per unit."""
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return _outcomes([self.outcome(unit) for unit in batch["unit"]])
+        return _outcomes(self.outcomes(list(batch["unit"])))
 
 
 def block_digest(table: pa.Table, columns: list[str]) -> str:
@@ -169,8 +214,8 @@ class TokenizeBlocks(MapTokenizer):
                         kind="block", size_bytes=int(table.nbytes))
         if unit.name in self.committed:
             return unit.name, None
-        return unit.name, self.outcome(unit, table.select(columns).to_batches(
-            max_chunksize=self.settings.config.encode_batch_rows))
+        return unit.name, self.outcomes([unit], table.select(columns).to_batches(
+            max_chunksize=self.settings.config.encode_batch_rows))[0]
 
 
 class RayDataRunner:
@@ -222,17 +267,20 @@ class RayDataRunner:
             self.ledger = None
 
     def run(self, units: list[WorkUnit], settings: UnitSettings) -> Iterator[UnitRecord]:
-        """Records of `units` as they commit."""
+        """Records of `units` as they commit; the first failure is raised once the units
+        in flight have finished (and committed)."""
         shared = self._start(settings)
         workers = max(1, min(self.num_workers or cluster_cpus(), len(units)))
+        per_block = units_per_block(len(units), workers)
+        outcomes = Outcomes(self.ledger)
         try:
             with objects_as_pickles():
                 dataset = ray.data.from_items([{"unit": unit} for unit in units],
-                                              override_num_blocks=len(units))
+                                              override_num_blocks=-(-len(units) // per_block))
             # no reads compete for CPUs here: a whole CPU per actor cannot starve them
             mapped = dataset.map_batches(TokenizeUnits, fn_constructor_args=(
                 shared, self.ledger), batch_format="numpy",
-                **self._map_options(workers, 1.0))
+                **{**self._map_options(workers, 1.0), "batch_size": per_block})
             mapped.context.enable_progress_bars = False  # raypipe's own line has the ETA
             mapped.context.enable_fallback_to_arrow_object_ext_type = True
             launched = time.perf_counter()
@@ -241,9 +289,10 @@ class RayDataRunner:
                     self.data_startup_seconds = self.data_startup_seconds or \
                         time.perf_counter() - launched
                     for outcome in batch["record"]:
-                        record = _record_or_raise(outcome)
+                        record = outcomes.record(outcome)
                         if record is not None:
                             yield record
+            outcomes.raise_first()
         finally:
             self._finish()
 
@@ -267,13 +316,17 @@ class RayDataRunner:
             context.execution_options.preserve_order = True  # the manifest's order
             context.enable_fallback_to_arrow_object_ext_type = True
             launched = time.perf_counter()
+            outcomes = Outcomes(self.ledger)
             with dropping_ray_noise():  # Ray's error line for every actor (ray#57733)
                 for batch in mapped.iter_batches(batch_size=None, batch_format="numpy"):
                     self.data_startup_seconds = self.data_startup_seconds or \
                         time.perf_counter() - launched
                     for name, outcome in zip(batch["name"].tolist(), batch["record"],
                                              strict=True):
-                        yield BlockRun(str(name), _record_or_raise(outcome))
+                        record = outcomes.record(outcome)
+                        if outcomes.error is None:
+                            yield BlockRun(str(name), record)
+            outcomes.raise_first()
         finally:
             (context.execution_options.preserve_order,
              context.enable_fallback_to_arrow_object_ext_type) = saved
@@ -292,7 +345,18 @@ class RayDataRunner:
             raise InputError(f"{describe_dataset(dataset)}: {role} {shown} not found; "
                              f"available columns: {available}")
         sample = dataset.select_columns(columns[:1]).take_batch(rows, batch_format="pyarrow")
-        return clean_texts(sample.column(columns[0]))[0]
+        return clean_texts(sample.column(columns[0]), SAMPLE_CHARS)[0]  # no giant row
+
+
+UNITS_PER_BLOCK = 16  # units one Ray Data block carries at most
+BLOCKS_PER_WORKER = 4  # blocks each actor gets at least, for balance at the job's end
+
+
+def units_per_block(units: int, workers: int) -> int:
+    """How many units one Ray Data block carries: the driver pays ~10 ms of CPU per block
+    (its executor, the block's object), so at 10^4 units several share a block, while every
+    actor still gets BLOCKS_PER_WORKER blocks or more."""
+    return max(1, min(UNITS_PER_BLOCK, units // (workers * BLOCKS_PER_WORKER)))
 
 
 @contextlib.contextmanager

@@ -16,8 +16,9 @@ from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import FormatError
 from raypipe.formats import document_format, is_batch_format
-from raypipe.io.manifest import as_store, read_manifest
-from raypipe.io.records import FormatSection, Manifest
+from raypipe.io.manifest import as_store, read_manifest, unit_record_name
+from raypipe.io.parallel import map_threads
+from raypipe.io.records import FormatSection, Manifest, UnitRecord
 from raypipe.io.store import Store
 from raypipe.preprocess.summary import packing_line
 from raypipe.sampling.mixture import mixture_weights
@@ -64,6 +65,28 @@ def inspect_dataset(root: str | Path | Store, samples: int = 3, tokenizer: str |
     if is_mixture_spec(root):
         return inspect_mixture(str(root), samples, tokenizer)
     return inspect_output(root, samples, tokenizer, plot)
+
+
+def list_rejects(root: str | Path | Store) -> str:
+    """What the job did not turn into documents, by name: the input files it skipped as
+    bad (the manifest's `bad_files`), then every unit's named rejects (file, row, reason)
+    and how many more of its skipped rows were only counted. Reads the manifest and the
+    unit records (32 at a time)."""
+    store = as_store(root)
+    manifest = read_manifest(store)
+    lines = [f"bad file\t{bad.uri}\t{bad.rows_read} rows read before\t{bad.reason}"
+             for bad in manifest.bad_files]
+    records = map_threads(lambda name: UnitRecord.from_json(
+        store.read_json(unit_record_name(name)), store.uri_of(unit_record_name(name))),
+        [unit.name for unit in manifest.units])
+    for record in records:
+        lines += [f"reject\t{reject.uri}\trow {reject.row}\t{reject.reason}"
+                  for reject in record.rejects]
+        unnamed = record.rows - record.documents - len(record.rejects)
+        if unnamed > 0:
+            lines.append(f"counted\t{record.unit.location}\t{unnamed} more skipped row(s)\t"
+                         + ", ".join(f"{k}={v}" for k, v in record.skipped.items()))
+    return "\n".join(lines) if lines else f"{store.uri}: every input row made a document"
 
 
 def trainer_data_path(root: str | Path | Store, format_name: str) -> str:

@@ -30,9 +30,9 @@ from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError
 from raypipe.io.manifest import unit_record_name
-from raypipe.io.records import UnitRecord
+from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.io.states import LoaderState, MixtureState, read_state
-from raypipe.preprocess.jsonl import LineLocator
+from raypipe.preprocess.unit import file_first_row
 from raypipe.sampling.batches import RowSegments
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.mixture import allocate, mixture_weights, step_rows
@@ -85,7 +85,7 @@ class InputRows:
         self.firsts = np.concatenate([[0], np.cumsum([unit.documents for unit in units])]
                                      ).astype(np.int64)
         self.records: dict[int, UnitRecord] = {}
-        self.first_rows: dict[int, int] = {}
+        self.first_rows: dict[str, int] = {}
 
     def __call__(self, document: int) -> tuple[str | None, int | None]:
         if not self.names or document >= self.firsts[-1]:
@@ -94,10 +94,12 @@ class InputRows:
         record = self._record(unit)
         rows = record.document_rows(np.array([document - self.firsts[unit]]))
         work = record.unit
-        where = work.source if work.kind == "block" else work.uri
         if rows is None:
-            return where, None
-        return where, self._first_row(unit) + int(rows[0])
+            return work.source if work.kind == "block" else work.uri, None
+        if work.kind == "block":
+            return work.source, int(rows[0])
+        member, row = record.input_row(int(rows[0]))
+        return member.uri, self._first_row(member) + row
 
     def _record(self, unit: int) -> UnitRecord:
         if unit not in self.records:
@@ -106,13 +108,12 @@ class InputRows:
             self.records[unit] = UnitRecord.from_json(store.read_json(path), store.uri_of(path))
         return self.records[unit]
 
-    def _first_row(self, unit: int) -> int:
-        """The input row the unit starts at (a JSON-lines byte range: its lines before)."""
-        if unit not in self.first_rows:
-            work = self.records[unit].unit
-            self.first_rows[unit] = (LineLocator(work).first_row() if work.kind == "jsonl"
-                                     else work.first_row)
-        return self.first_rows[unit]
+    def _first_row(self, work: WorkUnit) -> int:
+        """The input row a file unit starts at (a JSON-lines byte range: its lines before,
+        counted once)."""
+        if work.name not in self.first_rows:
+            self.first_rows[work.name] = file_first_row(work)
+        return self.first_rows[work.name]
 
 
 @dataclass(frozen=True)

@@ -89,11 +89,13 @@ def adversarial_texts(special_literals: list[str]) -> list[str]:
 
 
 def sample_texts(unit: WorkUnit, text_column: str) -> list[str]:
-    """Valid texts from the start of one unit, up to SAMPLE_CHARS characters."""
+    """Valid texts from the start of one unit (a group's first file), up to SAMPLE_CHARS
+    characters; a text longer than that is passed over, so the check never encodes a giant
+    row (nor one the unit itself would skip as too long)."""
     texts: list[str] = []
     chars = 0
-    for batch in unit_batches(unit, [text_column], 256):
-        kept, _, _ = clean_texts_with_rows(batch.column(text_column), None)
+    for batch in unit_batches(unit.files[0], [text_column], 256):
+        kept, _, _ = clean_texts_with_rows(batch.column(text_column), SAMPLE_CHARS)
         for text in kept:
             texts.append(text)
             chars += len(text)
