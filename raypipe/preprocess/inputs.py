@@ -15,12 +15,14 @@ file plus one per cut.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import os
 import re
 import stat as stat_module
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
@@ -197,8 +199,57 @@ def find_inputs(specs: tuple[str, ...] | list[str]) -> InputFiles:
     return InputFiles(unique, passed_over, stats)
 
 
-def open_parquet(uri: str) -> pq.ParquetFile:
-    return _open_with_identity(uri)[0]
+def open_parquet(uri: str, data: bytes | None = None) -> pq.ParquetFile:
+    """The parquet file to read (from `data`, its bytes already read, where given)."""
+    try:
+        if data is not None:
+            return pq.ParquetFile(pa.BufferReader(data))
+        filesystem, path = filesystem_and_path(uri)
+        return pq.ParquetFile(filesystem.open_input_file(path))
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{uri}: not a readable parquet file: {exc}") from exc
+
+
+def read_whole(uri: str) -> bytes:
+    """A small file's bytes in one request (a GET; no HEAD, no footer reads)."""
+    filesystem, path = filesystem_and_path(uri)
+    try:
+        with filesystem.open_input_stream(path) as stream:
+            return stream.read()
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{uri}: cannot be read: {exc}") from exc
+
+
+PREFETCH_FILES = 32  # a group's files read ahead at most, ...
+PREFETCH_BYTES = 64 << 20  # ... and bytes
+
+
+def prefetched(units: tuple[WorkUnit, ...]) -> Iterator[tuple[WorkUnit, bytes | InputError]]:
+    """Each of a group's (small) files with its bytes, in order, read up to PREFETCH_FILES
+    and PREFETCH_BYTES ahead on threads: on object storage a file costs one GET, and the
+    GETs' latency overlaps the tokenizing (a group of 6,400 files at 20 ms a request would
+    otherwise wait 2 minutes). A file that cannot be read comes as its InputError."""
+    def read(uri: str) -> bytes | InputError:
+        try:
+            return read_whole(uri)
+        except InputError as exc:
+            return exc
+
+    pending: collections.deque = collections.deque()
+    upcoming = iter(units)
+    with ThreadPoolExecutor(PREFETCH_FILES, thread_name_prefix="raypipe-prefetch") as pool:
+        while True:
+            held = sum(unit.size_bytes for unit, _ in pending)
+            while len(pending) < PREFETCH_FILES and (held < PREFETCH_BYTES or not pending):
+                unit = next(upcoming, None)
+                if unit is None:
+                    break
+                pending.append((unit, pool.submit(read, unit.uri)))
+                held += unit.size_bytes
+            if not pending:
+                return
+            unit, future = pending.popleft()
+            yield unit, future.result()
 
 
 def _open_with_identity(uri: str) -> tuple[pq.ParquetFile, str]:
@@ -303,16 +354,17 @@ def stat_files(files: list[str]) -> dict[str, FileStat]:
 
 
 def unit_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
-                 text_first: bool = True) -> Iterator[pa.RecordBatch]:
+                 text_first: bool = True, data: bytes | None = None
+                 ) -> Iterator[pa.RecordBatch]:
     """The rows of a file unit as record batches of `columns` (text first; chat rows:
     `text_first=False`), in file order; a decode error is an InputError naming the unit's
     file and range."""
     if unit.kind == "jsonl":
         if unit.row_group_stop < 0:  # a group's member: its columns are checked here
-            check_columns(unit.uri, columns, first_record_fields(unit.uri), "field")
-        yield from jsonl_batches(unit, columns, batch_rows, text_first)
+            check_columns(unit.uri, columns, first_record_fields(unit.uri, data), "field")
+        yield from jsonl_batches(unit, columns, batch_rows, text_first, data)
         return
-    parquet = open_parquet(unit.uri)
+    parquet = open_parquet(unit.uri, data)
     if unit.row_group_stop < 0:  # a group's member: every row group, columns checked here
         check_columns(unit.uri, columns, parquet.schema_arrow.names, "column")
     stop = unit.row_group_stop if unit.row_group_stop >= 0 else parquet.num_row_groups

@@ -60,10 +60,17 @@ def _open_random_access(uri: str) -> Any:
         raise InputError(f"{uri}: cannot open: {exc}") from exc
 
 
-def _open_stream(uri: str, start: int = 0) -> Any:
-    """The file's bytes from `start` (decompressed for .gz/.zst, which start at 0)."""
-    filesystem, path = filesystem_and_path(uri)
+def _open_stream(uri: str, start: int = 0, data: bytes | None = None) -> Any:
+    """The file's bytes from `start` (decompressed for .gz/.zst, which start at 0); from
+    `data`, the file's bytes already read, where given."""
     codec = compression_of(uri)
+    if data is not None:
+        buffer = pa.BufferReader(data)
+        if codec is not None:
+            return pa.CompressedInputStream(buffer, codec)
+        buffer.seek(start)
+        return buffer
+    filesystem, path = filesystem_and_path(uri)
     try:
         if codec is not None:
             return filesystem.open_input_stream(path, compression=codec)
@@ -112,12 +119,12 @@ def byte_ranges(uri: str, size: int, unit_bytes: int) -> list[tuple[int, int]]:
     return list(zip(cuts, [*cuts[1:], size], strict=True))
 
 
-def _lines(uri: str, start: int, stop: int | None, chunk_bytes: int = READ_BYTES
-           ) -> Iterator[bytes]:
+def _lines(uri: str, start: int, stop: int | None, chunk_bytes: int = READ_BYTES,
+           data: bytes | None = None) -> Iterator[bytes]:
     """The lines of the file in [start, stop) (the whole file if stop is None), without
-    their newline, read `chunk_bytes` at a time; memory is bounded by that plus the longest
-    line."""
-    with _open_stream(uri, start) as stream:
+    their newline, read `chunk_bytes` at a time (from `data` where given); memory is
+    bounded by that plus the longest line."""
+    with _open_stream(uri, start, data) as stream:
         remaining = None if stop is None else stop - start
         tail = b""
         read = start
@@ -178,10 +185,10 @@ def _parse(line: bytes, where: Any, number: int) -> dict[str, Any] | None:
     return value
 
 
-def first_record_fields(uri: str) -> list[str]:
+def first_record_fields(uri: str, data: bytes | None = None) -> list[str]:
     """The field names of the file's first JSON object (refusing a file without one); reads
     (and decompresses) 64 KiB at a time, so planning costs a small read per file."""
-    for number, line in enumerate(_lines(uri, 0, None, FIRST_RECORD_BYTES), 1):
+    for number, line in enumerate(_lines(uri, 0, None, FIRST_RECORD_BYTES, data), 1):
         if line.strip():
             record = _parse(line, lambda n: f"{uri}: line {n}", number)
             if record is None:
@@ -309,7 +316,8 @@ class LineLocator:
 
 
 def jsonl_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
-                  text_first: bool = True) -> Iterator[pa.RecordBatch]:
+                  text_first: bool = True, data: bytes | None = None
+                  ) -> Iterator[pa.RecordBatch]:
     """The unit's lines as record batches of `columns` (text first; `text_first=False`:
     every field as JSON text), `batch_rows` lines each: one row per line, so a row's index
     is its line's."""
@@ -323,7 +331,7 @@ def jsonl_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
     stop = None if unit.byte_stop < 0 else unit.byte_stop
     rows: list[dict[str, Any] | None] = []
     skipped = ReaderSkips()
-    for number, line in enumerate(_lines(unit.uri, unit.byte_start, stop), 1):
+    for number, line in enumerate(_lines(unit.uri, unit.byte_start, stop, data=data), 1):
         record = None
         if not line.strip():
             skipped.add(len(rows), "blank_line")

@@ -34,7 +34,7 @@ from raypipe.io.store import Store
 from raypipe.preprocess.chat import ChatEncoder, TemplateSource
 from raypipe.preprocess.chat_rows import MalformedRows, encode_chat_batch
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
-from raypipe.preprocess.inputs import unit_batches
+from raypipe.preprocess.inputs import prefetched, unit_batches
 from raypipe.preprocess.jsonl import LineLocator, reader_skip_rows, reader_skips
 from raypipe.preprocess.shards import ShardRoller, ShardSpec
 from raypipe.preprocess.texts import clean_texts_with_rows, skip_reasons
@@ -334,9 +334,11 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
     staging = Staging(store)
     roller = ShardRoller(settings.shard_spec(), unit.name, staging=staging)
     tally = UnitTally()
+    files = (prefetched(unit.members) if unit.kind == "group"
+             else [(member, None) for member in unit.files])
     try:
-        for member in unit.files:
-            read = tokenize_file(member, settings, encoder, roller, tally, batches)
+        for member, data in files:
+            read = tokenize_file(member, settings, encoder, roller, tally, batches, data)
             tally.member_rows.append(read)
         shards = roller.finish()
     except BaseException:
@@ -363,17 +365,21 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
 
 def tokenize_file(member: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
                   roller: ShardRoller, tally: UnitTally,
-                  batches: Iterable[pa.RecordBatch] | None = None) -> int:
-    """Tokenize the rows of one file unit (or the given `batches`) into `roller`; the rows
-    read. A file that cannot be read fails the unit naming it, unless `skip_bad_files`:
-    then it is named in `tally.bad_files` and the rows read before the error are kept."""
+                  batches: Iterable[pa.RecordBatch] | None = None,
+                  data: bytes | InputError | None = None) -> int:
+    """Tokenize the rows of one file unit (from its file, its bytes `data` already read, or
+    the given `batches`) into `roller`; the rows read. A file that cannot be read fails the
+    unit naming it, unless `skip_bad_files`: then it is named in `tally.bad_files` and the
+    rows read before the error are kept."""
     config = settings.config
     encode = (ChatBatches if config.chat else TextBatches)(member, settings, encoder)
-    if batches is None:
-        batches = unit_batches(member, settings.columns, config.encode_batch_rows,
-                               text_first=not config.chat)
     read = 0
     try:
+        if isinstance(data, InputError):
+            raise data
+        if batches is None:
+            batches = unit_batches(member, settings.columns, config.encode_batch_rows,
+                                   text_first=not config.chat, data=data)
         for batch in batches:
             done = encode(batch, read)
             roller.add(done.tokens, done.lengths, done.metadata, done.loss_mask)
