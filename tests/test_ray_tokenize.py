@@ -151,3 +151,43 @@ def test_a_run_prints_no_ray_line_at_error_level_and_no_progress_bar_notice(
     assert "has constructor arguments in the object store" not in err
     assert "Progress bars disabled" not in err
     assert "units (100%)" in err  # raypipe's own progress still gets through the filter
+
+
+def jsonl_with_a_truncated_gzip(directory, texts):
+    """Four good JSON-lines files, then (last in order) a truncated .jsonl.gz."""
+    import gzip
+
+    directory.mkdir()
+    for index in range(4):
+        (directory / f"good{index}.jsonl").write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in texts[index * 40:index * 40 + 40]))
+    packed = gzip.compress("".join(json.dumps({"text": t}) + "\n"
+                                   for t in texts[300:900]).encode())
+    bad = directory / "zbad.jsonl.gz"
+    bad.write_bytes(packed[:len(packed) // 2])
+    return bad
+
+
+@pytest.mark.slow
+def test_a_truncated_gzip_fails_in_one_line_and_the_units_in_flight_commit(
+        ray_session, tmp_path, corpus_texts, tokenizer_path, capsys):
+    from raypipe.io.manifest import record_problem, unit_record_paths
+    from raypipe.io.records import UnitRecord
+    from raypipe.io.store import Store
+
+    bad = jsonl_with_a_truncated_gzip(tmp_path / "in", corpus_texts)
+    args = ["tokenize", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
+            "--tokenizer", tokenizer_path, "--unit-bytes", "2000", "--num-workers", "2"]
+    assert main(args) == 2
+    printed = capsys.readouterr().err.strip().splitlines()
+    error = [line for line in printed if str(bad) in line]
+    assert len(error) == 1 and "Traceback" not in "\n".join(printed), printed
+    store = Store(tmp_path / "out")
+    committed = [UnitRecord.from_json(store.read_json(path), path)
+                 for path in unit_record_paths(store)]
+    assert committed and all(record_problem(store, r) is None for r in committed)
+    summary = run_tokenize(load_config(None, inputs=[str(tmp_path / "in")],
+                                       output=str(tmp_path / "out"), tokenizer=tokenizer_path,
+                                       unit_bytes=2000, skip_bad_files=True))
+    assert summary.units_run == summary.units - len(committed)
+    assert [b.uri for b in summary.bad_files] == [str(bad)] and summary.documents == 160

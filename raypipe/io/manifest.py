@@ -153,7 +153,9 @@ def shard_table(records: list[UnitRecord], format_name: str) -> tuple[ShardEntry
 def write_manifest(output: Store | str | Path, manifest: Manifest) -> None:
     """Write the manifest: the record that the whole dataset is complete (written last)."""
     store = as_store(output)
-    data = (json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n").encode()
+    # compact: json's C encoder (an indent takes its Python one, ~10x slower at 10^4 units)
+    data = (json.dumps(manifest.to_json(), separators=(",", ":"), sort_keys=True)
+            + "\n").encode()
     if store.local:
         final = store.root / MANIFEST_NAME
         with atomic_writer(final) as handle:

@@ -548,11 +548,15 @@ class Manifest(JsonRecord):
         return dataclasses.replace(self, formats=formats, totals=totals)
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(spec.name for spec in dataclasses.fields(cls))
+
+
 def _plain(record: Any) -> Any:
     """A record as JSON-ready data (None-valued optional shard fields left out)."""
     if dataclasses.is_dataclass(record):
-        data = {spec.name: _plain(getattr(record, spec.name))
-                for spec in dataclasses.fields(record)}
+        data = {name: _plain(getattr(record, name)) for name in _field_names(type(record))}
         if isinstance(record, ShardEntry):
             data = {k: v for k, v in data.items() if v is not None}
         if isinstance(record, FormatSection):

@@ -195,7 +195,8 @@ class Store:
         self._stream_in(relative, [data])
 
     def write_json(self, relative: str, obj: Any) -> None:
-        self.write_bytes(relative, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+        self.write_bytes(relative, (json.dumps(obj, separators=(",", ":"), sort_keys=True)
+                                    + "\n").encode())  # json's C encoder: no indent
 
     def upload(self, local: Path, relative: str) -> int | None:
         """Put the complete local file `local` under `relative`; return the object's

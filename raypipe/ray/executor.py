@@ -348,7 +348,7 @@ class RayDataRunner:
         return clean_texts(sample.column(columns[0]), SAMPLE_CHARS)[0]  # no giant row
 
 
-UNITS_PER_BLOCK = 16  # units one Ray Data block carries at most
+UNITS_PER_BLOCK = 64  # units one Ray Data block carries at most
 BLOCKS_PER_WORKER = 4  # blocks each actor gets at least, for balance at the job's end
 
 
