@@ -200,3 +200,22 @@ def test_a_corrupt_parquet_footer_is_skipped_at_planning_on_request(
     summary = tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path,
                        unit_bytes=1, skip_bad_files=True)
     assert summary.documents == 30 and [b.uri for b in summary.bad_files] == [str(broken)]
+
+
+def test_a_group_of_files_with_different_text_types_gives_every_row_in_order(
+        tmp_path, corpus_texts, tokenizer_path):
+    import pyarrow as pa
+
+    kinds = [pa.string(), pa.large_string(), pa.binary(), pa.string()]
+    paths = [write_parquet(tmp_path / "in" / f"f{index}.parquet",
+                           [t.encode() if kind == pa.binary() else t
+                            for t in corpus_texts[index * 5:index * 5 + 5]], 2, kind)
+             for index, kind in enumerate(kinds)]
+    tokenize([str(p) for p in paths], tmp_path / "out", tokenizer_path, encode_batch_rows=3)
+    manifest = read_manifest(tmp_path / "out")
+    assert len(manifest.units) == 1 and manifest.totals.documents == 20
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    eos = manifest.tokenizer.eos_id
+    got = [d.tolist() for d in TokenDataset(tmp_path / "out", "megatron").iter_documents()]
+    assert got == [[*tokenizer.encode(t, add_special_tokens=False).ids, eos]
+                   for t in corpus_texts[:20]]

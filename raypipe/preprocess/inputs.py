@@ -220,6 +220,19 @@ def read_whole(uri: str) -> bytes:
         raise InputError(f"{uri}: cannot be read: {exc}") from exc
 
 
+def member_table(unit: WorkUnit, columns: list[str], data: bytes | None) -> pa.Table:
+    """A group's parquet file whole, as a table of `columns` (checked) without schema
+    metadata, so consecutive files' tables concatenate; from `data`, its bytes, where
+    given."""
+    parquet = open_parquet(unit.uri, data)
+    check_columns(unit.uri, columns, parquet.schema_arrow.names, "column")
+    try:
+        table = parquet.read(columns=list(dict.fromkeys(columns)), use_threads=False)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{unit.uri} cannot be read: {exc}") from exc
+    return table.replace_schema_metadata(None)
+
+
 PREFETCH_FILES = 32  # a group's files read ahead at most, ...
 PREFETCH_BYTES = 64 << 20  # ... and bytes
 

@@ -217,8 +217,9 @@ def run_job(config: TokenizeConfig, runner: UnitRunner | None = None,
                          f"input ({len(files)} file(s)) has 0 rows, so the job would write "
                          "no document; pass --allow-empty to write an empty dataset anyway")
     job = Job(resolved, runner or SerialRunner(resolved.tokenizer), progress_every)
-    return job.run(PlannedUnits(units, tuple(found.passed_over), found.files,
-                                plan.bad_files), started)
+    sizes = {uri: found.stats[uri].size for uri in found.files}
+    return job.run(PlannedUnits(units, tuple(found.passed_over), sizes, plan.bad_files),
+                   started)
 
 
 def run_dataset_job(dataset: Any, label: str, config: TokenizeConfig, runner: UnitRunner,

@@ -39,10 +39,10 @@ class PlannedUnits:
     samples_without_runner = True  # its texts are read here: the self-check overlaps connect
 
     def __init__(self, units: list[WorkUnit], passed_over: tuple[str, ...] = (),
-                 files: list[str] | None = None, bad_files: tuple[BadFile, ...] = ()):
+                 files: dict[str, int] | None = None, bad_files: tuple[BadFile, ...] = ()):
         self.units = units
         self.passed_over = passed_over
-        self.files = files  # every input file (None: the units' files)
+        self.files = files  # every input file and its size (None: the units' files)
         self.bad_files = bad_files  # files planning skipped (skip_bad_files)
         self.label = "the inputs"
         self.committed: dict[str, UnitRecord] = {}
@@ -50,7 +50,7 @@ class PlannedUnits:
 
     def input_names(self) -> list[str]:
         if self.files is not None:
-            return list(self.files)
+            return sorted(self.files)
         return sorted({uri for unit in self.units for uri in unit.uris})
 
     def check(self, runner: UnitRunner, columns: list[str]) -> None:
@@ -96,8 +96,10 @@ class PlannedUnits:
         return {unit.name for unit in self.units}
 
     def input_bytes(self) -> int:
-        return (sum(unit.size_bytes for unit in self.units)
-                + sum(bad.bytes for bad in self.bad_files))
+        """The input files' bytes, as listed (bad files included)."""
+        if self.files is not None:
+            return sum(self.files.values())
+        return sum(unit.size_bytes for unit in self.units)
 
 
 class DatasetBlocks:
