@@ -51,3 +51,18 @@ def test_the_chat_benchmark_runs_at_a_tiny_size(tmp_path):
     cut = int(packed.split("conversations cut ")[1].split()[0])
     longer = int(packed.split("longer than a row: ")[1].rstrip(")"))
     assert "(split packing)" in packed and cut <= longer, packed  # only the overlong are cut
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_ingest_benchmark_runs_at_a_tiny_size(tmp_path):
+    done = subprocess.run([sys.executable, "bench/ingest_bench.py", "--files", "60",
+                           "--big-mb", "1", "--units", "20", "--s3-files", "20",
+                           "--latency-ms", "5", "--giant-mb", "4", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("  ")[0].strip() for line in done.stdout.splitlines()[1:]]
+    assert rows == ["60 files + 1 MB", "same rows in 8 files", "20 units of one file",
+                    "one unit (the fixed cost)", "one 4 MB row", "S3 +5 ms: plan 20 files",
+                    "first run", "rerun of the finished output"], done.stdout
+    assert "skipped {'too_long': 1}, 1 named" in done.stdout, done.stdout

@@ -219,3 +219,17 @@ def test_a_group_of_files_with_different_text_types_gives_every_row_in_order(
     got = [d.tolist() for d in TokenDataset(tmp_path / "out", "megatron").iter_documents()]
     assert got == [[*tokenizer.encode(t, add_special_tokens=False).ids, eos]
                    for t in corpus_texts[:20]]
+
+
+def test_a_group_reads_compressed_json_lines_files_whole(tmp_path, corpus_texts,
+                                                          tokenizer_path):
+    paths = []
+    for index in range(3):
+        data = "".join(json.dumps({"text": t}) + "\n"
+                       for t in corpus_texts[index * 10:index * 10 + 10]).encode()
+        path = tmp_path / "in" / f"part{index}.jsonl.gz"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(gzip.compress(data))
+        paths.append(str(path))
+    summary = tokenize(paths, tmp_path / "out", tokenizer_path)
+    assert summary.units == 1 and summary.documents == 30 and not summary.bad_files

@@ -555,6 +555,8 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 def _plain(record: Any) -> Any:
     """A record as JSON-ready data (None-valued optional shard fields left out)."""
+    if record is None or isinstance(record, str | int | float):  # most values: at once
+        return record
     if dataclasses.is_dataclass(record):
         data = {name: _plain(getattr(record, name)) for name in _field_names(type(record))}
         if isinstance(record, ShardEntry):
