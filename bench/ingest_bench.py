@@ -197,6 +197,7 @@ def s3_case(workdir: Path, pool: list[str], files: int, latency_ms: float
     from raypipe.preprocess.inputs import find_inputs
     from raypipe.preprocess.planning import plan_inputs
 
+    os.environ.pop("AWS_ENDPOINT_URL", None)  # this bench's own server, always
     moto = start_moto()
     client = boto3.client("s3")
     client.create_bucket(Bucket="ingest")

@@ -61,7 +61,7 @@ def test_the_ingest_benchmark_runs_at_a_tiny_size(tmp_path):
                            "--latency-ms", "5", "--giant-mb", "4", "--workdir", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split("  ")[0].strip() for line in done.stdout.splitlines()[1:]]
+    rows = [line.strip().split("  ")[0] for line in done.stdout.splitlines()[1:]]
     assert rows == ["60 files + 1 MB", "same rows in 8 files", "20 units of one file",
                     "one unit (the fixed cost)", "one 4 MB row", "S3 +5 ms: plan 20 files",
                     "first run", "rerun of the finished output"], done.stdout
