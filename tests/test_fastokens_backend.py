@@ -131,3 +131,20 @@ def test_a_units_cpu_seconds_count_the_encoders_own_worker_thread(tokenizer_path
     own = time.thread_time() - own_before
     assert pool > 0, "the pool thread did no work: nothing to count"
     assert encoder.cpu_seconds() - total_before >= own + pool - 0.02
+
+
+def test_the_default_install_brings_fastokens_on_linux_x86_64_only():
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml")
+                            .read_text())["project"]
+    wanted = [Requirement(text) for text in project["dependencies"]
+              if Requirement(text).name == "fastokens"]
+    assert len(wanted) == 1
+    marker = wanted[0].marker
+    assert marker.evaluate({"platform_system": "Linux", "platform_machine": "x86_64"})
+    assert not marker.evaluate({"platform_system": "Linux", "platform_machine": "aarch64"})
+    assert not marker.evaluate({"platform_system": "Darwin", "platform_machine": "arm64"})
