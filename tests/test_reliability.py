@@ -103,10 +103,15 @@ def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.parametrize("per_block", [1, 4], ids=["a unit a block", "4 units a block"])
 def test_a_unit_that_kills_every_worker_fails_naming_its_file_and_keeps_the_rest(
-        ray_session, tmp_path, corpus_dir, tokenizer_path, clean_run, figure, monkeypatch):
+        ray_session, tmp_path, corpus_dir, tokenizer_path, clean_run, figure, monkeypatch,
+        per_block):
+    from raypipe.ray import executor
     from raypipe.ray.executor import UNIT_RETRIES, run_tokenize
 
+    monkeypatch.setattr(executor, "UNITS_PER_BLOCK", per_block)  # the driver cuts blocks
+    monkeypatch.setattr(executor, "BLOCKS_PER_WORKER", 1)
     output = tmp_path / "out"
     config = config_for(corpus_dir, output, tokenizer_path, num_workers=2)
     unit = plan_units(config.inputs, "text", 1)[0]

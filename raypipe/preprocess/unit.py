@@ -277,6 +277,7 @@ class UnitRejects:
 
     def __init__(self) -> None:
         self.named: list[Reject] = []
+        self.file_rows: dict[str, int] = {}  # a file unit's first row in its file, once
 
     def add(self, member: WorkUnit, first_row: int, num_rows: int, kept: np.ndarray,
             reasons: Callable[[np.ndarray], list[str]]) -> None:
@@ -286,7 +287,9 @@ class UnitRejects:
         if room <= 0 or len(kept) == num_rows:
             return
         gone = np.setdiff1d(np.arange(num_rows), kept, assume_unique=True)[:room]
-        base = file_first_row(member) + first_row
+        if member.name not in self.file_rows:  # a JSON-lines range: one read of its prefix
+            self.file_rows[member.name] = file_first_row(member)
+        base = self.file_rows[member.name] + first_row
         self.named += [Reject(member.uri, base + row, reason)
                        for row, reason in zip(gone.tolist(), reasons(gone), strict=True)]
 

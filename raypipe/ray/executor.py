@@ -64,14 +64,15 @@ class UnitLedger:
         self.attempts: dict[str, int] = {}
         self.failed = False
 
-    def attempt(self, names: list[str]) -> list[int] | None:
-        """Each unit's start number (1 the first time; later ones are runs again after the
-        unit's actor died), or None once the job has failed: start none of them."""
+    def attempts_before(self, names: list[str]) -> list[int] | None:
+        """How often each unit was started before (0 the first time; more: its actor died
+        while a block held it), or None once the job has failed: start none of them."""
         if self.failed:
             return None
-        for name in names:
-            self.attempts[name] = self.attempts.get(name, 0) + 1
-        return [self.attempts[name] for name in names]
+        return [self.attempts.get(name, 0) for name in names]
+
+    def started(self, name: str) -> None:
+        self.attempts[name] = self.attempts.get(name, 0) + 1
 
     def fail(self) -> None:
         self.failed = True
@@ -112,11 +113,11 @@ class MapTokenizer:
         worker) as a value (Ray Data would retry a raised one and its wrapper loses the
         original, while the driver raises it as itself), or None: not started, the job
         has failed. One ledger call for the lot."""
-        attempts = ray.get(self.ledger.attempt.remote([unit.name for unit in units]))
-        if attempts is None:
+        before = ray.get(self.ledger.attempts_before.remote([unit.name for unit in units]))
+        if before is None:
             return [None] * len(units)
-        return [self.outcome(unit, attempt, batches)
-                for unit, attempt in zip(units, attempts, strict=True)]
+        return [self.outcome(unit, started + 1, batches)
+                for unit, started in zip(units, before, strict=True)]
 
     def outcome(self, unit: WorkUnit, attempt: int, batches: Any = None
                 ) -> UnitRecord | RaypipeError:
@@ -127,6 +128,7 @@ class MapTokenizer:
                 if done is not None:
                     return done
                 check_attempt(unit, attempt)
+            self.ledger.started.remote(unit.name)  # no wait: a death from here counts
             return tokenize_unit(unit, self.settings, self.encoder, batches)
         except RaypipeError as exc:
             return exc
