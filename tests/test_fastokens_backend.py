@@ -134,9 +134,9 @@ def test_a_units_cpu_seconds_count_the_encoders_own_worker_thread(tokenizer_path
 
 
 def test_the_default_install_brings_fastokens_on_linux_x86_64_only():
-    import tomllib
     from pathlib import Path
 
+    import tomllib
     from packaging.requirements import Requirement
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml")
