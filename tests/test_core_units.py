@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from raypipe.demo.train_tokenizer import SHIPPED
 from raypipe.errors import FormatError, InputError
 from raypipe.preprocess.encoding.encoder import DocumentEncoder, flatten_documents
 from raypipe.preprocess.inputs import expand_inputs, unit_name
@@ -151,3 +152,14 @@ def test_a_directory_of_parquet_files_passes_over_its_json_files(tmp_path, caplo
     assert only_jsonl.passed_over == []
     named = find_inputs([str(tmp_path / "d"), str(tmp_path / "d" / "corpus_stats.json")])
     assert len(named.files) == 2 and named.passed_over == []  # named: read, not passed over
+
+
+@given(st.lists(st.text(alphabet="<|>[]().*+?{}^$\\ab#- ", min_size=1, max_size=6),
+                min_size=1, max_size=5),
+       st.lists(st.text(alphabet="<|>[]().*+?{}^$\\ab#- x", max_size=20), max_size=20))
+def test_special_literals_are_counted_alike_on_arrow_and_python_texts(literals, texts):
+    tokenizer = Tokenizer.from_file(str(SHIPPED))
+    encoder = DocumentEncoder(tokenizer, None, None)
+    encoder.special_literals = literals
+    assert encoder.count_special_literals(pa.array(texts, pa.large_string())) == \
+        encoder.count_special_literals(texts)

@@ -69,6 +69,13 @@ def clean_texts(column: pa.Array | pa.ChunkedArray,
 def clean_texts_with_rows(column: pa.Array | pa.ChunkedArray, max_document_chars: int | None
                           = None) -> tuple[list[str], np.ndarray, Counter]:
     """Kept texts, their row indices in `column`, and skipped rows by reason."""
+    kept, rows, skipped = clean_text_array(column, max_document_chars)
+    return kept.to_pylist(), rows, skipped
+
+
+def clean_text_array(column: pa.Array | pa.ChunkedArray, max_document_chars: int | None
+                     = None) -> tuple[pa.Array, np.ndarray, Counter]:
+    """As `clean_texts_with_rows`, the kept texts as an Arrow string array."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     column = plain_text_column(column)
@@ -83,7 +90,7 @@ def clean_texts_with_rows(column: pa.Array | pa.ChunkedArray, max_document_chars
     else:
         skipped["null"] += column.null_count
         skipped["non_string"] += len(column) - column.null_count
-        return [], np.empty(0, np.int64), +skipped
+        return pa.array([], pa.large_string()), np.empty(0, np.int64), +skipped
     valid = pc.is_valid(column)
     column, rows = column.filter(valid), rows.filter(valid)
     lengths = pc.utf8_length(column)
@@ -93,8 +100,7 @@ def clean_texts_with_rows(column: pa.Array | pa.ChunkedArray, max_document_chars
         too_long = pc.greater(lengths, max_document_chars)
         skipped["too_long"] += pc.sum(too_long).as_py() or 0
         keep = pc.and_(keep, pc.invert(too_long))
-    return (column.filter(keep).to_pylist(), rows.filter(keep).to_numpy(zero_copy_only=False),
-            +skipped)
+    return column.filter(keep), rows.filter(keep).to_numpy(zero_copy_only=False), +skipped
 
 
 def skip_reasons(column: pa.Array | pa.ChunkedArray, rows: np.ndarray,

@@ -37,7 +37,7 @@ from raypipe.preprocess.encoding.encoder import DocumentEncoder
 from raypipe.preprocess.inputs import member_table, prefetched, unit_batches
 from raypipe.preprocess.jsonl import LineLocator, reader_skip_rows, reader_skips
 from raypipe.preprocess.shards import ShardRoller, ShardSpec
-from raypipe.preprocess.texts import clean_texts_with_rows, skip_reasons
+from raypipe.preprocess.texts import clean_text_array, skip_reasons
 
 
 @dataclass(frozen=True)
@@ -214,8 +214,9 @@ class TextBatches:
 
     def __call__(self, batch: pa.RecordBatch, first_row: int) -> EncodedBatch:
         config, encoder = self.config, self.encoder
-        texts, kept, skipped = clean_texts_with_rows(batch.column(config.text_column),
+        kept_texts, kept, skipped = clean_text_array(batch.column(config.text_column),
                                                      config.document_char_limit)
+        texts = kept_texts.to_pylist()
         counted = reader_skips(batch)  # rows the reader turned into nulls
         skipped.update(counted)
         skipped.subtract({"null": sum(counted.values())})
@@ -227,7 +228,7 @@ class TextBatches:
         records = (self.metadata.build(batch, first_row, kept, texts, offsets)
                    if self.metadata is not None else None)
         return EncodedBatch(tokens, lengths, kept, skipped, records,
-                            special_literals=encoder.count_special_literals(texts))
+                            special_literals=encoder.count_special_literals(kept_texts))
 
     def skip_reasons(self, batch: pa.RecordBatch, rows: np.ndarray) -> list[str]:
         """Why each of `rows` (of the last batch) made no document."""

@@ -13,14 +13,18 @@ pass that places BOS/EOS (and maps tiktoken ranks to ids), ~1% of the encode tim
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import re
 import time
 from collections.abc import Sequence
 from itertools import chain
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
 from raypipe.errors import ConfigError
@@ -186,10 +190,23 @@ class DocumentEncoder:
                    else None)
         return time.thread_time() + (threads_cpu_seconds(threads) if threads else 0.0)
 
-    def count_special_literals(self, texts: list[str]) -> int:
-        """How many texts contain a special token's literal (e.g. `<|endoftext|>`)."""
+    def count_special_literals(self, texts: list[str] | pa.Array) -> int:
+        """How many texts contain a special token's literal (e.g. `<|endoftext|>`). On an
+        Arrow array, one RE2 pass over every literal at once: a Llama-3 vocabulary's 256
+        literals cost what one does (a Python loop over them: ~170x slower)."""
         literals = self.special_literals
+        if not literals:
+            return 0
+        if isinstance(texts, pa.Array | pa.ChunkedArray):
+            found = pc.match_substring_regex(texts, self.literals_pattern)
+            return int(pc.sum(found).as_py() or 0)
         return sum(1 for text in texts if any(literal in text for literal in literals))
+
+    @functools.cached_property
+    def literals_pattern(self) -> str:
+        """An RE2 pattern matching any special literal (its metacharacters escaped)."""
+        return "|".join(re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", literal)
+                        for literal in self.special_literals)
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         if not texts:
