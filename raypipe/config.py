@@ -39,7 +39,7 @@ PACKINGS = ("fill", "split", "crop", "concat", "bestfit")  # bestfit: the old na
 # Fields that do not change output bytes: excluded from the fingerprint.
 EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
                               "tokenizer_backend", "allow_empty", "skip_bad_files"})
-TOKENIZER_BACKENDS = ("auto", "fastokens", "tiktoken", "tokenizers")
+TOKENIZER_BACKENDS = ("auto", "gigatoken", "fastokens", "tiktoken", "tokenizers")
 LOCATION_FIELDS = frozenset({"inputs", "output", "tokenizer"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
 # fields added after 0.1 -> the value that behaves as 0.1 did (not part of the fingerprint)
@@ -202,10 +202,10 @@ class TokenizeConfig:
                      "text (encode its characters; no document can forge a BOS/EOS id) or "
                      "special (the special id, tokenizers' default)")
     tokenizer_backend: str = option(
-        "auto", help="auto (the fastest of fastokens and tiktoken that is installed, runs "
-                     "the tokenizer.json and passes the start-up self-check, else "
-                     "tokenizers), fastokens, tiktoken or tokenizers; the shards are the "
-                     "same bytes either way")
+        "auto", help="auto (the fastest of gigatoken, fastokens and tiktoken that is "
+                     "installed, runs the tokenizer.json and passes the start-up "
+                     "self-check, else tokenizers), gigatoken, fastokens, tiktoken or "
+                     "tokenizers; the shards are the same bytes either way")
     encode_batch_rows: int = option(1024, help="rows per tokenizer call (bounds worker "
                                                "memory)")
     num_workers: int | None = option(None, help="tokenizer actors (default: all CPUs); "

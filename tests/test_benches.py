@@ -25,12 +25,12 @@ def test_the_mixture_benchmark_runs_at_a_tiny_size(tmp_path):
 @pytest.mark.slow
 def test_the_tokenize_benchmark_runs_at_a_tiny_size(tmp_path):
     done = subprocess.run([sys.executable, "bench/tokenize_bench.py", "--mb", "1",
-                           "--tokenizer", "shipped", "--backends", "fastokens",
+                           "--tokenizer", "shipped", "--backends", "gigatoken",
                            "--skip-datatrove", "--repeats", "1", "--workdir", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert any(line.startswith("raypipe auto (fastokens), end to end") for line in lines), \
+    assert any(line.startswith("raypipe auto (gigatoken), end to end") for line in lines), \
         done.stdout
     accounting = next(line for line in lines if line.startswith("core-seconds"))
     tokenizing = float(accounting.split("s): ")[1].split(" tokenizing")[0])

@@ -1,7 +1,7 @@
-"""The fastokens backend: the same shard bytes as `tokenizers` for every special-token policy,
-on real text and the adversarial corpus, with a byte-level BPE and a Llama-3-style `Split`
-regex vocabulary; `auto` picks it first when it is installed and exact, says why it did not
-otherwise, and a missing library is one line. No Ray."""
+"""The fastokens and gigatoken backends: the same shard bytes as `tokenizers` for every
+special-token policy, on real text and the adversarial corpus, with a byte-level BPE and a
+Llama-3-style `Split` regex vocabulary; `auto` picks the fastest installed one that is
+exact, says why it did not take the others, and a missing library is one line. No Ray."""
 
 from __future__ import annotations
 
@@ -33,42 +33,55 @@ def split_regex_tokenizer(tmp_path_factory, corpus_texts) -> str:
     return str(path)
 
 
+def without(monkeypatch, *names: str) -> None:
+    """Backends `names` seen as not installed."""
+    real = FastBackend.installed
+    monkeypatch.setattr(FastBackend, "installed",
+                        lambda self: self.name not in names and real(self))
+
+
+@pytest.mark.parametrize("backend", ["fastokens", "gigatoken"])
 @pytest.mark.parametrize("vocabulary", ["byte-level", "split-regex"])
 @pytest.mark.parametrize("policy", ["text", "special"])
-def test_fastokens_shards_are_byte_identical_to_tokenizers(
+def test_fast_backend_shards_are_byte_identical_to_tokenizers(
         tmp_path, corpus_dir, adversarial_corpus, tokenizer_path,  # noqa: F811
-        split_regex_tokenizer, vocabulary, policy, figure):
+        split_regex_tokenizer, vocabulary, policy, backend, figure):
+    pytest.importorskip(backend)
     path = tokenizer_path if vocabulary == "byte-level" else split_regex_tokenizer
     for name, corpus in (("docstrings", corpus_dir), ("adversarial", adversarial_corpus)):
-        fast = tokenize(corpus, tmp_path / f"{name}-fast", path, "fastokens", policy,
+        fast = tokenize(corpus, tmp_path / f"{name}-fast", path, backend, policy,
                         ("megatron", "nanogpt"))
         slow = tokenize(corpus, tmp_path / f"{name}-slow", path, "tokenizers", policy,
                         ("megatron", "nanogpt"))
-        assert fast.backend == "fastokens" and slow.backend == "tokenizers"
-        assert read_manifest(tmp_path / f"{name}-fast").tokenizer.backend == "fastokens"
+        assert fast.backend == backend and slow.backend == "tokenizers"
+        assert read_manifest(tmp_path / f"{name}-fast").tokenizer.backend == backend
         files = shard_files(tmp_path / f"{name}-fast")
         assert files and files == shard_files(tmp_path / f"{name}-slow"), \
             f"{vocabulary}, {name}, policy {policy}: shards differ between backends"
-    figure(f"fastokens = tokenizers ({vocabulary}, {policy})",
+    figure(f"{backend} = tokenizers ({vocabulary}, {policy})",
            f"{len(files)} shard files byte-identical on docstrings and the adversarial corpus")
 
 
-def test_auto_picks_fastokens_when_it_is_installed_and_exact(tmp_path, corpus_dir,
-                                                             tokenizer_path):
+def test_auto_picks_the_first_installed_exact_backend_in_speed_order(
+        tmp_path, corpus_dir, tokenizer_path, monkeypatch):
+    pytest.importorskip("gigatoken")
     summary = tokenize(corpus_dir, tmp_path / "out", tokenizer_path, "auto", "text")
-    assert summary.backend == "fastokens" and summary.backend_reason == "self-check passed"
-    assert "encoder    fastokens (self-check passed)" in summary.render()
+    assert summary.backend == "gigatoken" and summary.backend_reason == "self-check passed"
+    assert "encoder    gigatoken (self-check passed)" in summary.render()
+    without(monkeypatch, "gigatoken")
+    second = tokenize(corpus_dir, tmp_path / "out2", tokenizer_path, "auto", "text")
+    assert second.backend == "fastokens"
+    assert second.backend_reason.startswith("self-check passed; gigatoken is not installed")
 
 
 def test_a_missing_fastokens_is_one_line_and_auto_says_why_it_took_tiktoken(
         tmp_path, corpus_dir, tokenizer_path, monkeypatch, capsys):
-    real = FastBackend.installed
-    monkeypatch.setattr(FastBackend, "installed",
-                        lambda self: self.name != "fastokens" and real(self))
+    without(monkeypatch, "fastokens", "gigatoken")
     tokenizer = Tokenizer.from_file(tokenizer_path)
     choice = choose_backend("auto", tokenizer, "text", ["hello world"])
     assert choice.backend == "tiktoken"
     assert "fastokens is not installed (pip install 'raypipe[fast]')" in choice.reason
+    assert "gigatoken is not installed (pip install gigatoken)" in choice.reason
     with pytest.raises(ConfigError, match="fastokens is not installed"):
         choose_backend("fastokens", tokenizer, "text", ["hello world"])
     status = main(["tokenize", str(corpus_dir), "--output", str(tmp_path / "out"),
@@ -95,6 +108,7 @@ def test_a_fastokens_difference_is_caught_and_auto_falls_back_to_the_next_backen
         return wrong, lengths
 
     monkeypatch.setattr(fastokens_backend.FastokensIds, "encode_flat", one_wrong_id)
+    without(monkeypatch, "gigatoken")
     tokenizer = Tokenizer.from_file(tokenizer_path)
     with caplog.at_level(logging.WARNING, logger="raypipe"):
         choice = choose_backend("auto", tokenizer, "text", ["a horse", "a zebra"])
@@ -105,11 +119,46 @@ def test_a_fastokens_difference_is_caught_and_auto_falls_back_to_the_next_backen
     assert asked.backend == "tokenizers" and "self-check failed" in asked.reason
 
 
-def test_a_lone_surrogate_is_refused_by_fastokens_naming_the_text(tokenizer_path):
+@pytest.mark.parametrize("backend", ["fastokens", "gigatoken"])
+def test_a_lone_surrogate_is_refused_naming_the_text(tokenizer_path, backend):
+    pytest.importorskip(backend)
     tokenizer = Tokenizer.from_file(tokenizer_path)
-    encoder = DocumentEncoder(tokenizer, None, None, "text", "fastokens")
+    encoder = DocumentEncoder(tokenizer, None, None, "text", backend)
     with pytest.raises(InputError, match="text 1: a lone surrogate"):
         encoder.encode(["fine", "a\ud800b"])
+
+
+def test_a_gigatoken_difference_is_caught_and_auto_falls_back_to_fastokens(
+        tokenizer_path, monkeypatch, caplog):
+    pytest.importorskip("gigatoken")
+    from raypipe.preprocess.encoding import gigatoken_backend
+
+    real = gigatoken_backend.GigatokenIds.encode_flat
+
+    def one_wrong_id(self, texts):
+        content, lengths = real(self, texts)
+        return np.where(content == content[-1], content + 1, content), lengths
+
+    monkeypatch.setattr(gigatoken_backend.GigatokenIds, "encode_flat", one_wrong_id)
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        choice = choose_backend("auto", tokenizer, "text", ["a horse", "a zebra"])
+    assert choice.backend == "fastokens" and "gigatoken self-check failed" in choice.reason
+
+
+def test_gigatoken_encodes_on_the_calling_thread_alone(tokenizer_path, corpus_texts):
+    """A Ray actor owns one CPU: the process's CPU time over an encode is its thread's."""
+    import time
+
+    pytest.importorskip("gigatoken")
+    encoder = DocumentEncoder(Tokenizer.from_file(tokenizer_path), None, None, "text",
+                              "gigatoken")
+    encoder.encode(corpus_texts[:10])  # the model loaded
+    process, thread = time.process_time(), time.thread_time()
+    for _ in range(40):
+        encoder.encode(corpus_texts)
+    used_process, used_thread = time.process_time() - process, time.thread_time() - thread
+    assert used_thread > 0.05 and used_process <= used_thread * 1.1 + 0.02
 
 
 def test_a_units_cpu_seconds_count_the_encoders_own_worker_thread(tokenizer_path):

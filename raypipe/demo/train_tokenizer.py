@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 SHIPPED = Path(__file__).with_name("tokenizer.json")
@@ -25,12 +25,13 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 def train_bpe(texts: list[str], vocab_size: int = 8192, split_regex: str | None = None
               ) -> Tokenizer:
     """A byte-level BPE trained on `texts`: GPT-2's pre-tokenizer, or with `split_regex` a
-    Llama-3-style one (that regex as a Split, then byte level without its own regex)."""
+    Llama-3-style one (that regex as a Split, then byte level without its own regex; a
+    `Regex`: a plain string would split on the literal)."""
     tokenizer = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False,
                                           use_regex=split_regex is None)
     tokenizer.pre_tokenizer = byte_level if split_regex is None else pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(split_regex, behavior="isolated"), byte_level])
+        [pre_tokenizers.Split(Regex(split_regex), behavior="isolated"), byte_level])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),

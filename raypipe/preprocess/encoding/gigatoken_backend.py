@@ -1,0 +1,91 @@
+"""A tokenizer.json run by gigatoken, giving exactly `tokenizers`' ids where the job's
+self-check says so.
+
+Invariant: gigatoken loads the tokenizer.json itself (`BPETokenizer.from_hf`), so there is
+no conversion to get wrong; whether its ids equal `tokenizers`' is decided per job by
+raypipe.preprocess.encoding.self_check (the job's own texts and the fixed adversarial set,
+for the job's special-token policy), and any difference falls back with one log line.
+gigatoken always matches the added tokens it was built with, so the `text` policy (a
+special token's literal in a document stays text, as `tokenizers`' encode_special_tokens)
+is a model built from the tokenizer.json without its special added tokens; the non-special
+ones still match, as in `tokenizers`. A batch is one `encode_batch(texts, parallel=False)`
+call on the calling thread (no thread pool: a Ray actor owns one CPU), two buffers back
+(content and offsets of an awkward list array), no Python object per token. Cost, the
+shipped 8k vocabulary on one core: ~120 MB/s of text; loading a vocabulary ~0.1 s a
+process and policy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from raypipe.preprocess.encoding.fastokens_backend import raise_lone_surrogate
+
+_MODELS: dict[tuple[str, str], Any] = {}
+
+
+def tokenizer_json(tokenizer: Any, special_tokens_in_text: str) -> str:
+    """The tokenizer.json gigatoken is built from: as it is for the `special` policy; for
+    `text`, without its special added tokens (their literals are then plain text)."""
+    if special_tokens_in_text != "text":
+        return tokenizer.to_str()
+    data = json.loads(tokenizer.to_str())
+    data["added_tokens"] = [token for token in data.get("added_tokens", [])
+                            if not token.get("special")]
+    return json.dumps(data)
+
+
+def model_for(tokenizer: Any, sha256: str, special_tokens_in_text: str = "special") -> Any:
+    """gigatoken's BPETokenizer for a `tokenizers` Tokenizer under one policy, loaded once
+    per fingerprint and policy in this process (from a temporary file: its loader reads a
+    path)."""
+    key = (sha256, special_tokens_in_text)
+    if key not in _MODELS:
+        from gigatoken.gigatoken_rs import BPETokenizer
+
+        handle, path = tempfile.mkstemp(suffix=".json", prefix="raypipe-gigatoken-")
+        try:
+            with os.fdopen(handle, "w") as out:
+                out.write(tokenizer_json(tokenizer, special_tokens_in_text))
+            _MODELS[key] = BPETokenizer.from_hf(path)
+        finally:
+            os.unlink(path)
+    return _MODELS[key]
+
+
+def why_not(tokenizer: Any, sha256: str) -> str | None:
+    """None if gigatoken loads this tokenizer.json as a BPE, else why not (its ids are
+    checked by the self-check, not here)."""
+    try:
+        model_for(tokenizer, sha256)
+    except Exception as exc:  # noqa: BLE001  (the library raises its own types)
+        return f"gigatoken cannot load it: {str(exc)[:200]}"
+    return None
+
+
+class GigatokenIds:
+    """Texts -> (flat uint32 ids, int64 lengths) under one special-token policy."""
+
+    def __init__(self, tokenizer: Any, sha256: str, special_tokens_in_text: str):
+        self.model = model_for(tokenizer, sha256, special_tokens_in_text)
+
+    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            encoded = self.model.encode_batch(texts, parallel=False)
+        except Exception:
+            raise_lone_surrogate(texts)
+            raise
+        layout = encoded.layout  # a list array: offsets into one flat content buffer
+        if hasattr(layout, "offsets") and hasattr(layout.content, "data"):
+            offsets = np.asarray(layout.offsets, dtype=np.int64)
+            content = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]
+            return content.astype(np.uint32, copy=False), np.diff(offsets)
+        import awkward as ak  # another layout: the library's own flattening
+
+        return (ak.to_numpy(ak.flatten(encoded)).astype(np.uint32, copy=False),
+                ak.to_numpy(ak.num(encoded)).astype(np.int64))
