@@ -78,8 +78,8 @@ print(json.dumps({"units": summary.units, "units_run": summary.units_run,
 """
 
 
-def texts_pool() -> list[str]:
-    return [text for text in gather_docstrings(limit_chars=4_000_000) if len(text) > 40]
+def texts_pool(chars: int = 4_000_000) -> list[str]:
+    return [text for text in gather_docstrings(limit_chars=chars) if len(text) > 40]
 
 
 def write_rows(path: Path, texts: list[str]) -> None:
@@ -172,7 +172,8 @@ def units_case(cluster: Cluster, workdir: Path, pool: list[str], units: int
     base = workdir / f"units-{units}"
     if not (base / "done").exists():
         shutil.rmtree(base, ignore_errors=True)
-        small_files(base / "in", [text for text in pool if len(text) > 1500][:5000], units)
+        long_texts = [text for text in pool if len(text) > 1500][:5000]
+        small_files(base / "in", long_texts or pool, units)
         (base / "done").touch()
     first = sorted((base / "in").glob("*.parquet"))[0]
     one = run_job(cluster, [str(first)], str(base / "out-one"), unit_bytes=1000)
@@ -265,11 +266,13 @@ def main() -> None:
     parser.add_argument("--s3-files", type=int, default=2000)
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--giant-mb", type=int, default=150)
+    parser.add_argument("--pool-chars", type=int, default=4_000_000,
+                        help="characters of docstrings the texts are drawn from")
     parser.add_argument("--workdir", default="bench_out/ingest")
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    pool = texts_pool()
+    pool = texts_pool(args.pool_chars)
     rows = [("case", "wall s", "vs 8 files", "driver CPU s", "units", "shards",
              "outside units, ms a unit")]
     cluster = Cluster(workdir)

@@ -58,7 +58,8 @@ def test_the_chat_benchmark_runs_at_a_tiny_size(tmp_path):
 def test_the_ingest_benchmark_runs_at_a_tiny_size(tmp_path):
     done = subprocess.run([sys.executable, "bench/ingest_bench.py", "--files", "60",
                            "--big-mb", "1", "--units", "20", "--s3-files", "20",
-                           "--latency-ms", "5", "--giant-mb", "4", "--workdir", str(tmp_path)],
+                           "--latency-ms", "5", "--giant-mb", "4", "--pool-chars", "300000",
+                           "--workdir", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.strip().split("  ")[0] for line in done.stdout.splitlines()[1:]]
