@@ -10,6 +10,7 @@ optimizer and loader state every k steps; rerunning with the same --storage/--na
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -144,4 +145,5 @@ def last_checkpoint_step(run: Path) -> int | None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash in native code (Ray, torch) leaves the Python stacks
     sys.exit(main())

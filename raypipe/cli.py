@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import functools
+import io
 import os
 import sys
 import typing
@@ -317,8 +319,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    enable_faulthandler()
     with interrupts.handled():
         return run_command(build_parser().parse_args(argv))
+
+
+def enable_faulthandler() -> None:
+    """A crash in native code (Ray, Arrow) prints the Python stacks on the process's stderr
+    (its file descriptor: a replaced sys.stderr, as under pytest, has none)."""
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        if sys.__stderr__ is not None:
+            faulthandler.enable(file=sys.__stderr__)
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -303,3 +303,34 @@ def test_config_file_locations_expand_environment_variables_and_name_an_unset_on
     monkeypatch.delenv("DEMO_ROOT")
     with pytest.raises(ConfigError, match=r"names an environment variable that is not set"):
         load_config(str(path))
+
+
+def test_the_cli_turns_faulthandler_on_so_a_native_crash_leaves_a_stack(tmp_path):
+    """A segfault in native code under `raypipe` prints the Python stacks, not nothing."""
+    crash = ("import ctypes, sys\n"
+             "from raypipe import cli\n"
+             "cli.run_command = lambda args: ctypes.string_at(0)\n"
+             "cli.main(['inspect', 'x'])\n")
+    done = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode != 0 and "Fatal Python error" in done.stderr, done.stderr[-2000:]
+    assert "in main" in done.stderr
+
+
+def test_a_read_only_output_directory_is_one_line(tmp_path, corpus_dir, tokenizer_path,
+                                                  capsys):
+    output = tmp_path / "ro"
+    output.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(output)],
+                          capture_output=True)
+    if made.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        status = main(["tokenize", str(corpus_dir), "--output", str(output), "--tokenizer",
+                       tokenizer_path])
+    finally:
+        subprocess.run(["umount", str(output)], check=True)
+    error = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and error == [f"raypipe: error: {output}: the output directory is not "
+                                     "writable (a read-only file system, or no permission); "
+                                     "give one raypipe can write"], error

@@ -188,6 +188,9 @@ def _prepare_directory(store: Store) -> None:
     except OSError as exc:
         raise ConfigError(f"{store}: cannot create the output directory: "
                           f"{exc.strerror or exc}") from exc
+    if not os.access(store.root, os.W_OK):  # a read-only mount refuses root too
+        raise ConfigError(f"{store}: the output directory is not writable (a read-only file "
+                          "system, or no permission); give one raypipe can write")
 
 
 def _take(store: Store, record: LockRecord) -> None:
