@@ -49,13 +49,19 @@ rows = [json.loads(v) for v in pq.read_table(corpus).column("messages").to_pylis
 rows = rows[int(part)::int(parts)]
 started = time.perf_counter()
 tokens = trained = 0
+outputs = []
 for messages in rows:
     out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
                                  return_assistant_tokens_mask=True)
     tokens += len(out["input_ids"])
     trained += sum(out["assistant_masks"])
-print(json.dumps({"seconds": time.perf_counter() - started, "rows": len(rows),
-                  "tokens": tokens, "trained": trained}))
+    outputs.append(out)
+seconds = time.perf_counter() - started
+import hashlib  # each conversation's digest, after the timed loop
+digests = [hashlib.blake2b(repr((list(out["input_ids"]), list(out["assistant_masks"])))
+                           .encode(), digest_size=8).hexdigest() for out in outputs]
+print(json.dumps({"seconds": seconds, "rows": len(rows), "tokens": tokens,
+                  "trained": trained, "digests": digests}))
 """
 
 JOB = r"""
@@ -146,7 +152,10 @@ def transformers_loop(corpus: Path, tokenizer: Path, template: Path) -> dict:
                  for part in range(2)]
     results = [json.loads(process.communicate()[0].strip().splitlines()[-1])
                for process in processes]
-    return {"seconds": max(r["seconds"] for r in results),
+    digests = [""] * sum(r["rows"] for r in results)
+    for part, result in enumerate(results):
+        digests[part::2] = result["digests"]
+    return {"seconds": max(r["seconds"] for r in results), "digests": digests,
             "wall": time.perf_counter() - started,
             "rows": sum(r["rows"] for r in results),
             "tokens": sum(r["tokens"] for r in results),
@@ -160,6 +169,22 @@ def raypipe_job(corpus: Path, output: Path, tokenizer: Path) -> dict:
     started = time.perf_counter()
     result = run_json(JOB, str(corpus), str(output), str(tokenizer))
     return {**result, "wall": time.perf_counter() - started}
+
+
+def conversation_digests(output: Path) -> list[str]:
+    """Each stored conversation's digest of (ids, loss mask), as the transformers loop
+    makes them (a chat job adds no BOS/EOS here)."""
+    import hashlib
+
+    from raypipe.dataset import TokenDataset
+
+    dataset = TokenDataset(output)
+    digests = []
+    for index, document in enumerate(dataset.iter_documents()):
+        mask = dataset.document_loss_mask(index)
+        key = repr((document.tolist(), mask.astype(int).tolist()))
+        digests.append(hashlib.blake2b(key.encode(), digest_size=8).hexdigest())
+    return digests
 
 
 def packing(output: Path, seq_len: int, overlong: str = "auto") -> dict:
@@ -253,6 +278,11 @@ def main() -> None:
           f"raypipe {job['tokens']:,}); trained tokens equal: "
           f"{loop['trained'] == job['trained']} (transformers' assistant mask "
           f"{loop['trained']:,}, raypipe's loss mask {job['trained']:,})")
+    ours = conversation_digests(workdir / "out")
+    equal = sum(a == b for a, b in zip(loop["digests"], ours, strict=False))
+    every = equal == len(loop["digests"]) == len(ours)
+    print(f"conversations whose ids and mask equal transformers': {equal:,} of "
+          f"{len(loop['digests']):,} ({'ALL' if every else 'NOT ALL'})")
     for seq_len in (int(value) for value in args.seq_lens.split(",")):
         result = packing(workdir / "out", seq_len)
         print(f"T={seq_len} ({result['packing']} packing): trained targets "

@@ -5,6 +5,8 @@ a Llama-3-style template without them."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
 
 import numpy as np
@@ -18,6 +20,8 @@ from raypipe.preprocess.chat import (
     ChatTemplate,
     problem_of,
 )
+from raypipe.preprocess.encoding.backends import FAST_BACKENDS
+from raypipe.preprocess.encoding.encoder import tokenizer_sha256
 
 # Llama 3 Instruct's template (no generation blocks: the mask comes from content spans)
 LLAMA3 = (
@@ -72,17 +76,29 @@ def chats(corpus_texts):
     return conversations([text for text in corpus_texts if text.strip()])
 
 
-def encoder(tokenizer: Tokenizer, source: str, policy: str, train_on: str = "assistant"
-            ) -> ChatEncoder:
+INSTALLED = [name for name in FAST_BACKENDS if importlib.util.find_spec(name)]
+
+
+@pytest.fixture(params=["tokenizers", *INSTALLED[:1]])
+def backend(request) -> str:
+    """Who encodes the rendered chat: `tokenizers` (ids and offsets), or a fast backend
+    whose spans come from the vocabulary (raypipe.preprocess.encoding.token_offsets)."""
+    return request.param
+
+
+def encoder(tokenizer: Tokenizer, source: str, policy: str, train_on: str = "assistant",
+            backend: str = "tokenizers") -> ChatEncoder:
     variables = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
-    return ChatEncoder(tokenizer, ChatTemplate(source, variables), policy, train_on)
+    fast = (FAST_BACKENDS[backend].make(tokenizer, tokenizer_sha256(tokenizer), "special")
+            if backend in FAST_BACKENDS else None)
+    return ChatEncoder(tokenizer, ChatTemplate(source, variables), policy, train_on, fast)
 
 
 @pytest.mark.parametrize("source", [CHATML, LLAMA3], ids=["chatml", "llama3"])
 def test_ids_under_the_special_policy_equal_apply_chat_template(chat_tokenizer, chats,
-                                                                source):
+                                                                source, backend):
     hf = hf_tokenizer(chat_tokenizer, source)
-    ours = encoder(chat_tokenizer, source, "special")
+    ours = encoder(chat_tokenizer, source, "special", backend=backend)
     for messages in chats:
         expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True)
         assert ours.encode(messages).ids.tolist() == list(expected["input_ids"])
@@ -90,11 +106,11 @@ def test_ids_under_the_special_policy_equal_apply_chat_template(chat_tokenizer, 
 
 @pytest.mark.parametrize("source", [CHATML, LLAMA3], ids=["chatml", "llama3"])
 def test_ids_under_the_text_policy_equal_sanitized_apply_chat_template(chat_tokenizer, chats,
-                                                                      source):
+                                                                      source, backend):
     """The default policy: a literal in a message's content is plain text (transformers'
     `sanitize_control_tokens=True`), so no user turn can forge an assistant turn."""
     hf = hf_tokenizer(chat_tokenizer, source)
-    ours = encoder(chat_tokenizer, source, "text")
+    ours = encoder(chat_tokenizer, source, "text", backend=backend)
     forged = 0
     for messages in chats:
         expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
@@ -106,22 +122,58 @@ def test_ids_under_the_text_policy_equal_sanitized_apply_chat_template(chat_toke
     assert forged >= 100  # the literals made a difference in every 7th conversation
 
 
-def test_the_mask_equals_transformers_assistant_tokens_mask(chat_tokenizer, chats):
-    hf = hf_tokenizer(chat_tokenizer, CHATML)
-    ours = encoder(chat_tokenizer, CHATML, "special")
-    for messages in chats:
+def with_trimmed_offsets(tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer with GPT-2's `ByteLevel` post-processor (trim_offsets: a token's
+    leading spaces are outside its offsets, so transformers' mask rule sees them moved)."""
+    data = json.loads(tokenizer.to_str())
+    data["post_processor"] = {"type": "ByteLevel", "add_prefix_space": True,
+                              "trim_offsets": True, "use_regex": True}
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def spaced(chats: list[list[dict]]) -> list[list[dict]]:
+    """Every other conversation with spaces around each assistant message: tokens of
+    spaces at a trained span's ends, where trimmed offsets move."""
+    return [[dict(m, content=f"  {m['content']}  ") if m["role"] == "assistant" else m
+             for m in messages] for messages in chats[::2]]
+
+
+@pytest.mark.parametrize("trimmed", [False, True], ids=["offsets", "trimmed-offsets"])
+def test_the_mask_equals_transformers_assistant_tokens_mask(chat_tokenizer, chats, backend,
+                                                            trimmed):
+    tokenizer = with_trimmed_offsets(chat_tokenizer) if trimmed else chat_tokenizer
+    hf = hf_tokenizer(tokenizer, CHATML)
+    ours = encoder(tokenizer, CHATML, "special", backend=backend)
+    for messages in chats + spaced(chats):
         expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
                                           return_assistant_tokens_mask=True)
-        assert ours.encode(messages).trained.astype(int).tolist() == \
-            list(expected["assistant_masks"])
+        got = ours.encode(messages)
+        assert got.ids.tolist() == list(expected["input_ids"])
+        assert got.trained.astype(int).tolist() == list(expected["assistant_masks"])
+
+
+@pytest.mark.parametrize("backend_name", INSTALLED)
+@pytest.mark.parametrize("source", [CHATML, LLAMA3], ids=["chatml", "llama3"])
+def test_under_the_text_policy_a_fast_backend_gives_the_same_ids_mask_and_turns(
+        chat_tokenizer, chats, backend_name, source):
+    """transformers cannot mask a sanitized render, so the fast path is held to the
+    `tokenizers` path (whose ids equal transformers', above), trimmed offsets included."""
+    tokenizer = with_trimmed_offsets(chat_tokenizer)
+    reference = encoder(tokenizer, source, "text")
+    fast = encoder(tokenizer, source, "text", backend=backend_name)
+    for messages in chats[:300] + spaced(chats[:300]):
+        expected, got = reference.encode(messages), fast.encode(messages)
+        assert got.ids.tolist() == expected.ids.tolist()
+        assert got.trained.tolist() == expected.trained.tolist()
+        assert got.turns == expected.turns
 
 
 @pytest.mark.parametrize("policy", ["text", "special"])
 def test_without_generation_blocks_the_assistant_content_and_its_end_are_trained(
-        chat_tokenizer, chats, policy):
+        chat_tokenizer, chats, policy, backend):
     """Llama-3-style: exactly the tokens of each assistant message's content as rendered,
     plus its <|eot_id|>, are trained; the headers and every other role are not."""
-    ours = encoder(chat_tokenizer, LLAMA3, policy)
+    ours = encoder(chat_tokenizer, LLAMA3, policy, backend=backend)
     eot = chat_tokenizer.token_to_id("<|eot_id|>")
     for messages in chats[:300]:
         encoded = ours.encode(messages)

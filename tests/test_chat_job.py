@@ -325,3 +325,41 @@ def test_the_packing_report_counts_the_loss_masks_trained_tokens(chat_output,
     assert "repeated        " in report  # the long conversation's overlapping pieces
     loader = TokenLoader(output, seq_len=T, batch_size=2, device="cpu")
     assert loader.packing_report().loss_mask_tokens == trained
+
+
+def test_auto_encodes_chat_with_a_fast_backend_and_writes_the_bytes_tokenizers_writes(
+        tmp_path, chat_output, chat_tokenizer_path):
+    """The loss mask needs each token's characters; a byte-level vocabulary gives them
+    from the ids, so `auto` takes the fast backend (self-checked on the rendered
+    conversations) and every shard file is byte-identical to `tokenizers`' own."""
+    pytest.importorskip("gigatoken")
+    output, summary = chat_output
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["tokenizer"]["backend"] == "gigatoken"
+    reference = tmp_path / "reference"
+    run_job(load_config(None, inputs=[str(output.parent / "in")], output=str(reference),
+                        tokenizer=chat_tokenizer_path, chat=True,
+                        tokenizer_backend="tokenizers"))
+    ours = sorted(p.relative_to(output) for p in (output / "megatron").iterdir())
+    theirs = sorted(p.relative_to(reference) for p in (reference / "megatron").iterdir())
+    assert ours == theirs and ours
+    for path in ours:
+        assert (output / path).read_bytes() == (reference / path).read_bytes(), path
+
+
+def test_a_chat_job_on_a_vocabulary_without_byte_level_ids_encodes_with_tokenizers(
+        tmp_path, chat_tokenizer_path, chats):
+    """A normalizer that moves characters: the ids cannot place the mask, so auto says so
+    and `tokenizers` encodes with offsets; naming a fast backend is one ConfigError."""
+    data = json.loads(open(chat_tokenizer_path).read())
+    data["normalizer"] = {"type": "Lowercase"}
+    path = tmp_path / "lower.json"
+    path.write_text(json.dumps(data))
+    write_chats(tmp_path / "in" / "chats.parquet", chats[:50])
+    options = dict(inputs=[str(tmp_path / "in")], tokenizer=str(path), chat=True)
+    summary = run_job(load_config(None, output=str(tmp_path / "out"), **options))
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["tokenizer"]["backend"] == "tokenizers" and summary.documents == 50
+    with pytest.raises(ConfigError, match="Lowercase normalizer"):
+        run_job(load_config(None, output=str(tmp_path / "out2"), tokenizer_backend="gigatoken",
+                            **options))

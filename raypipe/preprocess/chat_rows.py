@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from raypipe.config import TokenizeConfig
 from raypipe.errors import InputError
-from raypipe.preprocess.chat import ChatEncoder, problem_of
+from raypipe.preprocess.chat import ChatEncoder, ChatTemplate, plain_messages, problem_of
 from raypipe.preprocess.jsonl import fields_as_json
 
 MALFORMED_SHARE = 0.10
@@ -147,3 +147,27 @@ def encode_chat_batch(batch: pa.RecordBatch, config: TokenizeConfig, encoder: Ch
     return ChatBatch(np.concatenate(ids) if ids else np.empty(0, np.uint32), lengths,
                      np.concatenate(masks) if masks else np.empty(0, np.uint8),
                      np.array(kept, dtype=np.int64), skipped, turns, reasons)
+
+
+def rendered_texts(table: pa.Table, config: TokenizeConfig, template: ChatTemplate,
+                   limit_chars: int) -> list[str]:
+    """The well-formed conversations of `table` as their template renders them, up to
+    `limit_chars` characters (a longer one passed over): the encoder's self-check sample
+    for a chat job."""
+    import jinja2
+
+    texts, chars = [], 0
+    for batch in table.to_batches():
+        for messages in conversations_of(batch, config):
+            if problem_of(messages) is not None:
+                continue
+            try:
+                text = template.render(plain_messages(messages)).text
+            except (jinja2.TemplateError, ValueError):
+                continue
+            if len(text) <= limit_chars:
+                texts.append(text)
+                chars += len(text)
+            if chars >= limit_chars:
+                return texts
+    return texts

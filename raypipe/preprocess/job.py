@@ -17,6 +17,7 @@ thread for it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -24,10 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import pyarrow as pa
 from tokenizers import Tokenizer
 
 from raypipe.config import TokenizeConfig, dump_config_yaml
-from raypipe.errors import InputError
+from raypipe.errors import ConfigError, InputError
 from raypipe.formats import get_format, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.lock import output_lock
@@ -36,13 +38,20 @@ from raypipe.io.records import BadFile, Manifest, UnitRecord, WorkUnit
 from raypipe.io.store import Store
 from raypipe.preprocess.batch_packing import BatchSpec, pack_batches_from_manifest
 from raypipe.preprocess.chat import resolve_template
+from raypipe.preprocess.chat_rows import rendered_texts
+from raypipe.preprocess.encoding import token_offsets
 from raypipe.preprocess.encoding.encoder import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
     describe_tokenizer,
     load_tokenizer,
 )
-from raypipe.preprocess.encoding.self_check import BackendChoice, choose_backend
+from raypipe.preprocess.encoding.self_check import (
+    SAMPLE_CHARS,
+    BackendChoice,
+    choose_backend,
+    sample_texts,
+)
 from raypipe.preprocess.inputs import find_inputs
 from raypipe.preprocess.output import accepted_fingerprints, prepare_output, remove_units
 from raypipe.preprocess.planning import plan_inputs
@@ -91,17 +100,43 @@ def separator_texts(tokenizer: Tokenizer, config: TokenizeConfig
     return first(BOS_CANDIDATES, config.bos_token), first(EOS_CANDIDATES, config.eos_token)
 
 
-def with_backend(resolved: Resolved, sample: list[str]) -> tuple[UnitSettings, BackendChoice]:
+def with_backend(resolved: Resolved, sample: pa.Table | None
+                 ) -> tuple[UnitSettings, BackendChoice]:
     """Settings whose tokenizer names the backend the job encodes with (self-checked on
-    `sample`, texts of the job's own input)."""
+    texts from `sample`, the first rows of the job's own input)."""
     config = resolved.settings.config
-    if config.chat:  # templates and masks need the tokenizer's offsets: tokenizers encodes
-        choice = BackendChoice("tokenizers", "chat: rendered, encoded and masked by tokenizers")
+    if config.chat:
+        choice = chat_backend(resolved, sample)
     else:
+        texts = (sample_texts(sample.column(config.text_column)) if sample is not None
+                 and config.text_column in sample.column_names else [])
         choice = choose_backend(config.tokenizer_backend, resolved.tokenizer,
-                                config.special_tokens_in_text, sample)
+                                config.special_tokens_in_text, texts)
     info = dataclasses.replace(resolved.settings.tokenizer, backend=choice.backend)
     return dataclasses.replace(resolved.settings, tokenizer=info), choice
+
+
+def chat_backend(resolved: Resolved, sample: pa.Table | None) -> BackendChoice:
+    """A chat job's backend: a fast one where the vocabulary gives each id's characters
+    (the loss mask needs them), self-checked under the `special` policy (the template's
+    control tokens are matched; a literal typed in a message is encoded by `tokenizers`)
+    on the job's own conversations as rendered."""
+    config = resolved.settings.config
+    if config.tokenizer_backend == "tokenizers":
+        return BackendChoice("tokenizers", "asked for")
+    reason = token_offsets.why_not(json.loads(resolved.tokenizer.to_str()))
+    if reason is not None:
+        if config.tokenizer_backend != "auto":
+            raise ConfigError(f"tokenizer_backend: a chat job's loss mask needs each id's "
+                              f"characters, which this tokenizer's ids do not give ({reason})"
+                              "; use auto or tokenizers")
+        return BackendChoice("tokenizers", f"chat: the loss mask needs tokenizers' offsets "
+                                           f"({reason})")
+    template = resolved.settings.chat_template
+    assert template is not None
+    texts = ([] if sample is None else
+             rendered_texts(sample, config, template.compiled(), SAMPLE_CHARS))
+    return choose_backend(config.tokenizer_backend, resolved.tokenizer, "special", texts)
 
 
 class Source(Protocol):
@@ -118,7 +153,7 @@ class Source(Protocol):
     def open(self, output: Store, accepted: set[str]) -> bool: ...
     @property
     def progress_units(self) -> list[WorkUnit] | None: ...
-    def sample(self, runner: UnitRunner, text_column: str) -> list[str]: ...
+    def sample(self, runner: UnitRunner, columns: list[str]) -> pa.Table | None: ...
     def run(self, runner: UnitRunner, settings: UnitSettings
             ) -> Iterator[tuple[UnitRecord, bool]]: ...
     def ordered(self) -> list[UnitRecord]: ...
@@ -181,12 +216,12 @@ class Job:
                ) -> tuple[UnitSettings, BackendChoice]:
         """Settings with the self-checked backend, the runner connected: the check (on its
         own thread when the source's texts need no runner) overlaps a local Ray's start."""
-        column = self.config.text_column
-        wanted = self.config.tokenizer_backend != "tokenizers" and not self.config.chat
+        columns = self.config.chat_columns if self.config.chat else [self.config.text_column]
+        wanted = self.config.tokenizer_backend != "tokenizers"
 
         def check() -> tuple[UnitSettings, BackendChoice]:
-            return with_backend(self.resolved, source.sample(self.runner, column)
-                                if wanted else [])
+            return with_backend(self.resolved, source.sample(self.runner, columns)
+                                if wanted else None)
 
         if source.progress_units:
             progress.await_workers()  # no ETA from a window holding Ray's start

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import pyarrow as pa
 from tokenizers import Tokenizer
 
 from raypipe.io.records import UnitRecord, WorkUnit
@@ -51,9 +52,9 @@ class UnitRunner(Protocol):
     def run(self, units: list[WorkUnit], settings: UnitSettings) -> Iterator[UnitRecord]:
         """Records of `units` as they commit."""
 
-    def sample_texts(self, dataset: Any, columns: list[str], rows: int) -> list[str]:
-        """Texts of the first of `columns` in the Dataset's first rows; refuses a Dataset
-        without one of them."""
+    def sample_rows(self, dataset: Any, columns: list[str], rows: int) -> pa.Table:
+        """`columns` of the Dataset's first `rows` rows; refuses a Dataset without one of
+        them."""
 
     def run_blocks(self, dataset: Any, settings: UnitSettings, committed: frozenset[str],
                    label: str) -> Iterator[BlockRun]:
@@ -94,7 +95,7 @@ class SerialRunner:
             encoder = encoder or make_encoder(settings, self.tokenizer)
             yield tokenize_unit(unit, settings, encoder)
 
-    def sample_texts(self, dataset: Any, columns: list[str], rows: int) -> list[str]:
+    def sample_rows(self, dataset: Any, columns: list[str], rows: int) -> pa.Table:
         raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")
 
     def run_blocks(self, dataset: Any, settings: UnitSettings, committed: frozenset[str],

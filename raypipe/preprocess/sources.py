@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import pyarrow as pa
+
 from raypipe.errors import InputError
 from raypipe.io.manifest import (
     MANIFEST_NAME,
@@ -24,7 +26,7 @@ from raypipe.io.manifest import (
 )
 from raypipe.io.records import BadFile, UnitRecord, WorkUnit
 from raypipe.io.store import Store
-from raypipe.preprocess.encoding.self_check import SAMPLE_ROWS, sample_texts
+from raypipe.preprocess.encoding.self_check import SAMPLE_ROWS, sample_rows
 from raypipe.preprocess.output import unit_records
 from raypipe.preprocess.runners import UnitRunner
 from raypipe.preprocess.unit import UnitSettings
@@ -71,15 +73,15 @@ class PlannedUnits:
     def progress_units(self) -> list[WorkUnit] | None:
         return self.pending
 
-    def sample(self, runner: UnitRunner, text_column: str) -> list[str]:
-        """Texts of the first unit that can be read (a bad file fails, or is skipped, in
-        its own unit, where the good units in flight still commit)."""
+    def sample(self, runner: UnitRunner, columns: list[str]) -> pa.Table | None:
+        """The first rows of the first unit that can be read (a bad file fails, or is
+        skipped, in its own unit, where the good units in flight still commit)."""
         for unit in (self.pending or self.units)[:SAMPLE_UNITS]:
             try:
-                return sample_texts(unit, text_column)
+                return sample_rows(unit, columns)
             except InputError:
                 continue
-        return []
+        return None
 
     def run(self, runner: UnitRunner, settings: UnitSettings
             ) -> Iterator[tuple[UnitRecord, bool]]:
@@ -116,15 +118,15 @@ class DatasetBlocks:
         self.committed: dict[str, UnitRecord] = {}
         self.records: list[UnitRecord] = []
         self.seen: set[str] = set()
-        self.sample_rows: list[str] = []
+        self.sample_rows: pa.Table | None = None
 
     def input_names(self) -> list[str]:
         return [self.label]
 
     def check(self, runner: UnitRunner, columns: list[str]) -> None:
         """Before the output is touched: refuse a Dataset without the columns a unit reads
-        (this starts Ray), and keep its first texts for the self-check."""
-        self.sample_rows = runner.sample_texts(self.dataset, columns, SAMPLE_ROWS)
+        (this starts Ray), and keep its first rows for the self-check."""
+        self.sample_rows = runner.sample_rows(self.dataset, columns, SAMPLE_ROWS)
 
     def open(self, output: Store, accepted: set[str]) -> bool:
         for _, record in unit_records(output):
@@ -137,7 +139,7 @@ class DatasetBlocks:
     def progress_units(self) -> list[WorkUnit] | None:
         return None
 
-    def sample(self, runner: UnitRunner, text_column: str) -> list[str]:
+    def sample(self, runner: UnitRunner, columns: list[str]) -> pa.Table | None:
         return self.sample_rows
 
     def run(self, runner: UnitRunner, settings: UnitSettings

@@ -190,7 +190,7 @@ def chat_encoder(settings: UnitSettings, encoder: DocumentEncoder) -> ChatEncode
     if key not in cached:
         cached[key] = ChatEncoder(encoder.tokenizer, template.compiled(),
                                   settings.config.special_tokens_in_text,
-                                  settings.config.train_on)
+                                  settings.config.train_on, encoder.fast_ids("special"))
     return cached[key]
 
 

@@ -42,11 +42,9 @@ from raypipe.errors import InputError, RaypipeError
 from raypipe.io.manifest import committed_unit_record
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
-from raypipe.preprocess.encoding.self_check import SAMPLE_CHARS
 from raypipe.preprocess.encoding.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.job import JobSummary, run_dataset_job, run_job
 from raypipe.preprocess.runners import BlockRun, make_encoder
-from raypipe.preprocess.texts import clean_texts
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 from raypipe.ray.session import cluster_cpus, ensure_ray, quiet_ray_notices
 from raypipe.ray.stderr_lines import dropping_ray_noise
@@ -334,10 +332,9 @@ class RayDataRunner:
              context.enable_fallback_to_arrow_object_ext_type) = saved
             self._finish()
 
-    def sample_texts(self, dataset: Any, columns: list[str], rows: int) -> list[str]:
-        """Up to `rows` texts of the first of `columns` from the Dataset's first rows (for
-        the encoder's self-check; none where it holds no text: chat rows); refuses a Dataset
-        without one of `columns`, naming its columns."""
+    def sample_rows(self, dataset: Any, columns: list[str], rows: int) -> pa.Table:
+        """`columns` of the Dataset's first `rows` rows (the encoder's self-check takes its
+        texts from them); refuses a Dataset without one of `columns`, naming its columns."""
         self.connect()  # raypipe's session (loopback, address), before Ray Data would init one
         available = dataset.columns()
         missing = [name for name in columns if name not in available]
@@ -346,8 +343,7 @@ class RayDataRunner:
             shown = repr(missing[0]) if len(missing) == 1 else str(missing)
             raise InputError(f"{describe_dataset(dataset)}: {role} {shown} not found; "
                              f"available columns: {available}")
-        sample = dataset.select_columns(columns[:1]).take_batch(rows, batch_format="pyarrow")
-        return clean_texts(sample.column(columns[0]), SAMPLE_CHARS)[0]  # no giant row
+        return dataset.select_columns(columns).take_batch(rows, batch_format="pyarrow")
 
 
 UNITS_PER_BLOCK = 64  # units one Ray Data block carries at most

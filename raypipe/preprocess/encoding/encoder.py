@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from itertools import chain
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -174,6 +175,7 @@ class DocumentEncoder:
                               f"{list(SPECIAL_TOKEN_POLICIES)}")
         self.tokenizer = tokenizer
         self.tokenizer.encode_special_tokens = special_tokens_in_text == "text"
+        self.policy = special_tokens_in_text
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.special_literals = [token.content for token in
@@ -182,6 +184,16 @@ class DocumentEncoder:
         self.fast = (FAST_BACKENDS[backend].make(tokenizer, tokenizer_sha256(tokenizer),
                                                  special_tokens_in_text)
                      if backend in FAST_BACKENDS else None)
+
+    def fast_ids(self, policy: str) -> Any | None:
+        """The job's fast backend under `policy` (a chat's template tokens are matched
+        whatever the job's policy), None where `tokenizers` encodes."""
+        if self.backend not in FAST_BACKENDS:
+            return None
+        if policy == self.policy:
+            return self.fast
+        return FAST_BACKENDS[self.backend].make(self.tokenizer,
+                                                tokenizer_sha256(self.tokenizer), policy)
 
     def cpu_seconds(self) -> float:
         """The calling thread's CPU time plus that of the backend's own worker threads

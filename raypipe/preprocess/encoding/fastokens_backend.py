@@ -65,6 +65,9 @@ class FastokensIds:
         bounds = np.frombuffer(offsets, dtype="<u8").astype(np.int64)
         return np.frombuffer(ids, dtype="<u4").astype(np.uint32, copy=False), np.diff(bounds)
 
+    def encode_one(self, text: str) -> np.ndarray:
+        return self.encode_flat([text])[0]
+
 
 def raise_lone_surrogate(texts: list[str]) -> None:
     """An InputError naming the first text with a lone surrogate (only a Python caller can

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import pyarrow as pa
 import tokenizers
 from tokenizers import Tokenizer
 
@@ -88,19 +89,31 @@ def adversarial_texts(special_literals: list[str]) -> list[str]:
     ]
 
 
-def sample_texts(unit: WorkUnit, text_column: str) -> list[str]:
-    """Valid texts from the start of one unit (a group's first file), up to SAMPLE_CHARS
-    characters; a text longer than that is passed over, so the check never encodes a giant
-    row (nor one the unit itself would skip as too long)."""
-    texts: list[str] = []
-    chars = 0
-    for batch in unit_batches(unit.files[0], [text_column], 256):
-        kept, _, _ = clean_texts_with_rows(batch.column(text_column), SAMPLE_CHARS)
-        for text in kept:
-            texts.append(text)
-            chars += len(text)
-            if chars >= SAMPLE_CHARS or len(texts) >= SAMPLE_ROWS:
-                return texts
+def sample_rows(unit: WorkUnit, columns: list[str]) -> pa.Table:
+    """The first rows of one unit (a group's first file): up to SAMPLE_ROWS rows or
+    SAMPLE_CHARS bytes of `columns`, whichever comes first (the texts for the self-check
+    are taken from them by `sample_texts`)."""
+    batches, held = [], 0
+    for batch in unit_batches(unit.files[0], columns, 256):
+        batches.append(batch)
+        held += batch.nbytes
+        if held >= SAMPLE_CHARS or sum(map(len, batches)) >= SAMPLE_ROWS:
+            break
+    if not batches:
+        return pa.table({name: pa.array([], pa.string()) for name in columns})
+    return pa.Table.from_batches(batches)
+
+
+def sample_texts(column: pa.Array | pa.ChunkedArray) -> list[str]:
+    """Valid texts of `column`, up to SAMPLE_CHARS characters; a text longer than that is
+    passed over, so the check never encodes a giant row (nor one the unit itself would
+    skip as too long)."""
+    texts, chars = [], 0
+    for text in clean_texts_with_rows(column, SAMPLE_CHARS)[0]:
+        texts.append(text)
+        chars += len(text)
+        if chars >= SAMPLE_CHARS or len(texts) >= SAMPLE_ROWS:
+            break
     return texts
 
 

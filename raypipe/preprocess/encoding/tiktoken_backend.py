@@ -218,6 +218,9 @@ class TiktokenIds:
                    else np.empty(0, np.uint32))
         return self.translate(content), lengths
 
+    def encode_one(self, text: str) -> np.ndarray:
+        return self.translate(self.ranks(text).astype(np.uint32, copy=False))
+
     def ranks(self, text: str, index: int = 0) -> np.ndarray:
         """One text's ranks. A lone surrogate (only a Python caller can pass one; parquet
         text is valid UTF-8) is refused, as `tokenizers` refuses it, never silently
