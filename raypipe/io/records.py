@@ -330,7 +330,7 @@ class UnitRecord(JsonRecord):
     skipped: dict[str, int]
     shards: tuple[UnitShard, ...]
     seconds: float = 0.0
-    cpu_seconds: float = 0.0  # its thread's CPU time and its encoder's worker threads'
+    cpu_seconds: float = 0.0  # its thread's CPU, its encoder's pool's and its read-ahead's
     started_at: float = 0.0
     finished_at: float = 0.0
     peak_rss_bytes: int = 0

@@ -320,6 +320,7 @@ class UnitTally:
     rejects: UnitRejects = field(default_factory=UnitRejects)
     member_rows: list[int] = field(default_factory=list)
     bad_files: list[BadFile] = field(default_factory=list)
+    reading_cpu_seconds: float = 0.0  # the read-ahead threads' (a group's files)
 
     def add(self, done: EncodedBatch, num_rows: int) -> None:
         self.skipped.update(done.skipped)
@@ -361,7 +362,8 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
         special_literals=tally.special_literals, skipped_runs=tuple(tally.skipped_runs.runs),
         trained_tokens=tally.trained_tokens if config.chat else None,
         seconds=round(time.perf_counter() - started, 4),
-        cpu_seconds=round(encoder.cpu_seconds() - started_cpu, 4), started_at=started_at,
+        cpu_seconds=round(encoder.cpu_seconds() - started_cpu + tally.reading_cpu_seconds, 4),
+        started_at=started_at,
         finished_at=time.time(),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         member_rows=tuple(tally.member_rows) if unit.kind == "group" else None,
@@ -420,7 +422,8 @@ def tokenize_group(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEnco
     a few rows). Chat data, metadata and JSON-lines files go file by file."""
     coalesce = not settings.config.chat and not settings.wants_metadata
     run = ParquetRun(unit, settings, encoder, roller, tally)
-    for member, data in prefetched(unit.members):
+    for member, data, cpu_seconds in prefetched(unit.members):
+        tally.reading_cpu_seconds += cpu_seconds
         if not (coalesce and member.kind == "parquet"):
             run.flush()
             tokenize_file(member, settings, encoder, roller, tally, data=data)
