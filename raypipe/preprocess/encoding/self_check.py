@@ -1,24 +1,26 @@
 """Which library encodes a job: the fastest one that gives `tokenizers`' exact ids, checked.
 
 Invariant: a job encodes with a fast backend (raypipe.preprocess.encoding.backends:
-fastokens, then tiktoken, for `auto`) only when (1) its library is installed, (2) it can run
-the tokenizer.json (tiktoken: an exact conversion, tiktoken_backend.why_not; fastokens: it
-loads it), and (3) at job start it gives, under the job's special-token policy, the same ids
-as `tokenizers` for a sample of the job's own texts (up to SAMPLE_CHARS characters from its
-first pending unit) and for a fixed adversarial set: the tokenizer's special-token literals,
-characters of every Unicode general category, combining marks, emoji sequences, CJK,
-`\\r\\n`, long whitespace runs, a 1 MB run without whitespace, contractions with ' and ’,
-digits in several scripts. `auto` takes the first backend that passes and says in one line
-why each one before it did not; a backend asked for by name that is not installed or
-cannot run the tokenizer is one ConfigError, and one that fails the self-check falls back
-to `tokenizers` with one log line naming the first differing text. `tokenizers` asked for is
-never checked. The choice is recorded in the manifest (`tokenizer.backend`). The fixed set's
-verdict is a function of the backend, the tokenizer, the policy, the set itself, both
-libraries' versions and raypipe's encoding code, so it is cached under that key
-(`<RAYPIPE_CACHE_DIR or ~/.cache/raypipe>/self-check/`): the first job on a machine encodes
-it, later ones reuse the verdict (the job's own sample is always encoded). Cost, GPT-2
-vocabulary on one core: the sample 0.05 s, the set 0.66 s under tiktoken (its 1 MB run
-without whitespace), a cached verdict 0.01 s; nothing on a rerun with no unit left to run.
+gigatoken, fastokens, then tiktoken, for `auto`: the order bench/tokenize_bench.py
+measures) only when (1) its library is installed, (2) it can run the tokenizer.json
+(tiktoken: an exact conversion, tiktoken_backend.why_not; gigatoken, fastokens: they load
+it), and (3) at job start it gives, under the job's special-token policy, the same ids as
+`tokenizers` for a sample of the job's own texts (up to SAMPLE_CHARS characters from its
+first pending unit; a chat job's conversations as rendered) and for a fixed adversarial
+set: the tokenizer's special-token literals, characters of every Unicode general category,
+combining marks, emoji sequences, CJK, `\\r\\n`, long whitespace runs, a 1 MB run without
+whitespace, contractions with ' and ’, digits in several scripts. `auto` takes the first
+backend that passes and says in one line why each one before it did not; a backend asked
+for by name that is not installed or cannot run the tokenizer is one ConfigError, and one
+that fails the self-check falls back to `tokenizers` with one log line naming the first
+differing text. `tokenizers` asked for is never checked. The choice is recorded in the
+manifest (`tokenizer.backend`). The fixed set's verdict is a function of the backend, the
+tokenizer, the policy, the set itself, both libraries' versions and raypipe's encoding
+code, so it is cached under that key (`<RAYPIPE_CACHE_DIR or
+~/.cache/raypipe>/self-check/`): the first job on a machine encodes it, later ones reuse
+the verdict (the job's own sample is always encoded). Cost, GPT-2 vocabulary on one core:
+the sample 0.05 s, the set 0.66 s under tiktoken (its 1 MB run without whitespace), a
+cached verdict 0.01 s; nothing on a rerun with no unit left to run.
 """
 
 from __future__ import annotations
