@@ -82,6 +82,48 @@ def unique_corpus(directory: Path, target_bytes: int, files: int = 16, seed: int
     return corpus
 
 
+def shuffled_corpus(directory: Path, target_bytes: int, files: int = 32, seed: int = 0
+                    ) -> Path:
+    """At least `target_bytes` of UTF-8 text in which no document repeats, however little
+    unique text the machine holds: `unique_corpus` (all of it, up to the target), then new
+    documents made from it round after round by shuffling each document's sentences (cut
+    after . ! ? and newlines; a document of fewer than 3 is not varied), each new one kept
+    only if its digest was never seen. Built once and cached in `directory`. Words and
+    sentences repeat (as in any real corpus); documents do not, so no per-document cache
+    can flatter a backend."""
+    import hashlib
+    import random
+    import re
+
+    corpus = directory / f"shuffled-{target_bytes >> 20}MB"
+    if any(corpus.glob("*.parquet")):
+        return corpus
+    base = [text for texts in corpus_texts(unique_corpus(directory, target_bytes))
+            for text in texts]
+    seen = {hashlib.blake2b(text.encode(), digest_size=16).digest() for text in base}
+    documents, size = list(base), sum(len(text.encode()) for text in base)
+    sentences = [pieces for pieces in (re.split(r"(?<=[.!?\n])", text) for text in base)
+                 if len(pieces) >= 3]
+    chooser = random.Random(seed)
+    added = True
+    while size < target_bytes and added:  # a round that adds nothing ends it
+        added = False
+        for pieces in sentences:
+            varied = chooser.sample(pieces, len(pieces))
+            text = "".join(varied)
+            digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+            if digest in seen:
+                continue
+            seen.add(digest)
+            documents.append(text)
+            size += len(text.encode())
+            added = True
+            if size >= target_bytes:
+                break
+    write_corpus(documents, corpus, files=files, row_group_rows=2000)
+    return corpus
+
+
 def corpus_texts(corpus: Path) -> list[list[str]]:
     """Texts per parquet file, in file order."""
     return [pq.read_table(p, columns=["text"]).column(0).to_pylist()

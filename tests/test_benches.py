@@ -35,6 +35,10 @@ def test_the_tokenize_benchmark_runs_at_a_tiny_size(tmp_path):
     accounting = next(line for line in lines if line.startswith("core-seconds"))
     tokenizing = float(accounting.split("s): ")[1].split(" tokenizing")[0])
     assert tokenizing > 0, accounting  # the units' CPU time reached the bench
+    ratio = next(line for line in lines if line.startswith("RATIO units (auto = gigatoken)"))
+    assert float(ratio.split("own bare call = ")[1].split()[0]) > 0, ratio
+    parts = lines[lines.index(next(line for line in lines if line.startswith("where auto"))) + 1:]
+    assert "encoding" in parts[0] and float(parts[0].split()[0]) > 0, parts[:7]
 
 
 @pytest.mark.ray
@@ -47,6 +51,7 @@ def test_the_chat_benchmark_runs_at_a_tiny_size(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tokens equal: True" in done.stdout, done.stdout
     assert "trained tokens equal: True" in done.stdout, done.stdout
+    assert "equal transformers': 300 of 300 (ALL)" in done.stdout, done.stdout
     packed = next(line for line in done.stdout.splitlines() if line.startswith("T=256"))
     cut = int(packed.split("conversations cut ")[1].split()[0])
     longer = int(packed.split("longer than a row: ")[1].rstrip(")"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from tokenizers import Tokenizer
 
@@ -17,7 +18,7 @@ from raypipe.errors import ConfigError, InputError
 from raypipe.io.manifest import read_manifest
 from raypipe.preprocess.encoding import fastokens_backend
 from raypipe.preprocess.encoding.backends import FastBackend
-from raypipe.preprocess.encoding.encoder import DocumentEncoder
+from raypipe.preprocess.encoding.encoder import DocumentEncoder, tokenizer_sha256
 from raypipe.preprocess.encoding.self_check import choose_backend
 from tests.helpers import shard_files
 from tests.test_tiktoken_backend import adversarial_corpus, tokenize  # noqa: F401  (fixture)
@@ -197,3 +198,21 @@ def test_the_default_install_brings_fastokens_on_linux_x86_64_only():
     assert marker.evaluate({"platform_system": "Linux", "platform_machine": "x86_64"})
     assert not marker.evaluate({"platform_system": "Linux", "platform_machine": "aarch64"})
     assert not marker.evaluate({"platform_system": "Darwin", "platform_machine": "arm64"})
+
+
+@pytest.mark.parametrize("arrow_type", [pa.string(), pa.large_string()])
+def test_gigatoken_reads_arrow_buffers_as_it_reads_python_strings(tokenizer_path, corpus_texts,
+                                                                  arrow_type):
+    """Texts handed over as an Arrow array (no Python string each; a slice of one, so its
+    offsets do not start at 0) give the ids the same texts give as a list."""
+    pytest.importorskip("gigatoken")
+    from raypipe.preprocess.encoding.gigatoken_backend import GigatokenIds
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    model = GigatokenIds(tokenizer, tokenizer_sha256(tokenizer), "text")
+    texts = [text for text in corpus_texts[:400] if text] + ["é字😀 <|endoftext|>", "\r\n\t"]
+    whole = pa.array(["skipped"] * 7 + texts, arrow_type)
+    ids, lengths = model.encode_arrow(whole.slice(7))
+    expected_ids, expected_lengths = model.encode_flat(texts)
+    assert lengths.tolist() == expected_lengths.tolist() and len(lengths) == len(texts)
+    assert ids.tolist() == expected_ids.tolist()

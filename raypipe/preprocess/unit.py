@@ -221,15 +221,16 @@ class TextBatches:
         config, encoder = self.config, self.encoder
         kept_texts, kept, skipped = clean_text_array(batch.column(config.text_column),
                                                      config.document_char_limit)
-        texts = kept_texts.to_pylist()
         counted = reader_skips(batch)  # rows the reader turned into nulls
         skipped.update(counted)
         skipped.subtract({"null": sum(counted.values())})
-        offsets = None
+        offsets = texts = None
+        if self.metadata is not None:  # the metadata records read the texts
+            texts = kept_texts.to_pylist()
         if self.metadata is not None and config.span_column:
             tokens, lengths, offsets = encoder.encode_with_offsets(texts)
         else:
-            tokens, lengths = encoder.encode(texts)
+            tokens, lengths = encoder.encode(texts if texts is not None else kept_texts)
         records = (self.metadata.build(batch, first_row, kept, texts, offsets)
                    if self.metadata is not None else None)
         return EncodedBatch(tokens, lengths, kept, skipped, records,

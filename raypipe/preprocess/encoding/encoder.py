@@ -220,9 +220,17 @@ class DocumentEncoder:
         return "|".join(re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", literal)
                         for literal in self.special_literals)
 
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        if not texts:
+    def encode(self, texts: list[str] | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """Texts (a list, or an Arrow string array without nulls) -> (flat uint32 tokens
+        with BOS/EOS, int64 document lengths). An Arrow array goes to a backend that reads
+        its buffers (`encode_arrow`) without a Python string per text."""
+        if not len(texts):
             return np.empty(0, np.uint32), np.empty(0, np.int64)
+        if isinstance(texts, pa.Array):
+            if self.fast is not None and hasattr(self.fast, "encode_arrow"):
+                return with_separators(*self.fast.encode_arrow(texts), self.bos_id,
+                                       self.eos_id)
+            texts = texts.to_pylist()
         if self.fast is not None:
             return with_separators(*self.fast.encode_flat(texts), self.bos_id, self.eos_id)
         return flatten_documents(ids_of(self.tokenizer, texts), self.bos_id, self.eos_id)
