@@ -21,7 +21,8 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 from raypipe import interrupts  # noqa: E402
 from raypipe.cli import build_parser, config_from_args, main  # noqa: E402
-from raypipe.errors import ConfigError, RaypipeError  # noqa: E402
+from raypipe.errors import RaypipeError  # noqa: E402
+from raypipe.io.paths import check_lasting_location  # noqa: E402
 
 DEMO_DIR_VARIABLE = "RAYPIPE_DEMO_DIR"
 
@@ -33,17 +34,6 @@ def demo_dir() -> str:
 
     default = os.path.join(tempfile.gettempdir(), f"raypipe-demo-{getpass.getuser()}")
     return os.environ.setdefault(DEMO_DIR_VARIABLE, default)
-SUBMITTED_JOB_VARIABLE = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor
-
-
-def check_output_location(output: str) -> None:
-    if SUBMITTED_JOB_VARIABLE in os.environ and "://" not in output \
-            and not os.path.isabs(output):
-        raise ConfigError(f"output {output!r} is relative: in a submitted job it would land "
-                          f"in Ray's temporary copy of the working directory ({os.getcwd()}) "
-                          "and be lost; give an absolute path or a URI (s3://...)")
-
-
 def build_demo_corpus(inputs: tuple[str, ...]) -> None:
     """Write the stdlib docstring corpus where the demo config reads it, if it is missing."""
     import shutil
@@ -70,7 +60,7 @@ def run(argv: list[str]) -> int:
     demo_dir()  # the demo config's $RAYPIPE_DEMO_DIR
     try:
         config = config_from_args(build_parser().parse_args(["tokenize", *argv]))
-        check_output_location(config.output)
+        check_lasting_location(config.output, "output")
         build_demo_corpus(config.inputs)
     except RaypipeError as exc:
         print(f"raypipe: error: {exc}", file=sys.stderr)

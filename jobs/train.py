@@ -3,8 +3,12 @@ optimizer and loader state every k steps; rerunning with the same --storage/--na
 
     python jobs/train.py --data demo_out/tokens --workers 2            # local CPU, gloo
     ray job submit --working-dir . -- python jobs/train.py --data s3://bucket/tokens \\
-        --use-gpu --workers 8 --seq-len 1024 --batch-size 16 --shuffle shard_local \\
-        --wait-for-resources
+        --storage s3://bucket/train_out --use-gpu --workers 8 --seq-len 1024 \\
+        --batch-size 16 --shuffle shard_local --wait-for-resources
+
+In a submitted job the working directory is Ray's throw-away copy of `--working-dir`, so
+`--storage` must be a path every node sees or a URI: a relative one, or one inside that
+copy (the default ./train_out), is refused in one line.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
     sys.path.pop(0)
 
 from raypipe.errors import RaypipeError, StateError  # noqa: E402
-from raypipe.examples.gpt_train import fit
+from raypipe.examples.gpt_train import fit  # noqa: E402
+from raypipe.io.paths import check_lasting_location  # noqa: E402
 from raypipe.sampling.modes import mode_names  # noqa: E402
 
 
@@ -55,8 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="steps between checkpoints (model, optimizer, loader states)")
     parser.add_argument("--max-failures", type=int, default=2,
                         help="worker failures Ray Train retries (FailureConfig)")
-    parser.add_argument("--storage", default=os.path.abspath("train_out"),
-                        help="where runs and their checkpoints are kept")
+    parser.add_argument("--storage", default=None,
+                        help="where runs and their checkpoints are kept: in a submitted job "
+                             "a path every node sees, or a URI (s3://...); default: "
+                             "./train_out (refused in a submitted job: Ray's copy of "
+                             "--working-dir is thrown away)")
     parser.add_argument("--name", default="tiny-gpt",
                         help="the run's name: the same --storage and --name resume it")
     parser.add_argument("--address", default=None, help="Ray address (None: local)")
@@ -66,8 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def storage_location(storage: str | None) -> str:
+    """The run's storage as an absolute path or a URI; in a submitted job, a ConfigError if
+    it would land in Ray's temporary copy of the working directory."""
+    check_lasting_location(storage or "train_out", "--storage")
+    return storage if storage and "://" in storage else os.path.abspath(storage or "train_out")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        args.storage = storage_location(args.storage)
+    except RaypipeError as exc:
+        print(f"raypipe: error: {exc}", file=sys.stderr)
+        return 2
     done = last_checkpoint_step(Path(args.storage) / args.name)
     if done is not None and done >= args.max_steps:
         print(f"nothing to run: {Path(args.storage) / args.name} already holds a checkpoint "

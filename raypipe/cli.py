@@ -253,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "one JSON line per piece of every row")
     trace.add_argument("data", help=DATASET_HELP + ", or a mixture YAML")
     trace.add_argument("--step", type=int, default=None,
-                       help="global step from the start of training (default 0; not with "
-                       "--state)")
+                       help="global step from the start of training (default 0; with "
+                       "--state: steps after the state's)")
     trace.add_argument("--steps", type=int, default=1, help="how many steps from there")
     trace.add_argument("--rank", type=int, default=None, help="one rank (default: every rank)")
     trace.add_argument("--world-size", type=int, default=None,

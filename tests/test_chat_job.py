@@ -363,3 +363,16 @@ def test_a_chat_job_on_a_vocabulary_without_byte_level_ids_encodes_with_tokenize
     with pytest.raises(ConfigError, match="Lowercase normalizer"):
         run_job(load_config(None, output=str(tmp_path / "out2"), tokenizer_backend="gigatoken",
                             **options))
+
+
+def test_special_token_literals_typed_in_messages_are_counted(chat_output, chats):
+    """Every 7th conversation has a control token typed into a message: the summary and
+    the manifest count those conversations, as they count text documents holding one."""
+    output, summary = chat_output
+    holding = sum(any(literal in message["content"] for message in messages
+                      for literal in SPECIALS) for messages in chats)
+    assert holding >= 100
+    assert summary.special_literals == holding
+    assert f"special-token literals in {holding:,} documents" in summary.render()
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["totals"]["special_literals"] == holding

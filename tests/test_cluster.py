@@ -211,7 +211,31 @@ def test_a_relative_output_in_a_submitted_job_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
     code = job["run"](["corpus", "--tokenizer", "t.json", "--output", "out/tokens"])
     error = capsys.readouterr().err
-    assert code == 2 and "'out/tokens' is relative" in error and "absolute path" in error
+    assert code == 2 and "'out/tokens' is relative to Ray's temporary copy" in error
+    assert "absolute path every node sees" in error and len(error.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("storage", [None, "train_out", "{cwd}/train_out"],
+                         ids=["default", "relative", "inside-the-copy"])
+def test_train_storage_in_ray_s_copy_of_the_working_dir_is_refused_in_a_submitted_job(
+        monkeypatch, tmp_path, capsys, storage):
+    """The checkpoints of a submitted training job must outlive its copy of --working-dir
+    (a resubmit with one changed file gets a new copy and would start over at step 0)."""
+    import runpy
+
+    job = runpy.run_path(str(ROOT / "jobs" / "train.py"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+    argv = ["--data", str(tmp_path / "tokens")]
+    if storage is not None:
+        argv += ["--storage", storage.format(cwd=tmp_path)]
+    assert job["main"](argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert "Ray's temporary copy of the working directory" in error, error
+    assert "--storage" in error and len(error.splitlines()) == 1
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")  # outside a job: a local run's path
+    assert job["storage_location"](storage.format(cwd=tmp_path) if storage else None) == \
+        str(tmp_path / "train_out")
 
 
 @pytest.mark.ray

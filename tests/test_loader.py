@@ -405,3 +405,10 @@ def test_a_batch_stays_intact_while_prefetch_more_are_taken(token_dataset, prefe
             assert torch.equal(kept[old].inputs, copies[old].inputs), f"batch {old} rewritten"
         if index == 14:
             break
+
+
+def test_a_packing_report_shows_as_its_lines_in_print_and_in_a_repl(token_dataset):
+    report = TokenLoader(token_dataset, T, B, mode="bestfit").packing_report()
+    assert str(report) == report.render() and str(report).startswith("rows ")
+    assert repr(report).startswith("PackingReport\n  rows ")
+    assert "PackingReport(rows=" not in repr(report)  # not the dataclass's field dump

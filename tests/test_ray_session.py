@@ -60,3 +60,59 @@ def test_a_session_raypipe_did_not_start_is_left_running(ray_session):
     assert not started_here()
     shutdown_local_ray()
     assert ray_session.is_initialized()
+
+
+def dead_record(tmp: Path, address: str) -> dict[str, str]:
+    """An environment whose Ray temp dir holds a `ray start` record of `address`, a head
+    that is gone (its processes stopped by pid; the record stayed)."""
+    (tmp / "ray").mkdir(parents=True, exist_ok=True)
+    (tmp / "ray" / "ray_current_cluster").write_text(address)
+    return {**os.environ, "RAY_TMPDIR": str(tmp), "RAY_ADDRESS": "", "PYTHONPATH": str(ROOT)}
+
+
+def test_a_stale_cluster_record_is_named_in_one_line(tmp_path, monkeypatch):
+    """No Ray started: the probe alone, against a closed port on loopback."""
+    import socket
+
+    from raypipe.ray.session import stale_cluster_record
+
+    with socket.socket() as probe:  # a port nothing listens on once this closes
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    assert stale_cluster_record() is None  # no record: nothing to say
+    dead_record(tmp_path, f"127.0.0.1:{port}")
+    line = stale_cluster_record()
+    assert f"127.0.0.1:{port}" in line and "does not answer" in line and "\n" not in line
+    assert str(tmp_path / "ray" / "ray_current_cluster") in line and "--address" in line
+    with socket.socket() as alive:  # a head that answers: joined as before
+        alive.bind(("127.0.0.1", 0))
+        alive.listen()
+        dead_record(tmp_path, f"127.0.0.1:{alive.getsockname()[1]}")
+        assert stale_cluster_record() is None
+
+
+STARTS_BESIDE_A_DEAD_RECORD = """
+import time
+from raypipe.ray.session import ensure_ray, shutdown_local_ray, started_here
+began = time.perf_counter()
+ensure_ray(None, 1)
+print("STARTED", started_here(), round(time.perf_counter() - began, 1))
+shutdown_local_ray()
+"""
+
+
+@pytest.mark.slow
+def test_a_dead_recorded_cluster_gives_one_line_and_a_local_ray_within_30_s(tmp_path):
+    """The user's case: a `ray start` head stopped by pid at an address that drops packets
+    (TEST-NET-1, never routed), its record left behind; the job starts its own Ray."""
+    env = dead_record(Path(tempfile.mkdtemp(prefix="t-", dir=os.environ["RAY_TMPDIR"])),
+                      "192.0.2.2:6390")
+    done = subprocess.run([sys.executable, "-c", STARTS_BESIDE_A_DEAD_RECORD], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    started = next(line for line in done.stdout.splitlines() if line.startswith("STARTED"))
+    assert started.split()[1] == "True" and float(started.split()[2]) < 30, started
+    warnings = [line for line in done.stderr.splitlines() if "does not answer" in line]
+    assert len(warnings) == 1 and "192.0.2.2:6390" in warnings[0], done.stderr[-2000:]
+    assert "Failed to connect to GCS" not in done.stderr

@@ -122,6 +122,10 @@ def test_trace_from_a_saved_state_covers_the_steps_after_it(gapped, tokenizer_pa
     for number, batch in zip((3, 4), following, strict=True):
         assert_records_hold_the_batch([r for r in records if r.step == number], batch,
                                       tokenizer)
+    # a step with the state: that many steps after it (the state's position plus steps)
+    later = list(trace(gapped, 1, state=state, rank=0))
+    assert {r.step for r in later} == {4}
+    assert_records_hold_the_batch(later, following[1], tokenizer)
 
 
 def test_trace_refuses_a_state_from_a_release_that_cut_rows_otherwise(gapped):
@@ -165,6 +169,9 @@ def test_trace_of_a_mixture_from_its_saved_state(gapped, second, tokenizer_path)
     for number, batch in zip((4, 5), following, strict=True):
         assert_records_hold_the_batch([r for r in records if r.step == number], batch,
                                       tokenizer)
+    later = list(trace(paths, 1, state=state, rank=0, world_size=2, batch_size=B))
+    assert {r.step for r in later} == {5}
+    assert_records_hold_the_batch(later, following[1], tokenizer)
 
 
 def test_trace_of_a_mixture_step_names_each_row_source_and_input(gapped, second,

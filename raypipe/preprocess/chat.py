@@ -250,6 +250,7 @@ class EncodedChat:
     ids: np.ndarray  # uint32
     trained: np.ndarray  # bool, one per id
     turns: tuple[tuple[str, int, int, bool], ...]
+    holds_literal: bool = False  # a message's own text holds a special token's literal
 
 
 class ChatEncoder:
@@ -274,6 +275,10 @@ class ChatEncoder:
         self.markers = re.compile(f"{MARK_START}({added_pattern}){MARK_END}"
                                   f"|[{MARK_START}{MARK_END}]")
         self.newline_ids = self.tokenizer.encode("\n", add_special_tokens=False).ids
+        specials = sorted((token.content for token in
+                           tokenizer.get_added_tokens_decoder().values() if token.special),
+                          key=len, reverse=True)
+        self.special_literals = re.compile("|".join(map(re.escape, specials)) or "(?!)")
         self.fast, self.spans = fast, TokenOffsets(tokenizer) if fast is not None else None
         self.as_text_pieces: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -281,6 +286,8 @@ class ChatEncoder:
         """Raises ValueError("content_not_rendered") when a message's content cannot be
         found in the render of a template without generation blocks."""
         messages = plain_messages(messages)
+        holds_literal = any(self.special_literals.search(message["content"])
+                            for message in messages)
         if self.policy == "text":
             messages = mark(messages, self.controls)
         rendered = self.template.render(messages)
@@ -292,7 +299,8 @@ class ChatEncoder:
         ranges = token_ranges(offsets, [(start, end) for _, start, end, _ in turns])
         token_turns = tuple((role, first, stop, is_trained) for (role, _, _, is_trained),
                             (first, stop) in zip(turns, ranges, strict=True))
-        return EncodedChat(np.asarray(ids, dtype=np.uint32), trained, token_turns)
+        return EncodedChat(np.asarray(ids, dtype=np.uint32), trained, token_turns,
+                           holds_literal)
 
     def _ids(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """The ids of a rendered chat and each id's character span in `text`."""

@@ -42,6 +42,7 @@ class ChatBatch:
     # included in the token offsets
     turns: list[list[tuple[str, int, int, bool]]] = field(default_factory=list)
     reasons: dict[int, str] = field(default_factory=dict)  # each skipped row's reason
+    special_literals: int = 0  # conversations whose messages hold a special token's literal
 
 
 @dataclass
@@ -109,6 +110,7 @@ def encode_chat_batch(batch: pa.RecordBatch, config: TokenizeConfig, encoder: Ch
     import jinja2
 
     ids, masks, kept, skipped, turns, reasons = [], [], [], Counter(), [], {}
+    literals = 0
     separators = [token for token in (bos_id, eos_id) if token is not None and separated]
     for row, messages in enumerate(conversations_of(batch, config)):
         reason = problem_of(messages)
@@ -125,6 +127,7 @@ def encode_chat_batch(batch: pa.RecordBatch, config: TokenizeConfig, encoder: Ch
             malformed.add(first_row + row, reason)
             continue
         tokens, trained = encoded.ids, encoded.trained
+        literals += encoded.holds_literal
         if separators and np.isin(tokens, separators).any():
             inside = int(tokens[np.isin(tokens, separators)][0])
             raise InputError(f"{where}: row {first_row + row}: the conversation holds the "
@@ -146,7 +149,7 @@ def encode_chat_batch(batch: pa.RecordBatch, config: TokenizeConfig, encoder: Ch
     lengths = np.array([part.size for part in ids], dtype=np.int64)
     return ChatBatch(np.concatenate(ids) if ids else np.empty(0, np.uint32), lengths,
                      np.concatenate(masks) if masks else np.empty(0, np.uint8),
-                     np.array(kept, dtype=np.int64), skipped, turns, reasons)
+                     np.array(kept, dtype=np.int64), skipped, turns, reasons, literals)
 
 
 def rendered_texts(table: pa.Table, config: TokenizeConfig, template: ChatTemplate,

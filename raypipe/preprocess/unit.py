@@ -268,7 +268,7 @@ class ChatBatches:
                    if self.metadata is not None else None)
         self.reasons = done.reasons
         return EncodedBatch(done.tokens, done.lengths, done.kept, done.skipped, records,
-                            loss_mask=done.loss_mask)
+                            loss_mask=done.loss_mask, special_literals=done.special_literals)
 
     def skip_reasons(self, batch: pa.RecordBatch, rows: np.ndarray) -> list[str]:
         """Why each of `rows` (of the last batch) made no conversation."""

@@ -3,7 +3,9 @@
 Invariant: raypipe never shuts down a session it did not start. A local session raypipe
 starts itself has no dashboard (it costs 1 core-second and 1-2 s of start-up on 2 cores;
 `ray start --head` first to have one) and `num_cpus` CPUs (all cores when None; a plain
-`ray.init()` would join a cluster `ray start` left on this machine instead, and so does this).
+`ray.init()` would join a cluster `ray start` left on this machine instead, and so does this,
+unless that cluster's record is stale: a head that does not accept a connection within
+RECORD_PROBE_SECONDS is named in one warning and a local session starts instead).
 `shutdown_local_ray` stops such a session (the CLI calls it once the summary is printed); an
 exiting interpreter stops it through Ray's own exit hook. Cost, measured with ray 2.60 on 2
 cores: starting a local session is 3-5 s (reported separately as start-up in summaries);
@@ -16,6 +18,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import time
 from typing import Any
 
@@ -82,7 +85,42 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None,
     return time.perf_counter() - started
 
 
+RECORD_PROBE_SECONDS = 3.0  # how long a recorded cluster's GCS gets to accept a connection
+
+
+def stale_cluster_record() -> str | None:
+    """A one-line warning if the cluster `ray start` recorded on this machine (the address
+    a plain `ray.init()` would join) does not accept a connection within
+    RECORD_PROBE_SECONDS; None where there is no record or it answers. A dead head whose
+    record stayed (its processes stopped by pid) would otherwise have `ray.init()` retry
+    its address for minutes."""
+    try:
+        from ray._common.utils import get_ray_address_file  # Ray's record, where it looks
+    except ImportError:  # a Ray that keeps it elsewhere: its own retries apply
+        return None
+    path = get_ray_address_file(None)
+    try:
+        with open(path) as handle:
+            address = handle.read().strip()
+    except OSError:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=RECORD_PROBE_SECONDS):
+            return None
+    except (OSError, ValueError) as exc:
+        return (f"the Ray cluster recorded in {path} ({address}) does not answer ({exc}); "
+                "starting a local Ray instead: pass --address (or RAY_ADDRESS) to join a "
+                "cluster, or delete that file if the cluster is gone")
+
+
 def start_or_join_local(num_cpus: int | None, dashboard: bool = False) -> None:
+    stale = stale_cluster_record()
+    if stale is not None:
+        logger.warning("%s", stale)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard,
+                 log_to_driver=True)
+        return
     if num_cpus is None:
         ray.init(include_dashboard=dashboard, log_to_driver=True)
         return

@@ -205,12 +205,12 @@ class PlannedDataset:
     def locate(self, epoch: int | None, position: int | None, step: int | None
                ) -> tuple[int, int, int]:
         """(epoch, position, global step number) of global step `step` from the start of
-        training, or of the step after a state at (epoch, position)."""
+        training; given a state at (epoch, position), of the step after it, or `step`
+        steps after that one."""
         if epoch is not None and position is not None:
-            if step is not None:
-                raise ConfigError("give a step or a loader state, not both")
             before = sum(self.steps_in(earlier) for earlier in range(epoch))
-            return epoch, position, before + position // self.global_batch
+            return self._advance(epoch, position, before + position // self.global_batch,
+                                 step or 0)
         step = step or 0
         remaining, epoch = step, 0
         while remaining >= self.steps_in(epoch):
@@ -220,6 +220,22 @@ class PlannedDataset:
             remaining -= self.steps_in(epoch)
             epoch += 1
         return epoch, remaining * self.global_batch, step
+
+    def _advance(self, epoch: int, position: int, number: int, steps: int
+                 ) -> tuple[int, int, int]:
+        """`steps` global steps on from a state at (epoch, position), step `number`: the
+        rest of its epoch (drop-last), then whole epochs."""
+        left = (self.plan(epoch).size - position) // self.global_batch
+        if steps < left:
+            return epoch, position + steps * self.global_batch, number + steps
+        steps, number, epoch = steps - left, number + left, epoch + 1
+        while steps >= self.steps_in(epoch):
+            if self.steps_in(epoch) == 0:
+                raise ConfigError(f"{self.dataset.root}: an epoch holds fewer observations "
+                                  "than one global step")
+            steps, number, epoch = steps - self.steps_in(epoch), number + self.steps_in(epoch), \
+                epoch + 1
+        return epoch, steps * self.global_batch, number + steps
 
     def row_position(self, consumed: int) -> tuple[int, int]:
         """(epoch, position) of the row after `consumed` rows taken one after another across

@@ -34,7 +34,7 @@ SumsMemo = Callable[[tuple, Callable[[], np.ndarray]], np.ndarray]
 WASTE_WARNING = 0.05  # warn once when an epoch would not train this share of the tokens
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class PackingReport:
     """What one epoch's rows make of the data: tokens trained (used), not trained (cropped
     from documents, dropped with whole rows), and positions that hold no token (padding).
@@ -134,6 +134,12 @@ class PackingReport:
 
     def render(self) -> str:
         return "\n".join(self.lines())
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def __repr__(self) -> str:  # what a REPL shows for `loader.packing_report()`
+        return "PackingReport\n" + "\n".join("  " + line for line in self.lines())
 
     def with_loss_mask(self, trained: int | None, lengths: Iterable[np.ndarray], packing: str,
                        seq_len: int, overlong: str = "cut") -> PackingReport:

@@ -137,7 +137,8 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
           cache_dir: str | Path | None = None, weights: dict[str, float] | None = None,
           **knobs: Any) -> Iterator[TraceRecord]:
     """The pieces of `steps` steps from global step `step` (or from where `state`, a
-    loader's `state_dict()` or its JSON file, stands) on rank `rank` (None: every rank),
+    loader's `state_dict()` or its JSON file, stands; with both, from `step` steps after
+    the state's) on rank `rank` (None: every rank),
     as TraceRecords. `data`: a dataset path or URI, a mixture YAML or {name: path} (with
     `weights`, as the MixtureLoader's); the loader's knobs (mode, seed, packing, ...) as
     keywords, or taken from `state`; `text`: decode each piece (`tokenizer`: a
@@ -244,10 +245,9 @@ def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
     consumed = np.array([saved.sources[n].consumed if saved else 0 for n in names],
                         dtype=np.float64)
     number = saved.steps if saved is not None else 0
-    if step is not None and saved is None:
-        for _ in range(step):  # only the counts: O(sources) a step
-            consumed += allocate(weight, consumed, world_size * batch_size)
-        number = step
+    for _ in range(step or 0):  # from the start, or after the state; O(sources) a step
+        consumed += allocate(weight, consumed, world_size * batch_size)
+    number += step or 0
     for _ in range(steps):
         counts, rows = step_rows(weight, consumed, world_size, batch_size)
         for rank_of_row, row, index, nth in rows:
