@@ -476,7 +476,7 @@ def main() -> None:
         if seconds is not None:
             datatrove.append(seconds)
     on_cluster = []
-    if args.cluster and "fastokens" in ceilings:
+    if args.cluster:
         cluster = Cluster(args.workdir)
         try:
             run_raypipe(corpus, args.workdir / "raypipe-warm", tokenizer, "auto",
