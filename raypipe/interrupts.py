@@ -106,6 +106,11 @@ def deferred() -> Iterator[None]:
             raise Interrupted(signum)
 
 
+def stopping() -> bool:
+    """Whether this process is unwinding from SIGINT or SIGTERM."""
+    return _State.raised is not None
+
+
 def reset() -> None:
     """Forget a handled signal (a process that goes on after one: tests)."""
     _State.held = _State.raised = None

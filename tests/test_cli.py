@@ -172,6 +172,27 @@ def test_progress_prints_between_commits_with_an_honest_eta():
                          for line in after)
 
 
+def test_no_timed_progress_line_prints_while_ray_starts():
+    """Under load Ray may take half a minute to start: no "0/N units" line comes before
+    its "Ray up" line; timed lines resume after it."""
+    import io
+    import time
+
+    from raypipe.io.records import WorkUnit
+    from raypipe.preprocess.progress import Progress
+
+    units = [WorkUnit(f"u{i}.parquet", 0, 1, 10, f"u{i}", size_bytes=100) for i in range(2)]
+    log = io.StringIO()
+    with Progress(units, every=0.1, stream=log) as progress:
+        with progress.quiet():  # as the job holds it around the runner's connect()
+            time.sleep(0.6)
+        progress.note("Ray up in 25.81 s (2 CPUs)")
+        time.sleep(0.5)
+    lines = log.getvalue().splitlines()
+    assert lines[0] == "raypipe: Ray up in 25.81 s (2 CPUs)", lines
+    assert any("0/2 units" in line for line in lines[1:])
+
+
 def test_progress_leaves_the_first_unit_out_of_the_workers_rate_and_notes_ray_start():
     """The workers' first unit carries their start-up: the ETA's rate window opens when it
     commits, so one slow start is never extrapolated over the job; Ray's start-up is a line

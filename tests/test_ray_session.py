@@ -116,3 +116,24 @@ def test_a_dead_recorded_cluster_gives_one_line_and_a_local_ray_within_30_s(tmp_
     warnings = [line for line in done.stderr.splitlines() if "does not answer" in line]
     assert len(warnings) == 1 and "192.0.2.2:6390" in warnings[0], done.stderr[-2000:]
     assert "Failed to connect to GCS" not in done.stderr
+
+
+def test_ray_data_s_finished_notice_is_dropped_only_while_stopping_on_a_signal():
+    """After Ctrl-C, the Dataset whose iteration raypipe closed says "execution finished":
+    false then, so it is dropped; any other time it passes."""
+    import logging
+
+    from raypipe import interrupts
+    from raypipe.ray.session import quiet_ray_notices
+
+    quiet_ray_notices()
+    target = logging.getLogger("ray.data._internal.execution.streaming_executor")
+    record = target.makeRecord(target.name, logging.INFO, __file__, 1,
+                               "✔️ Dataset dataset_3_0 execution finished in 2.10 seconds",
+                               (), None)
+    assert target.filter(record)
+    interrupts._State.raised = 2  # as the SIGINT handler leaves it
+    try:
+        assert not target.filter(record)
+    finally:
+        interrupts.reset()

@@ -226,12 +226,14 @@ class Job:
         if source.progress_units:
             progress.await_workers()  # no ETA from a window holding Ray's start
         if not source.samples_without_runner:
-            self.runner.connect()
+            with progress.quiet():
+                self.runner.connect()
             progress.note(self.runner.startup_line())
             return check()
         with ThreadPoolExecutor(1, thread_name_prefix="raypipe-self-check") as pool:
             checked = pool.submit(check)
-            self.runner.connect()
+            with progress.quiet():
+                self.runner.connect()
             progress.note(self.runner.startup_line())
             return checked.result()
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TextIO
 
 from raypipe.io.records import UnitRecord, WorkUnit
@@ -51,6 +53,7 @@ class Progress:
         self.waiting_for_workers = False  # Ray and its actors starting (`await_workers`)
         self.window = (self.started, 0)  # (time, done weight) the workers' rate is taken from
         self.lines = 0
+        self.quiet_depth = 0  # open `quiet()` sections
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.timer: threading.Thread | None = None
@@ -71,8 +74,21 @@ class Progress:
         while not self.stopped.wait(min(self.every, 1.0)):
             with self.lock:
                 now = time.perf_counter()
-                if now - self.last_shown >= self.every:
+                if now - self.last_shown >= self.every and not self.quiet_depth:
                     self._show(now, finished=False)
+
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        """No timed line inside (Ray starting: a "0/N units" line before its "Ray up" line
+        says nothing); commits are still shown."""
+        with self.lock:
+            self.quiet_depth += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.quiet_depth -= 1
+                self.last_shown = time.perf_counter()  # the next timed line: `every` on
 
     def await_workers(self) -> None:
         """The workers are starting (Ray, its actors): hold the ETA until they commit, and

@@ -50,12 +50,28 @@ class DropNotices(logging.Filter):
         return not str(record.msg).startswith(self.starts)
 
 
+# Ray Data's notices that are false once raypipe stops on SIGINT/SIGTERM (the Dataset whose
+# iteration was closed reports itself finished)
+RAY_NOTICES_WHEN_STOPPING = {
+    "ray.data._internal.execution.streaming_executor": ("✔️ Dataset",),
+}
+
+
+class DropNoticesWhenStopping(DropNotices):
+    """Drops records whose message starts with one of `starts` while the process stops."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not interrupts.stopping() or super().filter(record)
+
+
 def quiet_ray_notices() -> None:
     """Install the RAY_NOTICES filters (once per process)."""
-    for name, starts in RAY_NOTICES.items():
-        target = logging.getLogger(name)
-        if not any(isinstance(each, DropNotices) for each in target.filters):
-            target.addFilter(DropNotices(starts))
+    for notices, kind in ((RAY_NOTICES, DropNotices),
+                          (RAY_NOTICES_WHEN_STOPPING, DropNoticesWhenStopping)):
+        for name, starts in notices.items():
+            target = logging.getLogger(name)
+            if not any(type(each) is kind for each in target.filters):
+                target.addFilter(kind(starts))
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None,
