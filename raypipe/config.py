@@ -89,14 +89,20 @@ def default_formats(chat: bool) -> tuple[str, ...]:
 
 
 def document_separators(formats: tuple[str, ...], bos: bool | None, eos: bool | None,
-                        chat: bool = False) -> tuple[bool, bool]:
-    """(bos, eos) as given, the unset ones by each ecosystem's habit: neither given, EOS
-    when every format is one whose ecosystem appends EOS (Megatron, MDS), else BOS; one
-    given, the other is its opposite (`--eos` alone means EOS is the separator). Chat data
-    adds neither unless asked: the rendered template is the document."""
+                        chat: bool = False) -> tuple[bool | None, bool | None]:
+    """(bos, eos) for every format of the job: as given, the unset one the opposite of the
+    one given (`--eos` alone means EOS is the separator). Neither given: each ecosystem's
+    habit, EOS for the formats whose ecosystem appends it (Megatron, MDS), else BOS; where
+    the job's document formats differ in it, (None, None): each format gets its own
+    (`format_separators`). A job with a batch format keeps one separator (its batches are
+    packed from the document shards): EOS only if every format is an EOS one. Chat data adds
+    neither unless asked: the rendered template is the document."""
     if chat:
         return bool(bos), bool(eos)
     if bos is None and eos is None:
+        habits = {name in EOS_FORMATS for name in formats}
+        if len(habits) > 1 and not any(is_batch_format(name) for name in formats):
+            return None, None
         eos_only = all(name in EOS_FORMATS for name in formats)
         return not eos_only, eos_only
     if bos is None:
@@ -149,14 +155,15 @@ class TokenizeConfig:
     train_on: str = option("assistant", help="chat: which tokens are trained: assistant "
                                              "(each assistant turn and its end), "
                                              "last-assistant, or all")
-    bos: bool | None = option(None, help="prepend BOS to every document (nanoGPT/nanochat "
-                                         "style; default: on, unless every format is one "
-                                         "of " + "/".join(EOS_FORMATS) + ", or --eos alone "
-                                         "is given)")
-    eos: bool | None = option(None, help="append EOS/EOD to every document (Megatron "
-                                         "--append-eod, LLM Foundry eos_text; default: on "
-                                         "when every format is one of "
-                                         + "/".join(EOS_FORMATS) + ", or --no-bos is given)")
+    bos: bool | None = option(None, help="prepend BOS to every document of every format "
+                                         "(nanoGPT/nanochat style; default: each format "
+                                         "its ecosystem's separator: EOS for "
+                                         + "/".join(EOS_FORMATS) + ", BOS for the others; "
+                                         "--eos alone means no BOS)")
+    eos: bool | None = option(None, help="append EOS/EOD to every document of every format "
+                                         "(Megatron --append-eod, LLM Foundry eos_text; "
+                                         "default: each format its ecosystem's separator; "
+                                         "--bos alone means no EOS)")
     bos_token: str | None = option(None, help="BOS token string (default: detected)")
     eos_token: str | None = option(None, help="EOS token string (default: detected)")
     shard_tokens: int = option(1 << 29, help="a shard rolls over before the document that "
@@ -273,7 +280,7 @@ class TokenizeConfig:
         object.__setattr__(self, "bos", bos)
         object.__setattr__(self, "eos", eos)
         self._check_chat()
-        if not self.bos and not self.eos and not self.chat:
+        if self.bos is False and self.eos is False and not self.chat:
             raise ConfigError(
                 "bos/eos: at least one of --bos/--eos is needed, or document boundaries are lost"
             )
@@ -297,6 +304,19 @@ class TokenizeConfig:
         first of them (a batch format alone: from the preferred document format)."""
         chosen = tuple(f for f in self.formats if not is_batch_format(f))
         return chosen if chosen else document_formats()[:1]
+
+    def format_separators(self, name: str) -> tuple[bool, bool]:
+        """(bos, eos) of format `name`: the job's, or (where its document formats differ in
+        their ecosystems' habit and no --bos/--eos was given) the format's own."""
+        if self.bos is not None and self.eos is not None:
+            return self.bos, self.eos
+        own_eos = name in EOS_FORMATS
+        return not own_eos, own_eos
+
+    @property
+    def per_format_separators(self) -> bool:
+        """Whether formats of this job get different separators."""
+        return self.bos is None
 
     @property
     def batch_formats(self) -> tuple[str, ...]:

@@ -75,8 +75,9 @@ class ShardSet:
         self.shards: tuple[ShardEntry, ...] = self.section.shards
         for shard in self.shards:
             self._check_file_names(shard)
-        self.bos_id: int | None = manifest.tokenizer.bos_id
-        self.eos_id: int | None = manifest.tokenizer.eos_id
+        self.tokenizer = manifest.tokenizer_for(format_name)  # its separators, its own
+        self.bos_id: int | None = self.tokenizer.bos_id
+        self.eos_id: int | None = self.tokenizer.eos_id
         self._readers: OrderedDict[int, Any] = OrderedDict()
         self.cache: ShardCache | None = None
         if self.store.local:
@@ -197,7 +198,7 @@ class ShardSet:
                                                                             refresh)
             self._pinned[index] = paths
         reader = self.format.reader.from_manifest(self.local_root, shard, self.section,
-                                                  self.manifest.tokenizer)
+                                                  self.tokenizer)
         self.check_reader(reader, shard)
         self._readers[index] = reader
         if self.cache is not None:
@@ -290,12 +291,12 @@ class TokenDataset(ShardSet):
         if self.cache is None:
             self._check_files(index)
             return self.format.reader.index_document_lengths(self.local_root, shard,
-                                                             self.manifest.tokenizer)
+                                                             self.tokenizer)
         paths = self._fetch(tuple(entry for entry in shard.files
                                   if entry.path.endswith(self.format.index_suffixes)))
         try:
             return self.format.reader.index_document_lengths(self.local_root, shard,
-                                                             self.manifest.tokenizer)
+                                                             self.tokenizer)
         finally:
             self.cache.unpin(paths)
 

@@ -153,7 +153,8 @@ def token_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
         write_parquet(root / "corpus" / f"part-{index}.parquet", corpus_texts[index:600:3],
                       row_group_rows=50)
     config = load_config(None, inputs=[str(root / "corpus")], output=str(root / "tokens"),
-                         tokenizer=tokenizer_path, shard_tokens=15_000, unit_bytes=1 << 30)
+                         tokenizer=tokenizer_path, shard_tokens=15_000, unit_bytes=1 << 30,
+                         bos=True)  # BOS-started documents in both formats
     run_job(config)
     return root / "tokens"
 

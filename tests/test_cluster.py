@@ -181,7 +181,7 @@ def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, co
     from raypipe.dataset import TokenDataset
 
     got = [d.tolist() for d in TokenDataset(tmp_path / "out").iter_documents()]
-    assert got == expected_documents(corpus_dir, tokenizer_path)
+    assert got == expected_documents(corpus_dir, tokenizer_path, bos=False, eos=True)
 
 
 @pytest.mark.ray

@@ -60,7 +60,7 @@ def test_shards_roll_at_shard_tokens_without_splitting_documents(tmp_path, corpu
         if units[index] == units[index + 1]:
             assert lengths[index].sum() + lengths[index + 1][0] > 3000, index
     got = [d.tolist() for d in dataset.iter_documents()]
-    assert got == expected_documents(corpus_dir, tokenizer_path)
+    assert got == expected_documents(corpus_dir, tokenizer_path, bos=False, eos=True)
 
 
 def test_rerun_of_finished_job_rewrites_nothing(tmp_path, corpus_dir, tokenizer_path):
@@ -92,7 +92,7 @@ def test_rerun_with_other_config_is_refused_unless_overwrite(tmp_path, corpus_di
                                                              tokenizer_path):
     run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path))
     before = file_identities(tmp_path / "out")
-    with pytest.raises(ConfigError, match=r"eos: False -> True"):
+    with pytest.raises(ConfigError, match=r"--eos: \(not set\) -> True"):
         run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, eos=True))
     assert file_identities(tmp_path / "out") == before
     run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, eos=True, overwrite=True))
@@ -388,21 +388,47 @@ def test_verify_names_files_the_manifest_does_not_list(tmp_path, corpus_dir, tok
 
 
 @pytest.mark.parametrize("formats,flags,separators", [
-    (["megatron"], {}, (False, True)),  # Megatron's --append-eod
-    (["mds"], {}, (False, True)),  # LLM Foundry's eos_text
-    (["megatron", "mds"], {}, (False, True)),
-    (["nanogpt"], {}, (True, False)),
-    (["megatron", "nanogpt"], {}, (True, False)),
-    (["megatron", "nanogpt"], {"eos": True}, (False, True)),  # --eos alone: EOS separates
-    (["megatron"], {"bos": True}, (True, False)),
-    (["nanogpt"], {"bos": False}, (False, True)),
-    (["megatron"], {"bos": True, "eos": True}, (True, True)),
+    (["megatron"], {}, {"megatron": (False, True)}),  # Megatron's --append-eod
+    (["mds"], {}, {"mds": (False, True)}),  # LLM Foundry's eos_text
+    (["megatron", "mds"], {}, {"megatron": (False, True), "mds": (False, True)}),
+    (["nanogpt"], {}, {"nanogpt": (True, False)}),
+    (["megatron", "nanogpt"], {}, {"megatron": (False, True), "nanogpt": (True, False)}),
+    (["megatron", "stream"], {}, {"megatron": (False, True), "stream": (True, False)}),
+    (["megatron", "nanogpt"], {"eos": True}, {"megatron": (False, True),
+                                              "nanogpt": (False, True)}),  # --eos alone
+    (["megatron", "llmbatch"], {"seq_len": 129, "batch_size": 4},
+     {"megatron": (True, False)}),  # batches are packed from it: one separator
+    (["megatron"], {"bos": True}, {"megatron": (True, False)}),
+    (["nanogpt"], {"bos": False}, {"nanogpt": (False, True)}),
+    (["megatron"], {"bos": True, "eos": True}, {"megatron": (True, True)}),
 ])
 def test_each_format_gets_its_ecosystems_separator_by_default(tmp_path, tokenizer_path,
                                                               formats, flags, separators):
     config = load_config(None, inputs=["x.parquet"], output=str(tmp_path / "out"),
                          tokenizer=tokenizer_path, formats=formats, **flags)
-    assert (config.bos, config.eos) == separators
+    assert {name: config.format_separators(name) for name in separators} == separators
+
+
+def test_a_default_job_ends_megatron_documents_with_eos_and_starts_nanogpt_ones_with_bos(
+        tmp_path, corpus_dir, tokenizer_path):
+    """No --format, no --bos/--eos: each format as its trainer expects it, the manifest
+    records each one's separators, and the summary names them."""
+    summary = run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, formats=None))
+    megatron = TokenDataset(tmp_path / "out", "megatron")
+    nanogpt = TokenDataset(tmp_path / "out", "nanogpt")
+    assert [d.tolist() for d in megatron.iter_documents()] == \
+        expected_documents(corpus_dir, tokenizer_path, bos=False, eos=True)
+    assert [d.tolist() for d in nanogpt.iter_documents()] == \
+        expected_documents(corpus_dir, tokenizer_path, bos=True, eos=False)
+    eos, bos = megatron.eos_id, nanogpt.bos_id
+    assert (megatron.bos_id, nanogpt.eos_id) == (None, None) and None not in (bos, eos)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["formats"]["megatron"]["separators"] == {"bos_id": None, "eos_id": eos}
+    assert manifest["formats"]["nanogpt"]["separators"] == {"bos_id": bos, "eos_id": None}
+    assert megatron.num_tokens == nanogpt.num_tokens == summary.tokens
+    rendered = summary.render()
+    assert "megatron: EOS <|eos|> after each document" in rendered
+    assert "nanogpt: BOS <|bos|> before each document" in rendered
 
 
 def test_megatron_output_with_eos_has_one_separator_between_documents(tmp_path, corpus_dir,

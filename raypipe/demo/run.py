@@ -1,12 +1,19 @@
 """`raypipe demo`: gather the docstring corpus, tokenize it on a local Ray into Megatron and
-NanoGPT shards, read a document back from both, print the summary, then feed a few packed
-batches through the loader, checkpoint its position and resume it at two ranks."""
+NanoGPT shards (each with its own separator), read a document back from both, print the
+summary, then feed a few packed batches through the loader, checkpoint its position and
+resume it at two ranks."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from raypipe.demo.train_tokenizer import SHIPPED
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from raypipe.dataset import TokenDataset
 
 
 def run_demo(output: Path, num_workers: int | None = None) -> None:
@@ -27,14 +34,23 @@ def run_demo(output: Path, num_workers: int | None = None) -> None:
     summary = run_tokenize(config)
     print(summary.render())
     datasets = [TokenDataset(output / "tokens", name) for name in DEFAULT_FORMATS]
-    firsts = [dataset.reader(0).document(0) for dataset in datasets]
-    assert all((first == firsts[0]).all() for first in firsts)  # every format, same tokens
+    firsts = [content(dataset, dataset.reader(0).document(0)) for dataset in datasets]
+    assert all((first == firsts[0]).all() for first in firsts)  # every format, same text
     from tokenizers import Tokenizer
 
     text = Tokenizer.from_file(str(SHIPPED)).decode(firsts[0].tolist())
     print(f"first document of {datasets[0].shards[0].name} ({firsts[0].size} tokens, the "
-          f"same in {' and '.join(DEFAULT_FORMATS)}): {text[:160]!r}...")
+          f"same in {' and '.join(DEFAULT_FORMATS)}, each with its own separator): "
+          f"{text[:160]!r}...")
     demo_loader(output / "tokens")
+
+
+def content(dataset: TokenDataset, document: np.ndarray) -> np.ndarray:
+    """A stored document without the separators its format adds (BOS first, EOS last)."""
+    start = int(dataset.bos_id is not None and document.size and document[0] == dataset.bos_id)
+    stop = document.size - int(dataset.eos_id is not None and document.size > start
+                               and document[-1] == dataset.eos_id)
+    return document[start:stop]
 
 
 def demo_loader(tokens: Path) -> None:

@@ -389,6 +389,18 @@ class UnitRecord(JsonRecord):
         return self.unit.members[member], row - int(ends[member] - self.member_rows[member])
 
 
+def separators_of(value: Any, where: str) -> dict[str, int | None] | None:
+    """A format section's own separators, checked: {"bos_id": id or null, "eos_id": ...}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"bos_id", "eos_id"} or not all(
+            token is None or (isinstance(token, int) and token >= 0)
+            for token in value.values()):
+        raise FormatError(where, "separators must be {bos_id, eos_id}, each a token id or "
+                          "null", None, value)
+    return {"bos_id": value["bos_id"], "eos_id": value["eos_id"]}
+
+
 @dataclass(frozen=True)
 class FormatSection(JsonRecord):
     """One format of a dataset: token dtype, shards in order, and the format's own options
@@ -397,6 +409,10 @@ class FormatSection(JsonRecord):
     dtype: str
     shards: tuple[ShardEntry, ...]
     options: dict[str, Any] = field(default_factory=dict)
+    # where this format's separators are its own (a job whose formats follow different
+    # ecosystems: Megatron EOS, NanoGPT BOS): {"bos_id": ..., "eos_id": ...}; None: the
+    # tokenizer section's
+    separators: dict[str, int | None] | None = None
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> FormatSection:
@@ -404,15 +420,16 @@ class FormatSection(JsonRecord):
             raise FormatError(where, "format section is not a JSON object")
         core = {"dtype": data.get("dtype"), "shards": data.get("shards")}
         section = _from_json(cls, core, where)
-        options = {k: v for k, v in data.items() if k not in ("dtype", "shards")}
+        options = {k: v for k, v in data.items() if k not in ("dtype", "shards", "separators")}
         shards = _tuple_of(ShardEntry, section.shards, where)
         for shard in shards:
             shard.check(where)
-        return cls(section.dtype, shards, options)
+        return cls(section.dtype, shards, options, separators_of(data.get("separators"), where))
 
     def to_json(self) -> dict[str, Any]:
+        own = {} if self.separators is None else {"separators": dict(self.separators)}
         return {"dtype": self.dtype, "shards": [_plain(s) for s in self.shards],
-                **self.options}
+                **self.options, **own}
 
     @property
     def bytes(self) -> int:
@@ -540,6 +557,14 @@ class Manifest(JsonRecord):
         if self.converted_from is None:
             del data["converted_from"]
         return data
+
+    def tokenizer_for(self, name: str) -> TokenizerInfo:
+        """The tokenizer as format `name`'s shards hold it: with that format's own
+        separators where it has them (every reader of a format asks here)."""
+        section = self.formats.get(name)
+        if section is None or section.separators is None:
+            return self.tokenizer
+        return dataclasses.replace(self.tokenizer, **section.separators)
 
     def with_format(self, name: str, section: FormatSection) -> Manifest:
         formats = {**self.formats, name: section}

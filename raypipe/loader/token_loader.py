@@ -223,7 +223,9 @@ class TokenLoader:
 
     @property
     def tokenizer(self) -> TokenizerInfo:
-        return self.dataset.manifest.tokenizer
+        """The tokenizer as this loader's format holds it (its own separators, where the
+        job gave formats their own)."""
+        return self.dataset.tokenizer
 
     def close(self) -> None:
         """Stop background shard fetches and close open shards (object storage)."""

@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 
 from raypipe.config import TokenizeConfig, dump_config_yaml
 from raypipe.errors import ConfigError, InputError
-from raypipe.formats import get_format, write_dataset_indexes
+from raypipe.formats import get_format, is_batch_format, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.lock import output_lock
 from raypipe.io.manifest import CONFIG_NAME, read_manifest, shard_table, write_manifest
@@ -74,8 +74,10 @@ class Resolved:
 
 def resolve(config: TokenizeConfig) -> Resolved:
     tokenizer = load_tokenizer(config.tokenizer)
-    info = describe_tokenizer(tokenizer, config.tokenizer, config.bos, config.eos,
-                              config.bos_token, config.eos_token)
+    separators = [config.format_separators(name) for name in config.document_formats]
+    info = describe_tokenizer(tokenizer, config.tokenizer, any(b for b, _ in separators),
+                              any(e for _, e in separators), config.bos_token,
+                              config.eos_token, one_each=config.per_format_separators)
     template, identity = None, info.sha256
     if config.chat:  # the template shapes the output: its hash joins the fingerprint
         template = resolve_template(config.chat_template, config.tokenizer, tokenizer,
@@ -207,7 +209,8 @@ class Job:
                             "recorded in the manifest", run_seconds=run_seconds,
                             units_removed=removed, noun=source.noun,
                             files_passed_over=source.passed_over,
-                            bad_files=manifest.bad_files, input_bytes=source.input_bytes())
+                            bad_files=manifest.bad_files, input_bytes=source.input_bytes(),
+                            separators=separator_lines(manifest, self.resolved.tokenizer))
         warn_bad_files(summary)
         refuse_empty(config, summary, source.label)
         return summary
@@ -335,6 +338,23 @@ def summarize(config: TokenizeConfig, manifest: Manifest, output: Store, started
         backend=manifest.tokenizer.backend, backend_reason=backend_reason, **extra)
 
 
+def separator_lines(manifest: Manifest, tokenizer: Tokenizer) -> dict[str, str]:
+    """Per document format, the separators its documents carry, by token (the summary's
+    `separators` line: a job whose formats follow different ecosystems writes each its
+    own)."""
+    lines = {}
+    for name in manifest.formats:
+        if is_batch_format(name):
+            continue
+        info = manifest.tokenizer_for(name)
+        parts = [f"{kind} {tokenizer.id_to_token(token)} {where} each document"
+                 for kind, token, where in (("BOS", info.bos_id, "before"),
+                                            ("EOS", info.eos_id, "after"))
+                 if token is not None]
+        lines[name] = ", ".join(parts) or "none"
+    return lines
+
+
 def format_lines(manifest: Manifest) -> dict[str, str]:
     """Per format, the summary's line on what it made of the tokens: a batch format's
     packing, or the format's own (MDS concatenated into fixed-length samples)."""
@@ -364,5 +384,9 @@ def build_manifest(config: TokenizeConfig, settings: UnitSettings,
     formats = {name: get_format(name).section(largest_id, shard_table(records, name),
                                               config.format_options(name).to_json())
                for name in settings.formats}
+    if config.per_format_separators:  # each format's own, recorded with it
+        formats = {name: dataclasses.replace(section, separators=dict(zip(
+                       ("bos_id", "eos_id"), settings.separator_ids(name), strict=True)))
+                   for name, section in formats.items()}
     return Manifest.build(settings.fingerprint, settings.tokenizer, formats, config.to_dict(),
                           records, bad_files=bad_files)

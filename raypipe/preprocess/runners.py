@@ -68,7 +68,7 @@ def make_encoder(settings: UnitSettings, tokenizer: Tokenizer | None = None
     if tokenizer is None:
         tokenizer = (Tokenizer.from_str(settings.tokenizer_json) if settings.tokenizer_json
                      else load_tokenizer(settings.tokenizer.spec))
-    return DocumentEncoder(tokenizer, settings.tokenizer.bos_id, settings.tokenizer.eos_id,
+    return DocumentEncoder(tokenizer, *settings.encoder_separators,
                            settings.config.special_tokens_in_text, settings.tokenizer.backend)
 
 

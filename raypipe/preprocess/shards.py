@@ -24,6 +24,7 @@ from raypipe.errors import StorageError
 from raypipe.formats import DocumentMetadata, Format, FormatOptions, ShardWriter, get_format
 from raypipe.io.records import UnitShard
 from raypipe.io.staging import Staging
+from raypipe.preprocess.encoding.encoder import with_separators
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,31 @@ class ShardSpec:
     largest_id: int
     bos_id: int | None
     format_options: dict[str, FormatOptions] = field(default_factory=dict)
+    # each format's own (BOS id, EOS id), added here to documents that come without them
+    # (a job whose formats follow different ecosystems); None: documents come with theirs
+    separators: dict[str, tuple[int | None, int | None]] | None = None
 
     def token_dtypes(self) -> dict[str, np.dtype]:
         return {name: get_format(name).token_dtype(self.largest_id) for name in self.formats}
+
+    def bos_of(self, name: str) -> int | None:
+        return self.separators[name][0] if self.separators is not None else self.bos_id
+
+    def with_separators(self, tokens: np.ndarray, lengths: np.ndarray
+                        ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Per format, the documents' tokens as it stores them, and their lengths (every
+        format adds the same number of separators to a document, so boundaries agree)."""
+        if self.separators is None:
+            return {name: tokens for name in self.formats}, lengths
+        made: dict[tuple[int | None, int | None], tuple[np.ndarray, np.ndarray]] = {}
+        for pair in self.separators.values():
+            if pair not in made:
+                made[pair] = with_separators(tokens, lengths, *pair)
+        counts = {int(pair[0] is not None) + int(pair[1] is not None) for pair in made}
+        if len(counts) != 1:
+            raise ValueError(f"formats add different numbers of separators: {self.separators}")
+        full_lengths = next(iter(made.values()))[1]
+        return {name: made[self.separators[name]][0] for name in self.formats}, full_lengths
 
 
 class ShardRoller:
@@ -63,7 +86,7 @@ class ShardRoller:
         if not self.number_parts and not self.shards:
             name = self.unit_name
         self.writers = [fmt.writer(self.output / fmt.name, name, self.dtypes[fmt.name],
-                                   self.spec.bos_id, **self._options(fmt.name))
+                                   self.spec.bos_of(fmt.name), **self._options(fmt.name))
                         for fmt in self.formats]
         self.open_tokens = self.open_documents = 0
 
@@ -97,7 +120,10 @@ class ShardRoller:
     def add(self, tokens: np.ndarray, lengths: np.ndarray,
             metadata: list[DocumentMetadata] | None = None,
             loss_mask: np.ndarray | None = None) -> None:
-        """Append whole documents (and, for chat data, their tokens' loss mask)."""
+        """Append whole documents (and, for chat data, their tokens' loss mask); where
+        the spec gives formats their own separators, `tokens` and `lengths` are the
+        documents' content and each format's writer gets them with its own."""
+        stored, lengths = self.spec.with_separators(tokens, lengths)
         ends = np.cumsum(lengths)
         first = 0
         while first < len(lengths):
@@ -110,15 +136,16 @@ class ShardRoller:
             if not self.writers:
                 self._open()
             stop = first + max(fitting, 1)
-            chunk = tokens[base:int(ends[stop - 1])]
+            end = int(ends[stop - 1])
             chunk_metadata = metadata[first:stop] if metadata is not None else None
-            for writer in self.writers:
+            for fmt, writer in zip(self.formats, self.writers, strict=True):
                 with storage_errors(writer):
                     faults.point("write", self.unit_name, path=writer.directory / writer.name)
                     if loss_mask is not None:
-                        writer.add_loss_mask(loss_mask[base:int(ends[stop - 1])])
-                    writer.add(chunk, lengths[first:stop], chunk_metadata)
-            self.open_tokens += int(chunk.size)
+                        writer.add_loss_mask(loss_mask[base:end])
+                    writer.add(stored[fmt.name][base:end], lengths[first:stop],
+                               chunk_metadata)
+            self.open_tokens += end - base
             self.open_documents += stop - first
             first = stop
             if first < len(lengths):

@@ -50,6 +50,7 @@ class JobSummary:
     trained_tokens: int | None = None  # chat data: tokens its loss mask trains
     bad_files: tuple[BadFile, ...] = ()  # input files skipped under skip_bad_files
     input_bytes: int = 0  # bytes of the input files (bad files included)
+    separators: dict[str, str] = field(default_factory=dict)  # format -> what it writes
 
     @property
     def bad_share(self) -> float:
@@ -98,6 +99,9 @@ class JobSummary:
             f"  special-token literals in {self.special_literals:,} documents (encoded as "
             f"{'plain text' if self.special_policy == 'text' else 'special ids'})",
             f"  tokens     {self.tokens:,} ({self.tokens_run:,} this run)",
+            *([] if not self.separators else [
+                "  separators " + "; ".join(f"{name}: {what}"
+                                            for name, what in self.separators.items())]),
             *([] if self.trained_tokens is None else [
                 f"  trained    {self.trained_tokens:,} tokens by the loss mask "
                 f"({self.trained_tokens / max(self.tokens, 1):.1%}; chat data)"]),

@@ -78,10 +78,42 @@ class UnitSettings:
         first = config.chat_columns if config.chat else [config.text_column]
         return list(dict.fromkeys([*first, *(extra if self.wants_metadata else [])]))
 
+    def separator_ids(self, name: str) -> tuple[int | None, int | None]:
+        """(BOS id, EOS id) format `name` writes around each document (None: not that one)."""
+        bos, eos = self.config.format_separators(name)
+        return (self.tokenizer.bos_id if bos else None, self.tokenizer.eos_id if eos else None)
+
+    @property
+    def encoder_separators(self) -> tuple[int | None, int | None]:
+        """What the encoder adds: the job's separators, or none where each format adds its
+        own (the shard writer then does)."""
+        if self.config.per_format_separators:
+            return None, None
+        return self.tokenizer.bos_id, self.tokenizer.eos_id
+
+    @property
+    def metadata_has_bos(self) -> bool:
+        """Whether the documents of the format that keeps metadata start with BOS (its
+        span records count token positions from there)."""
+        keeping = [name for name in self.formats
+                   if document_format(name).wants_metadata(self.config.format_options(name))]
+        return any(self.separator_ids(name)[0] is not None for name in keeping[:1])
+
+    @property
+    def added_separators(self) -> int:
+        """Separators the shard writer adds to each document (the same count in every
+        format), where the encoder adds none."""
+        if not self.config.per_format_separators:
+            return 0
+        return sum(token is not None for token in self.separator_ids(self.formats[0]))
+
     def shard_spec(self) -> ShardSpec:
+        own = ({name: self.separator_ids(name) for name in self.formats}
+               if self.config.per_format_separators else None)
         return ShardSpec(self.output.uri, self.formats, self.config.shard_tokens,
                          self.tokenizer.largest_id, self.tokenizer.bos_id,
-                         {name: self.config.format_options(name) for name in self.formats})
+                         {name: self.config.format_options(name) for name in self.formats},
+                         own)
 
 
 REJECTS_KEPT = 100  # skipped rows a unit names in its record (the rest are counted)
@@ -214,7 +246,7 @@ class TextBatches:
 
     def __init__(self, unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder):
         self.config, self.encoder = settings.config, encoder
-        self.metadata = (MetadataBuilder(unit, settings, encoder.bos_id is not None)
+        self.metadata = (MetadataBuilder(unit, settings, settings.metadata_has_bos)
                          if settings.wants_metadata else None)
 
     def __call__(self, batch: pa.RecordBatch, first_row: int) -> EncodedBatch:
@@ -255,7 +287,7 @@ class ChatBatches:
         self.unit, self.config, self.encoder = unit, settings.config, encoder
         self.chat = chat_encoder(settings, encoder)
         self.malformed = MalformedRows()
-        self.metadata = (MetadataBuilder(unit, settings, encoder.bos_id is not None)
+        self.metadata = (MetadataBuilder(unit, settings, settings.metadata_has_bos)
                          if settings.wants_metadata else None)
         self.separated = any(document_format(name).finds_documents_by_separator
                              for name in settings.formats)
@@ -322,13 +354,14 @@ class UnitTally:
     member_rows: list[int] = field(default_factory=list)
     bad_files: list[BadFile] = field(default_factory=list)
     reading_cpu_seconds: float = 0.0  # the read-ahead threads' (a group's files)
+    added_per_document: int = 0  # separators the shard writer adds to each document
 
     def add(self, done: EncodedBatch, num_rows: int) -> None:
         self.skipped.update(done.skipped)
         self.skipped_runs.add(done.kept, num_rows, self.rows)
         self.rows += num_rows
         self.documents += len(done.lengths)
-        self.tokens += int(done.tokens.size)
+        self.tokens += int(done.tokens.size) + self.added_per_document * len(done.lengths)
         self.special_literals += done.special_literals
         if done.loss_mask is not None:
             self.trained_tokens += int(done.loss_mask.sum())
@@ -344,7 +377,7 @@ def tokenize_unit(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncod
     store = settings.output
     staging = Staging(store)
     roller = ShardRoller(settings.shard_spec(), unit.name, staging=staging)
-    tally = UnitTally()
+    tally = UnitTally(added_per_document=settings.added_separators)
     try:
         if unit.kind == "group":
             tokenize_group(unit, settings, encoder, roller, tally)

@@ -30,7 +30,7 @@ from raypipe.formats import (
 )
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.manifest import MANIFEST_NAME, as_store, read_manifest, write_manifest
-from raypipe.io.records import Manifest, ShardEntry
+from raypipe.io.records import Manifest, ShardEntry, TokenizerInfo
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
 from raypipe.preprocess.batch_packing import BatchSpec, pack_batches
@@ -101,6 +101,16 @@ def _flush(roller: ShardRoller, pending: list[Document]) -> None:
         pending.clear()
 
 
+def _source_tokenizer(src: Store, manifest: Manifest, source_format: str | None
+                      ) -> TokenizerInfo:
+    """The tokenizer as the converted documents hold it: the source format's separators
+    (in a job whose formats had their own, the one `_source_documents` reads)."""
+    batches_named = source_format is not None and is_batch_format(source_format)
+    if not batches_named and any(name in manifest.formats for name in document_formats()):
+        return TokenDataset(src, source_format, manifest=manifest).tokenizer
+    return manifest.tokenizer
+
+
 def _check_chat_target(source: Store, manifest: Manifest, format_name: str) -> bool:
     """Whether the source is chat data (its loss mask goes with it); refuses a target
     that cannot hold the mask, or cannot find conversations without a separator."""
@@ -135,7 +145,7 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
     target.delete_tree(format_name)
     if target.local:
         remove_stale_temps(target.root)
-    info = manifest.tokenizer
+    info = _source_tokenizer(source, manifest, source_format)
     chat = _check_chat_target(source, manifest, format_name)
     fingerprint = hashlib.sha256(f"{manifest.fingerprint}->{format_name}".encode()
                                  ).hexdigest()[:16]

@@ -150,7 +150,10 @@ def inspect_output(root: str | Path | Store, samples: int = 3, tokenizer: str | 
              f"   skipped {totals.skipped or 'none'}"]
     decoder = _decoder(manifest, tokenizer)
     for name, section in manifest.formats.items():
-        lines.append(f"format {name}: dtype {section.dtype}, {len(section.shards)} shards")
+        own = "" if section.separators is None else (
+            f", its own separators: bos {section.separators['bos_id']}, "
+            f"eos {section.separators['eos_id']}")
+        lines.append(f"format {name}: dtype {section.dtype}, {len(section.shards)} shards{own}")
         if is_batch_format(name):
             lines += _inspect_llmbatch(root, manifest, section, samples, decoder)
             continue

@@ -84,13 +84,14 @@ def resolve_special_id(tokenizer: Tokenizer, token: str | None, candidates: tupl
 
 
 def describe_tokenizer(tokenizer: Tokenizer, spec: str, bos: bool, eos: bool,
-                       bos_token: str | None = None,
-                       eos_token: str | None = None) -> TokenizerInfo:
+                       bos_token: str | None = None, eos_token: str | None = None,
+                       one_each: bool = False) -> TokenizerInfo:
     """The tokenizer's identity and separator ids; refuses BOS and EOS that are one token
-    (GPT-2's <|endoftext|>): every boundary would hold it twice in a row."""
+    (GPT-2's <|endoftext|>): every boundary would hold it twice in a row (`one_each`: no
+    format writes both, each format its own one)."""
     bos_id = resolve_special_id(tokenizer, bos_token, BOS_CANDIDATES, "bos") if bos else None
     eos_id = resolve_special_id(tokenizer, eos_token, EOS_CANDIDATES, "eos") if eos else None
-    if bos_id is not None and bos_id == eos_id:
+    if bos_id is not None and bos_id == eos_id and not one_each:
         raise ConfigError(f"{spec}: BOS and EOS are the same token "
                           f"({tokenizer.id_to_token(bos_id)!r}, id {bos_id}), so --bos with "
                           "--eos would write it twice between documents; keep one: --no-bos "
