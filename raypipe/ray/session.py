@@ -10,7 +10,8 @@ RECORD_PROBE_SECONDS is named in one warning and a local session starts instead)
 exiting interpreter stops it through Ray's own exit hook. Cost, measured with ray 2.60 on 2
 cores: starting a local session is 3-5 s (reported separately as start-up in summaries);
 stopping it 0.3 s, where a plain `ray.shutdown()` takes 1.35 s and an interpreter exit 2 s
-(see `stop_autoscaler_monitor`).
+(see `stop_autoscaler_monitor`); probing a `ray start` record: one TCP connect per job
+(refused at once on loopback, at most RECORD_PROBE_SECONDS where the address drops packets).
 """
 
 from __future__ import annotations

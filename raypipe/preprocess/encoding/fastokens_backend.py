@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.errors import InputError
+from raypipe.preprocess.encoding.loading import cannot_load
 
 _MODELS: dict[str, Any] = {}
 
@@ -39,13 +40,8 @@ def model_for(tokenizer: Any, sha256: str) -> Any:
 
 
 def why_not(tokenizer: Any, sha256: str) -> str | None:
-    """None if fastokens loads this tokenizer.json, else why not (its ids are checked by the
-    self-check, not here)."""
-    try:
-        model_for(tokenizer, sha256)
-    except Exception as exc:  # noqa: BLE001  (the library raises its own types)
-        return f"fastokens cannot load it: {str(exc)[:200]}"
-    return None
+    """None if fastokens loads this tokenizer.json, else why not."""
+    return cannot_load("fastokens", lambda: model_for(tokenizer, sha256))
 
 
 class FastokensIds:

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from raypipe.preprocess.encoding.fastokens_backend import raise_lone_surrogate
+from raypipe.preprocess.encoding.loading import cannot_load
 
 _MODELS: dict[tuple[str, str], Any] = {}
 
@@ -60,13 +61,8 @@ def model_for(tokenizer: Any, sha256: str, special_tokens_in_text: str = "specia
 
 
 def why_not(tokenizer: Any, sha256: str) -> str | None:
-    """None if gigatoken loads this tokenizer.json as a BPE, else why not (its ids are
-    checked by the self-check, not here)."""
-    try:
-        model_for(tokenizer, sha256)
-    except Exception as exc:  # noqa: BLE001  (the library raises its own types)
-        return f"gigatoken cannot load it: {str(exc)[:200]}"
-    return None
+    """None if gigatoken loads this tokenizer.json as a BPE, else why not."""
+    return cannot_load("gigatoken", lambda: model_for(tokenizer, sha256))
 
 
 class GigatokenIds:
