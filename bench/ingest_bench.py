@@ -188,8 +188,27 @@ def units_case(cluster: Cluster, workdir: Path, pool: list[str], units: int
              f"{one['driver_cpu']:.2f}", "1", str(one["shards"]), f"{outside_ms(one):.0f}")]
 
 
-def s3_case(workdir: Path, pool: list[str], files: int, latency_ms: float
-            ) -> list[tuple[str, ...]]:
+class SlowBucket:
+    """moto's S3 server behind a loopback proxy adding `latency_ms` to every request; the
+    environment points at the proxy, so a cluster started after it reaches the bucket
+    through the proxy too."""
+
+    def __init__(self, latency_ms: float):
+        os.environ.pop("AWS_ENDPOINT_URL", None)  # this bench's own server, always
+        self.moto = start_moto()
+        self.direct_url = os.environ["AWS_ENDPOINT_URL"]  # the bench's uploads skip the proxy
+        port = int(self.direct_url.rsplit(":", 1)[1])
+        self.proxy = LatencyProxy(port, latency_ms).start()
+        os.environ["AWS_ENDPOINT_URL"] = self.proxy.url
+
+    def stop(self) -> None:
+        self.proxy.stop()
+        if self.moto is not None:
+            self.moto.terminate()
+
+
+def s3_case(cluster: Cluster, bucket: SlowBucket, workdir: Path, pool: list[str], files: int,
+            latency_ms: float) -> list[tuple[str, ...]]:
     """Small files on the S3-protocol server behind the latency proxy: planning, the first
     run and a rerun, with requests counted."""
     import boto3
@@ -198,38 +217,27 @@ def s3_case(workdir: Path, pool: list[str], files: int, latency_ms: float
     from raypipe.preprocess.inputs import find_inputs
     from raypipe.preprocess.planning import plan_inputs
 
-    os.environ.pop("AWS_ENDPOINT_URL", None)  # this bench's own server, always
-    moto = start_moto()
-    client = boto3.client("s3")
-    client.create_bucket(Bucket="ingest")
     local = workdir / f"s3-{files}"
     if not (local / "done").exists():
         shutil.rmtree(local, ignore_errors=True)
         small_files(local / "in", pool, files, seed=2)
         (local / "done").touch()
+    client = boto3.client("s3", endpoint_url=bucket.direct_url)
+    client.create_bucket(Bucket="ingest")
     for path in sorted((local / "in").glob("*.parquet")):
         client.upload_file(str(path), "ingest", f"in/{path.name}")
-    port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
-    proxy = LatencyProxy(port, latency_ms).start()
-    os.environ["AWS_ENDPOINT_URL"] = proxy.url
-    cluster = Cluster(workdir)  # its processes reach the server through the proxy
-    try:
-        began = time.perf_counter()
-        found = find_inputs(["s3://ingest/in"])
-        plan = plan_inputs(found, ["text"], UNIT_BYTES)
-        planning, plan_requests = time.perf_counter() - began, proxy.total
-        before = proxy.total
-        first = run_job(cluster, ["s3://ingest/in"], "s3://ingest/out")
-        first_requests = proxy.total - before
-        before = proxy.total
-        rerun = run_job(cluster, ["s3://ingest/in"], "s3://ingest/out")
-        rerun_requests = proxy.total - before
-        assert Store("s3://ingest/out").exists("manifest.json") and rerun["units_run"] == 0
-    finally:
-        cluster.stop()
-        proxy.stop()
-        if moto is not None:
-            moto.terminate()
+    proxy = bucket.proxy
+    began, before = time.perf_counter(), proxy.total
+    found = find_inputs(["s3://ingest/in"])
+    plan = plan_inputs(found, ["text"], UNIT_BYTES)
+    planning, plan_requests = time.perf_counter() - began, proxy.total - before
+    before = proxy.total
+    first = run_job(cluster, ["s3://ingest/in"], "s3://ingest/out")
+    first_requests = proxy.total - before
+    before = proxy.total
+    rerun = run_job(cluster, ["s3://ingest/in"], "s3://ingest/out")
+    rerun_requests = proxy.total - before
+    assert Store("s3://ingest/out").exists("manifest.json") and rerun["units_run"] == 0
     return [
         (f"S3 +{latency_ms:.0f} ms: plan {files:,} files", f"{planning:.1f} (<= 20 s)", "",
          "", str(len(plan.units)), "", f"{plan_requests / files:.2f} requests a file"),
@@ -275,7 +283,8 @@ def main() -> None:
     pool = texts_pool(args.pool_chars)
     rows = [("case", "wall s", "vs 8 files", "driver CPU s", "units", "shards",
              "outside units, ms a unit")]
-    cluster = Cluster(workdir)
+    bucket = SlowBucket(args.latency_ms) if args.s3_files else None
+    cluster = Cluster(workdir)  # one cluster for every case; it reaches the bucket's proxy
     try:
         for files in [int(n) for n in args.files.split(",") if n]:
             rows += files_case(cluster, workdir, pool, files, args.big_mb)
@@ -283,10 +292,12 @@ def main() -> None:
             rows += units_case(cluster, workdir, pool, args.units)
         if args.giant_mb:
             rows += giant_case(cluster, workdir, pool, args.giant_mb)
+        if bucket is not None:
+            rows += s3_case(cluster, bucket, workdir, pool, args.s3_files, args.latency_ms)
     finally:
         cluster.stop()
-    if args.s3_files:
-        rows += s3_case(workdir, pool, args.s3_files, args.latency_ms)
+        if bucket is not None:
+            bucket.stop()
     print_table(rows)
 
 

@@ -5,6 +5,7 @@ integration tests that ask for it."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import subprocess
@@ -18,35 +19,48 @@ import pyarrow.parquet as pq
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# A session's own Ray temp dir: a plain `ray.init()` or `ray start` here never finds (or
-# leaves) another session's cluster record. Short, for Ray's unix socket paths.
-if "RAY_TMPDIR" not in os.environ:
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rp-", dir="/tmp")
-    OWN_RAY_TMPDIR: str | None = os.environ["RAY_TMPDIR"]
-else:
-    OWN_RAY_TMPDIR = None
-# Ray turns 127.0.0.1 into the machine's routable address unless it thinks it runs on a
-# laptop; this keeps every Ray node of the tests on loopback.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-# raypipe's node-local caches (shards of object-storage datasets, self-check verdicts), the
-# staging directory of uploads and pytest's own temp root: this session's, never shared
-# with another run or the user's (~/.cache/raypipe, <tmp>/raypipe-staging), removed at
-# the end of the session. Made once, by the pytest process: a Ray worker that imports this
-# module (a test function shipped by reference) inherits the variables and makes none.
+# Every pytest process (the session's, or each pytest-xdist worker of it) gets its own
+# directories: Ray's temp dir (a plain `ray.init()` or `ray start` here never finds or
+# leaves another process's cluster record; short, for Ray's unix socket paths), raypipe's
+# node-local caches (shards of object-storage datasets, self-check verdicts), the staging
+# directory of uploads and pytest's own temp root; never shared with another run or the
+# user's (~/.cache/raypipe, <tmp>/raypipe-staging), removed when the process ends. A Ray
+# worker that imports this module (a test function shipped by reference) inherits its test
+# process's directories and makes none. A variable the user set before pytest is kept.
+TEST_PROCESS = os.environ.get("PYTEST_XDIST_WORKER", "main")
+MADE_BY_A_TEST_PROCESS = "RAYPIPE_TEST_MADE"  # "<process>:<variable>,<variable>"
 OWNED_DIRS: list[str] = []
 
 
+def _made_by_another_test_process() -> set[str]:
+    """The directory variables a parent pytest process made (an xdist worker remakes
+    them), or none in a Ray worker of this process or in the session's own process."""
+    process, _, names = os.environ.get(MADE_BY_A_TEST_PROCESS, "").partition(":")
+    return set(names.split(",")) - {""} if process and process != TEST_PROCESS else set()
+
+
+_INHERITED = _made_by_another_test_process()
+_MADE: list[str] = []
+
+
 def _session_dir(variable: str, name: str) -> str:
-    if variable not in os.environ:
+    if variable not in os.environ or variable in _INHERITED:
         os.environ[variable] = tempfile.mkdtemp(prefix=f"rp-{name}-", dir="/tmp")
         OWNED_DIRS.append(os.environ[variable])
+        _MADE.append(variable)
     return os.environ[variable]
 
 
 SESSION_DIRS = [_session_dir("RAYPIPE_CACHE_DIR", "cache"),
                 _session_dir("RAYPIPE_STAGING_DIR", "staging"),
-                _session_dir("RAYPIPE_TEST_PYTEST_DIR", "pytest")]
+                _session_dir("RAYPIPE_TEST_PYTEST_DIR", "pytest"),
+                _session_dir("RAY_TMPDIR", "ray")]
+if _MADE:
+    os.environ[MADE_BY_A_TEST_PROCESS] = f"{TEST_PROCESS}:{','.join(_MADE)}"
+# Ray turns 127.0.0.1 into the machine's routable address unless it thinks it runs on a
+# laptop; this keeps every Ray node of the tests on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
 def _free_port() -> int:
@@ -175,34 +189,66 @@ def rich_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
     return root / "tokens"
 
 
-_FIGURES: list[tuple[str, str]] = []
+# Figures go to one file of the session's process, which every xdist worker appends to.
+FIGURES_FILE = os.environ.setdefault("RAYPIPE_TEST_FIGURES",
+                                     os.path.join(SESSION_DIRS[2], "figures.txt"))
 
 
 @pytest.fixture
 def figure():
     """Record a measured figure; all are printed in the terminal summary."""
     def record(name: str, text: str) -> None:
-        _FIGURES.append((name, text))
+        with open(FIGURES_FILE, "a", encoding="utf-8") as lines:
+            lines.write(json.dumps([name, text]) + "\n")
     return record
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _FIGURES:
+    if os.path.exists(FIGURES_FILE):
         terminalreporter.section("raypipe figures")
-        for name, text in _FIGURES:
-            terminalreporter.write_line(f"{name}: {text}")
+        with open(FIGURES_FILE, encoding="utf-8") as lines:
+            for line in lines:
+                name, text = json.loads(line)
+                terminalreporter.write_line(f"{name}: {text}")
 
 
-def pytest_configure(config) -> None:
-    """tmp_path folders live under this session's own directory (not the shared
-    <tmp>/pytest-of-<user>) unless --basetemp says where."""
-    if not config.option.basetemp:
-        config.option.basetemp = os.path.join(SESSION_DIRS[2], "tmp")
+# The node ids of the tests that use Ray, written by each pytest-xdist worker as it
+# collects, read by the session's scheduler (which sees node ids only, not markers).
+RAY_TESTS_FILE = os.environ.setdefault("RAYPIPE_TEST_RAY_TESTS",
+                                       os.path.join(SESSION_DIRS[2], "ray-tests.json"))
 
 
-def pytest_unconfigure(config) -> None:
-    import shutil
+def uses_ray(item: pytest.Item) -> bool:
+    return item.get_closest_marker("ray") is not None or \
+        "ray_session" in getattr(item, "fixturenames", ())
 
-    for directory in [*OWNED_DIRS, OWN_RAY_TMPDIR]:
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
+
+def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
+    """The tests that use Ray first (their worker starts on them at once), the others
+    after them, file order kept within each part; a pytest-xdist worker records which
+    tests use Ray for the scheduler below."""
+    items.sort(key=lambda item: not uses_ray(item))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        ray_tests = [item.nodeid for item in items if uses_ray(item)]
+        partial = f"{RAY_TESTS_FILE}.{os.environ['PYTEST_XDIST_WORKER']}"
+        with open(partial, "w", encoding="utf-8") as out:
+            json.dump(ray_tests, out)
+        os.replace(partial, RAY_TESTS_FILE)  # every worker collects the same tests
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2`: the tests that use Ray run one after another on one worker (one Ray of 2
+    CPUs at a time, never two); every other test is its own unit of work, on any worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayTestsOnOneWorker(LoadScopeScheduling):
+        ray_tests: frozenset[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.ray_tests is None:  # called once the workers' collections are in
+                with open(RAY_TESTS_FILE, encoding="utf-8") as ids:
+                    self.ray_tests = frozenset(json.load(ids))
+            return "tests that use Ray" if nodeid in self.ray_tests else nodeid
+
+    return RayTestsOnOneWorker(config, log)
