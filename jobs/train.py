@@ -114,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
               "cache_dir": args.cache_dir, "validation_fraction": args.validation_fraction,
               "batch_size": args.batch_size, "mode": args.mode, "seed": args.seed,
               "max_steps": args.max_steps, "checkpoint_every": args.checkpoint_every}
-    result = fit(config, args.workers, args.storage, args.name, args.use_gpu,
-                 args.max_failures)
+    from raypipe.ray.stderr_lines import dropping_ray_noise
+
+    with dropping_ray_noise():  # Ray's error line for the controller's PreemptionWatcher
+        result = fit(config, args.workers, args.storage, args.name, args.use_gpu,
+                     args.max_failures)
     print(f"finished: {result.metrics}; checkpoint {result.checkpoint}")
     return 0
 

@@ -61,6 +61,9 @@ if _MADE:
 # laptop; this keeps every Ray node of the tests on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# Ray Train's controller polls its workers every 2 s by default, and a run ends on a poll:
+# the tests' runs of a few steps end within 0.5 s of their last step instead.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 def _free_port() -> int:

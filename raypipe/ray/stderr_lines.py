@@ -1,13 +1,14 @@
 """Ray's C++ lines that nobody running raypipe can act on, dropped from the driver's stderr
-while a Ray Data job runs.
+while a Ray Data job or a Ray Train run (jobs/train.py) runs.
 
 Invariant: inside `dropping_ray_noise()` file descriptor 2 is a pipe whose reader thread
 forwards every chunk to the real stderr at once, in order, except the lines matching
-`DROPPED` (today one: Ray Data's actor pools pass their transform by object reference, and
-Ray's core worker logs each such actor at error level, ray-project/ray#57733; the
-references live as long as the job, so a restarted actor still finds them). Leaving the
-block restores fd 2 and drains the pipe before anything else is printed, so nothing is lost
-or reordered: a traceback raised inside is printed after it. Python-level writes
+`DROPPED` (today one: Ray Data's actor pools, and Ray Train's PreemptionWatcher, get
+their constructor arguments by object reference, and Ray's core worker logs each such
+actor at error level, ray-project/ray#57733; the references live as long as the job, so a
+restarted actor still finds them). Leaving the block restores fd 2 and drains the pipe
+before anything else is printed, so nothing is lost or reordered: a traceback raised
+inside is printed after it. Python-level writes
 (`sys.stderr`, logging) take the same path. Cost: one thread and one pipe per job; a chunk
 is scanned only for the dropped line's marker.
 """
