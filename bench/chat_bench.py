@@ -208,7 +208,7 @@ def packing(output: Path, seq_len: int, overlong: str = "auto") -> dict:
     cut = sum(1 for count in pieces.values() if count > 1)
     return {"positions": positions, "trained": trained, "padded": padded, "cut": cut,
             "longer": longer, "packing": loader.spec.packing,
-            "overlong": loader.spec.overlong,
+            "overlong": loader.spec.knobs.overlong,
             "repeated": loader.packing_report().repeated_tokens}
 
 

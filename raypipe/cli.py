@@ -22,8 +22,7 @@ from raypipe import interrupts
 from raypipe.config import PACKINGS as CONFIG_PACKINGS
 from raypipe.config import TokenizeConfig, load_config
 from raypipe.errors import RaypipeError
-from raypipe.sampling.modes import mode_names
-from raypipe.sampling.pack import OVERLONGS, PACKINGS
+from raypipe.sampling.modes import knob_fields
 
 
 def _scalar_type(hint: Any) -> Any:
@@ -94,21 +93,15 @@ def command_demo(args: argparse.Namespace) -> int:
 def command_pack_report(args: argparse.Namespace) -> int:
     from raypipe.tools.pack_report import pack_report
 
-    print(pack_report(args.dataset, args.seq_len, args.mode, args.seed, args.epoch,
-                      args.epochs, args.block_documents, args.format, args.packing,
-                      args.shuffle, args.group_shards, args.overlong))
+    print(pack_report(args.dataset, args.seq_len, epoch=args.epoch, epochs=args.epochs,
+                      format_name=args.format, **plan_knobs(args)))
     return 0
-
-
-TRACE_KNOBS = ("mode", "seed", "block_documents", "packing", "shuffle", "group_shards",
-               "split", "validation_fraction", "block_batches", "overlong")
 
 
 def command_trace(args: argparse.Namespace) -> int:
     from raypipe.tools.trace import trace
 
-    knobs = {name: getattr(args, name) for name in TRACE_KNOBS
-             if getattr(args, name) is not None}
+    knobs = plan_knobs(args)
     for record in trace(args.data, args.step, steps=args.steps, rank=args.rank,
                         world_size=args.world_size, seq_len=args.seq_len,
                         batch_size=args.batch_size, state=args.state, text=args.text,
@@ -193,36 +186,27 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or text
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser, defaults: bool) -> None:
-    """The loader knobs that shape observations (pack-report, trace); without `defaults`
-    an option left out is None (trace: taken from a state, else the loader's default)."""
-    def default(value: Any) -> Any:
-        return value if defaults else None
+def add_plan_arguments(parser: argparse.ArgumentParser, seq_len: int | None) -> None:
+    """The loader knobs that shape observations (pack-report, trace), one option per knob
+    that PlanSpec or a registered mode declares (raypipe.sampling.modes.knob_fields). An
+    option left out is None: the loader's default (trace: the state's value first)."""
+    for name, spec in knob_fields().items():
+        choices = spec.metadata["choices"]
+        choices = choices() if callable(choices) else choices
+        default = seq_len if name == "seq_len" else None
+        shown = spec.default if default is None else default
+        kind = ({"action": argparse.BooleanOptionalAction} if isinstance(spec.default, bool)
+                else {"type": type(spec.default), "choices": choices})
+        parser.add_argument(f"--{name.replace('_', '-')}", default=default, **kind,
+                            help=f"{spec.metadata['help']} (default: {shown})")
+    parser.add_argument("--format", default=None, help="the document format to read "
+                        "(default: the dataset's first)")
 
-    parser.add_argument("--seq-len", type=int, default=default(2048),
-                        help="T: tokens a row trains (rows hold T + 1), as TokenLoader's")
-    parser.add_argument("--mode", default=default("bestfit"), choices=list(mode_names()),
-                        help="the loader mode (a pre-formed mode such as llmbatch: what the "
-                        "dataset's batch records hold, as written)")
-    parser.add_argument("--seed", type=int, default=default(0), help="the loader's seed")
-    parser.add_argument("--block-documents", type=int, default=default(4096),
-                        help="bestfit: documents per packing block (at least)")
-    parser.add_argument("--packing", default=default("auto"),
-                        choices=[*PACKINGS, "auto"],
-                        help="bestfit mode: fill (every token, full rows), split (every "
-                        "token, documents whole where they fit, padded), crop (nanochat's) "
-                        "or auto (split for chat data, fill for text)")
-    parser.add_argument("--overlong", default=default("auto"),
-                        choices=[*OVERLONGS, "auto"],
-                        help="split packing, a document longer than a row: split (pieces "
-                        "overlapping by one token: every target once), cut (pieces edge "
-                        "to edge), truncate (its first row), drop; auto: split for chat "
-                        "data, cut for text")
-    parser.add_argument("--format", default=None, help="megatron or nanogpt (default: any)")
-    parser.add_argument("--shuffle", default=default("global"),
-                        choices=["global", "shard_local"], help="the loader's shuffle")
-    parser.add_argument("--group-shards", type=int, default=default(4),
-                        help="shard_local: consecutive shards per group")
+
+def plan_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The knobs given on the command line (those left out take their defaults)."""
+    return {name: getattr(args, name) for name in knob_fields()
+            if name != "seq_len" and getattr(args, name) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=command_demo)
     report = subcommand("pack-report", help="tokens used/cropped/padded per epoch")
     report.add_argument("dataset", help=DATASET_HELP)
-    add_plan_arguments(report, defaults=True)
+    add_plan_arguments(report, seq_len=2048)
     report.add_argument("--epoch", type=int, default=0, help="first epoch to report")
     report.add_argument("--epochs", type=int, default=1, help="how many epochs")
     report.set_defaults(handler=command_pack_report)
@@ -268,13 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--tokenizer", default=None,
                        help="--text: the tokenizer.json to decode with (default: the "
                        "manifest's, where its path still holds it)")
-    add_plan_arguments(trace, defaults=False)
-    trace.add_argument("--split", default=None, choices=["all", "train", "validation"],
-                       help="the loader's split (default all)")
-    trace.add_argument("--validation-fraction", type=float, default=None,
-                       help="the loader's validation_fraction (default 0.001)")
-    trace.add_argument("--block-batches", type=int, default=None,
-                       help="llmbatch: batches per shuffled block (default 64)")
+    add_plan_arguments(trace, seq_len=None)
     trace.set_defaults(handler=command_trace)
     verify = subcommand("verify", help="re-check every shard against the manifest")
     verify.add_argument("dataset", help=DATASET_HELP)

@@ -33,6 +33,7 @@ from raypipe.formats import (
     document_format,
     document_formats,
     is_batch_format,
+    packing_for_data,
 )
 
 PACKINGS = ("fill", "split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
@@ -48,7 +49,6 @@ LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 
                  "completion_column": None, "chat_template": None, "train_on": "assistant",
                  "mds_concat_tokens": None}
 TRAIN_ON = ("assistant", "last-assistant", "all")
-PACKING_BY_DATA = "auto"  # the packing default: split for chat data, fill for text
 # keys of earlier releases that no longer do anything -> why (a config holding one loads,
 # with a warning)
 RETIRED_KEYS = {"head_start": "removed in 0.6: every unit runs on Ray Data"}
@@ -235,8 +235,7 @@ class TokenizeConfig:
             object.__setattr__(self, "chat", True)
         object.__setattr__(self, "formats", default_formats(self.chat) if self.formats is None
                            else _as_tuple(self.formats, "formats"))
-        if self.packing == PACKING_BY_DATA:  # chat data: conversations whole where they fit
-            object.__setattr__(self, "packing", "split" if self.chat else "fill")
+        object.__setattr__(self, "packing", packing_for_data(self.packing, self.chat))
         object.__setattr__(self, "metadata_columns",
                            _as_tuple(self.metadata_columns, "metadata_columns"))
         if not self.inputs:

@@ -57,6 +57,9 @@ SESSION_DIRS = [_session_dir("RAYPIPE_CACHE_DIR", "cache"),
                 _session_dir("RAY_TMPDIR", "ray")]
 if _MADE:
     os.environ[MADE_BY_A_TEST_PROCESS] = f"{TEST_PROCESS}:{','.join(_MADE)}"
+# what a library puts in the system temp dir from this process (mosaicml-streaming's
+# StreamingDataset makes its file locks in tempfile.gettempdir()) is this process's too
+tempfile.tempdir = SESSION_DIRS[2]
 # Ray turns 127.0.0.1 into the machine's routable address unless it thinks it runs on a
 # laptop; this keeps every Ray node of the tests on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -255,3 +258,19 @@ def pytest_xdist_make_scheduler(config, log):
             return "tests that use Ray" if nodeid in self.ray_tests else nodeid
 
     return RayTestsOnOneWorker(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmp_path factory reads the option
+def pytest_configure(config) -> None:
+    """tmp_path folders live under this process's own directory (not the shared
+    <tmp>/pytest-of-<user>) unless --basetemp says where; an xdist worker's are under the
+    session's (pytest-xdist hands each worker a folder of the session's basetemp)."""
+    if not config.option.basetemp:
+        config.option.basetemp = os.path.join(SESSION_DIRS[2], "tmp")
+
+
+def pytest_unconfigure(config) -> None:
+    import shutil
+
+    for directory in OWNED_DIRS:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -105,7 +105,7 @@ def test_one_bestfit_epoch_trains_exactly_the_assistant_tokens(chat_output,
     loader = TokenLoader(output, seq_len=T, batch_size=1, mode="bestfit", seed=3,
                          device="cpu", overlong=overlong)
     assert loader.spec.packing == "split"  # chat data: conversations kept whole
-    assert loader.spec.overlong == ("split" if overlong == "auto" else "cut")
+    assert loader.spec.knobs.overlong == ("split" if overlong == "auto" else "cut")
     filler = loader.filler(0)
     targets: Counter = Counter()
     row_starts = set()

@@ -401,6 +401,6 @@ def test_overlong_is_a_rule_of_split_packing_only():
     with pytest.raises(ValueError, match="only 'cut' under 'fill'"):
         pack("fill", np.arange(2), np.array([5, 9]), 4, overlong="split")
     with pytest.raises(ConfigError, match="overlong='drop' is a rule of split packing"):
-        PlanSpec("bestfit", 8, packing="fill", overlong="drop")
-    assert PlanSpec("bestfit", 8).for_data(True).overlong == "split"
-    assert PlanSpec("bestfit", 8).for_data(False).overlong == "cut"
+        PlanSpec.of("bestfit", 8, packing="fill", overlong="drop")
+    assert PlanSpec.of("bestfit", 8).for_data(True).knobs.overlong == "split"
+    assert PlanSpec.of("bestfit", 8).for_data(False).knobs.overlong == "cut"

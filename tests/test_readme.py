@@ -50,7 +50,7 @@ def test_every_readme_and_docs_python_block_runs_as_written(ray_session, tmp_pat
         for number, block in enumerate(python_blocks(page.read_text()), start=1):
             where = f"{page.relative_to(ROOT)} python block {number}"
             try:
-                exec(compile(block, where, "exec"), namespace)
+                exec(compile(block, where, "exec", dont_inherit=True), namespace)  # as a file
             except Exception as exc:  # noqa: BLE001  (named with the block that raised it)
                 pytest.fail(f"{where} raised {exc!r}:\n{block}")
     assert (tmp_path / "out" / "manifest.json").exists()

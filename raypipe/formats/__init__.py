@@ -9,6 +9,7 @@ from __future__ import annotations
 from raypipe.formats import llmbatch, mds, megatron, nanogpt, stream  # noqa: F401  (registers)
 from raypipe.formats.base import (
     FORMATS,
+    PACKING_BY_DATA,
     BatchFormat,
     BatchReader,
     BatchWriter,
@@ -26,13 +27,14 @@ from raypipe.formats.base import (
     document_formats,
     get_format,
     is_batch_format,
+    packing_for_data,
     write_dataset_indexes,
 )
 
 DEFAULT_FORMATS = ("megatron", "nanogpt")  # what tokenize writes when no format is named
 
-__all__ = ["DEFAULT_FORMATS", "FORMATS", "BatchFormat", "BatchReader", "BatchWriter",
-           "DocumentFormat", "DocumentMetadata", "Format", "FormatOptions", "RecordPieces",
-           "ShardReader", "ShardWriter", "batch_format", "batch_formats",
+__all__ = ["DEFAULT_FORMATS", "FORMATS", "PACKING_BY_DATA", "BatchFormat", "BatchReader",
+           "BatchWriter", "DocumentFormat", "DocumentMetadata", "Format", "FormatOptions",
+           "RecordPieces", "ShardReader", "ShardWriter", "batch_format", "batch_formats",
            "dataset_index_problems", "document_format", "document_formats", "get_format",
-           "is_batch_format", "write_dataset_indexes"]
+           "is_batch_format", "packing_for_data", "write_dataset_indexes"]

@@ -193,6 +193,18 @@ def shard_prefix(root: Path, shard: ShardEntry) -> Path:
     return safe_join(root, shard.files[0].path).with_name(shard.name)
 
 
+PACKING_BY_DATA = "auto"  # a packing left to the data: see packing_for_data
+
+
+def packing_for_data(packing: str, chat: bool) -> str:
+    """What packing "auto" stands for, wherever rows are packed (the loader's bestfit mode,
+    LLMBATCH records): "split" for chat data (a conversation that fits a row is never
+    cut), "fill" for text (full rows); any other packing as given."""
+    if packing != PACKING_BY_DATA:
+        return packing
+    return "split" if chat else "fill"
+
+
 @dataclass(frozen=True)
 class FormatOptions(JsonRecord):
     """A format's options: a frozen dataclass per format (fields with their defaults), read

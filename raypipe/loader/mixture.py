@@ -37,6 +37,7 @@ from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.token_loader import TokenLoader, _rank_and_world
 from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
 from raypipe.sampling.mixture import mixture_weights, step_rows
+from raypipe.sampling.modes import knob_differences
 
 logger = logging.getLogger("raypipe")
 
@@ -258,8 +259,8 @@ class MixtureLoader:
                                  f"(dataset {checked.sources[name].dataset!r}, now "
                                  f"{fingerprint!r})")
         if checked.knobs != self.knobs():
-            raise StateError(f"mixture state knobs {checked.knobs} differ from this "
-                             f"mixture's {self.knobs()}")
+            raise StateError("mixture state made with other knobs than this mixture's: "
+                             f"{knob_differences(checked.knobs, self.knobs())}")
         if any(abs(checked.weights[n] - self.weights_by_name[n]) > 1e-12 for n in self.names):
             logger.info("mixture weights changed on resume: %s -> %s; every source continues "
                         "from its own position", checked.weights, self.weights_by_name)

@@ -1,18 +1,21 @@
 """A loader's options: one typed record, checked once, whatever way it was given.
 
-Invariant: `LoaderOptions` holds every knob of TokenLoader and MixtureLoader; `of()` builds
-it from a record and/or keyword arguments (an unknown keyword is one ConfigError naming it
-and the known ones), so `TokenLoader(path, 2048, 8, mode="windows")` and
-`TokenLoader(path, options=LoaderOptions(seq_len=2048, batch_size=8, mode="windows"))` are
-the same loader. What shapes observations is its `plan_spec()` (raypipe.sampling.epochs);
-the rest says where batches go (rank, device, dtype, prefetch) and where shards come from
-(format, cache). `device="auto"` is CUDA where the machine has it, else the CPU. Cost:
-microseconds, once per loader.
+Invariant: `LoaderOptions` holds every knob of TokenLoader and MixtureLoader: the plan's
+knobs that every mode has, the mode's own (`knobs`: those its `LoaderMode.Knobs` declares,
+by name; the rest at their defaults) and where batches go. `of()` builds it from a record
+and/or keyword arguments (a keyword that is no option and no knob of the mode is one
+ConfigError naming it and the known ones), so `TokenLoader(path, 2048, 8, packing="fill")`
+and `TokenLoader(path, options=LoaderOptions.of(seq_len=2048, batch_size=8,
+packing="fill"))` are the same loader. What shapes
+observations is its `plan_spec()` (raypipe.sampling.epochs); the rest says where batches go
+(rank, device, dtype, prefetch) and where shards come from (format, cache).
+`device="auto"` is CUDA where the machine has it, else the CPU. Cost: microseconds, once per
+loader.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +23,16 @@ import torch
 
 from raypipe.errors import ConfigError
 from raypipe.sampling.epochs import PlanSpec
-from raypipe.sampling.modes import metadata_modes
+from raypipe.sampling.modes import get_mode, metadata_modes, stray_knob
 
 
 @dataclass(frozen=True)
 class LoaderOptions:
     """`seq_len`/`batch_size`: trained positions per row and rows per rank (an LLMBATCH
     dataset fixes both; None takes its own). `rank`/`world_size`: None reads
-    torch.distributed, else 0 of 1. Plan knobs (mode ... validation_fraction): see
-    raypipe.sampling.epochs.PlanSpec and TokenLoader. `format`: which document format of
+    torch.distributed, else 0 of 1. Plan knobs (mode, seed, shuffle, group_shards, split,
+    validation_fraction, and `knobs`, the mode's own): see raypipe.sampling.epochs.PlanSpec
+    and docs/loader.md. `format`: which document format of
     the dataset to read (None: its first). `boundaries`: position_ids/cu_seqlens per
     document (None: on except in windows mode). `metadata`: stream windows carry their
     metadata. `cache_dir`/`cache_bytes`: the node cache of object-storage shards and plans."""
@@ -43,19 +47,16 @@ class LoaderOptions:
     dtype: torch.dtype = torch.int64
     prefetch: int = 4
     format: str | None = None
-    block_documents: int = 4096
     pad_id: int = 0
     boundaries: bool | None = None
     metadata: bool = False
-    block_batches: int = 64
-    packing: str = "auto"  # split for chat data (conversations kept whole), else fill
     shuffle: str = "global"
     group_shards: int = 4
     cache_dir: str | Path | None = None
     cache_bytes: int | str | None = None
     split: str = "all"
     validation_fraction: float = 0.001
-    overlong: str = "auto"  # split packing: chat data's longer conversations overlap by 1
+    knobs: dict[str, Any] = field(default_factory=dict)  # the mode's own, by name
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.int32, torch.int64):
@@ -74,23 +75,30 @@ class LoaderOptions:
 
     @classmethod
     def of(cls, options: LoaderOptions | None = None, seq_len: int | None = None,
-           batch_size: int | None = None, **knobs: Any) -> LoaderOptions:
-        """`options` (or the defaults) with `knobs` replacing their fields; `seq_len` and
-        `batch_size` (the loaders' positional arguments) only where given."""
-        knobs.update({name: value for name, value in (("seq_len", seq_len),
-                                                      ("batch_size", batch_size))
-                      if value is not None})
-        known = {field.name for field in fields(cls)}
-        unknown = sorted(set(knobs) - known)
-        if unknown:
-            raise ConfigError(f"unknown loader option(s) {', '.join(unknown)}; the options "
-                              f"are {', '.join(sorted(known))}")
-        return replace(options or cls(), **knobs)
+           batch_size: int | None = None, **values: Any) -> LoaderOptions:
+        """`options` (or the defaults) with `values` replacing their options, and the
+        mode's own knobs among them joining theirs; `seq_len` and `batch_size` (the
+        loaders' positional arguments) only where given."""
+        values.update({name: value for name, value in (("seq_len", seq_len),
+                                                       ("batch_size", batch_size))
+                       if value is not None})
+        base = options or cls()
+        mode = values.get("mode", base.mode)
+        own = {spec.name for spec in fields(cls)} - {"knobs"}
+        knobs = {**(base.knobs if mode == base.mode else {}), **values.pop("knobs", {}),
+                 **{name: values.pop(name) for name in list(values) if name not in own}}
+        declared = [spec.name for spec in fields(get_mode(mode).Knobs)]
+        stray = sorted(set(knobs) - set(declared))
+        if stray:
+            raise ConfigError(f"{stray_knob(stray[0], mode)}; the options are "
+                              f"{', '.join(sorted(own))}, and mode {mode!r}'s knobs "
+                              f"{', '.join(declared) or '(none)'}")
+        return replace(base, **values, knobs=knobs)
 
     def plan_spec(self, seq_len: int) -> PlanSpec:
-        return PlanSpec(self.mode, seq_len, self.seed, self.block_documents, self.packing,
-                        self.block_batches, self.shuffle, self.group_shards, self.split,
-                        self.validation_fraction, self.overlong)
+        return PlanSpec.of(self.mode, seq_len, seed=self.seed, shuffle=self.shuffle,
+                           group_shards=self.group_shards, split=self.split,
+                           validation_fraction=self.validation_fraction, **self.knobs)
 
     def torch_device(self) -> torch.device:
         """Where batches go: `device`, with "auto" = cuda when available, else cpu."""

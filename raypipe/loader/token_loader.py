@@ -33,7 +33,7 @@ from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.sampling.batches import BatchBuffers, BatchPlan
 from raypipe.sampling.epochs import PlannedDataset
-from raypipe.sampling.modes import BatchFiller, waste_hints
+from raypipe.sampling.modes import BatchFiller, knob_differences, waste_hints
 from raypipe.sampling.plans import PackingReport
 
 logger = logging.getLogger("raypipe")
@@ -239,7 +239,7 @@ class TokenLoader:
     # ----- state ------------------------------------------------------------------------
     def knobs(self) -> dict[str, Any]:
         """The knobs that shape this loader's observations (its state records them)."""
-        return self.spec.knobs()
+        return self.spec.knobs_record()
 
     def state_dict(self) -> dict[str, Any]:
         return LoaderState(STATE_VERSION, self.dataset.fingerprint, self.dataset.format_name,
@@ -256,8 +256,8 @@ class TokenLoader:
                 f"{self.dataset.root} is {self.dataset.fingerprint!r}: a shard or the manifest "
                 "changed since the checkpoint")
         if checked.knobs != self.knobs():
-            raise StateError(f"loader state knobs {checked.knobs} differ from this "
-                             f"loader's {self.knobs()}")
+            raise StateError("loader state made with other knobs than this loader's: "
+                             f"{knob_differences(checked.knobs, self.knobs())}")
         epoch, position = checked.epoch, checked.position
         if position > self.plan(epoch).size:
             raise StateError(f"loader state position {position} outside epoch {epoch} "

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.dataset import TokenDataset
-from raypipe.formats import BatchFormat, RecordPieces, batch_format
+from raypipe.formats import BatchFormat, RecordPieces, batch_format, packing_for_data
 from raypipe.io.records import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
@@ -56,8 +56,7 @@ def pack_batches(dataset: TokenDataset, output: Store, spec: BatchSpec,
                  format_name: str) -> FormatSection:
     """Write batch format `format_name`'s shards into `output/<format_name>`; return the
     manifest's section."""
-    if spec.packing == "auto":
-        spec = replace(spec, packing="split" if dataset.has_loss_mask else "fill")
+    spec = replace(spec, packing=packing_for_data(spec.packing, dataset.has_loss_mask))
     with Staging(output) as staging:
         return _pack_batches(dataset, staging, batch_format(format_name), spec)
 

@@ -4,7 +4,7 @@ Invariant: `PlanSpec` (raypipe.sampling.modes) holds every knob that shapes the
 observations of an epoch, validated once against its mode; `EpochPlans` turns a spec and an
 opened dataset into the plan of any epoch through the mode's plugin, a pure function of
 (dataset, spec, epoch), so the loader, a resumed loader at another world size, `raypipe
-pack-report` and `raypipe trace` number the same observations. `PlanSpec.knobs()` is
+pack-report` and `raypipe trace` number the same observations. `PlanSpec.knobs_record()` is
 exactly what a loader state records to refuse a resume under other knobs. Cost: one plan
 object per epoch asked for (the latest is kept); what a plan costs is in its mode's module.
 """

@@ -22,16 +22,14 @@ MIXTURE_STEPS = 1000
 MIXTURE_ROWS_PER_STEP = 8
 
 
-def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", seed: int = 0,
-                epoch: int = 0, epochs: int = 1, block_documents: int = 4096,
-                format_name: str | None = None, packing: str = "auto",
-                shuffle: str = "global", group_shards: int = 4,
-                overlong: str = "auto") -> str:
+def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", *,
+                epoch: int = 0, epochs: int = 1, format_name: str | None = None,
+                **knobs: Any) -> str:
     """The report for `epochs` epochs from `epoch`, as printed text (a dataset on object
     storage: only its index files are fetched; a mixture YAML: each source's report, and the
-    mixture's shares)."""
-    spec = PlanSpec(mode, seq_len, seed, block_documents, packing, shuffle=shuffle,
-                    group_shards=group_shards, overlong=overlong)
+    mixture's shares). `knobs`: the loader's (seed, shuffle, split, ... and the mode's own,
+    e.g. bestfit's packing), as the loader takes them."""
+    spec = PlanSpec.of(mode, seq_len, **knobs)
     epoch_range = range(epoch, epoch + epochs)
     if is_mixture_spec(dataset_path):
         return mixture_report(str(dataset_path), spec, epoch_range)

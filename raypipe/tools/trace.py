@@ -36,10 +36,7 @@ from raypipe.preprocess.unit import file_first_row
 from raypipe.sampling.batches import RowSegments
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.mixture import allocate, mixture_weights, step_rows
-from raypipe.sampling.modes import upgrade_knobs
-
-PLAN_KNOBS = ("mode", "seq_len", "seed", "block_documents", "packing", "block_batches",
-              "shuffle", "group_shards", "split", "validation_fraction", "overlong")
+from raypipe.sampling.modes import knob_differences, plan_knob_names, upgrade_knobs
 
 
 @dataclass(frozen=True)
@@ -143,25 +140,18 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
     `weights`, as the MixtureLoader's); the loader's knobs (mode, seed, packing, ...) as
     keywords, or taken from `state`; `text`: decode each piece (`tokenizer`: a
     tokenizer.json where the manifest's path no longer holds it)."""
-    unknown = sorted(set(knobs) - set(PLAN_KNOBS))
-    if unknown:
-        raise ConfigError(f"unknown trace option(s) {', '.join(unknown)}; the loader knobs "
-                          f"are {', '.join(PLAN_KNOBS)}")
     saved = _read_state(state)
     if saved is not None:
-        # a knob the state leaves out ran at its value from before it existed
-        knobs = {**{k: v for k, v in upgrade_knobs(saved.knobs).items() if k in PLAN_KNOBS},
-                 **knobs}
+        knobs = {**_state_knobs(saved, knobs.get("mode")), **knobs}
         seq_len = seq_len or saved.knobs.get("seq_len")
         if isinstance(saved, LoaderState):
             world_size = world_size or saved.saved_with.get("world_size")
             batch_size = batch_size or saved.saved_with.get("batch_size")
-    spec = PlanSpec(seq_len=seq_len or 0, **{k: v for k, v in knobs.items()
-                                            if k in PLAN_KNOBS and k != "seq_len"})
-    if saved is not None and saved.knobs != spec.knobs():
-        raise ConfigError(f"the loader state's knobs {saved.knobs} differ from these "
-                          f"{spec.knobs()}: a state from another release (whose rows were "
-                          "cut otherwise) or other options given")
+    spec = PlanSpec.of(seq_len=seq_len or 0, **knobs)
+    if saved is not None and saved.knobs != spec.knobs_record():
+        raise ConfigError("the loader state was made with other knobs than these (a state "
+                          "from another release, whose rows were cut otherwise, or other "
+                          f"options given): {knob_differences(saved.knobs, spec.knobs_record())}")
     world_size = world_size or 1
     ranks = range(world_size) if rank is None else [rank]
     if rank is not None and not 0 <= rank < world_size:
@@ -177,6 +167,14 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
                               f"{planned.dataset.root} is {planned.dataset.fingerprint!r}")
         rows = _rows(planned, saved, step, steps, ranks)
     yield from _records(rows, text, tokenizer)
+
+
+def _state_knobs(saved: LoaderState | MixtureState, mode: str | None) -> dict[str, Any]:
+    """The plan knobs a state ran with but seq_len (a knob it leaves out at its value from
+    before it existed), those of `mode` where another mode is asked for."""
+    stated = upgrade_knobs(saved.knobs)
+    names = set(plan_knob_names(mode or stated.get("mode", "bestfit"))) - {"seq_len"}
+    return {name: value for name, value in stated.items() if name in names}
 
 
 def _read_state(state: dict[str, Any] | str | Path | None

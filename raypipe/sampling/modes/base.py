@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
@@ -29,12 +29,11 @@ from raypipe.sampling.batches import (
     write_row_boundaries,
 )
 from raypipe.sampling.lengths import DocumentLengths
-from raypipe.sampling.pack import OVERLONGS, PACKINGS
+from raypipe.sampling.pack import OVERLONGS
 from raypipe.sampling.plans import SHUFFLES, ShardGroups, SumsMemo
 from raypipe.sampling.split import SPLITS
 
 RowT = TypeVar("RowT")
-PACKING_BY_DATA = "auto"  # split for chat data, fill for text (PlanSpec.for_data)
 
 
 class BatchFiller(ABC, Generic[RowT]):
@@ -77,44 +76,88 @@ class BatchFiller(ABC, Generic[RowT]):
 
 
 @dataclass(frozen=True)
-class PlanSpec:
-    """What shapes a loader's epochs: the mode and its knobs, validated once against the
-    mode's own attributes. `seq_len` is the trained row length (rows hold seq_len + 1
-    tokens); `split`/`validation_fraction` pick train or validation documents
-    (raypipe.sampling.split)."""
+class ModeKnobs:
+    """A loader mode's own knobs, declared by the mode (`LoaderMode.Knobs`): a frozen
+    dataclass whose fields are the knobs, with their defaults, and whose field metadata
+    says them on the command line (`help`, `choices`). The loaders take them as keywords,
+    `pack-report` and `trace` as options, and a loader state records them: all made from
+    this declaration. A subclass checks its values in `__post_init__`. This one: no knobs."""
 
-    mode: str = "bestfit"
-    seq_len: int = 0
-    seed: int = 0
-    block_documents: int = 4096
-    packing: str = PACKING_BY_DATA
-    block_batches: int = 64
-    shuffle: str = "global"
-    group_shards: int = 4
-    split: str = "all"
-    validation_fraction: float = 0.001
-    overlong: str = PACKING_BY_DATA  # split packing's rule for a document over a row
+    def for_data(self, chat: bool) -> ModeKnobs:
+        """The knobs with whatever the data decides ("auto") resolved."""
+        return self
+
+    packing: ClassVar[str | None] = None  # a packed mode's knobs: the packing its rows use
+    overlong: ClassVar[str] = "cut"  # ... and its rule for a document longer than a row
+
+
+def knob(default: Any, help: str,
+         choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None) -> Any:
+    """A knob's field (PlanSpec's, a ModeKnobs subclass'): its default, and how the command
+    line says it (`choices`: the values allowed, or a function that lists them)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def knob_fields() -> dict[str, Field]:
+    """Every knob's field by name: PlanSpec's (every mode's), then each registered mode's
+    own (the first mode's where two declare one name): what `pack-report`'s and `trace`'s
+    options are made from."""
+    declared = {spec.name: spec for spec in fields(PlanSpec) if spec.name != "knobs"}
+    for mode in _MODES.values():
+        for spec in fields(mode.Knobs):
+            declared.setdefault(spec.name, spec)
+    return declared
+
+
+SHARED_KNOBS = ("mode", "seq_len", "seed", "shuffle", "group_shards", "split",
+                "validation_fraction")  # PlanSpec's own fields: every mode's
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What shapes a loader's epochs: the knobs every mode has, and the mode's own
+    (`knobs`, its `LoaderMode.Knobs`; None: their defaults), validated once. `seq_len` is
+    the trained row length (rows hold seq_len + 1 tokens); `split`/`validation_fraction`
+    pick train or validation documents (raypipe.sampling.split). `PlanSpec.of` takes them
+    all as keywords."""
+
+    mode: str = knob("bestfit", "the loader mode (a pre-formed mode such as llmbatch: what "
+                     "the dataset's batch records hold, as written)", lambda: mode_names())
+    seq_len: int = knob(0, "T: tokens a row trains (rows hold T + 1), as TokenLoader's")
+    seed: int = knob(0, "the loader's seed")
+    shuffle: str = knob("global", "the loader's shuffle (shard_local: each node reads each "
+                        "shard once per epoch)", SHUFFLES)
+    group_shards: int = knob(4, "shuffle shard_local: consecutive shards per group")
+    split: str = knob("all", "the documents served: all, or the train or validation split",
+                      SPLITS)
+    validation_fraction: float = knob(0.001, "the share of documents the validation "
+                                      "split holds")
+    knobs: ModeKnobs | None = None
+
+    @classmethod
+    def of(cls, mode: str = "bestfit", seq_len: int = 0, **values: Any) -> PlanSpec:
+        """The spec of `mode` with `values` (shared knobs and the mode's own, by name); a
+        name that is neither is one ConfigError naming it and the mode's knobs."""
+        shared = {name: values.pop(name) for name in SHARED_KNOBS if name in values}
+        return cls(mode, seq_len, **shared, knobs=mode_knobs(mode, values))
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("mode", self.mode, mode_names()),
                                      ("shuffle", self.shuffle, SHUFFLES),
-                                     ("packing", self.packing, (*PACKINGS, PACKING_BY_DATA)),
-                                     ("split", self.split, SPLITS),
-                                     ("overlong", self.overlong, (*OVERLONGS,
-                                                                  PACKING_BY_DATA))):
+                                     ("split", self.split, SPLITS)):
             if value not in allowed:
                 raise ConfigError(f"{name}: {value!r} not among {list(allowed)}")
-        if self.overlong not in ("cut", PACKING_BY_DATA) and self.packing not in (
-                "split", PACKING_BY_DATA):
-            raise ConfigError(f"overlong={self.overlong!r} is a rule of split packing (a "
-                              f"document longer than a row), not of {self.packing!r}")
+        declared = self.loader_mode.Knobs
+        if self.knobs is None:
+            object.__setattr__(self, "knobs", declared())
+        elif type(self.knobs) is not declared:
+            raise ConfigError(f"mode {self.mode!r} takes {declared.__name__} knobs, not "
+                              f"{type(self.knobs).__name__}")
         if self.shuffle == "shard_local" and (not self.loader_mode.shard_local
                                               or self.group_shards < 1):
             raise ConfigError(f"shuffle='shard_local' needs a mode that reads documents "
                               f"(not {self.mode!r}, which already reads blocks of "
                               "consecutive batches) and group_shards >= 1")
-        if self.block_documents < 1 or self.block_batches < 1:
-            raise ConfigError("block_documents and block_batches must be >= 1")
         self._check_split()
 
     def _check_split(self) -> None:
@@ -139,22 +182,19 @@ class PlanSpec:
         return get_mode(self.mode)
 
     def for_data(self, chat: bool) -> PlanSpec:
-        """The spec with packing and overlong "auto" resolved: for chat data "split" (a
-        conversation that fits a row is never cut) and overlong "split" (a longer one in
-        overlapping pieces: no trained token lost); for text "fill" and "cut"."""
-        packing = self.packing if self.packing != PACKING_BY_DATA else (
-            "split" if chat else "fill")
-        overlong = self.overlong if self.overlong != PACKING_BY_DATA else (
-            "split" if chat and packing == "split" else "cut")
-        if overlong != "cut" and packing != "split":
-            raise ConfigError(f"overlong={overlong!r} is a rule of split packing, not of "
-                              f"{packing!r} (chat data packs with split unless told)")
-        return replace(self, packing=packing, overlong=overlong)
+        """The spec with what the data decides resolved (the mode's knobs' "auto")."""
+        return replace(self, knobs=self.knobs.for_data(chat))
+
+    @property
+    def packing(self) -> str | None:
+        """The packing of a packed mode's rows (None for the other modes)."""
+        return self.knobs.packing
 
     @property
     def resolved_overlong(self) -> str:
-        """overlong as the plan applies it ("auto" left unresolved: "cut")."""
-        return "cut" if self.overlong == PACKING_BY_DATA else self.overlong
+        """The rule for a document longer than a row, as the plan applies it ("auto" left
+        unresolved: "cut")."""
+        return self.knobs.overlong if self.knobs.overlong in OVERLONGS else "cut"
 
     @property
     def preformed(self) -> bool:
@@ -166,7 +206,12 @@ class PlanSpec:
         """Rows are packed from blocks of documents (the `packing` knob applies)."""
         return self.loader_mode.packed
 
-    def knobs(self) -> dict[str, Any]:
+    def values(self) -> dict[str, Any]:
+        """Every knob by name (shared and the mode's own), as `PlanSpec.of` takes them."""
+        return {**{name: getattr(self, name) for name in SHARED_KNOBS},
+                **{spec.name: getattr(self.knobs, spec.name) for spec in fields(self.knobs)}}
+
+    def knobs_record(self) -> dict[str, Any]:
         """The knobs a loader state records; a knob at its value from before it existed is
         left out (`compact_knobs`), so older states still load."""
         return compact_knobs({"mode": self.mode, "seq_len": self.seq_len, "seed": self.seed,
@@ -179,6 +224,47 @@ class PlanSpec:
         """The row shape in words, for reports and warnings."""
         shape = f"{self.mode} ({self.packing})" if self.packed else self.mode
         return f"{shape} rows of {self.seq_len} + 1 tokens"
+
+
+def mode_knobs(mode: str, values: dict[str, Any]) -> ModeKnobs:
+    """Mode `mode`'s knobs from `values` (the rest at their defaults); a knob of another
+    mode, or of none, is one ConfigError naming it."""
+    stray = sorted(set(values) - set(plan_knob_names(mode)))
+    if stray:
+        raise ConfigError(f"{stray_knob(stray[0], mode)}; mode {mode!r} takes "
+                          f"{', '.join(plan_knob_names(mode))}")
+    return get_mode(mode).Knobs(**values)
+
+
+def plan_knob_names(mode: str) -> tuple[str, ...]:
+    """The knobs a spec of `mode` takes: every mode's, then its own."""
+    return (*SHARED_KNOBS, *(spec.name for spec in fields(get_mode(mode).Knobs)))
+
+
+def stray_knob(name: str, mode: str) -> str:
+    """Why `name` is no knob of `mode`, in words: another mode's knob, or nobody's."""
+    owners = knob_owners().get(name)
+    if owners:
+        return f"{name}: a knob of mode {' and '.join(owners)}, not of {mode!r}"
+    return f"unknown loader option(s) {name}"
+
+
+def knob_owners() -> dict[str, list[str]]:
+    """Every mode knob's name -> the registered modes that declare it (registry order)."""
+    owners: dict[str, list[str]] = {}
+    for name, mode in _MODES.items():
+        for spec in fields(mode.Knobs):
+            owners.setdefault(spec.name, []).append(name)
+    return owners
+
+
+def knob_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """The knobs two records disagree on, each named with both values."""
+    names = sorted(set(saved) | set(current),
+                   key=lambda name: (name not in SHARED_KNOBS, name))
+    return "; ".join(f"{name}: saved {saved.get(name, '(none)')!r}, now "
+                     f"{current.get(name, '(none)')!r}"
+                     for name in names if saved.get(name) != current.get(name))
 
 
 @dataclass(frozen=True)
@@ -241,12 +327,13 @@ class LoaderMode(ABC):
     shard_local: ClassVar[bool] = True  # serves shuffle="shard_local"
     window_metadata: ClassVar[bool] = False  # rows can carry a stream's metadata
     reads_stream: ClassVar[bool] = False  # rows are cut from the token stream (a split's)
+    Knobs: ClassVar[type[ModeKnobs]] = ModeKnobs  # its own knobs (none by default)
     # its knobs' values from before they existed (see KNOBS_BEFORE)
     knobs_before: ClassVar[dict[str, tuple[Any, tuple[str, ...]]]] = {}
 
     def knobs(self, spec: Any) -> dict[str, Any]:
-        """Knobs beyond (mode, seq_len, seed) a loader state records for this mode."""
-        return {}
+        """The mode's own knobs a loader state records: its Knobs, field by field."""
+        return {item.name: getattr(spec.knobs, item.name) for item in fields(spec.knobs)}
 
     @abstractmethod
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> Any:

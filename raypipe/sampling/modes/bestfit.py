@@ -22,11 +22,14 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from raypipe.errors import ConfigError
+from raypipe.formats import PACKING_BY_DATA, packing_for_data
 from raypipe.sampling.batches import (
     BatchBuffers,
     BatchPlan,
@@ -36,8 +39,15 @@ from raypipe.sampling.batches import (
     write_boundaries,
 )
 from raypipe.sampling.lengths import DocumentLengths
-from raypipe.sampling.modes.base import BatchFiller, LoaderMode, PlanInputs, register
-from raypipe.sampling.pack import PackedBlock, RowPieces, pack, separator_of
+from raypipe.sampling.modes.base import (
+    BatchFiller,
+    LoaderMode,
+    ModeKnobs,
+    PlanInputs,
+    knob,
+    register,
+)
+from raypipe.sampling.pack import OVERLONGS, PACKINGS, PackedBlock, RowPieces, pack, separator_of
 from raypipe.sampling.permute import FeistelPermutation
 from raypipe.sampling.plans import PackingReport, ShardGroups, SumsMemo, document_permutation
 
@@ -298,9 +308,51 @@ class BestFitFiller(BatchFiller[list[Piece]]):
                 for _, row in self.plan.rows(positions.reshape(-1))]
 
 
+@dataclass(frozen=True)
+class BestFitKnobs(ModeKnobs):
+    """bestfit's knobs: the documents a block packs at least, the packing, and split
+    packing's rule for a document longer than a row ("auto": decided by the data)."""
+
+    block_documents: int = knob(4096, "bestfit: documents per packing block (at least)")
+    packing: str = knob(PACKING_BY_DATA, "bestfit: fill (every token, full rows), split "
+                        "(every token, documents whole where they fit, padded), crop "
+                        "(nanochat's) or auto (split for chat data, fill for text)",
+                        (*PACKINGS, PACKING_BY_DATA))
+    overlong: str = knob(PACKING_BY_DATA, "bestfit, split packing, a document longer than "
+                         "a row: split (pieces overlapping by one token: every target "
+                         "once), cut (pieces edge to edge), truncate (its first row), drop; "
+                         "auto: split for chat data, cut for text",
+                         (*OVERLONGS, PACKING_BY_DATA))
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("packing", PACKINGS), ("overlong", OVERLONGS)):
+            if getattr(self, name) not in (*allowed, PACKING_BY_DATA):
+                raise ConfigError(f"{name}: {getattr(self, name)!r} not among "
+                                  f"{[*allowed, PACKING_BY_DATA]}")
+        if self.overlong not in ("cut", PACKING_BY_DATA) and self.packing not in (
+                "split", PACKING_BY_DATA):
+            raise ConfigError(f"overlong={self.overlong!r} is a rule of split packing (a "
+                              f"document longer than a row), not of {self.packing!r}")
+        if self.block_documents < 1:
+            raise ConfigError(f"block_documents: {self.block_documents} must be >= 1")
+
+    def for_data(self, chat: bool) -> BestFitKnobs:
+        """"auto" resolved: for chat data packing "split" (a conversation that fits a row is
+        never cut) and overlong "split" (a longer one in overlapping pieces: no trained
+        token lost); for text "fill" and "cut"."""
+        packing = packing_for_data(self.packing, chat)
+        overlong = self.overlong if self.overlong != PACKING_BY_DATA else (
+            "split" if chat and packing == "split" else "cut")
+        if overlong != "cut" and packing != "split":
+            raise ConfigError(f"overlong={overlong!r} is a rule of split packing, not of "
+                              f"{packing!r} (chat data packs with split unless told)")
+        return replace(self, packing=packing, overlong=overlong)
+
+
 class BestFitMode(LoaderMode):
     name = "bestfit"
     packed = True
+    Knobs = BestFitKnobs
     knobs_before = {
         "packing": ("crop", ("pieces",)),  # before 0.2: crop packing only (no pieces)
         "pieces": ("edges", ()),  # before 0.5: pieces cut edge to edge, another rule
@@ -308,14 +360,14 @@ class BestFitMode(LoaderMode):
     }
 
     def knobs(self, spec: Any) -> dict[str, Any]:
-        return {"block_documents": spec.block_documents, "packing": spec.packing,
+        return {"block_documents": spec.knobs.block_documents, "packing": spec.packing,
                 "pieces": PIECES_RULE, "overlong": spec.resolved_overlong}
 
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> BestFitPlan:
         dataset = inputs.dataset
         return BestFitPlan(inputs.lengths(), spec.seq_len, spec.seed, epoch,
-                           spec.block_documents, spec.packing, inputs.groups, inputs.memo,
-                           separator_of(dataset.bos_id, dataset.eos_id),
+                           spec.knobs.block_documents, spec.packing, inputs.groups,
+                           inputs.memo, separator_of(dataset.bos_id, dataset.eos_id),
                            spec.resolved_overlong)
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,

@@ -14,6 +14,7 @@ memmap slice per batch (+ B lengths and its pieces); O(1) memory.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -34,9 +35,11 @@ from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.modes.base import (
     BatchFiller,
     LoaderMode,
+    ModeKnobs,
     PlanInputs,
     PlanSpec,
     get_mode,
+    knob,
     register,
 )
 from raypipe.sampling.permute import FeistelPermutation
@@ -46,7 +49,7 @@ from raypipe.sampling.plans import PackingReport
 # packing); "bestfit" is the name `crop` had before 0.2
 RECORD_PLANS = {"fill": ("bestfit", "fill"), "split": ("bestfit", "split"),
                 "crop": ("bestfit", "crop"), "bestfit": ("bestfit", "crop"),
-                "concat": ("windows", "split")}
+                "concat": ("windows", None)}
 
 
 def record_plan(dataset: TokenDataset, packing: str, record_len: int, seed: int,
@@ -56,7 +59,8 @@ def record_plan(dataset: TokenDataset, packing: str, record_len: int, seed: int,
     tokens), and its filler (no boundaries: a record stores its pieces instead)."""
     mode_name, mode_packing = RECORD_PLANS[packing]
     mode = get_mode(mode_name)
-    spec = PlanSpec(mode_name, record_len - 1, seed, packing=mode_packing).for_data(
+    knobs = {} if mode_packing is None else {"packing": mode_packing}
+    spec = PlanSpec.of(mode_name, record_len - 1, seed=seed, **knobs).for_data(
         dataset.has_loss_mask)  # chat data: overlong conversations in overlapping pieces
     if lengths is None:
         lengths = dataset_lengths(dataset, node_cache=False)
@@ -174,18 +178,27 @@ class PreformedFiller(BatchFiller[int]):
         return self._records.segments(records)
 
 
+@dataclass(frozen=True)
+class PreformedKnobs(ModeKnobs):
+    """The pre-formed batches' knob: how many consecutive batches a shuffled block holds."""
+
+    block_batches: int = knob(64, "llmbatch: batches per shuffled block")
+
+    def __post_init__(self) -> None:
+        if self.block_batches < 1:
+            raise ConfigError(f"block_batches: {self.block_batches} must be >= 1")
+
+
 class LLMBatchMode(LoaderMode):
     name = "llmbatch"
     preformed = True
     splits = ("all",)
     shard_local = False
-
-    def knobs(self, spec: Any) -> dict[str, Any]:
-        return {"block_batches": spec.block_batches}
+    Knobs = PreformedKnobs
 
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> PreformedPlan:
         return PreformedPlan(inputs.dataset.num_batches, inputs.batch_size, spec.seq_len + 1,
-                             spec.seed, epoch, spec.block_batches)
+                             spec.seed, epoch, spec.knobs.block_batches)
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
                boundaries: bool = True) -> PreformedFiller:
