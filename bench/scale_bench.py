@@ -6,7 +6,7 @@ Datasets are synthetic but real where it is read: Megatron `.idx` files written 
 own index encoder (lognormal document lengths, median ~400 tokens), a manifest built by
 raypipe's manifest builder, and sparse `.bin` files of the right size (their pages read as
 zeros; their sha256 is a placeholder, so `raypipe verify` refuses them, and the loader,
-which checks size and modification time, opens them); for the llmbatch mode, the LLMBATCH
+which checks size and modification time, opens them); for the batches mode, the LLMBATCH
 files the same tokens would fill (records of 2049, 8 a batch, in as many files as shards:
 real headers, sparse batch slots). Each measurement runs in a fresh
 process under `ulimit -n 256`, as rank 999 of 1,000 (and rank 0), T = 2048, B = 8, first
@@ -50,7 +50,7 @@ from raypipe.io.atomic import file_sha256
 from raypipe.io.manifest import write_manifest
 from raypipe.io.records import FileEntry, FormatSection, Manifest, ShardEntry, TokenizerInfo, Totals
 
-MODES = ("windows", "bestfit", "documents", "llmbatch")
+MODES = ("windows", "bestfit", "documents", "batches")
 LIMIT_FILES = 256
 PROBE = r"""
 import json, os, resource, sys, time
@@ -74,7 +74,7 @@ def rchar():
 path, mode, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 base_memory, base_read = status("RssAnon:"), rchar()
 began = time.perf_counter()
-shape = {{}} if mode == "llmbatch" else {{"seq_len": 2048, "batch_size": 8}}
+shape = {{}} if mode == "batches" else {{"seq_len": 2048, "batch_size": 8}}
 loader = TokenLoader(path, mode=mode, rank=rank, world_size=1000, seed=1, **shape)
 batches = iter(loader)
 next(batches)
@@ -98,7 +98,7 @@ loader.plan(loader.epoch + 1)
 boundary = time.perf_counter() - began
 private = status("RssAnon:") - base_memory  # the loader's, before trace runs here
 traced = -1.0
-if mode != "llmbatch":
+if mode != "batches":
     from raypipe.tools.trace import trace
     middle = loader.steps_in_epoch(0) + loader.steps_in_epoch(1) // 2
     began = time.perf_counter()
@@ -220,7 +220,7 @@ def main() -> None:
         batches = build_llmbatch(args.workdir, documents, shards)
         for mode in args.modes.split(","):
             cache_dir = Path(tempfile.mkdtemp(prefix="plans-", dir=args.workdir))
-            path = batches if mode == "llmbatch" else documents_path
+            path = batches if mode == "batches" else documents_path
             runs = [(rank, "cold" if index == 0 else "warm")
                     for index, rank in enumerate([ranks[0], *ranks])]
             for rank, cache in runs:

@@ -103,7 +103,7 @@ def test_llmbatch_records_carry_the_mask_of_the_tokens_they_hold(every_mask_form
     documents = TokenDataset(every_mask_format, "megatron")
     batches = BatchDataset(every_mask_format)
     loader = TokenLoader(every_mask_format, seq_len=RECORD_LEN - 1, batch_size=BATCH,
-                         mode="llmbatch", device="cpu")
+                         mode="batches", device="cpu")
     assert batches.options.packing == "split"  # chat data's default: conversations whole
     filler = loader.filler(0)
     trained = 0

@@ -46,7 +46,7 @@ def users_of(root, destination, fmt):
         "megatron": [lambda: TokenLoader(root, 16, 2, mode="windows", format="megatron"),
                      lambda: convert_dataset(root, destination, "nanogpt")],
         "stream": [lambda: TokenLoader(root, 16, 2, mode="windows", format="stream")],
-        "llmbatch": [lambda: TokenLoader(root, mode="llmbatch")],
+        "llmbatch": [lambda: TokenLoader(root, mode="batches")],
     }
     chosen = [use for name, uses in readers.items() if fmt in (None, name) for use in uses]
     return [lambda: verify_dataset(root), lambda: inspect_dataset(root), *chosen]

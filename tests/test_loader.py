@@ -310,14 +310,44 @@ def test_pack_report_cli(token_dataset, capsys):
     assert f"cropped {crop.cropped_tokens:,}, dropped" in capsys.readouterr().out
 
 
-def test_llmbatch_mode_serves_preformed_batches_exactly_once(rich_dataset):
+def test_the_retired_name_llmbatch_selects_the_batches_mode_and_its_states_load(
+        rich_dataset, caplog):
+    """Before 0.7 the `batches` mode was `llmbatch`: that name still selects it, with one
+    deprecation line per process, and a state saved under it resumes a `batches` loader
+    at the same position (and a `batches` state an `llmbatch` loader)."""
+    import logging
+
+    from raypipe.sampling.modes import base
+
+    base._WARNED_RENAMES.discard("llmbatch")
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        old = [TokenLoader(rich_dataset, mode="llmbatch", seed=3, block_batches=4)
+               for _ in range(2)]
+    renamed = [r.getMessage() for r in caplog.records if "now called" in r.getMessage()]
+    assert renamed == ["loader mode 'llmbatch' is now called 'batches'; the old name keeps "
+                       "working"]
+    assert old[0].spec.mode == "batches"
+    iterator = iter(old[0])
+    for _ in range(3):
+        next(iterator)
+    state = old[0].state_dict()
+    expected = next(iterator).observation_ids.tolist()  # what the run served next
+    iterator.close()
+    state_as_0_6 = {**state, "knobs": {**state["knobs"], "mode": "llmbatch"}}  # 0.6 wrote this
+    for loader, saved in ((TokenLoader(rich_dataset, mode="batches", seed=3, block_batches=4),
+                           state_as_0_6), (old[1], state_as_0_6), (old[1], state)):
+        loader.load_state_dict(saved)
+        assert next(iter(loader)).observation_ids.tolist() == expected
+
+
+def test_batches_mode_serves_preformed_batches_exactly_once(rich_dataset):
     from raypipe.dataset import BatchDataset
 
     batches = BatchDataset(rich_dataset)
-    probe = TokenLoader(rich_dataset, mode="llmbatch", world_size=2, seed=3, block_batches=4)
+    probe = TokenLoader(rich_dataset, mode="batches", world_size=2, seed=3, block_batches=4)
     assert (probe.seq_len, probe.batch_size) == (32, 2)
     first, state = [], None
-    loaders = [TokenLoader(rich_dataset, mode="llmbatch", rank=r, world_size=2, seed=3,
+    loaders = [TokenLoader(rich_dataset, mode="batches", rank=r, world_size=2, seed=3,
                            block_batches=4) for r in range(2)]
     iterators = [iter(loader) for loader in loaders]
     for _ in range(5):
@@ -332,12 +362,12 @@ def test_llmbatch_mode_serves_preformed_batches_exactly_once(rich_dataset):
     for iterator in iterators:
         iterator.close()
     rest = []
-    resumed = TokenLoader(rich_dataset, mode="llmbatch", seed=3, block_batches=4, world_size=3)
+    resumed = TokenLoader(rich_dataset, mode="batches", seed=3, block_batches=4, world_size=3)
     resumed.load_state_dict(state)
     for batch in resumed:
         rest.extend(batch.observation_ids.tolist())
     for rank in (1, 2):
-        other = TokenLoader(rich_dataset, mode="llmbatch", seed=3, block_batches=4, rank=rank,
+        other = TokenLoader(rich_dataset, mode="batches", seed=3, block_batches=4, rank=rank,
                             world_size=3)
         other.load_state_dict(state)
         rest.extend(i for b in other for i in b.observation_ids.tolist())

@@ -8,13 +8,16 @@ import logging
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from raypipe.config import load_config
 from raypipe.demo.train_tokenizer import SHIPPED
 from raypipe.errors import ConfigError, StateError
+from raypipe.io.states import SourcePosition
 from raypipe.loader import open_loader
 from raypipe.preprocess.job import run_job
-from raypipe.sampling.mixture import allocate
+from raypipe.sampling.mixture import MixtureSchedule, allocate
 from tests import test_state_harness as harness
 from tests.conftest import write_parquet
 
@@ -51,6 +54,34 @@ def test_allocation_is_exact_per_step_up_to_rounding():
         assert counts.sum() == 7 and (counts >= 0).all()
         consumed += counts
         assert np.all(np.abs(consumed - weights * consumed.sum()) <= 1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(weights=st.lists(st.floats(0.05, 1.0), min_size=1, max_size=4),
+       world=st.integers(1, 4), batch=st.integers(1, 5), skipped=st.integers(0, 40),
+       sizes=st.lists(st.integers(1, 30), min_size=4, max_size=4))
+def test_a_schedule_skipped_ahead_serves_the_rows_of_one_walked_step_by_step(
+        weights, world, batch, skipped, sizes):
+    """trace skips to a step by counts alone; the loader walks every step: the same rows,
+    each source's rows taken one after another across epochs of their own sizes."""
+    weights = np.array(weights) / sum(weights)
+    epoch_sizes = [lambda epoch, n=n: n + epoch % 3 for n in sizes[:len(weights)]]
+
+    def schedule() -> MixtureSchedule:
+        return MixtureSchedule(weights, world, batch, epoch_sizes,
+                               [SourcePosition("d", 0, 0, 0) for _ in weights])
+
+    walked, jumped = schedule(), schedule()
+    served: list[set] = [set() for _ in weights]
+    for _ in range(skipped):
+        for slot in walked.next_step():
+            key = (slot.epoch, slot.position)
+            assert key not in served[slot.source], "a row served twice"
+            assert slot.position < epoch_sizes[slot.source](slot.epoch)
+            served[slot.source].add(key)
+    jumped.skip(skipped)
+    assert jumped.positions == walked.positions and jumped.step == walked.step == skipped
+    assert jumped.next_step() == walked.next_step()
 
 
 @pytest.mark.parametrize("mode", ["bestfit", "documents", "windows"])

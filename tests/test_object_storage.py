@@ -189,7 +189,7 @@ def test_loader_from_s3_resumes_exactly_at_other_world_sizes(bucket, rich_datase
     uri = f"s3://{bucket}/rich"
     upload_tree(rich_dataset, uri)
     monkeypatch.setenv("RAYPIPE_CACHE_DIR", str(tmp_path / "cache"))
-    for mode in ("windows+metadata", "bestfit", "documents", "llmbatch", "bestfit-shard-local"):
+    for mode in ("windows+metadata", "bestfit", "documents", "batches", "bestfit-shard-local"):
         harness.check_resume_1_2_3(uri, mode, first_stop=1, reference_path=rich_dataset)
 
 

@@ -61,7 +61,7 @@ def test_loader_in_every_mode_reads_600_shards_under_ulimit_256(many_shards, tmp
                             ("windows", {{"format": "stream", "metadata": True}})]:
             loader = TokenLoader({str(out)!r}, 64, 4, mode=mode, **extra)
             served[mode + str(extra)] = sum(1 for _ in loader)
-        loader = TokenLoader({str(batches)!r}, mode="llmbatch")
+        loader = TokenLoader({str(batches)!r}, mode="batches")
         served["llmbatch"] = sum(1 for _ in loader)
         print(served)
     """)

@@ -296,9 +296,9 @@ def test_waste_warning_names_untrained_tokens_and_a_packing_that_keeps_them(capl
 
 
 @pytest.mark.parametrize("mode,packing", [("bestfit", p) for p in PACKINGS]
-                         + [("documents", None), ("windows", None), ("llmbatch", "fill"),
-                            ("llmbatch", "split"), ("llmbatch", "crop"),
-                            ("llmbatch", "concat")])
+                         + [("documents", None), ("windows", None), ("batches", "fill"),
+                            ("batches", "split"), ("batches", "crop"),
+                            ("batches", "concat")])
 def test_waste_hint_never_names_what_is_running(caplog, mode, packing):
     report = PackingReport(10, 50, 20, 40, 30, 100)  # every kind of waste past 5%
     message = warning_of(caplog, report, mode, packing)

@@ -18,7 +18,7 @@ MODES = {name: {"mode": name} for name in mode_names()} | {
     "windows+metadata": {"mode": "windows", "format": "stream", "metadata": True},
     "bestfit-split": {"mode": "bestfit", "packing": "split"},
     "bestfit-crop": {"mode": "bestfit", "packing": "crop"},
-    "llmbatch-blocks-of-4": {"mode": "llmbatch", "block_batches": 4},
+    "batches-blocks-of-4": {"mode": "batches", "block_batches": 4},
     "windows-shard-local": {"mode": "windows", "shuffle": "shard_local", "group_shards": 2},
     "bestfit-shard-local": {"mode": "bestfit", "shuffle": "shard_local", "group_shards": 2},
     "documents-shard-local": {"mode": "documents", "shuffle": "shard_local",

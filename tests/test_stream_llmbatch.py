@@ -207,7 +207,7 @@ def test_split_llmbatch_holds_every_document_piece_once_and_the_loader_masks_pad
     assert len(flat_records) == section["used_tokens"]
     assert section["used_tokens"] + section["dropped_tokens"] == sum(corpus_tokens.values())
     assert section["dropped_tokens"] < batch * seq_len  # only the last partial batch
-    loader = TokenLoader(tmp_path / "out", mode="llmbatch", pad_id=5)
+    loader = TokenLoader(tmp_path / "out", mode="batches", pad_id=5)
     masked = 0
     for b in loader:
         index = int(b.observation_ids[0])
@@ -248,7 +248,7 @@ def test_tokenize_summary_inspect_and_pack_report_agree_on_llmbatch_waste(
     line = f"split packing: {report.summary_line()}"
     assert line in summary.render()
     assert line in inspect_dataset(out, samples=0)
-    assert main(["pack-report", str(out), "--mode", "llmbatch"]) == 0
+    assert main(["pack-report", str(out), "--mode", "batches"]) == 0
     assert report.render() in capsys.readouterr().out
 
 
@@ -299,14 +299,14 @@ def test_llmbatch_ids_are_all_real_tokens_and_a_legacy_sentinel_file_still_reads
     assert ids.max() < vocabulary  # what an embedding of the vocabulary accepts
     records = list(dataset.iter_records())
     current = [(b.inputs.clone(), b.mask.clone()) for b in
-               TokenLoader(tmp_path / "out", mode="llmbatch", pad_id=5, seed=1)]
+               TokenLoader(tmp_path / "out", mode="batches", pad_id=5, seed=1)]
     assert sum(int((~b[1].bool()).sum()) for b in current) > 0  # the corpus pads
     as_legacy_llmbatch(tmp_path / "out")
     legacy = BatchDataset(tmp_path / "out")
     assert any((legacy.batch(i) == LEGACY_PAD_ID).any() for i in range(legacy.num_batches))
     assert [r.tolist() for r in legacy.iter_records()] == [r.tolist() for r in records]
     served = [(b.inputs.clone(), b.mask.clone()) for b in
-              TokenLoader(tmp_path / "out", mode="llmbatch", pad_id=5, seed=1)]
+              TokenLoader(tmp_path / "out", mode="batches", pad_id=5, seed=1)]
     assert len(served) == len(current)
     for (inputs, mask), (legacy_inputs, legacy_mask) in zip(current, served, strict=True):
         # a 0.3 file masks its padding; today's also the targets into other documents' pieces

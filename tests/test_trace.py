@@ -198,10 +198,10 @@ def test_trace_of_llmbatch_records_names_the_documents_they_were_packed_from(
     corpus = corpus_with_gaps(tmp_path / "corpus", corpus_texts[:300])
     out = tokenize(corpus, tmp_path / "tokens", tokenizer_path,
                    formats=["megatron", "llmbatch"], seq_len=T + 1, batch_size=B)
-    loader = TokenLoader(out, mode="llmbatch", seed=5)
+    loader = TokenLoader(out, mode="batches", seed=5)
     for step, batch in enumerate(loader):
         if step in (0, 4):
-            records = list(trace(out, step, mode="llmbatch", seed=5))
+            records = list(trace(out, step, mode="batches", seed=5))
             assert_records_hold_the_batch(records, batch, tokenizer)
         if step == 4:
             break
@@ -320,8 +320,8 @@ def test_no_llmbatch_target_with_mask_1_crosses_into_another_document(
     out = tokenize(corpus, tmp_path / "tokens", tokenizer_path,
                    formats=["megatron", "llmbatch"], seq_len=T + 1, batch_size=B)
     _LENGTHS[""] = TokenDataset(out).document_lengths()
-    loader = TokenLoader(out, mode="llmbatch", seed=5)
-    records = list(trace(out, 0, steps=loader.steps_in_epoch(), mode="llmbatch", seed=5))
+    loader = TokenLoader(out, mode="batches", seed=5)
+    records = list(trace(out, 0, steps=loader.steps_in_epoch(), mode="batches", seed=5))
     checked = np.zeros(2, dtype=np.int64)
     for step, batch in enumerate(loader):
         checked += held_targets_are_true(batch, [r for r in records if r.step == step], T)

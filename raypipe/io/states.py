@@ -5,7 +5,9 @@ Invariant: `LoaderState.from_dict` / `MixtureState.from_dict` accept only what `
 writes: every key present, every field of its type (a bool is not an int, a float or a
 string is not a position) and in range (epoch in [0, 2^53), position, steps and rows
 consumed >= 0, the version this release writes); anything else is one StateError naming
-the field. The records are JSON-able and a few hundred bytes. Cost: microseconds.
+the field. A state of an earlier release is upgraded as it is read: a loader mode it names
+by a retired name (`MODE_RENAMES`) gets the mode's name of today. The records are JSON-able
+and a few hundred bytes. Cost: microseconds.
 """
 
 from __future__ import annotations
@@ -18,12 +20,19 @@ from raypipe.io.records import JsonRecord
 
 STATE_VERSION = 1
 MAX_EPOCH = 2**53  # exact in JSON numbers of every language; far beyond any run
+# loader modes renamed: old name -> today's (0.7: `llmbatch` serves any batch format)
+MODE_RENAMES = {"llmbatch": "batches"}
 
 State = TypeVar("State", bound=JsonRecord)
 
 
 def read_state(cls: type[State], state: Any, where: str) -> State:
-    """`cls` from a state dict; a problem is a StateError naming the field."""
+    """`cls` from a state dict (a retired mode name upgraded); a problem is a StateError
+    naming the field."""
+    if isinstance(state, dict) and isinstance(state.get("knobs"), dict) \
+            and state["knobs"].get("mode") in MODE_RENAMES:
+        state = {**state, "knobs": {**state["knobs"],
+                                    "mode": MODE_RENAMES[state["knobs"]["mode"]]}}
     try:
         return cls.from_json(state, where)
     except FormatError as exc:

@@ -36,7 +36,7 @@ from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.token_loader import TokenLoader, _rank_and_world
 from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
-from raypipe.sampling.mixture import mixture_weights, step_rows
+from raypipe.sampling.mixture import MixtureSchedule, mixture_weights
 from raypipe.sampling.modes import knob_differences
 
 logger = logging.getLogger("raypipe")
@@ -67,7 +67,7 @@ class MixtureLoader:
             raise ConfigError("mixture: no sources given")
         self.options = options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
         if options.plan_spec(0).preformed or options.metadata:
-            raise ConfigError("mixture: sources are read as documents or windows; llmbatch "
+            raise ConfigError("mixture: sources are read as documents or windows; pre-formed "
                               "batches and stream metadata cannot be mixed")
         self.names = sorted(paths)
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
@@ -114,23 +114,6 @@ class MixtureLoader:
         return dict(zip(self.names, self.weights.tolist(), strict=True))
 
     # ----- the schedule ---------------------------------------------------------------------
-    def _advance(self, index: int, where: SourcePosition, count: int
-                 ) -> tuple[list[tuple[int, int]], SourcePosition]:
-        """`count` rows of source `index` from `where`: their (epoch, position) and the
-        position after them (crossing into the next epoch as needed)."""
-        source, taken = self.sources[index], []
-        epoch, position = where.epoch, where.position
-        while len(taken) < count:
-            size = source.plan(epoch).size
-            if position >= size:
-                epoch, position = epoch + 1, 0
-                continue
-            take = min(count - len(taken), size - position)
-            taken += [(epoch, position + i) for i in range(take)]
-            position += take
-        return taken, SourcePosition(where.dataset, epoch, position,
-                                     where.consumed + count)
-
     def _schedule(self) -> Iterator[MixtureStep]:
         """Steps described DESCRIBE_STEPS at a time: one describe per (source, epoch)."""
         steps = self._steps()
@@ -175,20 +158,16 @@ class MixtureLoader:
         return self._scratches[key]
 
     def _steps(self) -> Iterator[MixtureStep]:
-        positions, step = dict(self.positions), self.steps
+        schedule = MixtureSchedule(
+            self.weights, self.world_size, self.batch_size,
+            [lambda epoch, source=source: source.plan(epoch).size for source in self.sources],
+            [self.positions[name] for name in self.names], self.steps)
         while True:
-            consumed = np.array([positions[n].consumed for n in self.names], dtype=np.float64)
-            counts, slots = step_rows(self.weights, consumed, self.world_size,
-                                      self.batch_size)
-            rows_of: list[list[tuple[int, int]]] = []
-            for index, name in enumerate(self.names):
-                taken, positions[name] = self._advance(index, positions[name],
-                                                       int(counts[index]))
-                rows_of.append(taken)
-            rows = [(source, *rows_of[source][nth]) for rank, _, source, nth in slots
-                    if rank == self.rank]
-            step += 1
-            yield MixtureStep(step - 1, rows, dict(positions))
+            step = schedule.step
+            rows = [(slot.source, slot.epoch, slot.position) for slot in schedule.next_step()
+                    if slot.rank == self.rank]
+            yield MixtureStep(step, rows, dict(zip(self.names, schedule.positions,
+                                                   strict=True)))
 
     # ----- filling a batch -----------------------------------------------------------------
     def _fill(self, job: MixtureStep, out: BatchBuffers) -> tuple[Filled, np.ndarray,

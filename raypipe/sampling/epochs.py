@@ -237,15 +237,6 @@ class PlannedDataset:
                 epoch + 1
         return epoch, steps * self.global_batch, number + steps
 
-    def row_position(self, consumed: int) -> tuple[int, int]:
-        """(epoch, position) of the row after `consumed` rows taken one after another across
-        epochs (a mixture source: nothing of an epoch is dropped)."""
-        epoch = 0
-        while consumed >= self.plan(epoch).size:
-            consumed -= self.plan(epoch).size
-            epoch += 1
-        return epoch, consumed
-
     @cached_property
     def document_dataset(self) -> TokenDataset:
         """The documents rows are cut from (a pre-formed output: the shards its records were

@@ -1,17 +1,26 @@
-"""How a mixture splits each global step's rows between its sources.
+"""How a mixture splits each global step's rows between its sources, and the one schedule
+of its steps that the MixtureLoader serves and `raypipe trace` replays.
 
 Invariant: `allocate` is a pure function of (weights, rows each source has served, rows in
 the step): what each source is owed, weight x (rows so far + rows) - served, rounded by
 largest remainder (ties to the lower index), so every source stays within one row of its
 weight after every step, whatever the step size was before. `spread` places each source's
-rows evenly over the step. Cost: O(sources) and O(rows) per step.
+rows evenly over the step. `MixtureSchedule` walks the steps from the sources' positions:
+each (rank, row) slot of a step gets its source's next row, taken one after another across
+the source's epochs (nothing of an epoch is dropped), so the rows of any step are a pure
+function of (weights, world size, batch size, the sources' epoch sizes, the positions it
+started from). Cost: O(sources) and O(rows) per step; `skip` O(sources) per step skipped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
 import numpy as np
 
 from raypipe.errors import ConfigError
+from raypipe.io.states import SourcePosition
 
 
 def allocate(weights: np.ndarray, consumed: np.ndarray, rows: int) -> np.ndarray:
@@ -71,3 +80,71 @@ def step_rows(weights: np.ndarray, consumed: np.ndarray, world_size: int, batch_
         rows.append((slot % world_size, slot // world_size, source, int(seen[source])))
         seen[source] += 1
     return counts, rows
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One slot of a global step: row `row` of rank `rank`'s batch is row `position` of
+    epoch `epoch` of source `source` (an index into the schedule's sources)."""
+
+    rank: int
+    row: int
+    source: int
+    epoch: int
+    position: int
+
+
+class MixtureSchedule:
+    """The global steps of a mixture from `positions` (one per source, in the weights'
+    order); `epoch_sizes[i](epoch)` is source i's rows in that epoch (its plan's size)."""
+
+    def __init__(self, weights: np.ndarray, world_size: int, batch_size: int,
+                 epoch_sizes: Sequence[Callable[[int], int]], positions: list[SourcePosition],
+                 step: int = 0):
+        self.weights, self.world_size, self.batch_size = weights, world_size, batch_size
+        self.epoch_sizes = epoch_sizes
+        self.positions = list(positions)
+        self.step = step
+
+    def skip(self, steps: int) -> None:
+        """Move `steps` steps ahead without describing their rows."""
+        consumed = np.array([p.consumed for p in self.positions], dtype=np.float64)
+        start = consumed.copy()
+        for _ in range(steps):
+            consumed += allocate(self.weights, consumed, self.world_size * self.batch_size)
+        for index, rows in enumerate((consumed - start).astype(np.int64).tolist()):
+            self.positions[index] = self._advance(index, rows, describe=False)[1]
+        self.step += steps
+
+    def next_step(self) -> list[ScheduledRow]:
+        """Every slot of the next global step, rank-major (`step_rows`); then the positions
+        stand after it."""
+        consumed = np.array([p.consumed for p in self.positions], dtype=np.float64)
+        counts, slots = step_rows(self.weights, consumed, self.world_size, self.batch_size)
+        taken = []
+        for index, count in enumerate(counts.tolist()):
+            rows, self.positions[index] = self._advance(index, count)
+            taken.append(rows)
+        self.step += 1
+        return [ScheduledRow(rank, row, source, *taken[source][nth])
+                for rank, row, source, nth in slots]
+
+    def _advance(self, index: int, count: int, describe: bool = True
+                 ) -> tuple[list[tuple[int, int]], SourcePosition]:
+        """Source `index`'s next `count` rows as (epoch, position) (none unless `describe`),
+        and where it stands after them (into the next epoch as needed)."""
+        where, taken, left = self.positions[index], [], count
+        epoch, position = where.epoch, where.position
+        while left:
+            size = self.epoch_sizes[index](epoch)
+            if size <= 0:
+                raise ConfigError(f"mixture source {index}: epoch {epoch} holds no row")
+            if position >= size:
+                epoch, position = epoch + 1, 0
+                continue
+            take = min(left, size - position)
+            if describe:
+                taken += [(epoch, position + i) for i in range(take)]
+            position, left = position + take, left - take
+        return taken, replace(where, epoch=epoch, position=position,
+                              consumed=where.consumed + count)

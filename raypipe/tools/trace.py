@@ -13,7 +13,8 @@ token_start..token_end (exclusive) index the document's stored tokens, its BOS/E
 included; `step` counts global steps from the start of training (at this world size).
 Cost: one epoch plan per epoch crossed (bestfit fill: one vectorized pass over the
 document lengths, ~70 ns a document), then O(rows) per step, plus one unit record read per
-unit printed; a mixture replays its row allocation step by step (~15 us a step).
+unit printed; a mixture replays the MixtureLoader's own schedule (sampling.mixture),
+counting rows alone up to the first step traced (~15 us a step).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError
 from raypipe.io.manifest import unit_record_name
 from raypipe.io.records import UnitRecord, WorkUnit
-from raypipe.io.states import LoaderState, MixtureState, read_state
+from raypipe.io.states import LoaderState, MixtureState, SourcePosition, read_state
 from raypipe.preprocess.unit import file_first_row
 from raypipe.sampling.batches import RowSegments
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
-from raypipe.sampling.mixture import allocate, mixture_weights, step_rows
+from raypipe.sampling.mixture import MixtureSchedule, mixture_weights
 from raypipe.sampling.modes import knob_differences, plan_knob_names, upgrade_knobs
 
 
@@ -214,8 +215,8 @@ def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
                   ranks: Any, world_size: int, batch_size: int | None,
                   cache_dir: str | Path | None, weights: dict[str, float] | None
                   ) -> Iterator[StepRow]:
-    """A mixture's steps: the row allocation replayed from the start (or `saved`), each
-    row traced in its source's own plan."""
+    """A mixture's steps: the MixtureLoader's schedule replayed from the start (or
+    `saved`), each row traced in its source's own plan."""
     if batch_size is None:
         raise ConfigError("tracing a mixture needs batch_size (its state does not record it)")
     if isinstance(saved, LoaderState):
@@ -240,24 +241,23 @@ def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
     weight = mixture_weights(names, weights,
                              {name: source.dataset.num_tokens
                               for name, source in zip(names, sources, strict=True)})
-    consumed = np.array([saved.sources[n].consumed if saved else 0 for n in names],
-                        dtype=np.float64)
-    number = saved.steps if saved is not None else 0
-    for _ in range(step or 0):  # from the start, or after the state; O(sources) a step
-        consumed += allocate(weight, consumed, world_size * batch_size)
-    number += step or 0
+    starts = [saved.sources[name] if saved is not None
+              else SourcePosition(source.dataset.fingerprint, 0, 0, 0)
+              for name, source in zip(names, sources, strict=True)]
+    schedule = MixtureSchedule(  # the MixtureLoader's own schedule, from the start or state
+        weight, world_size, batch_size,
+        [lambda epoch, source=source: source.plan(epoch).size for source in sources], starts,
+        saved.steps if saved is not None else 0)
+    schedule.skip(step or 0)
     for _ in range(steps):
-        counts, rows = step_rows(weight, consumed, world_size, batch_size)
-        for rank_of_row, row, index, nth in rows:
-            if rank_of_row not in ranks:
+        number = schedule.step
+        for slot in schedule.next_step():
+            if slot.rank not in ranks:
                 continue
-            source = sources[index]
-            epoch, position = source.row_position(int(consumed[index]) + nth)
-            segment = source.filler(epoch).segments(np.array([[position]]))[0]
-            yield StepRow(number, rank_of_row, row, epoch, segment, source.document_dataset,
-                          names[index])
-        consumed += counts
-        number += 1
+            source = sources[slot.source]
+            segment = source.filler(slot.epoch).segments(np.array([[slot.position]]))[0]
+            yield StepRow(number, slot.rank, slot.row, slot.epoch, segment,
+                          source.document_dataset, names[slot.source])
 
 
 def _records(rows: Iterator[StepRow], text: bool, tokenizer: str | None

@@ -40,7 +40,7 @@ for _module in sorted(module.name for module in pkgutil.iter_modules(__path__)):
 for _plugin in entry_points(group=PLUGIN_GROUP):
     _plugin.load()
 
-from raypipe.sampling.modes.llmbatch import RECORD_PLANS, record_plan  # noqa: E402
+from raypipe.sampling.modes.batches import RECORD_PLANS, record_plan  # noqa: E402
 
 __all__ = ["PLUGIN_GROUP", "RECORD_PLANS", "SHARED_KNOBS", "BatchFiller", "LoaderMode",
            "ModeKnobs", "PlanInputs", "PlanSpec", "get_mode", "knob", "knob_differences",

@@ -13,6 +13,7 @@ dict lookup per loader; the modes' own costs are in their modules.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields, replace
@@ -21,6 +22,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import numpy as np
 
 from raypipe.errors import ConfigError
+from raypipe.io.states import MODE_RENAMES
 from raypipe.sampling.batches import (
     BatchBuffers,
     BatchPlan,
@@ -34,6 +36,7 @@ from raypipe.sampling.plans import SHUFFLES, ShardGroups, SumsMemo
 from raypipe.sampling.split import SPLITS
 
 RowT = TypeVar("RowT")
+logger = logging.getLogger("raypipe")
 
 
 class BatchFiller(ABC, Generic[RowT]):
@@ -121,8 +124,8 @@ class PlanSpec:
     pick train or validation documents (raypipe.sampling.split). `PlanSpec.of` takes them
     all as keywords."""
 
-    mode: str = knob("bestfit", "the loader mode (a pre-formed mode such as llmbatch: what "
-                     "the dataset's batch records hold, as written)", lambda: mode_names())
+    mode: str = knob("bestfit", "the loader mode (batches: a batch format's pre-formed "
+                     "batches, as written)", lambda: mode_spellings())
     seq_len: int = knob(0, "T: tokens a row trains (rows hold T + 1), as TokenLoader's")
     seed: int = knob(0, "the loader's seed")
     shuffle: str = knob("global", "the loader's shuffle (shard_local: each node reads each "
@@ -142,6 +145,7 @@ class PlanSpec:
         return cls(mode, seq_len, **shared, knobs=mode_knobs(mode, values))
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", current_mode_name(self.mode))
         for name, value, allowed in (("mode", self.mode, mode_names()),
                                      ("shuffle", self.shuffle, SHUFFLES),
                                      ("split", self.split, SPLITS)):
@@ -390,9 +394,29 @@ def register(mode: LoaderMode) -> LoaderMode:
 
 
 def get_mode(name: str) -> LoaderMode:
+    name = current_mode_name(name)
     if name not in _MODES:
         raise ConfigError(f"mode: {name!r} not among {list(_MODES)}")
     return _MODES[name]
+
+
+_WARNED_RENAMES: set[str] = set()
+
+
+def current_mode_name(name: str) -> str:
+    """Today's name of mode `name` (a retired name: one deprecation line per process)."""
+    if name not in MODE_RENAMES:
+        return name
+    if name not in _WARNED_RENAMES:
+        _WARNED_RENAMES.add(name)
+        logger.warning("loader mode %r is now called %r; the old name keeps working",
+                       name, MODE_RENAMES[name])
+    return MODE_RENAMES[name]
+
+
+def mode_spellings() -> tuple[str, ...]:
+    """The modes' names, and the retired names that still select them."""
+    return (*_MODES, *MODE_RENAMES)
 
 
 def mode_names() -> tuple[str, ...]:

@@ -1,5 +1,5 @@
-"""`llmbatch`: pre-formed LLMBATCH batches, one per observation, and the record plans that
-made them.
+"""`batches`: the pre-formed batches of a batch format (LLMBATCH), one per observation, and
+the record plans that made them (`llmbatch` is its name before 0.7: still accepted).
 
 Invariant: the loader serves whole batches in a block shuffle (as ZeroBatch's loader does):
 blocks of `block_batches` consecutive batches are visited in a Feistel order per epoch,
@@ -182,15 +182,17 @@ class PreformedFiller(BatchFiller[int]):
 class PreformedKnobs(ModeKnobs):
     """The pre-formed batches' knob: how many consecutive batches a shuffled block holds."""
 
-    block_batches: int = knob(64, "llmbatch: batches per shuffled block")
+    block_batches: int = knob(64, "batches: batches per shuffled block")
 
     def __post_init__(self) -> None:
         if self.block_batches < 1:
             raise ConfigError(f"block_batches: {self.block_batches} must be >= 1")
 
 
-class LLMBatchMode(LoaderMode):
-    name = "llmbatch"
+class BatchesMode(LoaderMode):
+    """Pre-formed batches of a batch format (LLMBATCH), one per rank per step."""
+
+    name = "batches"
     preformed = True
     splits = ("all",)
     shard_local = False
@@ -214,4 +216,4 @@ class LLMBatchMode(LoaderMode):
         return "a smaller batch size drops fewer records at the end"
 
 
-LLMBATCH = register(LLMBatchMode())
+BATCHES = register(BatchesMode())
