@@ -194,7 +194,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser, seq_len: int | None) -> 
         choices = spec.metadata["choices"]
         choices = choices() if callable(choices) else choices
         default = seq_len if name == "seq_len" else None
-        shown = spec.default if default is None else default
+        shown = (default if default is not None else "the state's" if name == "seq_len"
+                 else spec.default)
         kind = ({"action": argparse.BooleanOptionalAction} if isinstance(spec.default, bool)
                 else {"type": type(spec.default), "choices": choices})
         parser.add_argument(f"--{name.replace('_', '-')}", default=default, **kind,

@@ -6,11 +6,10 @@ by name; the rest at their defaults) and where batches go. `of()` builds it from
 and/or keyword arguments (a keyword that is no option and no knob of the mode is one
 ConfigError naming it and the known ones), so `TokenLoader(path, 2048, 8, packing="fill")`
 and `TokenLoader(path, options=LoaderOptions.of(seq_len=2048, batch_size=8,
-packing="fill"))` are the same loader. What shapes
-observations is its `plan_spec()` (raypipe.sampling.epochs); the rest says where batches go
-(rank, device, dtype, prefetch) and where shards come from (format, cache).
-`device="auto"` is CUDA where the machine has it, else the CPU. Cost: microseconds, once per
-loader.
+packing="fill"))` are the same loader. What shapes observations is its `plan_spec()`
+(raypipe.sampling.epochs); the rest says where batches go (rank, device, dtype, prefetch)
+and where shards come from (format, cache). `device="auto"` is CUDA where the machine has
+it, else the CPU. Cost: microseconds, once per loader.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """Loader modes as plugins: the contract a mode implements, and the registry that names it.
 
-Invariant: a loader mode is one module of this package that registers a `LoaderMode`: which
-knobs shape its observations, how it plans an epoch (a pure function of dataset, spec and
-epoch), and a `BatchFiller` that describes a step's observations ahead (typed rows), names
-the shards they read, fills them into host buffers, and says what each row holds
-(`segments`: document, token range and columns of every piece, from lengths and indexes
-alone, so `raypipe trace` reads no token file). Nothing outside the mode's module names it:
-the loader, the mixture, `pack-report`, `trace`, the LLMBATCH packer and the CLI ask
+Invariant: a loader mode is one module of this package (or of a plugin) that registers a
+`LoaderMode`: which knobs shape its observations (its own declared once, as `ModeKnobs`
+fields, from which the loaders' keywords, the CLI's options and the state's knobs are
+made), how it plans an epoch (a pure function of dataset, spec and epoch), and a
+`BatchFiller` that describes a step's observations ahead (typed rows), names the shards
+they read, fills them into host buffers, and says what each row holds (`segments`:
+document, token range and columns of every piece, from lengths and indexes alone, so
+`raypipe trace` reads no token file). Nothing outside the mode's module names it: the
+loader, the mixture, `pack-report`, `trace`, the LLMBATCH packer and the CLI ask
 `get_mode`. A new mode is one new module: the package imports every module in it. Cost: one
-dict lookup per loader; the modes' own costs are in their modules.
+dict lookup per loader, and microseconds to check its knobs; the modes' own costs are in
+their modules.
 """
 
 from __future__ import annotations
@@ -209,11 +212,6 @@ class PlanSpec:
     def packed(self) -> bool:
         """Rows are packed from blocks of documents (the `packing` knob applies)."""
         return self.loader_mode.packed
-
-    def values(self) -> dict[str, Any]:
-        """Every knob by name (shared and the mode's own), as `PlanSpec.of` takes them."""
-        return {**{name: getattr(self, name) for name in SHARED_KNOBS},
-                **{spec.name: getattr(self.knobs, spec.name) for spec in fields(self.knobs)}}
 
     def knobs_record(self) -> dict[str, Any]:
         """The knobs a loader state records; a knob at its value from before it existed is
