@@ -70,7 +70,7 @@ def test_crop_rows_start_with_bos_and_follow_the_plan(token_dataset):
     for batch in loader:
         rows = plan.rows(batch.positions)
         for row, (row_id, pieces) in enumerate(rows):
-            doc_ids, starts, take = pieces.doc_ids, pieces.starts, pieces.take
+            doc_ids, starts, take = pieces.documents, pieces.starts, pieces.take
             tokens = torch.cat([batch.inputs[row], batch.targets[row, -1:]]).tolist()
             assert tokens[0] == 0 and not starts.any()  # BOS
             expected = np.concatenate([documents[d][:n] for d, n in zip(doc_ids, take,
@@ -98,7 +98,7 @@ def test_packed_rows_hold_pieces_each_its_own_sequence_then_masked_padding(token
     padded_rows = 0
     for batch in loader:
         for row, (_, pieces) in enumerate(plan.rows(batch.positions)):
-            doc_ids, starts, take = pieces.doc_ids, pieces.starts, pieces.take
+            doc_ids, starts, take = pieces.documents, pieces.starts, pieces.take
             tokens = torch.cat([batch.inputs[row], batch.targets[row, -1:]]).tolist()
             filled = int(take.sum())
             expected = np.concatenate([documents[d][a:a + n] for d, a, n in
@@ -138,7 +138,7 @@ def test_default_epoch_trains_at_least_99_percent_of_token_positions_once(token_
     for row_id in consumed:  # a global row id names (block, row in the block)
         block = int(np.searchsorted(plan.row_offsets, row_id, side="right")) - 1
         pieces = plan.pack(block).row(row_id - int(plan.row_offsets[block]))
-        for doc, start, count in zip(pieces.doc_ids, pieces.starts, pieces.take, strict=True):
+        for doc, start, count in zip(pieces.documents, pieces.starts, pieces.take, strict=True):
             seen[doc][start:start + count] += 1
     counts = np.concatenate(seen)
     assert counts.max() == 1

@@ -88,7 +88,7 @@ def coverage_of_one_epoch(path, seq_len: int, world: int) -> tuple[np.ndarray, i
             for row_id in batch.observation_ids.tolist():
                 block = int(np.searchsorted(plan.row_offsets, row_id, side="right")) - 1
                 pieces = plan.pack(block).row(row_id - int(plan.row_offsets[block]))
-                for doc, start, count in zip(pieces.doc_ids, pieces.starts, pieces.take,
+                for doc, start, count in zip(pieces.documents, pieces.starts, pieces.take,
                                              strict=True):
                     counts[doc][start:start + count] += 1
                 rows += 1

@@ -71,7 +71,7 @@ def test_crop_packing_rows_are_full_bos_aligned_and_conserve_tokens(lengths, cap
     seen = []
     for row in range(packed.num_rows):
         pieces = packed.row(row)
-        doc_ids, starts, take = pieces.doc_ids, pieces.starts, pieces.take
+        doc_ids, starts, take = pieces.documents, pieces.starts, pieces.take
         assert take.sum() == capacity and not starts.any()  # full row, no padding
         assert (take <= lengths[doc_ids]).all() and (take > 0).all()
         # every segment starts at its document's first token (BOS): only prefixes are taken
@@ -83,10 +83,10 @@ def test_crop_packing_rows_are_full_bos_aligned_and_conserve_tokens(lengths, cap
 def test_pack_prefers_largest_fit_then_crops_shortest():
     packed = pack_crop(np.arange(4), np.array([6, 5, 3, 9]), 10)
     # row 0: 9 fits first; nothing fits the last token, so the shortest (3) is cropped to 1
-    assert packed.row(0).doc_ids.tolist() == [3, 2] and packed.row(0).take.tolist() == [9, 1]
+    assert packed.row(0).documents.tolist() == [3, 2] and packed.row(0).take.tolist() == [9, 1]
     assert packed.row(0).ends_document.tolist() == [True, False]  # 2 is cropped
     # row 1: 6 fits; 5 does not fit the 4 left and is the shortest: cropped to 4
-    assert packed.row(1).doc_ids.tolist() == [0, 1] and packed.row(1).take.tolist() == [6, 4]
+    assert packed.row(1).documents.tolist() == [0, 1] and packed.row(1).take.tolist() == [6, 4]
     assert packed.num_rows == 2 and packed.cropped_tokens == 2 + 1
 
 
@@ -103,7 +103,7 @@ def test_crop_plan_rows_cover_blocks_once():
     plan = BestFitPlan(lengths, 255, seed=5, epoch=2, block_documents=500, packing="crop")
     rows = plan.rows(np.arange(plan.size))
     assert sorted(r[0] for r in rows) == list(range(plan.size))
-    used_docs = np.concatenate([row.doc_ids for _, row in rows])
+    used_docs = np.concatenate([row.documents for _, row in rows])
     assert len(used_docs) == len(set(used_docs.tolist()))
 
 
@@ -112,7 +112,7 @@ def assert_every_token_once(packed, lengths, capacity):
     covered = {}
     for row in range(packed.num_rows):
         pieces = packed.row(row)
-        doc_ids, starts, take = pieces.doc_ids, pieces.starts, pieces.take
+        doc_ids, starts, take = pieces.documents, pieces.starts, pieces.take
         assert 0 < take.sum() <= capacity and (take > 0).all()
         assert (pieces.ends_document == (starts + take == lengths[doc_ids])).all()
         for doc, start, count in zip(doc_ids.tolist(), starts.tolist(), take.tolist(),
@@ -150,7 +150,7 @@ def test_best_fit_decreasing_puts_each_piece_in_the_tightest_open_row(sizes):
     rooms: dict[int, int] = {}
     row_of = {}
     for row in range(packed.num_rows):
-        for doc in packed.row(row).doc_ids.tolist():
+        for doc in packed.row(row).documents.tolist():
             row_of[doc] = row
     for doc, size in enumerate(lengths.tolist()):  # replay: the tightest fit, else a new row
         fitting = [r for r, room in rooms.items() if room >= size]

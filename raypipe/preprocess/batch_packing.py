@@ -32,9 +32,10 @@ from raypipe.formats import BatchFormat, RecordPieces, batch_format, packing_for
 from raypipe.io.records import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
-from raypipe.sampling.batches import BatchBuffers, RowSegments, TokenSource
+from raypipe.sampling.batches import BatchBuffers, TokenSource
 from raypipe.sampling.loss_masks import LossMasks
 from raypipe.sampling.modes import preformed_mode, record_plan, waste_hints
+from raypipe.sampling.pack import RowPieces
 from raypipe.sampling.plans import PackingReport
 
 DESCRIBE_BATCHES = 64
@@ -107,7 +108,7 @@ def _pack_batches(dataset: TokenDataset, staging: Staging, fmt: BatchFormat,
     return fmt.section(dataset.manifest.tokenizer.largest_id, shards, options)
 
 
-def record_pieces(row: RowSegments) -> RecordPieces:
+def record_pieces(row: RowPieces) -> RecordPieces:
     """What a batch format stores of one record's pieces."""
     return RecordPieces(row.columns, row.starts_document, row.ends_document)
 

@@ -5,7 +5,7 @@ holds observation g_i of the epoch plan: T + 1 tokens read straight from the sha
 (no shard is ever loaded whole), inputs = row[:-1], targets = row[1:]; `position_ids`
 restart at 0 at every sequence start and `cu_seqlens` lists the sequence starts over the
 flattened [B, T] inputs (flash-attention varlen style), so attention can stay inside
-pieces of documents. `RowSegments` is what a row holds in the dataset's terms (document,
+pieces of documents. `RowPieces` is what a row holds in the dataset's terms (document,
 token range, columns), the record `raypipe trace` prints. The modes themselves
 (raypipe.sampling.modes) describe and fill; measured on 2 cores, B=8, T=2048: ~35 us per
 batch for windows, ~70 us for bestfit (see bench/loader_bench.py).
@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from raypipe.dataset import TokenDataset
+from raypipe.sampling.pack import RowPieces
 
 RowT = TypeVar("RowT")
 SEGMENT_BOUNDS_CACHED = 64  # shards whose document starts span_segments keeps
@@ -75,39 +76,8 @@ class BatchPlan(Generic[RowT]):
     rows: list[RowT]
 
 
-@dataclass(frozen=True)
-class RowSegments:
-    """What one row holds: piece i is tokens [starts[i], starts[i] + take[i]) of the
-    dataset's document `documents[i]` (global numbering), at columns [columns[i],
-    columns[i] + take[i]) of the row's T + 1 tokens; `ends_document[i]` when the piece
-    reaches its document's last token. Columns past the pieces are padding."""
-
-    documents: np.ndarray
-    starts: np.ndarray
-    take: np.ndarray
-    ends_document: np.ndarray
-
-    @property
-    def columns(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.take)[:-1]]).astype(np.int64)
-
-    @property
-    def starts_document(self) -> np.ndarray:
-        return self.starts == 0
-
-    @property
-    def true_joins(self) -> np.ndarray:
-        """Per piece after the first: the target that crosses into it is true (the piece
-        before ends its document and this one starts its own)."""
-        return self.ends_document[:-1] & self.starts_document[1:]
-
-    @property
-    def length(self) -> int:
-        return int(self.take.sum())
-
-
 def segments_in(bounds: np.ndarray, first_document: int, start: int, stop: int
-                ) -> RowSegments:
+                ) -> RowPieces:
     """The pieces of documents first_document + i (tokens [bounds[i], bounds[i + 1]))
     that the span [start, stop) covers, in the coordinates of `bounds`."""
     first = max(int(np.searchsorted(bounds, start, side="right")) - 1, 0)
@@ -115,16 +85,16 @@ def segments_in(bounds: np.ndarray, first_document: int, start: int, stop: int
     begins, ends = bounds[first:last], bounds[first + 1:last + 1]
     lows = np.maximum(begins, start)
     highs = np.minimum(ends, stop)
-    return RowSegments(np.arange(first, last, dtype=np.int64) + first_document,
+    return RowPieces(np.arange(first, last, dtype=np.int64) + first_document,
                        (lows - begins).astype(np.int64), (highs - lows).astype(np.int64),
                        ends <= stop)
 
 
-def joined(parts: list[RowSegments]) -> RowSegments:
+def joined(parts: list[RowPieces]) -> RowPieces:
     """One row's segments from consecutive parts."""
     if len(parts) == 1:
         return parts[0]
-    return RowSegments(*(np.concatenate([getattr(part, name) for part in parts])
+    return RowPieces(*(np.concatenate([getattr(part, name) for part in parts])
                          for name in ("documents", "starts", "take", "ends_document")))
 
 
@@ -254,14 +224,14 @@ class TokenSource:
             filled += count
             shard, local = shard + 1, 0
 
-    def span_segments(self, start: int, width: int) -> RowSegments:
+    def span_segments(self, start: int, width: int) -> RowPieces:
         """The documents stream span [start, start + width) holds (a split's stream, or
         the global one), from document lengths alone (index files: no token read)."""
         stop = start + width
         if self.stream_offsets is not None:
             assert self.document_ids is not None
             local = segments_in(self.stream_offsets, 0, start, stop)
-            return RowSegments(self.document_ids[local.documents], local.starts, local.take,
+            return RowPieces(self.document_ids[local.documents], local.starts, local.take,
                                local.ends_document)
         parts = []
         shard = int(np.searchsorted(self.token_offsets, start, side="right")) - 1

@@ -22,11 +22,11 @@ from raypipe.sampling.batches import (
     BatchBuffers,
     BatchPlan,
     Filled,
-    RowSegments,
     ShardArrays,
     TokenSource,
 )
 from raypipe.sampling.modes import BatchFiller
+from raypipe.sampling.pack import RowPieces
 
 
 class LossMasks:
@@ -36,7 +36,7 @@ class LossMasks:
         self.source = source
         self.masks = ShardArrays(source.dataset, "loss_mask")
 
-    def rows(self, rows: list[RowSegments], width: int) -> np.ndarray:
+    def rows(self, rows: list[RowPieces], width: int) -> np.ndarray:
         """[len(rows), width] uint8: the loss mask of the tokens each row holds (0 past its
         pieces), its pieces located in one call."""
         if not rows:
@@ -98,7 +98,7 @@ class LossMaskedFiller(BatchFiller[Any]):
         self.masks.apply(trained, buffers)
         return filled
 
-    def segments(self, positions: np.ndarray) -> list[RowSegments]:
+    def segments(self, positions: np.ndarray) -> list[RowPieces]:
         return self.inner.segments(positions)
 
     def prepare(self, buffers: BatchBuffers) -> None:

@@ -105,10 +105,15 @@ class PackedBlock:
 
 @dataclass(frozen=True)
 class RowPieces:
-    """One packed row: piece i is tokens [starts[i], starts[i] + take[i]) of document
-    doc_ids[i] (a plan's numbering), `ends_document[i]` when that is the document's end."""
+    """What one row holds, the one description every part of raypipe uses: piece i is
+    tokens [starts[i], starts[i] + take[i]) of document `documents[i]`, at columns
+    [columns[i], columns[i] + take[i]) of the row's tokens; `ends_document[i]` when the
+    piece reaches its document's last token; columns past the pieces are padding. The
+    documents are numbered as their maker says: a packing plan's rows in the plan's
+    numbering, a filler's `segments` in the dataset's (global) one. A batch format stores
+    a row's `columns` and flags (raypipe.formats.RecordPieces), not its documents."""
 
-    doc_ids: np.ndarray
+    documents: np.ndarray
     starts: np.ndarray
     take: np.ndarray
     ends_document: np.ndarray
@@ -127,6 +132,10 @@ class RowPieces:
         """Per piece after the first: the target that crosses into it is true (the piece
         before ends its document and this one starts its own)."""
         return self.ends_document[:-1] & self.starts_document[1:]
+
+    @property
+    def length(self) -> int:
+        return int(self.take.sum())
 
 
 def pack(packing: str, doc_ids: np.ndarray, lengths: np.ndarray, capacity: int,

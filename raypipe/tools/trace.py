@@ -34,10 +34,10 @@ from raypipe.io.manifest import unit_record_name
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.io.states import LoaderState, MixtureState, SourcePosition, read_state
 from raypipe.preprocess.unit import file_first_row
-from raypipe.sampling.batches import RowSegments
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.mixture import MixtureSchedule, mixture_weights
 from raypipe.sampling.modes import knob_differences, plan_knob_names, upgrade_knobs
+from raypipe.sampling.pack import RowPieces
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class StepRow:
     rank: int
     row: int
     epoch: int
-    segments: RowSegments
+    segments: RowPieces
     documents: TokenDataset
     source: str | None = None
 

@@ -30,11 +30,10 @@ from raypipe.sampling.batches import (
     BatchBuffers,
     BatchPlan,
     Filled,
-    RowSegments,
     write_row_boundaries,
 )
 from raypipe.sampling.lengths import DocumentLengths
-from raypipe.sampling.pack import OVERLONGS
+from raypipe.sampling.pack import OVERLONGS, RowPieces
 from raypipe.sampling.plans import SHUFFLES, ShardGroups, SumsMemo
 from raypipe.sampling.split import SPLITS
 
@@ -58,7 +57,7 @@ class BatchFiller(ABC, Generic[RowT]):
         """Write the batch into a `prepare`d buffer."""
 
     @abstractmethod
-    def segments(self, positions: np.ndarray) -> list[RowSegments]:
+    def segments(self, positions: np.ndarray) -> list[RowPieces]:
         """What the rows of the observations at `positions` hold, in batch row order,
         without reading any token."""
 

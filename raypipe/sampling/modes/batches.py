@@ -26,7 +26,6 @@ from raypipe.sampling.batches import (
     BatchBuffers,
     BatchPlan,
     Filled,
-    RowSegments,
     TokenSource,
     scan_boundaries,
     write_boundaries,
@@ -42,6 +41,7 @@ from raypipe.sampling.modes.base import (
     knob,
     register,
 )
+from raypipe.sampling.pack import RowPieces
 from raypipe.sampling.permute import FeistelPermutation
 from raypipe.sampling.plans import PackingReport
 
@@ -171,7 +171,7 @@ class PreformedFiller(BatchFiller[int]):
                               cache=dataset.cache)
         return record_plan(source, options.packing, options.seq_len, options.seed)[1]
 
-    def segments(self, positions: np.ndarray) -> list[RowSegments]:
+    def segments(self, positions: np.ndarray) -> list[RowPieces]:
         batch = self.dataset.batch_size
         records = (self.plan.batches(positions.reshape(-1))[:, None] * batch
                    + np.arange(batch)).reshape(-1)

@@ -34,7 +34,6 @@ from raypipe.sampling.batches import (
     BatchBuffers,
     BatchPlan,
     Filled,
-    RowSegments,
     TokenSource,
     write_boundaries,
 )
@@ -251,7 +250,7 @@ class BestFitFiller(BatchFiller[list[Piece]]):
         rows_of = self.plan.rows(positions.reshape(-1))
         pieces = [row for _, row in rows_of]
         shards, firsts, _ = self.source.locate_documents(
-            np.concatenate([row.doc_ids for row in pieces]))
+            np.concatenate([row.documents for row in pieces]))
         starts = np.concatenate([row.starts for row in pieces])
         located = [Piece(*piece) for piece in zip(
             shards.tolist(), (firsts + starts).tolist(),
@@ -270,7 +269,7 @@ class BestFitFiller(BatchFiller[list[Piece]]):
                 for row in plan.rows]
 
     def shards(self, positions: np.ndarray) -> np.ndarray:
-        doc_ids = [row.doc_ids for _, row in self.plan.rows(positions.reshape(-1))]
+        doc_ids = [row.documents for _, row in self.plan.rows(positions.reshape(-1))]
         return self.source.shards_of_documents(np.concatenate(doc_ids) if doc_ids
                                                else np.empty(0, np.int64))
 
@@ -302,8 +301,8 @@ class BestFitFiller(BatchFiller[list[Piece]]):
         count = write_boundaries(np.array(starts, dtype=np.int64), buffers, self.seq_len)
         return Filled(count, np.array(flags, dtype=bool))
 
-    def segments(self, positions: np.ndarray) -> list[RowSegments]:
-        return [RowSegments(self.source.global_documents(row.doc_ids), row.starts, row.take,
+    def segments(self, positions: np.ndarray) -> list[RowPieces]:
+        return [RowPieces(self.source.global_documents(row.documents), row.starts, row.take,
                             row.ends_document)
                 for _, row in self.plan.rows(positions.reshape(-1))]
 

@@ -19,12 +19,12 @@ from raypipe.sampling.batches import (
     BatchBuffers,
     BatchPlan,
     Filled,
-    RowSegments,
     TokenSource,
     write_boundaries,
 )
 from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.modes.base import BatchFiller, LoaderMode, PlanInputs, register
+from raypipe.sampling.pack import RowPieces
 from raypipe.sampling.plans import PackingReport, ShardGroups, document_permutation
 
 
@@ -108,18 +108,18 @@ class DocumentsFiller(BatchFiller[DocumentRow]):
         count = write_boundaries(np.array(starts, dtype=np.int64), buffers, self.seq_len)
         return Filled(count, np.array(flags, dtype=bool))
 
-    def segments(self, positions: np.ndarray) -> list[RowSegments]:
+    def segments(self, positions: np.ndarray) -> list[RowPieces]:
         local_ids = self.plan.documents(positions.reshape(-1))
         documents = self.source.global_documents(local_ids)
         segments = []
         for local, document in zip(local_ids.tolist(), documents.tolist(), strict=True):
             if local < 0:
-                segments.append(RowSegments(*(np.zeros(0, dtype) for dtype in
+                segments.append(RowPieces(*(np.zeros(0, dtype) for dtype in
                                               (np.int64, np.int64, np.int64, bool))))
                 continue
             length = int(self.plan.lengths[np.array([local])][0])
             take = min(length, self.seq_len + 1)
-            segments.append(RowSegments(np.array([document]), np.zeros(1, np.int64),
+            segments.append(RowPieces(np.array([document]), np.zeros(1, np.int64),
                                         np.array([take]), np.array([take == length])))
         return segments
 

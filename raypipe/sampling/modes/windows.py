@@ -20,11 +20,11 @@ from raypipe.sampling.batches import (
     BatchBuffers,
     BatchPlan,
     Filled,
-    RowSegments,
     TokenSource,
     scan_boundaries,
 )
 from raypipe.sampling.modes.base import BatchFiller, LoaderMode, PlanInputs, register
+from raypipe.sampling.pack import RowPieces
 from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
 from raypipe.sampling.plans import PackingReport, ShardGroups
 
@@ -102,7 +102,7 @@ class WindowsFiller(BatchFiller[int]):
     def row_lengths(self, plan: BatchPlan[int]) -> np.ndarray:
         return np.full(len(plan.rows), self.seq_len + 1, dtype=np.int64)
 
-    def segments(self, positions: np.ndarray) -> list[RowSegments]:
+    def segments(self, positions: np.ndarray) -> list[RowPieces]:
         offsets = self.plan.window_starts(positions.reshape(-1))[1]
         return [self.source.span_segments(int(offset), self.seq_len + 1)
                 for offset in offsets.tolist()]
