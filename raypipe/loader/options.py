@@ -22,7 +22,7 @@ import torch
 
 from raypipe.errors import ConfigError
 from raypipe.sampling.epochs import PlanSpec
-from raypipe.sampling.modes import get_mode, metadata_modes, stray_knob
+from raypipe.sampling.modes import metadata_modes, refuse_stray_knobs
 
 
 @dataclass(frozen=True)
@@ -86,12 +86,7 @@ class LoaderOptions:
         own = {spec.name for spec in fields(cls)} - {"knobs"}
         knobs = {**(base.knobs if mode == base.mode else {}), **values.pop("knobs", {}),
                  **{name: values.pop(name) for name in list(values) if name not in own}}
-        declared = [spec.name for spec in fields(get_mode(mode).Knobs)]
-        stray = sorted(set(knobs) - set(declared))
-        if stray:
-            raise ConfigError(f"{stray_knob(stray[0], mode)}; the options are "
-                              f"{', '.join(sorted(own))}, and mode {mode!r}'s knobs "
-                              f"{', '.join(declared) or '(none)'}")
+        refuse_stray_knobs(mode, knobs, own)
         return replace(base, **values, knobs=knobs)
 
     def plan_spec(self, seq_len: int) -> PlanSpec:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -230,11 +230,19 @@ class PlanSpec:
 def mode_knobs(mode: str, values: dict[str, Any]) -> ModeKnobs:
     """Mode `mode`'s knobs from `values` (the rest at their defaults); a knob of another
     mode, or of none, is one ConfigError naming it."""
-    stray = sorted(set(values) - set(plan_knob_names(mode)))
-    if stray:
-        raise ConfigError(f"{stray_knob(stray[0], mode)}; mode {mode!r} takes "
-                          f"{', '.join(plan_knob_names(mode))}")
+    refuse_stray_knobs(mode, values, SHARED_KNOBS)
     return get_mode(mode).Knobs(**values)
+
+
+def refuse_stray_knobs(mode: str, names: Iterable[str], options: Iterable[str]) -> None:
+    """One ConfigError naming the first of `names` that is no knob of `mode` (another
+    mode's, or nobody's), with what is taken instead: `options` and the mode's knobs."""
+    own = [spec.name for spec in fields(get_mode(mode).Knobs)]
+    stray = sorted(set(names) - set(own))
+    if stray:
+        raise ConfigError(f"{stray_knob(stray[0], mode)}; the options are "
+                          f"{', '.join(sorted(options))}, and mode {mode!r}'s knobs "
+                          f"{', '.join(own) or '(none)'}")
 
 
 def plan_knob_names(mode: str) -> tuple[str, ...]:
