@@ -24,7 +24,6 @@ from common import print_table, synthetic_token_dataset, write_synthetic_dataset
 
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.formats import DocumentMetadata
-from raypipe.preprocess.batch_packing import BatchSpec
 from raypipe.tools.convert import convert_dataset
 
 WINDOW, B, T = 2048, 8, 2049
@@ -101,7 +100,9 @@ def main() -> None:
     source = synthetic_token_dataset(args.workdir, args.tokens)
     llm_dir = args.workdir / f"llmbatch-{args.tokens // 1_000_000}M"
     if not (llm_dir / "manifest.json").exists():
-        convert_dataset(source, llm_dir, "llmbatch", BatchSpec(T, B, "bestfit", 1, 1 << 30))
+        convert_dataset(source, llm_dir, "llmbatch",
+                        {"record_len": T, "batch_size": B, "packing": "bestfit", "seed": 1,
+                         "batches_per_shard": 1 << 30})
     llm = BatchDataset(llm_dir)
     base_llm, llm_rate = llmbatch_rates(llm, args.reads)
     stream = TokenDataset(stream_dataset(args.workdir, args.tokens // 5), "stream")

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from raypipe import interrupts
-from raypipe.config import PACKINGS as CONFIG_PACKINGS
-from raypipe.config import TokenizeConfig, load_config
-from raypipe.errors import RaypipeError
+from raypipe.config import TokenizeConfig, legacy, load_config
+from raypipe.errors import ConfigError, RaypipeError
+from raypipe.formats import FORMATS, BatchOptions
+from raypipe.io.records import knob_choices
 from raypipe.sampling.modes import knob_fields
 
 
@@ -38,7 +39,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config; command-line options override it")
     hints = typing.get_type_hints(TokenizeConfig)
     for spec in dataclasses.fields(TokenizeConfig):
-        meta, kind = spec.metadata, _scalar_type(hints[spec.name])
+        meta = spec.metadata
+        kind = meta.get("type") or _scalar_type(hints[spec.name])
         default = spec.default if spec.default is not dataclasses.MISSING else None
         shown = ",".join(default) if isinstance(default, tuple) else default
         text = meta.get("help", "") + ("" if default is None else f" (default: {shown})")
@@ -57,11 +59,68 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                 metavar=flags[0].lstrip("-").replace("-", "_").upper())
 
 
+    add_format_arguments(parser)
+
+
+FORMAT_OPTION = "format_option"  # an argparse dest prefix: format_option:<format>:<option>
+RETIRED_FLAG = "retired_key"  # an argparse dest prefix: retired_key:<key> (a 0.6 flag)
+
+
+def add_format_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per option a registered format declares, `--<format>-<option>` (made from
+    its options type), and 0.6's flat flags (--record-len, --no-metadata, ...), which still
+    work with one deprecation line (raypipe.config.legacy)."""
+    for name, fmt in FORMATS.items():
+        hints = typing.get_type_hints(fmt.options_type)
+        for spec in fmt.options_type.settable():
+            text = f"{name}: {spec.metadata['help']}" + (
+                "" if spec.default is None else f" (default: {spec.default})")
+            _add_typed(parser, [f"--{name}-{spec.name}".replace("_", "-")],
+                       f"{FORMAT_OPTION}:{name}:{spec.name}", hints[spec.name],
+                       knob_choices(spec), text)
+    for key, flags in legacy.FLAT_FLAGS.items():
+        target, option = legacy.FLAT_OPTIONS[key]
+        owner = BatchOptions if target == legacy.EVERY_BATCH_FORMAT else \
+            FORMATS[target].options_type
+        _add_typed(parser, list(flags), f"{RETIRED_FLAG}:{key}",
+                   typing.get_type_hints(owner)[option], None, argparse.SUPPRESS)
+
+
+def _add_typed(parser: argparse.ArgumentParser, flags: list[str], dest: str, hint: Any,
+               choices: tuple[Any, ...] | None, text: str) -> None:
+    """An option of a field's type (a bool: --flag / --no-flag), None when left out."""
+    kind = _scalar_type(hint)
+    if kind is bool:
+        parser.add_argument(*flags, dest=dest, default=None, help=text,
+                            action=argparse.BooleanOptionalAction)
+        return
+    parser.add_argument(*flags, dest=dest, type=kind, default=None, help=text,
+                        choices=None if choices is None else [c for c in choices if c is not None],
+                        metavar=None if choices else flags[0].lstrip("-").replace("-", "_").upper())
+
+
+def given_format_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The --<format>-<option> flags given: {format: {option: value}}."""
+    chosen: dict[str, dict[str, Any]] = {}
+    for dest, value in vars(args).items():
+        if dest.startswith(FORMAT_OPTION + ":") and value is not None:
+            _, name, option = dest.split(":")
+            chosen.setdefault(name, {})[option] = value
+    return chosen
+
+
+def given_retired_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """0.6's flat flags given, by their config key (upgraded by raypipe.config.legacy)."""
+    return {dest.split(":", 1)[1]: value for dest, value in vars(args).items()
+            if dest.startswith(RETIRED_FLAG + ":") and value is not None}
+
+
 def config_from_args(args: argparse.Namespace) -> TokenizeConfig:
     overrides = {spec.name: getattr(args, spec.name)
                  for spec in dataclasses.fields(TokenizeConfig)}
     overrides["inputs"] = overrides["inputs"] or None
-    return load_config(args.config, **overrides)
+    return load_config(args.config, given_format_options(args),
+                       **overrides, **given_retired_keys(args))
 
 
 def command_tokenize(args: argparse.Namespace) -> int:
@@ -148,27 +207,30 @@ def command_inspect(args: argparse.Namespace) -> int:
 
 
 def command_convert(args: argparse.Namespace) -> int:
-    from raypipe.formats import is_batch_format
-    from raypipe.io.manifest import read_manifest
-    from raypipe.preprocess.batch_packing import BatchSpec
-    from raypipe.tools.convert import convert_dataset
+    from raypipe.tools.convert import conversion_note, convert_dataset
 
-    spec = None
-    if args.seq_len and args.batch_size:
-        spec = BatchSpec(args.seq_len, args.batch_size, args.packing, args.seed,
-                         args.batches_per_shard)
-    manifest = convert_dataset(args.source, args.destination, args.format, spec,
-                               overwrite=args.overwrite, source_format=args.source_format)
+    manifest = convert_dataset(args.source, args.destination, args.format,
+                               convert_options(args), overwrite=args.overwrite,
+                               source_format=args.source_format)
     section = manifest.formats[args.format]
     print(f"{args.source} -> {args.destination}: {len(section.shards)} {args.format} shards")
-    source_formats = read_manifest(args.source).formats
-    reads_batches = (args.source_format is not None
-                     and is_batch_format(args.source_format))
-    if not is_batch_format(args.format) and (reads_batches or all(
-            is_batch_format(name) for name in source_formats)):
-        print("note: a batch-format source yields its records (packed rows), not the "
-              "original documents")
+    note = conversion_note(args.source, args.format, args.source_format)
+    if note:
+        print(f"note: {note}")
     return 0
+
+
+def convert_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The destination format's options from its --<format>-<option> flags (and 0.6's
+    --record-len, --batch-size, ...); a flag of another format is refused."""
+    given = given_format_options(args)
+    others = sorted(set(given) - {args.format})
+    if others:
+        raise ConfigError(f"convert --format {args.format}: options of {', '.join(others)} "
+                          f"given ({', '.join(f'--{name}-...' for name in others)})")
+    upgraded = legacy.upgrade({**given_retired_keys(args), "formats": given},
+                              [args.format])
+    return (upgraded.get("formats") or {}).get(args.format) or {}
 
 
 DATASET_HELP = "a raypipe output: a directory or a URI (s3://, gs://, ...)"
@@ -212,7 +274,6 @@ def plan_knobs(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     from raypipe._version import __version__
-    from raypipe.formats import FORMATS
 
     parser = argparse.ArgumentParser(prog="raypipe", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"raypipe {__version__}")
@@ -280,17 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--source-format", choices=list(FORMATS), default=None,
                          help="the source format to read (default: its first document "
                          "format, else its batches)")
-    convert.add_argument("--record-len", "--seq-len", dest="seq_len", type=int,
-                         help="llmbatch: tokens per record, T + 1, as tokenize's "
-                         "--record-len (--seq-len is an older name of it)")
-    convert.add_argument("--batch-size", type=int, help="llmbatch: records per batch")
-    convert.add_argument("--packing", default="auto", choices=[*CONFIG_PACKINGS, "auto"],
-                         help="llmbatch: fill (every token, every record full), split "
-                         "(every token, documents whole where they fit), crop (nanochat's), "
-                         "concat, or auto (split for chat data, fill for text)")
-    convert.add_argument("--seed", type=int, default=0, help="llmbatch: record shuffle seed")
-    convert.add_argument("--batches-per-shard", type=int, default=1024,
-                         help="llmbatch: batches per file")
+    add_format_arguments(convert)
     convert.add_argument("--overwrite", action="store_true",
                          help="replace a dataset already at the destination")
     convert.set_defaults(handler=command_convert)

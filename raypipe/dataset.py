@@ -23,12 +23,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from raypipe.errors import FormatError
-from raypipe.formats import FORMATS, ShardReader, batch_formats, document_formats
+from raypipe.formats import FORMATS, ShardReader, batch_formats, document_formats, get_format
 from raypipe.formats.base import shard_prefix
 from raypipe.io.cache import ShardCache
 from raypipe.io.manifest import MANIFEST_NAME, as_store, file_problem, read_manifest
@@ -60,6 +60,10 @@ class ShardSet:
     `prefetch` fetches shards ahead on background threads, and the least recently used open
     shards are closed once they hold more than half the cache's budget, so eviction can
     reclaim their space."""
+
+    kind: ClassVar[str] = ""  # the kind of format it opens (raypipe.formats: Format.kind)
+    # what a converter reading it as documents should be told (None: nothing)
+    read_as_documents_note: ClassVar[str | None] = None
 
     def __init__(self, root: str | Path | Store, format_name: str, manifest: Manifest,
                  cache: ShardCache | None = None):
@@ -245,8 +249,15 @@ def choose_document_format(root: Store, manifest: Manifest, format_name: str | N
     return format_name
 
 
+# a document (or a batch format's record) as a converter reads it: its tokens and, for chat
+# data, its loss mask
+Document = tuple[np.ndarray, np.ndarray | None]
+
+
 class TokenDataset(ShardSet):
     """The documents of one document format (megatron, nanogpt or stream) of an output."""
+
+    kind = "documents"
 
     def __init__(self, root: str | Path | Store, format_name: str | None = None,
                  manifest: Manifest | None = None, cache: ShardCache | None = None):
@@ -258,6 +269,22 @@ class TokenDataset(ShardSet):
 
     def reader(self, index: int, refresh: bool = False) -> ShardReader:
         return super().reader(index, refresh)
+
+    def documents(self) -> TokenDataset:
+        """The documents this output's rows are cut from: its own."""
+        return self
+
+    def shard_documents(self) -> Iterator[tuple[str, Iterator[Document]]]:
+        """(shard name, its documents with their loss masks) per shard, in order."""
+        for index in range(self.num_shards):
+            yield self.shards[index].name, self._documents_of(self.reader(index))
+
+    @staticmethod
+    def _documents_of(reader: ShardReader) -> Iterator[Document]:
+        starts, mask = reader.document_starts, reader.loss_mask
+        for index in range(reader.num_documents):
+            first, stop = int(starts[index]), int(starts[index + 1])
+            yield reader.tokens[first:stop], None if mask is None else mask[first:stop]
 
     @cached_property
     def shard_document_counts(self) -> np.ndarray:
@@ -375,16 +402,21 @@ class BatchDataset(ShardSet):
     """The shards of an output's batch format (LLMBATCH), in manifest order: batch i of the
     whole dataset."""
 
+    kind = "batches"
+    read_as_documents_note = ("a batch-format source yields its records (packed rows), not "
+                              "the original documents")
+
     def __init__(self, root: str | Path | Store, manifest: Manifest | None = None,
-                 cache: ShardCache | None = None):
+                 cache: ShardCache | None = None, format_name: str | None = None):
         store = as_store(root)
         manifest = manifest or read_manifest(store)
         present = [name for name in batch_formats() if name in manifest.formats]
-        if not present:
-            raise FormatError(store.uri_of(MANIFEST_NAME), "no batch format in this dataset",
-                              list(batch_formats()), list(manifest.formats))
-        super().__init__(store, present[0], manifest, cache)
-        self.options = self.format.options(self.section.options)
+        if not present or (format_name is not None and format_name not in present):
+            wanted = "" if format_name is None else f" {format_name!r}"
+            raise FormatError(store.uri_of(MANIFEST_NAME), f"no batch format{wanted} in this "
+                              "dataset", list(batch_formats()), list(manifest.formats))
+        super().__init__(store, format_name or present[0], manifest, cache)
+        self.options = self.format.recorded(self.section)
         self.batch_size, self.seq_len = self.options.batch_size, self.options.seq_len
         self.padded_tokens = self.options.padded_tokens
         counts = np.array([s.batches for s in self.shards], dtype=np.int64)
@@ -444,3 +476,52 @@ class BatchDataset(ShardSet):
         """Every record in order, without its padding."""
         for index in range(self.num_batches):
             yield from self.records(index)
+
+    def documents(self) -> TokenDataset:
+        """The documents its records were packed from (the source format's shards)."""
+        return TokenDataset(self.store, self.options.source_format, manifest=self.manifest,
+                            cache=self.cache)
+
+    def shard_documents(self) -> Iterator[tuple[str, Iterator[Document]]]:
+        """(shard name, its records with their loss masks) per shard, in order."""
+        for index, shard in enumerate(self.shards):
+            batches = range(int(self.batch_offsets[index]), int(self.batch_offsets[index + 1]))
+            yield shard.name, (record for batch in batches for record in self._records(batch))
+
+    def _records(self, batch: int) -> Iterator[Document]:
+        mask = self.loss_mask(batch)
+        for row, record in enumerate(self.records(batch)):
+            yield record, None if mask is None else mask[row, :record.size]
+
+
+# the dataset class of each kind of format: how an output's format is opened
+DATASET_KINDS: dict[str, type[TokenDataset] | type[BatchDataset]] = {
+    TokenDataset.kind: TokenDataset, BatchDataset.kind: BatchDataset}
+
+
+def open_kind(root: str | Path | Store, kind: str, format_name: str | None = None,
+              manifest: Manifest | None = None, cache: ShardCache | None = None
+              ) -> TokenDataset | BatchDataset:
+    """An output's format of `kind` (the one named, else its first of that kind), opened."""
+    store = as_store(root)
+    return DATASET_KINDS[kind](store, format_name=format_name,
+                               manifest=manifest or read_manifest(store), cache=cache)
+
+
+def open_format(root: str | Path | Store, format_name: str, manifest: Manifest | None = None,
+                cache: ShardCache | None = None) -> TokenDataset | BatchDataset:
+    """Format `format_name` of an output, opened as its kind's dataset."""
+    return open_kind(root, get_format(format_name).kind, format_name, manifest, cache)
+
+
+def open_source(root: str | Path | Store, manifest: Manifest | None = None,
+                format_name: str | None = None) -> TokenDataset | BatchDataset:
+    """What a converter reads as documents: the format named, else the output's first
+    document format, else its batch format (its records)."""
+    store = as_store(root)
+    manifest = manifest or read_manifest(store)
+    if format_name is not None:
+        return open_format(store, format_name, manifest)
+    has_documents = any(name in manifest.formats for name in document_formats())
+    return open_kind(store, TokenDataset.kind if has_documents else BatchDataset.kind,
+                     manifest=manifest)

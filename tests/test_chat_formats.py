@@ -264,10 +264,10 @@ def test_convert_to_llmbatch_packs_chat_data_with_split_unless_told(every_mask_f
                                                                    tmp_path):
     """`--packing auto` (the default) keeps every conversation that fits a record whole;
     the loss mask comes along."""
-    from raypipe.preprocess.batch_packing import BatchSpec
     from raypipe.tools.convert import convert_dataset
 
-    convert_dataset(every_mask_format, tmp_path / "b", "llmbatch", BatchSpec(RECORD_LEN, BATCH))
+    convert_dataset(every_mask_format, tmp_path / "b", "llmbatch",
+                    {"record_len": RECORD_LEN, "batch_size": BATCH})
     converted = BatchDataset(tmp_path / "b")
     assert converted.options.packing == "split"
     assert converted.loss_mask(0) is not None

@@ -88,18 +88,28 @@ def test_train_job_rerun_with_nothing_left_says_so_without_starting_ray(tmp_path
     assert "nothing to run" in capsys.readouterr().out
 
 
-def test_record_len_and_its_older_name_set_the_llmbatch_record_length():
-    from raypipe.cli import config_from_args
+def test_record_len_today_and_its_0_6_spellings_set_the_llmbatch_record_length(caplog,
+                                                                              monkeypatch):
+    from raypipe.cli import config_from_args, convert_options
+    from raypipe.config import legacy
+
+    monkeypatch.setattr(legacy, "_warned", set())  # the line is said once per process
 
     parser = build_parser()
-    for flag in ("--record-len", "--seq-len"):
+    for flags in (["--llmbatch-record-len", "33", "--llmbatch-batch-size", "2"],
+                  ["--record-len", "33", "--batch-size", "2"],
+                  ["--seq-len", "33", "--batch-size", "2"]):
         args = parser.parse_args(["tokenize", "corpus", "--tokenizer", "t.json", "--output",
-                                  "out", "--format", "llmbatch", flag, "33",
-                                  "--batch-size", "2"])
-        assert config_from_args(args).seq_len == 33
-    convert = parser.parse_args(["convert", "a", "b", "--format", "llmbatch", "--record-len",
-                                 "33", "--batch-size", "2"])
-    assert convert.seq_len == 33
+                                  "out", "--format", "llmbatch", *flags])
+        options = config_from_args(args).format_options("llmbatch")
+        assert (options.record_len, options.batch_size) == (33, 2)
+    for flags in (["--llmbatch-record-len", "33", "--llmbatch-batch-size", "2"],
+                  ["--record-len", "33", "--batch-size", "2"]):
+        convert = parser.parse_args(["convert", "a", "b", "--format", "llmbatch", *flags])
+        assert convert_options(convert) == {"record_len": 33, "batch_size": 2}
+    retired = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(retired) == 1 and "seq_len -> formats: {llmbatch: {record_len: ...}}, " \
+        "--llmbatch-record-len" in retired[0]
 
 
 def test_train_job_refuses_a_checkpoint_state_it_cannot_resume_before_ray_starts(
@@ -254,11 +264,13 @@ def test_a_comma_list_with_spaces_names_the_same_formats():
 
     config = load_config(None, inputs=["a"], output="o", tokenizer="t",
                          formats="megatron, nanogpt")
-    assert config.formats == ("megatron", "nanogpt")
+    assert tuple(config.formats) == ("megatron", "nanogpt")
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"formats": ["llmbatch"]}, r"needs --record-len \(tokens per record, >= 2\) and --batch-size"),
+    ({"formats": ["llmbatch"]}, r"llmbatch: needs record_len \(tokens per record, >= 2\) "
+                                r"and batch_size .* flags: --llmbatch-record-len, "
+                                r"--llmbatch-batch-size"),
     ({"formats": ["stream"], "metadata_columns": "id, source"},
      r"--metadata-columns: \['source'\] would overwrite the built-in"),
 ])
@@ -284,19 +296,24 @@ def test_a_config_change_is_described_by_flag_and_unset_values_say_so():
 
     text = describe_difference(JobRecord("a", {"seq_len": 1025, "packing": "split"}, "x"),
                                JobRecord("b", {"seq_len": None, "packing": "fill"}, "x"))
-    assert text == "--packing: 'split' -> 'fill'; --record-len: 1025 -> (not set)"
+    assert text == "--llmbatch-packing: 'split' -> 'fill'; --llmbatch-record-len: 1025 -> (not set)"
 
 
-@pytest.mark.parametrize("fmt,option,value", [("mds", "mds_compression", "lz4"),
-                                               ("stream", "metadata_serializer", "pickle")])
-def test_a_bad_format_option_is_refused_at_config_time_naming_the_flags(fmt, option, value):
+@pytest.mark.parametrize("fmt,option,value", [("mds", "compression", "lz4"),
+                                               ("stream", "serializer", "pickle")])
+@pytest.mark.parametrize("spelling", ["today", "0.6"])
+def test_a_bad_format_option_is_refused_at_config_time_naming_the_flags(fmt, option, value,
+                                                                        spelling):
     from raypipe.config import load_config
+    from raypipe.config.legacy import FLAT_OPTIONS
     from raypipe.errors import ConfigError
 
+    given = ({"formats": {fmt: {option: value}}} if spelling == "today" else
+             {"formats": [fmt], **{key: value for key, (owner, name) in FLAT_OPTIONS.items()
+                                   if (owner, name) == (fmt, option)}})
     with pytest.raises(ConfigError, match=f"{value!r} not among") as caught:
-        load_config(None, inputs=["x"], output="o", tokenizer="t", formats=[fmt],
-                    **{option: value})
-    assert "--" + option.replace("_", "-") in str(caught.value)
+        load_config(None, inputs=["x"], output="o", tokenizer="t", **given)
+    assert f"--{fmt}-{option}" in str(caught.value)
 
 
 def test_train_help_states_the_whole_description_and_helps_every_option():

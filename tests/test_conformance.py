@@ -22,8 +22,7 @@ import torch
 from raypipe.config import load_config
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import FormatError
-from raypipe.formats import FORMATS, document_formats, get_format, is_batch_format
-from raypipe.preprocess.batch_packing import BatchSpec
+from raypipe.formats import FORMATS, document_formats, get_format
 from raypipe.preprocess.job import run_job
 from raypipe.tools.convert import convert_dataset
 from raypipe.tools.inspect import inspect_dataset
@@ -32,12 +31,21 @@ from tests.conftest import write_parquet
 from tests.helpers import expected_documents, shard_files
 
 EVERY_FORMAT = sorted(FORMATS)
-BATCH_OPTIONS = {"seq_len": 48, "batch_size": 4, "batches_per_shard": 9}
+BATCH_OPTIONS = {"record_len": 48, "batch_size": 4, "batches_per_shard": 9}
+
+
+def is_batch_format(name):
+    return get_format(name).kind == "batches"
+
+
+def options_of(name):
+    """The options each format is written with here: a batch format's record shape."""
+    return BATCH_OPTIONS if is_batch_format(name) else None
 
 
 def tokenize_options(**extra):
-    return {"formats": EVERY_FORMAT, "unit_bytes": 1, "shard_tokens": 6_000,
-            "encode_batch_rows": 40, **BATCH_OPTIONS, **extra}
+    return {"formats": {name: options_of(name) for name in EVERY_FORMAT}, "unit_bytes": 1,
+            "shard_tokens": 6_000, "encode_batch_rows": 40, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +89,9 @@ def test_round_trip_through_tokenize(every_format, corpus, tokenizer_path, name)
 @pytest.mark.parametrize("name", EVERY_FORMAT)
 def test_round_trip_through_convert(every_format, tmp_path, name):
     original = records(every_format, "megatron")
-    spec = BatchSpec(**{k: BATCH_OPTIONS[k] for k in ("seq_len", "batch_size")})
-    convert_dataset(every_format, tmp_path / "to", name, spec, source_format="megatron")
+    options = {k: BATCH_OPTIONS[k] for k in ("record_len", "batch_size")}
+    convert_dataset(every_format, tmp_path / "to", name, options if is_batch_format(name) else None,
+                    source_format="megatron")
     verify_dataset(tmp_path / "to")
     if is_batch_format(name):
         assert records(tmp_path / "to", name) == records(every_format, name)  # same plan

@@ -125,7 +125,7 @@ def test_manifest_records_counts_checksums_and_config(tmp_path, corpus_dir, toke
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["tokenizer"]["bos_id"] == 0 and manifest["tokenizer"]["largest_id"] == 1023
     assert manifest["formats"]["megatron"]["dtype"] == "uint16"
-    assert manifest["config"]["formats"] == ["megatron", "nanogpt"]
+    assert manifest["config"]["formats"] == {"megatron": {}, "nanogpt": {}}
     assert {"raypipe", "pyarrow", "tokenizers"} <= set(manifest["versions"])
     shard = manifest["formats"]["nanogpt"]["shards"][0]
     entry = shard["files"][0]

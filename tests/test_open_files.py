@@ -51,11 +51,10 @@ def test_loader_in_every_mode_reads_600_shards_under_ulimit_256(many_shards, tmp
     out, batches = root / "out", tmp_path / "batches"
     result = run_limited(f"""
         from raypipe.loader import TokenLoader
-        from raypipe.preprocess.batch_packing import BatchSpec
         from raypipe.tools.convert import convert_dataset
 
         convert_dataset({str(out)!r}, {str(batches)!r}, "llmbatch",
-                        BatchSpec(65, 2, batches_per_shard=1))
+                        {{"record_len": 65, "batch_size": 2, "batches_per_shard": 1}})
         served = {{}}
         for mode, extra in [("windows", {{}}), ("bestfit", {{}}), ("documents", {{}}),
                             ("windows", {{"format": "stream", "metadata": True}})]:

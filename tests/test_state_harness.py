@@ -32,7 +32,7 @@ MODES = {name: {"mode": name} for name in mode_names()} | {
 
 def make_loader(path, options, rank, world) -> TokenLoader | MixtureLoader:
     """Every loader mode through the one factory (a dict path: a mixture)."""
-    if get_mode(options["mode"]).preformed:  # the shape is the pre-formed file's
+    if get_mode(options["mode"]).serves == "batches":  # the shape is the pre-formed file's
         return open_loader(path, rank=rank, world_size=world, seed=SEED, **options)
     return open_loader(path, T, B, rank=rank, world_size=world, seed=SEED, **options)
 
@@ -44,7 +44,7 @@ def rows_of(batch, options) -> dict[int, list[int]]:
         return {(int(s), int(p)): batch.inputs[i].tolist()
                 for i, (s, p) in enumerate(zip(batch.source_ids, batch.positions,
                                                strict=True))}
-    if get_mode(options["mode"]).preformed:
+    if get_mode(options["mode"]).serves == "batches":
         return {int(batch.observation_ids[0]): batch.inputs.reshape(-1).tolist()}
     if options.get("metadata"):  # each row's records came with it
         for row, window in enumerate(batch.metadata):

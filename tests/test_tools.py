@@ -15,7 +15,6 @@ from raypipe.config import load_config
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import FormatError
 from raypipe.io.records import Manifest
-from raypipe.preprocess.batch_packing import BatchSpec
 from raypipe.preprocess.job import run_job
 from raypipe.tools.convert import convert_dataset
 from raypipe.tools.verify import open_every_shard, verify_dataset
@@ -59,7 +58,7 @@ def test_convert_a_b_a_is_lossless(all_formats, tmp_path, chain):
 def test_llmbatch_source_yields_records_and_target_packs(all_formats, tmp_path, capsys):
     llm = BatchDataset(all_formats)
     only_llm = tmp_path / "only"
-    convert_dataset(all_formats, only_llm, "llmbatch", BatchSpec(48, 4))
+    convert_dataset(all_formats, only_llm, "llmbatch", {"record_len": 48, "batch_size": 4})
     assert main(["convert", str(only_llm), str(tmp_path / "rec"), "--format", "megatron"]) == 0
     assert "records (packed rows), not the original documents" in capsys.readouterr().out
     records = documents(tmp_path / "rec")

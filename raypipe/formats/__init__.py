@@ -2,16 +2,24 @@
 a `DocumentFormat` (a ShardWriter and ShardReader of documents) or a `BatchFormat` (a
 BatchWriter and BatchReader of pre-formed batches); `Reader.from_manifest` opens a shard
 from its manifest entry. Importing this package registers all of them; a new format is one
-new module imported here."""
+new module imported here, or a plugin: its distribution names the module that registers it
+under the entry-point group `raypipe.formats` (`[project.entry-points."raypipe.formats"]
+mine = "my_package.my_format"`), imported here after the built-in ones (the scan: tens of
+ms once per process)."""
 
 from __future__ import annotations
+
+from importlib.metadata import entry_points
 
 from raypipe.formats import llmbatch, mds, megatron, nanogpt, stream  # noqa: F401  (registers)
 from raypipe.formats.base import (
     FORMATS,
     PACKING_BY_DATA,
+    RECORD_PACKINGS,
     BatchFormat,
+    BatchOptions,
     BatchReader,
+    BatchSection,
     BatchWriter,
     DocumentFormat,
     DocumentMetadata,
@@ -26,15 +34,21 @@ from raypipe.formats.base import (
     document_format,
     document_formats,
     get_format,
-    is_batch_format,
+    of_kind,
     packing_for_data,
+    register,
     write_dataset_indexes,
 )
 
+PLUGIN_GROUP = "raypipe.formats"
+for _plugin in entry_points(group=PLUGIN_GROUP):
+    _plugin.load()
+
 DEFAULT_FORMATS = ("megatron", "nanogpt")  # what tokenize writes when no format is named
 
-__all__ = ["DEFAULT_FORMATS", "FORMATS", "PACKING_BY_DATA", "BatchFormat", "BatchReader",
-           "BatchWriter", "DocumentFormat", "DocumentMetadata", "Format", "FormatOptions",
-           "RecordPieces", "ShardReader", "ShardWriter", "batch_format", "batch_formats",
+__all__ = ["DEFAULT_FORMATS", "FORMATS", "PACKING_BY_DATA", "PLUGIN_GROUP", "RECORD_PACKINGS",
+           "BatchFormat", "BatchOptions", "BatchReader", "BatchSection", "BatchWriter",
+           "DocumentFormat", "DocumentMetadata", "Format", "FormatOptions", "RecordPieces",
+           "ShardReader", "ShardWriter", "batch_format", "batch_formats",
            "dataset_index_problems", "document_format", "document_formats", "get_format",
-           "is_batch_format", "packing_for_data", "write_dataset_indexes"]
+           "of_kind", "packing_for_data", "register", "write_dataset_indexes"]

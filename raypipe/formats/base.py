@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -31,7 +31,15 @@ from raypipe.errors import ConfigError, FormatError
 from raypipe.io.atomic import HashedTempFile, file_sha256
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import plain_name, safe_join
-from raypipe.io.records import FileEntry, FormatSection, JsonRecord, ShardEntry, TokenizerInfo
+from raypipe.io.records import (
+    FileEntry,
+    FormatSection,
+    JsonRecord,
+    ShardEntry,
+    TokenizerInfo,
+    knob,
+    knob_fields_of,
+)
 from raypipe.io.store import Store
 
 
@@ -194,11 +202,13 @@ def shard_prefix(root: Path, shard: ShardEntry) -> Path:
 
 
 PACKING_BY_DATA = "auto"  # a packing left to the data: see packing_for_data
+# how a batch format's records are packed (`bestfit`: the name `crop` had before 0.4)
+RECORD_PACKINGS = ("fill", "split", "crop", "concat", "bestfit")
 
 
 def packing_for_data(packing: str, chat: bool) -> str:
     """What packing "auto" stands for, wherever rows are packed (the loader's bestfit mode,
-    LLMBATCH records): "split" for chat data (a conversation that fits a row is never
+    batch formats' records): "split" for chat data (a conversation that fits a row is never
     cut), "fill" for text (full rows); any other packing as given."""
     if packing != PACKING_BY_DATA:
         return packing
@@ -207,9 +217,12 @@ def packing_for_data(packing: str, chat: bool) -> str:
 
 @dataclass(frozen=True)
 class FormatOptions(JsonRecord):
-    """A format's options: a frozen dataclass per format (fields with their defaults), read
-    once from a config's or a manifest section's plain dict and type-checked by the records'
-    validator; formats without options use this empty one."""
+    """A format's options: a frozen dataclass per format. Fields declared with `knob`
+    (default, help, choices) are what a user sets: the tokenize config's
+    `formats: {name: {option: value}}`, the CLI's `--<format>-<option>` flags and convert's
+    are made from them. Other fields are decided by the data (`for_data`) and recorded in
+    the manifest section. Read from a config's or a section's plain dict and type-checked by
+    the records' validator; formats without options use this empty one."""
 
     @classmethod
     def of(cls, given: dict[str, Any] | None, where: str = "format options") -> Any:
@@ -217,8 +230,81 @@ class FormatOptions(JsonRecord):
         names = {spec.name for spec in fields(cls)}
         return cls.from_json({k: v for k, v in (given or {}).items() if k in names}, where)
 
+    @classmethod
+    def settable(cls) -> tuple[Any, ...]:
+        """The fields a user sets (declared with `knob`)."""
+        return knob_fields_of(cls)
+
+    def for_data(self, chat: bool) -> FormatOptions:
+        """The options with what the data decides set (chat data: a loss mask; "auto"
+        packing resolved)."""
+        return self
+
+    def settings(self) -> dict[str, Any]:
+        """The options a user set, by name (what a config records)."""
+        return {spec.name: getattr(self, spec.name) for spec in self.settable()}
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class BatchOptions(FormatOptions):
+    """Every batch format's options (one record for all of them): records of `record_len`
+    tokens (T + 1, the loader's seq_len + 1), `batch_size` per batch, packed by `packing`
+    with `seed`, `batches_per_shard` batches per file."""
+
+    record_len: int = knob(0, "tokens per record, T + 1 (the loader's and pack-report's "
+                              "--seq-len is T); required")
+    batch_size: int = knob(0, "records per batch; required")
+    packing: str = knob(PACKING_BY_DATA, "fill (every token, every record full), split "
+                        "(every token, documents whole where they fit, padding marked), "
+                        "crop (nanochat: records start with BOS, tails cropped), concat, "
+                        "or auto (split for chat data, fill for text)",
+                        (*RECORD_PACKINGS, PACKING_BY_DATA))
+    seed: int = knob(0, "record shuffle seed")
+    batches_per_shard: int = knob(1024, "batches per file")
+
+    def check(self, where: str) -> None:
+        if self.record_len < 2 or self.batch_size < 1:
+            raise FormatError(where, "needs record_len (tokens per record, >= 2) and "
+                              "batch_size (records per batch, >= 1)")
+        if self.packing not in (*RECORD_PACKINGS, PACKING_BY_DATA):
+            raise FormatError(where, f"packing {self.packing!r} not among "
+                              f"{[*RECORD_PACKINGS, PACKING_BY_DATA]}")
+        if self.batches_per_shard < 1:
+            raise FormatError(where, f"batches_per_shard must be >= 1, got "
+                              f"{self.batches_per_shard}")
+
+    def for_data(self, chat: bool) -> BatchOptions:
+        return replace(self, packing=packing_for_data(self.packing, chat))
+
+
+@dataclass(frozen=True)
+class BatchSection(FormatOptions):
+    """What a batch format's manifest section records (every batch format's, one record):
+    the record shape (seq_len tokens, batch_size records), the packing and seed that made
+    them, the records before batching and the batches kept, the document format they were
+    packed from, the pad token (absent in 0.3 files) and the packing report's token counts
+    (absent before 0.2)."""
+
+    seq_len: int = 0
+    batch_size: int = 0
+    packing: str = "fill"
+    seed: int = 0
+    total_records: int = 0
+    num_batches: int = 0
+    source_format: str | None = None
+    pad_id: int | None = None
+    used_tokens: int | None = None
+    cropped_tokens: int | None = None
+    padded_tokens: int = 0
+    dropped_tokens: int | None = None
+    repeated_tokens: int = 0  # chat data's overlong `split` pieces: tokens placed twice
+
+    @property
+    def has_report(self) -> bool:
+        return self.used_tokens is not None
 
 
 def _no_metadata(options: FormatOptions) -> bool:
@@ -250,6 +336,9 @@ class Format:
     # job's total tokens -> the line; None: nothing to add)
     summary_line: Callable[[FormatSection, int], str | None] = lambda section, total: None
     holds_loss_mask: bool = False  # its shards can store a per-token loss mask (chat data)
+    # what its shards hold: "documents" or "batches" (each kind's typed record sets it);
+    # the dataset opener (raypipe.dataset) and the loader modes dispatch on it
+    kind: ClassVar[str] = ""
 
     def token_dtype(self, largest_id: int) -> np.dtype:
         return self.dtype_for_largest_id(largest_id)
@@ -265,6 +354,21 @@ class Format:
         """The format's typed options (its `options_type`) from a config's or a manifest
         section's plain dict: defaults for what `given` leaves out."""
         return self.options_type.of(given, f"{self.name} options")
+
+    def options_for(self, given: dict[str, Any] | FormatOptions | None, chat: bool) -> Any:
+        """The options a job writes with: `given` (a user's dict, or typed options), the
+        data's part decided (`for_data`), checked (FormatError naming the format and the
+        option)."""
+        if isinstance(given, FormatOptions):
+            given = given.settings()
+        settable = [spec.name for spec in self.options_type.settable()]
+        unknown = sorted(set(given or {}) - set(settable))
+        if unknown:
+            raise FormatError(f"{self.name} options", f"unknown option(s) {unknown}; "
+                              f"{self.name} has {settable or 'none'}")
+        resolved = self.options(given).for_data(chat)
+        resolved.check(f"{self.name} options")
+        return resolved
 
 
 @dataclass(frozen=True)
@@ -290,6 +394,7 @@ class DocumentFormat(Format):
     # how many metadata records a shard holds, from its manifest entry (formats whose
     # windows carry records; else 0)
     metadata_records: Callable[[ShardEntry], int] = lambda shard: 0
+    kind: ClassVar[str] = "documents"
 
 
 @dataclass(frozen=True)
@@ -300,6 +405,12 @@ class BatchFormat(Format):
 
     pad_token: Callable[[TokenizerInfo], int] = lambda tokenizer: 0
     holds_loss_mask: bool = True  # a BatchWriter takes each batch's loss mask
+    options_type: type[FormatOptions] = BatchOptions
+    kind: ClassVar[str] = "batches"
+
+    def recorded(self, section: FormatSection) -> BatchSection:
+        """What the format's manifest section records, typed."""
+        return BatchSection.of(section.options, f"{self.name} section")
 
 
 @dataclass(frozen=True)
@@ -406,9 +517,9 @@ def batch_format(name: str) -> BatchFormat:
     return fmt
 
 
-def is_batch_format(name: str) -> bool:
-    """Format `name` (a known one) holds pre-formed batches."""
-    return isinstance(get_format(name), BatchFormat)
+def of_kind(names: Iterable[str], kind: str) -> tuple[str, ...]:
+    """Those of the formats `names` whose shards hold `kind` ("documents", "batches")."""
+    return tuple(name for name in names if get_format(name).kind == kind)
 
 
 def document_formats() -> tuple[str, ...]:
@@ -486,5 +597,5 @@ __all__ = ["FORMATS", "BatchFormat", "BatchReader", "BatchWriter", "DocumentForm
            "DocumentMetadata", "Format",
            "RecordPieces", "ShardReader", "ShardWriter", "batch_format", "batch_formats",
            "dataset_index_problems", "document_format", "document_formats", "file_sha256",
-           "get_format", "is_batch_format", "register", "shard_prefix",
+           "get_format", "of_kind", "register", "shard_prefix",
            "write_dataset_indexes"]

@@ -39,7 +39,6 @@ from raypipe.formats.base import (
     BatchFormat,
     BatchReader,
     BatchWriter,
-    FormatOptions,
     RecordPieces,
     register,
     require_file,
@@ -356,37 +355,10 @@ class LLMBatchReader(BatchReader):
                                                           strict=True)]
 
 
-@dataclass(frozen=True)
-class LLMBatchOptions(FormatOptions):
-    """What an LLMBATCH section records: the record shape (seq_len tokens, batch_size
-    records), the packing and seed that made them, the records before batching and the
-    batches kept, the document format they were packed from, the pad token (absent in 0.3
-    files: their padding is LEGACY_PAD_ID) and the packing report's token counts (absent
-    before 0.2)."""
-
-    seq_len: int = 0
-    batch_size: int = 0
-    packing: str = "fill"
-    seed: int = 0
-    total_records: int = 0
-    num_batches: int = 0
-    source_format: str | None = None
-    pad_id: int | None = None
-    used_tokens: int | None = None
-    cropped_tokens: int | None = None
-    padded_tokens: int = 0
-    dropped_tokens: int | None = None
-    repeated_tokens: int = 0  # chat data's overlong `split` pieces: tokens placed twice
-
-    @property
-    def has_report(self) -> bool:
-        return self.used_tokens is not None
-
-
 def llmbatch_dtype(largest_id: int) -> np.dtype:
     return np.dtype(np.uint32)
 
 
 LLMBATCH = register(BatchFormat("llmbatch", (".batch", LENGTHS, PIECES, MASK), LLMBatchWriter,
-                                LLMBatchReader, llmbatch_dtype, options_type=LLMBatchOptions,
+                                LLMBatchReader, llmbatch_dtype,
                                 pad_token=pad_token))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from raypipe.formats.base import (
 )
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import safe_join
-from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
+from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo, knob
 from raypipe.io.store import Store
 
 NAME = "mds"
@@ -384,9 +384,16 @@ class MDSOptions(FormatOptions):
     samples of exactly N tokens, documents back to back); loss_mask: samples carry a
     `loss_mask` column (chat data)."""
 
-    compression: str | None = None
-    concat_tokens: int | None = None
-    loss_mask: bool = False
+    compression: str | None = knob(None, "zstd compresses each shard whole (default: none, "
+                                         "so shards map without a copy)", COMPRESSIONS)
+    concat_tokens: int | None = knob(None, "samples of exactly N tokens, documents back to "
+                                           "back (LLM Foundry's --concat_tokens; each shard's "
+                                           "tail under N is dropped and counted); default: a "
+                                           "sample per document")
+    loss_mask: bool = False  # decided by the data: chat data's samples carry it
+
+    def for_data(self, chat: bool) -> MDSOptions:
+        return replace(self, loss_mask=chat)
 
     def check(self, where: str) -> None:
         if self.loss_mask and self.concat_tokens is not None:

@@ -38,7 +38,7 @@ from raypipe.formats.base import (
     starts_from_markers,
 )
 from raypipe.io.mapping import map_file
-from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
+from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo, knob
 from raypipe.io.serialize import SERIALIZERS, get_serializer
 
 RECORD = np.dtype([("token", "<u4"), ("metadata_id", "<u4")])
@@ -102,8 +102,10 @@ class StreamOptions(FormatOptions):
     """metadata: tokens carry metadata ids (else plain u32 tokens); serializer: of the
     metadata records (json or msgpack)."""
 
-    metadata: bool = True
-    serializer: str = "json"
+    metadata: bool = knob(True, "tokens carry the ids of per-document metadata records "
+                                "(--no-stream-metadata: plain u32 tokens)")
+    serializer: str = knob("json", "the metadata records' serializer",
+                           lambda: tuple(sorted(SERIALIZERS)))
 
     def check(self, where: str) -> None:
         if self.serializer not in SERIALIZERS:

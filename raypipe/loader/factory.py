@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.errors import ConfigError
 from raypipe.loader.mixture import MixtureLoader
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.token_loader import TokenLoader
+from raypipe.sampling.mixture import is_mixture_spec, read_mixture, spec_weights
 
 
 def open_loader(source: str | Path | dict[str, str | Path], seq_len: int | None = None,

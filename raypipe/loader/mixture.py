@@ -66,9 +66,10 @@ class MixtureLoader:
         if not paths:
             raise ConfigError("mixture: no sources given")
         self.options = options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
-        if options.plan_spec(0).preformed or options.metadata:
-            raise ConfigError("mixture: sources are read as documents or windows; pre-formed "
-                              "batches and stream metadata cannot be mixed")
+        if not options.plan_spec(0).loader_mode.mixes or options.metadata:
+            raise ConfigError(f"mixture: sources are read as documents or windows; mode "
+                              f"{options.mode!r} (pre-formed batches) and stream metadata "
+                              "cannot be mixed")
         self.names = sorted(paths)
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
         self.mode, self.seed = options.mode, options.seed

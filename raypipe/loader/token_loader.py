@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from raypipe.config import is_mixture_spec
 from raypipe.errors import ConfigError, StateError
 from raypipe.io.cache import CacheStats
 from raypipe.io.records import TokenizerInfo
@@ -33,6 +32,7 @@ from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.sampling.batches import BatchBuffers, BatchPlan
 from raypipe.sampling.epochs import PlannedDataset
+from raypipe.sampling.mixture import is_mixture_spec
 from raypipe.sampling.modes import BatchFiller, knob_differences, waste_hints
 from raypipe.sampling.plans import PackingReport
 
@@ -77,10 +77,6 @@ class TokenLoader:
         self.spec, self.split, self.source = (self.planned.spec, self.planned.split,
                                               self.planned.source)
         self.seq_len, self.batch_size = self.spec.seq_len, self.planned.batch_size
-        self.preformed = self.spec.preformed  # one pre-formed batch per observation
-        if self.preformed and self.dataset.cache is None:
-            for index in range(self.dataset.num_shards):
-                self.dataset.reader(index)  # every local file checked up front
         if self.split is not None and self.rank == 0:
             logger.info("%s: split %r holds %s of %s documents (validation_fraction %s)",
                         self.dataset.root, self.split.name, f"{self.split.ids.size:,}",

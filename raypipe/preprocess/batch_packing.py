@@ -21,54 +21,42 @@ memmap read and one sequential write per token kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from raypipe.dataset import TokenDataset
-from raypipe.formats import BatchFormat, RecordPieces, batch_format, packing_for_data
+from raypipe.formats import BatchFormat, BatchOptions, RecordPieces, batch_format
 from raypipe.io.records import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
 from raypipe.sampling.batches import BatchBuffers, TokenSource
 from raypipe.sampling.loss_masks import LossMasks
-from raypipe.sampling.modes import preformed_mode, record_plan, waste_hints
+from raypipe.sampling.modes import mode_serving, record_plan, waste_hints
 from raypipe.sampling.pack import RowPieces
 from raypipe.sampling.plans import PackingReport
 
 DESCRIBE_BATCHES = 64
 
 
-@dataclass(frozen=True)
-class BatchSpec:
-    """The shape of a batch format's output: records of `seq_len` tokens, `batch_size` per batch,
-    packed by `packing` with `seed`, `batches_per_shard` batches per file."""
-
-    seq_len: int
-    batch_size: int
-    packing: str = "auto"  # split for chat data (conversations whole), fill for text
-    seed: int = 0
-    batches_per_shard: int = 1024
-
-
-def pack_batches(dataset: TokenDataset, output: Store, spec: BatchSpec,
+def pack_batches(dataset: TokenDataset, output: Store, spec: BatchOptions,
                  format_name: str) -> FormatSection:
     """Write batch format `format_name`'s shards into `output/<format_name>`; return the
-    manifest's section."""
-    spec = replace(spec, packing=packing_for_data(spec.packing, dataset.has_loss_mask))
+    manifest's section. `spec`: the format's options ("auto" packing: as the data
+    decides)."""
+    spec = spec.for_data(dataset.has_loss_mask)
     with Staging(output) as staging:
         return _pack_batches(dataset, staging, batch_format(format_name), spec)
 
 
 def _pack_batches(dataset: TokenDataset, staging: Staging, fmt: BatchFormat,
-                  spec: BatchSpec) -> FormatSection:
+                  spec: BatchOptions) -> FormatSection:
     directory = staging.directory / fmt.name
-    positions_per_row = spec.seq_len - 1
+    positions_per_row = spec.record_len - 1
     pad_id = fmt.pad_token(dataset.manifest.tokenizer)
     masks = LossMasks(TokenSource(dataset)) if dataset.has_loss_mask else None
-    plan, builder = record_plan(dataset, spec.packing, spec.seq_len, spec.seed, pad_id=pad_id)
+    plan, builder = record_plan(dataset, spec.packing, spec.record_len, spec.seed, pad_id=pad_id)
     host = np.empty(BatchBuffers.size(spec.batch_size, positions_per_row), dtype=np.int64)
     buffers = BatchBuffers.over(host, spec.batch_size, positions_per_row)
     builder.prepare(buffers)
@@ -77,7 +65,7 @@ def _pack_batches(dataset: TokenDataset, staging: Staging, fmt: BatchFormat,
     for first in range(0, num_batches, spec.batches_per_shard):
         stop = min(first + spec.batches_per_shard, num_batches)
         name = f"batches-{len(shards):05d}"
-        writer = fmt.writer(Path(directory), name, spec.batch_size, spec.seq_len,
+        writer = fmt.writer(Path(directory), name, spec.batch_size, spec.record_len,
                             stop - first, spec.seed, plan.size)
         try:
             for chunk in range(first, stop, DESCRIBE_BATCHES):
@@ -87,20 +75,20 @@ def _pack_batches(dataset: TokenDataset, staging: Staging, fmt: BatchFormat,
                     builder.fill(batch_plan, buffers)
                     rows = builder.segments(batch_plan.positions)
                     writer.add_batch(buffers.tokens,
-                                     np.array([min(row.length, spec.seq_len) for row in rows]),
+                                     np.array([min(row.length, spec.record_len) for row in rows]),
                                      [record_pieces(row) for row in rows],
                                      None if masks is None else
-                                     masks.rows(rows, spec.seq_len))
+                                     masks.rows(rows, spec.record_len))
             files = staging.publish(writer.commit())
         except BaseException:
             writer.abort()
             raise
         shards.append(ShardEntry(name, tuple(files), first_batch=first, batches=stop - first))
-    report = records_report(plan, num_batches * spec.batch_size, spec.seq_len)
-    report.warn_if_wasteful(f"{fmt.name} ({spec.packing} packing, records of {spec.seq_len} "
-                            "tokens)", waste_hints(preformed_mode().name, spec.packing,
+    report = records_report(plan, num_batches * spec.batch_size, spec.record_len)
+    report.warn_if_wasteful(f"{fmt.name} ({spec.packing} packing, records of {spec.record_len} "
+                            "tokens)", waste_hints(mode_serving("batches").name, spec.packing,
                                                     masks is not None))
-    options = {"seq_len": spec.seq_len, "batch_size": spec.batch_size,
+    options = {"seq_len": spec.record_len, "batch_size": spec.batch_size,
                "packing": spec.packing, "seed": spec.seed, "total_records": plan.size,
                "num_batches": num_batches, "source_format": dataset.format_name,
                "pad_id": pad_id,
@@ -128,7 +116,7 @@ def records_report(plan: Any, records: int, record_len: int) -> PackingReport:
                          repeated_tokens=report.repeated_tokens - repeated)
 
 
-def pack_batches_from_manifest(output: Store, manifest: Manifest, spec: BatchSpec,
+def pack_batches_from_manifest(output: Store, manifest: Manifest, spec: BatchOptions,
                                format_name: str) -> FormatSection:
     """Pack batch format `format_name` from the document shards `manifest` lists."""
     return pack_batches(TokenDataset(output, manifest=manifest), output, spec, format_name)

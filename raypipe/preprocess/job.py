@@ -30,13 +30,13 @@ from tokenizers import Tokenizer
 
 from raypipe.config import TokenizeConfig, dump_config_yaml
 from raypipe.errors import ConfigError, InputError
-from raypipe.formats import get_format, is_batch_format, write_dataset_indexes
+from raypipe.formats import get_format, of_kind, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.lock import output_lock
 from raypipe.io.manifest import CONFIG_NAME, read_manifest, shard_table, write_manifest
 from raypipe.io.records import BadFile, Manifest, UnitRecord, WorkUnit
 from raypipe.io.store import Store
-from raypipe.preprocess.batch_packing import BatchSpec, pack_batches_from_manifest
+from raypipe.preprocess.batch_packing import pack_batches_from_manifest
 from raypipe.preprocess.chat import resolve_template
 from raypipe.preprocess.chat_rows import rendered_texts
 from raypipe.preprocess.encoding import token_offsets
@@ -343,9 +343,7 @@ def separator_lines(manifest: Manifest, tokenizer: Tokenizer) -> dict[str, str]:
     `separators` line: a job whose formats follow different ecosystems writes each its
     own)."""
     lines = {}
-    for name in manifest.formats:
-        if is_batch_format(name):
-            continue
+    for name in of_kind(manifest.formats, "documents"):
         info = manifest.tokenizer_for(name)
         parts = [f"{kind} {tokenizer.id_to_token(token)} {where} each document"
                  for kind, token, where in (("BOS", info.bos_id, "before"),
@@ -369,11 +367,9 @@ def format_lines(manifest: Manifest) -> dict[str, str]:
 
 def add_batch_formats(config: TokenizeConfig, output: Store, manifest: Manifest) -> Manifest:
     """Pack the batch formats the config asks for from the document shards."""
-    spec = BatchSpec(config.seq_len or 0, config.batch_size or 0, config.packing, config.seed,
-                     config.batches_per_shard)
     for name in config.batch_formats:
-        manifest = manifest.with_format(name, pack_batches_from_manifest(output, manifest,
-                                                                         spec, name))
+        manifest = manifest.with_format(name, pack_batches_from_manifest(
+            output, manifest, config.format_options(name), name))
     return manifest
 
 

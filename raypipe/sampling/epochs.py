@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,11 @@ from raypipe.io.store import Store
 from raypipe.sampling.batches import TokenSource
 from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
-from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec
+from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec, document_split
 from raypipe.sampling.plans import ShardGroups, SumsMemo
-from raypipe.sampling.split import DocumentSplit
 
 __all__ = ["EpochPlans", "PlanSpec", "PlannedDataset", "document_split"]
+
 
 
 class EpochPlans:
@@ -70,14 +69,6 @@ class EpochPlans:
         return self._latest[1]
 
 
-def document_split(spec: PlanSpec, dataset: TokenDataset) -> DocumentSplit | None:
-    """The documents a spec's split keeps (None: every document)."""
-    if spec.split == "all":
-        return None
-    return DocumentSplit.of(spec.split, spec.validation_fraction, dataset.num_documents,
-                            dataset.fingerprint)
-
-
 class PlannedDataset:
     """One dataset opened under a spec for one world size: the documents its plans number
     (a split's, or all), the token source rows are read from, its epoch plans, and the
@@ -90,15 +81,10 @@ class PlannedDataset:
         """`memo`: where plan arrays are kept (default: once per node, `node_memo`)."""
         self.dataset, self.spec = dataset, spec
         self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
-        self.preformed = spec.preformed
-        self.split = None if self.preformed else document_split(spec, dataset)
-        self.source: TokenSource | None = None
-        if not self.preformed:
-            self.source = TokenSource(dataset, None if self.split is None else self.split.ids)
-            if self.split is not None and spec.loader_mode.reads_stream:
-                lengths = dataset.document_lengths()  # rows cut from the split's stream
-                starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-                self.source.restrict_stream(starts[self.split.ids], lengths[self.split.ids])
+        # the split its plans number, and what the mode's filler reads rows from
+        self.split, self.rows = spec.loader_mode.rows_from(dataset, spec)
+        self.source: TokenSource | None = (self.rows if isinstance(self.rows, TokenSource)
+                                           else None)  # documents' tokens, where rows read them
         self._lengths: DocumentLengths | None = None
         self.plans = EpochPlans(spec, dataset, self.document_lengths,
                                 None if self.source is None else self.stream_tokens(),
@@ -124,21 +110,9 @@ class PlannedDataset:
         pre-formed dataset fixes seq_len and batch_size (0 / None take its own)."""
         store = Store(path)
         cache = None if store.local else ShardCache(cache_dir, cache_bytes)
-        if not spec.preformed:
-            if not spec.seq_len or not batch_size:
-                raise ConfigError("seq_len and batch_size must be given (>= 1)")
-            dataset = TokenDataset(store, format_name, cache=cache)
-            return cls(dataset, spec.for_data(dataset.has_loss_mask), world_size, batch_size,
-                       cache_dir, memo)
-        dataset = BatchDataset(store, cache=cache)
-        shape = (dataset.seq_len - 1, dataset.batch_size)
-        if (spec.seq_len or shape[0], batch_size or shape[1]) != shape:
-            raise ConfigError(f"{dataset.root}: LLMBATCH batches are [{shape[1]}, "
-                              f"{shape[0] + 1}] records, i.e. seq_len={shape[0]}, "
-                              f"batch_size={shape[1]}; got seq_len={spec.seq_len}, "
-                              f"batch_size={batch_size}")
-        return cls(dataset, replace(spec.for_data(False), seq_len=shape[0]), world_size,
-                   shape[1], cache_dir, memo)
+        dataset = spec.loader_mode.open_dataset(store, format_name, cache)
+        spec, batch_size = spec.loader_mode.fit(dataset, spec, batch_size)
+        return cls(dataset, spec, world_size, batch_size, cache_dir, memo)
 
     @property
     def seq_len(self) -> int:
@@ -147,7 +121,7 @@ class PlannedDataset:
     @property
     def observations_per_step(self) -> int:
         """Observations one rank takes per step: rows, or one pre-formed batch."""
-        return 1 if self.preformed else self.batch_size
+        return self.spec.loader_mode.observations_per_step(self.batch_size)
 
     @property
     def global_batch(self) -> int:
@@ -177,8 +151,7 @@ class PlannedDataset:
                ) -> BatchFiller:
         """The mode's filler of epoch `epoch` (boundaries: the mode's default when None)."""
         mode = self.spec.loader_mode
-        filler = mode.filler(self.dataset if self.preformed else self.source,
-                             self.plan(epoch), self.seq_len, pad_id,
+        filler = mode.filler(self.rows, self.plan(epoch), self.seq_len, pad_id,
                              mode.boundaries_by_default if boundaries is None else boundaries)
         if self.source is not None and self.dataset.has_loss_mask:
             return LossMaskedFiller(filler, LossMasks(self.source))
@@ -241,8 +214,4 @@ class PlannedDataset:
     def document_dataset(self) -> TokenDataset:
         """The documents rows are cut from (a pre-formed output: the shards its records were
         packed from)."""
-        if isinstance(self.dataset, TokenDataset):
-            return self.dataset
-        source_format = self.dataset.options.source_format
-        return TokenDataset(self.dataset.store, source_format, manifest=self.dataset.manifest,
-                            cache=self.dataset.cache)
+        return self.dataset.documents()

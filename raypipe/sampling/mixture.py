@@ -1,5 +1,6 @@
-"""How a mixture splits each global step's rows between its sources, and the one schedule
-of its steps that the MixtureLoader serves and `raypipe trace` replays.
+"""A mixture: its YAML (`read_mixture`), how each global step's rows split between its
+sources, and the one schedule of its steps that the MixtureLoader serves and `raypipe trace`
+replays.
 
 Invariant: `allocate` is a pure function of (weights, rows each source has served, rows in
 the step): what each source is owed, weight x (rows so far + rows) - served, rounded by
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
+import yaml
 
 from raypipe.errors import ConfigError
 from raypipe.io.states import SourcePosition
@@ -148,3 +151,54 @@ class MixtureSchedule:
             position, left = position + take, left - take
         return taken, replace(where, epoch=epoch, position=position,
                               consumed=where.consumed + count)
+
+
+MIXTURE_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass(frozen=True)
+class MixtureSource:
+    """One source of a mixture YAML: its dataset (path or URI) and weight (None: by tokens)."""
+
+    path: str
+    weight: float | None = None
+
+
+def spec_weights(spec: dict[str, MixtureSource]) -> dict[str, float] | None:
+    """The weights a mixture YAML gives (None: by tokens)."""
+    if next(iter(spec.values())).weight is None:
+        return None
+    return {name: float(source.weight or 0.0) for name, source in spec.items()}
+
+
+def is_mixture_spec(location: object) -> bool:
+    return isinstance(location, str | Path) and str(location).endswith(MIXTURE_SUFFIXES)
+
+
+def read_mixture(path: str | Path) -> dict[str, MixtureSource]:
+    """`sources: {name: {path: ..., weight: ...}}` -> the sources; relative paths are taken
+    from the YAML file's folder; every source has a weight or none does."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read the mixture: {exc}") from exc
+    sources = data.get("sources") if isinstance(data, dict) else None
+    if not isinstance(sources, dict) or not sources:
+        raise ConfigError(f"{path}: a mixture needs `sources: {{name: {{path, weight}}}}`")
+    chosen: dict[str, MixtureSource] = {}
+    for name, entry in sources.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise ConfigError(f"{path}: source {name!r} needs a `path`")
+        weight = entry.get("weight")
+        if weight is not None and (isinstance(weight, bool) or
+                                   not isinstance(weight, int | float) or weight < 0):
+            raise ConfigError(f"{path}: source {name!r}: weight {weight!r} is not a number "
+                              ">= 0")
+        location = entry["path"]
+        if "://" not in location and not Path(location).is_absolute():
+            location = str(Path(path).resolve().parent / location)
+        chosen[str(name)] = MixtureSource(location, None if weight is None else float(weight))
+    given = [s.weight is not None for s in chosen.values()]
+    if any(given) and not all(given):
+        raise ConfigError(f"{path}: give every source a weight, or none (by tokens)")
+    return chosen

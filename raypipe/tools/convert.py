@@ -12,68 +12,34 @@ naming its source. Cost: one sequential read and write of every token.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from raypipe.dataset import BatchDataset, TokenDataset
+from raypipe.config import typed_options
+from raypipe.dataset import Document, open_kind, open_source
 from raypipe.errors import ConfigError, FormatError
 from raypipe.formats import (
     FORMATS,
     DocumentFormat,
-    ShardReader,
+    FormatOptions,
     document_formats,
     get_format,
-    is_batch_format,
     write_dataset_indexes,
 )
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.manifest import MANIFEST_NAME, as_store, read_manifest, write_manifest
-from raypipe.io.records import Manifest, ShardEntry, TokenizerInfo
+from raypipe.io.records import FormatSection, Manifest, ShardEntry, TokenizerInfo
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
-from raypipe.preprocess.batch_packing import BatchSpec, pack_batches
+from raypipe.preprocess.batch_packing import pack_batches
 from raypipe.preprocess.shards import ShardRoller, ShardSpec
 
 DOCUMENTS_PER_ADD = 4096
 NO_SHARD_LIMIT = 2**31 - 1  # one target shard per source shard
-
-
-# a document's (or record's) tokens and, for chat data, its loss mask
-Document = tuple[np.ndarray, np.ndarray | None]
-
-
-def _source_documents(src: Store, manifest: Manifest, source_format: str | None = None
-                      ) -> Iterator[tuple[str, Iterable[Document]]]:
-    """(shard name, iterator of documents with their loss masks) per source shard:
-    documents of a document format (the one named, else the first the source has), else
-    the records of a batch format (named, or the only one)."""
-    batches_named = source_format is not None and is_batch_format(source_format)
-    if not batches_named and any(name in manifest.formats for name in document_formats()):
-        dataset = TokenDataset(src, source_format, manifest=manifest)
-        for index in range(dataset.num_shards):
-            yield dataset.shards[index].name, _shard_documents(dataset.reader(index))
-    else:
-        batches = BatchDataset(src, manifest)
-        offsets = batches.batch_offsets
-        for index, shard in enumerate(batches.shards):
-            yield shard.name, (document for batch in range(offsets[index], offsets[index + 1])
-                               for document in _batch_records(batches, batch))
-
-
-def _shard_documents(reader: ShardReader) -> Iterator[Document]:
-    starts = reader.document_starts
-    for index in range(reader.num_documents):
-        first, stop = int(starts[index]), int(starts[index + 1])
-        mask = reader.loss_mask
-        yield reader.tokens[first:stop], None if mask is None else mask[first:stop]
-
-
-def _batch_records(batches: BatchDataset, batch: int) -> Iterator[Document]:
-    mask = batches.loss_mask(batch)
-    for row, record in enumerate(batches.records(batch)):
-        yield record, None if mask is None else mask[row, :record.size]
 
 
 def _write_documents(spec: ShardSpec, name: str, documents: Iterable[Document],
@@ -101,16 +67,6 @@ def _flush(roller: ShardRoller, pending: list[Document]) -> None:
         pending.clear()
 
 
-def _source_tokenizer(src: Store, manifest: Manifest, source_format: str | None
-                      ) -> TokenizerInfo:
-    """The tokenizer as the converted documents hold it: the source format's separators
-    (in a job whose formats had their own, the one `_source_documents` reads)."""
-    batches_named = source_format is not None and is_batch_format(source_format)
-    if not batches_named and any(name in manifest.formats for name in document_formats()):
-        return TokenDataset(src, source_format, manifest=manifest).tokenizer
-    return manifest.tokenizer
-
-
 def _check_chat_target(source: Store, manifest: Manifest, format_name: str) -> bool:
     """Whether the source is chat data (its loss mask goes with it); refuses a target
     that cannot hold the mask, or cannot find conversations without a separator."""
@@ -131,10 +87,10 @@ def _check_chat_target(source: Store, manifest: Manifest, format_name: str) -> b
 
 
 def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
-                    llmbatch: BatchSpec | None = None, overwrite: bool = False,
-                    source_format: str | None = None) -> Manifest:
-    """Convert `src` into `format_name` at `dst` (paths or URIs); LLMBATCH targets need
-    `llmbatch`."""
+                    options: dict[str, Any] | FormatOptions | None = None,
+                    overwrite: bool = False, source_format: str | None = None) -> Manifest:
+    """Convert `src` into `format_name` at `dst` (paths or URIs), with the format's
+    `options` (a batch format: its record_len and batch_size at least)."""
     source, target = as_store(src), as_store(dst)
     manifest = read_manifest(source)
     fmt = get_format(format_name)
@@ -142,35 +98,65 @@ def convert_dataset(src: str | Path, dst: str | Path, format_name: str,
         raise ConfigError(f"{target}: already holds a dataset; pass --overwrite to replace it")
     if target.uri == source.uri:
         raise ConfigError(f"{target}: convert needs a destination other than the source")
+    chat = _check_chat_target(source, manifest, format_name)
+    typed = typed_options(format_name, options, chat)
     target.delete_tree(format_name)
     if target.local:
         remove_stale_temps(target.root)
-    info = _source_tokenizer(source, manifest, source_format)
-    chat = _check_chat_target(source, manifest, format_name)
     fingerprint = hashlib.sha256(f"{manifest.fingerprint}->{format_name}".encode()
                                  ).hexdigest()[:16]
-    if is_batch_format(format_name):
-        if llmbatch is None:
-            raise ConfigError(f"convert to {format_name} needs --record-len and "
-                              "--batch-size")
-        if not any(name in manifest.formats for name in document_formats()):
-            raise FormatError(source.uri_of(MANIFEST_NAME),
-                              f"{format_name} from batches alone is not a conversion: "
-                              "the source holds no document format")
-        section = pack_batches(TokenDataset(source, source_format, manifest=manifest),
-                               target, llmbatch, format_name)
-    else:
-        options = fmt.options({"metadata": False, "loss_mask": chat})
-        spec = ShardSpec(target.uri, (format_name,), NO_SHARD_LIMIT, info.largest_id,
-                         info.bos_id, {format_name: options})
-        with Staging(target) as staging:
-            table = [entry for name, documents in _source_documents(source, manifest,
-                                                                     source_format)
-                     for entry in _write_documents(spec, name, documents, staging)]
-        section = fmt.section(info.largest_id, table, options.to_json())
+    section, info = WRITERS[fmt.kind](source, manifest, target, format_name, typed,
+                                      source_format)
     out = Manifest.build(fingerprint, info, {format_name: section}, manifest.config,
                          totals=manifest.totals,
                          converted_from={"path": source.uri, "fingerprint": manifest.fingerprint})
     write_dataset_indexes(target, out.formats)
     write_manifest(target, out)
     return out
+
+
+def conversion_note(src: str | Path, format_name: str, source_format: str | None = None
+                    ) -> str | None:
+    """What a user converting `src` into `format_name` should be told (a batch-format
+    source read as documents yields its records), or None."""
+    source = as_store(src)
+    return SOURCES[get_format(format_name).kind](source, read_manifest(source),
+                                                  source_format).read_as_documents_note
+
+
+def _write_document_format(source: Store, manifest: Manifest, target: Store, format_name: str,
+                           options: FormatOptions, source_format: str | None
+                           ) -> tuple[FormatSection, TokenizerInfo]:
+    """Write the source's documents (or a batch format's records), shard by shard under the
+    same names, into document format `format_name` (without metadata: the source's
+    documents carry none)."""
+    fmt = get_format(format_name)
+    if "metadata" in options.settings():
+        options = replace(options, metadata=False)
+    dataset = SOURCES["documents"](source, manifest, source_format)
+    info = dataset.tokenizer  # the separators its documents hold
+    spec = ShardSpec(target.uri, (format_name,), NO_SHARD_LIMIT, info.largest_id,
+                     info.bos_id, {format_name: options})
+    with Staging(target) as staging:
+        table = [entry for name, documents in dataset.shard_documents()
+                 for entry in _write_documents(spec, name, documents, staging)]
+    return fmt.section(info.largest_id, table, options.to_json()), info
+
+
+def _pack_batch_format(source: Store, manifest: Manifest, target: Store, format_name: str,
+                       options: FormatOptions, source_format: str | None
+                       ) -> tuple[FormatSection, TokenizerInfo]:
+    """Pack the source's documents into batch format `format_name`'s records."""
+    if not any(name in manifest.formats for name in document_formats()):
+        raise FormatError(source.uri_of(MANIFEST_NAME),
+                          f"{format_name} from batches alone is not a conversion: "
+                          "the source holds no document format")
+    dataset = SOURCES["batches"](source, manifest, source_format)
+    return pack_batches(dataset, target, options, format_name), dataset.tokenizer
+
+
+# by the kind of the target format: what it reads of the source, and how it is written
+SOURCES: dict[str, Callable[[Store, Manifest, str | None], Any]] = {
+    "documents": lambda store, manifest, name: open_source(store, manifest, name),
+    "batches": lambda store, manifest, name: open_kind(store, "documents", name, manifest)}
+WRITERS = {"documents": _write_document_format, "batches": _pack_batch_format}

@@ -7,21 +7,21 @@ percentiles (index reads), O(samples) token reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from raypipe.config import is_mixture_spec, read_mixture, spec_weights
-from raypipe.dataset import BatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset, open_format
 from raypipe.errors import FormatError
-from raypipe.formats import document_format, is_batch_format
+from raypipe.formats import document_format
 from raypipe.io.manifest import as_store, read_manifest, unit_record_name
 from raypipe.io.parallel import map_threads
-from raypipe.io.records import FormatSection, Manifest, UnitRecord
+from raypipe.io.records import Manifest, UnitRecord
 from raypipe.io.store import Store
 from raypipe.preprocess.summary import packing_line
-from raypipe.sampling.mixture import mixture_weights
+from raypipe.sampling.mixture import is_mixture_spec, mixture_weights, read_mixture, spec_weights
 
 
 def _decoder(manifest: Manifest, tokenizer: str | None) -> Any:
@@ -154,16 +154,16 @@ def inspect_output(root: str | Path | Store, samples: int = 3, tokenizer: str | 
             f", its own separators: bos {section.separators['bos_id']}, "
             f"eos {section.separators['eos_id']}")
         lines.append(f"format {name}: dtype {section.dtype}, {len(section.shards)} shards{own}")
-        if is_batch_format(name):
-            lines += _inspect_llmbatch(root, manifest, section, samples, decoder)
-            continue
-        lines += _inspect_documents(TokenDataset(root, name, manifest), samples, decoder, plot)
-        plot = None  # one histogram: the first document format's lengths
+        dataset = open_format(root, name, manifest)
+        view, plotted = VIEWS[dataset.kind](dataset, samples, decoder, plot)
+        lines += view
+        plot = None if plotted else plot  # one histogram: the first format that draws one
     return "\n".join(lines)
 
 
 def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
-                       plot: str | Path | None) -> list[str]:
+                       plot: str | Path | None) -> tuple[list[str], bool]:
+    """The shards, the document lengths (drawn into `plot`, if given) and samples."""
     lines = ["  shard                                            documents       tokens"
              "        bytes"]
     for shard in dataset.shards[:20]:
@@ -176,7 +176,8 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
         pct = np.percentile(lengths, [0, 10, 50, 90, 99, 100]).astype(int).tolist()
         lines.append("  document length (tokens) min/p10/p50/p90/p99/max: "
                      + " / ".join(f"{p:,}" for p in pct))
-    if plot is not None and lengths.size:
+    plotted = plot is not None and bool(lengths.size)
+    if plotted:
         from raypipe.tools.plot import histogram_chart
 
         drawn = histogram_chart(lengths, Path(plot), f"Document lengths: {dataset.root} "
@@ -198,13 +199,13 @@ def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
             window = dataset.window(start, int(tokens.size))
             records = [window.records[i] for i in sorted(set(window.metadata_ids.tolist()))]
             lines.append(f"    metadata: {records[:4]}{' ...' if len(records) > 4 else ''}")
-    return lines
+    return lines, plotted
 
 
-def _inspect_llmbatch(root: Store, manifest: Manifest, section: FormatSection,
-                      samples: int, decoder: Any) -> list[str]:
-    dataset = BatchDataset(root, manifest)
-    options = dataset.options
+def _inspect_batches(dataset: BatchDataset, samples: int, decoder: Any,
+                     plot: str | Path | None) -> tuple[list[str], bool]:
+    """The batch shape, the packing report and sample records (nothing drawn)."""
+    options, section = dataset.options, dataset.section
     lines = [f"  {dataset.num_batches:,} batches of [{dataset.batch_size}, {dataset.seq_len}] "
              f"({options.packing} packing, seed {options.seed}, "
              f"{options.total_records:,} records before batching)",
@@ -216,7 +217,7 @@ def _inspect_llmbatch(root: Store, manifest: Manifest, section: FormatSection,
         trained = dataset.loss_mask(batch)
         for row, record in enumerate(dataset.records(batch)):
             if shown >= samples:
-                return lines
+                return lines, False
             if trained is not None:  # chat data: the record, its trained tokens marked
                 mask = trained[row, :record.size]
                 lines.append(f"  record {shown} ({int(mask.sum())} trained, between "
@@ -225,4 +226,9 @@ def _inspect_llmbatch(root: Store, manifest: Manifest, section: FormatSection,
             else:
                 lines.append(f"  record {shown}: {_show(record, decoder)}")
             shown += 1
-    return lines
+    return lines, False
+
+
+# each kind of format's view (raypipe.dataset opens it as its kind's dataset)
+VIEWS: dict[str, Callable[[Any, int, Any, str | Path | None], tuple[list[str], bool]]] = {
+    "documents": _inspect_documents, "batches": _inspect_batches}

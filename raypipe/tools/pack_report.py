@@ -11,11 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from raypipe.config import is_mixture_spec, read_mixture, spec_weights
-from raypipe.dataset import BatchDataset, TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset, open_kind
 from raypipe.sampling.epochs import EpochPlans, PlanSpec
 from raypipe.sampling.lengths import dataset_lengths
-from raypipe.sampling.mixture import mixture_weights, realized_shares
+from raypipe.sampling.mixture import (
+    is_mixture_spec,
+    mixture_weights,
+    read_mixture,
+    realized_shares,
+    spec_weights,
+)
 from raypipe.sampling.plans import PackingReport
 
 MIXTURE_STEPS = 1000
@@ -33,17 +38,20 @@ def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", *
     epoch_range = range(epoch, epoch + epochs)
     if is_mixture_spec(dataset_path):
         return mixture_report(str(dataset_path), spec, epoch_range)
-    if spec.preformed:
-        return llmbatch_report(str(dataset_path))
-    dataset = TokenDataset(dataset_path, format_name)
+    dataset = open_kind(str(dataset_path), spec.loader_mode.serves, format_name)
+    return REPORTS[dataset.kind](str(dataset_path), dataset, spec, epoch_range)
+
+
+def documents_report(where: str, dataset: TokenDataset, spec: PlanSpec, epochs: range) -> str:
+    """What the mode's epoch plans keep of the documents."""
     spec = spec.for_data(dataset.has_loss_mask)
-    return render(str(dataset_path), dataset, spec, epoch_plans(dataset, spec, epoch_range))
+    return render(where, dataset, spec, epoch_plans(dataset, spec, epochs))
 
 
-def llmbatch_report(where: str) -> str:
-    """What the LLMBATCH records written at tokenize (or convert) time hold: the report
-    their manifest section recorded (records are fixed; seq_len and seed are theirs)."""
-    dataset = BatchDataset(where)
+def batches_report(where: str, dataset: BatchDataset, spec: PlanSpec, epochs: range) -> str:
+    """What a batch format's records, written at tokenize (or convert) time, hold: the
+    report their manifest section recorded (records are fixed; seq_len and seed are
+    theirs)."""
     report = PackingReport.from_options(dataset.section.options)
     return "\n".join([
         f"packing report: {where}",
@@ -101,3 +109,7 @@ def mixture_report(spec_path: str, spec: PlanSpec, epochs: range) -> str:
         sections.append(f"== source {name} (weight {weights[index]:.4f})\n"
                         + render(mixture[name].path, datasets[name], source_spec, plans))
     return "\n".join(lines + [""] + sections)
+
+
+# each kind of format's report (the mode says which kind it serves)
+REPORTS = {"documents": documents_report, "batches": batches_report}

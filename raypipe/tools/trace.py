@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.config import is_mixture_spec, read_mixture, spec_weights
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError
 from raypipe.io.manifest import unit_record_name
@@ -35,7 +34,13 @@ from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.io.states import LoaderState, MixtureState, SourcePosition, read_state
 from raypipe.preprocess.unit import file_first_row
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
-from raypipe.sampling.mixture import MixtureSchedule, mixture_weights
+from raypipe.sampling.mixture import (
+    MixtureSchedule,
+    is_mixture_spec,
+    mixture_weights,
+    read_mixture,
+    spec_weights,
+)
 from raypipe.sampling.modes import knob_differences, plan_knob_names, upgrade_knobs
 from raypipe.sampling.pack import RowPieces
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from raypipe.dataset import BatchDataset, ShardSet, TokenDataset
+from raypipe.dataset import open_format
 from raypipe.errors import FormatError
-from raypipe.formats import FORMATS, dataset_index_problems, get_format, is_batch_format
+from raypipe.formats import FORMATS, dataset_index_problems, get_format
 from raypipe.formats.base import require_size
 from raypipe.io.cache import ShardCache
 from raypipe.io.lock import LOCK_NAME
@@ -67,20 +67,12 @@ def check_file(root: Store, entry: FileEntry) -> None:
                           entry.sha256, digest)
 
 
-def shard_set(root: Store, name: str, manifest: Manifest, cache: ShardCache | None = None
-              ) -> ShardSet:
-    """The shards of format `name`, opened the way the loader opens them."""
-    if is_batch_format(name):
-        return BatchDataset(root, manifest, cache)
-    return TokenDataset(root, name, manifest, cache)
-
-
 def open_every_shard(root: Store, name: str, manifest: Manifest,
                      cache: ShardCache | None = None) -> None:
     """Open each shard of format `name` in its reader (headers, indexes, counts) and run
     the format's own content checks. On object storage each file is downloaded again and
     checked (size, sha256) on the way in; locally `check_file` has read it."""
-    shards = shard_set(root, name, manifest, cache)
+    shards = open_format(root, name, manifest, cache)  # as the loader opens them
     try:
         for index in range(shards.num_shards):
             shards.reader(index, refresh=True).verify_contents()

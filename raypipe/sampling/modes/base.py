@@ -19,23 +19,28 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import Field, dataclass, field, fields, replace
+from dataclasses import Field, dataclass, fields, replace
 from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
+from raypipe.dataset import open_kind
 from raypipe.errors import ConfigError
+from raypipe.io.cache import ShardCache
+from raypipe.io.records import knob
 from raypipe.io.states import MODE_RENAMES
+from raypipe.io.store import Store
 from raypipe.sampling.batches import (
     BatchBuffers,
     BatchPlan,
     Filled,
+    TokenSource,
     write_row_boundaries,
 )
 from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.pack import OVERLONGS, RowPieces
 from raypipe.sampling.plans import SHUFFLES, ShardGroups, SumsMemo
-from raypipe.sampling.split import SPLITS
+from raypipe.sampling.split import SPLITS, DocumentSplit
 
 RowT = TypeVar("RowT")
 logger = logging.getLogger("raypipe")
@@ -94,13 +99,6 @@ class ModeKnobs:
 
     packing: ClassVar[str | None] = None  # a packed mode's knobs: the packing its rows use
     overlong: ClassVar[str] = "cut"  # ... and its rule for a document longer than a row
-
-
-def knob(default: Any, help: str,
-         choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None) -> Any:
-    """A knob's field (PlanSpec's, a ModeKnobs subclass'): its default, and how the command
-    line says it (`choices`: the values allowed, or a function that lists them)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 def knob_fields() -> dict[str, Field]:
@@ -201,11 +199,6 @@ class PlanSpec:
         """The rule for a document longer than a row, as the plan applies it ("auto" left
         unresolved: "cut")."""
         return self.knobs.overlong if self.knobs.overlong in OVERLONGS else "cut"
-
-    @property
-    def preformed(self) -> bool:
-        """Observations are pre-formed batches, not rows cut from documents."""
-        return self.loader_mode.preformed
 
     @property
     def packed(self) -> bool:
@@ -311,9 +304,9 @@ def compact_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
     """`knobs` without those at their value from before they existed (and their
     companions): what a loader state records."""
     compact = dict(knobs)
-    for knob, (before, companions) in knobs_before(knobs["mode"]).items():
-        if knob in compact and compact[knob] == before:
-            for name in (knob, *companions):
+    for added, (before, companions) in knobs_before(knobs["mode"]).items():
+        if added in compact and compact[added] == before:
+            for name in (added, *companions):
                 compact.pop(name, None)
     return compact
 
@@ -329,7 +322,10 @@ class LoaderMode(ABC):
     """One loader mode. Class attributes say what it is; methods plan and fill."""
 
     name: ClassVar[str]
-    preformed: ClassVar[bool] = False  # an observation is a whole pre-formed batch
+    # the kind of format it reads (raypipe.formats' Format.kind): documents, cut into rows,
+    # or a batch format's pre-formed batches
+    serves: ClassVar[str] = "documents"
+    mixes: ClassVar[bool] = True  # a mixture's sources can be read by it
     packed: ClassVar[bool] = False  # rows are packed from blocks (the `packing` knob applies)
     boundaries_by_default: ClassVar[bool] = True  # position_ids/cu_seqlens per document
     splits: ClassVar[tuple[str, ...]] = ("all", "train")
@@ -343,6 +339,34 @@ class LoaderMode(ABC):
     def knobs(self, spec: Any) -> dict[str, Any]:
         """The mode's own knobs a loader state records: its Knobs, field by field."""
         return {item.name: getattr(spec.knobs, item.name) for item in fields(spec.knobs)}
+
+    def open_dataset(self, store: Store, format_name: str | None,
+                     cache: ShardCache | None) -> Any:
+        """The dataset it reads: the output's format of the kind it serves."""
+        return open_kind(store, self.serves, format_name, cache=cache)
+
+    def fit(self, dataset: Any, spec: Any, batch_size: int | None) -> tuple[Any, int]:
+        """(spec, rows per rank per step) for `dataset`: as given, the data's knobs
+        decided."""
+        if not spec.seq_len or not batch_size:
+            raise ConfigError("seq_len and batch_size must be given (>= 1)")
+        return spec.for_data(dataset.has_loss_mask), batch_size
+
+    def observations_per_step(self, batch_size: int) -> int:
+        """Observations one rank takes per step: its rows."""
+        return batch_size
+
+    def rows_from(self, dataset: Any, spec: Any) -> tuple[DocumentSplit | None, Any]:
+        """(the split its plans number, None: every document; what its filler reads rows
+        from: a TokenSource over those documents, a split's stream for modes that read
+        one)."""
+        split = document_split(spec, dataset)
+        source = TokenSource(dataset, None if split is None else split.ids)
+        if split is not None and self.reads_stream:
+            lengths = dataset.document_lengths()  # rows cut from the split's stream
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            source.restrict_stream(starts[split.ids], lengths[split.ids])
+        return split, source
 
     @abstractmethod
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> Any:
@@ -388,9 +412,18 @@ def metadata_modes() -> list[str]:
     return [name for name, mode in _MODES.items() if mode.window_metadata]
 
 
-def preformed_mode() -> LoaderMode:
-    """The mode that serves pre-formed batches (what a batch format's records are for)."""
-    return next(mode for mode in _MODES.values() if mode.preformed)
+def mode_serving(kind: str) -> LoaderMode:
+    """The first registered mode that serves formats of `kind` (a batch format's records:
+    the batches mode)."""
+    return next(mode for mode in _MODES.values() if mode.serves == kind)
+
+
+def document_split(spec: PlanSpec, dataset: Any) -> DocumentSplit | None:
+    """The documents a spec's split keeps (None: every document)."""
+    if spec.split == "all":
+        return None
+    return DocumentSplit.of(spec.split, spec.validation_fraction, dataset.num_documents,
+                            dataset.fingerprint)
 
 
 def register(mode: LoaderMode) -> LoaderMode:

@@ -14,7 +14,7 @@ memmap slice per batch (+ B lengths and its pieces); O(1) memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -167,9 +167,7 @@ class PreformedFiller(BatchFiller[int]):
             raise ConfigError(f"{dataset.root}: LLMBATCH records written before raypipe 0.5 "
                               "(no .pieces sidecar) were cut by another rule; convert them "
                               "again to trace them")
-        source = TokenDataset(dataset.store, options.source_format, manifest=dataset.manifest,
-                              cache=dataset.cache)
-        return record_plan(source, options.packing, options.seq_len, options.seed)[1]
+        return record_plan(dataset.documents(), options.packing, options.seq_len, options.seed)[1]
 
     def segments(self, positions: np.ndarray) -> list[RowPieces]:
         batch = self.dataset.batch_size
@@ -193,10 +191,35 @@ class BatchesMode(LoaderMode):
     """Pre-formed batches of a batch format (LLMBATCH), one per rank per step."""
 
     name = "batches"
-    preformed = True
+    serves = "batches"
+    mixes = False  # a batch's rows are fixed: a mixture cannot split a step between sources
     splits = ("all",)
     shard_local = False
     Knobs = PreformedKnobs
+
+    def open_dataset(self, store: Any, format_name: str | None, cache: Any) -> Any:
+        dataset = super().open_dataset(store, format_name, cache)
+        if dataset.cache is None:
+            for index in range(dataset.num_shards):
+                dataset.reader(index)  # every local file checked up front
+        return dataset
+
+    def fit(self, dataset: Any, spec: Any, batch_size: int | None) -> tuple[Any, int]:
+        """The batches' own shape: seq_len and batch_size left out (0 / None) take it, and
+        others are refused."""
+        shape = (dataset.seq_len - 1, dataset.batch_size)
+        if (spec.seq_len or shape[0], batch_size or shape[1]) != shape:
+            raise ConfigError(f"{dataset.root}: {dataset.format_name} batches are "
+                              f"[{shape[1]}, {shape[0] + 1}] records, i.e. seq_len={shape[0]}, "
+                              f"batch_size={shape[1]}; got seq_len={spec.seq_len}, "
+                              f"batch_size={batch_size}")
+        return replace(spec.for_data(False), seq_len=shape[0]), shape[1]
+
+    def observations_per_step(self, batch_size: int) -> int:
+        return 1  # one pre-formed batch
+
+    def rows_from(self, dataset: Any, spec: Any) -> tuple[None, Any]:
+        return None, dataset  # the batches themselves; no split
 
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> PreformedPlan:
         return PreformedPlan(inputs.dataset.num_batches, inputs.batch_size, spec.seq_len + 1,

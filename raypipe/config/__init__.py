@@ -24,19 +24,20 @@ from typing import Any
 
 import yaml
 
+from raypipe.config import legacy
 from raypipe.errors import ConfigError, FormatError
 from raypipe.formats import (
     DEFAULT_FORMATS,
     FORMATS,
+    PACKING_BY_DATA,
     DocumentFormat,
     FormatOptions,
     document_format,
     document_formats,
-    is_batch_format,
+    of_kind,
     packing_for_data,
 )
 
-PACKINGS = ("fill", "split", "crop", "concat", "bestfit")  # bestfit: the old name of crop
 # Fields that do not change output bytes: excluded from the fingerprint.
 EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
                               "tokenizer_backend", "allow_empty", "skip_bad_files"})
@@ -49,9 +50,6 @@ LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 
                  "completion_column": None, "chat_template": None, "train_on": "assistant",
                  "mds_concat_tokens": None}
 TRAIN_ON = ("assistant", "last-assistant", "all")
-# keys of earlier releases that no longer do anything -> why (a config holding one loads,
-# with a warning)
-RETIRED_KEYS = {"head_start": "removed in 0.6: every unit runs on Ray Data"}
 # worker memory to tokenize one document, per character: measured 122 B (8k BPE) and ~180 B
 # (GPT-2 vocabulary) at 2-10 M characters; planned with 200 B
 BYTES_PER_CHARACTER = 200
@@ -66,14 +64,11 @@ EOS_FORMATS = tuple(name for name, fmt in FORMATS.items()
                     if isinstance(fmt, DocumentFormat) and fmt.separator == "eos")
 
 
-# the config fields that set format options: {option name: TokenizeConfig field}
-FORMAT_OPTION_FIELDS = {"metadata": "metadata", "serializer": "metadata_serializer",
-                        "compression": "mds_compression",
-                        "concat_tokens": "mds_concat_tokens", "loss_mask": "chat"}
-
-
 def flag_of(name: str) -> str:
-    """The command-line flag of TokenizeConfig field `name` (what messages call it)."""
+    """The command-line flag of TokenizeConfig field `name` (what messages call it); of a
+    format's option as a fingerprint names it (`seq_len`, `stream.serializer`): today's."""
+    if name in legacy.FLAT_OPTIONS or "." in name:
+        return legacy.flag_of_option(name)
     spec = next((f for f in dataclasses.fields(TokenizeConfig) if f.name == name), None)
     if spec is None or spec.metadata.get("positional"):
         return name
@@ -101,7 +96,7 @@ def document_separators(formats: tuple[str, ...], bos: bool | None, eos: bool | 
         return bool(bos), bool(eos)
     if bos is None and eos is None:
         habits = {name in EOS_FORMATS for name in formats}
-        if len(habits) > 1 and not any(is_batch_format(name) for name in formats):
+        if len(habits) > 1 and not of_kind(formats, "batches"):
             return None, None
         eos_only = all(name in EOS_FORMATS for name in formats)
         return not eos_only, eos_only
@@ -135,10 +130,11 @@ class TokenizeConfig:
     tokenizer: str = option(help="a tokenizer.json path, a tiktoken encoding name "
                                  "(cl100k_base, o200k_base, gpt2, ...) or a Hugging Face hub "
                                  "name (from the local cache, or the hub when it answers)")
-    formats: tuple[str, ...] | None = option(
+    formats: Any = option(
         None, help="comma list of " + ", ".join(FORMATS) + " (default: "
                    + ",".join(DEFAULT_FORMATS) + "; with --chat, the formats that hold a "
-                   "loss mask)", flag="--format")
+                   "loss mask); in YAML and Python also {name: {option: value}}, each "
+                   "format's options (flags --<format>-<option>)", flag="--format", type=str)
     text_column: str = option("text", help="column holding the documents")
     chat: bool = option(False, help="the input holds conversations (--messages-column, or "
                                     "--prompt-column with --completion-column), rendered "
@@ -176,34 +172,12 @@ class TokenizeConfig:
     worker_memory_budget: int = option(2 << 30, help="bytes a worker may spend tokenizing one "
                                                      "document; documents over budget / 200 "
                                                      "characters are skipped as too_long")
-    metadata: bool = option(True, help="stream: write metadata records (--no-metadata: "
-                                       "plain tokens)")
-    metadata_columns: tuple[str, ...] = option((), help="stream: comma list of per-document "
-                                                        "columns")
+    metadata_columns: tuple[str, ...] = option((), help="comma list of per-document columns "
+                                                        "each document's metadata record "
+                                                        "holds (formats that keep "
+                                                        "metadata: stream, mds)")
     span_column: str | None = option(None, help="stream: column of [{start, end, ...}] "
                                                 "character spans")
-    metadata_serializer: str = option("json", help="stream: json or msgpack")
-    mds_concat_tokens: int | None = option(None, help="mds: samples of exactly N tokens, "
-                                                      "documents back to back (LLM "
-                                                      "Foundry's --concat_tokens; each "
-                                                      "shard's tail under N is dropped and "
-                                                      "counted); default: a sample per "
-                                                      "document")
-    mds_compression: str | None = option(None, help="mds: zstd compresses each shard whole "
-                                                    "(default: none, so shards map "
-                                                    "without a copy)")
-    seq_len: int | None = option(None, help="llmbatch: tokens per record, T + 1 (the "
-                                            "loader's and pack-report's --seq-len is T); "
-                                            "--seq-len is an older name of it",
-                                 flag="--record-len", aliases=("--seq-len",))
-    batch_size: int | None = option(None, help="llmbatch: records per batch")
-    packing: str = option("auto", help="llmbatch: fill (every token, every record full), "
-                                       "split (every token, documents whole where they "
-                                       "fit, padding marked), crop (nanochat: records "
-                                       "start with BOS, tails cropped), concat, or auto "
-                                       "(split for chat data, fill for text)")
-    seed: int = option(0, help="llmbatch: record shuffle seed")
-    batches_per_shard: int = option(1024, help="llmbatch: batches per file")
     special_tokens_in_text: str = option(
         "text", help="a special token's literal typed in a document (e.g. <|endoftext|>): "
                      "text (encode its characters; no document can forge a BOS/EOS id) or "
@@ -233,9 +207,9 @@ class TokenizeConfig:
         object.__setattr__(self, "inputs", _as_tuple(self.inputs, "inputs"))
         if self.prompt_column or self.completion_column:
             object.__setattr__(self, "chat", True)
-        object.__setattr__(self, "formats", default_formats(self.chat) if self.formats is None
-                           else _as_tuple(self.formats, "formats"))
-        object.__setattr__(self, "packing", packing_for_data(self.packing, self.chat))
+        entries = format_entries(self.formats)
+        object.__setattr__(self, "formats", {name: None for name in default_formats(self.chat)}
+                           if entries is None else entries)
         object.__setattr__(self, "metadata_columns",
                            _as_tuple(self.metadata_columns, "metadata_columns"))
         if not self.inputs:
@@ -249,18 +223,9 @@ class TokenizeConfig:
             raise ConfigError(f"formats: {unknown or 'none'} not among {list(FORMATS)}")
         if not 1 <= self.shard_tokens <= NANOGPT_MAX_TOKENS:
             raise ConfigError(f"shard_tokens: {self.shard_tokens} not in [1, 2^31-1]")
-        for name in ("encode_batch_rows", "unit_bytes", "batches_per_shard",
-                     "worker_memory_budget"):
+        for name in ("encode_batch_rows", "unit_bytes", "worker_memory_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        batches = self.batch_formats
-        if batches:
-            if not self.seq_len or not self.batch_size or self.seq_len < 2 or self.batch_size < 1:
-                raise ConfigError(f"{batches[0]}: needs {flag_of('seq_len')} (tokens per "
-                                  f"record, >= 2) and {flag_of('batch_size')} (records per "
-                                  "batch)")
-            if self.packing not in PACKINGS:
-                raise ConfigError(f"packing: {self.packing!r} not among {list(PACKINGS)}")
         if self.special_tokens_in_text not in ("text", "special"):
             raise ConfigError(f"special_tokens_in_text: {self.special_tokens_in_text!r} not "
                               "among ['text', 'special']")
@@ -283,17 +248,14 @@ class TokenizeConfig:
             raise ConfigError(
                 "bos/eos: at least one of --bos/--eos is needed, or document boundaries are lost"
             )
-        for name in self.formats:  # each format's options, typed and checked once, here
-            try:
-                self.format_options(name)
-            except FormatError as exc:
-                flags = ", ".join(flag_of(field) for field in FORMAT_OPTION_FIELDS.values())
-                raise ConfigError(f"{exc.what} (format options are set by {flags})") from None
+        object.__setattr__(self, "formats", {  # each format's options, typed once, here
+            name: typed_options(name, given, self.chat) for name, given in self.formats.items()})
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        """The config as its YAML says it: each format with the options a user sets."""
+        data = {spec.name: getattr(self, spec.name) for spec in dataclasses.fields(self)}
         data["inputs"] = list(self.inputs)
-        data["formats"] = list(self.formats)
+        data["formats"] = {name: options.settings() for name, options in self.formats.items()}
         data["metadata_columns"] = list(self.metadata_columns)
         return data
 
@@ -301,7 +263,7 @@ class TokenizeConfig:
     def document_formats(self) -> tuple[str, ...]:
         """Formats written per work unit; batch formats are packed afterwards from the
         first of them (a batch format alone: from the preferred document format)."""
-        chosen = tuple(f for f in self.formats if not is_batch_format(f))
+        chosen = of_kind(self.formats, "documents")
         return chosen if chosen else document_formats()[:1]
 
     def format_separators(self, name: str) -> tuple[bool, bool]:
@@ -320,7 +282,7 @@ class TokenizeConfig:
     @property
     def batch_formats(self) -> tuple[str, ...]:
         """Formats packed from the document shards after the units (pre-formed batches)."""
-        return tuple(f for f in self.formats if is_batch_format(f))
+        return of_kind(self.formats, "batches")
 
     @property
     def document_char_limit(self) -> int:
@@ -357,18 +319,21 @@ class TokenizeConfig:
             return [self.prompt_column, self.completion_column]
         return [self.messages_column]
 
-    def format_options(self, name: str) -> FormatOptions:
-        """Format `name`'s typed options as this config sets them (stream: metadata,
-        serializer; mds: compression); each format takes the fields its options have."""
-        return FORMATS[name].options({option: getattr(self, field)
-                                      for option, field in FORMAT_OPTION_FIELDS.items()})
+    def format_options(self, name: str) -> Any:
+        """Format `name`'s typed options, as this job writes with them (the data's part
+        decided: chat data's loss mask, "auto" packing); a document format written only to
+        pack a batch format from: its defaults."""
+        if name in self.formats:
+            return self.formats[name]
+        return typed_options(name, None, self.chat)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TokenizeConfig:
+        """A config from its keys; those of earlier releases are upgraded
+        (raypipe.config.legacy)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        for key in sorted(set(data) & set(RETIRED_KEYS)):
-            logger.warning("config key %r ignored (%s)", key, RETIRED_KEYS[key])
-            data = {k: v for k, v in data.items() if k != key}
+        entries = format_entries(data.get("formats"))
+        data = legacy.upgrade(data, None if entries is None else list(entries))
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; known: {sorted(names)}")
@@ -381,9 +346,15 @@ class TokenizeConfig:
         return cls(**data)
 
     def output_fields(self) -> dict[str, Any]:
-        """The fields that determine output bytes. A field added after 0.1 is left out at the
-        value that reproduces 0.1's bytes, so outputs made then keep their fingerprint."""
-        return {k: v for k, v in self.to_dict().items() if k not in EXECUTION_FIELDS
+        """The fields that determine output bytes, in 0.6's flat shape (each format's options
+        as 0.6 named them: raypipe.config.legacy), so outputs made then keep their
+        fingerprint. A field added after 0.1 is left out at the value that reproduces 0.1's
+        bytes, so outputs made then keep theirs."""
+        names = list(self.formats)
+        flat = {**self.to_dict(), "formats": names,
+                **legacy.fingerprint_fields(names, self.formats,
+                                            packing_for_data(PACKING_BY_DATA, self.chat))}
+        return {k: v for k, v in flat.items() if k not in EXECUTION_FIELDS
                 and LEGACY_VALUES.get(k, object()) != v}
 
     def meaning_fields(self) -> dict[str, Any]:
@@ -405,6 +376,34 @@ class TokenizeConfig:
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def format_entries(value: Any) -> dict[str, Any] | None:
+    """The formats a config names, each with what it gives of its options (None: nothing):
+    from a comma list, a list of names, or a mapping of names to options."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return {str(name): options for name, options in value.items()}
+    return {name: None for name in _as_tuple(value, "formats")}
+
+
+def typed_options(name: str, given: Any, chat: bool) -> FormatOptions:
+    """Format `name`'s typed options from what a config gives (a mapping, typed options or
+    nothing), checked: a ConfigError names the format, the option and its flag."""
+    if name not in FORMATS:
+        raise ConfigError(f"formats: {name!r} not among {list(FORMATS)}")
+    if given is not None and not isinstance(given, dict | FormatOptions):
+        raise ConfigError(f"formats: {name}: options must be a mapping of option: value, "
+                          f"got {type(given).__name__}")
+    try:
+        return FORMATS[name].options_for(given, chat)
+    except FormatError as exc:
+        flags = [f"--{name}-{spec.name.replace('_', '-')}"
+                 for spec in FORMATS[name].options_type.settable()]
+        raise ConfigError(f"formats: {name}: {exc.what}"
+                          + (f" (its options' flags: {', '.join(flags)})" if flags else "")
+                          ) from None
+
+
 def _as_tuple(value: Any, name: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = ([v.strip() for v in value.split(",") if v.strip()] if name != "inputs"
@@ -414,10 +413,15 @@ def _as_tuple(value: Any, name: str) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
 
 
-def load_config(path: str | Path | None = None, **overrides: Any) -> TokenizeConfig:
-    """Defaults <- YAML file at `path` <- overrides whose value is not None. In the file,
-    the locations (inputs, output, tokenizer) may name environment variables ($NAME or
-    ${NAME}); an unset one is an error naming it."""
+def load_config(path: str | Path | None = None,
+                format_options: dict[str, dict[str, Any]] | None = None,
+                **overrides: Any) -> TokenizeConfig:
+    """Defaults <- YAML file at `path` <- overrides whose value is not None <- the
+    `format_options` given ({format: {option: value}}, the CLI's --<format>-<option>: each
+    names a format the job writes). An override of `formats` that lists names keeps the
+    options the YAML gives those formats. In the file, the locations (inputs, output,
+    tokenizer) may name environment variables ($NAME or ${NAME}); an unset one is an error
+    naming it."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -427,8 +431,41 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TokenizeCon
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of config keys")
         data.update(expand_locations(loaded or {}, path))
-    data.update({k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if "formats" in given:
+        given["formats"] = merged_formats(format_entries(data.get("formats")),
+                                          format_entries(given["formats"]))
+    data.update(given)
+    if format_options:
+        data["formats"] = with_options(format_entries(data.get("formats")), format_options)
     return TokenizeConfig.from_dict(data)
+
+
+def merged_formats(base: dict[str, Any] | None, chosen: dict[str, Any] | None
+                   ) -> dict[str, Any] | None:
+    """The formats `chosen` names, each with the options `base` gives it unless `chosen`
+    gives its own."""
+    return None if chosen is None else {
+        name: options if options is not None else (base or {}).get(name)
+        for name, options in chosen.items()}
+
+
+def with_options(entries: dict[str, Any] | None, options: dict[str, dict[str, Any]]
+                 ) -> dict[str, Any]:
+    """`entries` with each format's options in `options` set over its own; a format the job
+    does not write is a ConfigError naming its flag."""
+    for name, values in options.items():
+        if entries is None or name not in entries:
+            flags = ", ".join(f"--{name}-{option.replace('_', '-')}" for option in values)
+            raise ConfigError(f"{flags}: format {name!r} is not written by this job "
+                              f"(formats: {', '.join(entries or DEFAULT_FORMATS)}); add it "
+                              "to --format")
+    entries = dict(entries or {})
+    for name, values in options.items():
+        own = entries[name]
+        own = own.settings() if isinstance(own, FormatOptions) else dict(own or {})
+        entries[name] = {**own, **values}
+    return entries
 
 
 LOCATION_KEYS = ("inputs", "output", "tokenizer")
@@ -453,54 +490,3 @@ def expand_locations(data: dict[str, Any], path: str | Path) -> dict[str, Any]:
 
 def dump_config_yaml(config: TokenizeConfig) -> str:
     return yaml.safe_dump(config.to_dict(), sort_keys=False)
-
-
-MIXTURE_SUFFIXES = (".yaml", ".yml")
-
-
-@dataclass(frozen=True)
-class MixtureSource:
-    """One source of a mixture YAML: its dataset (path or URI) and weight (None: by tokens)."""
-
-    path: str
-    weight: float | None = None
-
-
-def spec_weights(spec: dict[str, MixtureSource]) -> dict[str, float] | None:
-    """The weights a mixture YAML gives (None: by tokens)."""
-    if next(iter(spec.values())).weight is None:
-        return None
-    return {name: float(source.weight or 0.0) for name, source in spec.items()}
-
-
-def is_mixture_spec(location: object) -> bool:
-    return isinstance(location, str | Path) and str(location).endswith(MIXTURE_SUFFIXES)
-
-
-def read_mixture(path: str | Path) -> dict[str, MixtureSource]:
-    """`sources: {name: {path: ..., weight: ...}}` -> the sources; relative paths are taken
-    from the YAML file's folder; every source has a weight or none does."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read the mixture: {exc}") from exc
-    sources = data.get("sources") if isinstance(data, dict) else None
-    if not isinstance(sources, dict) or not sources:
-        raise ConfigError(f"{path}: a mixture needs `sources: {{name: {{path, weight}}}}`")
-    chosen: dict[str, MixtureSource] = {}
-    for name, entry in sources.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-            raise ConfigError(f"{path}: source {name!r} needs a `path`")
-        weight = entry.get("weight")
-        if weight is not None and (isinstance(weight, bool) or
-                                   not isinstance(weight, int | float) or weight < 0):
-            raise ConfigError(f"{path}: source {name!r}: weight {weight!r} is not a number "
-                              ">= 0")
-        location = entry["path"]
-        if "://" not in location and not Path(location).is_absolute():
-            location = str(Path(path).resolve().parent / location)
-        chosen[str(name)] = MixtureSource(location, None if weight is None else float(weight))
-    given = [s.weight is not None for s in chosen.values()]
-    if any(given) and not all(given):
-        raise ConfigError(f"{path}: give every source a weight, or none (by tokens)")
-    return chosen

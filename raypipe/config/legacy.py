@@ -1,0 +1,125 @@
+"""The tokenize config's shapes of earlier releases, upgraded on read: its one
+compatibility module (the loader state's is raypipe.io.states, the manifest's
+raypipe.io.records).
+
+Invariant: a config of raypipe 0.1-0.6 loads as today's. Its YAML keys and keywords
+(`seq_len`, `mds_compression`, ...: options of one format, flat beside the job's own fields)
+move into `formats: {name: {option: value}}`, with one deprecation line per process naming
+each retired key and its new spelling; keys that no longer do anything load with a warning.
+`fingerprint_fields` lays today's options out in 0.6's flat shape, so an output made by any
+earlier release keeps its fingerprint and a rerun still reuses its shards. Cost:
+microseconds, once per config.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from raypipe.formats import FormatOptions, batch_formats, get_format
+
+logger = logging.getLogger("raypipe")
+
+EVERY_BATCH_FORMAT = "batches"  # a retired key of the batch formats' options: each of them
+# retired flat key -> (the format it set: a name, or every batch format; its option today)
+FLAT_OPTIONS = {
+    "metadata": ("stream", "metadata"),
+    "metadata_serializer": ("stream", "serializer"),
+    "mds_concat_tokens": ("mds", "concat_tokens"),
+    "mds_compression": ("mds", "compression"),
+    "seq_len": (EVERY_BATCH_FORMAT, "record_len"),
+    "batch_size": (EVERY_BATCH_FORMAT, "batch_size"),
+    "packing": (EVERY_BATCH_FORMAT, "packing"),
+    "seed": (EVERY_BATCH_FORMAT, "seed"),
+    "batches_per_shard": (EVERY_BATCH_FORMAT, "batches_per_shard"),
+}
+# the command-line flags of the retired keys that today's flags do not spell the same way
+# (--mds-compression and --mds-concat-tokens are today's flags too)
+FLAT_FLAGS = {"metadata": ("--metadata",), "metadata_serializer": ("--metadata-serializer",),
+              "seq_len": ("--record-len", "--seq-len"), "batch_size": ("--batch-size",),
+              "packing": ("--packing",), "seed": ("--seed",),
+              "batches_per_shard": ("--batches-per-shard",)}
+# a retired key's value in 0.6's fingerprint where the job wrote no format that has it
+FLAT_DEFAULTS = {"metadata": True, "metadata_serializer": "json", "mds_concat_tokens": None,
+                 "mds_compression": None, "seq_len": None, "batch_size": None,
+                 "seed": 0, "batches_per_shard": 1024}  # packing: "auto" for the data
+# keys of earlier releases that no longer do anything -> why (a config holding one loads,
+# with a warning)
+RETIRED_KEYS = {"head_start": "removed in 0.6: every unit runs on Ray Data"}
+_warned: set[str] = set()
+
+
+def targets(key: str, names: list[str]) -> list[str]:
+    """The formats among `names` that retired key `key` sets."""
+    target = FLAT_OPTIONS[key][0]
+    if target == EVERY_BATCH_FORMAT:
+        return [name for name in names if get_format(name).kind == "batches"]
+    return [name for name in names if name == target]
+
+
+def upgrade(data: dict[str, Any], names: list[str] | None) -> dict[str, Any]:
+    """`data` (a config's keys) with the retired ones moved into its formats' options
+    (`names`: the job's formats; None: the defaults, which have no options), warned about
+    once per process."""
+    for key in sorted(set(data) & set(RETIRED_KEYS)):
+        logger.warning("config key %r ignored (%s)", key, RETIRED_KEYS[key])
+    flat = {key: data[key] for key in FLAT_OPTIONS if key in data}
+    kept = {k: v for k, v in data.items() if k not in flat and k not in RETIRED_KEYS}
+    if not flat:
+        return kept
+    warn_once(sorted(flat))
+    formats = dict(kept.get("formats") or {})
+    for key, value in flat.items():
+        for name in targets(key, names or []):
+            option = FLAT_OPTIONS[key][1]
+            given = formats.get(name) or {}
+            if isinstance(given, FormatOptions):
+                given = given.settings()
+            formats[name] = {option: value, **given}  # today's spelling wins
+    return {**kept, "formats": formats} if names else kept
+
+
+def warn_once(keys: list[str]) -> None:
+    fresh = [key for key in keys if key not in _warned]
+    if fresh:
+        _warned.update(fresh)
+        logger.warning("deprecated config key(s), each format's options are its own now: %s",
+                       "; ".join(f"{key} -> {spelling(key)}" for key in fresh))
+
+
+def spelling(key: str) -> str:
+    """Today's YAML and flag for retired key `key`."""
+    target, option = FLAT_OPTIONS[key]
+    name = batch_formats()[0] if target == EVERY_BATCH_FORMAT else target
+    return f"formats: {{{name}: {{{option}: ...}}}}, {flag_of_option(key)}"
+
+
+def flag_of_option(name: str) -> str:
+    """Today's flag of a format option as a fingerprint names it: a retired key
+    (`seq_len`), or `<format>.<option>`."""
+    if "." in name:
+        fmt, option = name.split(".", 1)
+    else:
+        target, option = FLAT_OPTIONS[name]
+        fmt = batch_formats()[0] if target == EVERY_BATCH_FORMAT else target
+    return f"--{fmt}-{option}".replace("_", "-")
+
+
+def fingerprint_fields(names: list[str], formats: dict[str, FormatOptions],
+                       packing_default: str) -> dict[str, Any]:
+    """The formats' options as 0.6's fingerprint held them: each retired key at the value
+    of the first format it sets (else 0.6's default), and every other option (a plugin
+    format's, a second batch format's) as `<format>.<option>`."""
+    fields: dict[str, Any] = {**FLAT_DEFAULTS, "packing": packing_default}
+    covered: set[tuple[str, str]] = set()
+    for key, (_, option) in FLAT_OPTIONS.items():
+        chosen = targets(key, names)
+        if chosen:
+            fields[key] = getattr(formats[chosen[0]], option)
+            covered.add((chosen[0], option))
+    for name in names:
+        for option, value in formats[name].settings().items():
+            if (name, option) not in covered:
+                fields[f"{name}.{option}"] = value
+    return fields
+
