@@ -5,14 +5,18 @@ load and resume, Ray Train."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from raypipe.demo.train_tokenizer import SHIPPED
+from raypipe.formats import FORMATS
+from raypipe.sampling.modes import base as modes_base
 from tests.conftest import write_parquet
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -46,6 +50,17 @@ def test_every_readme_and_docs_python_block_runs_as_written(ray_session, tmp_pat
     shutil.copy(SHIPPED, tmp_path / "tokenizer.json")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__readme__"}
+    with registries_restored():  # the docs' example format and mode register themselves
+        run_blocks(namespace)
+    assert (tmp_path / "out" / "manifest.json").exists()
+    assert (tmp_path / "out-filtered" / "manifest.json").exists()
+    assert "3\n" in capsys.readouterr().out  # the resumed loader's first step
+    assert namespace["result"].checkpoint is not None
+    run_trace_commands(capsys)
+
+
+def run_blocks(namespace: dict) -> None:
+    """Every python block of the README, then of each docs page, in one namespace."""
     for page in [README, *DOCS]:
         for number, block in enumerate(python_blocks(page.read_text()), start=1):
             where = f"{page.relative_to(ROOT)} python block {number}"
@@ -53,11 +68,19 @@ def test_every_readme_and_docs_python_block_runs_as_written(ray_session, tmp_pat
                 exec(compile(block, where, "exec", dont_inherit=True), namespace)  # as a file
             except Exception as exc:  # noqa: BLE001  (named with the block that raised it)
                 pytest.fail(f"{where} raised {exc!r}:\n{block}")
-    assert (tmp_path / "out" / "manifest.json").exists()
-    assert (tmp_path / "out-filtered" / "manifest.json").exists()
-    assert "3\n" in capsys.readouterr().out  # the resumed loader's first step
-    assert namespace["result"].checkpoint is not None
-    run_trace_commands(capsys)
+
+
+@contextlib.contextmanager
+def registries_restored() -> Iterator[None]:
+    """The format and loader-mode registries as they were, after the block."""
+    formats, modes = dict(FORMATS), dict(modes_base._MODES)
+    try:
+        yield
+    finally:
+        FORMATS.clear()
+        FORMATS.update(formats)
+        modes_base._MODES.clear()
+        modes_base._MODES.update(modes)
 
 
 def run_trace_commands(capsys) -> None:

@@ -489,7 +489,17 @@ class BatchReader(ABC):
 FORMATS: dict[str, Format] = {}
 
 
+# the keys of a manifest section that are not its format's options (a section records its
+# options beside them)
+SECTION_KEYS = ("dtype", "shards", "separators")
+
+
 def register(fmt: Format) -> Format:
+    """Add a format to the registry (an option may not take a section key's name)."""
+    taken = sorted({spec.name for spec in fields(fmt.options_type)} & set(SECTION_KEYS))
+    if taken:
+        raise ConfigError(f"format {fmt.name!r}: option(s) {taken} would shadow the manifest "
+                          f"section's own keys {list(SECTION_KEYS)}; rename them")
     FORMATS[fmt.name] = fmt
     return fmt
 

@@ -21,6 +21,7 @@ memmap read and one sequential write per token kept.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ def _pack_batches(dataset: TokenDataset, staging: Staging, fmt: BatchFormat,
         stop = min(first + spec.batches_per_shard, num_batches)
         name = f"batches-{len(shards):05d}"
         writer = fmt.writer(Path(directory), name, spec.batch_size, spec.record_len,
-                            stop - first, spec.seed, plan.size)
+                            stop - first, spec.seed, plan.size, **own_options(spec))
         try:
             for chunk in range(first, stop, DESCRIBE_BATCHES):
                 steps = np.arange(chunk, min(chunk + DESCRIBE_BATCHES, stop), dtype=np.int64)
@@ -91,9 +92,16 @@ def _pack_batches(dataset: TokenDataset, staging: Staging, fmt: BatchFormat,
     options = {"seq_len": spec.record_len, "batch_size": spec.batch_size,
                "packing": spec.packing, "seed": spec.seed, "total_records": plan.size,
                "num_batches": num_batches, "source_format": dataset.format_name,
-               "pad_id": pad_id,
+               "pad_id": pad_id, **own_options(spec),
                **report.as_options()}
     return fmt.section(dataset.manifest.tokenizer.largest_id, shards, options)
+
+
+def own_options(spec: BatchOptions) -> dict[str, Any]:
+    """A batch format's options beyond every batch format's (its writer takes them as
+    keywords; its section records them)."""
+    shared = {field.name for field in fields(BatchOptions)}
+    return {name: value for name, value in spec.settings().items() if name not in shared}
 
 
 def record_pieces(row: RowPieces) -> RecordPieces:
