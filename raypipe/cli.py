@@ -228,9 +228,8 @@ def convert_options(args: argparse.Namespace) -> dict[str, Any]:
     if others:
         raise ConfigError(f"convert --format {args.format}: options of {', '.join(others)} "
                           f"given ({', '.join(f'--{name}-...' for name in others)})")
-    upgraded = legacy.upgrade({**given_retired_keys(args), "formats": given},
-                              [args.format])
-    return (upgraded.get("formats") or {}).get(args.format) or {}
+    upgraded = legacy.upgrade(given_retired_keys(args), {args.format: given.get(args.format)})
+    return (upgraded.get("formats") or {}).get(args.format) or given.get(args.format) or {}
 
 
 DATASET_HELP = "a raypipe output: a directory or a URI (s3://, gs://, ...)"

@@ -44,11 +44,6 @@ EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "ov
 TOKENIZER_BACKENDS = ("auto", "gigatoken", "fastokens", "tiktoken", "tokenizers")
 LOCATION_FIELDS = frozenset({"inputs", "output", "tokenizer"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
-# fields added after 0.1 -> the value that behaves as 0.1 did (not part of the fingerprint)
-LEGACY_VALUES = {"special_tokens_in_text": "special", "worker_memory_budget": 2 << 30,
-                 "chat": False, "messages_column": "messages", "prompt_column": None,
-                 "completion_column": None, "chat_template": None, "train_on": "assistant",
-                 "mds_concat_tokens": None}
 TRAIN_ON = ("assistant", "last-assistant", "all")
 # worker memory to tokenize one document, per character: measured 122 B (8k BPE) and ~180 B
 # (GPT-2 vocabulary) at 2-10 M characters; planned with 200 B
@@ -332,8 +327,7 @@ class TokenizeConfig:
         """A config from its keys; those of earlier releases are upgraded
         (raypipe.config.legacy)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        entries = format_entries(data.get("formats"))
-        data = legacy.upgrade(data, None if entries is None else list(entries))
+        data = legacy.upgrade(data, format_entries(data.get("formats")))
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; known: {sorted(names)}")
@@ -355,7 +349,7 @@ class TokenizeConfig:
                 **legacy.fingerprint_fields(names, self.formats,
                                             packing_for_data(PACKING_BY_DATA, self.chat))}
         return {k: v for k, v in flat.items() if k not in EXECUTION_FIELDS
-                and LEGACY_VALUES.get(k, object()) != v}
+                and legacy.ADDED_FIELDS.get(k, object()) != v}
 
     def meaning_fields(self) -> dict[str, Any]:
         """The output-shaping fields without the locations (inputs, output, tokenizer path)."""

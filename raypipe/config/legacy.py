@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from raypipe.formats import FormatOptions, batch_formats, get_format
+from raypipe.formats import FormatOptions, batch_formats, of_kind
 
 logger = logging.getLogger("raypipe")
 
@@ -43,6 +43,11 @@ FLAT_FLAGS = {"metadata": ("--metadata",), "metadata_serializer": ("--metadata-s
 FLAT_DEFAULTS = {"metadata": True, "metadata_serializer": "json", "mds_concat_tokens": None,
                  "mds_compression": None, "seq_len": None, "batch_size": None,
                  "seed": 0, "batches_per_shard": 1024}  # packing: "auto" for the data
+# fields added after 0.1 -> the value that behaves as 0.1 did (not part of the fingerprint)
+ADDED_FIELDS = {"special_tokens_in_text": "special", "worker_memory_budget": 2 << 30,
+                "chat": False, "messages_column": "messages", "prompt_column": None,
+                "completion_column": None, "chat_template": None, "train_on": "assistant",
+                "mds_concat_tokens": None}
 # keys of earlier releases that no longer do anything -> why (a config holding one loads,
 # with a warning)
 RETIRED_KEYS = {"head_start": "removed in 0.6: every unit runs on Ray Data"}
@@ -53,14 +58,14 @@ def targets(key: str, names: list[str]) -> list[str]:
     """The formats among `names` that retired key `key` sets."""
     target = FLAT_OPTIONS[key][0]
     if target == EVERY_BATCH_FORMAT:
-        return [name for name in names if get_format(name).kind == "batches"]
+        return list(of_kind(names, "batches"))
     return [name for name in names if name == target]
 
 
-def upgrade(data: dict[str, Any], names: list[str] | None) -> dict[str, Any]:
+def upgrade(data: dict[str, Any], formats: dict[str, Any] | None) -> dict[str, Any]:
     """`data` (a config's keys) with the retired ones moved into its formats' options
-    (`names`: the job's formats; None: the defaults, which have no options), warned about
-    once per process."""
+    (`formats`: the job's, each with the options it gives; None: the defaults, which have
+    no options), warned about once per process."""
     for key in sorted(set(data) & set(RETIRED_KEYS)):
         logger.warning("config key %r ignored (%s)", key, RETIRED_KEYS[key])
     flat = {key: data[key] for key in FLAT_OPTIONS if key in data}
@@ -68,15 +73,15 @@ def upgrade(data: dict[str, Any], names: list[str] | None) -> dict[str, Any]:
     if not flat:
         return kept
     warn_once(sorted(flat))
-    formats = dict(kept.get("formats") or {})
+    if formats is None:
+        return kept
+    upgraded = dict(formats)
     for key, value in flat.items():
-        for name in targets(key, names or []):
-            option = FLAT_OPTIONS[key][1]
-            given = formats.get(name) or {}
-            if isinstance(given, FormatOptions):
-                given = given.settings()
-            formats[name] = {option: value, **given}  # today's spelling wins
-    return {**kept, "formats": formats} if names else kept
+        for name in targets(key, list(upgraded)):
+            given = upgraded[name]
+            given = given.settings() if isinstance(given, FormatOptions) else dict(given or {})
+            upgraded[name] = {FLAT_OPTIONS[key][1]: value, **given}  # today's spelling wins
+    return {**kept, "formats": upgraded}
 
 
 def warn_once(keys: list[str]) -> None:
