@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe import interrupts
-from raypipe.config import TokenizeConfig, legacy, load_config
+from raypipe.config import ChatConfig, TokenizeConfig, legacy, load_config
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.formats import FORMATS, BatchOptions
 from raypipe.io.records import knob_choices
@@ -51,7 +51,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         if meta.get("short"):
             flags.append(meta["short"])
         flags += list(meta.get("aliases", ()))
-        if kind is bool:
+        if meta.get("nested"):  # --chat, and one flag per ChatConfig field
+            parser.add_argument(*flags, dest=spec.name, default=None, help=text,
+                                action=argparse.BooleanOptionalAction)
+            add_chat_arguments(parser)
+        elif kind is bool:
             parser.add_argument(*flags, dest=spec.name, default=None, help=text,
                                 action=argparse.BooleanOptionalAction)
         else:
@@ -60,6 +64,30 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
     add_format_arguments(parser)
+
+
+CHAT_OPTION = "chat_option"  # an argparse dest prefix: chat_option:<field>
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ChatConfig field (--messages-column, --train-on, ...); giving one makes
+    the job a chat job."""
+    hints = typing.get_type_hints(ChatConfig)
+    for spec in dataclasses.fields(ChatConfig):
+        text = spec.metadata.get("help", "") + ("" if spec.default is None
+                                                else f" (default: {spec.default})")
+        _add_typed(parser, [f"--{spec.name.replace('_', '-')}"], f"{CHAT_OPTION}:{spec.name}",
+                   hints[spec.name], None, text)
+
+
+def given_chat(args: argparse.Namespace) -> Any:
+    """`chat` as the command line gives it: False (--no-chat), the chat flags given (a chat
+    job), True (--chat alone), or None (not said)."""
+    given = {dest.split(":", 1)[1]: value for dest, value in vars(args).items()
+             if dest.startswith(CHAT_OPTION + ":") and value is not None}
+    if args.chat is False:
+        return False
+    return given or args.chat
 
 
 FORMAT_OPTION = "format_option"  # an argparse dest prefix: format_option:<format>:<option>
@@ -119,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> TokenizeConfig:
     overrides = {spec.name: getattr(args, spec.name)
                  for spec in dataclasses.fields(TokenizeConfig)}
     overrides["inputs"] = overrides["inputs"] or None
+    overrides["chat"] = given_chat(args)
     return load_config(args.config, given_format_options(args),
                        **overrides, **given_retired_keys(args))
 

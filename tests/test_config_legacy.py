@@ -76,3 +76,30 @@ def test_the_config_yaml_0_6_wrote_keeps_its_output_s_fingerprint(job):
                         metadata_columns=list(old.metadata_columns), shard_tokens=6000,
                         unit_bytes=1 << 30, bos=old.bos, eos=old.eos)
     assert today.output_fingerprint(identity) == recorded
+
+
+@pytest.mark.parametrize("flat", [
+    {"chat": True, "messages_column": "conversation", "train_on": "all"},
+    {"prompt_column": "question", "completion_column": "answer"},  # made a chat job in 0.6
+])
+def test_0_6_flat_chat_keys_load_as_today_s_chat_mapping(flat, caplog, monkeypatch):
+    monkeypatch.setattr(legacy, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        old = load_config(None, **PLACES, **flat)
+    today = load_config(None, **PLACES, chat={k: v for k, v in flat.items() if k != "chat"})
+    assert old.chat == today.chat and old.is_chat
+    assert old.output_fingerprint("x") == today.output_fingerprint("x")
+    lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(lines) == 1 and "chat: {" in lines[0], lines
+
+
+def test_a_chat_flag_alone_makes_a_chat_job_and_no_chat_a_text_one():
+    from raypipe.cli import build_parser, config_from_args
+
+    parser = build_parser()
+    base = ["tokenize", "corpus", "--tokenizer", "t.json", "-o", "out"]
+    chat = config_from_args(parser.parse_args([*base, "--train-on", "last-assistant"])).chat
+    assert chat is not None and chat.train_on == "last-assistant"
+    assert config_from_args(parser.parse_args([*base, "--chat"])).chat.messages_column \
+        == "messages"
+    assert config_from_args(parser.parse_args(base)).chat is None

@@ -111,6 +111,58 @@ def option(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> An
 
 
 @dataclass(frozen=True)
+class ChatConfig:
+    """How a chat job reads and renders its conversations (TokenizeConfig.chat; None: the
+    input is text). Field names are the keys of the YAML's `chat:` mapping; each field's
+    help is its command-line help (its flag: --<field>)."""
+
+    messages_column: str = option("messages", help="chat: column of [{role, content}, ...]")
+    prompt_column: str | None = option(None, help="chat: a prompt column (a user turn); "
+                                                  "with --completion-column")
+    completion_column: str | None = option(None, help="chat: a completion column (the "
+                                                      "assistant's turn)")
+    chat_template: str | None = option(None, help="chat: a .jinja file, or chatml (the "
+                                                  "built-in); default: the chat_template of "
+                                                  "the tokenizer_config.json beside the "
+                                                  "tokenizer, else chatml")
+    train_on: str = option("assistant", help="chat: which tokens are trained: assistant "
+                                             "(each assistant turn and its end), "
+                                             "last-assistant, or all")
+
+    def __post_init__(self) -> None:
+        if self.train_on not in TRAIN_ON:
+            raise ConfigError(f"train_on: {self.train_on!r} not among {list(TRAIN_ON)}")
+        if bool(self.prompt_column) != bool(self.completion_column):
+            raise ConfigError("chat: --prompt-column and --completion-column go together")
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns a chat unit reads: the messages, or the prompt and completion."""
+        if self.prompt_column and self.completion_column:
+            return [self.prompt_column, self.completion_column]
+        return [self.messages_column]
+
+    @classmethod
+    def of(cls, value: Any) -> ChatConfig | None:
+        """A config's `chat` as given: None/false (text), true (the defaults), a mapping of
+        its fields, or a ChatConfig."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"chat: expected true, false or a mapping of "
+                              f"{[f.name for f in dataclasses.fields(cls)]}, got {value!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(f"chat: unknown key(s) {unknown}; known: {sorted(names)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class TokenizeConfig:
     """What `raypipe tokenize` does. Field names are the YAML keys; each field's help is
     its command-line help."""
@@ -131,21 +183,11 @@ class TokenizeConfig:
                    "loss mask); in YAML and Python also {name: {option: value}}, each "
                    "format's options (flags --<format>-<option>)", flag="--format", type=str)
     text_column: str = option("text", help="column holding the documents")
-    chat: bool = option(False, help="the input holds conversations (--messages-column, or "
-                                    "--prompt-column with --completion-column), rendered "
-                                    "by the chat template, with a loss mask")
-    messages_column: str = option("messages", help="chat: column of [{role, content}, ...]")
-    prompt_column: str | None = option(None, help="chat: a prompt column (a user turn); "
-                                                  "with --completion-column")
-    completion_column: str | None = option(None, help="chat: a completion column (the "
-                                                      "assistant's turn)")
-    chat_template: str | None = option(None, help="chat: a .jinja file, or chatml (the "
-                                                  "built-in); default: the chat_template of "
-                                                  "the tokenizer_config.json beside the "
-                                                  "tokenizer, else chatml")
-    train_on: str = option("assistant", help="chat: which tokens are trained: assistant "
-                                             "(each assistant turn and its end), "
-                                             "last-assistant, or all")
+    chat: Any = option(None, help="the input holds conversations (--messages-column, or "
+                                  "--prompt-column with --completion-column), rendered by "
+                                  "the chat template, with a loss mask; in YAML and Python "
+                                  "true, or a mapping of the chat options below",
+                       nested=True)
     bos: bool | None = option(None, help="prepend BOS to every document of every format "
                                          "(nanoGPT/nanochat style; default: each format "
                                          "its ecosystem's separator: EOS for "
@@ -200,10 +242,10 @@ class TokenizeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", _as_tuple(self.inputs, "inputs"))
-        if self.prompt_column or self.completion_column:
-            object.__setattr__(self, "chat", True)
+        object.__setattr__(self, "chat", ChatConfig.of(self.chat))
         entries = format_entries(self.formats)
-        object.__setattr__(self, "formats", {name: None for name in default_formats(self.chat)}
+        object.__setattr__(self, "formats", {name: None for name in
+                                             default_formats(self.is_chat)}
                            if entries is None else entries)
         object.__setattr__(self, "metadata_columns",
                            _as_tuple(self.metadata_columns, "metadata_columns"))
@@ -235,7 +277,7 @@ class TokenizeConfig:
                 f"{flag_of('metadata_columns')}: {clashing} would overwrite the built-in "
                 f"field(s) of every metadata record ({', '.join(BUILT_IN_METADATA_FIELDS)}: "
                 "the input file and row); rename the column(s) in the input")
-        bos, eos = document_separators(self.formats, self.bos, self.eos, self.chat)
+        bos, eos = document_separators(self.formats, self.bos, self.eos, self.is_chat)
         object.__setattr__(self, "bos", bos)
         object.__setattr__(self, "eos", eos)
         self._check_chat()
@@ -244,7 +286,8 @@ class TokenizeConfig:
                 "bos/eos: at least one of --bos/--eos is needed, or document boundaries are lost"
             )
         object.__setattr__(self, "formats", {  # each format's options, typed once, here
-            name: typed_options(name, given, self.chat) for name, given in self.formats.items()})
+            name: typed_options(name, given, self.is_chat)
+            for name, given in self.formats.items()})
 
     def to_dict(self) -> dict[str, Any]:
         """The config as its YAML says it: each format with the options a user sets."""
@@ -252,6 +295,7 @@ class TokenizeConfig:
         data["inputs"] = list(self.inputs)
         data["formats"] = {name: options.settings() for name, options in self.formats.items()}
         data["metadata_columns"] = list(self.metadata_columns)
+        data["chat"] = None if self.chat is None else dataclasses.asdict(self.chat)
         return data
 
     @property
@@ -280,6 +324,11 @@ class TokenizeConfig:
         return of_kind(self.formats, "batches")
 
     @property
+    def is_chat(self) -> bool:
+        """The input holds conversations (`chat` is set)."""
+        return self.chat is not None
+
+    @property
     def document_char_limit(self) -> int:
         """The longest document tokenized: the explicit limit, or what the worker memory
         budget allows, whichever is smaller."""
@@ -289,10 +338,6 @@ class TokenizeConfig:
         return min(self.max_document_chars, budget_chars)
 
     def _check_chat(self) -> None:
-        if self.train_on not in TRAIN_ON:
-            raise ConfigError(f"train_on: {self.train_on!r} not among {list(TRAIN_ON)}")
-        if bool(self.prompt_column) != bool(self.completion_column):
-            raise ConfigError("chat: --prompt-column and --completion-column go together")
         if not self.chat:
             return
         cannot = [name for name in self.formats if not FORMATS[name].holds_loss_mask]
@@ -307,20 +352,13 @@ class TokenizeConfig:
                               "separator token, and chat data adds none unless asked: add "
                               "--bos or --eos (an untrained token around each conversation)")
 
-    @property
-    def chat_columns(self) -> list[str]:
-        """The columns a chat unit reads: the messages, or the prompt and completion."""
-        if self.prompt_column and self.completion_column:
-            return [self.prompt_column, self.completion_column]
-        return [self.messages_column]
-
     def format_options(self, name: str) -> Any:
         """Format `name`'s typed options, as this job writes with them (the data's part
         decided: chat data's loss mask, "auto" packing); a document format written only to
         pack a batch format from: its defaults."""
         if name in self.formats:
             return self.formats[name]
-        return typed_options(name, None, self.chat)
+        return typed_options(name, None, self.is_chat)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TokenizeConfig:
@@ -347,7 +385,8 @@ class TokenizeConfig:
         names = list(self.formats)
         flat = {**self.to_dict(), "formats": names,
                 **legacy.fingerprint_fields(names, self.formats,
-                                            packing_for_data(PACKING_BY_DATA, self.chat))}
+                                            packing_for_data(PACKING_BY_DATA, self.is_chat)),
+                **legacy.flat_chat(None if self.chat is None else dataclasses.asdict(self.chat))}
         return {k: v for k, v in flat.items() if k not in EXECUTION_FIELDS
                 and legacy.ADDED_FIELDS.get(k, object()) != v}
 
@@ -426,6 +465,10 @@ def load_config(path: str | Path | None = None,
             raise ConfigError(f"{path}: top level must be a mapping of config keys")
         data.update(expand_locations(loaded or {}, path))
     given = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(given.get("chat"), dict) and isinstance(data.get("chat"), dict):
+        given["chat"] = {**data["chat"], **given["chat"]}  # the flags' over the YAML's
+    elif given.get("chat") is True and isinstance(data.get("chat"), dict):
+        del given["chat"]  # --chat: the YAML's chat options stand
     if "formats" in given:
         given["formats"] = merged_formats(format_entries(data.get("formats")),
                                           format_entries(given["formats"]))

@@ -48,6 +48,11 @@ ADDED_FIELDS = {"special_tokens_in_text": "special", "worker_memory_budget": 2 <
                 "chat": False, "messages_column": "messages", "prompt_column": None,
                 "completion_column": None, "chat_template": None, "train_on": "assistant",
                 "mds_concat_tokens": None}
+# the chat keys 0.6 kept flat beside the job's own (today: the `chat:` mapping's)
+CHAT_KEYS = ("messages_column", "prompt_column", "completion_column", "chat_template",
+             "train_on")
+CHAT_DEFAULTS = {"messages_column": "messages", "prompt_column": None,
+                 "completion_column": None, "chat_template": None, "train_on": "assistant"}
 # keys of earlier releases that no longer do anything -> why (a config holding one loads,
 # with a warning)
 RETIRED_KEYS = {"head_start": "removed in 0.6: every unit runs on Ray Data"}
@@ -68,8 +73,8 @@ def upgrade(data: dict[str, Any], formats: dict[str, Any] | None) -> dict[str, A
     no options), warned about once per process."""
     for key in sorted(set(data) & set(RETIRED_KEYS)):
         logger.warning("config key %r ignored (%s)", key, RETIRED_KEYS[key])
-    flat = {key: data[key] for key in FLAT_OPTIONS if key in data}
-    kept = {k: v for k, v in data.items() if k not in flat and k not in RETIRED_KEYS}
+    kept = upgrade_chat({k: v for k, v in data.items() if k not in RETIRED_KEYS})
+    flat = {key: kept.pop(key) for key in FLAT_OPTIONS if key in kept}
     if not flat:
         return kept
     warn_once(sorted(flat))
@@ -84,6 +89,26 @@ def upgrade(data: dict[str, Any], formats: dict[str, Any] | None) -> dict[str, A
     return {**kept, "formats": upgraded}
 
 
+def upgrade_chat(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with 0.6's flat chat keys moved into its `chat` mapping (a chat job: `chat`
+    true, or a prompt and completion column; else they did nothing and are dropped)."""
+    flat = {key: data[key] for key in CHAT_KEYS if key in data}
+    if not flat:
+        return data
+    warn_once(sorted(flat))
+    kept = {k: v for k, v in data.items() if k not in flat}
+    chat = kept.get("chat")
+    if chat or flat.get("prompt_column") or flat.get("completion_column"):
+        kept["chat"] = {**flat, **(chat if isinstance(chat, dict) else {})}
+    return kept
+
+
+def flat_chat(chat: dict[str, Any] | None) -> dict[str, Any]:
+    """A job's chat options as 0.6's fingerprint held them: `chat` a bool, its options
+    flat (their defaults for a text job)."""
+    return {"chat": chat is not None, **CHAT_DEFAULTS, **(chat or {})}
+
+
 def warn_once(keys: list[str]) -> None:
     fresh = [key for key in keys if key not in _warned]
     if fresh:
@@ -94,6 +119,8 @@ def warn_once(keys: list[str]) -> None:
 
 def spelling(key: str) -> str:
     """Today's YAML and flag for retired key `key`."""
+    if key in CHAT_KEYS:
+        return f"chat: {{{key}: ...}} (the flag --{key.replace('_', '-')} is unchanged)"
     target, option = FLAT_OPTIONS[key]
     name = batch_formats()[0] if target == EVERY_BATCH_FORMAT else target
     return f"formats: {{{name}: {{{option}: ...}}}}, {flag_of_option(key)}"

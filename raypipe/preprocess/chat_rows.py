@@ -88,17 +88,17 @@ def decode_json(text: str) -> Any:
 
 def conversations_of(batch: pa.RecordBatch, config: TokenizeConfig) -> list[Any]:
     """The batch's rows as conversations (None where a prompt or completion is missing)."""
-    if config.prompt_column and config.completion_column:
+    if config.chat.prompt_column and config.chat.completion_column:
         if fields_as_json(batch):
-            prompts = column_values(batch, config.prompt_column)
-            completions = column_values(batch, config.completion_column)
+            prompts = column_values(batch, config.chat.prompt_column)
+            completions = column_values(batch, config.chat.completion_column)
         else:  # plain strings, taken as they are
-            prompts = batch.column(config.prompt_column).to_pylist()
-            completions = batch.column(config.completion_column).to_pylist()
+            prompts = batch.column(config.chat.prompt_column).to_pylist()
+            completions = batch.column(config.chat.completion_column).to_pylist()
         return [[{"role": "user", "content": prompt},
                  {"role": "assistant", "content": completion}]
                 for prompt, completion in zip(prompts, completions, strict=True)]
-    return column_values(batch, config.messages_column)
+    return column_values(batch, config.chat.messages_column)
 
 
 def encode_chat_batch(batch: pa.RecordBatch, config: TokenizeConfig, encoder: ChatEncoder,

@@ -80,7 +80,7 @@ def resolve(config: TokenizeConfig) -> Resolved:
                               config.eos_token, one_each=config.per_format_separators)
     template, identity = None, info.sha256
     if config.chat:  # the template shapes the output: its hash joins the fingerprint
-        template = resolve_template(config.chat_template, config.tokenizer, tokenizer,
+        template = resolve_template(config.chat.chat_template, config.tokenizer, tokenizer,
                                     *separator_texts(tokenizer, config))
         info = dataclasses.replace(info, chat_template_sha256=template.compiled().sha256)
         identity = f"{info.sha256}+{info.chat_template_sha256}"
@@ -219,7 +219,7 @@ class Job:
                ) -> tuple[UnitSettings, BackendChoice]:
         """Settings with the self-checked backend, the runner connected: the check (on its
         own thread when the source's texts need no runner) overlaps a local Ray's start."""
-        columns = self.config.chat_columns if self.config.chat else [self.config.text_column]
+        columns = self.config.chat.columns if self.config.chat else [self.config.text_column]
         wanted = self.config.tokenizer_backend != "tokenizers"
 
         def check() -> tuple[UnitSettings, BackendChoice]:

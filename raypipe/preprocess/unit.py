@@ -75,7 +75,7 @@ class UnitSettings:
         extra = [*config.metadata_columns, *filter(None, [config.span_column])]
         if config.chat:
             extra = list(config.metadata_columns)  # a chat row's spans are its turns
-        first = config.chat_columns if config.chat else [config.text_column]
+        first = config.chat.columns if config.chat else [config.text_column]
         return list(dict.fromkeys([*first, *(extra if self.wants_metadata else [])]))
 
     def separator_ids(self, name: str) -> tuple[int | None, int | None]:
@@ -218,11 +218,11 @@ def chat_encoder(settings: UnitSettings, encoder: DocumentEncoder) -> ChatEncode
     cached = getattr(encoder, "chat_encoders", None)
     if cached is None:
         cached = encoder.chat_encoders = {}  # type: ignore[attr-defined]
-    key = (template.text, settings.config.special_tokens_in_text, settings.config.train_on)
+    key = (template.text, settings.config.special_tokens_in_text, settings.config.chat.train_on)
     if key not in cached:
         cached[key] = ChatEncoder(encoder.tokenizer, template.compiled(),
                                   settings.config.special_tokens_in_text,
-                                  settings.config.train_on, encoder.fast_ids("special"))
+                                  settings.config.chat.train_on, encoder.fast_ids("special"))
     return cached[key]
 
 
