@@ -61,8 +61,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(*flags, dest=spec.name, type=kind, default=None, help=text,
                                 metavar=flags[0].lstrip("-").replace("-", "_").upper())
-
-
     add_format_arguments(parser)
 
 

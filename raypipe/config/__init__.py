@@ -1,5 +1,6 @@
 """The tokenize job's configuration: one frozen dataclass shared by the CLI, the job script
-and the Python API.
+and the Python API, holding each format the job writes with its typed options (declared by
+the format: raypipe.formats) and, for chat data, a ChatConfig.
 
 Invariant: a config is built from (defaults <- YAML file <- explicit overrides) and is
 validated on construction; an unknown key or a bad value is a ConfigError naming the key.

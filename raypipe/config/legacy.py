@@ -4,8 +4,9 @@ raypipe.io.records).
 
 Invariant: a config of raypipe 0.1-0.6 loads as today's. Its YAML keys and keywords
 (`seq_len`, `mds_compression`, ...: options of one format, flat beside the job's own fields)
-move into `formats: {name: {option: value}}`, with one deprecation line per process naming
-each retired key and its new spelling; keys that no longer do anything load with a warning.
+move into `formats: {name: {option: value}}`, and its flat chat keys (`messages_column`,
+`train_on`, ...) into the `chat:` mapping, with one deprecation line per process naming each
+retired key and its new spelling; keys that no longer do anything load with a warning.
 `fingerprint_fields` lays today's options out in 0.6's flat shape, so an output made by any
 earlier release keeps its fingerprint and a rerun still reuses its shards. Cost:
 microseconds, once per config.
@@ -113,7 +114,7 @@ def warn_once(keys: list[str]) -> None:
     fresh = [key for key in keys if key not in _warned]
     if fresh:
         _warned.update(fresh)
-        logger.warning("deprecated config key(s), each format's options are its own now: %s",
+        logger.warning("deprecated config key(s), kept working; today's config says: %s",
                        "; ".join(f"{key} -> {spelling(key)}" for key in fresh))
 
 
