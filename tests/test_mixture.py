@@ -17,7 +17,7 @@ from raypipe.errors import ConfigError, StateError
 from raypipe.io.states import SourcePosition
 from raypipe.loader import open_loader
 from raypipe.preprocess.job import run_job
-from raypipe.sampling.mixture import MixtureSchedule, allocate
+from raypipe.sampling.mixture import MixtureSchedule, WeightStages, allocate
 from tests import test_state_harness as harness
 from tests.conftest import write_parquet
 
@@ -59,16 +59,19 @@ def test_allocation_is_exact_per_step_up_to_rounding():
 @settings(max_examples=60, deadline=None)
 @given(weights=st.lists(st.floats(0.05, 1.0), min_size=1, max_size=4),
        world=st.integers(1, 4), batch=st.integers(1, 5), skipped=st.integers(0, 40),
-       sizes=st.lists(st.integers(1, 30), min_size=4, max_size=4))
+       sizes=st.lists(st.integers(1, 30), min_size=4, max_size=4),
+       stage_at=st.integers(1, 45))
 def test_a_schedule_skipped_ahead_serves_the_rows_of_one_walked_step_by_step(
-        weights, world, batch, skipped, sizes):
+        weights, world, batch, skipped, sizes, stage_at):
     """trace skips to a step by counts alone; the loader walks every step: the same rows,
-    each source's rows taken one after another across epochs of their own sizes."""
+    each source's rows taken one after another across epochs of their own sizes, across a
+    change of weights at step `stage_at` (a stage of the reversed weights)."""
     weights = np.array(weights) / sum(weights)
+    stages = WeightStages((0, stage_at), (weights, weights[::-1].copy()))
     epoch_sizes = [lambda epoch, n=n: n + epoch % 3 for n in sizes[:len(weights)]]
 
     def schedule() -> MixtureSchedule:
-        return MixtureSchedule(weights, world, batch, epoch_sizes,
+        return MixtureSchedule(stages, world, batch, epoch_sizes,
                                [SourcePosition("d", 0, 0, 0) for _ in weights])
 
     walked, jumped = schedule(), schedule()
@@ -105,6 +108,47 @@ def test_a_mixture_resumes_exactly_from_1_to_2_to_3_ranks(sources, mode):
     assert all(reference[key] == tokens for key, tokens in consumed)
 
 
+STAGED = {"weights": {"web": 0.7, "code": 0.3}, "stages": [(40, {"web": 0.3, "code": 0.7})]}
+
+
+def test_each_weight_stage_holds_its_shares_within_1_percent_of_its_own_rows(sources, figure):
+    rows = np.zeros((2, 2))  # [stage, source (code, web)]
+    for rank in range(2):
+        loader = open_loader(sources, 16, 4, rank=rank, world_size=2, mode="documents",
+                             **STAGED)
+        for batch in loader:
+            rows[int(batch.step >= 40)] += np.bincount(batch.source_ids, minlength=2)
+            if batch.step == 79:
+                break
+    for stage, code_share in ((0, 0.3), (1, 0.7)):
+        total = rows[stage].sum()
+        assert total == 40 * 8
+        assert abs(rows[stage][0] - code_share * total) <= 0.01 * total, rows
+    figure("mixture stages 0.7/0.3 -> 0.3/0.7 at step 40, W=2", f"code share {rows[0][0] / 320:.4f}"
+           f" then {rows[1][0] / 320:.4f}")
+
+
+@pytest.mark.parametrize("stops", [(25, 20), (45, 10), (40, 5)])
+def test_a_staged_mixture_resumes_exactly_inside_either_stage(sources, stops):
+    options = {"mode": "documents", **STAGED}
+    whole, _ = harness.run_segment(sources, options, 2, None, steps=sum(stops) + 10)
+    first, state = harness.run_segment(sources, options, 2, None, steps=stops[0])
+    second, state = harness.run_segment(sources, options, 2, json.loads(json.dumps(state)),
+                                        steps=stops[1])
+    third, _ = harness.run_segment(sources, options, 2, json.loads(json.dumps(state)),
+                                   steps=10)
+    assert first + second + third == whole
+
+
+def test_new_weights_on_resume_hold_their_shares_over_the_rows_after_it(sources):
+    options = {"mode": "documents", "weights": {"web": 0.7, "code": 0.3}}
+    _, state = harness.run_segment(sources, options, 2, None, steps=30)
+    reweighted = {"mode": "documents", "weights": {"web": 0.2, "code": 0.8}}
+    after, _ = harness.run_segment(sources, reweighted, 2, state, steps=30)
+    code = sum(1 for (source, _), _ in after if source == 0)
+    assert abs(code - 0.8 * len(after)) <= 0.01 * len(after), (code, len(after))
+
+
 def test_a_changed_or_missing_source_is_refused_naming_it(sources, tmp_path, caplog):
     loader = open_loader(sources, 16, 4, weights={"web": 0.5, "code": 0.5})
     next(iter(loader))
@@ -120,7 +164,9 @@ def test_a_changed_or_missing_source_is_refused_naming_it(sources, tmp_path, cap
         reweighted = open_loader(sources, 16, 4, weights={"web": 0.9, "code": 0.1})
         reweighted.load_state_dict(state)
     assert "weights changed" in caplog.text
-    assert reweighted.state_dict()["sources"] == state["sources"]
+    resumed = reweighted.state_dict()["sources"]  # every source where it stood, and the new
+    assert resumed == {name: {**where, "stage_base": where["consumed"]}  # weights' stage
+                       for name, where in state["sources"].items()}  # begun there
 
 
 def test_sources_with_different_tokenizers_are_refused_naming_both(sources, tmp_path):
@@ -192,3 +238,39 @@ def test_the_example_trainer_reports_where_a_mixture_or_a_dataset_stands(sources
     assert position_metrics(mixture) == {"mixture_steps": 1}
     single = TokenLoader(next(iter(sources.values())), 16, 2, device="cpu")
     assert position_metrics(single) == {"epoch": 0, "position": 0}
+
+
+def test_a_mixture_yaml_s_stages_drive_the_loader_and_trace_follows_them(sources, tmp_path):
+    from raypipe import trace
+
+    path = write_mixture(tmp_path, sources, STAGED["weights"])
+    spec = json.loads(path.read_text())
+    spec["stages"] = [{"step": 40, "weights": {"web": 0.3, "code": 0.7}}]
+    path.write_text(json.dumps(spec))
+    loaded = {}
+    for rank in range(2):
+        loader = open_loader(str(path), 16, 4, rank=rank, world_size=2, mode="documents")
+        for batch in loader:
+            if batch.step in (39, 41):
+                loaded[batch.step, rank] = [sorted(sources)[s] for s in batch.source_ids]
+            if batch.step == 41:
+                break
+    assert loaded[41, 0].count("code") + loaded[41, 1].count("code") >= 5  # 0.7 of 8
+    for step in (39, 41):
+        traced = {(r.rank, r.row): r.source for r in trace(str(path), step, world_size=2,
+                                                           batch_size=4, seq_len=16,
+                                                           mode="documents")}
+        for rank in range(2):
+            assert [traced[rank, row] for row in range(4)] == loaded[step, rank]
+
+
+def test_stages_must_start_at_increasing_steps_and_follow_weights(sources, tmp_path):
+    with pytest.raises(ConfigError, match="increasing steps"):
+        open_loader(sources, 16, 4, weights={"web": 1, "code": 1},
+                    stages=[(10, {"web": 1, "code": 2}), (10, {"web": 2, "code": 1})])
+    path = write_mixture(tmp_path, sources)  # weights by tokens: no stage 0 to follow
+    spec = json.loads(path.read_text())
+    spec["stages"] = [{"step": 5, "weights": {"web": 0.5, "code": 0.5}}]
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="stages need the sources' own weights"):
+        open_loader(str(path), 16, 4)

@@ -79,17 +79,23 @@ class LoaderState(JsonRecord):
 @dataclass(frozen=True)
 class SourcePosition(JsonRecord):
     """Where one source of a mixture stands: its dataset fingerprint, epoch, position in the
-    epoch, and rows it has served in all (what the weights are balanced on)."""
+    epoch, rows it has served in all, and rows it had served when the weights now in force
+    began (their stage: the weights are balanced on the rows since; 0 in states before 0.7,
+    whose weights held from the start)."""
 
     dataset: str
     epoch: int
     position: int
     consumed: int
+    stage_base: int = 0
 
     def check(self, where: str) -> None:
         check_position(where, self.epoch, self.position)
         if self.consumed < 0:
             raise FormatError(where, f"field 'consumed' {self.consumed} is negative")
+        if not 0 <= self.stage_base <= self.consumed:
+            raise FormatError(where, f"field 'stage_base' {self.stage_base} not in "
+                              f"[0, consumed={self.consumed}]")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.token_loader import TokenLoader, _rank_and_world
 from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
-from raypipe.sampling.mixture import MixtureSchedule, mixture_weights
+from raypipe.sampling.mixture import MixtureSchedule, WeightStages, resumed_positions
 from raypipe.sampling.modes import knob_differences
 
 logger = logging.getLogger("raypipe")
@@ -60,9 +60,12 @@ class MixtureStep:
 class MixtureLoader:
     def __init__(self, paths: dict[str, str | Path], seq_len: int | None = None,
                  batch_size: int | None = None, *, weights: dict[str, float] | None = None,
+                 stages: list[tuple[int, dict[str, float]]] | None = None,
                  options: LoaderOptions | None = None, **knobs: Any):
         """`paths`: {source name: dataset path or URI}; `weights`: {name: weight} (default:
-        by tokens); options as TokenLoader's (raypipe.loader.options)."""
+        by tokens); `stages`: [(first global step, {name: weight}), ...], the weights that
+        follow `weights` from those steps, each stage's shares balanced on its own rows;
+        options as TokenLoader's (raypipe.loader.options)."""
         if not paths:
             raise ConfigError("mixture: no sources given")
         self.options = options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
@@ -78,7 +81,7 @@ class MixtureLoader:
                         for name in self.names]
         self.seq_len, self.batch_size = self.sources[0].seq_len, self.sources[0].batch_size
         self._check_tokenizers()
-        self.weights = self._weights(weights)
+        self.stages = self._stages(weights, stages or [])
         self.device = options.torch_device()
         self.state_name: str | None = None
         self._builders: dict[tuple[int, int], Any] = {}
@@ -96,10 +99,16 @@ class MixtureLoader:
                                   f"{first.sha256[:12]}) and {name!r} ({other.spec}, sha256 "
                                   f"{other.sha256[:12]}) use different tokenizers")
 
-    def _weights(self, weights: dict[str, float] | None) -> np.ndarray:
+    def _stages(self, weights: dict[str, float] | None,
+                stages: list[tuple[int, dict[str, float]]]) -> WeightStages:
         tokens = {name: source.dataset.num_tokens
                   for name, source in zip(self.names, self.sources, strict=True)}
-        return mixture_weights(self.names, weights, tokens)
+        return WeightStages.of(self.names, weights, tokens, stages)
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The weights in force (those of the last step taken; before any, the first's)."""
+        return self.stages.in_force(self.steps)
 
     @property
     def tokenizer(self) -> Any:
@@ -160,7 +169,7 @@ class MixtureLoader:
 
     def _steps(self) -> Iterator[MixtureStep]:
         schedule = MixtureSchedule(
-            self.weights, self.world_size, self.batch_size,
+            self.stages, self.world_size, self.batch_size,
             [lambda epoch, source=source: source.plan(epoch).size for source in self.sources],
             [self.positions[name] for name in self.names], self.steps)
         while True:
@@ -241,11 +250,15 @@ class MixtureLoader:
         if checked.knobs != self.knobs():
             raise StateError("mixture state made with other knobs than this mixture's: "
                              f"{knob_differences(checked.knobs, self.knobs())}")
+        saved = np.array([checked.weights[name] for name in self.names])
+        self.steps = checked.steps
         if any(abs(checked.weights[n] - self.weights_by_name[n]) > 1e-12 for n in self.names):
             logger.info("mixture weights changed on resume: %s -> %s; every source continues "
-                        "from its own position", checked.weights, self.weights_by_name)
-        self.positions = {name: replace(checked.sources[name]) for name in self.names}
-        self.steps = checked.steps
+                        "from its own position, the new weights' shares counted from here",
+                        checked.weights, self.weights_by_name)
+        positions = resumed_positions(self.stages, saved, checked.steps,
+                                      [checked.sources[name] for name in self.names])
+        self.positions = dict(zip(self.names, positions, strict=True))
 
     def close(self) -> None:
         for source in self.sources:

@@ -86,6 +86,66 @@ def step_rows(weights: np.ndarray, consumed: np.ndarray, world_size: int, batch_
 
 
 @dataclass(frozen=True)
+class WeightStages:
+    """A mixture's weights by stage: stage k's weights (normalized, in the sources' order)
+    hold from global step `starts[k]` (`starts[0]` is 0) to the next stage's start, and are
+    balanced on the rows served since their stage began, so each stage's shares hold over
+    its own rows (to within a row a source, after every step)."""
+
+    starts: tuple[int, ...]
+    weights: tuple[np.ndarray, ...]
+
+    @classmethod
+    def single(cls, weights: np.ndarray) -> WeightStages:
+        return cls((0,), (np.asarray(weights, dtype=np.float64),))
+
+    @classmethod
+    def of(cls, names: list[str], weights: dict[str, float] | None, tokens: dict[str, int],
+           stages: Sequence[tuple[int, dict[str, float]]] = ()) -> WeightStages:
+        """Stage 0's `weights` (None: by tokens), then each (first step, weights) of
+        `stages`, in increasing steps > 0."""
+        starts = [0, *(int(step) for step, _ in stages)]
+        if any(later <= earlier for earlier, later in zip(starts, starts[1:], strict=False)):
+            raise ConfigError(f"mixture stages must start at increasing steps > 0, got "
+                              f"{starts[1:]}")
+        return cls(tuple(starts), (mixture_weights(names, weights, tokens),
+                                   *(mixture_weights(names, dict(given), tokens)
+                                     for _, given in stages)))
+
+    def index(self, step: int) -> int:
+        """The stage global step `step` belongs to."""
+        return int(np.searchsorted(np.array(self.starts), step, side="right")) - 1
+
+    def at(self, step: int) -> np.ndarray:
+        """The weights of global step `step`."""
+        return self.weights[self.index(step)]
+
+    def in_force(self, steps: int) -> np.ndarray:
+        """The weights of the last of `steps` steps taken (a state's `weights`)."""
+        return self.at(max(steps - 1, 0))
+
+    def begins(self, step: int) -> bool:
+        """A stage after the first begins at global step `step`."""
+        return step > 0 and step in self.starts
+
+
+def restage(positions: list[SourcePosition]) -> list[SourcePosition]:
+    """The positions with a new stage begun where they stand (its shares counted from
+    here): at a declared stage's first step, or on a resume whose weights differ from the
+    state's."""
+    return [replace(position, stage_base=position.consumed) for position in positions]
+
+
+def resumed_positions(stages: WeightStages, saved_weights: np.ndarray, steps: int,
+                      positions: list[SourcePosition]) -> list[SourcePosition]:
+    """Where a resumed mixture's sources stand: as saved, and a stage begun there if the
+    weights now in force differ from the state's (a change on resume)."""
+    if np.allclose(stages.in_force(steps), saved_weights, rtol=0, atol=1e-12):
+        return positions
+    return restage(positions)
+
+
+@dataclass(frozen=True)
 class ScheduledRow:
     """One slot of a global step: row `row` of rank `rank`'s batch is row `position` of
     epoch `epoch` of source `source` (an index into the schedule's sources)."""
@@ -99,31 +159,49 @@ class ScheduledRow:
 
 class MixtureSchedule:
     """The global steps of a mixture from `positions` (one per source, in the weights'
-    order); `epoch_sizes[i](epoch)` is source i's rows in that epoch (its plan's size)."""
+    order); `epoch_sizes[i](epoch)` is source i's rows in that epoch (its plan's size).
+    `weights`: one set for every step, or WeightStages (at a stage's first step every
+    source's stage base moves to where it stands)."""
 
-    def __init__(self, weights: np.ndarray, world_size: int, batch_size: int,
+    def __init__(self, weights: np.ndarray | WeightStages, world_size: int, batch_size: int,
                  epoch_sizes: Sequence[Callable[[int], int]], positions: list[SourcePosition],
                  step: int = 0):
-        self.weights, self.world_size, self.batch_size = weights, world_size, batch_size
+        self.stages = (weights if isinstance(weights, WeightStages)
+                       else WeightStages.single(weights))
+        self.world_size, self.batch_size = world_size, batch_size
         self.epoch_sizes = epoch_sizes
         self.positions = list(positions)
         self.step = step
 
+    def _balanced(self) -> np.ndarray:
+        """Rows each source has served in the stage of the next step (its stage begun
+        there if it is the stage's first)."""
+        if self.stages.begins(self.step):
+            self.positions = restage(self.positions)
+        return np.array([p.consumed - p.stage_base for p in self.positions], dtype=np.float64)
+
     def skip(self, steps: int) -> None:
         """Move `steps` steps ahead without describing their rows."""
-        consumed = np.array([p.consumed for p in self.positions], dtype=np.float64)
-        start = consumed.copy()
+        served = np.zeros(len(self.positions), dtype=np.int64)
         for _ in range(steps):
-            consumed += allocate(self.weights, consumed, self.world_size * self.batch_size)
-        for index, rows in enumerate((consumed - start).astype(np.int64).tolist()):
-            self.positions[index] = self._advance(index, rows, describe=False)[1]
-        self.step += steps
+            counts = allocate(self.stages.at(self.step), self._balanced(),
+                              self.world_size * self.batch_size)
+            served += counts
+            self.positions = [replace(p, consumed=p.consumed + int(count))
+                              for p, count in zip(self.positions, counts.tolist(), strict=True)]
+            self.step += 1
+        for index, rows in enumerate(served.tolist()):  # positions in epochs, once
+            where = self.positions[index]
+            self.positions[index] = self._advance(
+                index, rows, describe=False, where=replace(where, consumed=where.consumed - rows)
+            )[1]
 
     def next_step(self) -> list[ScheduledRow]:
         """Every slot of the next global step, rank-major (`step_rows`); then the positions
         stand after it."""
-        consumed = np.array([p.consumed for p in self.positions], dtype=np.float64)
-        counts, slots = step_rows(self.weights, consumed, self.world_size, self.batch_size)
+        consumed = self._balanced()
+        counts, slots = step_rows(self.stages.at(self.step), consumed, self.world_size,
+                                  self.batch_size)
         taken = []
         for index, count in enumerate(counts.tolist()):
             rows, self.positions[index] = self._advance(index, count)
@@ -132,11 +210,14 @@ class MixtureSchedule:
         return [ScheduledRow(rank, row, source, *taken[source][nth])
                 for rank, row, source, nth in slots]
 
-    def _advance(self, index: int, count: int, describe: bool = True
+    def _advance(self, index: int, count: int, describe: bool = True,
+                 where: SourcePosition | None = None
                  ) -> tuple[list[tuple[int, int]], SourcePosition]:
         """Source `index`'s next `count` rows as (epoch, position) (none unless `describe`),
-        and where it stands after them (into the next epoch as needed)."""
-        where, taken, left = self.positions[index], [], count
+        and where it stands after them (into the next epoch as needed), from `where` (its
+        position by default)."""
+        where = self.positions[index] if where is None else where
+        taken, left = [], count
         epoch, position = where.epoch, where.position
         while left:
             size = self.epoch_sizes[index](epoch)
@@ -169,6 +250,26 @@ def spec_weights(spec: dict[str, MixtureSource]) -> dict[str, float] | None:
     if next(iter(spec.values())).weight is None:
         return None
     return {name: float(source.weight or 0.0) for name, source in spec.items()}
+
+
+def read_stages(path: str | Path) -> list[tuple[int, dict[str, float]]]:
+    """The weight stages a mixture YAML declares after its sources' weights (stage 0):
+    `stages: [{step: S, weights: {name: weight, ...}}, ...]`, each from global step S."""
+    data = yaml.safe_load(Path(path).read_text())
+    stages = data.get("stages") or [] if isinstance(data, dict) else []
+    if not isinstance(stages, list):
+        raise ConfigError(f"{path}: `stages` must be a list of {{step, weights}}")
+    chosen = []
+    for number, stage in enumerate(stages):
+        if (not isinstance(stage, dict) or isinstance(stage.get("step"), bool)
+                or not isinstance(stage.get("step"), int)
+                or not isinstance(stage.get("weights"), dict)):
+            raise ConfigError(f"{path}: stage {number} needs `step` (an integer) and "
+                              "`weights` ({name: weight})")
+        chosen.append((stage["step"], stage["weights"]))
+    if chosen and spec_weights(read_mixture(path)) is None:
+        raise ConfigError(f"{path}: stages need the sources' own weights (stage 0)")
+    return chosen
 
 
 def is_mixture_spec(location: object) -> bool:

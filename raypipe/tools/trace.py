@@ -36,9 +36,11 @@ from raypipe.preprocess.unit import file_first_row
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.mixture import (
     MixtureSchedule,
+    WeightStages,
     is_mixture_spec,
-    mixture_weights,
     read_mixture,
+    read_stages,
+    resumed_positions,
     spec_weights,
 )
 from raypipe.sampling.modes import knob_differences, plan_knob_names, upgrade_knobs
@@ -138,12 +140,14 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
           batch_size: int | None = None, state: dict[str, Any] | str | Path | None = None,
           text: bool = False, tokenizer: str | None = None, format_name: str | None = None,
           cache_dir: str | Path | None = None, weights: dict[str, float] | None = None,
+          stages: list[tuple[int, dict[str, float]]] | None = None,
           **knobs: Any) -> Iterator[TraceRecord]:
     """The pieces of `steps` steps from global step `step` (or from where `state`, a
     loader's `state_dict()` or its JSON file, stands; with both, from `step` steps after
     the state's) on rank `rank` (None: every rank),
     as TraceRecords. `data`: a dataset path or URI, a mixture YAML or {name: path} (with
-    `weights`, as the MixtureLoader's); the loader's knobs (mode, seed, packing, ...) as
+    `weights` and `stages`, as the MixtureLoader's; a YAML's own by default); the loader's
+    knobs (mode, seed, packing, ...) as
     keywords, or taken from `state`; `text`: decode each piece (`tokenizer`: a
     tokenizer.json where the manifest's path no longer holds it)."""
     saved = _read_state(state)
@@ -164,7 +168,7 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
         raise ConfigError(f"rank {rank} not in [0, world_size={world_size})")
     if isinstance(data, dict) or is_mixture_spec(data):
         rows = _mixture_rows(data, spec, saved, step, steps, ranks, world_size, batch_size,
-                             cache_dir, weights)
+                             cache_dir, weights, stages)
     else:
         planned = PlannedDataset.open(data, spec, world_size, batch_size, format_name,
                                       cache_dir)
@@ -218,10 +222,11 @@ def _rows(planned: PlannedDataset, saved: LoaderState | MixtureState | None,
 def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
                   saved: LoaderState | MixtureState | None, step: int | None, steps: int,
                   ranks: Any, world_size: int, batch_size: int | None,
-                  cache_dir: str | Path | None, weights: dict[str, float] | None
-                  ) -> Iterator[StepRow]:
-    """A mixture's steps: the MixtureLoader's schedule replayed from the start (or
-    `saved`), each row traced in its source's own plan."""
+                  cache_dir: str | Path | None, weights: dict[str, float] | None,
+                  stages: list[tuple[int, dict[str, float]]] | None) -> Iterator[StepRow]:
+    """A mixture's steps: the MixtureLoader's schedule (its weight stages included)
+    replayed from the start (or `saved`, a change of weights there beginning a stage, as
+    the loader resumes), each row traced in its source's own plan."""
     if batch_size is None:
         raise ConfigError("tracing a mixture needs batch_size (its state does not record it)")
     if isinstance(saved, LoaderState):
@@ -231,26 +236,29 @@ def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
     else:
         mixture = read_mixture(data)
         paths = {name: source.path for name, source in mixture.items()}
-        weights = spec_weights(mixture) if weights is None else weights
+        if weights is None and stages is None:
+            weights, stages = spec_weights(mixture), read_stages(data)
     names = sorted(paths)
     sources = [PlannedDataset.open(paths[name], spec, 1, batch_size, None, cache_dir)
                for name in names]
     if saved is not None:
-        weights = saved.weights
         changed = [name for name, source in zip(names, sources, strict=True)
                    if saved.sources.get(name) is None
                    or saved.sources[name].dataset != source.dataset.fingerprint]
         if changed or sorted(saved.sources) != names:
             raise ConfigError(f"the mixture state does not match the sources {names}: "
                               f"{changed or sorted(saved.sources)} differ")
-    weight = mixture_weights(names, weights,
-                             {name: source.dataset.num_tokens
-                              for name, source in zip(names, sources, strict=True)})
-    starts = [saved.sources[name] if saved is not None
-              else SourcePosition(source.dataset.fingerprint, 0, 0, 0)
-              for name, source in zip(names, sources, strict=True)]
+        weights = saved.weights if weights is None and not stages else weights
+    weighted = WeightStages.of(names, weights,
+                               {name: source.dataset.num_tokens
+                                for name, source in zip(names, sources, strict=True)},
+                               stages or [])
+    starts = [SourcePosition(source.dataset.fingerprint, 0, 0, 0) for source in sources]
+    if saved is not None:
+        starts = resumed_positions(weighted, np.array([saved.weights[n] for n in names]),
+                                   saved.steps, [saved.sources[name] for name in names])
     schedule = MixtureSchedule(  # the MixtureLoader's own schedule, from the start or state
-        weight, world_size, batch_size,
+        weighted, world_size, batch_size,
         [lambda epoch, source=source: source.plan(epoch).size for source in sources], starts,
         saved.steps if saved is not None else 0)
     schedule.skip(step or 0)
