@@ -442,3 +442,25 @@ def test_a_packing_report_shows_as_its_lines_in_print_and_in_a_repl(token_datase
     assert str(report) == report.render() and str(report).startswith("rows ")
     assert repr(report).startswith("PackingReport\n  rows ")
     assert "PackingReport(rows=" not in repr(report)  # not the dataclass's field dump
+
+
+@pytest.mark.parametrize("kind", ["dataset", "mixture"])
+def test_both_loaders_keep_one_contract_iterate_save_and_resume_at_the_next_step(
+        token_dataset, rich_dataset, kind):
+    from raypipe.loader import Loader, open_loader
+
+    source = (str(token_dataset) if kind == "dataset"
+              else {"web": str(token_dataset), "code": str(rich_dataset)})
+    first = open_loader(source, 16, 4, seed=3)
+    assert isinstance(first, Loader)
+    taken = iter(first)
+    for _ in range(2):
+        next(taken)
+    state = json.loads(json.dumps(first.state_dict()))
+    expected = next(taken)
+    resumed = open_loader(source, 16, 4, seed=3)
+    resumed.load_state_dict(state)
+    following = next(iter(resumed))
+    assert following.step == expected.step and (first.global_batch, first.seq_len) == (
+        resumed.global_batch, resumed.seq_len) == (4, 16)
+    assert torch.equal(following.inputs, expected.inputs)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.errors import ConfigError
+from raypipe.loader.contract import Loader
 from raypipe.loader.mixture import MixtureLoader
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.token_loader import TokenLoader
@@ -22,7 +23,7 @@ def open_loader(source: str | Path | dict[str, str | Path], seq_len: int | None 
                 batch_size: int | None = None, *, weights: dict[str, float] | None = None,
                 stages: list[tuple[int, dict[str, float]]] | None = None,
                 options: LoaderOptions | None = None, **knobs: Any
-                ) -> TokenLoader | MixtureLoader:
+                ) -> Loader:
     """The loader of `source`: a dataset directory or URI, a {name: path} mixture, or a
     mixture YAML file (its `stages` too, unless `weights` or `stages` are given)."""
     if isinstance(source, dict):

@@ -22,7 +22,7 @@ import ray.train
 import ray.train.torch
 
 from raypipe.errors import StateError
-from raypipe.loader import MixtureLoader, TokenLoader, open_loader
+from raypipe.loader import Loader, open_loader
 
 LOADER_STATE_FILE = "raypipe_loader_state.json"
 RUN_CHECKPOINT = "run"  # worker_loader's default: the checkpoint Ray Train restored
@@ -36,7 +36,7 @@ def state_file_name(name: str | None) -> str:
     return f"raypipe_loader_state.{name}.json"
 
 
-def save_loader_state(loader: TokenLoader | MixtureLoader, directory: str | Path,
+def save_loader_state(loader: Loader, directory: str | Path,
                       name: str | None = None) -> Path:
     """Write the loader state next to the model files of a checkpoint directory, under
     `name` (default: the name `worker_loader` gave the loader, if any)."""
@@ -65,7 +65,7 @@ def read_loader_state(checkpoint: ray.train.Checkpoint | None,
 def worker_loader(path: str | Path, seq_len: int | None = None, batch_size: int | None = None,
                   checkpoint: ray.train.Checkpoint | None | str = RUN_CHECKPOINT,
                   name: str | None = None, **options: Any
-                  ) -> TokenLoader | MixtureLoader:
+                  ) -> Loader:
     """Inside `train_loop_per_worker`: this worker's loader, resumed from its named state in
     the run's checkpoint (or in `checkpoint`; `checkpoint=None`: never resumed). Options are
     TokenLoader's (mode, seed, dtype, shuffle, cache_dir, ...: raypipe.loader.options); a
