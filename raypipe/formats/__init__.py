@@ -4,8 +4,8 @@ BatchWriter and BatchReader of pre-formed batches); `Reader.from_manifest` opens
 from its manifest entry. Importing this package registers all of them; a new format is one
 new module imported here, or a plugin: its distribution names the module that registers it
 under the entry-point group `raypipe.formats` (`[project.entry-points."raypipe.formats"]
-mine = "my_package.my_format"`), imported here after the built-in ones (the scan: tens of
-ms once per process)."""
+mine = "my_package.my_format"`), imported here after the built-in ones (the scan, once per
+process: 4-7 ms measured warm in a venv of 164 distributions, ~76 ms cold)."""
 
 from __future__ import annotations
 

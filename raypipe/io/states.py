@@ -63,10 +63,14 @@ class LoaderState(JsonRecord):
     epoch: int
     position: int
     saved_with: dict[str, int]
+    steps: int | None = None  # global steps taken from the start of training (None: before
+    # 0.7, counted from the positions)
 
     def check(self, where: str) -> None:
         check_version(where, self.version)
         check_position(where, self.epoch, self.position)
+        if self.steps is not None and self.steps < 0:
+            raise FormatError(where, f"field 'steps' {self.steps} is negative")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

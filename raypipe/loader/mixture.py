@@ -73,6 +73,9 @@ class MixtureLoader:
             raise ConfigError(f"mixture: sources are read as documents or windows; mode "
                               f"{options.mode!r} (pre-formed batches) and stream metadata "
                               "cannot be mixed")
+        if options.batch_schedule:
+            raise ConfigError("mixture: batch_schedule is not served yet; a mixture takes "
+                              "batch_size (its rows per rank, every step)")
         self.names = sorted(paths)
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
         self.mode, self.seed = options.mode, options.seed

@@ -24,6 +24,9 @@ from raypipe.errors import ConfigError
 from raypipe.sampling.epochs import PlanSpec
 from raypipe.sampling.modes import metadata_modes, refuse_stray_knobs
 
+# the plan knobs every mode has, at PlanSpec's defaults (declared there once)
+PLAN_DEFAULTS = {spec.name: spec.default for spec in fields(PlanSpec) if spec.name != "knobs"}
+
 
 @dataclass(frozen=True)
 class LoaderOptions:
@@ -34,12 +37,13 @@ class LoaderOptions:
     and docs/loader.md. `format`: which document format of
     the dataset to read (None: its first). `boundaries`: position_ids/cu_seqlens per
     document (None: on except in windows mode). `metadata`: stream windows carry their
-    metadata. `cache_dir`/`cache_bytes`: the node cache of object-storage shards and plans."""
+    metadata. `cache_dir`/`cache_bytes`: the node cache of object-storage shards and plans.
+    `batch_schedule`: the global batch by step (instead of `batch_size`)."""
 
     seq_len: int | None = None
     batch_size: int | None = None
-    mode: str = "bestfit"
-    seed: int = 0
+    mode: str = PLAN_DEFAULTS["mode"]
+    seed: int = PLAN_DEFAULTS["seed"]
     rank: int | None = None
     world_size: int | None = None
     device: str | torch.device = "auto"
@@ -49,13 +53,16 @@ class LoaderOptions:
     pad_id: int = 0
     boundaries: bool | None = None
     metadata: bool = False
-    shuffle: str = "global"
-    group_shards: int = 4
+    shuffle: str = PLAN_DEFAULTS["shuffle"]
+    group_shards: int = PLAN_DEFAULTS["group_shards"]
     cache_dir: str | Path | None = None
     cache_bytes: int | str | None = None
-    split: str = "all"
-    validation_fraction: float = 0.001
+    split: str = PLAN_DEFAULTS["split"]
+    validation_fraction: float = PLAN_DEFAULTS["validation_fraction"]
     knobs: dict[str, Any] = field(default_factory=dict)  # the mode's own, by name
+    # [(first step, global rows per step), ...] instead of batch_size (a ramp:
+    # raypipe.sampling.schedule.BatchSchedule.ramp); None: batch_size rows per rank, always
+    batch_schedule: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.int32, torch.int64):
@@ -64,6 +71,9 @@ class LoaderOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name}: {value!r} must be an int >= 1")
+        if self.batch_schedule is not None:
+            object.__setattr__(self, "batch_schedule", tuple(
+                (int(step), int(rows)) for step, rows in self.batch_schedule))
         if self.prefetch < 1:
             raise ConfigError(f"prefetch: {self.prefetch} must be >= 1")
         spec = self.plan_spec(self.seq_len or 0)  # every plan knob checked now

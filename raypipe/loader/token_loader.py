@@ -3,10 +3,11 @@ state that resumes exactly, at any world size.
 
 Invariant: observations of epoch e are ordered by a pure function of (dataset, seed, e)
 (raypipe.sampling.plans). A global step consumes G = world_size x k consecutive positions
-(k = batch_size rows, or k = 1 pre-formed LLMBATCH batch); position p + i*W + r goes to
-rank r as its i-th observation of the step. `state_dict()` is the same on every
-rank: {epoch, position = observations consumed by all ranks}, plus the dataset fingerprint
-and the knobs that shape observations. Loading it on any rank of any world size continues
+(k = batch_size rows, or k = 1 pre-formed LLMBATCH batch; with a batch schedule, G is the
+schedule's at that step: raypipe.sampling.schedule); position p + i*W + r goes to rank r
+as its i-th observation of the step. `state_dict()` is the same on every rank: {epoch,
+position = observations consumed by all ranks, steps = global steps taken}, plus the dataset
+fingerprint and the knobs that shape observations. Loading it on any rank of any world size continues
 the same global order, so over a run every observation of an epoch is consumed exactly once,
 except the last (size mod G) positions of each epoch (drop-last; `packing_report` and
 `steps_in_epoch` say how many). Cost: see raypipe.sampling.batches and raypipe.loader.prefetch.
@@ -35,6 +36,7 @@ from raypipe.sampling.epochs import PlannedDataset
 from raypipe.sampling.mixture import is_mixture_spec
 from raypipe.sampling.modes import BatchFiller, knob_differences, waste_hints
 from raypipe.sampling.plans import PackingReport
+from raypipe.sampling.schedule import Segment
 
 logger = logging.getLogger("raypipe")
 DESCRIBE_STEPS = 64
@@ -72,7 +74,8 @@ class TokenLoader:
             raise ConfigError("split with metadata=True is not supported")
         self.planned = PlannedDataset.open(path, spec, self.world_size, options.batch_size,
                                            options.format, options.cache_dir,
-                                           options.cache_bytes)
+                                           options.cache_bytes,
+                                           batch_schedule=list(options.batch_schedule or []))
         self.dataset: Any = self.planned.dataset
         self.spec, self.split, self.source = (self.planned.spec, self.planned.split,
                                               self.planned.source)
@@ -92,7 +95,8 @@ class TokenLoader:
         self.boundaries = (self.spec.loader_mode.boundaries_by_default
                            if options.boundaries is None else options.boundaries)
         self.device = options.torch_device()
-        self.epoch, self.position = 0, 0
+        self.epoch, self.position, self.steps = 0, 0, 0
+        self.schedule = self.planned.schedule
         self.plans = self.planned.plans
 
     # ----- the epoch plan -------------------------------------------------------------
@@ -103,8 +107,8 @@ class TokenLoader:
 
     @property
     def global_batch(self) -> int:
-        """Observations consumed per global step."""
-        return self.planned.global_batch
+        """Observations consumed by the next global step (the schedule's, at its step)."""
+        return self.schedule.at(self.steps)
 
     def plan(self, epoch: int | None = None) -> Any:
         epoch = self.epoch if epoch is None else epoch
@@ -140,11 +144,16 @@ class TokenLoader:
         return thread
 
     def steps_in_epoch(self, epoch: int | None = None) -> int:
+        """Steps of epoch `epoch` at the current global batch."""
         return self.plan(epoch).size // self.global_batch
 
     def __len__(self) -> int:
-        """Steps left in the current epoch."""
-        return max(0, (self.plan().size - self.position) // self.global_batch)
+        """Steps left in the current epoch (under the batch schedule)."""
+        return sum(segment.steps for segment in self._segments())
+
+    def _segments(self) -> Iterator[Segment]:
+        """The rest of the current epoch's steps, as runs of one global batch."""
+        yield from self.planned.segments(self.epoch, self.position, self.steps, one_epoch=True)
 
     def packing_report(self, epoch: int | None = None) -> PackingReport:
         """What the epoch's rows make of the data (chat data: with its loss mask's count)."""
@@ -164,23 +173,23 @@ class TokenLoader:
         self.plan(epoch)  # checked: at least one global step
         return self.planned.filler(epoch, self.options.pad_id, self.boundaries)
 
-    def _jobs(self, builder: Any, epoch: int, start: int) -> Iterator[BatchPlan]:
-        """BatchPlans of this rank for the rest of the epoch, described DESCRIBE_STEPS at a
+    def _jobs(self, builder: Any, segment: Segment) -> Iterator[BatchPlan]:
+        """BatchPlans of this rank for the segment's steps, described DESCRIBE_STEPS at a
         time (one vectorized permutation call per chunk, not per batch); the first chunk is
         one step, so the first batch waits for one step's description, not 64."""
-        offsets = self.planned.rank_positions(0, self.rank)[0]
-        steps = (self.plan(epoch).size - start) // self.global_batch
+        offsets = self.planned.rank_positions(0, self.rank, segment.global_batch)[0]
+        steps, half = segment.steps, self.plan(segment.epoch).size // 2
         bounds = sorted({0, min(1, steps), *range(DESCRIBE_STEPS, steps, DESCRIBE_STEPS),
                          steps})
 
         def chunk(index: int) -> np.ndarray:
             steps_here = np.arange(bounds[index], bounds[index + 1], dtype=np.int64)
-            return start + steps_here[:, None] * self.global_batch + offsets
+            return segment.position + steps_here[:, None] * segment.global_batch + offsets
 
         for index in range(len(bounds) - 1):
-            if (bounds[index] <= steps // 2 < bounds[index + 1]
+            if (segment.step_start(bounds[index]) <= half < segment.step_start(bounds[index + 1])
                     and self.spec.loader_mode.prepares_next_epoch(self.spec)):
-                self.prepare_epoch(epoch + 1)
+                self.prepare_epoch(segment.epoch + 1)
             positions = chunk(index)
             if self.dataset.cache is not None:  # fetch this chunk's and the next's shards
                 self.dataset.prefetch(builder.shards(positions).tolist())
@@ -189,9 +198,16 @@ class TokenLoader:
             yield from builder.describe(positions)
 
     def __iter__(self) -> Iterator[Batch]:
-        """The remaining batches of the current epoch; afterwards the epoch advances."""
-        epoch, start = self.epoch, self.position
+        """The remaining batches of the current epoch, each step of the schedule's global
+        batch (its rows split evenly between the ranks); afterwards the epoch advances."""
+        epoch = self.epoch
         builder = self.filler(epoch)
+        for segment in list(self._segments()):
+            yield from self._serve(builder, segment)
+        self.epoch, self.position = epoch + 1, 0
+
+    def _serve(self, builder: BatchFiller, segment: Segment) -> Iterator[Batch]:
+        """The segment's batches, the state advancing as each is taken."""
         with_metadata = self.options.metadata
 
         def fill(job: BatchPlan, views: BatchBuffers) -> tuple:
@@ -200,20 +216,22 @@ class TokenLoader:
 
         def finish(views: BatchBuffers, meta: tuple) -> Batch:
             job, filled, metadata = meta
-            step_start = int(job.positions[0]) - self.rank
-            step = start // self.global_batch + (step_start - start) // self.global_batch
+            index = (int(job.positions[0]) - self.rank - segment.position) // \
+                segment.global_batch
             return Batch.of(views, filled, observation_ids=job.observation_ids,
-                            positions=job.positions, epoch=epoch, step=step,
-                            metadata=metadata)
+                            positions=job.positions, epoch=segment.epoch,
+                            step=segment.step + index, metadata=metadata)
 
-        prefetcher = batch_stream(self._jobs(builder, epoch, start), fill, finish,
-                                  self.batch_size, self.seq_len, self.options.dtype,
+        observations = segment.global_batch // self.world_size  # this rank's, per step
+        rows = self.batch_size * observations // self.observations_per_batch  # pre-formed: B
+        prefetcher = batch_stream(self._jobs(builder, segment), fill, finish,
+                                  rows, self.seq_len, self.options.dtype,
                                   self.device, self.options.prefetch, builder.prepare)
         try:
             for batch in prefetcher:
-                self.position = int(batch.positions[0]) - self.rank + self.global_batch
+                self.position = int(batch.positions[0]) - self.rank + segment.global_batch
+                self.steps = batch.step + 1
                 yield batch
-            self.epoch, self.position = epoch + 1, 0
         finally:
             prefetcher.close()
 
@@ -240,8 +258,8 @@ class TokenLoader:
     def state_dict(self) -> dict[str, Any]:
         return LoaderState(STATE_VERSION, self.dataset.fingerprint, self.dataset.format_name,
                            self.knobs(), self.epoch, self.position,
-                           {"world_size": self.world_size, "batch_size": self.batch_size}
-                           ).to_dict()
+                           {"world_size": self.world_size, "batch_size": self.batch_size},
+                           self.steps).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state` (any rank's `state_dict()`, any world size)."""
@@ -259,6 +277,8 @@ class TokenLoader:
             raise StateError(f"loader state position {position} outside epoch {epoch} "
                              f"(size {self.plan(epoch).size})")
         self.epoch, self.position = epoch, position
+        self.steps = (checked.steps if checked.steps is not None else
+                      self.schedule.steps_before(self.planned.epoch_size, epoch, position))
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
 from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec, document_split
 from raypipe.sampling.plans import ShardGroups, SumsMemo
+from raypipe.sampling.schedule import BatchSchedule, Segment
 
 __all__ = ["EpochPlans", "PlanSpec", "PlannedDataset", "document_split"]
 
@@ -77,10 +78,12 @@ class PlannedDataset:
 
     def __init__(self, dataset: TokenDataset | BatchDataset, spec: PlanSpec,
                  world_size: int, batch_size: int, cache_dir: str | Path | None = None,
-                 memo: SumsMemo | None = None):
-        """`memo`: where plan arrays are kept (default: once per node, `node_memo`)."""
+                 memo: SumsMemo | None = None, schedule: BatchSchedule | None = None):
+        """`memo`: where plan arrays are kept (default: once per node, `node_memo`);
+        `schedule`: the global batch of each step (default: W x `batch_size` every step)."""
         self.dataset, self.spec = dataset, spec
         self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
+        self.schedule = schedule or BatchSchedule.constant(self.global_batch)
         # the split its plans number, and what the mode's filler reads rows from
         self.split, self.rows = spec.loader_mode.rows_from(dataset, spec)
         self.source: TokenSource | None = (self.rows if isinstance(self.rows, TokenSource)
@@ -104,15 +107,30 @@ class PlannedDataset:
     @classmethod
     def open(cls, path: str | Path, spec: PlanSpec, world_size: int, batch_size: int | None,
              format_name: str | None = None, cache_dir: str | Path | None = None,
-             cache_bytes: int | str | None = None, memo: SumsMemo | None = None
-             ) -> PlannedDataset:
+             cache_bytes: int | str | None = None, memo: SumsMemo | None = None,
+             batch_schedule: list[tuple[int, int]] | None = None) -> PlannedDataset:
         """Open `path` (a directory or URI: shards through the node cache) for `spec`; a
-        pre-formed dataset fixes seq_len and batch_size (0 / None take its own)."""
+        pre-formed dataset fixes seq_len and batch_size (0 / None take its own).
+        `batch_schedule`: [(first step, global batch), ...] instead of `batch_size` (rows
+        per rank: its largest stage's, for the buffers)."""
+        schedule = None
+        if batch_schedule:
+            if batch_size is not None:
+                raise ConfigError("give batch_size (rows per rank, every step) or "
+                                  "batch_schedule (global rows by step), not both")
+            if spec.split == "validation":
+                raise ConfigError("batch_schedule: a validation split serves every held-out "
+                                  "document at one batch size; give it batch_size")
+            schedule = BatchSchedule.of(batch_schedule, world_size)
+            batch_size = schedule.largest // world_size
         store = Store(path)
         cache = None if store.local else ShardCache(cache_dir, cache_bytes)
         dataset = spec.loader_mode.open_dataset(store, format_name, cache)
         spec, batch_size = spec.loader_mode.fit(dataset, spec, batch_size)
-        return cls(dataset, spec, world_size, batch_size, cache_dir, memo)
+        if schedule is not None and spec.loader_mode.observations_per_step(batch_size) == 1:
+            raise ConfigError(f"batch_schedule: mode {spec.mode!r} serves pre-formed batches "
+                              "of the size they were written with")
+        return cls(dataset, spec, world_size, batch_size, cache_dir, memo, schedule)
 
     @property
     def seq_len(self) -> int:
@@ -157,58 +175,39 @@ class PlannedDataset:
             return LossMaskedFiller(filler, LossMasks(self.source))
         return filler
 
-    def rank_positions(self, step_start: int, rank: int) -> np.ndarray:
-        """[1, k]: the positions rank `rank` takes in the step that starts at `step_start`."""
-        offsets = np.arange(self.observations_per_step, dtype=np.int64) * self.world_size
+    def rank_positions(self, step_start: int, rank: int, global_batch: int | None = None
+                       ) -> np.ndarray:
+        """[1, k]: the positions rank `rank` takes in the step that starts at `step_start`
+        (`global_batch`: that step's, by default every step's)."""
+        per_rank = (self.observations_per_step if global_batch is None
+                    else global_batch // self.world_size)
+        offsets = np.arange(per_rank, dtype=np.int64) * self.world_size
         return (step_start + offsets + rank)[None, :]
 
+    def epoch_size(self, epoch: int) -> int:
+        """Observations of epoch `epoch` (its plan's size)."""
+        return self.plan(epoch).size
+
     def steps_in(self, epoch: int) -> int:
+        """Steps of epoch `epoch` at the first global batch of the schedule."""
         return self.plan(epoch).size // self.global_batch
 
-    def step_start(self, epoch: int, position: int) -> tuple[int, int]:
-        """Where the step taken at (epoch, position) starts: the next epoch's first step
-        when fewer than one global step is left (drop-last)."""
-        while position + self.global_batch > self.plan(epoch).size:
-            if self.steps_in(epoch + 1) == 0 and self.steps_in(epoch) == 0:
-                raise ConfigError(f"{self.dataset.root}: an epoch holds fewer observations "
-                                  "than one global step")
-            epoch, position = epoch + 1, 0
-        return epoch, position
+    def segments(self, epoch: int, position: int, step: int, one_epoch: bool = False
+                 ) -> Iterator[Segment]:
+        """The runs of steps of one global batch from (epoch, position, step) on (`one_epoch`:
+        to the end of `epoch`; raypipe.sampling.schedule: drop-last at each epoch's end)."""
+        return self.schedule.segments(self.epoch_size, epoch, position, step, one_epoch)
 
-    def locate(self, epoch: int | None, position: int | None, step: int | None
-               ) -> tuple[int, int, int]:
+    def locate(self, epoch: int | None, position: int | None, step: int | None,
+               steps_taken: int | None = None) -> tuple[int, int, int]:
         """(epoch, position, global step number) of global step `step` from the start of
-        training; given a state at (epoch, position), of the step after it, or `step`
-        steps after that one."""
-        if epoch is not None and position is not None:
-            before = sum(self.steps_in(earlier) for earlier in range(epoch))
-            return self._advance(epoch, position, before + position // self.global_batch,
-                                 step or 0)
-        step = step or 0
-        remaining, epoch = step, 0
-        while remaining >= self.steps_in(epoch):
-            if self.steps_in(epoch) == 0:
-                raise ConfigError(f"{self.dataset.root}: an epoch holds fewer observations "
-                                  "than one global step")
-            remaining -= self.steps_in(epoch)
-            epoch += 1
-        return epoch, remaining * self.global_batch, step
-
-    def _advance(self, epoch: int, position: int, number: int, steps: int
-                 ) -> tuple[int, int, int]:
-        """`steps` global steps on from a state at (epoch, position), step `number`: the
-        rest of its epoch (drop-last), then whole epochs."""
-        left = (self.plan(epoch).size - position) // self.global_batch
-        if steps < left:
-            return epoch, position + steps * self.global_batch, number + steps
-        steps, number, epoch = steps - left, number + left, epoch + 1
-        while steps >= self.steps_in(epoch):
-            if self.steps_in(epoch) == 0:
-                raise ConfigError(f"{self.dataset.root}: an epoch holds fewer observations "
-                                  "than one global step")
-            steps, number, epoch = steps - self.steps_in(epoch), number + self.steps_in(epoch), \
-                epoch + 1
-        return epoch, steps * self.global_batch, number + steps
+        training; given a state at (epoch, position) that had taken `steps_taken` steps (None:
+        counted from the schedule), of the step after it, or `step` steps after that one."""
+        if epoch is None or position is None:
+            return self.schedule.walk(self.epoch_size, 0, 0, 0, step or 0)
+        if steps_taken is None:
+            steps_taken = self.schedule.steps_before(self.epoch_size, epoch, position)
+        return self.schedule.walk(self.epoch_size, epoch, position, steps_taken, step or 0)
 
     @cached_property
     def document_dataset(self) -> TokenDataset:

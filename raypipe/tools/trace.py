@@ -141,12 +141,14 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
           text: bool = False, tokenizer: str | None = None, format_name: str | None = None,
           cache_dir: str | Path | None = None, weights: dict[str, float] | None = None,
           stages: list[tuple[int, dict[str, float]]] | None = None,
+          batch_schedule: list[tuple[int, int]] | None = None,
           **knobs: Any) -> Iterator[TraceRecord]:
     """The pieces of `steps` steps from global step `step` (or from where `state`, a
     loader's `state_dict()` or its JSON file, stands; with both, from `step` steps after
     the state's) on rank `rank` (None: every rank),
     as TraceRecords. `data`: a dataset path or URI, a mixture YAML or {name: path} (with
-    `weights` and `stages`, as the MixtureLoader's; a YAML's own by default); the loader's
+    `weights` and `stages`, as the MixtureLoader's; a YAML's own by default;
+    `batch_schedule`: the loader's global batch by step, instead of `batch_size`); the loader's
     knobs (mode, seed, packing, ...) as
     keywords, or taken from `state`; `text`: decode each piece (`tokenizer`: a
     tokenizer.json where the manifest's path no longer holds it)."""
@@ -170,8 +172,10 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
         rows = _mixture_rows(data, spec, saved, step, steps, ranks, world_size, batch_size,
                              cache_dir, weights, stages)
     else:
+        if batch_schedule:
+            batch_size = None  # the schedule's, not the state's
         planned = PlannedDataset.open(data, spec, world_size, batch_size, format_name,
-                                      cache_dir)
+                                      cache_dir, batch_schedule=batch_schedule)
         if isinstance(saved, LoaderState) and saved.dataset != planned.dataset.fingerprint:
             raise ConfigError(f"the loader state was saved for dataset {saved.dataset!r}, "
                               f"{planned.dataset.root} is {planned.dataset.fingerprint!r}")
@@ -203,20 +207,26 @@ def _read_state(state: dict[str, Any] | str | Path | None
 
 def _rows(planned: PlannedDataset, saved: LoaderState | MixtureState | None,
           step: int | None, steps: int, ranks: Any) -> Iterator[StepRow]:
-    """The rows of one dataset's steps: from global step `step`, or after `saved`."""
+    """The rows of one dataset's steps: from global step `step`, or after `saved`, each
+    step of its global batch (the schedule's)."""
     if isinstance(saved, MixtureState):
         raise ConfigError("a mixture state needs the mixture (a YAML or {name: path}) as data")
     epoch, position, number = planned.locate(saved.epoch if saved else None,
-                                             saved.position if saved else None, step)
-    for _ in range(steps):
-        epoch, position = planned.step_start(epoch, position)
-        filler = planned.filler(epoch)
-        for rank in ranks:
-            segments = filler.segments(planned.rank_positions(position, rank))
-            for row, segment in enumerate(segments):
-                yield StepRow(number, rank, row, epoch, segment, planned.document_dataset)
-        position += planned.global_batch
-        number += 1
+                                             saved.position if saved else None, step,
+                                             saved.steps if saved else None)
+    taken = 0
+    for segment in planned.segments(epoch, position, number):
+        filler = planned.filler(segment.epoch)
+        for index in range(segment.steps):
+            if taken == steps:
+                return
+            for rank in ranks:
+                positions = planned.rank_positions(segment.step_start(index), rank,
+                                                   segment.global_batch)
+                for row, pieces in enumerate(filler.segments(positions)):
+                    yield StepRow(segment.step + index, rank, row, segment.epoch, pieces,
+                                  planned.document_dataset)
+            taken += 1
 
 
 def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
