@@ -7,10 +7,11 @@ Invariant: observations of epoch e are ordered by a pure function of (dataset, s
 schedule's at that step: raypipe.sampling.schedule); position p + i*W + r goes to rank r
 as its i-th observation of the step. `state_dict()` is the same on every rank: {epoch,
 position = observations consumed by all ranks, steps = global steps taken}, plus the dataset
-fingerprint and the knobs that shape observations. Loading it on any rank of any world size continues
-the same global order, so over a run every observation of an epoch is consumed exactly once,
-except the last (size mod G) positions of each epoch (drop-last; `packing_report` and
-`steps_in_epoch` say how many). Cost: see raypipe.sampling.batches and raypipe.loader.prefetch.
+fingerprint and the knobs that shape observations. Loading it on any rank of any world size
+continues the same global order, so over a run every observation of an epoch is consumed
+exactly once, except the last (size mod G) positions of each epoch (drop-last;
+`packing_report` and `steps_in_epoch` say how many). Cost: see raypipe.sampling.batches and
+raypipe.loader.prefetch.
 """
 
 from __future__ import annotations
