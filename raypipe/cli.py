@@ -191,7 +191,8 @@ def command_trace(args: argparse.Namespace) -> int:
     for record in trace(args.data, args.step, steps=args.steps, rank=args.rank,
                         world_size=args.world_size, seq_len=args.seq_len,
                         batch_size=args.batch_size, state=args.state, text=args.text,
-                        tokenizer=args.tokenizer, format_name=args.format, **knobs):
+                        tokenizer=args.tokenizer, format_name=args.format,
+                        batch_schedule=args.batch_schedule, **knobs):
         print(record.line())
     return 0
 
@@ -257,6 +258,16 @@ def convert_options(args: argparse.Namespace) -> dict[str, Any]:
                           f"given ({', '.join(f'--{name}-...' for name in others)})")
     upgraded = legacy.upgrade(given_retired_keys(args), {args.format: given.get(args.format)})
     return (upgraded.get("formats") or {}).get(args.format) or given.get(args.format) or {}
+
+
+def batch_schedule(text: str) -> list[tuple[int, int]]:
+    """`STEP:ROWS,...` (trace's --batch-schedule) -> [(step, global rows), ...]."""
+    try:
+        return [(int(step), int(rows)) for step, rows in
+                (part.split(":") for part in text.split(",") if part.strip())]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not STEP:ROWS,... (e.g. 0:256,1000:512)"
+                                         ) from None
 
 
 DATASET_HELP = "a raypipe output: a directory or a URI (s3://, gs://, ...)"
@@ -333,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the run's ranks (default: the state's, else 1)")
     trace.add_argument("--batch-size", type=int, default=None,
                        help="rows per rank (default: the state's; LLMBATCH: its own)")
+    trace.add_argument("--batch-schedule", type=batch_schedule, default=None,
+                       metavar="STEP:ROWS,...",
+                       help="the loader's global batch by step (its batch_schedule), e.g. "
+                       "0:256,1000:512, instead of --batch-size")
     trace.add_argument("--state", default=None,
                        help="a loader's state_dict() saved as JSON: trace the steps after it "
                        "(its knobs are the defaults of the options below)")

@@ -133,6 +133,22 @@ def test_trace_of_steps_of_the_ramp_names_the_tokens_the_loader_served(token_dat
             assert_records_hold_the_batch(mine, batches[step, rank], tokenizer)
 
 
+def test_trace_s_command_line_takes_the_schedule(token_dataset, capsys):
+    from raypipe import trace
+    from raypipe.cli import main
+
+    spelled = ",".join(f"{step}:{rows}" for step, rows in RAMP)
+    assert main(["trace", str(token_dataset), "--step", "16", "--world-size", "2",
+                 "--seq-len", str(T), "--seed", "5", "--batch-schedule", spelled]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected = [record.line() for record in trace(str(token_dataset), 16, world_size=2,
+                                                   seq_len=T, seed=5, batch_schedule=RAMP)]
+    assert lines == expected and len({json.loads(line)["row"] for line in lines}) == 12
+    with pytest.raises(SystemExit) as refused:  # argparse: usage and the error, status 2
+        main(["trace", str(token_dataset), "--batch-schedule", "0-6"])
+    assert refused.value.code == 2 and "is not STEP:ROWS" in capsys.readouterr().err
+
+
 def test_batch_size_and_a_schedule_together_are_refused(token_dataset):
     with pytest.raises(ConfigError, match="batch_size .* or batch_schedule"):
         TokenLoader(str(token_dataset), T, 4, batch_schedule=RAMP, world_size=1, rank=0)
