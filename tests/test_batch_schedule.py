@@ -6,6 +6,7 @@ run's batches), and `raypipe trace` maps a step of the ramp to the loader's rows
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -118,8 +119,9 @@ def test_trace_of_steps_of_the_ramp_names_the_tokens_the_loader_served(token_dat
         loader = TokenLoader(str(token_dataset), T, mode="bestfit", seed=5, rank=rank,
                              world_size=2, batch_schedule=RAMP)
         for batch in loader:
-            if batch.step in (3, 16):
-                batches[batch.step, rank] = batch
+            if batch.step in (3, 16):  # its tokens kept (its ring slot is reused)
+                batches[batch.step, rank] = SimpleNamespace(inputs=batch.inputs.clone(),
+                                                            targets=batch.targets.clone())
             if batch.step == 16:
                 break
     for step, rows in ((3, 3), (16, 12)):
@@ -152,3 +154,56 @@ def test_trace_s_command_line_takes_the_schedule(token_dataset, capsys):
 def test_batch_size_and_a_schedule_together_are_refused(token_dataset):
     with pytest.raises(ConfigError, match="batch_size .* or batch_schedule"):
         TokenLoader(str(token_dataset), T, 4, batch_schedule=RAMP, world_size=1, rank=0)
+
+
+def test_a_mixture_follows_the_ramp_resumed_on_3_then_1_ranks(token_dataset, rich_dataset,
+                                                                tokenizer_path):
+    from tokenizers import Tokenizer
+
+    from raypipe import trace
+    from raypipe.loader import MixtureLoader
+    from tests.test_trace import assert_records_hold_the_batch
+
+    paths = {"web": str(token_dataset), "code": str(rich_dataset)}
+
+    def factory(rank, world):
+        return MixtureLoader(paths, T, weights={"web": 0.6, "code": 0.4}, seed=5, rank=rank,
+                             world_size=world, mode="documents", batch_schedule=RAMP)
+
+    def rows_of(batches):  # {step: [(source, position) of every rank, rank-major]}
+        return [(int(s), int(p)) for b in batches
+                for s, p in zip(b.source_ids, b.positions, strict=True)]
+
+    def run(world, state, steps):
+        loaders = [factory(rank, world) for rank in range(world)]
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(state)
+        iterators = [iter(loader) for loader in loaders]
+        taken = {}
+        for _ in range(steps):  # each batch's tokens kept (its ring slot is reused)
+            batches = [next(it) for it in iterators]
+            kept = [SimpleNamespace(inputs=b.inputs.clone(), targets=b.targets.clone())
+                    for b in batches]
+            taken[batches[0].step] = (rows_of(batches), kept)
+        for iterator in iterators:
+            iterator.close()
+        states = [loader.state_dict() for loader in loaders]
+        assert all(s == states[0] for s in states)
+        return taken, json.loads(json.dumps(states[0]))
+
+    whole, _ = run(2, None, 20)
+    assert [len(whole[step][0]) for step in (0, 5, 10, 19)] == [6, 12, 18, 24]
+    first, state = run(2, None, 4)
+    second, state = run(3, state, 9)
+    third, _ = run(1, state, 7)
+    resumed = {**first, **second, **third}
+    assert sorted(resumed) == list(range(20))
+    for step in range(20):
+        assert sorted(resumed[step][0]) == sorted(whole[step][0]), step
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    records = list(trace(paths, 16, world_size=2, seq_len=T, seed=5, mode="documents",
+                         weights={"web": 0.6, "code": 0.4}, batch_schedule=RAMP))
+    for rank, batch in enumerate(whole[16][1]):
+        assert batch.inputs.shape[0] == 12
+        assert_records_hold_the_batch([r for r in records if r.rank == rank], batch, tokenizer)

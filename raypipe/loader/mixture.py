@@ -21,6 +21,7 @@ one row copy from a source's scratch buffer into the batch (bench/loader_bench.p
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,7 @@ from raypipe.loader.token_loader import TokenLoader, _rank_and_world
 from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
 from raypipe.sampling.mixture import MixtureSchedule, WeightStages, resumed_positions
 from raypipe.sampling.modes import knob_differences
+from raypipe.sampling.schedule import BatchSchedule
 
 logger = logging.getLogger("raypipe")
 
@@ -73,16 +75,17 @@ class MixtureLoader:
             raise ConfigError(f"mixture: sources are read as documents or windows; mode "
                               f"{options.mode!r} (pre-formed batches) and stream metadata "
                               "cannot be mixed")
-        if options.batch_schedule:
-            raise ConfigError("mixture: batch_schedule is not served yet; a mixture takes "
-                              "batch_size (its rows per rank, every step)")
         self.names = sorted(paths)
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
         self.mode, self.seed = options.mode, options.seed
-        source_options = replace(options, rank=0, world_size=1, prefetch=1)
+        scheduled = self._batch_schedule(options)
+        source_options = replace(options, rank=0, world_size=1, prefetch=1, batch_schedule=None,
+                                 batch_size=options.batch_size if scheduled is None
+                                 else scheduled.largest // self.world_size)
         self.sources = [TokenLoader(paths[name], options=source_options)
                         for name in self.names]
         self.seq_len, self.batch_size = self.sources[0].seq_len, self.sources[0].batch_size
+        self.batches = scheduled or BatchSchedule.constant(self.world_size * self.batch_size)
         self._check_tokenizers()
         self.stages = self._stages(weights, stages or [])
         self.device = options.torch_device()
@@ -92,6 +95,15 @@ class MixtureLoader:
         self.steps = 0
         self.positions = {name: SourcePosition(source.dataset.fingerprint, 0, 0, 0)
                           for name, source in zip(self.names, self.sources, strict=True)}
+
+    def _batch_schedule(self, options: LoaderOptions) -> BatchSchedule | None:
+        """The global rows by step it was given (None: batch_size rows per rank)."""
+        if not options.batch_schedule:
+            return None
+        if options.batch_size is not None:
+            raise ConfigError("give batch_size (rows per rank, every step) or batch_schedule "
+                              "(global rows by step), not both")
+        return BatchSchedule.of(options.batch_schedule, self.world_size)
 
     def _check_tokenizers(self) -> None:
         first = self.sources[0].dataset.manifest.tokenizer
@@ -120,18 +132,19 @@ class MixtureLoader:
 
     @property
     def global_batch(self) -> int:
-        return self.world_size * self.batch_size
+        """Rows of the next global step (the batch schedule's, at its step)."""
+        return self.batches.at(self.steps)
 
     @property
     def weights_by_name(self) -> dict[str, float]:
         return dict(zip(self.names, self.weights.tolist(), strict=True))
 
     # ----- the schedule ---------------------------------------------------------------------
-    def _schedule(self) -> Iterator[MixtureStep]:
-        """Steps described DESCRIBE_STEPS at a time: one describe per (source, epoch)."""
-        steps = self._steps()
-        while True:
-            chunk = [next(steps) for _ in range(DESCRIBE_STEPS)]
+    def _schedule(self, until: int | None) -> Iterator[MixtureStep]:
+        """Steps to `until` (None: without end) described DESCRIBE_STEPS at a time: one
+        describe per (source, epoch)."""
+        steps = self._steps(until)
+        while chunk := list(itertools.islice(steps, DESCRIBE_STEPS)):
             self._describe(chunk)
             yield from chunk
 
@@ -170,12 +183,12 @@ class MixtureLoader:
             self._builder(source, 0).prepare(self._scratches[key])
         return self._scratches[key]
 
-    def _steps(self) -> Iterator[MixtureStep]:
+    def _steps(self, until: int | None) -> Iterator[MixtureStep]:
         schedule = MixtureSchedule(
-            self.stages, self.world_size, self.batch_size,
+            self.stages, self.world_size, self.batches,
             [lambda epoch, source=source: source.plan(epoch).size for source in self.sources],
             [self.positions[name] for name in self.names], self.steps)
-        while True:
+        while until is None or schedule.step < until:
             step = schedule.step
             rows = [(slot.source, slot.epoch, slot.position) for slot in schedule.next_step()
                     if slot.rank == self.rank]
@@ -207,7 +220,14 @@ class MixtureLoader:
     # ----- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         """Batches without end (each source cycles its epochs); stop after the steps you
-        train. The state advances as each batch is taken."""
+        train. The state advances as each batch is taken; each step holds the batch
+        schedule's rows (every rank its share)."""
+        while True:
+            yield from self._serve(self.batches.at(self.steps) // self.world_size,
+                                   self.batches.next_change(self.steps))
+
+    def _serve(self, rows: int, until: int | None) -> Iterator[Any]:
+        """The steps to `until` (None: without end), `rows` rows per rank each."""
         def fill(job: MixtureStep, views: BatchBuffers) -> tuple:
             return (job, *self._fill(job, views))
 
@@ -218,7 +238,7 @@ class MixtureLoader:
                             epoch=-1, step=job.step, source_ids=source_ids,
                             mixture_state=job.after)
 
-        prefetcher = batch_stream(self._schedule(), fill, finish, self.batch_size,
+        prefetcher = batch_stream(self._schedule(until), fill, finish, rows,
                                   self.seq_len, self.options.dtype, self.device,
                                   self.options.prefetch)
         try:

@@ -24,6 +24,7 @@ import yaml
 
 from raypipe.errors import ConfigError
 from raypipe.io.states import SourcePosition
+from raypipe.sampling.schedule import BatchSchedule
 
 
 def allocate(weights: np.ndarray, consumed: np.ndarray, rows: int) -> np.ndarray:
@@ -161,14 +162,18 @@ class MixtureSchedule:
     """The global steps of a mixture from `positions` (one per source, in the weights'
     order); `epoch_sizes[i](epoch)` is source i's rows in that epoch (its plan's size).
     `weights`: one set for every step, or WeightStages (at a stage's first step every
-    source's stage base moves to where it stands)."""
+    source's stage base moves to where it stands); `batch_size`: rows per rank every step,
+    or a BatchSchedule of each step's global rows."""
 
-    def __init__(self, weights: np.ndarray | WeightStages, world_size: int, batch_size: int,
+    def __init__(self, weights: np.ndarray | WeightStages, world_size: int,
+                 batch_size: int | BatchSchedule,
                  epoch_sizes: Sequence[Callable[[int], int]], positions: list[SourcePosition],
                  step: int = 0):
         self.stages = (weights if isinstance(weights, WeightStages)
                        else WeightStages.single(weights))
-        self.world_size, self.batch_size = world_size, batch_size
+        self.world_size = world_size
+        self.batches = (batch_size if isinstance(batch_size, BatchSchedule)
+                        else BatchSchedule.constant(world_size * batch_size))
         self.epoch_sizes = epoch_sizes
         self.positions = list(positions)
         self.step = step
@@ -185,7 +190,7 @@ class MixtureSchedule:
         served = np.zeros(len(self.positions), dtype=np.int64)
         for _ in range(steps):
             counts = allocate(self.stages.at(self.step), self._balanced(),
-                              self.world_size * self.batch_size)
+                              self.batches.at(self.step))
             served += counts
             self.positions = [replace(p, consumed=p.consumed + int(count))
                               for p, count in zip(self.positions, counts.tolist(), strict=True)]
@@ -201,7 +206,7 @@ class MixtureSchedule:
         stand after it."""
         consumed = self._balanced()
         counts, slots = step_rows(self.stages.at(self.step), consumed, self.world_size,
-                                  self.batch_size)
+                                  self.batches.at(self.step) // self.world_size)
         taken = []
         for index, count in enumerate(counts.tolist()):
             rows, self.positions[index] = self._advance(index, count)

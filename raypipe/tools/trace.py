@@ -45,6 +45,7 @@ from raypipe.sampling.mixture import (
 )
 from raypipe.sampling.modes import knob_differences, plan_knob_names, upgrade_knobs
 from raypipe.sampling.pack import RowPieces
+from raypipe.sampling.schedule import BatchSchedule
 
 
 @dataclass(frozen=True)
@@ -169,8 +170,9 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
     if rank is not None and not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} not in [0, world_size={world_size})")
     if isinstance(data, dict) or is_mixture_spec(data):
-        rows = _mixture_rows(data, spec, saved, step, steps, ranks, world_size, batch_size,
-                             cache_dir, weights, stages)
+        rows = _mixture_rows(data, spec, saved, step, steps, ranks, world_size,
+                             BatchSchedule.of(batch_schedule, world_size) if batch_schedule
+                             else batch_size, cache_dir, weights, stages)
     else:
         if batch_schedule:
             batch_size = None  # the schedule's, not the state's
@@ -231,14 +233,15 @@ def _rows(planned: PlannedDataset, saved: LoaderState | MixtureState | None,
 
 def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
                   saved: LoaderState | MixtureState | None, step: int | None, steps: int,
-                  ranks: Any, world_size: int, batch_size: int | None,
+                  ranks: Any, world_size: int, batch_size: int | BatchSchedule | None,
                   cache_dir: str | Path | None, weights: dict[str, float] | None,
                   stages: list[tuple[int, dict[str, float]]] | None) -> Iterator[StepRow]:
     """A mixture's steps: the MixtureLoader's schedule (its weight stages included)
     replayed from the start (or `saved`, a change of weights there beginning a stage, as
     the loader resumes), each row traced in its source's own plan."""
     if batch_size is None:
-        raise ConfigError("tracing a mixture needs batch_size (its state does not record it)")
+        raise ConfigError("tracing a mixture needs batch_size or batch_schedule (its state "
+                          "does not record them)")
     if isinstance(saved, LoaderState):
         raise ConfigError("a single dataset's loader state cannot trace a mixture")
     if isinstance(data, dict):
@@ -249,7 +252,9 @@ def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
         if weights is None and stages is None:
             weights, stages = spec_weights(mixture), read_stages(data)
     names = sorted(paths)
-    sources = [PlannedDataset.open(paths[name], spec, 1, batch_size, None, cache_dir)
+    per_rank = (batch_size.largest // world_size if isinstance(batch_size, BatchSchedule)
+                else batch_size)
+    sources = [PlannedDataset.open(paths[name], spec, 1, per_rank, None, cache_dir)
                for name in names]
     if saved is not None:
         changed = [name for name, source in zip(names, sources, strict=True)
