@@ -1,8 +1,11 @@
-"""Test helpers: the documents a tokenize job must produce, computed without raypipe."""
+"""Test helpers: the documents a tokenize job must produce, computed without raypipe; a
+plugin distribution installed in tmp_path and run in a fresh process."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -56,3 +59,33 @@ def upload_tree(local: Path, uri: str) -> str:
     return uri
 
 
+
+
+def install_plugin(site: Path, distribution: str, group: str,
+                   modules: dict[str, str]) -> Path:
+    """An installed distribution in `site` (a dist-info with its entry points), as pip lays
+    one out: package `distribution` holds `modules` ({module name: source}), each an entry
+    point of `group` under its module name."""
+    package = site / distribution
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    for name, source in modules.items():
+        (package / f"{name}.py").write_text(source)
+    info = site / f"{distribution}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\n"
+                                   "Version: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\n" + "".join(
+        f"{name} = {distribution}.{name}\n" for name in modules))
+    return site
+
+
+def run_with_plugin(site: Path, *args: str, status: int = 0) -> subprocess.CompletedProcess:
+    """`python *args` in a fresh process whose import path holds `site` (as an installed
+    plugin is found), in the repository; its exit status must be `status`."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(root)])}
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=300)
+    assert done.returncode == status, (done.stdout[-2000:], done.stderr[-3000:])
+    return done

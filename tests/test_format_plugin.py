@@ -8,14 +8,13 @@ the plugin's distribution (tmp_path), as an installed plugin is found."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.helpers import install_plugin, run_with_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "formats.md"
@@ -33,28 +32,8 @@ def documented_formats() -> dict[str, str]:
 @pytest.fixture
 def plugin_site(tmp_path) -> Path:
     """An installed distribution whose entry points register `flat` and `npybatch`."""
-    site = tmp_path / "site"
-    package = site / "raypipe_formats_demo"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    for name, source in documented_formats().items():
-        (package / f"{name}.py").write_text(source)
-    info = site / "raypipe_formats_demo-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: raypipe-formats-demo\n"
-                                   "Version: 0.1\n")
-    (info / "entry_points.txt").write_text("[raypipe.formats]\n"
-                                           "flat = raypipe_formats_demo.flat\n"
-                                           "npybatch = raypipe_formats_demo.npybatch\n")
-    return site
-
-
-def raypipe_with(site: Path, *args: str, status: int = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
-    assert done.returncode == status, (done.stdout[-2000:], done.stderr[-3000:])
-    return done
+    return install_plugin(tmp_path / "site", "raypipe_formats_demo", "raypipe.formats",
+                          documented_formats())
 
 
 # the tokenize command line, parsed and run by the serial runner (the job a Ray unit runs)
@@ -77,13 +56,13 @@ print(json.dumps({name: [t.tolist() for _, items in open_format(sys.argv[1], nam
 
 
 def held(site: Path, root: Path, *names: str) -> dict[str, list[list[int]]]:
-    return json.loads(raypipe_with(site, "-c", READ, str(root), *names).stdout)
+    return json.loads(run_with_plugin(site, "-c", READ, str(root), *names).stdout)
 
 
 @pytest.fixture
 def written(plugin_site, corpus_dir, tokenizer_path, tmp_path) -> Path:
     out = tmp_path / "out"
-    raypipe_with(plugin_site, "-c", TOKENIZE, str(corpus_dir), "--tokenizer", tokenizer_path,
+    run_with_plugin(plugin_site, "-c", TOKENIZE, str(corpus_dir), "--tokenizer", tokenizer_path,
                  "-o", str(out), "--format", "megatron,flat,npybatch",
                  "--flat-offset-width", "4", "--npybatch-record-len", str(RECORD_LEN),
                  "--npybatch-batch-size", str(BATCH), "--npybatch-id-dtype", "uint16",
@@ -93,7 +72,7 @@ def written(plugin_site, corpus_dir, tokenizer_path, tmp_path) -> Path:
 
 def test_the_tokenize_and_convert_command_lines_show_each_plugin_format_s_option(plugin_site):
     for command in ("tokenize", "convert"):
-        shown = raypipe_with(plugin_site, "-m", "raypipe.cli", command, "--help").stdout
+        shown = run_with_plugin(plugin_site, "-m", "raypipe.cli", command, "--help").stdout
         assert "--flat-offset-width {4,8}" in shown, shown
         assert "--npybatch-id-dtype {uint16,uint32}" in shown and "--npybatch-record-len" in shown
 
@@ -119,35 +98,35 @@ def test_tokenize_writes_both_plugin_formats_with_their_options(plugin_site, wri
 
 
 def test_inspect_and_verify_serve_both_plugin_formats(plugin_site, written):
-    shown = raypipe_with(plugin_site, "-m", "raypipe.cli", "inspect", str(written)).stdout
+    shown = run_with_plugin(plugin_site, "-m", "raypipe.cli", "inspect", str(written)).stdout
     assert "format flat: dtype uint16" in shown and "format npybatch" in shown, shown
     assert f"batches of [{BATCH}, {RECORD_LEN}]" in shown and "sample 0 (" in shown
-    verified = raypipe_with(plugin_site, "-m", "raypipe.cli", "verify", str(written)).stdout
+    verified = run_with_plugin(plugin_site, "-m", "raypipe.cli", "verify", str(written)).stdout
     assert "OK" in verified and "of 3 format(s)" in verified, verified
     offsets = next((written / "flat").glob("*.off"))
     offsets.write_bytes(offsets.read_bytes()[:-4] + (10**6).to_bytes(4, "little"))
-    broken = raypipe_with(plugin_site, "-m", "raypipe.cli", "verify", str(written), status=2)
+    broken = run_with_plugin(plugin_site, "-m", "raypipe.cli", "verify", str(written), status=2)
     assert offsets.name in broken.stderr, broken.stderr
 
 
 def test_convert_writes_and_reads_both_plugin_formats_with_their_options(plugin_site,
                                                                         written, tmp_path):
     wide = tmp_path / "flat8"
-    raypipe_with(plugin_site, "-m", "raypipe.cli", "convert", str(written), str(wide),
+    run_with_plugin(plugin_site, "-m", "raypipe.cli", "convert", str(written), str(wide),
                  "--format", "flat", "--source-format", "megatron", "--flat-offset-width", "8")
     assert json.loads((wide / "manifest.json").read_text())["formats"]["flat"][
         "offset_width"] == 8
     back = tmp_path / "nanogpt"
-    raypipe_with(plugin_site, "-m", "raypipe.cli", "convert", str(wide), str(back),
+    run_with_plugin(plugin_site, "-m", "raypipe.cli", "convert", str(wide), str(back),
                  "--format", "nanogpt")
     original = held(plugin_site, written, "megatron")["megatron"]
     assert held(plugin_site, back, "nanogpt")["nanogpt"] == original
     packed = tmp_path / "packed"
-    raypipe_with(plugin_site, "-m", "raypipe.cli", "convert", str(wide), str(packed),
+    run_with_plugin(plugin_site, "-m", "raypipe.cli", "convert", str(wide), str(packed),
                  "--format", "npybatch", "--npybatch-record-len", str(RECORD_LEN),
                  "--npybatch-batch-size", str(BATCH), "--npybatch-batches-per-shard", "5")
     assert held(plugin_site, packed, "npybatch") == held(plugin_site, written, "npybatch")
-    wrong = raypipe_with(plugin_site, "-m", "raypipe.cli", "convert", str(wide),
+    wrong = run_with_plugin(plugin_site, "-m", "raypipe.cli", "convert", str(wide),
                          str(tmp_path / "x"), "--format", "nanogpt", "--flat-offset-width",
                          "4", status=2)
     assert "options of flat given" in wrong.stderr, wrong.stderr

@@ -7,13 +7,12 @@ import path holds the plugin's distribution (tmp_path), as an installed plugin i
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import install_plugin, run_with_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,25 +64,8 @@ else:
 @pytest.fixture
 def plugin_site(tmp_path) -> Path:
     """An installed distribution that registers the `sparse` mode through its entry point."""
-    site = tmp_path / "site"
-    (site / "raypipe_sparse").mkdir(parents=True)
-    (site / "raypipe_sparse" / "__init__.py").write_text("")
-    (site / "raypipe_sparse" / "mode.py").write_text(documented_plugin())
-    info = site / "raypipe_sparse-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: raypipe-sparse\n"
-                                   "Version: 0.1\n")
-    (info / "entry_points.txt").write_text("[raypipe.loader_modes]\n"
-                                           "sparse = raypipe_sparse.mode\n")
-    return site
-
-
-def run_with_plugin(site: Path, *args: str, status: int = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
-    assert done.returncode == status, done.stderr[-3000:]
-    return done
+    return install_plugin(tmp_path / "site", "raypipe_sparse", "raypipe.loader_modes",
+                          {"sparse": documented_plugin()})
 
 
 def test_a_plugin_mode_s_knob_is_an_option_of_trace_and_pack_report(plugin_site):
