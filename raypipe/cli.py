@@ -81,8 +81,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 def given_chat(args: argparse.Namespace) -> Any:
     """`chat` as the command line gives it: False (--no-chat), the chat flags given (a chat
     job), True (--chat alone), or None (not said)."""
-    given = {dest.split(":", 1)[1]: value for dest, value in vars(args).items()
-             if dest.startswith(CHAT_OPTION + ":") and value is not None}
+    given = given_under(args, CHAT_OPTION)
     if args.chat is False:
         return False
     return given or args.chat
@@ -128,17 +127,21 @@ def _add_typed(parser: argparse.ArgumentParser, flags: list[str], dest: str, hin
 def given_format_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The --<format>-<option> flags given: {format: {option: value}}."""
     chosen: dict[str, dict[str, Any]] = {}
-    for dest, value in vars(args).items():
-        if dest.startswith(FORMAT_OPTION + ":") and value is not None:
-            _, name, option = dest.split(":")
-            chosen.setdefault(name, {})[option] = value
+    for key, value in given_under(args, FORMAT_OPTION).items():
+        name, option = key.split(":")
+        chosen.setdefault(name, {})[option] = value
     return chosen
 
 
 def given_retired_keys(args: argparse.Namespace) -> dict[str, Any]:
     """0.6's flat flags given, by their config key (upgraded by raypipe.config.legacy)."""
+    return given_under(args, RETIRED_FLAG)
+
+
+def given_under(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
+    """The options given (not None) whose argparse dest is `<prefix>:<key>`, by key."""
     return {dest.split(":", 1)[1]: value for dest, value in vars(args).items()
-            if dest.startswith(RETIRED_FLAG + ":") and value is not None}
+            if dest.startswith(prefix + ":") and value is not None}
 
 
 def config_from_args(args: argparse.Namespace) -> TokenizeConfig:

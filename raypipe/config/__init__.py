@@ -10,6 +10,9 @@ with another tokenizer or format set is refused (unless `overwrite`). Where thin
 (inputs, output, tokenizer path) is not hashed as spelled: the tokenizer counts by its
 contents (sha256) and the job compares the resolved input files (raypipe.preprocess.job),
 so `corpus/` and `corpus/*.parquet`, or `out` and its absolute path, are the same job.
+Cost: microseconds, once per config (options typed and checked here, the retired shapes of
+raypipe.config.legacy upgraded here); a unit reads its formats' options from the config's
+dict, nothing per unit or per row.
 """
 
 from __future__ import annotations
