@@ -103,3 +103,12 @@ def test_a_chat_flag_alone_makes_a_chat_job_and_no_chat_a_text_one():
     assert config_from_args(parser.parse_args([*base, "--chat"])).chat.messages_column \
         == "messages"
     assert config_from_args(parser.parse_args(base)).chat is None
+
+
+def test_a_0_6_key_no_format_of_the_job_has_is_named_as_ignored(caplog):
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        config = load_config(None, **PLACES, formats=["megatron"], seq_len=129,
+                             metadata=True)  # seq_len: no batch format; metadata: its default
+    assert tuple(config.formats) == ("megatron",)
+    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(ignored) == 1 and "seq_len" in ignored[0] and "metadata" not in ignored[0]

@@ -54,6 +54,8 @@ CHAT_KEYS = ("messages_column", "prompt_column", "completion_column", "chat_temp
              "train_on")
 CHAT_DEFAULTS = {"messages_column": "messages", "prompt_column": None,
                  "completion_column": None, "chat_template": None, "train_on": "assistant"}
+# `packing` as 0.6's config.yaml wrote it for a job without a batch format (its default)
+PACKINGS_OF_0_6 = ("auto", "fill", "split")
 # keys of earlier releases that no longer do anything -> why (a config holding one loads,
 # with a warning)
 RETIRED_KEYS = {"head_start": "removed in 0.6: every unit runs on Ray Data"}
@@ -82,12 +84,24 @@ def upgrade(data: dict[str, Any], formats: dict[str, Any] | None) -> dict[str, A
     if formats is None:
         return kept
     upgraded = dict(formats)
+    warn_unused(flat, list(upgraded))
     for key, value in flat.items():
         for name in targets(key, list(upgraded)):
             given = upgraded[name]
             given = given.settings() if isinstance(given, FormatOptions) else dict(given or {})
             upgraded[name] = {FLAT_OPTIONS[key][1]: value, **given}  # today's spelling wins
     return {**kept, "formats": upgraded}
+
+
+def warn_unused(flat: dict[str, Any], names: list[str]) -> None:
+    """Warn of retired keys set away from 0.6's default that no format of the job has: they
+    change nothing (as in 0.6), and saying so beats a job that quietly ignores them."""
+    unused = [key for key, value in flat.items() if not targets(key, names)
+              and value not in (FLAT_DEFAULTS.get(key),
+                                *(PACKINGS_OF_0_6 if key == "packing" else ()))]
+    if unused:
+        logger.warning("config key(s) %s set, but no format of this job (%s) has that option: "
+                       "ignored", ", ".join(unused), ", ".join(names))
 
 
 def upgrade_chat(data: dict[str, Any]) -> dict[str, Any]:

@@ -204,6 +204,7 @@ def shard_prefix(root: Path, shard: ShardEntry) -> Path:
 PACKING_BY_DATA = "auto"  # a packing left to the data: see packing_for_data
 # how a batch format's records are packed (`bestfit`: the name `crop` had before 0.4)
 RECORD_PACKINGS = ("fill", "split", "crop", "concat", "bestfit")
+BATCH_PACKINGS = (*RECORD_PACKINGS, PACKING_BY_DATA)  # what a batch format's packing takes
 
 
 def packing_for_data(packing: str, chat: bool) -> str:
@@ -260,8 +261,7 @@ class BatchOptions(FormatOptions):
     packing: str = knob(PACKING_BY_DATA, "fill (every token, every record full), split "
                         "(every token, documents whole where they fit, padding marked), "
                         "crop (nanochat: records start with BOS, tails cropped), concat, "
-                        "or auto (split for chat data, fill for text)",
-                        (*RECORD_PACKINGS, PACKING_BY_DATA))
+                        "or auto (split for chat data, fill for text)", BATCH_PACKINGS)
     seed: int = knob(0, "record shuffle seed")
     batches_per_shard: int = knob(1024, "batches per file")
 
@@ -269,9 +269,9 @@ class BatchOptions(FormatOptions):
         if self.record_len < 2 or self.batch_size < 1:
             raise FormatError(where, "needs record_len (tokens per record, >= 2) and "
                               "batch_size (records per batch, >= 1)")
-        if self.packing not in (*RECORD_PACKINGS, PACKING_BY_DATA):
+        if self.packing not in BATCH_PACKINGS:
             raise FormatError(where, f"packing {self.packing!r} not among "
-                              f"{[*RECORD_PACKINGS, PACKING_BY_DATA]}")
+                              f"{list(BATCH_PACKINGS)}")
         if self.batches_per_shard < 1:
             raise FormatError(where, f"batches_per_shard must be >= 1, got "
                               f"{self.batches_per_shard}")
