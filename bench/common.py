@@ -137,16 +137,16 @@ def print_table(rows: list[tuple[str, ...]]) -> None:
 
 
 def write_synthetic_dataset(output: Path, format_name: str, batches, fingerprint: str,
-                            shard_tokens: int = 1 << 28) -> Path:
+                            shard_tokens: int = 1 << 28, largest_id: int = 32767) -> Path:
     """A raypipe dataset of `format_name` from `batches` of (uint32 tokens, lengths,
     metadata or None), written through raypipe's own shard writers and manifest builder.
-    The tokenizer is a stand-in: largest id 32767, BOS 0."""
+    The tokenizer is a stand-in: ids up to `largest_id`, BOS 0."""
     from raypipe.formats import get_format
     from raypipe.io.manifest import write_manifest
     from raypipe.io.records import FormatSection, Manifest, TokenizerInfo
     from raypipe.preprocess.shards import ShardRoller, ShardSpec
 
-    info = TokenizerInfo("synthetic", "0" * 64, 32767, 0, None)
+    info = TokenizerInfo("synthetic", "0" * 64, largest_id, 0, None)
     fmt = get_format(format_name)
     options = fmt.options()
     spec = ShardSpec(str(output), (format_name,), shard_tokens, info.largest_id, info.bos_id,

@@ -195,7 +195,8 @@ def command_trace(args: argparse.Namespace) -> int:
                         world_size=args.world_size, seq_len=args.seq_len,
                         batch_size=args.batch_size, state=args.state, text=args.text,
                         tokenizer=args.tokenizer, format_name=args.format,
-                        batch_schedule=args.batch_schedule, **knobs):
+                        batch_schedule=args.batch_schedule,
+                        seq_len_schedule=args.seq_len_schedule, history=args.history, **knobs):
         print(record.line())
     return 0
 
@@ -265,12 +266,20 @@ def convert_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def batch_schedule(text: str) -> list[tuple[int, int]]:
     """`STEP:ROWS,...` (trace's --batch-schedule) -> [(step, global rows), ...]."""
+    return step_stages(text, "STEP:ROWS,... (e.g. 0:256,1000:512)")
+
+
+def seq_len_schedule(text: str) -> list[tuple[int, int]]:
+    """`STEP:SEQ_LEN,...` (trace's --seq-len-schedule) -> [(step, seq_len), ...]."""
+    return step_stages(text, "STEP:SEQ_LEN,... (e.g. 0:512,3000:8192)")
+
+
+def step_stages(text: str, spelling: str) -> list[tuple[int, int]]:
     try:
-        return [(int(step), int(rows)) for step, rows in
+        return [(int(step), int(value)) for step, value in
                 (part.split(":") for part in text.split(",") if part.strip())]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not STEP:ROWS,... (e.g. 0:256,1000:512)"
-                                         ) from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {spelling}") from None
 
 
 DATASET_HELP = "a raypipe output: a directory or a URI (s3://, gs://, ...)"
@@ -351,6 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="STEP:ROWS,...",
                        help="the loader's global batch by step (its batch_schedule), e.g. "
                        "0:256,1000:512, instead of --batch-size")
+    trace.add_argument("--seq-len-schedule", type=seq_len_schedule, default=None,
+                       metavar="STEP:SEQ_LEN,...",
+                       help="the loader's seq_len by step (its seq_len_schedule), e.g. "
+                       "0:512,3000:8192, instead of --seq-len")
+    trace.add_argument("--history", default=None,
+                       help="a loader's state_dict() saved as JSON whose record of changes "
+                       "(global batch and seq_len, declared or on a resume) gives both "
+                       "schedules and its knobs: --step counts from the start of training")
     trace.add_argument("--state", default=None,
                        help="a loader's state_dict() saved as JSON: trace the steps after it "
                        "(its knobs are the defaults of the options below)")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from raypipe.errors import ConfigError
 from raypipe.loader import TokenLoader
-from raypipe.sampling.schedule import BatchSchedule
+from raypipe.sampling.schedule import BatchSchedule, Cursor, Phase
 
 T = 16
 RAMP = BatchSchedule.ramp(6, 24, 6, 5)  # 6 rows a step, 12 from step 5, 18 from 10, 24 from 15
@@ -42,11 +42,12 @@ def test_walking_k_steps_stands_where_the_steps_taken_one_by_one_end(stages, gap
     `steps_before` counts the steps that reach a walked position."""
     starts = [0, *np.cumsum(gaps[:len(stages) - 1]).tolist()]
     schedule = BatchSchedule(tuple(starts), tuple(stages))
-    size = lambda epoch: sizes[epoch % 3]  # noqa: E731
-    epoch, position, step = schedule.walk(size, 0, 0, 0, start)
-    assert step == start and schedule.steps_before(size, epoch, position) == start
+    size = lambda epoch, phases=(): sizes[epoch % 3]  # noqa: E731
+    cursor = schedule.walk(size, Cursor(0, 0, 0, (Phase(T),)), start)
+    epoch, position, step = cursor.epoch, cursor.position, cursor.step
+    assert step == start and schedule.steps_before(size, epoch, position, (Phase(T),)) == start
     taken = []
-    for segment in schedule.segments(size, epoch, position, step):
+    for segment in schedule.segments(size, cursor):
         taken += [(segment.epoch, segment.step_start(i), segment.global_batch)
                   for i in range(segment.steps)]
         if len(taken) > steps:
@@ -54,11 +55,11 @@ def test_walking_k_steps_stands_where_the_steps_taken_one_by_one_end(stages, gap
     for index, (where, first, rows) in enumerate(taken[:steps]):
         assert first + rows <= size(where), "a step past its epoch's end"
         assert rows == schedule.at(start + index)
-    walked = schedule.walk(size, epoch, position, step, steps)
+    walked = schedule.walk(size, cursor, steps)
     nxt = taken[steps]
-    assert walked[2] == start + steps
-    assert (walked[0], walked[1]) == (nxt[0], nxt[1]) or (
-        walked[0] == nxt[0] - 1 and nxt[1] == 0)  # at an epoch's tail, before rolling over
+    assert walked.step == start + steps
+    assert (walked.epoch, walked.position) == (nxt[0], nxt[1]) or (
+        walked.epoch == nxt[0] - 1 and nxt[1] == 0)  # at an epoch's tail, before rolling over
 
 
 def rows_by_step(loader_factory, world, state, steps):

@@ -212,9 +212,13 @@ def test_state_is_small_json_and_checked(token_dataset, tmp_path):
     loader = TokenLoader(token_dataset, T, B, mode="windows")
     state = loader.state_dict()
     assert len(json.dumps(state)) < 4096
-    with pytest.raises(StateError, match="knobs"):
-        TokenLoader(token_dataset, T + 1, B, mode="windows").load_state_dict(state)
-    with pytest.raises(StateError, match="knobs"):
+    TokenLoader(token_dataset, T + 1, B, mode="windows").load_state_dict(state)  # epoch start
+    next(iter(loader))
+    with pytest.raises(StateError, match=f"seq_len: {T} -> {T + 1} inside epoch 0 .* mode "
+                                         "'windows' cannot"):
+        TokenLoader(token_dataset, T + 1, B, mode="windows").load_state_dict(
+            loader.state_dict())
+    with pytest.raises(StateError, match="mode: saved 'windows', now 'bestfit'"):
         TokenLoader(token_dataset, T, B, mode="bestfit").load_state_dict(state)
     with pytest.raises(StateError, match="version"):
         loader.load_state_dict({**state, "version": 99})

@@ -65,12 +65,26 @@ class LoaderState(JsonRecord):
     saved_with: dict[str, int]
     steps: int | None = None  # global steps taken from the start of training (None: before
     # 0.7, counted from the positions)
+    # the epoch's seq_len phases, [[seq_len, begins], ...] (raypipe.sampling.schedule.Phase:
+    # the position is in the last one's plan); None: one, at the knobs' seq_len
+    phases: list[list[int]] | None = None
+    # the run's shape so far, [[first step, global batch, seq_len], ...] at every step where
+    # either changed, declared or on a resume (what `raypipe trace --history` replays)
+    history: list[list[int]] | None = None
 
     def check(self, where: str) -> None:
         check_version(where, self.version)
         check_position(where, self.epoch, self.position)
         if self.steps is not None and self.steps < 0:
             raise FormatError(where, f"field 'steps' {self.steps} is negative")
+        for name, width in (("phases", 2), ("history", 3)):
+            rows = getattr(self, name)
+            if rows is not None and (not rows or any(
+                    not isinstance(row, list) or len(row) != width
+                    or not all(type(value) is int and value >= 0 for value in row)
+                    for row in rows)):
+                raise FormatError(where, f"field {name!r} {rows!r} is not a non-empty list of "
+                                  f"[{width} ints >= 0]")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

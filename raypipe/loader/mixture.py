@@ -75,6 +75,9 @@ class MixtureLoader:
             raise ConfigError(f"mixture: sources are read as documents or windows; mode "
                               f"{options.mode!r} (pre-formed batches) and stream metadata "
                               "cannot be mixed")
+        if options.seq_len_schedule:
+            raise ConfigError("seq_len_schedule: a mixture serves one seq_len for the whole "
+                              "run (its sources stand at their own positions); give seq_len")
         self.names = sorted(paths)
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
         self.mode, self.seed = options.mode, options.seed
@@ -271,8 +274,10 @@ class MixtureLoader:
                                  f"(dataset {checked.sources[name].dataset!r}, now "
                                  f"{fingerprint!r})")
         if checked.knobs != self.knobs():
+            seq_len = (" (a mixture serves one seq_len for the whole run)"
+                       if checked.knobs.get("seq_len") != self.knobs().get("seq_len") else "")
             raise StateError("mixture state made with other knobs than this mixture's: "
-                             f"{knob_differences(checked.knobs, self.knobs())}")
+                             f"{knob_differences(checked.knobs, self.knobs())}{seq_len}")
         saved = np.array([checked.weights[name] for name in self.names])
         self.steps = checked.steps
         if any(abs(checked.weights[n] - self.weights_by_name[n]) > 1e-12 for n in self.names):

@@ -38,7 +38,8 @@ class LoaderOptions:
     the dataset to read (None: its first). `boundaries`: position_ids/cu_seqlens per
     document (None: on except in windows mode). `metadata`: stream windows carry their
     metadata. `cache_dir`/`cache_bytes`: the node cache of object-storage shards and plans.
-    `batch_schedule`: the global batch by step (instead of `batch_size`)."""
+    `batch_schedule`: the global batch by step (instead of `batch_size`);
+    `seq_len_schedule`: seq_len by step (instead of `seq_len`)."""
 
     seq_len: int | None = None
     batch_size: int | None = None
@@ -63,6 +64,9 @@ class LoaderOptions:
     # [(first step, global rows per step), ...] instead of batch_size (a ramp:
     # raypipe.sampling.schedule.BatchSchedule.ramp); None: batch_size rows per rank, always
     batch_schedule: tuple[tuple[int, int], ...] | None = None
+    # [(first step, seq_len), ...] instead of seq_len (a long-context phase; by tokens
+    # trained: raypipe.sampling.schedule.seq_len_stages_by_tokens); None: seq_len always
+    seq_len_schedule: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.int32, torch.int64):
@@ -71,12 +75,17 @@ class LoaderOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name}: {value!r} must be an int >= 1")
-        if self.batch_schedule is not None:
-            object.__setattr__(self, "batch_schedule", tuple(
-                (int(step), int(rows)) for step, rows in self.batch_schedule))
+        for name in ("batch_schedule", "seq_len_schedule"):
+            stages = getattr(self, name)
+            if stages is not None:
+                object.__setattr__(self, name, tuple((int(step), int(value))
+                                                     for step, value in stages))
+        if self.seq_len_schedule and self.seq_len is not None:
+            raise ConfigError("give seq_len (every step) or seq_len_schedule (by step), not "
+                              "both")
         if self.prefetch < 1:
             raise ConfigError(f"prefetch: {self.prefetch} must be >= 1")
-        spec = self.plan_spec(self.seq_len or 0)  # every plan knob checked now
+        spec = self.plan_spec(self.first_seq_len or 0)  # every plan knob checked now
         if self.metadata and not spec.loader_mode.window_metadata:
             raise ConfigError(f"metadata=True needs a mode whose rows are windows of a stream "
                               f"dataset ({', '.join(metadata_modes())}), not {self.mode!r}")
@@ -98,6 +107,11 @@ class LoaderOptions:
                  **{name: values.pop(name) for name in list(values) if name not in own}}
         refuse_stray_knobs(mode, knobs, own)
         return replace(base, **values, knobs=knobs)
+
+    @property
+    def first_seq_len(self) -> int | None:
+        """The seq_len of step 0: `seq_len`, or the schedule's first."""
+        return self.seq_len_schedule[0][1] if self.seq_len_schedule else self.seq_len
 
     def plan_spec(self, seq_len: int) -> PlanSpec:
         return PlanSpec.of(self.mode, seq_len, seed=self.seed, shuffle=self.shuffle,

@@ -37,7 +37,7 @@ from raypipe.sampling.epochs import PlannedDataset
 from raypipe.sampling.mixture import is_mixture_spec
 from raypipe.sampling.modes import BatchFiller, knob_differences, waste_hints
 from raypipe.sampling.plans import PackingReport
-from raypipe.sampling.schedule import Segment
+from raypipe.sampling.schedule import Cursor, Phase, Phases, Segment
 
 logger = logging.getLogger("raypipe")
 DESCRIBE_STEPS = 64
@@ -70,17 +70,19 @@ class TokenLoader:
         self.options = options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
         self.mode, self.seed = options.mode, options.seed
-        spec = options.plan_spec(options.seq_len or 0)
+        spec = options.plan_spec(options.first_seq_len or 0)
         if options.metadata and spec.split != "all":
             raise ConfigError("split with metadata=True is not supported")
         self.planned = PlannedDataset.open(path, spec, self.world_size, options.batch_size,
                                            options.format, options.cache_dir,
                                            options.cache_bytes,
-                                           batch_schedule=list(options.batch_schedule or []))
+                                           batch_schedule=list(options.batch_schedule or []),
+                                           seq_len_schedule=list(options.seq_len_schedule
+                                                                 or []))
         self.dataset: Any = self.planned.dataset
         self.spec, self.split, self.source = (self.planned.spec, self.planned.split,
                                               self.planned.source)
-        self.seq_len, self.batch_size = self.spec.seq_len, self.planned.batch_size
+        self.batch_size = self.planned.batch_size
         if self.split is not None and self.rank == 0:
             logger.info("%s: split %r holds %s of %s documents (validation_fraction %s)",
                         self.dataset.root, self.split.name, f"{self.split.ids.size:,}",
@@ -99,6 +101,10 @@ class TokenLoader:
         self.epoch, self.position, self.steps = 0, 0, 0
         self.schedule = self.planned.schedule
         self.plans = self.planned.plans
+        self.phases = self.planned.first_phases  # the current epoch's seq_len phases
+        self.history: list[list[int]] = []  # [step, global batch, seq_len] at each change
+        # the last epoch that ended: (epoch, observations, tokens) its drop-last tail left
+        self.dropped_tail: tuple[int, int, int] | None = None
 
     # ----- the epoch plan -------------------------------------------------------------
     @property
@@ -111,10 +117,21 @@ class TokenLoader:
         """Observations consumed by the next global step (the schedule's, at its step)."""
         return self.schedule.at(self.steps)
 
+    @property
+    def seq_len(self) -> int:
+        """T of the next step's rows (the schedule's, at its step)."""
+        return self.schedule.seq_len_at(self.steps) or self.spec.seq_len
+
+    def cursor(self) -> Cursor:
+        """Where the loader stands: the next step's epoch, phases, position and number."""
+        return Cursor(self.epoch, self.position, self.steps, self.phases)
+
     def plan(self, epoch: int | None = None) -> Any:
+        """Epoch `epoch`'s plan (the current epoch: under its phases, the rest of it)."""
         epoch = self.epoch if epoch is None else epoch
-        plan = self.plans(epoch)
-        if plan.size < self.global_batch:
+        plan = self.plans(epoch, self.phases if epoch == self.epoch
+                          else self.planned.first_phases)
+        if plan.size < self.global_batch and len(self.phases) == 1:
             raise ConfigError(
                 f"{self.dataset.root}: epoch {epoch} has {plan.size} observations, fewer "
                 f"than one global step (world_size {self.world_size} x batch_size "
@@ -145,7 +162,8 @@ class TokenLoader:
         return thread
 
     def steps_in_epoch(self, epoch: int | None = None) -> int:
-        """Steps of epoch `epoch` at the current global batch."""
+        """Steps of epoch `epoch`'s plan at the current global batch (the current epoch:
+        of its last phase's plan, from its start)."""
         return self.plan(epoch).size // self.global_batch
 
     def __len__(self) -> int:
@@ -154,7 +172,7 @@ class TokenLoader:
 
     def _segments(self) -> Iterator[Segment]:
         """The rest of the current epoch's steps, as runs of one global batch."""
-        yield from self.planned.segments(self.epoch, self.position, self.steps, one_epoch=True)
+        yield from self.planned.segments(self.cursor(), one_epoch=True)
 
     def packing_report(self, epoch: int | None = None) -> PackingReport:
         """What the epoch's rows make of the data (chat data: with its loss mask's count)."""
@@ -167,19 +185,21 @@ class TokenLoader:
                                      self.spec.resolved_overlong)
 
     # ----- iteration --------------------------------------------------------------------
-    def filler(self, epoch: int) -> BatchFiller:
-        """What describes and fills this loader's batches of epoch `epoch` (its mode's
-        filler over this rank's view of the dataset): a MixtureLoader fills its sources'
-        rows with it, `raypipe trace` asks it what rows hold."""
-        self.plan(epoch)  # checked: at least one global step
-        return self.planned.filler(epoch, self.options.pad_id, self.boundaries)
+    def filler(self, epoch: int, phases: Phases = ()) -> BatchFiller:
+        """What describes and fills this loader's batches of epoch `epoch` under `phases`
+        (its mode's filler over this rank's view of the dataset): a MixtureLoader fills its
+        sources' rows with it, `raypipe trace` asks it what rows hold."""
+        if not phases:
+            self.plan(epoch)  # checked: at least one global step
+        return self.planned.filler(epoch, self.options.pad_id, self.boundaries, phases)
 
     def _jobs(self, builder: Any, segment: Segment) -> Iterator[BatchPlan]:
         """BatchPlans of this rank for the segment's steps, described DESCRIBE_STEPS at a
         time (one vectorized permutation call per chunk, not per batch); the first chunk is
         one step, so the first batch waits for one step's description, not 64."""
         offsets = self.planned.rank_positions(0, self.rank, segment.global_batch)[0]
-        steps, half = segment.steps, self.plan(segment.epoch).size // 2
+        steps = segment.steps
+        half = self.plans(segment.epoch, segment.phases).size // 2
         bounds = sorted({0, min(1, steps), *range(DESCRIBE_STEPS, steps, DESCRIBE_STEPS),
                          steps})
 
@@ -201,11 +221,33 @@ class TokenLoader:
     def __iter__(self) -> Iterator[Batch]:
         """The remaining batches of the current epoch, each step of the schedule's global
         batch (its rows split evenly between the ranks); afterwards the epoch advances."""
-        epoch = self.epoch
-        builder = self.filler(epoch)
+        epoch, builders = self.epoch, {}
+        self.plan(epoch)  # checked: at least one global step, the waste warned of
         for segment in list(self._segments()):
-            yield from self._serve(builder, segment)
+            if segment.phases not in builders:
+                builders = {segment.phases: self.filler(epoch, segment.phases)}
+            self._note_shape(segment)
+            yield from self._serve(builders[segment.phases], segment)
+        self._note_tail()
         self.epoch, self.position = epoch + 1, 0
+        self.phases = (Phase(self.phases[-1].seq_len),)
+
+    def _note_tail(self) -> None:
+        """Count (and log, on rank 0) what the epoch that just ended left as its drop-last
+        tail: `dropped_tail` is (epoch, observations, tokens)."""
+        rows, tokens = self.planned.left_at(self.epoch, self.phases, self.position)
+        self.dropped_tail = (self.epoch, rows, tokens)
+        if rows and self.rank == 0:
+            logger.info("%s: epoch %d ends with %d observations (%d tokens) under one step "
+                        "left untrained (drop-last)", self.dataset.root, self.epoch, rows,
+                        tokens)
+
+    def _note_shape(self, segment: Segment) -> None:
+        """Record the segment's (global batch, seq_len) in the run's history where it
+        changes."""
+        shape = [segment.global_batch, segment.seq_len]
+        if not self.history or self.history[-1][1:] != shape:
+            self.history.append([segment.step, *shape])
 
     def _serve(self, builder: BatchFiller, segment: Segment) -> Iterator[Batch]:
         """The segment's batches, the state advancing as each is taken."""
@@ -226,12 +268,12 @@ class TokenLoader:
         observations = segment.global_batch // self.world_size  # this rank's, per step
         rows = self.batch_size * observations // self.observations_per_batch  # pre-formed: B
         prefetcher = batch_stream(self._jobs(builder, segment), fill, finish,
-                                  rows, self.seq_len, self.options.dtype,
+                                  rows, segment.seq_len, self.options.dtype,
                                   self.device, self.options.prefetch, builder.prepare)
         try:
             for batch in prefetcher:
                 self.position = int(batch.positions[0]) - self.rank + segment.global_batch
-                self.steps = batch.step + 1
+                self.steps, self.phases = batch.step + 1, segment.phases
                 yield batch
         finally:
             prefetcher.close()
@@ -253,14 +295,20 @@ class TokenLoader:
 
     # ----- state ------------------------------------------------------------------------
     def knobs(self) -> dict[str, Any]:
-        """The knobs that shape this loader's observations (its state records them)."""
-        return self.spec.knobs_record()
+        """The knobs that shape this loader's observations (its state records them; seq_len:
+        the current phase's)."""
+        return self.plans.at_seq_len(self.phases[-1].seq_len).knobs_record()
 
     def state_dict(self) -> dict[str, Any]:
+        phases = self.phases
+        one_phase = len(phases) == 1
         return LoaderState(STATE_VERSION, self.dataset.fingerprint, self.dataset.format_name,
                            self.knobs(), self.epoch, self.position,
                            {"world_size": self.world_size, "batch_size": self.batch_size},
-                           self.steps).to_dict()
+                           self.steps,
+                           None if one_phase else [[phase.seq_len, phase.begins]
+                                                   for phase in phases],
+                           [list(entry) for entry in self.history] or None).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state` (any rank's `state_dict()`, any world size)."""
@@ -270,16 +318,42 @@ class TokenLoader:
                 f"loader state was made for dataset {checked.dataset!r} but "
                 f"{self.dataset.root} is {self.dataset.fingerprint!r}: a shard or the manifest "
                 "changed since the checkpoint")
-        if checked.knobs != self.knobs():
-            raise StateError("loader state made with other knobs than this loader's: "
-                             f"{knob_differences(checked.knobs, self.knobs())}")
+        saved_seq_len = checked.knobs.get("seq_len", self.spec.seq_len)
+        refused = knob_differences(checked.knobs, {**self.spec.knobs_record(),
+                                                   "seq_len": saved_seq_len})
+        if refused:
+            raise StateError(f"loader state made with other knobs than this loader's: "
+                             f"{refused} (these cannot change on a resume; seq_len, batch "
+                             "size, world size and a schedule can)")
+        phases = (tuple(Phase(*phase) for phase in checked.phases) if checked.phases
+                  else (Phase(saved_seq_len),))
         epoch, position = checked.epoch, checked.position
-        if position > self.plan(epoch).size:
+        size = self.plans(epoch, phases).size
+        if position > size:
             raise StateError(f"loader state position {position} outside epoch {epoch} "
-                             f"(size {self.plan(epoch).size})")
-        self.epoch, self.position = epoch, position
+                             f"(size {size})")
+        self.epoch, self.position, self.phases = epoch, position, phases
         self.steps = (checked.steps if checked.steps is not None else
-                      self.schedule.steps_before(self.planned.epoch_size, epoch, position))
+                      self.schedule.steps_before(self.planned.plan_size, epoch, position,
+                                                 phases))
+        self.history = [list(entry) for entry in checked.history or []]
+        self._plan_the_change()
+
+    def _plan_the_change(self) -> None:
+        """A seq_len other than the saved one: the rest of the epoch planned now (a mode
+        that cannot is refused here, naming the change, not at the first batch)."""
+        if self.seq_len == self.phases[-1].seq_len:
+            return
+        cursor = self.schedule.phases_at(self.cursor())
+        try:
+            self.plans(cursor.epoch, cursor.phases)
+        except ConfigError as exc:
+            raise StateError(f"loader state: {exc}") from None
+        if self.rank == 0:
+            logger.info("%s: seq_len %d -> %d from step %d: the rest of epoch %d is planned "
+                        "again at %d from what the saved position had not served",
+                        self.dataset.root, self.phases[-1].seq_len, self.seq_len,
+                        self.steps, self.epoch, self.seq_len)
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

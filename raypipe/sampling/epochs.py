@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -29,14 +30,19 @@ from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
 from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec, document_split
 from raypipe.sampling.plans import ShardGroups, SumsMemo
-from raypipe.sampling.schedule import BatchSchedule, Segment
+from raypipe.sampling.schedule import BatchSchedule, Cursor, Phase, Phases, Segment
 
 __all__ = ["EpochPlans", "PlanSpec", "PlannedDataset", "document_split"]
 
 
 
+KEPT_PLANS = 4  # plans kept: an epoch's phases are built on the phase before each
+
+
 class EpochPlans:
-    """The plans of one opened dataset under one spec; the latest epoch's plan is kept.
+    """The plans of one opened dataset under one spec; the latest few plans are kept. An
+    epoch whose seq_len changed inside it has one plan per phase (raypipe.sampling.schedule
+    .Phase): each the mode's `continue_plan` of the one before.
 
     `lengths` gives the document lengths the plans number (called only by the modes that
     need them); `stream_tokens` the tokens windows are cut from (a split's, or all);
@@ -50,7 +56,7 @@ class EpochPlans:
         self.spec, self.dataset = spec, dataset
         self.inputs = PlanInputs(dataset, lengths, stream_tokens, step_observations,
                                  batch_size, memo, self.groups())
-        self._latest: tuple[int, Any] | None = None
+        self._kept: dict[tuple[int, Phases], Any] = {}
 
     def groups(self) -> ShardGroups | None:
         """The shard groups of a shard-local shuffle (None for a global one)."""
@@ -59,15 +65,41 @@ class EpochPlans:
         return ShardGroups.of(self.dataset.shard_token_counts,
                               self.dataset.shard_document_counts, self.spec.group_shards)
 
-    def build(self, epoch: int) -> Any:
-        """Epoch `epoch`'s plan, built afresh (not kept)."""
-        return self.spec.loader_mode.plan(self.spec, self.inputs, epoch)
+    def build(self, epoch: int, phases: Phases = ()) -> Any:
+        """Epoch `epoch`'s plan under `phases` (none: at the spec's seq_len), built afresh
+        (its earlier phases' plans taken from those kept)."""
+        mode = self.spec.loader_mode
+        if len(phases) <= 1:
+            spec = self.spec if not phases else self.at_seq_len(phases[0].seq_len)
+            return mode.plan(spec, self.inputs, epoch)
+        before, phase = self(epoch, phases[:-1]), phases[-1]
+        if not 0 < phase.begins <= before.size:
+            raise ConfigError(f"epoch {epoch}: a seq_len phase begins at observation "
+                              f"{phase.begins}, outside its plan of {before.size}")
+        if not mode.continues_plans:
+            raise ConfigError(
+                f"seq_len: {phases[-2].seq_len} -> {phase.seq_len} inside epoch {epoch} (at "
+                f"observation {phase.begins} of {before.size}): mode {mode.name!r} cannot "
+                "plan the rest of an epoch again at another seq_len; change seq_len where "
+                "an epoch starts, or use mode 'bestfit'")
+        return mode.continue_plan(self.at_seq_len(phase.seq_len), self.inputs, epoch, before,
+                                  phase.begins)
 
-    def __call__(self, epoch: int) -> Any:
-        """Epoch `epoch`'s plan (kept until another epoch is asked for)."""
-        if self._latest is None or self._latest[0] != epoch:
-            self._latest = (epoch, self.build(epoch))
-        return self._latest[1]
+    def at_seq_len(self, seq_len: int) -> PlanSpec:
+        return self.spec if seq_len == self.spec.seq_len else replace(self.spec,
+                                                                       seq_len=seq_len)
+
+    def __call__(self, epoch: int, phases: Phases = ()) -> Any:
+        """Epoch `epoch`'s plan under `phases` (kept, with the latest few others)."""
+        if len(phases) == 1 and phases[0].seq_len == self.spec.seq_len:
+            phases = ()
+        key = (epoch, phases)
+        if key not in self._kept:
+            plan = self.build(epoch, phases)
+            if len(self._kept) >= KEPT_PLANS:
+                self._kept.pop(next(iter(self._kept)))
+            self._kept[key] = plan
+        return self._kept[key]
 
 
 class PlannedDataset:
@@ -83,7 +115,10 @@ class PlannedDataset:
         `schedule`: the global batch of each step (default: W x `batch_size` every step)."""
         self.dataset, self.spec = dataset, spec
         self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
-        self.schedule = schedule or BatchSchedule.constant(self.global_batch)
+        schedule = schedule or BatchSchedule.constant(self.global_batch)
+        # seq_len by step: the schedule's, else the spec's at every step
+        self.schedule = (schedule if schedule.seq_lens
+                         else schedule.with_seq_lens([(0, spec.seq_len)]))
         # the split its plans number, and what the mode's filler reads rows from
         self.split, self.rows = spec.loader_mode.rows_from(dataset, spec)
         self.source: TokenSource | None = (self.rows if isinstance(self.rows, TokenSource)
@@ -108,12 +143,16 @@ class PlannedDataset:
     def open(cls, path: str | Path, spec: PlanSpec, world_size: int, batch_size: int | None,
              format_name: str | None = None, cache_dir: str | Path | None = None,
              cache_bytes: int | str | None = None, memo: SumsMemo | None = None,
-             batch_schedule: list[tuple[int, int]] | None = None) -> PlannedDataset:
+             batch_schedule: list[tuple[int, int]] | None = None,
+             seq_len_schedule: list[tuple[int, int]] | None = None) -> PlannedDataset:
         """Open `path` (a directory or URI: shards through the node cache) for `spec`; a
         pre-formed dataset fixes seq_len and batch_size (0 / None take its own).
         `batch_schedule`: [(first step, global batch), ...] instead of `batch_size` (rows
-        per rank: its largest stage's, for the buffers)."""
+        per rank: its largest stage's, for the buffers); `seq_len_schedule`: [(first step,
+        seq_len), ...] (the spec's seq_len: its first stage's)."""
         schedule = None
+        if seq_len_schedule:
+            spec = replace(spec, seq_len=int(seq_len_schedule[0][1]))
         if batch_schedule:
             if batch_size is not None:
                 raise ConfigError("give batch_size (rows per rank, every step) or "
@@ -127,9 +166,13 @@ class PlannedDataset:
         cache = None if store.local else ShardCache(cache_dir, cache_bytes)
         dataset = spec.loader_mode.open_dataset(store, format_name, cache)
         spec, batch_size = spec.loader_mode.fit(dataset, spec, batch_size)
-        if schedule is not None and spec.loader_mode.observations_per_step(batch_size) == 1:
-            raise ConfigError(f"batch_schedule: mode {spec.mode!r} serves pre-formed batches "
-                              "of the size they were written with")
+        if (schedule is not None or seq_len_schedule) and \
+                spec.loader_mode.observations_per_step(batch_size) == 1:
+            raise ConfigError(f"batch_schedule, seq_len_schedule: mode {spec.mode!r} serves "
+                              "pre-formed batches of the shape they were written with")
+        if seq_len_schedule:
+            schedule = (schedule or BatchSchedule.constant(world_size * batch_size)
+                        ).with_seq_lens(seq_len_schedule)
         return cls(dataset, spec, world_size, batch_size, cache_dir, memo, schedule)
 
     @property
@@ -162,14 +205,25 @@ class PlannedDataset:
                              else DocumentLengths.of(every[self.split.ids]))
         return self._lengths
 
-    def plan(self, epoch: int) -> Any:
-        return self.plans(epoch)
+    @property
+    def first_phases(self) -> Phases:
+        """The phases an epoch begins with at step 0: one, at the schedule's first seq_len."""
+        return (Phase(self.schedule.seq_len_at(0) or self.seq_len),)
 
-    def filler(self, epoch: int, pad_id: int = 0, boundaries: bool | None = None
-               ) -> BatchFiller:
-        """The mode's filler of epoch `epoch` (boundaries: the mode's default when None)."""
+    def plan(self, epoch: int, phases: Phases = ()) -> Any:
+        return self.plans(epoch, phases)
+
+    def plan_size(self, epoch: int, phases: Phases = ()) -> int:
+        """Observations of epoch `epoch`'s plan under `phases`."""
+        return self.plan(epoch, phases).size
+
+    def filler(self, epoch: int, pad_id: int = 0, boundaries: bool | None = None,
+               phases: Phases = ()) -> BatchFiller:
+        """The mode's filler of epoch `epoch` under `phases` (boundaries: the mode's
+        default when None)."""
         mode = self.spec.loader_mode
-        filler = mode.filler(self.rows, self.plan(epoch), self.seq_len, pad_id,
+        seq_len = phases[-1].seq_len if phases else self.seq_len
+        filler = mode.filler(self.rows, self.plan(epoch, phases), seq_len, pad_id,
                              mode.boundaries_by_default if boundaries is None else boundaries)
         if self.source is not None and self.dataset.has_loss_mask:
             return LossMaskedFiller(filler, LossMasks(self.source))
@@ -184,30 +238,36 @@ class PlannedDataset:
         offsets = np.arange(per_rank, dtype=np.int64) * self.world_size
         return (step_start + offsets + rank)[None, :]
 
-    def epoch_size(self, epoch: int) -> int:
-        """Observations of epoch `epoch` (its plan's size)."""
-        return self.plan(epoch).size
+    def left_at(self, epoch: int, phases: Phases, position: int) -> tuple[int, int]:
+        """(observations, tokens) of epoch `epoch`'s plan under `phases` from `position`
+        to its end: what an epoch that ends there leaves untrained (drop-last)."""
+        plan = self.plan(epoch, phases)
+        positions = np.arange(position, plan.size, dtype=np.int64)
+        counted = getattr(plan, "counted_tokens", None)
+        return positions.size, (counted(positions) if counted and positions.size else 0)
 
     def steps_in(self, epoch: int) -> int:
         """Steps of epoch `epoch` at the first global batch of the schedule."""
         return self.plan(epoch).size // self.global_batch
 
-    def segments(self, epoch: int, position: int, step: int, one_epoch: bool = False
-                 ) -> Iterator[Segment]:
-        """The runs of steps of one global batch from (epoch, position, step) on (`one_epoch`:
-        to the end of `epoch`; raypipe.sampling.schedule: drop-last at each epoch's end)."""
-        return self.schedule.segments(self.epoch_size, epoch, position, step, one_epoch)
+    def segments(self, cursor: Cursor, one_epoch: bool = False) -> Iterator[Segment]:
+        """The runs of steps of one global batch and seq_len from `cursor` on (`one_epoch`:
+        to the end of its epoch; raypipe.sampling.schedule: drop-last at each epoch's end)."""
+        return self.schedule.segments(self.plan_size, cursor, one_epoch)
 
     def locate(self, epoch: int | None, position: int | None, step: int | None,
-               steps_taken: int | None = None) -> tuple[int, int, int]:
-        """(epoch, position, global step number) of global step `step` from the start of
-        training; given a state at (epoch, position) that had taken `steps_taken` steps (None:
-        counted from the schedule), of the step after it, or `step` steps after that one."""
+               steps_taken: int | None = None, phases: Phases = ()) -> Cursor:
+        """The cursor of global step `step` from the start of training; given a state at
+        (epoch, phases, position) that had taken `steps_taken` steps (None: counted from
+        the schedule), of the step after it, or `step` steps after that one."""
         if epoch is None or position is None:
-            return self.schedule.walk(self.epoch_size, 0, 0, 0, step or 0)
+            return self.schedule.walk(self.plan_size, Cursor(0, 0, 0, self.first_phases),
+                                      step or 0)
+        phases = phases or self.first_phases
         if steps_taken is None:
-            steps_taken = self.schedule.steps_before(self.epoch_size, epoch, position)
-        return self.schedule.walk(self.epoch_size, epoch, position, steps_taken, step or 0)
+            steps_taken = self.schedule.steps_before(self.plan_size, epoch, position, phases)
+        return self.schedule.walk(self.plan_size, Cursor(epoch, position, steps_taken, phases),
+                                  step or 0)
 
     @cached_property
     def document_dataset(self) -> TokenDataset:

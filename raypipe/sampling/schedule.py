@@ -1,21 +1,24 @@
-"""Global batch size by step, and the one walk of a loader's steps under it.
+"""Global batch size and seq_len by step, and the one walk of a loader's steps under them.
 
-Invariant: the global batch of global step s (observations every rank takes together) is a
-pure function of the schedule and s: stage k's size from its first step `starts[k]` to the
-next stage's (a ramp is a run of stages, as Megatron's --rampup-batch-size and OLMo-core's
-batch-size scheduler make). An epoch's steps take their global batch each, one after
-another from where the last ended, while a whole step fits (drop-last: the tail that does
-not is left, counted in the epoch's report), so the (epoch, position) of any step is a pure
-function of (the schedule, the epochs' sizes, the (epoch, position, step) walked from).
-`segments` yields the runs of equal global batch in an epoch, which the loader fills and
-`raypipe trace` replays. Cost: O(stages + epochs) to walk any number of steps, nothing per
-batch.
+Invariant: the global batch of global step s (observations every rank takes together) and
+its seq_len are pure functions of the schedule and s: stage k's value from its first step
+to the next stage's (a ramp is a run of stages, as Megatron's --rampup-batch-size and
+OLMo-core's batch-size scheduler make; a long-context phase is a seq_len stage). An epoch's
+steps take their global batch each, one after another from where the last ended, while a
+whole step fits (drop-last: the tail that does not is left, counted in the epoch's report).
+A seq_len that changes inside an epoch begins a `Phase`: the rest of the epoch planned
+again at the new seq_len from what the phase before had not served at that position (the
+mode's `continue_plan`), so no token is served twice and none is skipped. The cursor of any
+step, (epoch, phases, position, step), is a pure function of (the schedule, the plans'
+sizes, the cursor walked from); a loader state records it. `segments` yields the runs of
+equal global batch and seq_len, which the loader fills and `raypipe trace` replays. Cost:
+O(stages + epochs + phases) to walk any number of steps, nothing per batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -23,48 +26,104 @@ from raypipe.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class Phase:
+    """A stretch of an epoch at one seq_len: the first phase is the epoch's plan at
+    `seq_len`; a later one is the rest of the phase before it, from its position `begins`
+    on, planned again at `seq_len` (observations numbered from 0 again)."""
+
+    seq_len: int
+    begins: int = 0
+
+
+Phases = tuple[Phase, ...]
+PlanSize = Callable[[int, Phases], int]  # (epoch, phases) -> observations of that plan
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a loader stands: global step `step` is next, at observation `position` of
+    epoch `epoch`'s plan under `phases` (a loader state's epoch, phases, position, steps)."""
+
+    epoch: int
+    position: int
+    step: int
+    phases: Phases
+
+
+@dataclass(frozen=True)
 class Segment:
-    """`steps` consecutive steps of epoch `epoch` from observation `position` and global
-    step `step`, each of `global_batch` observations."""
+    """`steps` consecutive steps of epoch `epoch` from observation `position` of its plan
+    under `phases` and global step `step`, each of `global_batch` observations of rows of
+    the last phase's seq_len."""
 
     epoch: int
     position: int
     step: int
     steps: int
     global_batch: int
+    phases: Phases = (Phase(0),)
+
+    @property
+    def seq_len(self) -> int:
+        return self.phases[-1].seq_len
 
     def step_start(self, index: int) -> int:
         """The first observation of the segment's `index`-th step."""
         return self.position + index * self.global_batch
 
+    def cursor(self, index: int) -> Cursor:
+        """The cursor before the segment's `index`-th step."""
+        return Cursor(self.epoch, self.step_start(index), self.step + index, self.phases)
+
 
 @dataclass(frozen=True)
 class BatchSchedule:
-    """Global batch size by step: `sizes[k]` observations a step from step `starts[k]`."""
+    """Global batch size by step: `sizes[k]` observations a step from step `starts[k]`;
+    seq_len by step: `seq_lens[k]` from step `seq_starts[k]` (none: the seq_len a cursor
+    stands at is kept)."""
 
     starts: tuple[int, ...]
     sizes: tuple[int, ...]
+    seq_starts: tuple[int, ...] = ()
+    seq_lens: tuple[int, ...] = ()
 
     @classmethod
     def constant(cls, global_batch: int) -> BatchSchedule:
         return cls((0,), (global_batch,))
 
+    def with_seq_lens(self, stages: Sequence[tuple[int, int]]) -> BatchSchedule:
+        """This schedule with seq_len `stages` [(first step, seq_len), ...] from step 0."""
+        starts = checked_starts("seq_len_schedule", [step for step, _ in stages])
+        lengths = tuple(int(length) for _, length in stages)
+        for step, length in zip(starts, lengths, strict=True):
+            if length < 1:
+                raise ConfigError(f"seq_len_schedule: seq_len {length} from step {step} "
+                                  "must be >= 1")
+        return replace(self, seq_starts=starts, seq_lens=lengths)
+
+    def seq_len_at(self, step: int) -> int | None:
+        """The seq_len of step `step` (None: no seq_len stages)."""
+        if not self.seq_lens:
+            return None
+        return self.seq_lens[stage_of(self.seq_starts, step)]
+
+    def stages(self) -> list[tuple[int, int, int | None]]:
+        """[(first step, global batch, seq_len)] at every step where either changes."""
+        steps = sorted({*self.starts, *self.seq_starts})
+        return [(step, self.at(step), self.seq_len_at(step)) for step in steps]
+
     @classmethod
     def of(cls, stages: Sequence[tuple[int, int]], world_size: int) -> BatchSchedule:
         """[(first step, global batch size), ...] from step 0, in increasing steps; each size
         a multiple of the world size (every rank takes the same rows)."""
-        starts = [int(step) for step, _ in stages]
+        starts = checked_starts("batch_schedule", [step for step, _ in stages])
         sizes = [int(size) for _, size in stages]
-        if not starts or starts[0] != 0:
-            raise ConfigError(f"batch_schedule: {list(stages)} must start at step 0")
-        if any(later <= earlier for earlier, later in zip(starts, starts[1:], strict=False)):
-            raise ConfigError(f"batch_schedule: steps {starts} must increase")
         for step, size in zip(starts, sizes, strict=True):
             if size < world_size or size % world_size:
                 raise ConfigError(f"batch_schedule: global batch {size} from step {step} is "
                                   f"not a multiple of the world size {world_size} (each rank "
                                   "takes the same number of rows)")
-        return cls(tuple(starts), tuple(sizes))
+        return cls(starts, tuple(sizes))
 
     @staticmethod
     def ramp(start: int, end: int, increment: int, steps_per_increment: int,
@@ -85,56 +144,105 @@ class BatchSchedule:
 
     def at(self, step: int) -> int:
         """The global batch of step `step`."""
-        return self.sizes[int(np.searchsorted(np.array(self.starts), step, side="right")) - 1]
+        return self.sizes[stage_of(self.starts, step)]
 
     def next_change(self, step: int) -> int | None:
-        """The first step after `step` whose global batch may differ (None: none)."""
-        later = [start for start in self.starts if start > step]
-        return later[0] if later else None
+        """The first step after `step` whose global batch or seq_len may differ (None:
+        none)."""
+        later = [start for start in (*self.starts, *self.seq_starts) if start > step]
+        return min(later) if later else None
 
-    def segments(self, epoch_size: Callable[[int], int], epoch: int, position: int,
-                 step: int, one_epoch: bool = False) -> Iterator[Segment]:
-        """The runs of equal global batch from (epoch, position, step) on, epoch after
-        epoch, without end (`one_epoch`: to the end of `epoch`, the next epoch's size never
-        asked); an epoch's tail that holds no whole step is left."""
+    def phases_at(self, cursor: Cursor) -> Cursor:
+        """The cursor with the seq_len of its step in force: a seq_len other than its last
+        phase's begins a phase at its position (at position 0, replaces that phase)."""
+        wanted = self.seq_len_at(cursor.step)
+        last = cursor.phases[-1]
+        if wanted is None or wanted == last.seq_len:
+            return cursor
+        if cursor.position == 0:
+            return replace(cursor, phases=(*cursor.phases[:-1], Phase(wanted, last.begins)))
+        return replace(cursor, position=0,
+                       phases=(*cursor.phases, Phase(wanted, cursor.position)))
+
+    def segments(self, plan_size: PlanSize, cursor: Cursor, one_epoch: bool = False
+                 ) -> Iterator[Segment]:
+        """The runs of equal global batch and seq_len from `cursor` on, epoch after epoch,
+        without end (`one_epoch`: to the end of the cursor's epoch, the next epoch's size
+        never asked); an epoch's tail that holds no whole step is left."""
         while True:
-            size, global_batch = epoch_size(epoch), self.at(step)
+            cursor = self.phases_at(cursor)
+            epoch, position, step, phases = (cursor.epoch, cursor.position, cursor.step,
+                                             cursor.phases)
+            size, global_batch = plan_size(epoch, phases), self.at(step)
             fit = (size - position) // global_batch
             if fit <= 0:
-                if position == 0:
+                if position == 0 and len(phases) == 1:
                     raise ConfigError(f"epoch {epoch} holds {size} observations, fewer than "
                                       f"one global step of {global_batch}")
                 if one_epoch:
                     return
-                epoch, position = epoch + 1, 0
+                cursor = Cursor(epoch + 1, 0, step, (Phase(phases[-1].seq_len),))
                 continue
             change = self.next_change(step)
             steps = fit if change is None else min(fit, change - step)
-            yield Segment(epoch, position, step, steps, global_batch)
-            position, step = position + steps * global_batch, step + steps
+            yield Segment(epoch, position, step, steps, global_batch, phases)
+            cursor = Cursor(epoch, position + steps * global_batch, step + steps, phases)
 
-    def walk(self, epoch_size: Callable[[int], int], epoch: int, position: int, step: int,
-             steps: int) -> tuple[int, int, int]:
-        """(epoch, position, step) `steps` steps on from (epoch, position, step); a step
-        that does not fit its epoch's tail starts the next epoch."""
+    def walk(self, plan_size: PlanSize, cursor: Cursor, steps: int) -> Cursor:
+        """The cursor `steps` steps on from `cursor`; a step that does not fit its epoch's
+        tail starts the next epoch."""
         if steps == 0:
-            return epoch, position, step
-        for segment in self.segments(epoch_size, epoch, position, step):
+            return cursor
+        for segment in self.segments(plan_size, cursor):
             if steps <= segment.steps:
-                return segment.epoch, segment.step_start(steps), segment.step + steps
+                return segment.cursor(steps)
             steps -= segment.steps
         raise AssertionError("segments never end")
 
-    def steps_before(self, epoch_size: Callable[[int], int], epoch: int, position: int
+    def steps_before(self, plan_size: PlanSize, epoch: int, position: int, phases: Phases
                      ) -> int:
-        """Global steps taken from the start of training to (epoch, position), a position
-        this schedule's walk reaches (for a state saved without its step count, before
-        0.7: under a constant schedule)."""
+        """Global steps taken from the start of training to (epoch, position) of its first
+        phase, a position this schedule's walk reaches (for a state saved without its step
+        count, before 0.7: under a constant schedule)."""
         steps = 0
-        for segment in self.segments(epoch_size, 0, 0, 0):
+        for segment in self.segments(plan_size, Cursor(0, 0, 0, phases)):
             if segment.epoch > epoch or (segment.epoch, segment.position) >= (epoch, position):
                 return steps
             if segment.epoch == epoch and position < segment.step_start(segment.steps):
                 return steps + (position - segment.position) // segment.global_batch
             steps += segment.steps
         raise AssertionError("segments never end")
+
+
+def stage_of(starts: tuple[int, ...], step: int) -> int:
+    """The stage in force at `step` (`starts`: each stage's first step, from 0)."""
+    return int(np.searchsorted(np.array(starts), step, side="right")) - 1
+
+
+def checked_starts(what: str, steps: Sequence[int]) -> tuple[int, ...]:
+    """Stages' first steps: from step 0, increasing."""
+    starts = tuple(int(step) for step in steps)
+    if not starts or starts[0] != 0:
+        raise ConfigError(f"{what}: steps {list(starts)} must start at step 0")
+    if any(later <= earlier for earlier, later in zip(starts, starts[1:], strict=False)):
+        raise ConfigError(f"{what}: steps {list(starts)} must increase")
+    return starts
+
+
+def seq_len_stages_by_tokens(stages: Sequence[tuple[int, int]], batch: BatchSchedule
+                             ) -> list[tuple[int, int]]:
+    """[(tokens trained, seq_len), ...] -> [(first step, seq_len), ...]: each stage begins
+    at the first step at which `tokens` target positions (global batch x seq_len a step,
+    under `batch`) have been trained; the first must be at 0 tokens."""
+    checked_starts("seq_len by tokens", [tokens for tokens, _ in stages])
+    steps, step, trained, seq_len = [(0, int(stages[0][1]))], 0, 0, int(stages[0][1])
+    for tokens, length in stages[1:]:
+        while trained < tokens:
+            later = [start for start in batch.starts if start > step]
+            per_step = batch.at(step) * seq_len
+            needed = -(-(tokens - trained) // per_step)
+            taken = needed if not later else min(needed, later[0] - step)
+            step, trained = step + taken, trained + taken * per_step
+        steps.append((step, int(length)))
+        seq_len = int(length)
+    return steps

@@ -45,7 +45,7 @@ from raypipe.sampling.mixture import (
 )
 from raypipe.sampling.modes import knob_differences, plan_knob_names, upgrade_knobs
 from raypipe.sampling.pack import RowPieces
-from raypipe.sampling.schedule import BatchSchedule
+from raypipe.sampling.schedule import BatchSchedule, Phase
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,8 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
           cache_dir: str | Path | None = None, weights: dict[str, float] | None = None,
           stages: list[tuple[int, dict[str, float]]] | None = None,
           batch_schedule: list[tuple[int, int]] | None = None,
+          seq_len_schedule: list[tuple[int, int]] | None = None,
+          history: dict[str, Any] | str | Path | None = None,
           **knobs: Any) -> Iterator[TraceRecord]:
     """The pieces of `steps` steps from global step `step` (or from where `state`, a
     loader's `state_dict()` or its JSON file, stands; with both, from `step` steps after
@@ -151,8 +153,25 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
     `weights` and `stages`, as the MixtureLoader's; a YAML's own by default;
     `batch_schedule`: the loader's global batch by step, instead of `batch_size`); the loader's
     knobs (mode, seed, packing, ...) as
-    keywords, or taken from `state`; `text`: decode each piece (`tokenizer`: a
-    tokenizer.json where the manifest's path no longer holds it)."""
+    keywords, or taken from `state`; `seq_len_schedule`: seq_len by step, instead of
+    `seq_len`; `history`: a state of the run (its `state_dict()` or JSON file), whose
+    record of every change of global batch and seq_len, declared or made on a resume, gives
+    both schedules and its knobs (any step of such a run, from the start); `text`: decode
+    each piece (`tokenizer`: a tokenizer.json where the manifest's path no longer holds
+    it)."""
+    if history is not None:
+        if state is not None or batch_schedule or seq_len_schedule:
+            raise ConfigError("trace: give history (a state whose record of changes gives "
+                              "the schedules) or state and the schedules, not both")
+        recorded = _read_state(history)
+        if not isinstance(recorded, LoaderState) or not recorded.history:
+            raise ConfigError(f"trace: {history if not isinstance(history, dict) else 'the'}"
+                              " state records no history of changes (a one-dataset loader's "
+                              "state from 0.8 on does)")
+        knobs = {**_state_knobs(recorded, knobs.get("mode")), **knobs}
+        world_size = world_size or recorded.saved_with.get("world_size")
+        batch_schedule = [(entry[0], entry[1]) for entry in recorded.history]
+        seq_len_schedule = [(entry[0], entry[2]) for entry in recorded.history]
     saved = _read_state(state)
     if saved is not None:
         knobs = {**_state_knobs(saved, knobs.get("mode")), **knobs}
@@ -160,11 +179,15 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
         if isinstance(saved, LoaderState):
             world_size = world_size or saved.saved_with.get("world_size")
             batch_size = batch_size or saved.saved_with.get("batch_size")
+    if seq_len_schedule:
+        seq_len = seq_len_schedule[0][1]
     spec = PlanSpec.of(seq_len=seq_len or 0, **knobs)
-    if saved is not None and saved.knobs != spec.knobs_record():
+    refused = saved is not None and knob_differences(
+        saved.knobs, {**spec.knobs_record(), "seq_len": saved.knobs.get("seq_len")})
+    if refused:
         raise ConfigError("the loader state was made with other knobs than these (a state "
                           "from another release, whose rows were cut otherwise, or other "
-                          f"options given): {knob_differences(saved.knobs, spec.knobs_record())}")
+                          f"options given): {refused}")
     world_size = world_size or 1
     ranks = range(world_size) if rank is None else [rank]
     if rank is not None and not 0 <= rank < world_size:
@@ -177,7 +200,8 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
         if batch_schedule:
             batch_size = None  # the schedule's, not the state's
         planned = PlannedDataset.open(data, spec, world_size, batch_size, format_name,
-                                      cache_dir, batch_schedule=batch_schedule)
+                                      cache_dir, batch_schedule=batch_schedule,
+                                      seq_len_schedule=seq_len_schedule)
         if isinstance(saved, LoaderState) and saved.dataset != planned.dataset.fingerprint:
             raise ConfigError(f"the loader state was saved for dataset {saved.dataset!r}, "
                               f"{planned.dataset.root} is {planned.dataset.fingerprint!r}")
@@ -213,12 +237,13 @@ def _rows(planned: PlannedDataset, saved: LoaderState | MixtureState | None,
     step of its global batch (the schedule's)."""
     if isinstance(saved, MixtureState):
         raise ConfigError("a mixture state needs the mixture (a YAML or {name: path}) as data")
-    epoch, position, number = planned.locate(saved.epoch if saved else None,
-                                             saved.position if saved else None, step,
-                                             saved.steps if saved else None)
+    phases = (tuple(Phase(*phase) for phase in saved.phases) if saved and saved.phases
+              else (Phase(saved.knobs["seq_len"]),) if saved else ())
+    cursor = planned.locate(saved.epoch if saved else None, saved.position if saved else None,
+                            step, saved.steps if saved else None, phases)
     taken = 0
-    for segment in planned.segments(epoch, position, number):
-        filler = planned.filler(segment.epoch)
+    for segment in planned.segments(cursor):
+        filler = planned.filler(segment.epoch, phases=segment.phases)
         for index in range(segment.steps):
             if taken == steps:
                 return

@@ -332,6 +332,7 @@ class LoaderMode(ABC):
     shard_local: ClassVar[bool] = True  # serves shuffle="shard_local"
     window_metadata: ClassVar[bool] = False  # rows can carry a stream's metadata
     reads_stream: ClassVar[bool] = False  # rows are cut from the token stream (a split's)
+    continues_plans: ClassVar[bool] = False  # seq_len may change inside an epoch
     Knobs: ClassVar[type[ModeKnobs]] = ModeKnobs  # its own knobs (none by default)
     # its knobs' values from before they existed (see KNOBS_BEFORE)
     knobs_before: ClassVar[dict[str, tuple[Any, tuple[str, ...]]]] = {}
@@ -377,6 +378,14 @@ class LoaderMode(ABC):
                boundaries: bool = True) -> BatchFiller:
         """The batches of `plan` (`source`: a TokenSource, or the BatchDataset of a
         pre-formed mode)."""
+
+    def continue_plan(self, spec: Any, inputs: PlanInputs, epoch: int, before: Any,
+                      position: int) -> Any:
+        """The rest of plan `before` from observation `position` on, planned again at
+        spec.seq_len (a seq_len change inside an epoch: raypipe.sampling.schedule.Phase),
+        holding every token `before` had not served and no other (only where
+        `continues_plans`)."""
+        raise NotImplementedError(f"mode {self.name!r} does not continue plans")
 
     def prepares_next_epoch(self, spec: Any) -> bool:
         """Whether the loader should build the next epoch's plan in the background."""

@@ -46,7 +46,14 @@ from raypipe.sampling.modes.base import (
     knob,
     register,
 )
-from raypipe.sampling.pack import OVERLONGS, PACKINGS, PackedBlock, RowPieces, pack, separator_of
+from raypipe.sampling.pack import (
+    OVERLONGS,
+    PACKINGS,
+    PackedBlock,
+    RowPieces,
+    pack,
+    separator_of,
+)
 from raypipe.sampling.permute import FeistelPermutation
 from raypipe.sampling.plans import PackingReport, ShardGroups, SumsMemo, document_permutation
 
@@ -63,11 +70,14 @@ class BestFitPlan:
     def __init__(self, lengths: np.ndarray | DocumentLengths, seq_len: int, seed: int,
                  epoch: int, block_documents: int = 4096, packing: str = "fill",
                  groups: ShardGroups | None = None, memo: SumsMemo | None = None,
-                 separator: str = "bos", overlong: str = "cut"):
+                 separator: str = "bos", overlong: str = "cut", first_document: int = 0):
         """`memo(key, compute)`: returns compute() or what it returned before for `key`
         (a node-local cache of the block token sums, shared by the node's ranks);
-        `separator`: which side of a document carries BOS/EOS (raypipe.sampling.pack)."""
+        `separator`: which side of a document carries BOS/EOS (raypipe.sampling.pack);
+        `first_document`: the plan packs the epoch's documents from this position of its
+        document order on (the rest of an epoch whose seq_len changed: ContinuedPlan)."""
         lengths = DocumentLengths.of(lengths)
+        self.first_document = first_document
         self.memo = memo
         self.lengths = lengths
         self.packing = packing
@@ -77,12 +87,12 @@ class BestFitPlan:
         self.seed, self.epoch = seed, epoch
         self.block_documents = block_size(lengths, self.capacity, block_documents, packing)
         self.document_order = document_permutation(len(lengths), seed, epoch, 3, groups)
-        self.num_blocks = -(-len(lengths) // self.block_documents)
+        self.num_blocks = -(-(len(lengths) - first_document) // self.block_documents)
         self._cached: OrderedDict[int, PackedBlock] = OrderedDict()
         self._row_orders: dict[int, FeistelPermutation] = {}
 
     def block_documents_ids(self, block: int) -> np.ndarray:
-        first = block * self.block_documents
+        first = self.first_document + block * self.block_documents
         stop = min(first + self.block_documents, len(self.lengths))
         return self.document_order(np.arange(first, stop, dtype=np.int64))
 
@@ -114,19 +124,20 @@ class BestFitPlan:
             dropped += packed.dropped_tokens
             padded += packed.padded_tokens
             repeated += packed.repeated_tokens
-        report = PackingReport(int(rows.sum()), used, cropped, padded, dropped,
-                               self.lengths.total, repeated_tokens=repeated)
+        total = used + cropped + dropped if self.first_document else self.lengths.total
+        report = PackingReport(int(rows.sum()), used, cropped, padded, dropped, total,
+                               repeated_tokens=repeated)
         return np.cumsum(rows), report
 
     def _fill_summary(self) -> tuple[np.ndarray, PackingReport]:
         """Fill packing's rows follow from token sums alone: ceil(block tokens / capacity)
         per block, no block packed."""
         key = ("block-token-sums", self.seed, self.epoch, self.block_documents,
-               len(self.lengths))
+               len(self.lengths), *([self.first_document] if self.first_document else []))
         sums = (self.memo(key, self.block_token_sums) if self.memo is not None
                 else self.block_token_sums())
         rows = -(-sums // self.capacity)
-        total = self.lengths.total
+        total = int(sums.sum()) if self.first_document else self.lengths.total
         positions = int(rows.sum()) * self.capacity
         report = PackingReport(int(rows.sum()), total, 0, positions - total, 0, total)
         return np.concatenate([[0], np.cumsum(rows)]).astype(np.int64), report
@@ -141,9 +152,14 @@ class BestFitPlan:
         if inverse is None:
             return self._block_sums_in_order()
 
+        skipped = self.first_document
+
         def sums_of(piece: tuple[int, np.ndarray]) -> np.ndarray:
             first, lengths = piece
             blocks = inverse(np.arange(first, first + lengths.size, dtype=np.int64))
+            if skipped:  # positions before the plan's first document are not its
+                kept = blocks >= skipped
+                blocks, lengths = blocks[kept] - skipped, lengths[kept]
             return np.bincount(blocks // per_block, weights=lengths,  # exact below 2**53
                                minlength=self.num_blocks).astype(np.int64)
 
@@ -160,7 +176,7 @@ class BestFitPlan:
         count, per_block = len(self.lengths), self.block_documents
         step = per_block * max(1, SUM_CHUNK_DOCUMENTS // per_block)
         sums = []
-        for first in range(0, count, step):
+        for first in range(self.first_document, count, step):
             ids = self.document_order(np.arange(first, min(first + step, count),
                                                 dtype=np.int64))
             lengths = self.lengths[ids]
@@ -212,6 +228,142 @@ class BestFitPlan:
         blocks, local = self.row_ids(positions)
         return [(int(self.row_offsets[block]) + row, self.pack(block).row(row))
                 for block, row in zip(blocks.tolist(), local.tolist(), strict=True)]
+
+    def remaining(self, position: int) -> Remainder:
+        """What the plan has not served once observations [0, position) are: the unserved
+        rows' pieces of the block `position` falls in (merged per document), then every
+        document of the blocks after it. O(one block)."""
+        if position >= self.size:
+            return Remainder.none(len(self.lengths))
+        block = int(np.searchsorted(self.row_offsets, position, side="right")) - 1
+        local = position - int(self.row_offsets[block])
+        if local == 0:
+            return Remainder.none(self.first_document + block * self.block_documents)
+        count = int(self.row_offsets[block + 1] - self.row_offsets[block])
+        packed = self.pack(block)
+        rows = [packed.row(row) for row in
+                self._row_order(block)(np.arange(local, count, dtype=np.int64)).tolist()]
+        first = min(len(self.lengths), self.first_document + (block + 1) * self.block_documents)
+        return Remainder.of_rows(rows, first)
+
+
+@dataclass(frozen=True)
+class Remainder:
+    """The documents an epoch's plan has not served at a position: token ranges of the
+    documents partly or wholly in its unserved rows of the block at that position
+    (`documents`, `starts`, `counts`, in the plan's numbering), and every document from
+    position `first_document` of the epoch's document order on."""
+
+    documents: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+    first_document: int
+
+    @classmethod
+    def none(cls, first_document: int) -> Remainder:
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(empty, empty, empty, first_document)
+
+    @classmethod
+    def of_rows(cls, rows: list[RowPieces], first_document: int) -> Remainder:
+        """The token ranges `rows` hold, one per run of a document's tokens (pieces that
+        meet or overlap, as overlong `split`'s do by one token, are one range)."""
+        if not rows:
+            return cls.none(first_document)
+        documents = np.concatenate([row.documents for row in rows]).astype(np.int64)
+        starts = np.concatenate([row.starts for row in rows]).astype(np.int64)
+        ends = starts + np.concatenate([row.take for row in rows]).astype(np.int64)
+        order = np.lexsort((starts, documents))
+        documents, starts, ends = documents[order], starts[order], ends[order]
+        begins = np.flatnonzero(np.concatenate(
+            [[True], (documents[1:] != documents[:-1]) | (starts[1:] > ends[:-1])]))
+        return cls(documents[begins], starts[begins],
+                   np.maximum.reduceat(ends, begins) - starts[begins], first_document)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.counts.sum())
+
+
+HEAD_SALT = 999  # the Feistel salt of a continued plan's re-planned rows
+
+
+class ContinuedPlan:
+    """The rest of an epoch after a seq_len change: the `Remainder` of the plan before,
+    re-planned at the new seq_len. Its head is the remainder's token ranges packed as one
+    block (each range a document to the packing; pieces keep their document's numbering,
+    so a piece starts its document only where its range does), its rows in a Feistel order;
+    its tail a BestFitPlan of the epoch's documents from `first_document` on. Every token
+    the plan before had not served is in exactly one of its rows, and no other."""
+
+    kind = "bestfit"
+
+    def __init__(self, remainder: Remainder, tail: BestFitPlan):
+        self.tail, self.remainder = tail, remainder
+        self.lengths, self.capacity = tail.lengths, tail.capacity
+        self.head = self._pack_head(remainder, tail)
+        self.head_rows = self.head.num_rows
+        self.head_order = (FeistelPermutation(self.head_rows, tail.seed, tail.epoch,
+                                              salt=HEAD_SALT) if self.head_rows else None)
+
+    @staticmethod
+    def _pack_head(remainder: Remainder, tail: BestFitPlan) -> PackedBlock:
+        count = remainder.documents.size
+        if count == 0:
+            empty = np.zeros(0, dtype=np.int64)
+            return PackedBlock(np.zeros(1, dtype=np.int64), empty, empty, empty,
+                               np.zeros(0, dtype=bool), 0, 0, 0)
+        packed = pack(tail.packing, np.arange(count, dtype=np.int64), remainder.counts,
+                      tail.capacity, tail.separator, tail.overlong)
+        ranges = packed.doc_ids
+        documents = remainder.documents[ranges]
+        range_ends = remainder.starts + remainder.counts == tail.lengths[remainder.documents]
+        return replace(packed, doc_ids=documents, starts=remainder.starts[ranges] + packed.starts,
+                       ends_document=packed.ends_document & range_ends[ranges])
+
+    @property
+    def size(self) -> int:
+        return self.head_rows + self.tail.size
+
+    def report(self) -> PackingReport:
+        """What its rows make of the tokens left when it began."""
+        head, tail = self.head, self.tail.report()
+        return PackingReport(
+            self.head_rows + tail.rows, head.used_tokens + tail.used_tokens,
+            head.cropped_tokens + tail.cropped_tokens, head.padded_tokens + tail.padded_tokens,
+            head.dropped_tokens + tail.dropped_tokens, self.remainder.tokens + tail.total_tokens,
+            repeated_tokens=head.repeated_tokens + tail.repeated_tokens)
+
+    def rows(self, positions: np.ndarray) -> list[tuple[int, RowPieces]]:
+        """For each position: (row id in this plan, the row's pieces)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        in_head = positions < self.head_rows
+        rows: list[tuple[int, RowPieces] | None] = [None] * positions.size
+        if in_head.any():
+            ids = self.head_order(positions[in_head])
+            for at, row in zip(np.flatnonzero(in_head).tolist(), ids.tolist(), strict=True):
+                rows[at] = (row, self.head.row(row))
+        if not in_head.all():
+            tail = self.tail.rows(positions[~in_head] - self.head_rows)
+            for at, (row, pieces) in zip(np.flatnonzero(~in_head).tolist(), tail, strict=True):
+                rows[at] = (self.head_rows + row, pieces)
+        return rows  # type: ignore[return-value]
+
+    def counted_tokens(self, positions: np.ndarray) -> int:
+        return sum(int(row.take.sum()) for _, row in self.rows(positions))
+
+    def repeated_tokens(self, positions: np.ndarray) -> int:
+        return 0 if self.tail.overlong != "split" else self.tail.repeated_tokens(
+            positions[positions >= self.head_rows] - self.head_rows)
+
+    def remaining(self, position: int) -> Remainder:
+        """What is left at `position`: the head's unserved rows and the whole tail, or the
+        tail's remainder."""
+        if position >= self.head_rows:
+            return self.tail.remaining(position - self.head_rows)
+        rows = [self.head.row(row) for row in
+                self.head_order(np.arange(position, self.head_rows, dtype=np.int64)).tolist()]
+        return Remainder.of_rows(rows, self.tail.first_document)
 
 
 def block_size(lengths: DocumentLengths, capacity: int, block_documents: int,
@@ -351,6 +503,7 @@ class BestFitKnobs(ModeKnobs):
 class BestFitMode(LoaderMode):
     name = "bestfit"
     packed = True
+    continues_plans = True
     Knobs = BestFitKnobs
     knobs_before = {
         "packing": ("crop", ("pieces",)),  # before 0.2: crop packing only (no pieces)
@@ -362,12 +515,21 @@ class BestFitMode(LoaderMode):
         return {"block_documents": spec.knobs.block_documents, "packing": spec.packing,
                 "pieces": PIECES_RULE, "overlong": spec.resolved_overlong}
 
-    def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> BestFitPlan:
+    def plan(self, spec: Any, inputs: PlanInputs, epoch: int, first_document: int = 0
+             ) -> BestFitPlan:
         dataset = inputs.dataset
         return BestFitPlan(inputs.lengths(), spec.seq_len, spec.seed, epoch,
                            spec.knobs.block_documents, spec.packing, inputs.groups,
                            inputs.memo, separator_of(dataset.bos_id, dataset.eos_id),
-                           spec.resolved_overlong)
+                           spec.resolved_overlong, first_document)
+
+    def continue_plan(self, spec: Any, inputs: PlanInputs, epoch: int, before: Any,
+                      position: int) -> ContinuedPlan:
+        """The rest of `before` from `position` at spec.seq_len: the partly served block's
+        unserved pieces packed again, then the later documents in new blocks."""
+        remainder = before.remaining(position)
+        return ContinuedPlan(remainder, self.plan(spec, inputs, epoch,
+                                                  remainder.first_document))
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
                boundaries: bool = True) -> BestFitFiller:

@@ -1,0 +1,197 @@
+"""seq_len that changes inside an epoch, declared (a schedule by step or by tokens) or on a
+resume (raypipe.sampling.schedule.Phase, bestfit's ContinuedPlan): every token of every
+document is trained once per epoch across any number of changes and world sizes, the
+batches equal an uninterrupted run's, `raypipe trace` names what each step after a change
+held, and a change a mode cannot honour is refused naming the field.
+
+The dataset's tokens are their own identity (document tokens numbered 1..N, pad 0), so
+counting a token's appearances in the batches checks the claim without the plans."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from bench.common import write_synthetic_dataset
+from raypipe.errors import StateError
+from raypipe.loader import TokenLoader
+from raypipe.sampling.schedule import BatchSchedule, seq_len_stages_by_tokens
+
+TOKENS = 120_000
+SHORT, LONG = 32, 128  # the issue's 512 -> 2048, scaled to a test's corpus
+RAMP = BatchSchedule.ramp(24, 96, 24, 4)  # 8 -> 32 rows, x3 so 1, 2 and 3 ranks divide it
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory):
+    """A megatron dataset whose token k (k = 1..N over all documents) is the id k."""
+    rng = np.random.default_rng(7)
+    lengths = np.clip(rng.lognormal(3.6, 1.0, 6000).astype(np.int64) + 2, 2, 400)
+    lengths = lengths[np.cumsum(lengths) <= TOKENS]
+    tokens = np.arange(1, int(lengths.sum()) + 1, dtype=np.uint32)
+    output = tmp_path_factory.mktemp("numbered") / "tokens"
+    write_synthetic_dataset(output, "megatron", [(tokens, lengths, None)], "numbered",
+                            shard_tokens=40_000, largest_id=1 << 20)
+    return output, int(lengths.sum())
+
+
+def document_starts(path) -> np.ndarray:
+    """The id of each document's first token (token ids number the tokens from 1)."""
+    from raypipe.dataset import TokenDataset
+
+    lengths = TokenDataset(path).document_lengths()
+    return np.concatenate([[0], np.cumsum(lengths)[:-1]]) + 1
+
+
+def a_third_then_long(total: int) -> list[tuple[int, int]]:
+    """seq_len SHORT for the first third of the epoch's tokens, LONG after it."""
+    return seq_len_stages_by_tokens([(0, SHORT), (total // 3, LONG)], BatchSchedule.of(RAMP, 1))
+
+
+def run(path, world, state, steps, **options):
+    """{step: (seq_len, [rows of every rank, rank-major, each its T + 1 tokens])} for at most
+    `steps` steps from `state`, the state after, and rank 0's loader."""
+    if options.get("mode", "bestfit") == "bestfit":
+        options = {"block_documents": 64, **options}  # blocks of ~150-570 documents
+    loaders = [TokenLoader(str(path), rank=rank, world_size=world, seed=3,
+                           batch_schedule=RAMP, **options) for rank in range(world)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    iterators = [iter(loader) for loader in loaders]
+    taken = {}
+    for _ in range(steps):
+        batches = [next(iterator, None) for iterator in iterators]
+        if batches[0] is None:
+            break
+        rows = [torch.cat([b.inputs, b.targets[:, -1:]], 1).numpy().copy() for b in batches]
+        taken[batches[0].step] = (batches[0].inputs.shape[1], np.concatenate(rows))
+    for iterator in iterators:
+        iterator.close()
+    states = [loader.state_dict() for loader in loaders]
+    assert all(saved == states[0] for saved in states)
+    return taken, json.loads(json.dumps(states[0])), loaders[0]
+
+
+def assert_every_token_once(taken, total, tail_tokens):
+    """Every document token is in exactly one row of one step, but the drop-last tail's."""
+    counts = np.bincount(np.concatenate([rows.ravel() for _, rows in taken.values()]),
+                         minlength=total + 1)[1:]
+    assert counts.max() == 1, f"{int((counts > 1).sum())} tokens trained twice"
+    assert int((counts == 0).sum()) == tail_tokens
+
+
+def assert_same_steps(resumed, whole):
+    assert sorted(resumed) == sorted(whole) == list(range(len(whole)))
+    for step, (seq_len, rows) in whole.items():
+        assert resumed[step][0] == seq_len, step
+        assert sorted(map(tuple, resumed[step][1])) == sorted(map(tuple, rows)), step
+
+
+def test_seq_len_by_tokens_becomes_the_step_where_that_many_were_trained():
+    stages = seq_len_stages_by_tokens([(0, 32), (10_000, 128)], BatchSchedule.of(RAMP, 1))
+    # 4 steps x 24 x 32 = 3072, 4 x 48 x 32 = 6144 (9216), then 72 x 32 = 2304 a step
+    assert stages == [(0, 32), (9, 128)]
+
+
+def test_a_declared_long_context_phase_after_a_ramp_trains_every_token_once_across_world_sizes(
+        numbered):
+    path, total = numbered
+    schedule = a_third_then_long(total)
+    whole, _, loader = run(path, 2, None, 10**6, seq_len_schedule=schedule)
+    _, tail_rows, tail_tokens = loader.dropped_tail
+    assert tail_rows < 96
+    assert_every_token_once(whole, total, tail_tokens)
+    change = schedule[1][0]
+    assert {whole[step][0] for step in whole if step < change} == {SHORT}
+    assert {whole[step][0] for step in whole if step >= change} == {LONG}
+    assert {len(whole[step][1]) for step in whole if step >= 12} == {96}
+    first, state, _ = run(path, 2, None, 10, seq_len_schedule=schedule)
+    second, state, _ = run(path, 3, state, change + 3 - 10, seq_len_schedule=schedule)
+    assert state["phases"] == [[SHORT, 0], [LONG, state["phases"][1][1]]]
+    third, state, _ = run(path, 1, state, 10**6, seq_len_schedule=schedule)
+    assert_same_steps({**first, **second, **third}, whole)
+    assert state["epoch"] == 1 and state["phases"] is None
+    assert state["history"][-1] == [change, 96, LONG] or [change, 96, LONG] in state["history"]
+
+
+@pytest.mark.parametrize("packing", ["fill", "split"])
+def test_a_seq_len_change_on_resume_trains_no_token_twice_and_skips_none(numbered, packing):
+    path, total = numbered
+    first, state, _ = run(path, 2, None, 9, seq_len=SHORT, packing=packing)
+    second, state, _ = run(path, 3, state, 5, seq_len=LONG, packing=packing)  # not declared
+    assert state["phases"][0][0] == SHORT and state["phases"][-1][0] == LONG
+    third, state, loader = run(path, 1, state, 10**6, seq_len=LONG // 2,  # and another
+                               packing=packing)
+    assert len(json.loads(json.dumps(state))["history"]) >= 5
+    taken = {**first, **second, **third}
+    assert sorted(taken) == list(range(len(taken)))
+    assert [taken[step][0] for step in (8, 9, 13, 14)] == [SHORT, LONG, LONG, LONG // 2]
+    assert_every_token_once(taken, total, loader.dropped_tail[2])
+    # the same changes declared: the same batches
+    declared, _, _ = run(path, 2, None, 10**6, packing=packing,
+                         seq_len_schedule=[(0, SHORT), (9, LONG), (14, LONG // 2)])
+    assert_same_steps(taken, declared)
+
+
+def test_trace_after_each_change_names_the_tokens_the_batch_held(numbered):
+    from raypipe import trace
+
+    path, total = numbered
+    schedule = a_third_then_long(total)
+    wanted = {schedule[1][0] - 1, schedule[1][0], schedule[1][0] + 2}
+    taken, state, _ = run(path, 2, None, max(wanted) + 1, seq_len_schedule=schedule)
+    for step in sorted(wanted):
+        records = list(trace(str(path), step, world_size=2, seed=3, batch_schedule=RAMP,
+                             seq_len_schedule=schedule, block_documents=64))
+        seq_len, rows = taken[step]
+        assert_records_are_the_rows(records, rows, seq_len, document_starts(path))
+        from_history = list(trace(str(path), step, history=state))
+        assert [r.line() for r in from_history] == [r.line() for r in records]
+
+
+def assert_records_are_the_rows(records, rows, seq_len, starts):
+    """Each traced piece's tokens (the document's token range, as token ids) are the batch
+    row's tokens at its columns, and every row of the step is traced."""
+    per_rank = len(rows) // 2
+    seen = set()
+    for record in records:
+        row = rows[record.rank * per_rank + record.row]
+        first = int(starts[record.document])
+        assert record.col_end <= seq_len + 1
+        assert row[record.col_start:record.col_end].tolist() == list(
+            range(first + record.token_start, first + record.token_end))
+        seen.add((record.rank, record.row))
+    assert len(seen) == len(rows)
+
+
+def test_a_mode_that_cannot_re_plan_refuses_the_change_naming_seq_len(numbered):
+    path, _ = numbered
+    _, state, _ = run(path, 1, None, 2, seq_len=SHORT, mode="windows")
+    with pytest.raises(StateError, match=f"seq_len: {SHORT} -> {LONG} inside epoch 0"):
+        TokenLoader(str(path), LONG, rank=0, world_size=1, seed=3, mode="windows",
+                    batch_schedule=RAMP).load_state_dict(state)
+    with pytest.raises(StateError, match="seed: saved 3, now 4"):
+        TokenLoader(str(path), SHORT, rank=0, world_size=1, seed=4, block_documents=64,
+                    batch_schedule=RAMP).load_state_dict(run(path, 1, None, 2,
+                                                             seq_len=SHORT)[1])
+
+
+def test_trace_s_command_line_follows_a_run_s_history(numbered, tmp_path, capsys):
+    from raypipe import trace
+    from raypipe.cli import main
+
+    path, _ = numbered
+    _, state, _ = run(path, 2, None, 9, seq_len=SHORT)
+    _, state, _ = run(path, 2, state, 3, seq_len=LONG)  # a change on resume at step 9
+    saved = tmp_path / "state.json"
+    saved.write_text(json.dumps(state))
+    assert main(["trace", str(path), "--step", "10", "--history", str(saved)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected = [record.line() for record in trace(
+        str(path), 10, world_size=2, seed=3, block_documents=64, batch_schedule=RAMP,
+        seq_len_schedule=[(0, SHORT), (9, LONG)])]
+    assert lines == expected and max(json.loads(line)["col_end"] for line in lines) > SHORT
