@@ -21,12 +21,15 @@ epoch), then with the cache the cold run left ("warm": every other rank of the n
 - private memory: RssAnon growth from after the imports to after those steps (maps of the
   index and token files are shared page cache, not counted), per document;
 - open files at the end, and bytes read (rchar) before the first batch;
+- change (bestfit): the resume's state loaded into a loader at seq_len 8192 (B = 2), to
+  its first batch: the rest of the epoch planned again from what the state had not served
+  (raypipe.sampling.schedule.Phase), and the private memory that adds;
 - trace: `raypipe.trace` of the rank's rows at the middle step of epoch 1 (a step whose
   epoch 0 must be sized first), in the probe's process after its loader (document modes; the
   synthetic LLMBATCH output has no document shards to map its records back to).
 Targets at 10^8 documents in 10^4 shards, rank 999 with a warm node cache, every mode: start
 and resume <= 5 s, epoch boundary <= 1 s, private memory <= 1 B/document + 64 MiB, trace
-<= 5 s, all under ulimit -n 256.
+<= 5 s, all under ulimit -n 256; a seq_len change <= resume + one block's re-plan.
 """
 
 from __future__ import annotations
@@ -97,6 +100,16 @@ began = time.perf_counter()
 loader.plan(loader.epoch + 1)
 boundary = time.perf_counter() - began
 private = status("RssAnon:") - base_memory  # the loader's, before trace runs here
+changed, change_memory = -1.0, 0
+if mode == "bestfit":  # the same state into a loader at 4x the seq_len: the change's cost
+    before = status("RssAnon:")
+    began = time.perf_counter()
+    longer = TokenLoader(path, mode=mode, rank=min(rank, 998), world_size=999, seed=1,
+                         seq_len=8192, batch_size=2)
+    longer.load_state_dict(state)
+    next(iter(longer))
+    changed = time.perf_counter() - began
+    change_memory = status("RssAnon:") - before
 traced = -1.0
 if mode != "batches":
     from raypipe.tools.trace import trace
@@ -106,7 +119,8 @@ if mode != "batches":
     traced = time.perf_counter() - began
     assert pieces
 print(json.dumps({{"start": start, "resume": resume, "boundary": boundary, "step": step,
-                  "prepare": prepare, "trace": traced,
+                  "prepare": prepare, "trace": traced, "change": changed,
+                  "change_memory": change_memory,
                   "private": private,
                   "files": len(os.listdir("/proc/self/fd")), "read_first": read_first}}))
 """
@@ -208,7 +222,7 @@ def main() -> None:
     args.workdir.mkdir(exist_ok=True)
     rows = [("documents", "shards", "mode", "rank", "cache", "start s", "resume s",
              "prepare s", "boundary s", "ms/step", "private MiB", "B/doc", "files",
-             "MB read", "trace s")]
+             "MB read", "trace s", "change s", "change MiB")]
     verdicts = []
     ranks = [int(rank) for rank in args.ranks.split(",")]
     for documents, shards in parse_sizes(args.sizes):
@@ -227,7 +241,7 @@ def main() -> None:
                 got = probe(path, mode, rank, cache_dir)
                 head = (f"{documents:.0e}", str(shards), mode, str(rank), cache)
                 if "error" in got:
-                    rows.append((*head, got["error"], *[""] * 9))
+                    rows.append((*head, got["error"], *[""] * 11))
                     verdicts.append(False)
                     continue
                 rows.append((*head, f"{got['start']:.2f}", f"{got['resume']:.2f}",
@@ -235,7 +249,10 @@ def main() -> None:
                              f"{got['step'] * 1e3:.1f}", f"{got['private'] / 2**20:.0f}",
                              f"{got['private'] / documents:.2f}", str(got["files"]),
                              f"{got['read_first'] / 1e6:.0f}",
-                             f"{got['trace']:.2f}" if got["trace"] >= 0 else "-"))
+                             f"{got['trace']:.2f}" if got["trace"] >= 0 else "-",
+                             f"{got['change']:.2f}" if got["change"] >= 0 else "-",
+                             f"{got['change_memory'] / 2**20:.0f}" if got["change"] >= 0
+                             else "-"))
                 if documents >= 10**8 and rank == 999 and cache == "warm":
                     verdicts.append(got["start"] <= 5 and got["resume"] <= 5
                                     and got["boundary"] <= 1 and got["trace"] <= 5

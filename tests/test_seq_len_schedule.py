@@ -195,3 +195,20 @@ def test_trace_s_command_line_follows_a_run_s_history(numbered, tmp_path, capsys
         str(path), 10, world_size=2, seed=3, block_documents=64, batch_schedule=RAMP,
         seq_len_schedule=[(0, SHORT), (9, LONG)])]
     assert lines == expected and max(json.loads(line)["col_end"] for line in lines) > SHORT
+
+
+def test_a_plan_from_a_block_boundary_slices_the_whole_epoch_s_block_sums():
+    """The rest of an epoch whose block size held across the change reuses the epoch's
+    block sums; both routes (slice, and a pass over the lengths) agree, and so do their
+    rows."""
+    from raypipe.sampling.modes.bestfit import BestFitPlan
+
+    lengths = np.random.default_rng(1).integers(2, 300, 5000)
+    whole = BestFitPlan(lengths, 64, 1, 0, block_documents=200)
+    per_block = whole.block_documents
+    tail = BestFitPlan(lengths, 64, 1, 0, block_documents=200, first_document=3 * per_block)
+    assert np.array_equal(tail.kept_block_sums(), whole.kept_block_sums()[3:])
+    assert np.array_equal(tail.kept_block_sums(), tail.block_token_sums())
+    assert tail.size == whole.size - whole.row_offsets[3]
+    for block in (0, 1, tail.num_blocks - 1):
+        assert np.array_equal(tail.pack(block).doc_ids, whole.pack(block + 3).doc_ids)

@@ -19,6 +19,7 @@ a batch of 8 x 2049 (bench/loader_bench.py).
 
 from __future__ import annotations
 
+import copy
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -132,15 +133,33 @@ class BestFitPlan:
     def _fill_summary(self) -> tuple[np.ndarray, PackingReport]:
         """Fill packing's rows follow from token sums alone: ceil(block tokens / capacity)
         per block, no block packed."""
-        key = ("block-token-sums", self.seed, self.epoch, self.block_documents,
-               len(self.lengths), *([self.first_document] if self.first_document else []))
-        sums = (self.memo(key, self.block_token_sums) if self.memo is not None
-                else self.block_token_sums())
+        sums = self.kept_block_sums()
         rows = -(-sums // self.capacity)
         total = int(sums.sum()) if self.first_document else self.lengths.total
         positions = int(rows.sum()) * self.capacity
         report = PackingReport(int(rows.sum()), total, 0, positions - total, 0, total)
         return np.concatenate([[0], np.cumsum(rows)]).astype(np.int64), report
+
+    def kept_block_sums(self) -> np.ndarray:
+        """The block token sums through the memo. A plan that starts at a block boundary of
+        the whole epoch's blocks of its size (the rest of an epoch after a seq_len change
+        that kept the block size) slices the whole epoch's sums: no pass over the lengths
+        where the node holds them."""
+        per_block, first = self.block_documents, self.first_document
+        if first % per_block == 0:
+            key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths))
+            whole = (self.memo(key, self.whole_epoch_sums) if self.memo is not None
+                     else self.whole_epoch_sums())
+            return whole[first // per_block:]
+        key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths), first)
+        return (self.memo(key, self.block_token_sums) if self.memo is not None
+                else self.block_token_sums())
+
+    def whole_epoch_sums(self) -> np.ndarray:
+        """The block token sums of the whole epoch (from its first document)."""
+        if not self.first_document:
+            return self.block_token_sums()
+        return replace_first(self, 0).block_token_sums()
 
     def block_token_sums(self) -> np.ndarray:
         """Tokens of each block, in one vectorized pass over the lengths in storage order
@@ -364,6 +383,16 @@ class ContinuedPlan:
         rows = [self.head.row(row) for row in
                 self.head_order(np.arange(position, self.head_rows, dtype=np.int64)).tolist()]
         return Remainder.of_rows(rows, self.tail.first_document)
+
+
+def replace_first(plan: BestFitPlan, first_document: int) -> BestFitPlan:
+    """`plan`'s shape from another first document (no block packed, nothing summed)."""
+    other = copy.copy(plan)
+    other.first_document = first_document
+    other.num_blocks = -(-(len(plan.lengths) - first_document) // plan.block_documents)
+    other._cached, other._row_orders = OrderedDict(), {}
+    other.__dict__.pop("_summary", None)
+    return other
 
 
 def block_size(lengths: DocumentLengths, capacity: int, block_documents: int,
