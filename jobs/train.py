@@ -25,6 +25,7 @@ from pathlib import Path
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
+from raypipe.cli import batch_schedule, seq_len_schedule  # noqa: E402
 from raypipe.errors import RaypipeError, StateError  # noqa: E402
 from raypipe.examples.gpt_train import fit  # noqa: E402
 from raypipe.io.paths import check_lasting_location  # noqa: E402
@@ -41,6 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=128,
                         help="T: tokens a row trains (rows hold T + 1)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per worker per step")
+    parser.add_argument("--batch-schedule", type=batch_schedule, default=None,
+                        metavar="STEP:ROWS,...",
+                        help="global rows by step, e.g. 0:16,100:32 (a ramp), instead of "
+                        "--batch-size")
+    parser.add_argument("--seq-len-schedule", type=seq_len_schedule, default=None,
+                        metavar="STEP:SEQ_LEN,...",
+                        help="seq_len by step, e.g. 0:128,200:512 (a long-context phase), "
+                        "instead of --seq-len; the rest of the epoch is planned again at each "
+                        "change (docs/loader.md)")
     parser.add_argument("--mode", default="bestfit", choices=list(mode_names()),
                         help="how rows are made (docs/loader.md)")
     parser.add_argument("--seed", type=int, default=0, help="the loader's shuffle seed")
@@ -110,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
               "on a cluster that autoscales", file=sys.stderr)
         return 2
     data = args.data if "://" in args.data else os.path.abspath(args.data)
-    config = {"data": data, "seq_len": args.seq_len, "shuffle": args.shuffle,
+    config = {"data": data, "shuffle": args.shuffle, **loader_shape(args),
               "cache_dir": args.cache_dir, "validation_fraction": args.validation_fraction,
-              "batch_size": args.batch_size, "mode": args.mode, "seed": args.seed,
+              "mode": args.mode, "seed": args.seed,
               "max_steps": args.max_steps, "checkpoint_every": args.checkpoint_every}
     from raypipe.ray.stderr_lines import dropping_ray_noise
 
@@ -121,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
                      args.max_failures)
     print(f"finished: {result.metrics}; checkpoint {result.checkpoint}")
     return 0
+
+
+def loader_shape(args: argparse.Namespace) -> dict:
+    """The loader's seq_len and batch size: fixed, or their schedules (which replace them)."""
+    return {"seq_len": None if args.seq_len_schedule else args.seq_len,
+            "batch_size": None if args.batch_schedule else args.batch_size,
+            "batch_schedule": args.batch_schedule, "seq_len_schedule": args.seq_len_schedule}
 
 
 def check_loader_states(run: Path, args: argparse.Namespace) -> None:
@@ -134,7 +151,9 @@ def check_loader_states(run: Path, args: argparse.Namespace) -> None:
     from raypipe.ray.train import state_file_name
 
     data = args.data if "://" in args.data else os.path.abspath(args.data)
-    loaders = {"train": {"mode": args.mode}}
+    shape = loader_shape(args)
+    loaders = {"train": {"mode": args.mode, "batch_schedule": shape["batch_schedule"],
+                         "seq_len_schedule": shape["seq_len_schedule"]}}
     if args.validation_fraction:
         loaders["train"].update(split="train", validation_fraction=args.validation_fraction)
         loaders["validation"] = {"mode": "documents", "split": "validation",
@@ -142,8 +161,11 @@ def check_loader_states(run: Path, args: argparse.Namespace) -> None:
     for name, options in loaders.items():
         path = newest[1] / state_file_name(name)
         if path.exists():
-            loader = open_loader(data, args.seq_len, args.batch_size, seed=args.seed,
-                                 shuffle=args.shuffle, cache_dir=args.cache_dir, **options)
+            fixed = name == "validation"  # one shape: the first of the schedules
+            loader = open_loader(
+                data, args.seq_len if fixed or not shape["seq_len_schedule"] else None,
+                args.batch_size if fixed or not shape["batch_schedule"] else None,
+                seed=args.seed, shuffle=args.shuffle, cache_dir=args.cache_dir, **options)
             try:
                 loader.load_state_dict(json.loads(path.read_text()))
             except RaypipeError as exc:

@@ -237,7 +237,7 @@ def test_the_example_trainer_reports_where_a_mixture_or_a_dataset_stands(sources
     next(iter(mixture))
     assert position_metrics(mixture) == {"mixture_steps": 1}
     single = TokenLoader(next(iter(sources.values())), 16, 2, device="cpu")
-    assert position_metrics(single) == {"epoch": 0, "position": 0}
+    assert position_metrics(single) == {"epoch": 0, "position": 0, "seq_len": 16}
 
 
 def test_a_mixture_yaml_s_stages_drive_the_loader_and_trace_follows_them(sources, tmp_path):

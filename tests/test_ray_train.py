@@ -107,10 +107,12 @@ def test_ray_data_datasource_reads_the_loader_windows(ray_session, token_dataset
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_jobs_train_prints_no_ray_noise_and_says_where_it_resumed(token_dataset, tmp_path):
+def test_jobs_train_follows_its_schedules_prints_no_ray_noise_and_says_where_it_resumed(
+        token_dataset, tmp_path):
     """jobs/train.py starts its local Ray with the dashboard, whose State API Ray Train's
-    placement-group cleaner polls: without it the cleaner warned every few seconds. Run
-    again with more steps, it says the step and checkpoint it resumed from."""
+    placement-group cleaner polls: without it the cleaner warned every few seconds. Its
+    workers follow a batch ramp and a seq_len change (at step 3, before the checkpoint of
+    step 4). Run again with more steps, it says the step and checkpoint it resumed from."""
     import os
     import subprocess
     import sys
@@ -121,12 +123,12 @@ def test_jobs_train_prints_no_ray_noise_and_says_where_it_resumed(token_dataset,
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, "jobs/train.py", "--data", str(token_dataset),
                            "--workers", "2", "--max-steps", "4", "--checkpoint-every", "2",
-                           "--seq-len", "32", "--batch-size", "2",
+                           "--seq-len-schedule", "0:32,3:64", "--batch-schedule", "0:2,2:4",
                            "--storage", str(tmp_path / "runs")],
                           capture_output=True, text=True, cwd=root, env=env, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
-    assert "finished: {'step': 4" in output
+    assert "finished: {'step': 4" in output and "'seq_len': 64" in output
     assert "Failed to query Ray Train Controller" not in output
     assert "has constructor arguments in the object store" not in output  # PreemptionWatcher
     assert "resumed at step" not in output

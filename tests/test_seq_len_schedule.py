@@ -13,6 +13,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from bench.common import write_synthetic_dataset
@@ -118,21 +120,22 @@ def test_a_declared_long_context_phase_after_a_ramp_trains_every_token_once_acro
     assert state["history"][-1] == [change, 96, LONG] or [change, 96, LONG] in state["history"]
 
 
-@pytest.mark.parametrize("packing", ["fill", "split"])
-def test_a_seq_len_change_on_resume_trains_no_token_twice_and_skips_none(numbered, packing):
+@pytest.mark.parametrize("knobs", [{"packing": "fill"}, {"packing": "split"},
+                                   {"shuffle": "shard_local", "group_shards": 1}])
+def test_a_seq_len_change_on_resume_trains_no_token_twice_and_skips_none(numbered, knobs):
     path, total = numbered
-    first, state, _ = run(path, 2, None, 9, seq_len=SHORT, packing=packing)
-    second, state, _ = run(path, 3, state, 5, seq_len=LONG, packing=packing)  # not declared
+    first, state, _ = run(path, 2, None, 9, seq_len=SHORT, **knobs)
+    second, state, _ = run(path, 3, state, 5, seq_len=LONG, **knobs)  # not declared
     assert state["phases"][0][0] == SHORT and state["phases"][-1][0] == LONG
     third, state, loader = run(path, 1, state, 10**6, seq_len=LONG // 2,  # and another
-                               packing=packing)
+                               **knobs)
     assert len(json.loads(json.dumps(state))["history"]) >= 5
     taken = {**first, **second, **third}
     assert sorted(taken) == list(range(len(taken)))
     assert [taken[step][0] for step in (8, 9, 13, 14)] == [SHORT, LONG, LONG, LONG // 2]
     assert_every_token_once(taken, total, loader.dropped_tail[2])
     # the same changes declared: the same batches
-    declared, _, _ = run(path, 2, None, 10**6, packing=packing,
+    declared, _, _ = run(path, 2, None, 10**6, **knobs,
                          seq_len_schedule=[(0, SHORT), (9, LONG), (14, LONG // 2)])
     assert_same_steps(taken, declared)
 
@@ -151,6 +154,10 @@ def test_trace_after_each_change_names_the_tokens_the_batch_held(numbered):
         assert_records_are_the_rows(records, rows, seq_len, document_starts(path))
         from_history = list(trace(str(path), step, history=state))
         assert [r.line() for r in from_history] == [r.line() for r in records]
+    after_state = list(trace(str(path), state=state))  # the step after it, in its phase
+    assert {r.step for r in after_state} == {max(wanted) + 1}
+    assert [r.line() for r in after_state] == [
+        r.line() for r in trace(str(path), max(wanted) + 1, history=state)]
 
 
 def assert_records_are_the_rows(records, rows, seq_len, starts):
@@ -212,3 +219,41 @@ def test_a_plan_from_a_block_boundary_slices_the_whole_epoch_s_block_sums():
     assert tail.size == whole.size - whole.row_offsets[3]
     for block in (0, 1, tail.num_blocks - 1):
         assert np.array_equal(tail.pack(block).doc_ids, whole.pack(block + 3).doc_ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=300),
+       shapes=st.lists(st.integers(4, 160), min_size=2, max_size=4),
+       cuts=st.lists(st.floats(0.0, 1.0), min_size=3, max_size=3),
+       packing=st.sampled_from(["fill", "split", "crop"]), seed=st.integers(0, 5))
+def test_any_chain_of_seq_len_changes_serves_each_token_at_most_once_and_fill_split_all(
+        lengths, shapes, cuts, packing, seed):
+    """Serve a plan to a position, continue at another seq_len, again: the served pieces
+    cover every token exactly once (fill, split), at most once (crop, which crops)."""
+    from raypipe.sampling.modes.bestfit import BestFitPlan, ContinuedPlan
+
+    lengths = np.array(lengths, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    counts = np.zeros(int(lengths.sum()), dtype=np.int64)
+
+    def plan_at(seq_len, first=0):
+        return BestFitPlan(lengths, seq_len, seed, 0, block_documents=8, packing=packing,
+                           first_document=first)
+
+    def serve(plan, stop):
+        for _, row in (plan.rows(np.arange(stop, dtype=np.int64)) if stop else []):
+            for document, start, take in zip(row.documents, row.starts, row.take,
+                                             strict=True):
+                counts[offsets[document] + start:offsets[document] + start + take] += 1
+
+    plan = plan_at(shapes[0])
+    for seq_len, cut in zip(shapes[1:], cuts, strict=False):
+        position = int(cut * plan.size)
+        serve(plan, position)
+        remainder = plan.remaining(position)
+        plan = ContinuedPlan(remainder, plan_at(seq_len, remainder.first_document))
+        assert all(row.length <= seq_len + 1 for _, row in plan.rows(np.arange(plan.size)))
+    serve(plan, plan.size)
+    assert counts.max() <= 1
+    if packing != "crop":
+        assert counts.min() == 1

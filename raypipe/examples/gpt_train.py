@@ -108,20 +108,26 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     held_out = config.get("validation_fraction")
     split = {"split": "train", "validation_fraction": held_out} if held_out else {}
-    loader = worker_loader(config["data"], config["seq_len"], config["batch_size"],
+    schedules = {name: config[name] for name in ("batch_schedule", "seq_len_schedule")
+                 if config.get(name)}
+    loader = worker_loader(config["data"], config.get("seq_len"), config.get("batch_size"),
                            mode=config.get("mode", "bestfit"), seed=config.get("seed", 0),
                            shuffle=config.get("shuffle", "global"),
-                           cache_dir=config.get("cache_dir"), name="train", **split)
+                           cache_dir=config.get("cache_dir"), name="train", **split,
+                           **schedules)
+    seq_lens = [length for _, length in config.get("seq_len_schedule") or []]
+    longest = max(seq_lens or [config["seq_len"]])  # the model's positions: every phase's
     validation = None
     if held_out:  # its own state in the same checkpoint: restored independently
-        validation = worker_loader(config["data"], config["seq_len"], config["batch_size"],
+        validation = worker_loader(config["data"], config.get("seq_len") or seq_lens[0],
+                                   config.get("batch_size") or loader.batch_size,
                                    mode="documents", split="validation",
                                    validation_fraction=held_out,
                                    cache_dir=config.get("cache_dir"), name="validation")
     rank = ray.train.get_context().get_world_rank()
     vocab = loader.tokenizer.largest_id + 1
     torch.manual_seed(config.get("seed", 0))
-    model = TinyGPT(vocab, config["seq_len"], config.get("width", 64))
+    model = TinyGPT(vocab, longest, config.get("width", 64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.get("lr", 3e-3))
     checkpoint = ray.train.get_checkpoint()
     step = _restore(model, optimizer, checkpoint)
@@ -180,13 +186,14 @@ def _evaluate(model: nn.Module, validation: Any, vocab: int, batches: int) -> fl
 
 
 def position_metrics(loader: Any) -> dict[str, int]:
-    """Where the training loader stands: a dataset's epoch and position, or a mixture's
-    steps (its sources each keep their own)."""
+    """Where the training loader stands: a dataset's epoch, position (in the plan of its
+    current seq_len phase) and next step's seq_len, or a mixture's steps (its sources each
+    keep their own)."""
     from raypipe.loader import MixtureLoader
 
     if isinstance(loader, MixtureLoader):
         return {"mixture_steps": loader.steps}
-    return {"epoch": loader.epoch, "position": loader.position}
+    return {"epoch": loader.epoch, "position": loader.position, "seq_len": loader.seq_len}
 
 
 def _report(model: nn.Module, optimizer: torch.optim.Optimizer, loaders: list[Any], step: int,
