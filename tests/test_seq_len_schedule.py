@@ -13,9 +13,9 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from bench.common import write_synthetic_dataset
 from raypipe.errors import StateError

@@ -167,7 +167,7 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
         if not isinstance(recorded, LoaderState) or not recorded.history:
             raise ConfigError(f"trace: {history if not isinstance(history, dict) else 'the'}"
                               " state records no history of changes (a one-dataset loader's "
-                              "state from 0.8 on does)")
+                              "state from 0.7 on does)")
         knobs = {**_state_knobs(recorded, knobs.get("mode")), **knobs}
         world_size = world_size or recorded.saved_with.get("world_size")
         batch_schedule = [(entry[0], entry[1]) for entry in recorded.history]
