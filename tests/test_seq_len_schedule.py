@@ -257,3 +257,41 @@ def test_any_chain_of_seq_len_changes_serves_each_token_at_most_once_and_fill_sp
     assert counts.max() <= 1
     if packing != "crop":
         assert counts.min() == 1
+
+
+def test_trace_of_steps_around_a_change_names_source_rows_that_tokenize_to_the_batch(
+        token_dataset, tokenizer_path):
+    """On a tokenized corpus: a seq_len change at step 6, then one made on resume at step 9;
+    every piece `raypipe trace` names for steps 5, 6, 9 and 10 (from the run's history),
+    its source row tokenized again, is the batch's tokens at its columns."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+
+    from raypipe import trace
+    from tests.test_trace import assert_records_hold_the_batch
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    kept, state = {}, None
+    for seq_len, last in (([(0, 16), (6, 48)], 8), (32, 10)):
+        shape = ({"seq_len_schedule": seq_len} if isinstance(seq_len, list)
+                 else {"seq_len": seq_len})
+        loaders = [TokenLoader(str(token_dataset), batch_size=3, seed=5, rank=rank,
+                               world_size=2, **shape) for rank in range(2)]
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(state)
+            for batch in loader:
+                if batch.step in (5, 6, 9, 10):
+                    kept[batch.step, loader.rank] = SimpleNamespace(
+                        inputs=batch.inputs.clone(), targets=batch.targets.clone())
+                if batch.step == last:
+                    break
+        state = loaders[0].state_dict()
+    assert [kept[step, 0].inputs.shape[1] for step in (5, 6, 9, 10)] == [16, 48, 32, 32]
+    for step in (5, 6, 9, 10):
+        records = list(trace(str(token_dataset), step, history=state))
+        for rank in range(2):
+            mine = [record for record in records if record.rank == rank]
+            assert sorted({record.row for record in mine}) == [0, 1, 2]
+            assert_records_hold_the_batch(mine, kept[step, rank], tokenizer)
