@@ -72,3 +72,13 @@ def test_the_ingest_benchmark_runs_at_a_tiny_size(tmp_path):
                     "one unit (the fixed cost)", "one 4 MB row", "S3 +5 ms: plan 20 files",
                     "first run", "rerun of the finished output"], done.stdout
     assert "skipped {'too_long': 1}, 1 named" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("change", [[], ["--on-resume"]])
+def test_the_every_token_once_script_passes_on_a_small_dataset(token_dataset, change):
+    done = subprocess.run([sys.executable, "bench/every_token_once.py", str(token_dataset),
+                           "--seq-lens", "16,64", "--ramp", "6,24,6,4", *change],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "EVERY TOKEN ONCE: PASS" in done.stdout and "more than once 0," in done.stdout
+    assert "run 3: 1 ranks" in done.stdout
