@@ -150,9 +150,11 @@ class TokenLoader:
         """Start building epoch `epoch`'s plan on a background thread into the node's plan
         cache, so the epoch boundary loads it (bestfit: its block sums) instead of
         computing it; the loader calls it itself halfway through an epoch."""
+        first_phase = (Phase(self.seq_len),)  # the seq_len the next epoch starts at
+
         def build() -> None:
             try:
-                self.plans.build(epoch).report()
+                self.plans.build(epoch, first_phase).report()
             except Exception as exc:  # noqa: BLE001  (the boundary computes it again)
                 logger.warning("preparing epoch %d's plan in the background failed (%s); "
                                "the epoch boundary will build it", epoch, exc)
