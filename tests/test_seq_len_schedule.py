@@ -295,3 +295,24 @@ def test_trace_of_steps_around_a_change_names_source_rows_that_tokenize_to_the_b
             mine = [record for record in records if record.rank == rank]
             assert sorted({record.row for record in mine}) == [0, 1, 2]
             assert_records_hold_the_batch(mine, kept[step, rank], tokenizer)
+
+
+def test_a_continued_plan_counts_what_overlong_split_places_twice():
+    """Overlong `split` places the token before each later piece again: the continued
+    plan's count of those matches its rows' overlaps, head and tail."""
+    from raypipe.sampling.modes.bestfit import BestFitPlan, ContinuedPlan
+
+    lengths = np.random.default_rng(3).integers(2, 200, 400)
+    plan = BestFitPlan(lengths, 32, 1, 0, block_documents=40, packing="split",
+                       overlong="split")
+    remainder = plan.remaining(plan.size // 3)
+    continued = ContinuedPlan(remainder, BestFitPlan(
+        lengths, 48, 1, 0, block_documents=40, packing="split", overlong="split",
+        first_document=remainder.first_document))
+    positions = np.arange(continued.size, dtype=np.int64)
+    placed = continued.counted_tokens(positions)
+    assert placed - continued.repeated_tokens(positions) == remainder.tokens + int(
+        lengths[BestFitPlan(lengths, 48, 1, 0, block_documents=40, packing="split",
+                            overlong="split").document_order(
+            np.arange(remainder.first_document, lengths.size))].sum())
+    assert continued.repeated_tokens(positions[:continued.head_rows]) > 0

@@ -320,25 +320,28 @@ class ContinuedPlan:
     def __init__(self, remainder: Remainder, tail: BestFitPlan):
         self.tail, self.remainder = tail, remainder
         self.lengths, self.capacity = tail.lengths, tail.capacity
-        self.head = self._pack_head(remainder, tail)
+        self.head, self.head_later = self._pack_head(remainder, tail)
         self.head_rows = self.head.num_rows
         self.head_order = (FeistelPermutation(self.head_rows, tail.seed, tail.epoch,
                                               salt=HEAD_SALT) if self.head_rows else None)
 
     @staticmethod
-    def _pack_head(remainder: Remainder, tail: BestFitPlan) -> PackedBlock:
+    def _pack_head(remainder: Remainder, tail: BestFitPlan) -> tuple[PackedBlock, np.ndarray]:
+        """The remainder's ranges packed (in document numbering), and per piece whether it
+        is a later piece of its range (overlong `split`: its first token placed again)."""
         count = remainder.documents.size
         if count == 0:
             empty = np.zeros(0, dtype=np.int64)
             return PackedBlock(np.zeros(1, dtype=np.int64), empty, empty, empty,
-                               np.zeros(0, dtype=bool), 0, 0, 0)
+                               np.zeros(0, dtype=bool), 0, 0, 0), np.zeros(0, dtype=bool)
         packed = pack(tail.packing, np.arange(count, dtype=np.int64), remainder.counts,
                       tail.capacity, tail.separator, tail.overlong)
         ranges = packed.doc_ids
         documents = remainder.documents[ranges]
         range_ends = remainder.starts + remainder.counts == tail.lengths[remainder.documents]
         return replace(packed, doc_ids=documents, starts=remainder.starts[ranges] + packed.starts,
-                       ends_document=packed.ends_document & range_ends[ranges])
+                       ends_document=packed.ends_document & range_ends[ranges]), \
+            packed.starts > 0
 
     @property
     def size(self) -> int:
@@ -372,8 +375,15 @@ class ContinuedPlan:
         return sum(int(row.take.sum()) for _, row in self.rows(positions))
 
     def repeated_tokens(self, positions: np.ndarray) -> int:
-        return 0 if self.tail.overlong != "split" else self.tail.repeated_tokens(
-            positions[positions >= self.head_rows] - self.head_rows)
+        """Tokens placed a second time in the rows at `positions` (overlong `split`)."""
+        if self.tail.overlong != "split":
+            return 0
+        in_head = positions < self.head_rows
+        offsets = self.head.row_offsets
+        head = sum(int(self.head_later[offsets[row]:offsets[row + 1]].sum())
+                   for row in (self.head_order(positions[in_head]).tolist()
+                               if in_head.any() else []))
+        return head + self.tail.repeated_tokens(positions[~in_head] - self.head_rows)
 
     def remaining(self, position: int) -> Remainder:
         """What is left at `position`: the head's unserved rows and the whole tail, or the
