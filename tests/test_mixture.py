@@ -68,7 +68,7 @@ def test_a_schedule_skipped_ahead_serves_the_rows_of_one_walked_step_by_step(
     change of weights at step `stage_at` (a stage of the reversed weights)."""
     weights = np.array(weights) / sum(weights)
     stages = WeightStages((0, stage_at), (weights, weights[::-1].copy()))
-    epoch_sizes = [lambda epoch, n=n: n + epoch % 3 for n in sizes[:len(weights)]]
+    epoch_sizes = [lambda epoch, phases=(), n=n: n + epoch % 3 for n in sizes[:len(weights)]]
 
     def schedule() -> MixtureSchedule:
         return MixtureSchedule(stages, world, batch, epoch_sizes,

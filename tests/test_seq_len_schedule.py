@@ -18,26 +18,32 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.common import write_synthetic_dataset
-from raypipe.errors import StateError
+from raypipe.errors import ConfigError, StateError
 from raypipe.loader import TokenLoader
-from raypipe.sampling.schedule import BatchSchedule, seq_len_stages_by_tokens
+from raypipe.sampling.schedule import BatchSchedule, Phase, seq_len_stages_by_tokens
 
 TOKENS = 120_000
 SHORT, LONG = 32, 128  # the issue's 512 -> 2048, scaled to a test's corpus
 RAMP = BatchSchedule.ramp(24, 96, 24, 4)  # 8 -> 32 rows, x3 so 1, 2 and 3 ranks divide it
 
 
+def numbered_dataset(directory, tokens: int, first: int = 1, seed: int = 7):
+    """A megatron dataset whose tokens are numbered from `first` on, in storage order (so a
+    token's id says which token of which document it is); (path, its token count)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(3.6, 1.0, 6000).astype(np.int64) + 2, 2, 400)
+    lengths = lengths[np.cumsum(lengths) <= tokens]
+    ids = np.arange(first, first + int(lengths.sum()), dtype=np.uint32)
+    output = directory / "tokens"
+    write_synthetic_dataset(output, "megatron", [(ids, lengths, None)], f"numbered-{first}",
+                            shard_tokens=40_000, largest_id=1 << 20)
+    return output, int(lengths.sum())
+
+
 @pytest.fixture(scope="module")
 def numbered(tmp_path_factory):
     """A megatron dataset whose token k (k = 1..N over all documents) is the id k."""
-    rng = np.random.default_rng(7)
-    lengths = np.clip(rng.lognormal(3.6, 1.0, 6000).astype(np.int64) + 2, 2, 400)
-    lengths = lengths[np.cumsum(lengths) <= TOKENS]
-    tokens = np.arange(1, int(lengths.sum()) + 1, dtype=np.uint32)
-    output = tmp_path_factory.mktemp("numbered") / "tokens"
-    write_synthetic_dataset(output, "megatron", [(tokens, lengths, None)], "numbered",
-                            shard_tokens=40_000, largest_id=1 << 20)
-    return output, int(lengths.sum())
+    return numbered_dataset(tmp_path_factory.mktemp("numbered"), TOKENS)
 
 
 def document_starts(path) -> np.ndarray:
@@ -181,6 +187,9 @@ def test_a_mode_that_cannot_re_plan_refuses_the_change_naming_seq_len(numbered):
     with pytest.raises(StateError, match=f"seq_len: {SHORT} -> {LONG} inside epoch 0"):
         TokenLoader(str(path), LONG, rank=0, world_size=1, seed=3, mode="windows",
                     batch_schedule=RAMP).load_state_dict(state)
+    with pytest.raises(ConfigError, match="seq_len_schedule: mode 'windows' cannot"):
+        TokenLoader(str(path), mode="windows", batch_size=4,
+                    seq_len_schedule=[(0, SHORT), (5, LONG)])
     with pytest.raises(StateError, match="seed: saved 3, now 4"):
         TokenLoader(str(path), SHORT, rank=0, world_size=1, seed=4, block_documents=64,
                     batch_schedule=RAMP).load_state_dict(run(path, 1, None, 2,
@@ -316,3 +325,65 @@ def test_a_continued_plan_counts_what_overlong_split_places_twice():
                             overlong="split").document_order(
             np.arange(remainder.first_document, lengths.size))].sum())
     assert continued.repeated_tokens(positions[:continued.head_rows]) > 0
+
+
+def test_a_mixture_changes_seq_len_declared_or_on_resume_and_serves_no_token_twice(
+        numbered, tmp_path):
+    """Two numbered sources (disjoint ids) at 0.6 / 0.4 on the ramp: seq_len 32 to step 12
+    then 128, declared; the same run stopped on 2 ranks, changed on resume on 3 ranks,
+    finished on 1, serves the same steps. No token is served twice, and each source's
+    tokens served plus those its plan has left at the final position are all of its own."""
+    from raypipe.loader import MixtureLoader
+
+    web, web_tokens = numbered
+    code, code_tokens = numbered_dataset(tmp_path, 80_000, first=TOKENS + 1, seed=9)
+    paths = {"code": str(code), "web": str(web)}
+    weights = {"code": 0.4, "web": 0.6}
+
+    def mixture(world, state, stop, **shape):
+        loaders = [MixtureLoader(paths, rank=rank, world_size=world, seed=3, device="cpu",
+                                 batch_schedule=RAMP, weights=weights, block_documents=64,
+                                 **shape) for rank in range(world)]
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(state)
+        iterators, taken = [iter(loader) for loader in loaders], {}
+        while loaders[0].steps < stop:
+            batches = [next(iterator) for iterator in iterators]
+            taken[batches[0].step] = (batches[0].inputs.shape[1], np.concatenate(
+                [torch.cat([b.inputs, b.targets[:, -1:]], 1).numpy().copy() for b in batches]))
+        for iterator in iterators:
+            iterator.close()
+        return taken, json.loads(json.dumps(loaders[0].state_dict())), loaders[0]
+
+    declared, end, last = mixture(2, None, 20, seq_len_schedule=[(0, SHORT), (12, LONG)])
+    first, state, _ = mixture(2, None, 12, seq_len=SHORT)
+    second, state, _ = mixture(3, state, 16, seq_len=LONG)  # the change, on resume
+    assert state["sources"]["web"]["phases"][-1][0] == LONG
+    third, state, _ = mixture(1, state, 20, seq_len=LONG)
+    assert_same_steps({**first, **second, **third}, declared)
+    assert state["sources"] == end["sources"]
+    counts = np.bincount(np.concatenate([rows.ravel() for _, rows in declared.values()]))
+    assert counts[1:].max() == 1, "a token served twice"
+    for name, first_id, total in (("web", 1, web_tokens), ("code", TOKENS + 1, code_tokens)):
+        where = end["sources"][name]
+        assert where["epoch"] == 0
+        source = last.sources[last.names.index(name)]
+        plan = source.plans(0, tuple(Phase(*phase) for phase in where["phases"]))
+        left = plan.counted_tokens(np.arange(where["position"], plan.size, dtype=np.int64))
+        served = int((counts[first_id:first_id + total] == 1).sum())
+        assert served + left == total, name
+    from raypipe import trace
+
+    starts = {"web": document_starts(web), "code": document_starts(code) + TOKENS}
+    for step in (11, 12, 13):  # trace follows the change: rows rebuilt from its pieces
+        seq_len, rows = declared[step]
+        built = np.zeros_like(rows)
+        for record in trace(paths, step, world_size=2, seed=3, weights=weights,
+                            batch_schedule=RAMP, block_documents=64,
+                            seq_len_schedule=[(0, SHORT), (12, LONG)]):
+            first = int(starts[record.source][record.document])
+            built[record.rank * (len(rows) // 2) + record.row,
+                  record.col_start:record.col_end] = np.arange(
+                first + record.token_start, first + record.token_end)
+        assert np.array_equal(built, rows), step

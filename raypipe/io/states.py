@@ -77,14 +77,8 @@ class LoaderState(JsonRecord):
         check_position(where, self.epoch, self.position)
         if self.steps is not None and self.steps < 0:
             raise FormatError(where, f"field 'steps' {self.steps} is negative")
-        for name, width in (("phases", 2), ("history", 3)):
-            rows = getattr(self, name)
-            if rows is not None and (not rows or any(
-                    not isinstance(row, list) or len(row) != width
-                    or not all(type(value) is int and value >= 0 for value in row)
-                    for row in rows)):
-                raise FormatError(where, f"field {name!r} {rows!r} is not a non-empty list of "
-                                  f"[{width} ints >= 0]")
+        check_int_rows(where, "phases", self.phases, 2)
+        check_int_rows(where, "history", self.history, 3)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,21 +88,33 @@ class LoaderState(JsonRecord):
         return read_state(cls, state, "loader state")
 
 
+def check_int_rows(where: str, name: str, rows: list[list[int]] | None, width: int) -> None:
+    """`rows`, where given, is a non-empty list of [`width` ints >= 0]."""
+    if rows is not None and (not rows or any(
+            not isinstance(row, list) or len(row) != width
+            or not all(type(value) is int and value >= 0 for value in row) for row in rows)):
+        raise FormatError(where, f"field {name!r} {rows!r} is not a non-empty list of "
+                          f"[{width} ints >= 0]")
+
+
 @dataclass(frozen=True)
 class SourcePosition(JsonRecord):
     """Where one source of a mixture stands: its dataset fingerprint, epoch, position in the
     epoch, rows it has served in all, and rows it had served when the weights now in force
     began (their stage: the weights are balanced on the rows since; 0 in states before 0.7,
-    whose weights held from the start)."""
+    whose weights held from the start); `phases`: the epoch's seq_len phases, as a
+    LoaderState's (None: one, at the state's seq_len)."""
 
     dataset: str
     epoch: int
     position: int
     consumed: int
     stage_base: int = 0
+    phases: list[list[int]] | None = None
 
     def check(self, where: str) -> None:
         check_position(where, self.epoch, self.position)
+        check_int_rows(where, "phases", self.phases, 2)
         if self.consumed < 0:
             raise FormatError(where, f"field 'consumed' {self.consumed} is negative")
         if not 0 <= self.stage_base <= self.consumed:

@@ -11,8 +11,10 @@ steers the shares toward it from where each source stands. Inside a step the sou
 are spread evenly over each rank's rows (slot j goes to rank j mod W, as in TokenLoader). Each
 source walks its own epochs (its plan per epoch as a TokenLoader of that dataset builds it);
 its next row after the last of an epoch is the first of the next, so a small source repeats
-and nothing of an epoch is dropped. `state_dict()` = {weights, knobs, steps, per source:
-dataset fingerprint, epoch, position in the epoch, rows consumed}. Sources share one
+and nothing of an epoch is dropped. A seq_len schedule or a seq_len changed on resume
+begins a phase in every source where it stands (raypipe.sampling.schedule.Phase).
+`state_dict()` = {weights, knobs, steps, per source: dataset fingerprint, epoch, position
+in the epoch, rows consumed, stage base, seq_len phases}. Sources share one
 tokenizer (same sha256) or the mixture is refused naming both. Cost per batch: one
 allocation (O(sources)), one describe and fill per source present in the rank's rows, and
 one row copy from a source's scratch buffer into the batch (bench/loader_bench.py
@@ -37,9 +39,14 @@ from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.token_loader import TokenLoader, _rank_and_world
 from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
-from raypipe.sampling.mixture import MixtureSchedule, WeightStages, resumed_positions
+from raypipe.sampling.mixture import (
+    MixtureSchedule,
+    WeightStages,
+    implied_phases,
+    resumed_positions,
+)
 from raypipe.sampling.modes import knob_differences
-from raypipe.sampling.schedule import BatchSchedule
+from raypipe.sampling.schedule import BatchSchedule, Phases
 
 logger = logging.getLogger("raypipe")
 
@@ -56,7 +63,9 @@ class MixtureStep:
     step: int
     rows: list[tuple[int, int, int]]
     after: dict[str, SourcePosition]
-    groups: dict[tuple[int, int], tuple[list[int], BatchPlan]] = field(default_factory=dict)
+    phases: list[Phases]  # per batch row: the seq_len phases of its source's epoch plan
+    groups: dict[tuple[int, int, Phases], tuple[list[int], BatchPlan]] = field(
+        default_factory=dict)
 
 
 class MixtureLoader:
@@ -75,20 +84,20 @@ class MixtureLoader:
             raise ConfigError(f"mixture: sources are read as documents or windows; mode "
                               f"{options.mode!r} (pre-formed batches) and stream metadata "
                               "cannot be mixed")
-        if options.seq_len_schedule:
-            raise ConfigError("seq_len_schedule: a mixture serves one seq_len for the whole "
-                              "run (its sources stand at their own positions); give seq_len")
         self.names = sorted(paths)
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
         self.mode, self.seed = options.mode, options.seed
         scheduled = self._batch_schedule(options)
         source_options = replace(options, rank=0, world_size=1, prefetch=1, batch_schedule=None,
+                                 seq_len=options.first_seq_len, seq_len_schedule=None,
                                  batch_size=options.batch_size if scheduled is None
                                  else scheduled.largest // self.world_size)
         self.sources = [TokenLoader(paths[name], options=source_options)
                         for name in self.names]
-        self.seq_len, self.batch_size = self.sources[0].seq_len, self.sources[0].batch_size
-        self.batches = scheduled or BatchSchedule.constant(self.world_size * self.batch_size)
+        self.batch_size = self.sources[0].batch_size
+        self.batches = (scheduled or BatchSchedule.constant(self.world_size * self.batch_size)
+                        ).with_seq_lens(list(options.seq_len_schedule or [])
+                                        or [(0, self.sources[0].spec.seq_len)])
         self._check_tokenizers()
         self.stages = self._stages(weights, stages or [])
         self.device = options.torch_device()
@@ -124,6 +133,11 @@ class MixtureLoader:
         return WeightStages.of(self.names, weights, tokens, stages)
 
     @property
+    def seq_len(self) -> int:
+        """T of the next step's rows (the seq_len schedule's, at its step)."""
+        return self.batches.seq_len_at(self.steps) or self.sources[0].spec.seq_len
+
+    @property
     def weights(self) -> np.ndarray:
         """The weights in force (those of the last step taken; before any, the first's)."""
         return self.stages.in_force(self.steps)
@@ -152,51 +166,58 @@ class MixtureLoader:
             yield from chunk
 
     def _describe(self, chunk: list[MixtureStep]) -> None:
-        wanted: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        wanted: dict[tuple[int, int, Phases], list[tuple[int, int, int]]] = {}
         for index, job in enumerate(chunk):
             for row, (source, epoch, position) in enumerate(job.rows):
-                wanted.setdefault((source, epoch), []).append((index, row, position))
-        for (source, epoch), entries in wanted.items():
+                key = (source, epoch, job.phases[row])
+                wanted.setdefault(key, []).append((index, row, position))
+        for (source, epoch, phases), entries in wanted.items():
             positions = np.array([[position for _, _, position in entries]], dtype=np.int64)
-            plan = self._builder(source, epoch).describe(positions)[0]
+            plan = self._builder(source, epoch, phases).describe(positions)[0]
             by_step: dict[int, list[int]] = {}
             for at, (index, _, _) in enumerate(entries):
                 by_step.setdefault(index, []).append(at)
             for index, ats in by_step.items():
                 rows = [entries[at][1] for at in ats]
-                chunk[index].groups[(source, epoch)] = (rows, BatchPlan(
+                chunk[index].groups[(source, epoch, phases)] = (rows, BatchPlan(
                     plan.positions[ats], plan.observation_ids[ats],
                     [plan.rows[at] for at in ats]))
 
-    def _builder(self, source: int, epoch: int) -> Any:
-        key = (source, epoch)
+    def _builder(self, source: int, epoch: int, phases: Phases) -> Any:
+        key = (source, epoch, phases)
         if key not in self._builders:
             if len(self._builders) > 4 * len(self.sources):
                 self._builders.clear()
-            self._builders[key] = self.sources[source].filler(epoch)
+            self._builders[key] = self.sources[source].filler(epoch, phases)
         return self._builders[key]
 
-    def _scratch(self, source: int, rows: int) -> BatchBuffers:
-        """A per-(source, row count) buffer the source's rows are filled into first."""
-        key = (source, rows)
+    def _scratch(self, source: int, rows: int, seq_len: int, builder: Any) -> BatchBuffers:
+        """A per-(source, row count, seq_len) buffer the source's rows are filled into
+        first."""
+        key = (source, rows, seq_len)
         if key not in self._scratches:
             self._scratches[key] = BatchBuffers.over(
-                np.empty(BatchBuffers.size(rows, self.seq_len), dtype=np.int64), rows,
-                self.seq_len)
-            self._builder(source, 0).prepare(self._scratches[key])
+                np.empty(BatchBuffers.size(rows, seq_len), dtype=np.int64), rows, seq_len)
+            builder.prepare(self._scratches[key])
         return self._scratches[key]
 
     def _steps(self, until: int | None) -> Iterator[MixtureStep]:
-        schedule = MixtureSchedule(
-            self.stages, self.world_size, self.batches,
-            [lambda epoch, source=source: source.plan(epoch).size for source in self.sources],
-            [self.positions[name] for name in self.names], self.steps)
+        schedule = self.schedule()
         while until is None or schedule.step < until:
             step = schedule.step
-            rows = [(slot.source, slot.epoch, slot.position) for slot in schedule.next_step()
-                    if slot.rank == self.rank]
-            yield MixtureStep(step, rows, dict(zip(self.names, schedule.positions,
-                                                   strict=True)))
+            slots = [slot for slot in schedule.next_step() if slot.rank == self.rank]
+            yield MixtureStep(step, [(slot.source, slot.epoch, slot.position) for slot in slots],
+                              dict(zip(self.names, schedule.positions, strict=True)),
+                              [slot.phases for slot in slots])
+
+    def schedule(self) -> MixtureSchedule:
+        """The schedule of the steps from where the mixture stands."""
+        return MixtureSchedule(
+            self.stages, self.world_size, self.batches,
+            [lambda epoch, phases, source=source: source.plans(epoch, phases).size
+             for source in self.sources],
+            [self.positions[name] for name in self.names], self.steps,
+            self.sources[0].spec.seq_len)
 
     # ----- filling a batch -----------------------------------------------------------------
     def _fill(self, job: MixtureStep, out: BatchBuffers) -> tuple[Filled, np.ndarray,
@@ -204,9 +225,11 @@ class MixtureLoader:
         observation_ids = np.empty(len(job.rows), dtype=np.int64)
         source_ids = np.array([source for source, _, _ in job.rows], dtype=np.int64)
         flags_by_row: list[np.ndarray] = [np.empty(0, bool)] * len(job.rows)
-        for (source, epoch), (rows, plan) in job.groups.items():
-            scratch = self._scratch(source, len(rows))
-            filled = self._builder(source, epoch).fill(plan, scratch)
+        seq_len = out.tokens.shape[1] - 1
+        for (source, epoch, phases), (rows, plan) in job.groups.items():
+            builder = self._builder(source, epoch, phases)
+            scratch = self._scratch(source, len(rows), seq_len, builder)
+            filled = builder.fill(plan, scratch)
             out.tokens[rows] = scratch.tokens
             out.position_ids[rows] = scratch.position_ids
             out.mask[rows] = scratch.mask
@@ -217,7 +240,7 @@ class MixtureLoader:
             for row, piece in zip(rows, np.split(flags, np.cumsum(starts)[:-1]),
                                   strict=True):
                 flags_by_row[row] = piece
-        sequences = write_cu_seqlens(out, self.seq_len)
+        sequences = write_cu_seqlens(out, seq_len)
         return Filled(sequences, np.concatenate(flags_by_row)), observation_ids, source_ids
 
     # ----- iteration ------------------------------------------------------------------------
@@ -227,10 +250,10 @@ class MixtureLoader:
         schedule's rows (every rank its share)."""
         while True:
             yield from self._serve(self.batches.at(self.steps) // self.world_size,
-                                   self.batches.next_change(self.steps))
+                                   self.seq_len, self.batches.next_change(self.steps))
 
-    def _serve(self, rows: int, until: int | None) -> Iterator[Any]:
-        """The steps to `until` (None: without end), `rows` rows per rank each."""
+    def _serve(self, rows: int, seq_len: int, until: int | None) -> Iterator[Any]:
+        """The steps to `until` (None: without end), `rows` rows of `seq_len` per rank."""
         def fill(job: MixtureStep, views: BatchBuffers) -> tuple:
             return (job, *self._fill(job, views))
 
@@ -242,7 +265,7 @@ class MixtureLoader:
                             mixture_state=job.after)
 
         prefetcher = batch_stream(self._schedule(until), fill, finish, rows,
-                                  self.seq_len, self.options.dtype, self.device,
+                                  seq_len, self.options.dtype, self.device,
                                   self.options.prefetch)
         try:
             for batch in prefetcher:
@@ -253,8 +276,9 @@ class MixtureLoader:
 
     # ----- state ----------------------------------------------------------------------------
     def knobs(self) -> dict[str, Any]:
-        """The knobs that shape every source's observations (one set for all)."""
-        return self.sources[0].knobs()
+        """The knobs that shape every source's observations (one set for all; seq_len: the
+        next step's)."""
+        return self.sources[0].plans.at_seq_len(self.seq_len).knobs_record()
 
     def state_dict(self) -> dict[str, Any]:
         return MixtureState(self.weights_by_name, self.knobs(), self.steps,
@@ -273,20 +297,35 @@ class MixtureLoader:
                 raise StateError(f"mixture source {name!r} changed since the checkpoint "
                                  f"(dataset {checked.sources[name].dataset!r}, now "
                                  f"{fingerprint!r})")
-        if checked.knobs != self.knobs():
-            seq_len = (" (a mixture serves one seq_len for the whole run)"
-                       if checked.knobs.get("seq_len") != self.knobs().get("seq_len") else "")
-            raise StateError("mixture state made with other knobs than this mixture's: "
-                             f"{knob_differences(checked.knobs, self.knobs())}{seq_len}")
+        saved_seq_len = checked.knobs.get("seq_len", self.seq_len)
+        refused = knob_differences(checked.knobs, {**self.knobs(), "seq_len": saved_seq_len})
+        if refused:
+            raise StateError(f"mixture state made with other knobs than this mixture's: "
+                             f"{refused} (these cannot change on a resume; seq_len, batch "
+                             "size, world size and weights can)")
         saved = np.array([checked.weights[name] for name in self.names])
         self.steps = checked.steps
         if any(abs(checked.weights[n] - self.weights_by_name[n]) > 1e-12 for n in self.names):
             logger.info("mixture weights changed on resume: %s -> %s; every source continues "
                         "from its own position, the new weights' shares counted from here",
                         checked.weights, self.weights_by_name)
-        positions = resumed_positions(self.stages, saved, checked.steps,
-                                      [checked.sources[name] for name in self.names])
+        implied = implied_phases(saved_seq_len, self.sources[0].spec.seq_len)
+        positions = resumed_positions(self.stages, saved, checked.steps, [
+            replace(checked.sources[name], phases=checked.sources[name].phases or implied)
+            for name in self.names])
         self.positions = dict(zip(self.names, positions, strict=True))
+        self._plan_the_change()
+
+    def _plan_the_change(self) -> None:
+        """A seq_len other than the state's: every source's rest of its epoch planned now
+        (a mode that cannot is refused here, naming the change)."""
+        schedule = self.schedule()
+        try:
+            schedule.rephase()
+            for index, position in enumerate(schedule.positions):
+                self.sources[index].plans(position.epoch, schedule.phases_of(position))
+        except ConfigError as exc:
+            raise StateError(f"mixture state: {exc}") from None
 
     def close(self) -> None:
         for source in self.sources:

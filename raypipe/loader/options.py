@@ -86,6 +86,11 @@ class LoaderOptions:
         if self.prefetch < 1:
             raise ConfigError(f"prefetch: {self.prefetch} must be >= 1")
         spec = self.plan_spec(self.first_seq_len or 0)  # every plan knob checked now
+        if len({length for _, length in self.seq_len_schedule or ()}) > 1 and \
+                not spec.loader_mode.continues_plans:
+            raise ConfigError(f"seq_len_schedule: mode {self.mode!r} cannot plan the rest of "
+                              "an epoch again at another seq_len (a change would come "
+                              "inside an epoch); use mode 'bestfit'")
         if self.metadata and not spec.loader_mode.window_metadata:
             raise ConfigError(f"metadata=True needs a mode whose rows are windows of a stream "
                               f"dataset ({', '.join(metadata_modes())}), not {self.mode!r}")

@@ -11,7 +11,9 @@ each (rank, row) slot of a step gets its source's next row, taken one after anot
 the source's epochs (nothing of an epoch is dropped), so the rows of any step are a pure
 function of (weights, world size, batch size, the sources' epoch sizes, the positions it
 started from). Weight stages change the weights at declared steps, each balanced on the
-rows served since it began. Cost: O(sources) and O(rows) per step; `skip` O(sources) per step
+rows served since it began. At a step whose seq_len changes, every source begins a seq_len
+phase where it stands (the rest of its epoch planned again: raypipe.sampling.schedule), so
+no source serves a token twice. Cost: O(sources) and O(rows) per step; `skip` O(sources) per step
 skipped (16.8 us a step for 2 sources, measured over 100,000 steps: ~17 s to trace step
 10^6 of a mixture).
 """
@@ -27,7 +29,7 @@ import yaml
 
 from raypipe.errors import ConfigError
 from raypipe.io.states import SourcePosition
-from raypipe.sampling.schedule import BatchSchedule
+from raypipe.sampling.schedule import BatchSchedule, Cursor, Phase, Phases
 
 
 def allocate(weights: np.ndarray, consumed: np.ndarray, rows: int) -> np.ndarray:
@@ -140,6 +142,12 @@ def restage(positions: list[SourcePosition]) -> list[SourcePosition]:
     return [replace(position, stage_base=position.consumed) for position in positions]
 
 
+def implied_phases(saved_seq_len: int, seq_len: int) -> list[list[int]] | None:
+    """The phases of a source position a state saved without them (one, at the state's
+    seq_len), as a schedule at `seq_len` records them (None: its own seq_len)."""
+    return None if saved_seq_len == seq_len else [[saved_seq_len, 0]]
+
+
 def resumed_positions(stages: WeightStages, saved_weights: np.ndarray, steps: int,
                       positions: list[SourcePosition]) -> list[SourcePosition]:
     """Where a resumed mixture's sources stand: as saved, and a stage begun there if the
@@ -152,34 +160,63 @@ def resumed_positions(stages: WeightStages, saved_weights: np.ndarray, steps: in
 @dataclass(frozen=True)
 class ScheduledRow:
     """One slot of a global step: row `row` of rank `rank`'s batch is row `position` of
-    epoch `epoch` of source `source` (an index into the schedule's sources)."""
+    epoch `epoch` of source `source` (an index into the schedule's sources), in the plan of
+    that epoch under `phases` (its seq_len phases: raypipe.sampling.schedule.Phase)."""
 
     rank: int
     row: int
     source: int
     epoch: int
     position: int
+    phases: Phases = ()
+
+
+def phase_rows(phases: Phases) -> list[list[int]]:
+    """Phases as a state records them."""
+    return [[phase.seq_len, phase.begins] for phase in phases]
 
 
 class MixtureSchedule:
     """The global steps of a mixture from `positions` (one per source, in the weights'
-    order); `epoch_sizes[i](epoch)` is source i's rows in that epoch (its plan's size).
-    `weights`: one set for every step, or WeightStages (at a stage's first step every
-    source's stage base moves to where it stands); `batch_size`: rows per rank every step,
-    or a BatchSchedule of each step's global rows."""
+    order); `plan_sizes[i](epoch, phases)` is source i's rows in that epoch's plan under
+    those seq_len phases. `weights`: one set for every step, or WeightStages (at a stage's
+    first step every source's stage base moves to where it stands); `batch_size`: rows per
+    rank every step, or a BatchSchedule of each step's global rows and seq_len (at a step
+    whose seq_len differs from a source's, the source begins a phase where it stands: the
+    rest of its epoch planned again, as a TokenLoader's); `seq_len`: where a position
+    records no phases, the one it stands at."""
 
     def __init__(self, weights: np.ndarray | WeightStages, world_size: int,
                  batch_size: int | BatchSchedule,
-                 epoch_sizes: Sequence[Callable[[int], int]], positions: list[SourcePosition],
-                 step: int = 0):
+                 plan_sizes: Sequence[Callable[[int, Phases], int]],
+                 positions: list[SourcePosition], step: int = 0, seq_len: int = 0):
         self.stages = (weights if isinstance(weights, WeightStages)
                        else WeightStages.single(weights))
         self.world_size = world_size
         self.batches = (batch_size if isinstance(batch_size, BatchSchedule)
                         else BatchSchedule.constant(world_size * batch_size))
-        self.epoch_sizes = epoch_sizes
+        self.plan_sizes = plan_sizes
+        self.seq_len = seq_len
         self.positions = list(positions)
         self.step = step
+
+    def phases_of(self, position: SourcePosition) -> Phases:
+        if position.phases:
+            return tuple(Phase(*phase) for phase in position.phases)
+        return (Phase(self.seq_len),)
+
+    def rephase(self) -> None:
+        """At the next step's seq_len, every source whose phase is at another begins one
+        where it stands (at position 0: its phase replaced)."""
+        if self.batches.seq_len_at(self.step) is None:
+            return
+        for index, position in enumerate(self.positions):
+            phases = self.phases_of(position)
+            cursor = self.batches.phases_at(Cursor(position.epoch, position.position,
+                                                   self.step, phases))
+            if cursor.phases != phases:
+                self.positions[index] = replace(position, position=cursor.position,
+                                                phases=phase_rows(cursor.phases))
 
     def _balanced(self) -> np.ndarray:
         """Rows each source has served in the stage of the next step (its stage begun
@@ -191,7 +228,14 @@ class MixtureSchedule:
     def skip(self, steps: int) -> None:
         """Move `steps` steps ahead without describing their rows: counts alone, one
         `allocate` per step (a stage's first step moves every base), then each source's
-        epoch position once."""
+        epoch position once per run of steps at one seq_len."""
+        end = self.step + steps
+        while self.step < end:
+            self.rephase()
+            later = [start for start in self.batches.seq_starts if start > self.step]
+            self._skip_run(min(end, later[0]) - self.step if later else end - self.step)
+
+    def _skip_run(self, steps: int) -> None:
         start = np.array([p.consumed for p in self.positions], dtype=np.int64)
         consumed = start.copy()
         base = np.array([p.stage_base for p in self.positions], dtype=np.int64)
@@ -209,6 +253,7 @@ class MixtureSchedule:
     def next_step(self) -> list[ScheduledRow]:
         """Every slot of the next global step, rank-major (`step_rows`); then the positions
         stand after it."""
+        self.rephase()
         consumed = self._balanced()
         counts, slots = step_rows(self.stages.at(self.step), consumed, self.world_size,
                                   self.batches.at(self.step) // self.world_size)
@@ -228,20 +273,22 @@ class MixtureSchedule:
         position by default)."""
         where = self.positions[index] if where is None else where
         taken, left = [], count
-        epoch, position = where.epoch, where.position
+        epoch, position, phases = where.epoch, where.position, self.phases_of(where)
         while left:
-            size = self.epoch_sizes[index](epoch)
-            if size <= 0:
+            size = self.plan_sizes[index](epoch, phases)
+            if size <= 0 and len(phases) == 1:
                 raise ConfigError(f"mixture source {index}: epoch {epoch} holds no row")
-            if position >= size:
-                epoch, position = epoch + 1, 0
+            if position >= size:  # the next epoch starts at the seq_len it stands at
+                epoch, position, phases = epoch + 1, 0, (Phase(phases[-1].seq_len),)
                 continue
             take = min(left, size - position)
             if describe:
-                taken += [(epoch, position + i) for i in range(take)]
+                taken += [(epoch, position + i, phases) for i in range(take)]
             position, left = position + take, left - take
         return taken, replace(where, epoch=epoch, position=position,
-                              consumed=where.consumed + count)
+                              consumed=where.consumed + count,
+                              phases=phase_rows(phases) if where.phases or len(phases) > 1
+                              or phases[0].seq_len != self.seq_len else None)
 
 
 MIXTURE_SUFFIXES = (".yaml", ".yml")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.mixture import (
     MixtureSchedule,
     WeightStages,
+    implied_phases,
     is_mixture_spec,
     read_mixture,
     read_stages,
@@ -193,9 +194,13 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
     if rank is not None and not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} not in [0, world_size={world_size})")
     if isinstance(data, dict) or is_mixture_spec(data):
-        rows = _mixture_rows(data, spec, saved, step, steps, ranks, world_size,
-                             BatchSchedule.of(batch_schedule, world_size) if batch_schedule
-                             else batch_size, cache_dir, weights, stages)
+        shape: int | BatchSchedule | None = (BatchSchedule.of(batch_schedule, world_size)
+                                             if batch_schedule else batch_size)
+        if seq_len_schedule and shape is not None:
+            shape = (shape if isinstance(shape, BatchSchedule) else BatchSchedule.constant(
+                world_size * shape)).with_seq_lens(seq_len_schedule)
+        rows = _mixture_rows(data, spec, saved, step, steps, ranks, world_size, shape,
+                             cache_dir, weights, stages)
     else:
         if batch_schedule:
             batch_size = None  # the schedule's, not the state's
@@ -296,11 +301,15 @@ def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
     starts = [SourcePosition(source.dataset.fingerprint, 0, 0, 0) for source in sources]
     if saved is not None:
         starts = resumed_positions(weighted, np.array([saved.weights[n] for n in names]),
-                                   saved.steps, [saved.sources[name] for name in names])
+                                   saved.steps, [replace(
+                                       saved.sources[name], phases=saved.sources[name].phases
+                                       or implied_phases(saved.knobs["seq_len"], spec.seq_len))
+                                       for name in names])
     schedule = MixtureSchedule(  # the MixtureLoader's own schedule, from the start or state
         weighted, world_size, batch_size,
-        [lambda epoch, source=source: source.plan(epoch).size for source in sources], starts,
-        saved.steps if saved is not None else 0)
+        [lambda epoch, phases, source=source: source.plan_size(epoch, phases)
+         for source in sources], starts, saved.steps if saved is not None else 0,
+        spec.seq_len)
     schedule.skip(step or 0)
     for _ in range(steps):
         number = schedule.step
@@ -308,7 +317,8 @@ def _mixture_rows(data: str | Path | dict[str, str], spec: PlanSpec,
             if slot.rank not in ranks:
                 continue
             source = sources[slot.source]
-            segment = source.filler(slot.epoch).segments(np.array([[slot.position]]))[0]
+            segment = source.filler(slot.epoch, phases=slot.phases).segments(
+                np.array([[slot.position]]))[0]
             yield StepRow(number, slot.rank, slot.row, slot.epoch, segment,
                           source.document_dataset, names[slot.source])
 
