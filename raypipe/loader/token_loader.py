@@ -37,7 +37,14 @@ from raypipe.sampling.epochs import PlannedDataset
 from raypipe.sampling.mixture import is_mixture_spec
 from raypipe.sampling.modes import BatchFiller, knob_differences, waste_hints
 from raypipe.sampling.plans import PackingReport
-from raypipe.sampling.schedule import Cursor, Phase, Phases, Segment
+from raypipe.sampling.schedule import (
+    Cursor,
+    Phase,
+    Phases,
+    Segment,
+    phase_rows,
+    phases_of_rows,
+)
 
 logger = logging.getLogger("raypipe")
 DESCRIBE_STEPS = 64
@@ -302,14 +309,11 @@ class TokenLoader:
         return self.plans.at_seq_len(self.phases[-1].seq_len).knobs_record()
 
     def state_dict(self) -> dict[str, Any]:
-        phases = self.phases
-        one_phase = len(phases) == 1
         return LoaderState(STATE_VERSION, self.dataset.fingerprint, self.dataset.format_name,
                            self.knobs(), self.epoch, self.position,
                            {"world_size": self.world_size, "batch_size": self.batch_size},
                            self.steps,
-                           None if one_phase else [[phase.seq_len, phase.begins]
-                                                   for phase in phases],
+                           phase_rows(self.phases) if len(self.phases) > 1 else None,
                            [list(entry) for entry in self.history] or None).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -327,8 +331,7 @@ class TokenLoader:
             raise StateError(f"loader state made with other knobs than this loader's: "
                              f"{refused} (these cannot change on a resume; seq_len, batch "
                              "size, world size and a schedule can)")
-        phases = (tuple(Phase(*phase) for phase in checked.phases) if checked.phases
-                  else (Phase(saved_seq_len),))
+        phases = phases_of_rows(checked.phases, saved_seq_len)
         epoch, position = checked.epoch, checked.position
         size = self.plans(epoch, phases).size
         if position > size:

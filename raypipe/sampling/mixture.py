@@ -29,7 +29,14 @@ import yaml
 
 from raypipe.errors import ConfigError
 from raypipe.io.states import SourcePosition
-from raypipe.sampling.schedule import BatchSchedule, Cursor, Phase, Phases
+from raypipe.sampling.schedule import (
+    BatchSchedule,
+    Cursor,
+    Phase,
+    Phases,
+    phase_rows,
+    phases_of_rows,
+)
 
 
 def allocate(weights: np.ndarray, consumed: np.ndarray, rows: int) -> np.ndarray:
@@ -171,11 +178,6 @@ class ScheduledRow:
     phases: Phases = ()
 
 
-def phase_rows(phases: Phases) -> list[list[int]]:
-    """Phases as a state records them."""
-    return [[phase.seq_len, phase.begins] for phase in phases]
-
-
 class MixtureSchedule:
     """The global steps of a mixture from `positions` (one per source, in the weights'
     order); `plan_sizes[i](epoch, phases)` is source i's rows in that epoch's plan under
@@ -201,9 +203,7 @@ class MixtureSchedule:
         self.step = step
 
     def phases_of(self, position: SourcePosition) -> Phases:
-        if position.phases:
-            return tuple(Phase(*phase) for phase in position.phases)
-        return (Phase(self.seq_len),)
+        return phases_of_rows(position.phases, self.seq_len)
 
     def rephase(self) -> None:
         """At the next step's seq_len, every source whose phase is at another begins one

@@ -36,6 +36,16 @@ class Phase:
 
 
 Phases = tuple[Phase, ...]
+
+
+def phase_rows(phases: Phases) -> list[list[int]]:
+    """Phases as a state records them: [[seq_len, begins], ...]."""
+    return [[phase.seq_len, phase.begins] for phase in phases]
+
+
+def phases_of_rows(rows: list[list[int]] | None, seq_len: int) -> Phases:
+    """The phases a state records (None: one, at `seq_len`, the state's)."""
+    return tuple(Phase(*row) for row in rows) if rows else (Phase(seq_len),)
 PlanSize = Callable[[int, Phases], int]  # (epoch, phases) -> observations of that plan
 
 

@@ -46,7 +46,7 @@ from raypipe.sampling.mixture import (
 )
 from raypipe.sampling.modes import knob_differences, plan_knob_names, upgrade_knobs
 from raypipe.sampling.pack import RowPieces
-from raypipe.sampling.schedule import BatchSchedule, Phase
+from raypipe.sampling.schedule import BatchSchedule, phases_of_rows
 
 
 @dataclass(frozen=True)
@@ -242,8 +242,7 @@ def _rows(planned: PlannedDataset, saved: LoaderState | MixtureState | None,
     step of its global batch (the schedule's)."""
     if isinstance(saved, MixtureState):
         raise ConfigError("a mixture state needs the mixture (a YAML or {name: path}) as data")
-    phases = (tuple(Phase(*phase) for phase in saved.phases) if saved and saved.phases
-              else (Phase(saved.knobs["seq_len"]),) if saved else ())
+    phases = phases_of_rows(saved.phases, saved.knobs["seq_len"]) if saved else ()
     cursor = planned.locate(saved.epoch if saved else None, saved.position if saved else None,
                             step, saved.steps if saved else None, phases)
     taken = 0
