@@ -6,12 +6,16 @@ Invariant: observations of epoch e are ordered by a pure function of (dataset, s
 (k = batch_size rows, or k = 1 pre-formed LLMBATCH batch; with a batch schedule, G is the
 schedule's at that step: raypipe.sampling.schedule); position p + i*W + r goes to rank r
 as its i-th observation of the step. `state_dict()` is the same on every rank: {epoch,
-position = observations consumed by all ranks, steps = global steps taken}, plus the dataset
-fingerprint and the knobs that shape observations. Loading it on any rank of any world size
-continues the same global order, so over a run every observation of an epoch is consumed
-exactly once, except the last (size mod G) positions of each epoch (drop-last;
-`packing_report` and `steps_in_epoch` say how many). Cost: see raypipe.sampling.batches and
-raypipe.loader.prefetch.
+position = observations consumed by all ranks, steps = global steps taken, phases = the
+epoch's seq_len phases when it changed inside it, history = the run's shape at each
+change}, plus the dataset fingerprint and the knobs that shape observations. Loading it on
+any rank of any world size continues the same global order, so over a run every
+observation of an epoch is consumed exactly once, except the last (size mod G) positions
+of each epoch (drop-last; `dropped_tail` counts them, rank 0 logs them). A seq_len other
+than the phase's (a schedule's step, or a loader resumed at another seq_len) begins a
+phase: the rest of the epoch planned again from what was not served, so every token is
+still trained once (raypipe.sampling.schedule). Cost: see raypipe.sampling.batches and
+raypipe.loader.prefetch; a seq_len change, docs/scale.md.
 """
 
 from __future__ import annotations

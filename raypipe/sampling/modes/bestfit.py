@@ -12,7 +12,12 @@ Python). A block's rows are packed on demand; the last 8 packed stay cached. A r
 are sequences of their own (position_ids restart, cu_seqlens); the target that crosses into
 a piece is masked unless the piece before ends its document and this one starts its own, so
 no target with mask 1 joins two documents falsely (the packing's cut rule puts a separator
-a reader sees at every other join: raypipe.sampling.pack). Cost: see
+a reader sees at every other join: raypipe.sampling.pack). A seq_len change inside an epoch
+continues the plan (`ContinuedPlan`): the unserved rows of the block at the position, taken
+apart into token ranges and packed again at the new seq_len, then the later documents in
+new blocks, so every token the plan had not served is served once; cost O(one block) plus
+the later blocks' sums (a slice of the node's when the block size holds, else one pass):
+1.1 s to the first batch after a 2048 -> 8192 change at 10^8 documents (docs/scale.md). Cost: see
 bench/packing_bench.py for planner documents per second, then O(1) per row; ~70 us to fill
 a batch of 8 x 2049 (bench/loader_bench.py).
 """
