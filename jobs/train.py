@@ -25,7 +25,7 @@ from pathlib import Path
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
-from raypipe.cli import batch_schedule, seq_len_schedule  # noqa: E402
+from raypipe.cli import add_schedule_arguments  # noqa: E402
 from raypipe.errors import RaypipeError, StateError  # noqa: E402
 from raypipe.examples.gpt_train import fit  # noqa: E402
 from raypipe.io.paths import check_lasting_location  # noqa: E402
@@ -42,15 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=128,
                         help="T: tokens a row trains (rows hold T + 1)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per worker per step")
-    parser.add_argument("--batch-schedule", type=batch_schedule, default=None,
-                        metavar="STEP:ROWS,...",
-                        help="global rows by step, e.g. 0:16,100:32 (a ramp), instead of "
-                        "--batch-size")
-    parser.add_argument("--seq-len-schedule", type=seq_len_schedule, default=None,
-                        metavar="STEP:SEQ_LEN,...",
-                        help="seq_len by step, e.g. 0:128,200:512 (a long-context phase), "
-                        "instead of --seq-len; the rest of the epoch is planned again at each "
-                        "change (docs/loader.md)")
+    add_schedule_arguments(parser)
     parser.add_argument("--mode", default="bestfit", choices=list(mode_names()),
                         help="how rows are made (docs/loader.md)")
     parser.add_argument("--seed", type=int, default=0, help="the loader's shuffle seed")

@@ -274,6 +274,20 @@ def seq_len_schedule(text: str) -> list[tuple[int, int]]:
     return step_stages(text, "STEP:SEQ_LEN,... (e.g. 0:512,3000:8192)")
 
 
+def add_schedule_arguments(parser: argparse.ArgumentParser, whose: str = "") -> None:
+    """--batch-schedule and --seq-len-schedule (a loader's batch_schedule and
+    seq_len_schedule: trace, jobs/train.py)."""
+    parser.add_argument("--batch-schedule", type=batch_schedule, default=None,
+                        metavar="STEP:ROWS,...",
+                        help=f"{whose}global rows by step, e.g. 0:256,1000:512 (a ramp), "
+                        "instead of --batch-size")
+    parser.add_argument("--seq-len-schedule", type=seq_len_schedule, default=None,
+                        metavar="STEP:SEQ_LEN,...",
+                        help=f"{whose}seq_len by step, e.g. 0:512,3000:8192 (a long-context "
+                        "phase), instead of --seq-len; bestfit plans the rest of the epoch "
+                        "again at each change (docs/loader.md)")
+
+
 def step_stages(text: str, spelling: str) -> list[tuple[int, int]]:
     try:
         return [(int(step), int(value)) for step, value in
@@ -356,14 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the run's ranks (default: the state's, else 1)")
     trace.add_argument("--batch-size", type=int, default=None,
                        help="rows per rank (default: the state's; LLMBATCH: its own)")
-    trace.add_argument("--batch-schedule", type=batch_schedule, default=None,
-                       metavar="STEP:ROWS,...",
-                       help="the loader's global batch by step (its batch_schedule), e.g. "
-                       "0:256,1000:512, instead of --batch-size")
-    trace.add_argument("--seq-len-schedule", type=seq_len_schedule, default=None,
-                       metavar="STEP:SEQ_LEN,...",
-                       help="the loader's seq_len by step (its seq_len_schedule), e.g. "
-                       "0:512,3000:8192, instead of --seq-len")
+    add_schedule_arguments(trace, "the loader's ")
     trace.add_argument("--history", default=None,
                        help="a loader's state_dict() saved as JSON whose record of changes "
                        "(global batch and seq_len, declared or on a resume) gives both "
