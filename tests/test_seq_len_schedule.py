@@ -387,3 +387,22 @@ def test_a_mixture_changes_seq_len_declared_or_on_resume_and_serves_no_token_twi
                   record.col_start:record.col_end] = np.arange(
                 first + record.token_start, first + record.token_end)
         assert np.array_equal(built, rows), step
+
+
+def test_an_epoch_whose_drop_last_tail_passes_5_percent_warns_and_a_small_one_does_not(
+        numbered, caplog):
+    """The tail under one global step an epoch leaves is counted, and past 5% of the
+    epoch's tokens it is a warning, not an info line."""
+    path, total = numbered
+    for batch_size, warned in ((400, True), (2, False)):
+        caplog.clear()
+        loader = TokenLoader(str(path), LONG, batch_size, rank=0, world_size=1, seed=3,
+                             block_documents=64)
+        with caplog.at_level("INFO", logger="raypipe"):
+            served = sum(1 for _ in loader)
+        epoch, rows, tokens = loader.dropped_tail
+        assert epoch == 0 and rows == loader.plan(0).size - served * batch_size
+        assert (tokens / total > 0.05) is warned
+        lines = [r for r in caplog.records if "drop-last" in r.getMessage()]
+        assert any(r.levelname == "WARNING" for r in lines) is warned
+        assert not warned or "hint: a smaller global batch" in lines[0].getMessage()

@@ -40,7 +40,7 @@ from raypipe.sampling.batches import BatchBuffers, BatchPlan
 from raypipe.sampling.epochs import PlannedDataset
 from raypipe.sampling.mixture import is_mixture_spec
 from raypipe.sampling.modes import BatchFiller, knob_differences, waste_hints
-from raypipe.sampling.plans import PackingReport
+from raypipe.sampling.plans import WASTE_WARNING, PackingReport
 from raypipe.sampling.schedule import (
     Cursor,
     Phase,
@@ -247,13 +247,19 @@ class TokenLoader:
 
     def _note_tail(self) -> None:
         """Count (and log, on rank 0) what the epoch that just ended left as its drop-last
-        tail: `dropped_tail` is (epoch, observations, tokens)."""
+        tail: `dropped_tail` is (epoch, observations, tokens); a warning when the tokens
+        pass WASTE_WARNING of the epoch's."""
         rows, tokens = self.planned.left_at(self.epoch, self.phases, self.position)
         self.dropped_tail = (self.epoch, rows, tokens)
-        if rows and self.rank == 0:
-            logger.info("%s: epoch %d ends with %d observations (%d tokens) under one step "
-                        "left untrained (drop-last)", self.dataset.root, self.epoch, rows,
-                        tokens)
+        if not rows or self.rank != 0:
+            return
+        total = self.planned.epoch_tokens()
+        share = tokens / total if total else 0.0
+        log = logger.warning if share > WASTE_WARNING else logger.info
+        log("%s: epoch %d ends with %d observations (%d tokens, %.1f%% of the epoch's) under "
+            "one global step left untrained (drop-last)%s", self.dataset.root, self.epoch,
+            rows, tokens, 100 * share, "; hint: a smaller global batch, or a longer epoch "
+            "(more data), leaves less" if share > WASTE_WARNING else "")
 
     def _note_shape(self, segment: Segment) -> None:
         """Record the segment's (global batch, seq_len) in the run's history where it

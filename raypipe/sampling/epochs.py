@@ -246,6 +246,13 @@ class PlannedDataset:
         counted = getattr(plan, "counted_tokens", None)
         return positions.size, (counted(positions) if counted and positions.size else 0)
 
+    def epoch_tokens(self) -> int:
+        """Tokens an epoch serves from: its documents' (a split's, or all), or a pre-formed
+        dataset's."""
+        if self.source is None:
+            return self.dataset.num_tokens
+        return self.document_lengths().total
+
     def steps_in(self, epoch: int) -> int:
         """Steps of epoch `epoch` at the first global batch of the schedule."""
         return self.plan(epoch).size // self.global_batch
