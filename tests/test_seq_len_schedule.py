@@ -406,3 +406,7 @@ def test_an_epoch_whose_drop_last_tail_passes_5_percent_warns_and_a_small_one_do
         lines = [r for r in caplog.records if "drop-last" in r.getMessage()]
         assert any(r.levelname == "WARNING" for r in lines) is warned
         assert not warned or "hint: a smaller global batch" in lines[0].getMessage()
+    documents = TokenLoader(str(path), LONG, 400, rank=0, world_size=1, mode="documents")
+    served = sum(1 for _ in documents)  # one document a row: its tail's tokens counted too
+    _, rows, tokens = documents.dropped_tail
+    assert rows == documents.plan(0).size - served * 400 and tokens > 0

@@ -247,10 +247,8 @@ class PlannedDataset:
         return positions.size, (counted(positions) if counted and positions.size else 0)
 
     def epoch_tokens(self) -> int:
-        """Tokens an epoch serves from: its documents' (a split's, or all), or a pre-formed
-        dataset's."""
-        if self.source is None:
-            return self.dataset.num_tokens
+        """Tokens an epoch serves from: its documents' (a split's, or all; a document
+        format's)."""
         return self.document_lengths().total
 
     def steps_in(self, epoch: int) -> int:

@@ -52,6 +52,13 @@ class DocumentPlan:
                        else self.permutation(positions[inside]))
         return ids
 
+    def counted_tokens(self, positions: np.ndarray) -> int:
+        """Tokens the rows at `positions` hold (each document cropped to a row; padding
+        rows none)."""
+        ids = self.documents(positions)
+        ids = ids[ids >= 0]
+        return int(np.minimum(self.lengths[ids], self.capacity).sum()) if ids.size else 0
+
     @cached_property
     def _report(self) -> PackingReport:
         kept = self.lengths.clipped_total(self.capacity)
