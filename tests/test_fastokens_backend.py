@@ -154,8 +154,10 @@ from raypipe.preprocess.encoding.encoder import DocumentEncoder
 texts = json.load(open(sys.argv[2]))
 encoder = DocumentEncoder(Tokenizer.from_file(sys.argv[1]), None, None, "text", "gigatoken")
 encoder.encode(texts[:10])  # the model loaded
-process, thread = time.process_time(), time.thread_time()
-for _ in range(40):
+process, thread, wall = time.process_time(), time.thread_time(), time.monotonic()
+# as much work as the thread needs for 0.5 s of its own CPU, whatever the machine's speed
+# (a pool thread doing the work would leave it short: then 30 s of wall time end the loop)
+while time.thread_time() - thread < 0.5 and time.monotonic() - wall < 30:
     encoder.encode(texts)
 print(json.dumps([time.process_time() - process, time.thread_time() - thread]))
 """
@@ -176,7 +178,7 @@ def test_gigatoken_encodes_on_the_calling_thread_alone(tokenizer_path, corpus_te
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     used_process, used_thread = json.loads(done.stdout.strip().splitlines()[-1])
-    assert used_thread > 0.05 and used_process <= used_thread * 1.1 + 0.02
+    assert used_thread > 0 and used_process <= used_thread * 1.1 + 0.02
 
 
 def test_a_units_cpu_seconds_count_the_encoders_own_worker_thread(tokenizer_path):

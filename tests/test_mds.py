@@ -5,7 +5,7 @@ convert write datasets it reads unchanged, sample for sample, plain and zstd-com
 from __future__ import annotations
 
 import json
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pytest
@@ -130,3 +130,68 @@ def test_concat_tokens_writes_fixed_length_samples_that_streaming_reads(
     assert f"dropped {dropped:,} tokens" in summary.render()
     assert "dropped as shard tails" in caplog.text  # small shards: over 1% dropped, warned
     assert sum(shard.tokens for shard in megatron.shards) == manifest.totals.tokens
+
+
+IMPORTS_ONLY_THE_MDS_EXTRA = r'''
+import importlib.abc, importlib.metadata as md, importlib.util, sys, tomllib
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+def requirements(texts, extra=""):
+    for text in texts or []:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate({"extra": extra}):
+            yield canonicalize_name(req.name), tuple(req.extras)
+
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]  # the checkout's, not the install's
+todo = [*requirements(project["dependencies"]),
+        *requirements(project["optional-dependencies"]["mds"])]
+allowed = set()
+while todo:  # the closure: what those distributions themselves require
+    name, extras = todo.pop()
+    if name in allowed:
+        continue
+    allowed.add(name)
+    try:
+        texts = md.requires(name)
+    except md.PackageNotFoundError:
+        continue
+    for extra in ("", *extras):
+        todo += list(requirements(texts, extra))
+modules = {module for module, dists in md.packages_distributions().items()
+           if any(canonicalize_name(d) in allowed for d in dists)} | {"raypipe", "streaming"}
+# streaming itself goes in with --no-deps: none of its own requirements is allowed
+
+def blocked(name):  # installed, but not by raypipe, its mds extra or the standard library
+    top = name.split(".")[0]
+    return (top not in sys.stdlib_module_names and top not in modules
+            and top not in sys.modules and top in md.packages_distributions())
+
+class OnlyTheExtra(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if blocked(name):
+            raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}", name=name)
+        return None
+
+real_find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: (
+    None if blocked(name) else real_find_spec(name, package))  # as if not installed
+sys.meta_path.insert(0, OnlyTheExtra())
+from raypipe.loader.mosaic_streaming import import_streaming
+streaming = import_streaming()
+assert streaming.StreamingDataset and streaming.MDSWriter
+print("imported")
+'''
+
+
+def test_the_mds_extra_holds_every_module_the_mds_reader_imports():
+    """`pip install '.[mds]'` and streaming with --no-deps must import: every module the
+    reader's import reaches is raypipe's, the mds extra's or the standard library's (the
+    dev extra's matplotlib once hid a missing pillow)."""
+    import subprocess
+    import sys
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    run = subprocess.run([sys.executable, "-c", IMPORTS_ONLY_THE_MDS_EXTRA, str(pyproject)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "imported" in run.stdout, run.stderr[-2000:]
