@@ -131,27 +131,42 @@ def test_manifest_records_accept_optional_fields_absent_or_null():
     assert FileEntry.from_json({**entry, "mtime_ns": 7}, "w").mtime_ns == 7
 
 
-def test_a_directory_of_parquet_files_passes_over_its_json_files(tmp_path, caplog):
-    """A `dataset_info.json` or a stats file beside parquet data is not read as JSON lines;
-    a directory of JSON lines alone is still read."""
+def test_a_directory_reads_every_kind_and_names_each_file_it_passes_over(tmp_path, caplog):
+    """Parquet and JSON-lines files of one directory are all read; a file of another kind,
+    a hidden or marker file and a dataset's metadata are passed over, each with why, and
+    logged (a warning only past PASSED_OVER_WARN_SHARE of the bytes); naming one reads it."""
+    import gzip
     import logging
 
     from raypipe.preprocess.inputs import find_inputs
 
     write_parquet(tmp_path / "d" / "a.parquet", ["x"])
-    (tmp_path / "d" / "corpus_stats.json").write_text('{"rows": 1,\n "bytes": 1}\n')
-    with caplog.at_level(logging.WARNING, logger="raypipe"):
+    (tmp_path / "d" / "sub").mkdir()
+    (tmp_path / "d" / "sub" / "b.jsonl").write_text('{"text": "y"}\n')
+    (tmp_path / "d" / "c.json.gz").write_bytes(gzip.compress(b'{"text": "z"}\n'))
+    (tmp_path / "d" / "dataset_info.json").write_text('{"rows": 1,\n "bytes": 1}\n')
+    (tmp_path / "d" / "_SUCCESS").write_text("")
+    (tmp_path / "d" / "README.md").write_text("x" * 10)
+    with caplog.at_level(logging.INFO, logger="raypipe"):
         found = find_inputs([str(tmp_path / "d")])
-    assert [p.rsplit("/", 1)[1] for p in found.files] == ["a.parquet"]
-    assert [p.rsplit("/", 1)[1] for p in found.passed_over] == ["corpus_stats.json"]
-    assert "corpus_stats.json" in caplog.text
-    (tmp_path / "j").mkdir()
-    (tmp_path / "j" / "part.jsonl").write_text('{"text": "x"}\n')
-    only_jsonl = find_inputs([str(tmp_path / "j")])
-    assert [p.rsplit("/", 1)[1] for p in only_jsonl.files] == ["part.jsonl"]
-    assert only_jsonl.passed_over == []
-    named = find_inputs([str(tmp_path / "d"), str(tmp_path / "d" / "corpus_stats.json")])
-    assert len(named.files) == 2 and named.passed_over == []  # named: read, not passed over
+    assert [p.rsplit("/", 1)[1] for p in found.files] == ["a.parquet", "c.json.gz", "b.jsonl"]
+    reasons = {m.uri.rsplit("/", 1)[1]: m.reason for m in found.passed_over}
+    assert sorted(reasons) == ["README.md", "_SUCCESS", "dataset_info.json"]
+    assert "not parquet or JSON lines" in reasons["README.md"]
+    assert "metadata" in reasons["dataset_info.json"] and "'_'" in reasons["_SUCCESS"]
+    assert {m.uri.rsplit("/", 1)[1]: m.bytes for m in found.passed_over}["README.md"] == 10
+    record = next(r for r in caplog.records if "passed over" in r.getMessage())
+    assert record.levelno == logging.WARNING  # 37 bytes of ~1 KB: past 1%
+    assert "README.md" in record.getMessage()
+    named = find_inputs([str(tmp_path / "d"), str(tmp_path / "d" / "dataset_info.json")])
+    assert len(named.files) == 4 and len(named.passed_over) == 2  # named: read
+    write_parquet(tmp_path / "big" / "a.parquet", ["x" * 100_000])
+    (tmp_path / "big" / "notes.txt").write_text("n")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="raypipe"):
+        assert len(find_inputs([str(tmp_path / "big")]).passed_over) == 1
+    assert [r.levelno for r in caplog.records if "passed over" in r.getMessage()] == \
+        [logging.INFO]
 
 
 @given(st.lists(st.text(alphabet="<|>[]().*+?{}^$\\ab#- ", min_size=1, max_size=6),

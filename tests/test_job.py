@@ -341,17 +341,38 @@ def test_a_unit_record_keeps_the_cpu_time_its_unit_took(tmp_path, corpus_dir, to
     assert unit_cpu < 0.8 * unit_wall  # the spinner held the GIL part of each unit's time
 
 
-def test_a_directory_input_with_a_stats_json_tokenizes_its_parquet_and_says_so(
-        tmp_path, corpus_dir, tokenizer_path):
+def test_a_directory_of_parquet_and_json_lines_reads_both_and_records_what_it_passed_over(
+        tmp_path, corpus_dir, tokenizer_path, corpus_texts):
+    """A user's tree of .parquet, .jsonl and .jsonl.gz files: every file is read (the text
+    column found in each kind), and a stats file beside them is named in the summary, in
+    the manifest, and by `raypipe inspect`, also after a rerun that runs nothing."""
+    import gzip
     import shutil
+
+    from raypipe.io.manifest import read_manifest
+    from raypipe.tools.inspect import inspect_output
 
     data = tmp_path / "data"
     shutil.copytree(corpus_dir, data)
-    (data / "corpus_stats.json").write_text('{"rows": 900,\n "note": "not JSON lines"}\n')
+    extra = corpus_texts[900:960]
+    (data / "more").mkdir()
+    (data / "more" / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                   for t in extra[:30]))
+    (data / "more" / "b.jsonl.gz").write_bytes(gzip.compress("".join(
+        json.dumps({"text": t}) + "\n" for t in extra[30:]).encode()))
+    (data / "corpus_stats.txt").write_text("rows: 960\n")
     summary = run_job(config_for(data, tmp_path / "out", tokenizer_path))
-    assert summary.documents == len(expected_documents(corpus_dir, tokenizer_path))
-    assert "passed over 1 JSON-lines file(s) in a directory of parquet files: " \
-        f"{(data / 'corpus_stats.json').resolve()}" in summary.render()
+    assert summary.documents == len(expected_documents(corpus_dir, tokenizer_path)) + \
+        sum(1 for t in extra if t)
+    stats = str((data / "corpus_stats.txt").resolve())
+    assert f"passed over 1 file(s) of the input directories, not read (listed in " \
+        f"manifest.json's passed_over): {stats} (not parquet or JSON lines" in summary.render()
+    manifest = read_manifest(str(tmp_path / "out"))
+    assert [(m.uri, m.bytes) for m in manifest.passed_over] == [(stats, 10)]
+    assert f"passed over 1 file(s) of the input directories, not read: {stats}" in \
+        inspect_output(str(tmp_path / "out"), samples=0)
+    rerun = run_job(config_for(data, tmp_path / "out", tokenizer_path))
+    assert rerun.units_run == 0 and stats in rerun.render()
 
 
 @pytest.mark.parametrize("stray", ["notes.txt", "megatron/mine.bin"])

@@ -193,3 +193,24 @@ def test_units_a_rewritten_file_no_longer_yields_are_removed_and_counted(
     assert shard_files(tmp_path / "out") == shard_files(tmp_path / "fresh")
     assert sorted(p.name for p in (tmp_path / "out" / "_units").iterdir()) == \
         sorted(p.name for p in (tmp_path / "fresh" / "_units").iterdir())
+
+
+@pytest.mark.parametrize("unit_bytes", [1, 64 << 20], ids=["file-units", "one-group"])
+def test_empty_json_lines_files_are_counted_in_the_summary_not_fatal(
+        tmp_path, corpus_texts, tokenizer_path, unit_bytes):
+    """An empty `.jsonl`, an empty `.jsonl.gz` and a 0-row parquet file are empty inputs,
+    not corrupt ones: without --skip-bad-files the job goes on and names them; a file of
+    blank lines is read (its lines counted as blank_line)."""
+    write_compressed(tmp_path / "in" / "a.jsonl", jsonl_bytes(corpus_texts[:20]))
+    (tmp_path / "in" / "b-empty.jsonl").write_bytes(b"")
+    write_compressed(tmp_path / "in" / "c-empty.jsonl.gz", b"")
+    (tmp_path / "in" / "d-blank.jsonl").write_bytes(b"\n\n")
+    write_parquet(tmp_path / "in" / "e-empty.parquet", [])
+    summary = tokenize(tmp_path / "in", tmp_path / "out", tokenizer_path,
+                       unit_bytes=unit_bytes)
+    assert summary.documents == sum(1 for text in corpus_texts[:20] if text)
+    assert [uri.rsplit("/", 1)[1] for uri in summary.empty_files] == \
+        ["b-empty.jsonl", "c-empty.jsonl.gz", "e-empty.parquet"]
+    assert "empty      3 input file(s) hold no row (counted, not an error): " in \
+        summary.render()
+    assert summary.skipped.get("blank_line") == 2 and not summary.bad_files

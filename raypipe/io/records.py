@@ -329,6 +329,17 @@ class BadFile(JsonRecord):
 
 
 @dataclass(frozen=True)
+class PassedOver(JsonRecord):
+    """A file an input directory holds that the job did not read: which, its size, and why
+    (not a kind raypipe reads, or a name data tools leave beside data: `_SUCCESS`,
+    `.DS_Store`, `dataset_info.json`)."""
+
+    uri: str
+    reason: str
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
 class Reject(JsonRecord):
     """One input row that made no document: its file (or Dataset), its row there (-1: not
     known) and the skip reason it is counted under."""
@@ -515,6 +526,7 @@ class Manifest(JsonRecord):
     versions: dict[str, str] = field(default_factory=dict)
     converted_from: dict[str, str] | None = None
     bad_files: tuple[BadFile, ...] = ()  # input files skipped under skip_bad_files
+    passed_over: tuple[PassedOver, ...] = ()  # files of input directories not read
     manifest_version: int = MANIFEST_VERSION
     kind: str = MANIFEST_KIND
 
@@ -523,10 +535,12 @@ class Manifest(JsonRecord):
               formats: dict[str, FormatSection], config: dict[str, Any],
               records: list[UnitRecord] = (), totals: Totals | None = None,
               converted_from: dict[str, str] | None = None,
-              bad_files: tuple[BadFile, ...] = ()) -> Manifest:
+              bad_files: tuple[BadFile, ...] = (),
+              passed_over: tuple[PassedOver, ...] = ()) -> Manifest:
         """The one place a manifest is made: totals from the unit records (or given, for a
-        conversion), the bytes of every format's files, and every skipped bad file (those
-        planning found, `bad_files`, then the units')."""
+        conversion), the bytes of every format's files, every skipped bad file (those
+        planning found, `bad_files`, then the units') and the input directories' files
+        passed over."""
         if totals is None:
             skipped: Counter = Counter()
             for record in records:
@@ -544,7 +558,8 @@ class Manifest(JsonRecord):
                    totals=totals,
                    created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    versions=library_versions(), converted_from=converted_from,
-                   bad_files=(*bad_files, *(bad for r in records for bad in r.bad_files)))
+                   bad_files=(*bad_files, *(bad for r in records for bad in r.bad_files)),
+                   passed_over=tuple(passed_over))
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> Manifest:
@@ -563,6 +578,7 @@ class Manifest(JsonRecord):
                      for name, section in formats.items()},
             units=_tuple_of(UnitSummary, plain.units, where),
             bad_files=_tuple_of(BadFile, plain.bad_files, where),
+            passed_over=_tuple_of(PassedOver, plain.passed_over, where),
             totals=Totals.from_json(plain.totals, where) if isinstance(plain.totals, dict)
             else plain.totals)
         for unit in manifest.units:

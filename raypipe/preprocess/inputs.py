@@ -4,8 +4,12 @@ and the record batches of one unit.
 Invariant: the unit list and every unit's name are a pure function of the input files and
 `unit_bytes`, never of parallelism, so the shards written for a unit (named after it) are
 the same at any worker count or batch size. Inputs are a glob, a directory (every parquet
-file below it; its JSON-lines files when it has no parquet file, else they are passed over,
-logged and named in the summary) or a list of those, on any filesystem pyarrow understands
+and JSON-lines file below it, each kind with its own reader; any other file is passed over,
+and so are names data tools leave beside data: `.`/`_`-prefixed ones as pyarrow's dataset
+discovery skips them, and Hugging Face's `dataset_info.json`, `state.json`,
+`dataset_dict.json`; each passed-over file is named in the summary and the manifest, and a
+warning past PASSED_OVER_WARN_SHARE of the bytes) or a list of those, on any filesystem
+pyarrow understands
 (local, s3://, gs://, ...). Parquet files are cut at row groups, JSON-lines files as
 `raypipe.preprocess.jsonl` says. Planning reads only parquet footers and the first line of
 each JSON-lines file: the text column is checked in every file before any task starts.
@@ -33,7 +37,7 @@ import pyarrow.parquet as pq
 
 from raypipe.errors import InputError
 from raypipe.io.filesystem import filesystem_and_path, uri_of
-from raypipe.io.records import WorkUnit
+from raypipe.io.records import PassedOver, WorkUnit
 from raypipe.preprocess.jsonl import (
     JSONL_SUFFIXES,
     byte_ranges,
@@ -90,12 +94,23 @@ class FileStat:
 @dataclass(frozen=True)
 class InputFiles:
     """The files a job's input specs name (with their listing's size and time), and the
-    input-looking files passed over: the JSON-lines files of a directory that holds parquet
-    files (a `dataset_info.json` or a stats file beside the data)."""
+    files of input directories passed over (not read), each with why."""
 
     files: list[str]
-    passed_over: list[str]
+    passed_over: list[PassedOver]
     stats: dict[str, FileStat] = field(default_factory=dict)
+
+    @property
+    def passed_over_share(self) -> float:
+        """The passed-over files' share of the bytes listed (read and passed over)."""
+        passed = sum(each.bytes for each in self.passed_over)
+        return passed / max(passed + sum(stat.size for stat in self.stats.values()), 1)
+
+
+PASSED_OVER_WARN_SHARE = 0.01  # of the listed bytes: past it, passed-over files are a warning
+# names data tools write beside data, never read from a directory (naming one reads it)
+METADATA_NAMES = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
+HIDDEN_PREFIXES = (".", "_")  # pyarrow.dataset's ignore_prefixes: _SUCCESS, .DS_Store, ...
 
 
 def expand_input(spec: str) -> list[str]:
@@ -103,19 +118,36 @@ def expand_input(spec: str) -> list[str]:
     return find_input(spec).files
 
 
-def of_directory(found: list[str]) -> tuple[list[str], list[str]]:
-    """A directory's inputs: its parquet files if it has any, else its JSON-lines files;
-    and the JSON-lines files passed over."""
-    parquet = [path for path in found if path.endswith(".parquet")]
-    jsonl = [path for path in found if path.endswith(JSONL_SUFFIXES)]
-    return (parquet, jsonl) if parquet else (jsonl, [])
+def why_passed_over(path: str) -> str | None:
+    """Why a directory's file is not read (None: it is read)."""
+    name = path.rsplit("/", 1)[-1]
+    if name.startswith(HIDDEN_PREFIXES):
+        return f"a name starting with {name[0]!r} (hidden or a marker)"
+    if name in METADATA_NAMES:
+        return "dataset metadata, not rows"
+    if not name.endswith(INPUT_SUFFIXES):
+        return f"not parquet or JSON lines ({', '.join(INPUT_SUFFIXES)})"
+    return None
+
+
+def of_directory(found: dict[str, FileStat]) -> tuple[list[str], list[PassedOver]]:
+    """A directory's inputs: every parquet and JSON-lines file below it; and the others,
+    passed over with why (by the path as listed)."""
+    read, passed = [], []
+    for path, stat in found.items():
+        reason = why_passed_over(path)
+        if reason is None:
+            read.append(path)
+        else:
+            passed.append(PassedOver(path, reason, stat.size))
+    return read, passed
 
 
 def find_input(spec: str) -> InputFiles:
     """One input spec -> its sorted file URIs (local files by their resolved path), and
     what a directory's listing passed over."""
     filesystem, path = filesystem_and_path(spec)
-    passed_over: list[str] = []
+    passed_over: list[PassedOver] = []
     if GLOB_CHARS.search(path):
         base = path[:GLOB_CHARS.search(path).start()].rsplit("/", 1)[0] or "/"
         pattern = glob_regex(path)
@@ -127,7 +159,7 @@ def find_input(spec: str) -> InputFiles:
             raise InputError(f"{spec}: no such file or directory")
         if info.type == pafs.FileType.Directory:
             every = _list_files(filesystem, path, spec)
-            matches, passed_over = of_directory(list(every))
+            matches, passed_over = of_directory(every)
             listed = {p: every[p] for p in matches}
         elif info.type == pafs.FileType.File:
             listed = {path: _stat_of(info)}
@@ -135,9 +167,11 @@ def find_input(spec: str) -> InputFiles:
             raise InputError(f"{spec}: not a regular file ({info.type.name})")
     if isinstance(filesystem, pafs.LocalFileSystem):  # one identity per file
         listed = {os.path.realpath(p): stat for p, stat in listed.items()}
-        passed_over = [os.path.realpath(m) for m in passed_over]
     stats = {uri_of(p, spec): stat for p, stat in listed.items()}
-    return InputFiles(sorted(stats), sorted({uri_of(m, spec) for m in passed_over}), stats)
+    passed = {uri_of(os.path.realpath(m.uri) if isinstance(filesystem, pafs.LocalFileSystem)
+                     else m.uri, spec): m for m in passed_over}
+    return InputFiles(sorted(stats), [PassedOver(uri, m.reason, m.bytes)
+                                      for uri, m in sorted(passed.items())], stats)
 
 
 def _stat_of(info: pafs.FileInfo) -> FileStat:
@@ -185,19 +219,28 @@ def expand_inputs(specs: tuple[str, ...] | list[str]) -> list[str]:
 
 def find_inputs(specs: tuple[str, ...] | list[str]) -> InputFiles:
     """Every spec's files, each once (a file some spec names is not passed over); a spec
-    list that names no file is an error. Passed-over files are logged."""
+    list that names no file is an error. Passed-over files are logged: a warning past
+    PASSED_OVER_WARN_SHARE of the bytes listed."""
     found = [find_input(spec) for spec in specs]
     stats = {path: stat for each in found for path, stat in each.stats.items()}
     unique = sorted(stats)
+    passed = {each.uri: each for one in found for each in one.passed_over
+              if each.uri not in stats}
     if not unique:
         raise InputError(f"inputs {list(specs)}: no parquet or JSON-lines file "
-                         f"({', '.join(INPUT_SUFFIXES)}) matches")
-    passed_over = sorted({path for each in found for path in each.passed_over} - set(unique))
-    if passed_over:
-        logger.warning("%d JSON-lines file(s) passed over in a directory of parquet files "
-                       "(name them to read them): %s", len(passed_over),
-                       ", ".join(passed_over[:5]) + (" ..." if len(passed_over) > 5 else ""))
-    return InputFiles(unique, passed_over, stats)
+                         f"({', '.join(INPUT_SUFFIXES)}) matches"
+                         + (f" ({len(passed)} other file(s) passed over, such as "
+                            f"{next(iter(passed))})" if passed else ""))
+    inputs = InputFiles(unique, [passed[uri] for uri in sorted(passed)], stats)
+    if inputs.passed_over:
+        level = (logging.WARNING if inputs.passed_over_share > PASSED_OVER_WARN_SHARE
+                 else logging.INFO)
+        logger.log(level, "%d file(s) of the input directories passed over (%.1f%% of the "
+                   "bytes listed; name a file to read it): %s", len(inputs.passed_over),
+                   100 * inputs.passed_over_share,
+                   "; ".join(f"{m.uri} ({m.reason})" for m in inputs.passed_over[:5])
+                   + (" ..." if len(inputs.passed_over) > 5 else ""))
+    return inputs
 
 
 def open_parquet(uri: str, data: bytes | None = None) -> pq.ParquetFile:
@@ -322,6 +365,14 @@ def check_columns(uri: str, columns: list[str], available: list[str], noun: str)
                              f"available {noun}s: {available}")
 
 
+def check_jsonl_fields(uri: str, columns: list[str], data: bytes | None = None) -> None:
+    """The file's first JSON object holds every field in `columns` (text first); a file
+    without a JSON line has no row to check (it is read as empty)."""
+    fields = first_record_fields(uri, data)
+    if fields is not None:
+        check_columns(uri, columns, fields, "field")
+
+
 def units_of_file(uri: str, columns: list[str], unit_bytes: int,
                   text_first: bool = True) -> list[WorkUnit]:
     """Split one file into consecutive row-group ranges of about `unit_bytes` each; every
@@ -352,7 +403,7 @@ def units_of_jsonl(uri: str, columns: list[str], unit_bytes: int,
                    text_first: bool = True) -> list[WorkUnit]:
     """Byte ranges of about `unit_bytes` (a compressed file whole); the first record must
     hold every field in `columns` (text field first)."""
-    check_columns(uri, columns, first_record_fields(uri), "field")
+    check_jsonl_fields(uri, columns)
     identity, size = file_identity(uri)
     ranges = byte_ranges(uri, size, unit_bytes)
     whole = len(ranges) == 1
@@ -380,7 +431,7 @@ def unit_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
     file and range."""
     if unit.kind == "jsonl":
         if unit.row_group_stop < 0:  # a group's member: its columns are checked here
-            check_columns(unit.uri, columns, first_record_fields(unit.uri, data), "field")
+            check_jsonl_fields(unit.uri, columns, data)
         yield from jsonl_batches(unit, columns, batch_rows, text_first, data)
         return
     parquet = open_parquet(unit.uri, data)

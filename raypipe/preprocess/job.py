@@ -34,7 +34,7 @@ from raypipe.formats import get_format, of_kind, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.lock import output_lock
 from raypipe.io.manifest import CONFIG_NAME, read_manifest, shard_table, write_manifest
-from raypipe.io.records import BadFile, Manifest, UnitRecord, WorkUnit
+from raypipe.io.records import BadFile, Manifest, PassedOver, UnitRecord, WorkUnit
 from raypipe.io.store import Store
 from raypipe.preprocess.batch_packing import pack_batches_from_manifest
 from raypipe.preprocess.chat import resolve_template
@@ -58,7 +58,12 @@ from raypipe.preprocess.planning import plan_inputs
 from raypipe.preprocess.progress import Progress
 from raypipe.preprocess.runners import SerialRunner, UnitRunner
 from raypipe.preprocess.sources import DatasetBlocks, PlannedUnits
-from raypipe.preprocess.summary import JobSummary, packing_line, steady_seconds
+from raypipe.preprocess.summary import (
+    JobSummary,
+    empty_files,
+    packing_line,
+    steady_seconds,
+)
 from raypipe.preprocess.unit import UnitSettings
 
 logger = logging.getLogger("raypipe")
@@ -147,7 +152,7 @@ class Source(Protocol):
     noun: str
     label: str
     samples_without_runner: bool
-    passed_over: tuple[str, ...]  # input-looking files not read (named in the summary)
+    passed_over: tuple[PassedOver, ...]  # files of input directories not read
     bad_files: tuple[BadFile, ...]  # files skipped before any unit ran (skip_bad_files)
 
     def input_names(self) -> list[str]: ...
@@ -200,7 +205,7 @@ class Job:
                     progress.update(record)
                 run_seconds = time.perf_counter() - launched
             manifest = commit_manifest(config, settings, output, source.ordered(),
-                                       source.bad_files)
+                                       source.bad_files, source.passed_over)
             removed = remove_unplanned(output, source.names(), source.label)
         else:
             manifest, removed = read_manifest(output), 0
@@ -208,8 +213,9 @@ class Job:
                             choice.reason if choice is not None else
                             "recorded in the manifest", run_seconds=run_seconds,
                             units_removed=removed, noun=source.noun,
-                            files_passed_over=source.passed_over,
+                            passed_over=manifest.passed_over,
                             bad_files=manifest.bad_files, input_bytes=source.input_bytes(),
+                            empty_files=empty_files(source.ordered()),
                             separators=separator_lines(manifest, self.resolved.tokenizer))
         warn_bad_files(summary)
         refuse_empty(config, summary, source.label)
@@ -307,11 +313,11 @@ def remove_unplanned(output: Store, planned: set[str], what: str) -> int:
 
 
 def commit_manifest(config: TokenizeConfig, settings: UnitSettings, output: Store,
-                    records: list[UnitRecord], bad_files: tuple[BadFile, ...] = ()
-                    ) -> Manifest:
+                    records: list[UnitRecord], bad_files: tuple[BadFile, ...] = (),
+                    passed_over: tuple[PassedOver, ...] = ()) -> Manifest:
     """Build the manifest of `records` (in order), pack the batch formats, write it last."""
     manifest = add_batch_formats(config, output, build_manifest(config, settings, records,
-                                                                bad_files))
+                                                                bad_files, passed_over))
     output.write_bytes(CONFIG_NAME, dump_config_yaml(config).encode())
     write_dataset_indexes(output, manifest.formats)
     write_manifest(output, manifest)
@@ -374,8 +380,8 @@ def add_batch_formats(config: TokenizeConfig, output: Store, manifest: Manifest)
 
 
 def build_manifest(config: TokenizeConfig, settings: UnitSettings,
-                   records: list[UnitRecord], bad_files: tuple[BadFile, ...] = ()
-                   ) -> Manifest:
+                   records: list[UnitRecord], bad_files: tuple[BadFile, ...] = (),
+                   passed_over: tuple[PassedOver, ...] = ()) -> Manifest:
     largest_id = settings.tokenizer.largest_id
     formats = {name: get_format(name).section(largest_id, shard_table(records, name),
                                               config.format_options(name).to_json())
@@ -385,4 +391,4 @@ def build_manifest(config: TokenizeConfig, settings: UnitSettings,
                        ("bos_id", "eos_id"), settings.separator_ids(name), strict=True)))
                    for name, section in formats.items()}
     return Manifest.build(settings.fingerprint, settings.tokenizer, formats, config.to_dict(),
-                          records, bad_files=bad_files)
+                          records, bad_files=bad_files, passed_over=passed_over)

@@ -185,16 +185,17 @@ def _parse(line: bytes, where: Any, number: int) -> dict[str, Any] | None:
     return value
 
 
-def first_record_fields(uri: str, data: bytes | None = None) -> list[str]:
-    """The field names of the file's first JSON object (refusing a file without one); reads
-    (and decompresses) 64 KiB at a time, so planning costs a small read per file."""
+def first_record_fields(uri: str, data: bytes | None = None) -> list[str] | None:
+    """The field names of the file's first JSON object; None for a file without one (empty,
+    or blank lines only: no row, which is not an error). Reads (and decompresses) 64 KiB at
+    a time, so planning costs a small read per file."""
     for number, line in enumerate(_lines(uri, 0, None, FIRST_RECORD_BYTES, data), 1):
         if line.strip():
             record = _parse(line, lambda n: f"{uri}: line {n}", number)
             if record is None:
                 raise InputError(f"{uri}: line {number}: not UTF-8")
             return list(record)
-    raise InputError(f"{uri}: holds no JSON line")
+    return None
 
 
 def _is_unicode(text: str) -> bool:

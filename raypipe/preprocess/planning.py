@@ -33,7 +33,7 @@ from raypipe.io.records import BadFile, WorkUnit
 from raypipe.preprocess.inputs import (
     FileStat,
     InputFiles,
-    check_columns,
+    check_jsonl_fields,
     file_stem,
     find_inputs,
     name_digest,
@@ -42,7 +42,7 @@ from raypipe.preprocess.inputs import (
     units_of_file,
     units_of_jsonl,
 )
-from raypipe.preprocess.jsonl import first_record_fields, is_jsonl
+from raypipe.preprocess.jsonl import is_jsonl
 
 GROUP_FILES = 16_384  # files in one group at most (bounds a unit record's size)
 
@@ -127,7 +127,7 @@ def _check_first_member(uri: str, columns: list[str], text_first: bool) -> None:
     """A group's first file holds the columns (its footer or first line): a wrong column
     name fails the job before the output is touched, not in a worker."""
     if is_jsonl(uri):
-        check_columns(uri, columns, first_record_fields(uri), "field")
+        check_jsonl_fields(uri, columns)
     else:
         units_of_file(uri, columns, 1 << 62, text_first)
 

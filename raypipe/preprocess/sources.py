@@ -24,7 +24,7 @@ from raypipe.io.manifest import (
     read_manifest,
     record_problem,
 )
-from raypipe.io.records import BadFile, UnitRecord, WorkUnit
+from raypipe.io.records import BadFile, PassedOver, UnitRecord, WorkUnit
 from raypipe.io.store import Store
 from raypipe.preprocess.encoding.self_check import SAMPLE_ROWS, sample_rows
 from raypipe.preprocess.output import unit_records
@@ -40,7 +40,7 @@ class PlannedUnits:
     noun = "units"
     samples_without_runner = True  # its texts are read here: the self-check overlaps connect
 
-    def __init__(self, units: list[WorkUnit], passed_over: tuple[str, ...] = (),
+    def __init__(self, units: list[WorkUnit], passed_over: tuple[PassedOver, ...] = (),
                  files: dict[str, int] | None = None, bad_files: tuple[BadFile, ...] = ()):
         self.units = units
         self.passed_over = passed_over
@@ -67,7 +67,8 @@ class PlannedUnits:
             return True
         manifest = read_manifest(output)
         return ([summary.name for summary in manifest.units] != [u.name for u in self.units]
-                or manifest.bad_files[:len(self.bad_files)] != self.bad_files)
+                or manifest.bad_files[:len(self.bad_files)] != self.bad_files
+                or manifest.passed_over != self.passed_over)
 
     @property
     def progress_units(self) -> list[WorkUnit] | None:
@@ -109,7 +110,7 @@ class DatasetBlocks:
 
     noun = "blocks"
     samples_without_runner = False  # sampling a Dataset runs on Ray
-    passed_over: tuple[str, ...] = ()
+    passed_over: tuple[PassedOver, ...] = ()
     bad_files: tuple[BadFile, ...] = ()
 
     def __init__(self, dataset: Any, label: str):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypipe.io.records import BadFile, UnitRecord
+from raypipe.io.records import BadFile, PassedOver, UnitRecord
 from raypipe.sampling.plans import PackingReport
 
 
@@ -46,10 +46,11 @@ class JobSummary:
     unit_retries: int = 0  # unit runs lost to a dead worker and run again
     units_removed: int = 0  # units of an earlier run that the inputs no longer yield
     noun: str = "units"  # "blocks" for a ray.data.Dataset input
-    files_passed_over: tuple[str, ...] = ()  # JSON-lines files beside a directory's parquet
+    passed_over: tuple[PassedOver, ...] = ()  # files of input directories not read
     trained_tokens: int | None = None  # chat data: tokens its loss mask trains
     bad_files: tuple[BadFile, ...] = ()  # input files skipped under skip_bad_files
     input_bytes: int = 0  # bytes of the input files (bad files included)
+    empty_files: tuple[str, ...] = ()  # input files with no row (counted, not an error)
     separators: dict[str, str] = field(default_factory=dict)  # format -> what it writes
 
     @property
@@ -76,12 +77,12 @@ class JobSummary:
         if self.unit_retries:
             lines.append(f"  retried    {self.unit_retries} unit run(s) lost to a dead worker, "
                          "run again")
-        if self.files_passed_over:
-            shown = ", ".join(self.files_passed_over[:3])
-            more = len(self.files_passed_over) - 3
-            lines.append(f"  passed over {len(self.files_passed_over)} JSON-lines file(s) in a "
-                         f"directory of parquet files: {shown}"
-                         + (f" and {more} more" if more > 0 else ""))
+        if self.passed_over:
+            shown = "; ".join(f"{m.uri} ({m.reason})" for m in self.passed_over[:3])
+            more = len(self.passed_over) - 3
+            lines.append(f"  passed over {len(self.passed_over)} file(s) of the input "
+                         "directories, not read (listed in manifest.json's passed_over): "
+                         + shown + (f" and {more} more" if more > 0 else ""))
         if self.bad_files:
             lines.append(f"  bad files  {len(self.bad_files)} skipped ({self.bad_share:.2%} of "
                          "the input bytes; listed in manifest.json's bad_files): "
@@ -89,6 +90,11 @@ class JobSummary:
                                      f"{bad.reason})" for bad in self.bad_files[:3])
                          + (f" and {len(self.bad_files) - 3} more"
                             if len(self.bad_files) > 3 else ""))
+        if self.empty_files:
+            lines.append(f"  empty      {len(self.empty_files)} input file(s) hold no row "
+                         f"(counted, not an error): {', '.join(self.empty_files[:3])}"
+                         + (f" and {len(self.empty_files) - 3} more"
+                            if len(self.empty_files) > 3 else ""))
         if self.units_removed:
             lines.append(f"  removed    {self.units_removed} unit(s) of an earlier run that "
                          "the inputs no longer yield")
@@ -122,6 +128,21 @@ class JobSummary:
         else:
             lines.append(f"  nothing to run: every {noun[:-1]} was already committed")
         return "\n".join(lines + [f"  {name:<10} {line}" for name, line in self.packing.items()])
+
+
+def empty_files(records: list[UnitRecord]) -> tuple[str, ...]:
+    """The input files that gave no row (a 0-row parquet file, an empty `.jsonl`), bad files
+    aside: rows added up per file over the file units and the groups' members."""
+    rows: dict[str, int] = {}
+    bad = {each.uri for record in records for each in record.bad_files}
+    for record in records:
+        unit = record.unit
+        if unit.kind == "group":
+            for member, count in zip(unit.members, record.member_rows or (), strict=False):
+                rows[member.uri] = rows.get(member.uri, 0) + count
+        elif unit.kind != "block":
+            rows[unit.uri] = rows.get(unit.uri, 0) + record.rows
+    return tuple(sorted(uri for uri, count in rows.items() if count == 0 and uri not in bad))
 
 
 def steady_seconds(records: list[UnitRecord]) -> float:

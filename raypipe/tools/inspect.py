@@ -69,13 +69,16 @@ def inspect_dataset(root: str | Path | Store, samples: int = 3, tokenizer: str |
 
 def list_rejects(root: str | Path | Store) -> str:
     """What the job did not turn into documents, by name: the input files it skipped as
-    bad (the manifest's `bad_files`), then every unit's named rejects (file, row, reason)
+    bad (the manifest's `bad_files`), the files of input directories it passed over, then
+    every unit's named rejects (file, row, reason)
     and how many more of its skipped rows were only counted. Reads the manifest and the
     unit records (32 at a time)."""
     store = as_store(root)
     manifest = read_manifest(store)
     lines = [f"bad file\t{bad.uri}\t{bad.rows_read} rows read before\t{bad.reason}"
              for bad in manifest.bad_files]
+    lines += [f"passed over\t{each.uri}\t{each.bytes} bytes\t{each.reason}"
+              for each in manifest.passed_over]
     records = map_threads(lambda name: UnitRecord.from_json(
         store.read_json(unit_record_name(name)), store.uri_of(unit_record_name(name))),
         [unit.name for unit in manifest.units])
@@ -147,7 +150,7 @@ def inspect_output(root: str | Path | Store, samples: int = 3, tokenizer: str | 
              f"  tokenizer   {info.spec} (largest id {info.largest_id}, "
              f"bos {info.bos_id}, eos {info.eos_id})",
              f"  documents   {totals.documents:,}   tokens {totals.tokens:,}"
-             f"   skipped {totals.skipped or 'none'}"]
+             f"   skipped {totals.skipped or 'none'}", *input_lines(manifest)]
     decoder = _decoder(manifest, tokenizer)
     for name, section in manifest.formats.items():
         own = "" if section.separators is None else (
@@ -159,6 +162,24 @@ def inspect_output(root: str | Path | Store, samples: int = 3, tokenizer: str | 
         lines += view
         plot = None if plotted else plot  # one histogram: the first format that draws one
     return "\n".join(lines)
+
+
+def input_lines(manifest: Manifest) -> list[str]:
+    """What the job did not read: bad files skipped, and files of input directories passed
+    over (each counted, the first few named; `--rejects` lists them all)."""
+    lines = []
+    if manifest.bad_files:
+        lines.append(f"  bad files   {len(manifest.bad_files)} skipped "
+                     f"({sum(bad.rows_read for bad in manifest.bad_files):,} rows read before "
+                     f"their errors), such as {manifest.bad_files[0].uri} "
+                     f"({manifest.bad_files[0].reason}); --rejects lists them")
+    if manifest.passed_over:
+        shown = "; ".join(f"{m.uri} ({m.reason})" for m in manifest.passed_over[:3])
+        more = len(manifest.passed_over) - 3
+        lines.append(f"  passed over {len(manifest.passed_over)} file(s) of the input "
+                     f"directories, not read: {shown}" + (f" and {more} more" if more > 0
+                                                         else ""))
+    return lines
 
 
 def _inspect_documents(dataset: TokenDataset, samples: int, decoder: Any,
