@@ -19,6 +19,21 @@ class InputError(RaypipeError):
     """An input corpus file, column or row cannot be used."""
 
 
+BAD_FILES_NAMED = 20  # input errors one message names at most (the rest are counted)
+
+
+def bad_input(errors: list[InputError], hint: str = "pass --skip-bad-files to skip such "
+              "files and keep going") -> InputError:
+    """One InputError naming several bad input files (each on its own line, the first
+    BAD_FILES_NAMED of them); one error alone is itself."""
+    if len(errors) == 1:
+        return errors[0]
+    named = "\n".join(f"  {error}" for error in errors[:BAD_FILES_NAMED])
+    more = len(errors) - BAD_FILES_NAMED
+    return InputError(f"{len(errors)} input files cannot be read ({hint}):\n{named}"
+                      + (f"\n  and {more} more" if more > 0 else ""))
+
+
 class FormatError(RaypipeError):
     """An output shard is corrupt, truncated or not of the format it claims."""
 

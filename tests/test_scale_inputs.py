@@ -156,6 +156,20 @@ def truncated_gzip(path: Path, texts: list[str]) -> Path:
     return path
 
 
+def complete_lines_before_the_damage(path: Path) -> list[str]:
+    """What Python's gzip module decodes of a damaged file before it raises, whole lines
+    only (an oracle independent of raypipe's reader)."""
+    lines = []
+    with gzip.open(path, "rt") as handle:
+        try:
+            for line in handle:
+                if line.endswith("\n"):
+                    lines.append(line)
+        except (EOFError, OSError):
+            pass
+    return lines
+
+
 def good_and_bad_jsonl(directory: Path, texts: list[str]) -> Path:
     directory.mkdir(parents=True)
     for index in range(3):
@@ -181,8 +195,11 @@ def test_skip_bad_files_completes_and_names_the_file_in_summary_and_manifest(
     bad = good_and_bad_jsonl(tmp_path / "in", corpus_texts)
     summary = tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path,
                        unit_bytes=unit_bytes, skip_bad_files=True)
-    assert summary.documents == 90
-    assert [b.uri for b in summary.bad_files] == [str(bad)]
+    recovered = complete_lines_before_the_damage(bad)
+    assert len(recovered) > 100  # half of a 700-line file: the complete lines are kept
+    assert summary.documents == 90 + sum(1 for line in recovered if json.loads(line)["text"])
+    assert [(b.uri, b.rows_read) for b in summary.bad_files] == [(str(bad), len(recovered))]
+    assert f"{bad}: line {len(recovered) + 1}: " in summary.bad_files[0].reason
     assert [b.uri for b in read_manifest(tmp_path / "out").bad_files] == [str(bad)]
     assert str(bad) in summary.render() and "bad file" in list_rejects(tmp_path / "out")
     rerun = tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path,
@@ -233,3 +250,91 @@ def test_a_group_reads_compressed_json_lines_files_whole(tmp_path, corpus_texts,
         paths.append(str(path))
     summary = tokenize(paths, tmp_path / "out", tokenizer_path)
     assert summary.units == 1 and summary.documents == 30 and not summary.bad_files
+
+
+def documents_of(output: Path) -> list[list[int]]:
+    return [d.tolist() for d in TokenDataset(output, "megatron").iter_documents()]
+
+
+def encoded(tokenizer_path: str, texts: list[str]) -> list[list[int]]:
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    eos = tokenizer.token_to_id("<|eos|>")
+    return [[*tokenizer.encode(t, add_special_tokens=False).ids, eos] for t in texts if t]
+
+
+@pytest.mark.parametrize("unit_bytes", [1, 1 << 30], ids=["alone", "grouped"])
+def test_a_bad_json_line_under_skip_bad_files_is_a_named_reject_and_every_other_line_is_kept(
+        tmp_path, corpus_texts, tokenizer_path, unit_bytes):
+    """3,000 good lines then a bad one (past two whole batches of 1,024), and a file whose
+    line 3 is bad: every other line is kept, in order; each bad line is a reject named by
+    its row, counted as invalid_json; neither file is a bad file."""
+    texts = [corpus_texts[i % 800] or "x" for i in range(3000)]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts) + '{"text": "cut\n')
+    small = [json.dumps({"text": t}) + "\n" for t in corpus_texts[:6]]
+    small[2] = "not json at all\n"
+    (tmp_path / "in" / "b.jsonl").write_text("".join(small))
+    summary = tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path,
+                       unit_bytes=unit_bytes, skip_bad_files=True)
+    kept = texts + [t for i, t in enumerate(corpus_texts[:6]) if i != 2]
+    assert documents_of(tmp_path / "out") == encoded(tokenizer_path, kept)
+    assert summary.skipped.get("invalid_json") == 2 and not summary.bad_files
+    listed = list_rejects(tmp_path / "out")
+    assert "a.jsonl\trow 3000\tinvalid_json" in listed
+    assert "b.jsonl\trow 2\tinvalid_json" in listed
+    with pytest.raises(InputError, match="b.jsonl: line 3: not valid JSON"):
+        tokenize([str(tmp_path / "in" / "b.jsonl")], tmp_path / "strict", tokenizer_path)
+
+
+def damage_row_group(path: Path, group: int) -> None:
+    """Overwrite the middle of one row group's text column chunk, leaving the footer."""
+    column = pq.ParquetFile(path).metadata.row_group(group).column(0)
+    start = column.data_page_offset
+    data = bytearray(path.read_bytes())
+    middle = start + column.total_compressed_size // 2
+    data[start + 8:middle] = os.urandom(middle - start - 8)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("unit_bytes", [1, 1 << 30], ids=["alone", "grouped"])
+def test_a_damaged_parquet_row_group_keeps_the_whole_row_groups_before_it(
+        tmp_path, corpus_texts, tokenizer_path, unit_bytes):
+    texts = [t or "x" for t in corpus_texts[:100]]
+    write_parquet(tmp_path / "in" / "a.parquet", corpus_texts[100:110], 5)
+    damaged = write_parquet(tmp_path / "in" / "b.parquet", texts, 20)
+    damage_row_group(damaged, 2)
+    summary = tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path,
+                       unit_bytes=unit_bytes, skip_bad_files=True)
+    rows_read = 40 if unit_bytes > 1 else 0  # alone: each row group a unit; group 2's read 0
+    assert [(b.uri, b.rows_read) for b in summary.bad_files] == [(str(damaged), rows_read)]
+    assert "row group 2 cannot be read" in summary.bad_files[0].reason
+    assert "\n" not in summary.bad_files[0].reason
+    after = texts[60:] if unit_bytes == 1 else []  # alone: the groups after are units too
+    assert documents_of(tmp_path / "out") == encoded(tokenizer_path,
+                                                     corpus_texts[100:110] + texts[:40] + after)
+
+
+def test_a_group_with_garbage_files_fails_before_its_work_naming_every_one(
+        tmp_path, corpus_texts, tokenizer_path, monkeypatch):
+    """Without --skip-bad-files, a unit of many good files and two garbage ones fails before
+    a row is tokenized (an injected fault at the first tokenized rows would otherwise fire
+    first), naming both files; the planner names every bad file it reads too."""
+    from raypipe import _faults as faults
+
+    for index in range(40):
+        write_parquet(tmp_path / "in" / f"f{index:02d}.parquet", corpus_texts[index::40][:5])
+    garbage = [tmp_path / "in" / "f20x.parquet", tmp_path / "in" / "f39x.parquet"]
+    for path in garbage:
+        path.write_bytes(b"PAR1" + os.urandom(500) + b"PAR1")
+    monkeypatch.setenv(faults.ENVIRONMENT_VARIABLE, json.dumps(
+        {"point": "unit.rows", "action": "raise", "marker": str(tmp_path / "fired")}))
+    with pytest.raises(InputError) as caught:
+        tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path)
+    message = str(caught.value)
+    assert message.startswith("2 input files cannot be read (pass --skip-bad-files")
+    assert all(str(path) in message for path in garbage)
+    assert not (tmp_path / "fired").exists()  # no row was tokenized
+    with pytest.raises(InputError) as planned:  # every file its own unit: the planner
+        tokenize([str(tmp_path / "in")], tmp_path / "out2", tokenizer_path, unit_bytes=1)
+    assert all(str(path) in str(planned.value) for path in garbage)

@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 
 from raypipe.errors import InputError
 from raypipe.io.filesystem import filesystem_and_path, uri_of
+from raypipe.io.parallel import map_threads
 from raypipe.io.records import PassedOver, WorkUnit
 from raypipe.preprocess.jsonl import (
     JSONL_SUFFIXES,
@@ -265,17 +266,32 @@ def read_whole(uri: str) -> bytes:
         raise InputError(f"{uri}: cannot be read: {exc}") from exc
 
 
-def member_table(unit: WorkUnit, columns: list[str], data: bytes | None) -> pa.Table:
+def member_table(unit: WorkUnit, columns: list[str], data: bytes | None
+                 ) -> tuple[pa.Table, InputError | None]:
     """A group's parquet file whole, as a table of `columns` (checked) without schema
     metadata, so consecutive files' tables concatenate; from `data`, its bytes, where
-    given."""
+    given. A damaged row group: the whole row groups before it, and the error naming it."""
     parquet = open_parquet(unit.uri, data)
     check_columns(unit.uri, columns, parquet.schema_arrow.names, "column")
+    wanted = list(dict.fromkeys(columns))
     try:
-        table = parquet.read(columns=list(dict.fromkeys(columns)), use_threads=False)
-    except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"{unit.uri} cannot be read: {exc}") from exc
-    return table.replace_schema_metadata(None)
+        return parquet.read(columns=wanted, use_threads=False).replace_schema_metadata(None), \
+            None
+    except (OSError, pa.ArrowException):
+        pass  # read again one row group at a time, to keep those before the damage
+    groups: list[pa.Table] = []
+    for group in range(parquet.num_row_groups):
+        try:
+            groups.append(parquet.read_row_group(group, columns=wanted, use_threads=False))
+        except (OSError, pa.ArrowException) as exc:
+            error = InputError(f"{unit.uri}: row group {group} cannot be read (the row groups "
+                               f"before it are kept): {one_line(exc)}")
+            break
+    else:  # every group read alone: the whole read failed for another reason
+        error = InputError(f"{unit.uri} cannot be read as one table")
+    table = pa.concat_tables(groups) if groups else \
+        parquet.schema_arrow.empty_table().select(wanted)
+    return table.replace_schema_metadata(None), error
 
 
 PREFETCH_FILES = 32  # a group's files read ahead at most, ...
@@ -373,6 +389,44 @@ def check_jsonl_fields(uri: str, columns: list[str], data: bytes | None = None) 
         check_columns(uri, columns, fields, "field")
 
 
+def unreadable_members(unit: WorkUnit, columns: list[str], text_first: bool = True
+                       ) -> list[InputError]:
+    """The members of a group whose header cannot be read or lacks `columns`: a parquet
+    footer, a JSON-lines file's first line; read 32 at a time, each file closed after.
+    Run before a group's work, so a garbage file fails the unit before its good files are
+    tokenized (and a rerun reads nothing twice), naming every such member at once. A
+    damaged page behind a sound footer is found only when read."""
+    def problem(member: WorkUnit) -> InputError | None:
+        try:
+            if member.kind == "jsonl":
+                check_jsonl_fields(member.uri, columns)
+                return None
+            filesystem, path = filesystem_and_path(member.uri)
+            with filesystem.open_input_file(path) as handle:
+                schema = pq.ParquetFile(handle).schema_arrow
+            check_columns(member.uri, columns, schema.names, "column")
+            check_text_type(member.uri, schema, columns[0], text_first)
+        except InputError as exc:
+            return exc
+        except (OSError, pa.ArrowException) as exc:
+            return InputError(f"{member.uri}: not a readable parquet file: {exc}")
+        return None
+
+    return [error for error in map_threads(problem, unit.members) if error is not None]
+
+
+def one_line(error: BaseException) -> str:
+    """A library's message on one line (Arrow's span several)."""
+    return " ".join(str(error).split())
+
+
+def check_text_type(uri: str, schema: pa.Schema, column: str, text_first: bool) -> None:
+    text_type = schema.field(column).type
+    if text_first and not can_hold_text(text_type):
+        raise InputError(f"{uri}: text column {column!r} has type {text_type}, which "
+                         "cannot hold text (expected string, binary or a dictionary of them)")
+
+
 def units_of_file(uri: str, columns: list[str], unit_bytes: int,
                   text_first: bool = True) -> list[WorkUnit]:
     """Split one file into consecutive row-group ranges of about `unit_bytes` each; every
@@ -380,10 +434,7 @@ def units_of_file(uri: str, columns: list[str], unit_bytes: int,
     parquet, identity = _open_with_identity(uri)
     schema = parquet.schema_arrow
     check_columns(uri, columns, schema.names, "column")
-    text_type = schema.field(columns[0]).type
-    if text_first and not can_hold_text(text_type):
-        raise InputError(f"{uri}: text column {columns[0]!r} has type {text_type}, which "
-                         "cannot hold text (expected string, binary or a dictionary of them)")
+    check_text_type(uri, schema, columns[0], text_first)
     meta = parquet.metadata
     units: list[WorkUnit] = []
     start, rows, size, first_row = 0, 0, 0, 0
@@ -424,24 +475,28 @@ def stat_files(files: list[str]) -> dict[str, FileStat]:
 
 
 def unit_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
-                 text_first: bool = True, data: bytes | None = None
-                 ) -> Iterator[pa.RecordBatch]:
+                 text_first: bool = True, data: bytes | None = None,
+                 skip_bad_lines: bool = False) -> Iterator[pa.RecordBatch]:
     """The rows of a file unit as record batches of `columns` (text first; chat rows:
     `text_first=False`), in file order; a decode error is an InputError naming the unit's
-    file and range."""
+    file and range (or line), raised after every complete row before it: the lines of a
+    JSON-lines file, the whole row groups of a parquet file (read one row group at a time,
+    so no batch mixes a good group with a damaged one). `skip_bad_lines`: a line that is not
+    JSON is a row counted as `invalid_json` (raypipe.preprocess.jsonl)."""
     if unit.kind == "jsonl":
         if unit.row_group_stop < 0:  # a group's member: its columns are checked here
             check_jsonl_fields(unit.uri, columns, data)
-        yield from jsonl_batches(unit, columns, batch_rows, text_first, data)
+        yield from jsonl_batches(unit, columns, batch_rows, text_first, data, skip_bad_lines)
         return
     parquet = open_parquet(unit.uri, data)
     if unit.row_group_stop < 0:  # a group's member: every row group, columns checked here
         check_columns(unit.uri, columns, parquet.schema_arrow.names, "column")
     stop = unit.row_group_stop if unit.row_group_stop >= 0 else parquet.num_row_groups
-    batches = parquet.iter_batches(batch_size=batch_rows, columns=list(dict.fromkeys(columns)),
-                                   row_groups=range(unit.row_group_start, stop),
-                                   use_threads=False)
-    try:
-        yield from batches
-    except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"{unit.location} cannot be read: {exc}") from exc
+    for group in range(unit.row_group_start, stop):
+        try:
+            yield from parquet.iter_batches(batch_size=batch_rows,
+                                            columns=list(dict.fromkeys(columns)),
+                                            row_groups=[group], use_threads=False)
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(f"{unit.location}: row group {group} cannot be read (the row "
+                             f"groups before it are kept): {one_line(exc)}") from exc

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -60,18 +61,70 @@ def _open_random_access(uri: str) -> Any:
         raise InputError(f"{uri}: cannot open: {exc}") from exc
 
 
+class GzipStream:
+    """A gzip file's content, decompressed by zlib as it is read: the bytes before damage (a
+    truncated file, a corrupt block) all come out before the read that raises, so every
+    complete line before it is kept (pyarrow's decoder loses the read that fails). Reads
+    concatenated members (`cat a.gz b.gz`) as one content, as gzip does."""
+
+    COMPRESSED_READ = 1 << 20
+
+    def __init__(self, raw: Any):
+        self.raw = raw
+        self.decoder = zlib.decompressobj(wbits=31)
+        self.pending = b""
+        self.failure: str | None = None
+        self.done = False
+        self.compressed_bytes = 0
+
+    def __enter__(self) -> GzipStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.raw.close()
+
+    def read(self, size: int) -> bytes:
+        while len(self.pending) < size and not self.done and self.failure is None:
+            self._decode_more()
+        if not self.pending and self.failure is not None:
+            raise OSError(self.failure)
+        out, self.pending = self.pending[:size], self.pending[size:]
+        return out
+
+    def _decode_more(self) -> None:
+        chunk = self.raw.read(self.COMPRESSED_READ)
+        self.compressed_bytes += len(chunk)
+        if not chunk:  # a file of 0 bytes is empty, not truncated
+            if self.compressed_bytes and (not self.decoder.eof or self.decoder.unused_data):
+                self.failure = "truncated gzip stream: the file ends inside it"
+            self.done = True
+            return
+        try:
+            self.pending += self.decoder.decompress(chunk)
+            while self.decoder.eof and self.decoder.unused_data:  # the next member
+                rest = self.decoder.unused_data
+                self.decoder = zlib.decompressobj(wbits=31)
+                self.pending += self.decoder.decompress(rest)
+        except zlib.error as exc:
+            self.failure = f"corrupt gzip data: {exc}"
+
+
 def _open_stream(uri: str, start: int = 0, data: bytes | None = None) -> Any:
     """The file's bytes from `start` (decompressed for .gz/.zst, which start at 0); from
     `data`, the file's bytes already read, where given."""
     codec = compression_of(uri)
     if data is not None:
         buffer = pa.BufferReader(data)
+        if codec == "gzip":
+            return GzipStream(buffer)
         if codec is not None:
             return pa.CompressedInputStream(buffer, codec)
         buffer.seek(start)
         return buffer
     filesystem, path = filesystem_and_path(uri)
     try:
+        if codec == "gzip":
+            return GzipStream(filesystem.open_input_stream(path, compression=None))
         if codec is not None:
             return filesystem.open_input_stream(path, compression=codec)
         handle = filesystem.open_input_file(path)
@@ -317,11 +370,14 @@ class LineLocator:
 
 
 def jsonl_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
-                  text_first: bool = True, data: bytes | None = None
-                  ) -> Iterator[pa.RecordBatch]:
+                  text_first: bool = True, data: bytes | None = None,
+                  skip_bad_lines: bool = False) -> Iterator[pa.RecordBatch]:
     """The unit's lines as record batches of `columns` (text first; `text_first=False`:
     every field as JSON text), `batch_rows` lines each: one row per line, so a row's index
-    is its line's."""
+    is its line's. A line that is not a JSON object fails the unit naming it, unless
+    `skip_bad_lines`: then it is a null row counted as `invalid_json` and the lines after it
+    are read. A read error (a truncated .gz) comes after the batch of the complete lines
+    before it, and names the line it falls in."""
     make = _batch if text_first else (lambda rows, columns, skipped, where:
                                       _json_batch(rows, columns, skipped))
     where = LineLocator(unit)
@@ -332,17 +388,40 @@ def jsonl_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
     stop = None if unit.byte_stop < 0 else unit.byte_stop
     rows: list[dict[str, Any] | None] = []
     skipped = ReaderSkips()
-    for number, line in enumerate(_lines(unit.uri, unit.byte_start, stop, data=data), 1):
-        record = None
-        if not line.strip():
-            skipped.add(len(rows), "blank_line")
-        else:
-            record = _parse(line, where, number)
-            if record is None:
-                skipped.add(len(rows), "invalid_utf8")
-        rows.append(record)
+    number = 0
+    lines = _lines(unit.uri, unit.byte_start, stop, data=data)
+    while True:
+        try:
+            line = next(lines, None)
+        except InputError as exc:  # the damage: the complete lines before it first
+            if rows:
+                yield make(rows, columns, skipped, lines_from(number - len(rows) + 1))
+            raise InputError(f"{where(number + 1)}: "
+                             f"{str(exc).removeprefix(unit.uri + ': ')}") from None
+        if line is None:
+            break
+        number += 1
+        rows.append(_record(line, where, number, skipped, len(rows), skip_bad_lines))
         if len(rows) == batch_rows:
             yield make(rows, columns, skipped, lines_from(number - len(rows) + 1))
             rows, skipped = [], ReaderSkips()
     if rows:
-        yield make(rows, columns, skipped, lines_from(len(rows) and number - len(rows) + 1))
+        yield make(rows, columns, skipped, lines_from(number - len(rows) + 1))
+
+
+def _record(line: bytes, where: Any, number: int, skipped: ReaderSkips, row: int,
+            skip_bad_lines: bool) -> dict[str, Any] | None:
+    """The line's JSON object, or None counted in `skipped` under its reason."""
+    if not line.strip():
+        skipped.add(row, "blank_line")
+        return None
+    try:
+        record = _parse(line, where, number)
+    except InputError:
+        if not skip_bad_lines:
+            raise
+        skipped.add(row, "invalid_json")
+        return None
+    if record is None:
+        skipped.add(row, "invalid_utf8")
+    return record

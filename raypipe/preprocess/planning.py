@@ -18,8 +18,9 @@ small read per large file and per group, 32 at a time: 2,000 files on object
 storage at 20 ms a request plan in well under a second of requests.
 
 A file that cannot be planned (a corrupt parquet footer, a JSON-lines file whose first line
-is not JSON) fails the job in one line naming it, unless `skip_bad_files`: then it is
-named as a BadFile (and later in the summary and the manifest).
+is not JSON) fails the job before the output is touched, in one message naming every such
+file planning read (up to BAD_FILES_NAMED), unless `skip_bad_files`: then each is named
+as a BadFile (and later in the summary and the manifest).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from raypipe.errors import InputError
+from raypipe.errors import InputError, bad_input
 from raypipe.io.parallel import map_threads
 from raypipe.io.records import BadFile, WorkUnit
 from raypipe.preprocess.inputs import (
@@ -104,7 +105,7 @@ def plan_inputs(found: InputFiles, columns: list[str], unit_bytes: int,
     stats = found.stats if len(found.stats) == len(found.files) else stat_files(found.files)
     groups = file_groups(found.files, stats, unit_bytes)
 
-    def plan_one(uris: list[str]) -> list[WorkUnit] | BadFile:
+    def plan_one(uris: list[str]) -> list[WorkUnit] | BadFile | InputError:
         try:
             if len(uris) > 1:
                 _check_first_member(uris[0], columns, text_first)
@@ -116,9 +117,12 @@ def plan_inputs(found: InputFiles, columns: list[str], unit_bytes: int,
                 return BadFile(uris[0], str(exc), stats[uris[0]].size)
             if skip_bad_files:  # the worker reading the group names and skips it
                 return [group_unit(uris, stats)]
-            raise
+            return exc
 
     planned = map_threads(plan_one, groups)
+    errors = [each for each in planned if isinstance(each, InputError)]
+    if errors:
+        raise bad_input(errors)
     units = [unit for each in planned if isinstance(each, list) for unit in each]
     return Plan(units, tuple(each for each in planned if isinstance(each, BadFile)))
 

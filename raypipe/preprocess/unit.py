@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from raypipe import _faults as faults
 from raypipe.config import BUILT_IN_METADATA_FIELDS, TokenizeConfig
-from raypipe.errors import InputError
+from raypipe.errors import InputError, bad_input
 from raypipe.formats import DocumentMetadata, document_format
 from raypipe.io.manifest import write_unit_record
 from raypipe.io.records import BadFile, Reject, TokenizerInfo, UnitRecord, WorkUnit
@@ -39,7 +39,12 @@ from raypipe.io.store import Store
 from raypipe.preprocess.chat import ChatEncoder, TemplateSource
 from raypipe.preprocess.chat_rows import MalformedRows, encode_chat_batch
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
-from raypipe.preprocess.inputs import member_table, prefetched, unit_batches
+from raypipe.preprocess.inputs import (
+    member_table,
+    prefetched,
+    unit_batches,
+    unreadable_members,
+)
 from raypipe.preprocess.jsonl import LineLocator, reader_skip_rows, reader_skips
 from raypipe.preprocess.shards import ShardRoller, ShardSpec
 from raypipe.preprocess.texts import clean_text_array, skip_reasons
@@ -423,7 +428,8 @@ def tokenize_file(member: WorkUnit, settings: UnitSettings, encoder: DocumentEnc
             raise data
         if batches is None:
             batches = unit_batches(member, settings.columns, config.encode_batch_rows,
-                                   text_first=not config.chat, data=data)
+                                   text_first=not config.chat, data=data,
+                                   skip_bad_lines=config.skip_bad_files)
         for batch in batches:
             done = encode(batch, read)
             roller.add(done.tokens, done.lengths, done.metadata, done.loss_mask)
@@ -450,10 +456,16 @@ def skip_bad_file(settings: UnitSettings, member: WorkUnit, error: InputError, r
 
 def tokenize_group(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
                    roller: ShardRoller, tally: UnitTally) -> None:
-    """A group's files, read ahead on threads, in order. Plain text of parquet files is
+    """A group's files, read ahead on threads, in order (without `skip_bad_files`, every
+    member's header is checked first: raypipe.preprocess.inputs.unreadable_members). Plain
+    text of parquet files is
     coalesced: consecutive files' rows make one encode call of up to `encode_batch_rows`
     rows (a 10 KB file alone would pay the call's and the writers' fixed costs, ~2 ms, for
     a few rows). Chat data, metadata and JSON-lines files go file by file."""
+    if not settings.config.skip_bad_files:  # fail before the work, naming every bad file
+        errors = unreadable_members(unit, settings.columns, not settings.config.chat)
+        if errors:
+            raise bad_input(errors)
     coalesce = not settings.config.chat and not settings.wants_metadata
     run = ParquetRun(unit, settings, encoder, roller, tally)
     for member, data, cpu_seconds in prefetched(unit.members):
@@ -465,13 +477,16 @@ def tokenize_group(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEnco
         try:
             if isinstance(data, InputError):
                 raise data
-            table = member_table(member, settings.columns, data)
+            table, damage = member_table(member, settings.columns, data)
         except InputError as exc:
             skip_bad_file(settings, member, exc, 0, tally)
             tally.member_rows.append(0)
             continue
+        if damage is not None:  # fails the unit, or keeps the row groups before it
+            skip_bad_file(settings, member, damage, table.num_rows, tally)
         tally.member_rows.append(table.num_rows)
-        run.add(member, table)
+        if table.num_rows:
+            run.add(member, table)
     run.flush()
 
 

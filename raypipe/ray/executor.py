@@ -38,7 +38,7 @@ import ray
 
 from raypipe import _faults as faults
 from raypipe.config import TokenizeConfig
-from raypipe.errors import InputError, RaypipeError
+from raypipe.errors import InputError, RaypipeError, bad_input
 from raypipe.io.manifest import committed_unit_record
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
@@ -151,25 +151,29 @@ def _outcomes(outcomes: list[UnitRecord | RaypipeError | None]) -> dict[str, np.
 class Outcomes:
     """The driver's side of the map stage's outcomes: records pass, and the first error
     stops new units (the ledger) while the units in flight finish and commit; `raise_first`
-    raises it once the stage has drained."""
+    raises it once the stage has drained, with every bad-input error of the units that were
+    in flight named beside it."""
 
     def __init__(self, ledger: Any):
         self.ledger = ledger
-        self.error: RaypipeError | None = None
+        self.errors: list[RaypipeError] = []
 
     def record(self, outcome: Any) -> UnitRecord | None:
         """A unit's record from the map stage's column (None: no record: not started, or
         the block's unit was committed before; Ray Data turns a block of Nones into NaN)."""
         if isinstance(outcome, RaypipeError):
-            if self.error is None:
-                self.error = outcome
+            if not self.errors:
                 ray.get(self.ledger.fail.remote())
+            self.errors.append(outcome)
             return None
         return outcome if isinstance(outcome, UnitRecord) else None
 
     def raise_first(self) -> None:
-        if self.error is not None:
-            raise self.error
+        inputs = [error for error in self.errors if isinstance(error, InputError)]
+        if inputs and len(inputs) == len(self.errors):
+            raise bad_input(inputs)
+        if self.errors:
+            raise self.errors[0]
 
 
 class TokenizeUnits(MapTokenizer):
@@ -324,7 +328,7 @@ class RayDataRunner:
                     for name, outcome in zip(batch["name"].tolist(), batch["record"],
                                              strict=True):
                         record = outcomes.record(outcome)
-                        if outcomes.error is None:
+                        if not outcomes.errors:
                             yield BlockRun(str(name), record)
             outcomes.raise_first()
         finally:
