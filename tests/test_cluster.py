@@ -12,9 +12,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,9 +68,13 @@ def without_venv_on_path(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PATH": os.pathsep.join(path)}
 
 
-def cluster_env() -> dict[str, str]:
-    env = without_venv_on_path({k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
-    env["RAY_AUTH_MODE"] = "disabled"
+def cluster_env(home: Path) -> dict[str, str]:
+    """A shell's environment for a cluster of this test's own: no RAY_ADDRESS, and no
+    RAY_AUTH_MODE (the docs' commands are run as a user runs them); HOME is the test's, so
+    Ray's `~/.ray/auth_token` is never the user's and exists only where a test makes it."""
+    env = without_venv_on_path({k: v for k, v in os.environ.items()
+                                if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")})
+    env["HOME"] = str(home)
     # Multi-node needs Ray's cluster mode, in which Ray resolves 127.0.0.1 to this machine's
     # own interface address: the nodes still talk only to this machine.
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
@@ -111,11 +117,11 @@ def stop_processes_of(port: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def real_cluster():
+def real_cluster(tmp_path_factory):
     if not RAY.exists():
         pytest.skip("the ray CLI is not installed next to this Python")
     port, dashboard = free_port(), free_port()
-    env = cluster_env()
+    env = cluster_env(tmp_path_factory.mktemp("home"))  # no token there: no authentication
     # as docs/tokenize.md and cluster.yaml start Ray: the venv's bin first on its PATH, so
     # a submitted job's `python` is the venv's
     started_env = {**env, "PATH": str(RAY.parent) + os.pathsep + env["PATH"]}
@@ -184,24 +190,57 @@ def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, co
     assert got == expected_documents(corpus_dir, tokenizer_path, bos=False, eos=True)
 
 
+def documented_cluster_lines() -> list[str]:
+    """docs/tokenize.md's local-cluster commands: the code block that submits the demo."""
+    text = (ROOT / "docs" / "tokenize.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    block = next(b for b in blocks if "ray job submit" in b and "demo.yaml" in b)
+    return [line for line in block.splitlines() if line.strip()]
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_the_documented_demo_job_submits_as_written(real_cluster, tmp_path):
-    """docs/tokenize.md's `ray job submit ... -- python jobs/tokenize.py --config
-    jobs/configs/demo.yaml`, on a Ray started as the docs start it, from a shell without the
-    venv activated (the demo directory in tmp_path through RAYPIPE_DEMO_DIR): it builds the
-    demo corpus there and prints the absolute output path, which holds a verified
-    dataset."""
-    documented = next(line for line in (ROOT / "docs" / "tokenize.md").read_text().splitlines()
-                      if "ray job submit" in line and "demo.yaml" in line)
-    entrypoint = documented.split(" -- ", 1)[1].split()
-    assert entrypoint[0] == "python" and "--working-dir ." in documented
-    submit = submit_job(real_cluster, ".", *entrypoint[1:],
-                        env_vars={"RAYPIPE_DEMO_DIR": str(tmp_path)})
-    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
-    assert "demo corpus: " in submit.stdout and str(tmp_path / "corpus") in submit.stdout
-    assert f"raypipe tokenize -> {tmp_path / 'tokens'}" in submit.stdout
-    verify_dataset(tmp_path / "tokens")
+@pytest.mark.parametrize("token", ["none-yet", "made-before"])
+def test_the_documented_local_cluster_submit_works_as_written(tmp_path, token):
+    """docs/tokenize.md's lines, run by bash from the repository root as written, without
+    RAY_AUTH_MODE and with a HOME that has no Ray token yet, or one a first local Ray made
+    (only the ports are this test's, so it never meets another Ray here). The demo job
+    builds its corpus in tmp_path (RAYPIPE_DEMO_DIR, through the environment `ray start`
+    gives the job) and prints the absolute output path, which holds a verified dataset. The
+    head has token authentication on: the same submit without the token is refused."""
+    lines = documented_cluster_lines()
+    venv_ray = ROOT / ".venv" / "bin" / "ray"
+    if not venv_ray.exists() or not any(".venv/bin/ray" in line for line in lines):
+        pytest.skip("the docs' commands name the README's .venv, which this run lacks")
+    home = tmp_path / "home"
+    home.mkdir()
+    ray_tmp = tempfile.mkdtemp(prefix="rp-doc-", dir="/tmp")  # short: Ray's socket paths
+    env = {**cluster_env(home), "RAYPIPE_DEMO_DIR": str(tmp_path), "RAY_TMPDIR": ray_tmp}
+    if token == "made-before":
+        subprocess.run([str(venv_ray), "get-auth-token", "--generate"], env=env, check=True,
+                       capture_output=True, timeout=60)
+    port, dashboard = free_port(), free_port()
+    ports = " ".join([f"--port={port}", f"--dashboard-port={dashboard}",
+                      "--disable-usage-stats", *agent_ports()])
+    commands = [line + " " + ports if "ray start" in line else
+                line.replace("127.0.0.1:8265", f"127.0.0.1:{dashboard}") for line in lines]
+    try:
+        for command in commands:
+            done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, text=True,
+                                  capture_output=True, timeout=400)
+            assert done.returncode == 0, (command, done.stdout[-3000:], done.stderr[-3000:])
+        assert (home / ".ray" / "auth_token").exists()
+        assert "demo corpus: " in done.stdout and str(tmp_path / "corpus") in done.stdout
+        assert f"raypipe tokenize -> {tmp_path / 'tokens'}" in done.stdout
+        verify_dataset(tmp_path / "tokens")
+        plain = commands[-1].replace("RAY_AUTH_MODE=token ", "")
+        refused = subprocess.run(["bash", "-c", plain], cwd=ROOT, env=env, text=True,
+                                 capture_output=True, timeout=400)
+        assert refused.returncode != 0
+        assert "Unauthorized" in refused.stdout + refused.stderr
+    finally:
+        stop_processes_of(port)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_a_relative_output_in_a_submitted_job_is_refused(monkeypatch, capsys):
