@@ -369,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--world-size", type=int, default=None,
                        help="the run's ranks (default: the state's, else 1)")
     trace.add_argument("--batch-size", type=int, default=None,
-                       help="rows per rank (default: the state's; LLMBATCH: its own)")
+                       help="rows per rank (default: the global batch of the state's run, "
+                       "its ramp included, split over --world-size; LLMBATCH: its own)")
     add_schedule_arguments(trace, "the loader's ")
     trace.add_argument("--history", default=None,
                        help="a loader's state_dict() saved as JSON whose record of changes "

@@ -343,3 +343,26 @@ def test_no_mixture_target_with_mask_1_crosses_into_another_document(gapped, sec
         if step == steps - 1:
             break
     assert checked[0] > 0
+
+
+@pytest.mark.parametrize("ramp", [False, True], ids=["constant", "ramped"])
+def test_trace_of_a_state_at_another_world_size_splits_the_runs_global_batch(
+        gapped, tokenizer_path, tmp_path, ramp):
+    """A state saved at world size 2 (2B per rank: global 4B; or a ramp from 4 to 4B), traced
+    with --world-size 4: each rank's rows are the global batch's quarter, the pieces a
+    loader resumed at world size 4 serves, not the saving rank's B rows."""
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    schedule = {"batch_schedule": [(0, 4), (2, 4 * B)]} if ramp else {}
+    loader = TokenLoader(gapped, T, None if ramp else 2 * B, seed=4, rank=0, world_size=2,
+                         **schedule)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    state = loader.state_dict()
+    resumed = TokenLoader(gapped, T, None if ramp else B, seed=4, rank=3, world_size=4,
+                          **schedule)
+    resumed.load_state_dict(state)
+    batch = next(iter(resumed))
+    records = list(trace(gapped, state=state, rank=3, world_size=4))
+    assert sorted({r.row for r in records}) == list(range(B)) == list(range(len(batch.inputs)))
+    assert_records_hold_the_batch(records, batch, tokenizer)

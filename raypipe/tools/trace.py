@@ -179,6 +179,8 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
         seq_len = seq_len or saved.knobs.get("seq_len")
         if isinstance(saved, LoaderState):
             world_size = world_size or saved.saved_with.get("world_size")
+            if batch_size is None and not batch_schedule:
+                batch_schedule = _saved_batch_schedule(saved)
             batch_size = batch_size or saved.saved_with.get("batch_size")
     if seq_len_schedule:
         seq_len = seq_len_schedule[0][1]
@@ -212,6 +214,20 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
                               f"{planned.dataset.root} is {planned.dataset.fingerprint!r}")
         rows = _rows(planned, saved, step, steps, ranks)
     yield from _records(rows, text, tokenizer)
+
+
+def _saved_batch_schedule(saved: LoaderState) -> list[tuple[int, int]] | None:
+    """The global batch by step of the run that saved `saved`: its history's (a ramp
+    included), or its one global batch (the saving rank's batch times its world size). So a
+    trace at another world size splits the run's global batch, as a loader resumed there
+    does, instead of taking the saving rank's batch per rank. None for pre-formed batches
+    (a step is one batch per rank)."""
+    if saved.knobs.get("mode") == "batches":
+        return None
+    if saved.history:
+        return [(entry[0], entry[1]) for entry in saved.history]
+    per_rank, world = saved.saved_with.get("batch_size"), saved.saved_with.get("world_size")
+    return [(0, per_rank * world)] if per_rank and world else None
 
 
 def _state_knobs(saved: LoaderState | MixtureState, mode: str | None) -> dict[str, Any]:
