@@ -338,3 +338,21 @@ def test_a_group_with_garbage_files_fails_before_its_work_naming_every_one(
     with pytest.raises(InputError) as planned:  # every file its own unit: the planner
         tokenize([str(tmp_path / "in")], tmp_path / "out2", tokenizer_path, unit_bytes=1)
     assert all(str(path) in str(planned.value) for path in garbage)
+
+
+def test_a_document_limit_capped_by_the_memory_budget_is_said_in_the_log_and_summary(
+        tmp_path, corpus_texts, tokenizer_path, caplog):
+    """--max-document-chars 60,000,000 under a budget that allows 50,000 characters: the
+    100,000-character row past the cap is too_long, and both the log and the summary say why."""
+    import logging
+
+    write_parquet(tmp_path / "in" / "a.parquet", [*corpus_texts[:5], "word " * 20_000], 10)
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        summary = tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path,
+                           max_document_chars=60_000_000, worker_memory_budget=10_000_000)
+    note = "--max-document-chars 60,000,000 is capped at 50,000 characters by " \
+        "--worker-memory-budget 10,000,000"
+    assert summary.skipped == {"too_long": 1} and note in caplog.text
+    assert f"  too_long   {note}" in summary.render()
+    quiet = tokenize([str(tmp_path / "in")], tmp_path / "out2", tokenizer_path)
+    assert "too_long   " not in quiet.render()

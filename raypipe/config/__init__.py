@@ -341,6 +341,19 @@ class TokenizeConfig:
             return budget_chars
         return min(self.max_document_chars, budget_chars)
 
+    @property
+    def char_limit_capped(self) -> str | None:
+        """Why the longest document tokenized is below `max_document_chars` (None: it is
+        not): the worker memory budget caps it."""
+        budget_chars = self.worker_memory_budget // BYTES_PER_CHARACTER
+        if self.max_document_chars is None or self.max_document_chars <= budget_chars:
+            return None
+        return (f"{flag_of('max_document_chars')} {self.max_document_chars:,} is capped at "
+                f"{budget_chars:,} characters by {flag_of('worker_memory_budget')} "
+                f"{self.worker_memory_budget:,} (tokenizing takes ~{BYTES_PER_CHARACTER} "
+                "bytes a character); longer documents are skipped as too_long: raise the "
+                "budget to keep them")
+
     def _check_chat(self) -> None:
         if not self.chat:
             return

@@ -183,6 +183,8 @@ class Job:
     def run(self, source: Source, started: float) -> JobSummary:
         # before the output is touched: the columns a unit reads
         source.check(self.runner, self.resolved.settings.columns)
+        if self.config.char_limit_capped:
+            logger.warning("%s", self.config.char_limit_capped)
         with output_lock(self.resolved.settings.output):
             return self._run_locked(source, started)
 
@@ -216,6 +218,7 @@ class Job:
                             passed_over=manifest.passed_over,
                             bad_files=manifest.bad_files, input_bytes=source.input_bytes(),
                             empty_files=empty_files(source.ordered()),
+                            char_limit_note=config.char_limit_capped or "",
                             separators=separator_lines(manifest, self.resolved.tokenizer))
         warn_bad_files(summary)
         refuse_empty(config, summary, source.label)

@@ -51,6 +51,7 @@ class JobSummary:
     bad_files: tuple[BadFile, ...] = ()  # input files skipped under skip_bad_files
     input_bytes: int = 0  # bytes of the input files (bad files included)
     empty_files: tuple[str, ...] = ()  # input files with no row (counted, not an error)
+    char_limit_note: str = ""  # why documents are skipped as too_long below the asked limit
     separators: dict[str, str] = field(default_factory=dict)  # format -> what it writes
 
     @property
@@ -102,6 +103,7 @@ class JobSummary:
             f"  rows       {self.rows:,}",
             f"  documents  {self.documents:,}",
             f"  skipped    {skipped}",
+            *([f"  too_long   {self.char_limit_note}"] if self.char_limit_note else []),
             f"  special-token literals in {self.special_literals:,} documents (encoded as "
             f"{'plain text' if self.special_policy == 'text' else 'special ids'})",
             f"  tokens     {self.tokens:,} ({self.tokens_run:,} this run)",

@@ -6,9 +6,12 @@ directory with the recorded size and sha256, every shard opens in its format's r
 metadata id is inside its shard's index, and a format's dataset-level index file (MDS's
 index.json) is exactly what the committed shards give. Files the manifest does not list
 (and raypipe's own bookkeeping does not explain) are named in the counts: they pass, but
-`raypipe verify` says so. The first failure raises
-FormatError naming the file (its URI on object storage) and the expected versus actual
-value. Cost: one full read of every file (sha256 at ~1 GB/s; on object storage, one
+`raypipe verify` says so. Every problem is found before it fails: one raises FormatError
+naming the file (its URI on object storage) and the expected versus actual value, several
+raise one FormatError listing each (up to PROBLEMS_NAMED) on its own line; a shard whose
+file failed its size or checksum is not opened too (one problem, named once), and a failure
+also names the files the manifest does not list. Cost: one full read of every file (sha256
+at ~1 GB/s; on object storage, one
 download into the node-local cache, checked on arrival and then opened there, even if the
 cache held the file already) plus O(tokens) id checks for stream shards.
 """
@@ -68,38 +71,74 @@ def check_file(root: Store, entry: FileEntry) -> None:
 
 
 def open_every_shard(root: Store, name: str, manifest: Manifest,
-                     cache: ShardCache | None = None) -> None:
+                     cache: ShardCache | None = None, passed_over: frozenset[int] = frozenset()
+                     ) -> list[FormatError]:
     """Open each shard of format `name` in its reader (headers, indexes, counts) and run
-    the format's own content checks. On object storage each file is downloaded again and
+    the format's own content checks; the problems found, one per shard (`passed_over`:
+    shards by index not opened). On object storage each file is downloaded again and
     checked (size, sha256) on the way in; locally `check_file` has read it."""
+    problems = []
     shards = open_format(root, name, manifest, cache)  # as the loader opens them
     try:
         for index in range(shards.num_shards):
-            shards.reader(index, refresh=True).verify_contents()
+            if index in passed_over:
+                continue
+            try:
+                shards.reader(index, refresh=True).verify_contents()
+            except FormatError as exc:
+                problems.append(exc)
     finally:
         shards.close()
+    return problems
+
+
+PROBLEMS_NAMED = 50  # problems one verify failure lists at most (the rest are counted)
 
 
 def verify_dataset(root: str | Path, cache: ShardCache | None = None) -> VerifyCounts:
-    """Check everything; return counts of what was checked. Local files are read once for
-    their checksum; objects are downloaded once, checked as they arrive in the node-local
-    cache, and opened there."""
+    """Check everything; return counts of what was checked, or raise naming every problem.
+    Local files are read once for their checksum; objects are downloaded once, checked as
+    they arrive in the node-local cache, and opened there."""
     store = as_store(root)
     manifest = read_manifest(store)
     files = shards = 0
+    problems: list[FormatError] = []
     for name, section in manifest.formats.items():
         if name not in FORMATS:
             raise FormatError(store.uri_of("manifest.json"), f"format {name!r} unknown",
                               list(FORMATS), name)
-        for shard in section.shards:
+        damaged = set()
+        for index, shard in enumerate(section.shards):
             for entry in shard.files:
                 if store.local:
-                    check_file(store, entry)
+                    try:
+                        check_file(store, entry)
+                    except FormatError as exc:
+                        problems.append(exc)
+                        damaged.add(index)
                 files += 1
-        open_every_shard(store, name, manifest, cache)
+        problems += open_every_shard(store, name, manifest, cache, frozenset(damaged))
         shards += len(section.shards)
-    problems = dataset_index_problems(store, manifest.formats)
+    problems += [FormatError(path, "a format's dataset index differs from what its committed "
+                             "shards give (rerun the job, or convert, to rewrite it)")
+                 for path in dataset_index_problems(store, manifest.formats)]
+    unlisted = unlisted_files(store, manifest)
     if problems:
-        raise FormatError(problems[0], "a format's dataset index differs from what its "
-                          "committed shards give (rerun the job, or convert, to rewrite it)")
-    return VerifyCounts(len(manifest.formats), shards, files, unlisted_files(store, manifest))
+        raise verify_failure(store, problems, unlisted)
+    return VerifyCounts(len(manifest.formats), shards, files, unlisted)
+
+
+def verify_failure(store: Store, problems: list[FormatError], unlisted: tuple[str, ...]
+                   ) -> FormatError:
+    """One problem as itself; several in one error, each on its line; with the files the
+    manifest does not list (a stray shard may be why)."""
+    stray = (f"{len(unlisted)} file(s) the manifest does not list: "
+             + ", ".join(unlisted[:10]) + (" ..." if len(unlisted) > 10 else "")
+             if unlisted else "")
+    if len(problems) == 1 and not stray:
+        return problems[0]
+    named = [f"  {problem}" for problem in problems[:PROBLEMS_NAMED]]
+    if len(problems) > PROBLEMS_NAMED:
+        named.append(f"  and {len(problems) - PROBLEMS_NAMED} more")
+    return FormatError(store.uri, "\n".join([f"{len(problems)} problem(s):", *named,
+                                             *([f"  also: {stray}"] if stray else [])]))
