@@ -468,3 +468,24 @@ def test_both_loaders_keep_one_contract_iterate_save_and_resume_at_the_next_step
     assert following.step == expected.step and (first.global_batch, first.seq_len) == (
         resumed.global_batch, resumed.seq_len) == (4, 16)
     assert torch.equal(following.inputs, expected.inputs)
+
+
+def test_a_dropped_tail_of_pre_formed_batches_counts_their_real_tokens(rich_dataset):
+    """Ranks over LLMBATCH batches leave the epoch's last batches (under one global step)
+    untrained: `dropped_tail` counts their tokens, padding aside, which are the dataset's
+    real tokens less those of every batch the ranks served."""
+    from raypipe.dataset import BatchDataset
+
+    batches = BatchDataset(rich_dataset)
+    real = [int((~batches.padding(index)).sum()) for index in range(batches.num_batches)]
+    world = next(size for size in (3, 4, 5, 7) if batches.num_batches % size)
+    served, tails = [], []
+    for rank in range(world):
+        loader = TokenLoader(rich_dataset, mode="batches", seed=3, rank=rank,
+                             world_size=world, block_batches=4)
+        served += [int(b.observation_ids.reshape(-1)[0]) for b in loader]
+        tails.append(loader.dropped_tail)
+    dropped = batches.num_batches % world
+    assert len(served) == batches.num_batches - dropped == len(set(served))
+    expected = sum(real) - sum(real[index] for index in served)
+    assert tails == [(0, dropped, expected)] * world and expected > 0

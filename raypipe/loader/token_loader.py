@@ -253,8 +253,8 @@ class TokenLoader:
         self.dropped_tail = (self.epoch, rows, tokens)
         if not rows or self.rank != 0:
             return
-        # pre-formed batches count no tokens (their plans place records, not documents)
-        share = tokens / self.planned.epoch_tokens() if tokens else 0.0
+        total = self.planned.epoch_tokens() if tokens else 0
+        share = tokens / total if total else 0.0
         log = logger.warning if share > WASTE_WARNING else logger.info
         log("%s: epoch %d ends with %d observations (%d tokens, %.1f%% of the epoch's) under "
             "one global step left untrained (drop-last)%s", self.dataset.root, self.epoch,

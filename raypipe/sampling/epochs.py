@@ -248,7 +248,11 @@ class PlannedDataset:
 
     def epoch_tokens(self) -> int:
         """Tokens an epoch serves from: its documents' (a split's, or all; a document
-        format's)."""
+        format's), or a batch format's real tokens as its packing recorded them (0 where
+        the file predates that record)."""
+        options = getattr(self.dataset, "options", None)
+        if options is not None and hasattr(options, "used_tokens"):
+            return int(options.used_tokens or 0)
         return self.document_lengths().total
 
     def steps_in(self, epoch: int) -> int:

@@ -14,6 +14,7 @@ memmap slice per batch (+ B lengths and its pieces); O(1) memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -73,8 +74,10 @@ class PreformedPlan:
     """Whole pre-formed batches in a block shuffle (see the module)."""
 
     def __init__(self, num_batches: int, batch_size: int, record_len: int, seed: int,
-                 epoch: int, block_batches: int = 64):
+                 epoch: int, block_batches: int = 64,
+                 batch_tokens: Callable[[int], int] | None = None):
         self.size = num_batches
+        self.batch_tokens = batch_tokens  # a batch's real tokens (padding aside), by id
         self.batch_size, self.record_len = batch_size, record_len
         self.block_batches = block_batches
         self.full_blocks = num_batches // block_batches
@@ -86,6 +89,14 @@ class PreformedPlan:
         inside = blocks < self.full_blocks
         result[inside] = self.block_order(blocks[inside]) * self.block_batches + offsets[inside]
         return result
+
+    def counted_tokens(self, positions: np.ndarray) -> int:
+        """The real tokens (padding aside) of the batches at `positions`, read from the
+        batches: for a drop-last tail, under one global step of batches."""
+        ids = self.batches(np.asarray(positions, dtype=np.int64))
+        if self.batch_tokens is None:
+            return int(ids.size) * self.batch_size * self.record_len
+        return sum(self.batch_tokens(int(index)) for index in ids.tolist())
 
     def report(self) -> PackingReport:
         tokens = self.size * self.batch_size * self.record_len
@@ -222,8 +233,10 @@ class BatchesMode(LoaderMode):
         return None, dataset  # the batches themselves; no split
 
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> PreformedPlan:
-        return PreformedPlan(inputs.dataset.num_batches, inputs.batch_size, spec.seq_len + 1,
-                             spec.seed, epoch, spec.knobs.block_batches)
+        dataset = inputs.dataset
+        return PreformedPlan(dataset.num_batches, inputs.batch_size, spec.seq_len + 1,
+                             spec.seed, epoch, spec.knobs.block_batches,
+                             lambda index: int((~dataset.padding(index)).sum()))
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
                boundaries: bool = True) -> PreformedFiller:
