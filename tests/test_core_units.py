@@ -158,8 +158,14 @@ def test_a_directory_reads_every_kind_and_names_each_file_it_passes_over(tmp_pat
     record = next(r for r in caplog.records if "passed over" in r.getMessage())
     assert record.levelno == logging.WARNING  # 37 bytes of ~1 KB: past 1%
     assert "README.md" in record.getMessage()
+    (tmp_path / "d" / "out" / "_units").mkdir(parents=True)  # a raypipe output inside
+    (tmp_path / "d" / "out" / "_units" / "_job.json").write_text("{}")
+    (tmp_path / "d" / "out" / "manifest.json").write_text('{"kind": "raypipe-tokens"}\n')
+    again = find_inputs([str(tmp_path / "d")])
+    assert len(again.files) == 3 and {m.reason for m in again.passed_over
+                                      if "/out/" in m.uri} == {"inside a raypipe output"}
     named = find_inputs([str(tmp_path / "d"), str(tmp_path / "d" / "dataset_info.json")])
-    assert len(named.files) == 4 and len(named.passed_over) == 2  # named: read
+    assert len(named.files) == 4 and len(named.passed_over) == 4  # named: read
     write_parquet(tmp_path / "big" / "a.parquet", ["x" * 100_000])
     (tmp_path / "big" / "notes.txt").write_text("n")
     caplog.clear()

@@ -88,6 +88,40 @@ def test_rerun_after_partial_run_only_runs_missing_units(tmp_path, corpus_dir, t
     assert all(now[k] == v for k, v in kept.items())
 
 
+def test_adding_a_format_to_an_output_points_to_convert_which_makes_the_same_documents(
+        tmp_path, corpus_dir, tokenizer_path):
+    """A rerun that only adds a format is refused naming `raypipe convert`; the command it
+    names, run as given, writes the documents tokenizing with that format would (with the
+    same separators; where the new format's own would differ, the message says so)."""
+    from raypipe.cli import main
+
+    out = tmp_path / "out"
+    separators = {"eos": True, "bos": False}
+    run_job(config_for(corpus_dir, out, tokenizer_path, formats=["megatron"], **separators))
+    with pytest.raises(ConfigError) as refused:
+        run_job(config_for(corpus_dir, out, tokenizer_path, formats=["megatron", "nanogpt"],
+                           **separators))
+    hint = f"raypipe convert {out} <new output> --format nanogpt"
+    assert str(refused.value).endswith("(its documents keep the separators they hold): "
+                                       + hint)
+    argv = hint.replace("<new output>", str(tmp_path / "added")).split()[1:]
+    assert main(argv) == 0
+    run_job(config_for(corpus_dir, tmp_path / "direct", tokenizer_path, formats=["nanogpt"],
+                       **separators))
+
+    def documents(path):
+        return [d.tolist() for d in TokenDataset(path, "nanogpt").iter_documents()]
+
+    assert documents(tmp_path / "added") == documents(tmp_path / "direct")
+    with pytest.raises(ConfigError) as own:  # nanogpt's own default: BOS, not EOS
+        run_job(config_for(corpus_dir, out, tokenizer_path, formats=["megatron", "nanogpt"]))
+    assert "separators they hold, not each new format's own): " + hint in str(own.value)
+    with pytest.raises(ConfigError) as other:
+        run_job(config_for(corpus_dir, out, tokenizer_path, formats=["megatron", "nanogpt"],
+                           shard_tokens=99, **separators))
+    assert "convert" not in str(other.value)
+
+
 def test_rerun_with_other_config_is_refused_unless_overwrite(tmp_path, corpus_dir,
                                                              tokenizer_path):
     run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path))

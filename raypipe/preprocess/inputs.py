@@ -131,12 +131,19 @@ def why_passed_over(path: str) -> str | None:
     return None
 
 
+OUTPUT_MARKER = "/_units/_job.json"  # a raypipe output's job record, below its root
+
+
 def of_directory(found: dict[str, FileStat]) -> tuple[list[str], list[PassedOver]]:
     """A directory's inputs: every parquet and JSON-lines file below it; and the others,
-    passed over with why (by the path as listed)."""
+    passed over with why (by the path as listed), a raypipe output below it whole (its
+    manifest.json is not JSON lines)."""
+    outputs = tuple(path[:-len(OUTPUT_MARKER)] + "/" for path in found
+                    if path.endswith(OUTPUT_MARKER))
     read, passed = [], []
     for path, stat in found.items():
-        reason = why_passed_over(path)
+        reason = ("inside a raypipe output" if outputs and path.startswith(outputs)
+                  else why_passed_over(path))
         if reason is None:
             read.append(path)
         else:

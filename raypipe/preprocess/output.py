@@ -55,7 +55,8 @@ def prepare_output(config: TokenizeConfig, settings: UnitSettings,
             if not config.overwrite:
                 raise ConfigError(f"{output}: made with a different config "
                                   f"({describe_difference(previous, job)}); "
-                                  "pass --overwrite to replace it")
+                                  f"pass --overwrite to replace it"
+                                  f"{convert_hint(previous, job, output)}")
             clear_output(output)
         else:
             check_inputs(config, output, previous.inputs, job.inputs)
@@ -141,6 +142,27 @@ def describe_difference(previous: JobRecord, current: JobRecord) -> str:
     if previous.tokenizer_sha256 != current.tokenizer_sha256:
         parts.append("tokenizer contents changed")
     return "; ".join(parts) or "fingerprint differs"
+
+
+SEPARATOR_FIELDS = ("bos", "eos")  # resolved from the formats: they follow a format change
+
+
+def convert_hint(previous: JobRecord, current: JobRecord, output: Store) -> str:
+    """Where the configs differ only by formats added (and the separators they resolve),
+    how `raypipe convert` makes those formats from this output without tokenizing again."""
+    before = {k: v for k, v in previous.config.items() if k not in LOCATION_FIELDS}
+    after = current.config
+    changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    old, new = set(before.get("formats") or ()), set(after.get("formats") or ())
+    added = sorted(new - old)
+    if (not added or not old <= new or not changed <= {"formats", *SEPARATOR_FIELDS}
+            or previous.tokenizer_sha256 != current.tokenizer_sha256):
+        return ""
+    return (", or make the format(s) it lacks from it without tokenizing again (its "
+            "documents keep the separators they hold"
+            + ("" if changed == {"formats"} else ", not each new format's own")
+            + "): " + "; ".join(f"raypipe convert {output} <new output> --format {name}"
+                                for name in added))
 
 
 def clear_output(output: Store) -> None:
