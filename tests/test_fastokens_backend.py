@@ -235,3 +235,34 @@ def test_gigatoken_reads_arrow_buffers_as_it_reads_python_strings(tokenizer_path
     expected_ids, expected_lengths = model.encode_flat(texts)
     assert lengths.tolist() == expected_lengths.tolist() and len(lengths) == len(texts)
     assert ids.tolist() == expected_ids.tolist()
+
+
+def test_a_tokenizer_no_fast_backend_runs_is_one_summary_line_naming_each_backend(tmp_path):
+    """A WordLevel tokenizer.json: the summary's encoder line is one line that names each
+    fast backend and why it was passed over, without a library's report headers (its
+    temporary file, "Caused by:", a source location) and not cut inside a word."""
+    import re
+
+    from tokenizers import models, pre_tokenizers
+
+    from raypipe.config import load_config
+    from raypipe.preprocess.encoding.backends import FAST_BACKENDS
+    from raypipe.preprocess.job import run_job
+    from tests.conftest import write_parquet
+
+    vocab = {"<|bos|>": 0, "<|eos|>": 1, "[UNK]": 2, "hello": 3, "world": 4}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.add_special_tokens(["<|bos|>", "<|eos|>"])
+    word_level.save(str(tmp_path / "tokenizer.json"))
+    write_parquet(tmp_path / "in" / "a.parquet", ["hello world"] * 4)
+    summary = run_job(load_config(None, inputs=[str(tmp_path / "in")],
+                                  output=str(tmp_path / "out"), formats=["megatron"],
+                                  tokenizer=str(tmp_path / "tokenizer.json")))
+    line = next(line for line in summary.render().splitlines() if "encoder" in line)
+    assert line.startswith("  encoder    tokenizers (") and line.endswith(")")
+    for name in FAST_BACKENDS:
+        assert re.search(rf"\b{name} (cannot reproduce this tokenizer|is not installed)",
+                         line), name
+    assert "Caused by" not in line and "raypipe-gigatoken-" not in line
+    assert not re.search(r"\.rs:\d+", line)

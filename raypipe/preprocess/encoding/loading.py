@@ -8,8 +8,26 @@ here). Cost: one load, cached by the backend module per tokenizer.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
+
+REASON_CHARS = 200  # a reason's length at most, cut at a word
+# lines of a library's error report that say nothing of why: a header naming the temporary
+# file it was given, "Caused by:", a source location
+NOISE = re.compile(r"^(Failed to parse \S+|Caused by:?|Location:.*|(at )?\S+:\d+(:\d+)?)$")
+
+
+def one_line(message: str) -> str:
+    """A library's (multi-line) error as one line: its informative lines joined, cut at a
+    word within REASON_CHARS."""
+    lines = [line.strip() for line in message.splitlines()]
+    kept = [line for line in lines if line and not NOISE.match(line)] or \
+        [line for line in lines if line]
+    text = "; ".join(kept)
+    if len(text) <= REASON_CHARS:
+        return text
+    return text[:REASON_CHARS].rsplit(" ", 1)[0] + " ..."
 
 
 def cannot_load(library: str, load: Callable[[], Any]) -> str | None:
@@ -17,5 +35,5 @@ def cannot_load(library: str, load: Callable[[], Any]) -> str | None:
     try:
         load()
     except Exception as exc:  # noqa: BLE001  (each library raises its own types)
-        return f"{library} cannot load it: {str(exc)[:200]}"
+        return f"{library} cannot load it: {one_line(str(exc))}"
     return None
