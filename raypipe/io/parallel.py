@@ -22,7 +22,7 @@ Result = TypeVar("Result")
 def map_threads(work: Callable[[Item], Result], items: Sequence[Item],
                 threads: int = THREADS) -> list[Result]:
     """`work` over `items` on up to `threads` threads, results in order."""
-    if len(items) <= 1:
+    if len(items) <= 1 or threads <= 1:
         return [work(item) for item in items]
     with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="raypipe-io") as pool:
         return list(pool.map(work, items))

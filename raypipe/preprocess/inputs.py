@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from raypipe.errors import InputError
 from raypipe.io.filesystem import filesystem_and_path, uri_of
-from raypipe.io.parallel import map_threads
+from raypipe.io.parallel import THREADS, map_threads
 from raypipe.io.records import PassedOver, WorkUnit
 from raypipe.preprocess.jsonl import (
     JSONL_SUFFIXES,
@@ -399,10 +399,12 @@ def check_jsonl_fields(uri: str, columns: list[str], data: bytes | None = None) 
 def unreadable_members(unit: WorkUnit, columns: list[str], text_first: bool = True
                        ) -> list[InputError]:
     """The members of a group whose header cannot be read or lacks `columns`: a parquet
-    footer, a JSON-lines file's first line; read 32 at a time, each file closed after.
-    Run before a group's work, so a garbage file fails the unit before its good files are
-    tokenized (and a rerun reads nothing twice), naming every such member at once. A
-    damaged page behind a sound footer is found only when read."""
+    footer, a JSON-lines file's first line; each file closed after. Run before a group's
+    work, so a garbage file fails the unit before its good files are tokenized (and a rerun
+    reads nothing twice), naming every such member at once. A damaged page behind a sound
+    footer is found only when read. Cost: locally ~50 us a small parquet file, one after
+    another (32 threads cost ~2x that in hand-offs); on object storage a footer read a file,
+    32 in flight."""
     def problem(member: WorkUnit) -> InputError | None:
         try:
             if member.kind == "jsonl":
@@ -419,7 +421,9 @@ def unreadable_members(unit: WorkUnit, columns: list[str], text_first: bool = Tr
             return InputError(f"{member.uri}: not a readable parquet file: {exc}")
         return None
 
-    return [error for error in map_threads(problem, unit.members) if error is not None]
+    local = isinstance(filesystem_and_path(unit.uri)[0], pafs.LocalFileSystem)
+    return [error for error in map_threads(problem, unit.members, 1 if local else THREADS)
+            if error is not None]
 
 
 def one_line(error: BaseException) -> str:
