@@ -214,3 +214,77 @@ def test_empty_json_lines_files_are_counted_in_the_summary_not_fatal(
     assert "empty      3 input file(s) hold no row (counted, not an error): " in \
         summary.render()
     assert summary.skipped.get("blank_line") == 2 and not summary.bad_files
+
+
+def lines_before_the_error(path: Path) -> tuple[list[bytes], str]:
+    from raypipe.preprocess.jsonl import _lines
+
+    got = []
+    with pytest.raises(InputError) as caught:
+        for line in _lines(str(path), 0, None, chunk_bytes=4096):
+            got.append(line)
+    return got, str(caught.value)
+
+
+def gzip_module_lines(path: Path) -> list[bytes]:
+    """The complete lines Python's gzip module decodes before the damage (it loses what its
+    buffer held when it raised: a lower bound)."""
+    lines = []
+    with gzip.open(path, "rb") as handle:
+        try:
+            for line in handle:
+                if line.endswith(b"\n"):
+                    lines.append(line[:-1])
+        except (EOFError, OSError, gzip.BadGzipFile):
+            pass
+    return lines
+
+
+def agreeing(lines: list[bytes], original: list[bytes]) -> int:
+    """How many of `lines`, from the first, are the original file's lines."""
+    count = 0
+    for line, expected in zip(lines, original, strict=False):
+        if line != expected:
+            break
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize("damage", ["truncated", "truncated-second-member", "corrupt-block"])
+def test_a_damaged_gzip_yields_every_complete_line_before_the_damage(tmp_path, corpus_texts,
+                                                                    damage):
+    """pyarrow's decoder loses the read that fails; the reader decodes the file again with
+    zlib from where it stood, so the complete lines before the damage come out (at least
+    as many as Python's gzip module gives, each the original line; a truncated file's are
+    exactly the original's first lines, the cut one dropped), then one error naming the
+    byte it stopped at. (Inside a corrupt deflate block, bytes can decode into garbage
+    before zlib notices: those lines are not the original's, as with any gzip reader.)"""
+    import random
+
+    original = jsonl_bytes(corpus_texts[:600]).splitlines()
+    first = gzip.compress(b"\n".join(original[:300]) + b"\n")
+    second = gzip.compress(b"\n".join(original[300:]) + b"\n")
+    if damage == "truncated":
+        packed = first[:len(first) * 2 // 3]
+    elif damage == "truncated-second-member":
+        packed = first + second[:len(second) // 2]
+    else:
+        middle = len(first) // 2
+        packed = first[:middle] + random.Random(0).randbytes(64) + first[middle + 64:]
+    path = tmp_path / "damaged.jsonl.gz"
+    path.write_bytes(packed)
+    got, error = lines_before_the_error(path)
+    assert f"{path}: cannot be read past decompressed byte" in error
+    assert agreeing(got, original) >= agreeing(gzip_module_lines(path), original) and \
+        agreeing(got, original) > 50
+    if damage != "corrupt-block":
+        assert got == original[:len(got)]
+    if damage == "truncated-second-member":
+        assert len(got) > 300  # the whole first member, and part of the second
+
+
+def test_an_empty_gzip_file_of_zero_bytes_reads_as_no_line(tmp_path):
+    from raypipe.preprocess.jsonl import _lines
+
+    (tmp_path / "empty.jsonl.gz").write_bytes(b"")
+    assert list(_lines(str(tmp_path / "empty.jsonl.gz"), 0, None)) == []

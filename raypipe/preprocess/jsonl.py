@@ -62,20 +62,20 @@ def _open_random_access(uri: str) -> Any:
 
 
 class GzipStream:
-    """A gzip file's content, decompressed by zlib as it is read: the bytes before damage (a
-    truncated file, a corrupt block) all come out before the read that raises, so every
-    complete line before it is kept (pyarrow's decoder loses the read that fails). Reads
-    concatenated members (`cat a.gz b.gz`) as one content, as gzip does."""
+    """A gzip file's content, decompressed by zlib as it is read, at most `size` bytes a
+    read: the bytes before damage (a truncated file, a corrupt block) all come out before
+    the read that raises. Reads concatenated members (`cat a.gz b.gz`) as one content, as
+    gzip does. Used only to salvage a file pyarrow's decoder failed on (that decoder loses
+    the read that fails; every whole file is read by it)."""
 
     COMPRESSED_READ = 1 << 20
 
     def __init__(self, raw: Any):
         self.raw = raw
         self.decoder = zlib.decompressobj(wbits=31)
-        self.pending = b""
+        self.input = b""
+        self.in_member = False  # the decoder has taken bytes of a member it has not ended
         self.failure: str | None = None
-        self.done = False
-        self.compressed_bytes = 0
 
     def __enter__(self) -> GzipStream:
         return self
@@ -84,29 +84,31 @@ class GzipStream:
         self.raw.close()
 
     def read(self, size: int) -> bytes:
-        while len(self.pending) < size and not self.done and self.failure is None:
-            self._decode_more()
-        if not self.pending and self.failure is not None:
-            raise OSError(self.failure)
-        out, self.pending = self.pending[:size], self.pending[size:]
-        return out
-
-    def _decode_more(self) -> None:
-        chunk = self.raw.read(self.COMPRESSED_READ)
-        self.compressed_bytes += len(chunk)
-        if not chunk:  # a file of 0 bytes is empty, not truncated
-            if self.compressed_bytes and (not self.decoder.eof or self.decoder.unused_data):
-                self.failure = "truncated gzip stream: the file ends inside it"
-            self.done = True
-            return
-        try:
-            self.pending += self.decoder.decompress(chunk)
-            while self.decoder.eof and self.decoder.unused_data:  # the next member
-                rest = self.decoder.unused_data
+        parts: list[bytes] = []
+        wanted = size
+        while wanted > 0 and self.failure is None:
+            if not self.input:
+                self.input = self.raw.read(self.COMPRESSED_READ)
+                if not self.input:
+                    if self.in_member:
+                        self.failure = "truncated gzip stream: the file ends inside it"
+                    break
+            try:
+                out = self.decoder.decompress(self.input, wanted)
+            except zlib.error as exc:
+                self.failure = f"corrupt gzip data: {exc}"
+                break
+            self.in_member = True
+            self.input = self.decoder.unconsumed_tail
+            if self.decoder.eof:  # a member ends: the next one, if any, starts a decoder
+                self.input = self.decoder.unused_data  # (the tail is in it too)
                 self.decoder = zlib.decompressobj(wbits=31)
-                self.pending += self.decoder.decompress(rest)
-        except zlib.error as exc:
-            self.failure = f"corrupt gzip data: {exc}"
+                self.in_member = False
+            parts.append(out)
+            wanted -= len(out)
+        if not parts and self.failure is not None:
+            raise OSError(self.failure)
+        return b"".join(parts)
 
 
 def _open_stream(uri: str, start: int = 0, data: bytes | None = None) -> Any:
@@ -115,16 +117,12 @@ def _open_stream(uri: str, start: int = 0, data: bytes | None = None) -> Any:
     codec = compression_of(uri)
     if data is not None:
         buffer = pa.BufferReader(data)
-        if codec == "gzip":
-            return GzipStream(buffer)
         if codec is not None:
             return pa.CompressedInputStream(buffer, codec)
         buffer.seek(start)
         return buffer
     filesystem, path = filesystem_and_path(uri)
     try:
-        if codec == "gzip":
-            return GzipStream(filesystem.open_input_stream(path, compression=None))
         if codec is not None:
             return filesystem.open_input_stream(path, compression=codec)
         handle = filesystem.open_input_file(path)
@@ -176,24 +174,65 @@ def _lines(uri: str, start: int, stop: int | None, chunk_bytes: int = READ_BYTES
            data: bytes | None = None) -> Iterator[bytes]:
     """The lines of the file in [start, stop) (the whole file if stop is None), without
     their newline, read `chunk_bytes` at a time (from `data` where given); memory is
-    bounded by that plus the longest line."""
+    bounded by that plus the longest line. A read error comes after every complete line
+    before it (the partial line it cuts is not a row)."""
+    tail = b""
+    for chunk in _chunks(uri, start, stop, chunk_bytes, data):
+        lines = (tail + chunk).split(b"\n")
+        tail = lines.pop()
+        yield from lines
+    if tail:
+        yield tail
+
+
+def _chunks(uri: str, start: int, stop: int | None, chunk_bytes: int,
+            data: bytes | None) -> Iterator[bytes]:
+    """The file's bytes in [start, stop), `chunk_bytes` at a time. A gzip file pyarrow's
+    decoder fails on is decoded again by zlib (GzipStream) from the byte it reached, so
+    the bytes up to the damage still come out before the error."""
     with _open_stream(uri, start, data) as stream:
         remaining = None if stop is None else stop - start
-        tail = b""
         read = start
         while remaining is None or remaining > 0:
-            chunk = _read(stream, chunk_bytes if remaining is None
-                          else min(chunk_bytes, remaining), uri, read)
+            try:
+                chunk = _read(stream, chunk_bytes if remaining is None
+                              else min(chunk_bytes, remaining), uri, read)
+            except InputError:
+                if compression_of(uri) != "gzip":
+                    raise
+                yield from _salvage_gzip(uri, data, read, chunk_bytes)
+                return  # zlib read it to its end (a 0-byte file: empty, not damaged)
             read += len(chunk)
             if not chunk:
                 break
             if remaining is not None:
                 remaining -= len(chunk)
-            lines = (tail + chunk).split(b"\n")
-            tail = lines.pop()
-            yield from lines
-        if tail:
-            yield tail
+            yield chunk
+
+
+def _salvage_gzip(uri: str, data: bytes | None, offset: int, chunk_bytes: int
+                  ) -> Iterator[bytes]:
+    """A damaged gzip file's content from decompressed byte `offset` up to the damage,
+    decoded by zlib, then an InputError naming where it stops (none where zlib reads it
+    whole)."""
+    if data is not None:
+        raw: Any = pa.BufferReader(data)
+    else:
+        filesystem, path = filesystem_and_path(uri)
+        raw = filesystem.open_input_stream(path, compression=None)
+    read = 0
+    with GzipStream(raw) as stream:
+        while read < offset:  # what pyarrow gave already: decoded again, not yielded
+            skipped = _read(stream, min(chunk_bytes, offset - read), uri, read)
+            if not skipped:
+                return
+            read += len(skipped)
+        while True:
+            chunk = _read(stream, chunk_bytes, uri, read)
+            if not chunk:
+                return
+            read += len(chunk)
+            yield chunk
 
 
 def _read(stream: Any, size: int, uri: str, offset: int) -> bytes:
