@@ -158,7 +158,7 @@ def truncated_gzip(path: Path, texts: list[str]) -> Path:
 
 def complete_lines_before_the_damage(path: Path) -> list[str]:
     """What Python's gzip module decodes of a damaged file before it raises, whole lines
-    only (an oracle independent of raypipe's reader)."""
+    only (independent of raypipe's reader; a lower bound: it loses what its buffer held)."""
     lines = []
     with gzip.open(path, "rt") as handle:
         try:
@@ -195,11 +195,11 @@ def test_skip_bad_files_completes_and_names_the_file_in_summary_and_manifest(
     bad = good_and_bad_jsonl(tmp_path / "in", corpus_texts)
     summary = tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path,
                        unit_bytes=unit_bytes, skip_bad_files=True)
-    recovered = complete_lines_before_the_damage(bad)
-    assert len(recovered) > 100  # half of a 700-line file: the complete lines are kept
-    assert summary.documents == 90 + sum(1 for line in recovered if json.loads(line)["text"])
-    assert [(b.uri, b.rows_read) for b in summary.bad_files] == [(str(bad), len(recovered))]
-    assert f"{bad}: line {len(recovered) + 1}: " in summary.bad_files[0].reason
+    [skipped] = summary.bad_files
+    kept = skipped.rows_read  # the file's first lines: at least what Python's gzip decodes
+    assert kept >= len(complete_lines_before_the_damage(bad)) > 100
+    assert summary.documents == 90 + sum(1 for text in corpus_texts[200:200 + kept] if text)
+    assert skipped.uri == str(bad) and f"{bad}: line {kept + 1}: " in skipped.reason
     assert [b.uri for b in read_manifest(tmp_path / "out").bad_files] == [str(bad)]
     assert str(bad) in summary.render() and "bad file" in list_rejects(tmp_path / "out")
     rerun = tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path,
