@@ -418,7 +418,7 @@ def unreadable_members(unit: WorkUnit, columns: list[str], text_first: bool = Tr
         except InputError as exc:
             return exc
         except (OSError, pa.ArrowException) as exc:
-            return InputError(f"{member.uri}: not a readable parquet file: {exc}")
+            return InputError(f"{member.uri}: not a readable parquet file: {one_line(exc)}")
         return None
 
     local = isinstance(filesystem_and_path(unit.uri)[0], pafs.LocalFileSystem)

@@ -7,7 +7,10 @@ newline (found at plan time with one small read per cut), so a line belongs to t
 first byte is in and no line is read twice or lost. Rows come out as Arrow record batches of
 the chosen fields, so cleaning, tokenizing and writing are the parquet path's. A line that
 is not a JSON object is an InputError naming the file and its line number (counted from the
-file's start, also inside a byte range); blank lines are not rows. A field that is missing
+file's start, also inside a byte range); blank lines are not rows. A read error (a truncated
+or corrupt .gz) comes after every complete line before it: a gzip file pyarrow's decoder
+fails on is decoded again by zlib up to the damage (a .zst keeps what pyarrow's decoder
+gave, often nothing: a frame decodes whole). A field that is missing
 or JSON null counts as `null`, a non-string text as `non_string`, a text that is not valid
 Unicode (a lone surrogate escape, or bytes that are not UTF-8) as `invalid_utf8`.
 The input's identity (part of every commit record) is sha256 of the size and the first and
@@ -219,7 +222,10 @@ def _salvage_gzip(uri: str, data: bytes | None, offset: int, chunk_bytes: int
         raw: Any = pa.BufferReader(data)
     else:
         filesystem, path = filesystem_and_path(uri)
-        raw = filesystem.open_input_stream(path, compression=None)
+        try:
+            raw = filesystem.open_input_stream(path, compression=None)
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(f"{uri}: cannot open: {exc}") from exc
     read = 0
     with GzipStream(raw) as stream:
         while read < offset:  # what pyarrow gave already: decoded again, not yielded

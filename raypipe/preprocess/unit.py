@@ -458,10 +458,10 @@ def tokenize_group(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEnco
                    roller: ShardRoller, tally: UnitTally) -> None:
     """A group's files, read ahead on threads, in order (without `skip_bad_files`, every
     member's header is checked first: raypipe.preprocess.inputs.unreadable_members). Plain
-    text of parquet files is
-    coalesced: consecutive files' rows make one encode call of up to `encode_batch_rows`
-    rows (a 10 KB file alone would pay the call's and the writers' fixed costs, ~2 ms, for
-    a few rows). Chat data, metadata and JSON-lines files go file by file."""
+    text of parquet files is coalesced: consecutive files' rows make one encode call of up
+    to `encode_batch_rows` rows (a 10 KB file alone would pay the call's and the writers'
+    fixed costs, ~2 ms, for a few rows). Chat data, metadata and JSON-lines files go file
+    by file."""
     if not settings.config.skip_bad_files:  # fail before the work, naming every bad file
         errors = unreadable_members(unit, settings.columns, not settings.config.chat)
         if errors:
