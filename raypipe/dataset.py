@@ -53,6 +53,9 @@ class StreamWindow:
         return self.records.get(int(self.metadata_ids[position]))
 
 
+OPEN_TRIES = 5  # fetches of a shard other processes keep evicting before it opens
+
+
 class ShardSet:
     """The shards of one format of an output, opened lazily through the registry.
 
@@ -195,21 +198,41 @@ class ShardSet:
         shard = self.shards[index]
         if self.cache is None:
             self._check_files(index)
+            reader = self.format.reader.from_manifest(self.local_root, shard, self.section,
+                                                      self.tokenizer)
         else:
-            future = self._fetching.pop(index, None)
-            if future is not None and refresh:  # an earlier fetch: fetched again below
-                self.cache.unpin(future.result())
-                future = None
-            paths = future.result() if future is not None else self._fetch(shard.files,
-                                                                            refresh)
-            self._pinned[index] = paths
-        reader = self.format.reader.from_manifest(self.local_root, shard, self.section,
-                                                  self.tokenizer)
+            reader = self._open_cached(index, refresh)
         self.check_reader(reader, shard)
         self._readers[index] = reader
         if self.cache is not None:
             self._close_over_budget()
         return reader
+
+    def _open_cached(self, index: int, refresh: bool) -> Any:
+        """The reader of a shard fetched into the cache. Pins are this process's own, so a
+        file another process's eviction removed after the fetch (a prefetched shard waits
+        unopened) is fetched again, up to OPEN_TRIES times."""
+        assert self.cache is not None
+        shard = self.shards[index]
+        future = self._fetching.pop(index, None)
+        if future is not None and refresh:  # an earlier fetch: fetched again below
+            self.cache.unpin(future.result())
+            future = None
+        paths = future.result() if future is not None else self._fetch(shard.files, refresh)
+        for attempt in range(OPEN_TRIES):
+            try:
+                reader = self.format.reader.from_manifest(self.local_root, shard,
+                                                          self.section, self.tokenizer)
+            except (FormatError, FileNotFoundError):
+                lost = self.cache.note_lost(paths)
+                self.cache.unpin(paths)
+                if not lost or attempt == OPEN_TRIES - 1:
+                    raise
+                paths = self._fetch(shard.files)
+                continue
+            self._pinned[index] = paths
+            return reader
+        raise AssertionError("unreachable")
 
     def _close_over_budget(self) -> None:
         assert self.cache is not None

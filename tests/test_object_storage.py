@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from raypipe.config import load_config
+from raypipe.dataset import TokenDataset
 from raypipe.errors import ConfigError, FormatError
 from raypipe.formats.megatron import MegatronReader
 from raypipe.io.cache import ShardCache
@@ -221,6 +222,27 @@ def test_cache_evicts_least_recently_used_files_to_its_budget(bucket, token_data
     assert newest.exists(), "a pinned file was evicted"
 
 
+def test_a_shard_another_process_evicts_between_its_fetch_and_its_open_is_fetched_again(
+        bucket, token_dataset, tmp_path):
+    """Pins are a process's own: a shard prefetched here and evicted by another process
+    sharing the cache before this one opened it is fetched again, not a `file is missing`
+    error, and the refetch is counted."""
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    cache_dir = tmp_path / "shared-cache"
+    here = TokenDataset(uri, "megatron", cache=ShardCache(cache_dir))
+    here.prefetch([0])
+    here._fetching[0].result()  # fetched, pinned only in this process, not yet opened
+    other_process = ShardCache(cache_dir, budget_bytes=1)  # its pins are its own
+    other_process.evict()
+    assert not any(path.exists() for path in here._fetching[0].result())
+    documents = [document.tolist() for document in here.iter_documents()]
+    local = TokenDataset(token_dataset, "megatron")
+    assert documents == [document.tolist() for document in local.iter_documents()]
+    assert here.cache.stats.lost_before_open == len(here.shards[0].files)
+    here.close()
+
+
 SHARED_CACHE_READER = """
 import sys, hashlib
 from raypipe.loader import TokenLoader
@@ -330,3 +352,59 @@ def test_a_missing_bucket_is_one_line_naming_the_uri(s3_server, tmp_path, corpus
     error = capsys.readouterr().err
     assert code == 2 and "s3://no-such-bucket-rp/out" in error
     assert len(error.strip().splitlines()) == 1
+
+
+def through_a_fault_proxy(monkeypatch, fails):
+    """AWS_ENDPOINT_URL pointed at a FaultProxy in front of the test server (a Store made
+    after this call opens its filesystem there)."""
+    from urllib.parse import urlparse
+
+    from raypipe.io import store as store_module
+    from tests.fault_proxy import FaultProxy
+
+    proxy = FaultProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, fails).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(store_module, "RETRY_SECONDS", 0.01)
+    return proxy
+
+
+def test_a_503_slow_down_on_every_objects_first_get_is_retried_and_counted(
+        bucket, token_dataset, tmp_path, monkeypatch):
+    """A bucket that throttles the first GET of every object (small ones included, whose
+    503 body is longer than the object): every shard still arrives whole, the documents
+    are the local copy's, and the retries are counted in the cache's stats."""
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    proxy = through_a_fault_proxy(monkeypatch, lambda path, asked: asked == 0)
+    try:
+        remote = TokenDataset(uri, "megatron", cache=ShardCache(tmp_path / "cache"))
+        documents = [document.tolist() for document in remote.iter_documents()]
+        stats = remote.cache.stats
+        remote.close()
+    finally:
+        proxy.stop()
+    local = TokenDataset(token_dataset, "megatron")
+    assert documents == [document.tolist() for document in local.iter_documents()]
+    files = sum(len(shard.files) for shard in local.shards)
+    assert stats.downloads == files and proxy.injected >= files
+    assert 0 < stats.retries <= proxy.injected
+
+
+def test_an_object_that_keeps_failing_fails_in_one_line_naming_it_and_the_tries(
+        bucket, token_dataset, tmp_path, monkeypatch):
+    from raypipe.errors import StorageError
+    from raypipe.io.store import DOWNLOAD_TRIES
+
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    proxy = through_a_fault_proxy(monkeypatch, lambda path, asked: path.endswith(".idx"))
+    try:
+        remote = TokenDataset(uri, "megatron", cache=ShardCache(tmp_path / "cache"))
+        with pytest.raises(StorageError) as failed:
+            remote.reader(0)
+        remote.close()
+    finally:
+        proxy.stop()
+    message = str(failed.value)
+    assert message.startswith(f"{uri}/megatron/") and ".idx: cannot download" in message
+    assert f"(failed {DOWNLOAD_TRIES} times; giving up)" in message and "\n" not in message

@@ -9,8 +9,9 @@ local ones. Every process and thread of a node may share one cache: a download h
 lock (one of 64 stripes, never deleted), so one shard is fetched once and never seen half
 written. The cache holds at most `budget_bytes`: after each download the least recently used
 files (file mtime, touched on every use) are deleted until it fits, except those this process
-has pinned (its open shards). Deleting a file another process has mapped is safe on POSIX (the
-mapping keeps the data until it is closed); that process downloads it again if it reopens it.
+has pinned (its open shards). Pins are a process's own: deleting a file another process has
+mapped is safe on POSIX (the mapping keeps the data until it is closed), and one it fetched
+but has not opened yet is fetched again when it opens it (`lost_before_open` counts them).
 Cost: a hit is one stat and one utime (~5 us); a miss one download plus a sha256 pass
 (~1 GB/s) and one directory walk for eviction (~1 ms per 1,000 cached files).
 """
@@ -44,13 +45,18 @@ PLANS_DIR = "plans"
 
 @dataclass
 class CacheStats:
-    """What this process's cache did: downloads (files, bytes), hits, evictions."""
+    """What this process's cache did: downloads (files, bytes), hits, evictions, requests
+    retried (raypipe.io.store.Store.download), and files
+    another process sharing the cache evicted after this one fetched them and before it
+    opened them (fetched again)."""
 
     downloads: int = 0
     downloaded_bytes: int = 0
     hits: int = 0
     evicted_files: int = 0
     evicted_bytes: int = 0
+    lost_before_open: int = 0
+    retries: int = 0  # requests made again after a failure a retry can mend
 
 
 def default_cache_dir() -> Path:
@@ -156,7 +162,7 @@ class ShardCache:
                                ".raypipe.tmp")
         uri = store.uri_of(entry.path)
         try:
-            size, digest = store.download(entry.path, temp)
+            size, digest = store.download(entry.path, temp, self._count_retry)
             if size != entry.bytes:
                 raise FormatError(uri, "size differs from the manifest", entry.bytes, size)
             if digest != entry.sha256:
@@ -173,11 +179,23 @@ class ShardCache:
             self.stats.downloads += 1
             self.stats.downloaded_bytes += size
 
+    def _count_retry(self, error: Exception) -> None:
+        with self._mutex:
+            self.stats.retries += 1
+
     # ----- budget --------------------------------------------------------------------------
     def pin(self, paths: list[Path]) -> None:
         """Keep these files (shards this process has open) out of eviction."""
         with self._mutex:
             self._pinned.update(paths)
+
+    def note_lost(self, paths: list[Path]) -> int:
+        """Count the files of `paths` gone since they were fetched (another process's
+        eviction); their number."""
+        lost = sum(not path.exists() for path in paths)
+        with self._mutex:
+            self.stats.lost_before_open += lost
+        return lost
 
     def unpin(self, paths: list[Path]) -> None:
         with self._mutex:

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import random
 import re
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -34,6 +37,9 @@ from raypipe.errors import ConfigError, FormatError, StorageError
 from raypipe.io.atomic import file_sha256, write_bytes_atomic
 
 CHUNK = 8 << 20
+DOWNLOAD_TRIES = 6  # requests for one object before its download fails the run
+RETRY_SECONDS = 0.2  # the first backoff; doubled each try, with jitter (x0.5-1.5)
+logger = logging.getLogger("raypipe")
 # "s3:/bucket" (one slash) is a URI with a typo; as a local path it would make a dir "s3:"
 _SCHEME_TYPO = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/(?!/)")
 
@@ -61,6 +67,23 @@ def storage_errors(uri: str, doing: str) -> Iterator[None]:
         raise
     except OSError as exc:
         raise StorageError(f"{uri}: cannot {doing}: {exc}") from exc
+
+
+class TransientError(StorageError):
+    """A request to object storage that failed in a way a retry can mend (a 503 SlowDown,
+    a 500, a reset or timed-out connection, a short read)."""
+
+
+@contextmanager
+def remote_errors(uri: str, doing: str) -> Iterator[None]:
+    """An OSError of a request (not a missing object, not a refusal) becomes a
+    TransientError naming the URI; a missing file stays FileNotFoundError."""
+    try:
+        yield
+    except (FileNotFoundError, PermissionError):
+        raise
+    except OSError as exc:
+        raise TransientError(f"{uri}: cannot {doing}: {exc}") from exc
 
 
 class Store:
@@ -128,15 +151,17 @@ class Store:
         return self.info(relative) is not None
 
     def read_bytes(self, relative: str) -> bytes:
-        with storage_errors(self.uri_of(relative), "read"), \
-                self.fs.open_input_stream(self.path(relative)) as stream:
-            return stream.read()
+        return self.read_head(relative, -1)
 
     def read_head(self, relative: str, size: int) -> bytes:
-        """The first `size` bytes of a file (fewer if it is shorter)."""
-        with storage_errors(self.uri_of(relative), "read"), \
-                self.fs.open_input_stream(self.path(relative)) as stream:
-            return stream.read(size)
+        """The first `size` bytes of a file (fewer if it is shorter; -1: all of it), its
+        requests retried as `retrying` says."""
+        def read() -> bytes:
+            with remote_errors(self.uri_of(relative), "read"), \
+                    self.fs.open_input_stream(self.path(relative)) as stream:
+                return stream.read() if size < 0 else stream.read(size)
+
+        return self.retrying(relative, "read", read)
 
     def read_json(self, relative: str) -> dict[str, Any]:
         try:
@@ -157,17 +182,48 @@ class Store:
                 digest.update(block)
         return digest.hexdigest()
 
-    def download(self, relative: str, target: Path) -> tuple[int, str]:
+    def download(self, relative: str, target: Path,
+                 on_retry: Callable[[TransientError], None] | None = None) -> tuple[int, str]:
         """Copy a file to the local `target` (opened by the caller's rules); return
-        (size, sha256) of what arrived."""
+        (size, sha256) of what arrived; its requests retried as `retrying` says."""
+        return self.retrying(relative, "download",
+                             lambda: self._download_once(relative, target), on_retry)
+
+    def retrying(self, relative: str, doing: str, attempt: Callable[[], Any],
+                 on_retry: Callable[[TransientError], None] | None = None) -> Any:
+        """`attempt()`, made again from the start when a request fails in a way a retry
+        can mend (TransientError), up to DOWNLOAD_TRIES times with exponential backoff and
+        jitter (`on_retry` hears each): one that keeps failing fails naming the object and
+        the tries. A missing object, a refusal and a local error are not retried."""
+        for tries in range(1, DOWNLOAD_TRIES + 1):
+            try:
+                with storage_errors(self.uri_of(relative), doing):
+                    return attempt()
+            except TransientError as exc:
+                if tries == DOWNLOAD_TRIES:
+                    raise StorageError(f"{exc} (failed {tries} times; giving up)") from exc
+                if on_retry is not None:
+                    on_retry(exc)
+                logger.info("%s; try %d of %d", exc, tries + 1, DOWNLOAD_TRIES)
+                time.sleep(RETRY_SECONDS * 2 ** (tries - 1) * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    def _download_once(self, relative: str, target: Path) -> tuple[int, str]:
+        """One download, its requests' errors TransientError, its local writes' not."""
+        uri = self.uri_of(relative)
         digest, size = hashlib.sha256(), 0
-        with storage_errors(self.uri_of(relative), "download"), \
-                self.fs.open_input_stream(self.path(relative)) as stream, \
-                open(target, "wb") as out:
-            while block := stream.read(CHUNK):
-                out.write(block)
-                digest.update(block)
-                size += len(block)
+        with open(target, "wb") as out:
+            with remote_errors(uri, "download"):
+                stream = self.fs.open_input_stream(self.path(relative))
+            with stream:
+                while True:
+                    with remote_errors(uri, "download"):
+                        block = stream.read(CHUNK)
+                    if not block:
+                        break
+                    out.write(block)
+                    digest.update(block)
+                    size += len(block)
         return size, digest.hexdigest()
 
     def list_files(self, relative: str = "") -> list[str]:
