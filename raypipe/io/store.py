@@ -74,15 +74,23 @@ class TransientError(StorageError):
     a 500, a reset or timed-out connection, a short read)."""
 
 
+# what object storage says of a request no retry mends (the SDK's error names)
+PERMANENT = ("NoSuchBucket", "NoSuchKey", "AccessDenied", "InvalidAccessKeyId",
+             "SignatureDoesNotMatch", "AllAccessDisabled", "InvalidBucketName")
+
+
 @contextmanager
 def remote_errors(uri: str, doing: str) -> Iterator[None]:
-    """An OSError of a request (not a missing object, not a refusal) becomes a
-    TransientError naming the URI; a missing file stays FileNotFoundError."""
+    """An OSError of a request becomes a TransientError naming the URI, unless no retry
+    can mend it: a missing file stays FileNotFoundError, a refusal or a missing bucket a
+    StorageError (storage_errors)."""
     try:
         yield
     except (FileNotFoundError, PermissionError):
         raise
     except OSError as exc:
+        if any(marker in str(exc) for marker in PERMANENT):
+            raise
         raise TransientError(f"{uri}: cannot {doing}: {exc}") from exc
 
 
@@ -194,12 +202,15 @@ class Store:
         """`attempt()`, made again from the start when a request fails in a way a retry
         can mend (TransientError), up to DOWNLOAD_TRIES times with exponential backoff and
         jitter (`on_retry` hears each): one that keeps failing fails naming the object and
-        the tries. A missing object, a refusal and a local error are not retried."""
-        for tries in range(1, DOWNLOAD_TRIES + 1):
+        the tries. A missing object, a refusal and a local error are not retried, nor is
+        anything on a local store."""
+        for tries in range(1, 1 + (1 if self.local else DOWNLOAD_TRIES)):
             try:
                 with storage_errors(self.uri_of(relative), doing):
                     return attempt()
             except TransientError as exc:
+                if self.local:
+                    raise StorageError(str(exc)) from exc
                 if tries == DOWNLOAD_TRIES:
                     raise StorageError(f"{exc} (failed {tries} times; giving up)") from exc
                 if on_retry is not None:
