@@ -198,27 +198,50 @@ def documented_cluster_lines() -> list[str]:
     return [line for line in block.splitlines() if line.strip()]
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.parametrize("token", ["none-yet", "made-before"])
-def test_the_documented_local_cluster_submit_works_as_written(tmp_path, token):
-    """docs/tokenize.md's lines, run by bash from the repository root as written, without
-    RAY_AUTH_MODE and with a HOME that has no Ray token yet, or one a first local Ray made
-    (only the ports are this test's, so it never meets another Ray here). The demo job
-    builds its corpus in tmp_path (RAYPIPE_DEMO_DIR, through the environment `ray start`
-    gives the job) and prints the absolute output path, which holds a verified dataset. The
-    head has token authentication on: the same submit without the token is refused."""
-    lines = documented_cluster_lines()
+def documented_venv_ray(lines: list[str]) -> Path:
     venv_ray = ROOT / ".venv" / "bin" / "ray"
     if not venv_ray.exists() or not any(".venv/bin/ray" in line for line in lines):
         pytest.skip("the docs' commands name the README's .venv, which this run lacks")
+    return venv_ray
+
+
+def test_the_documented_first_line_makes_a_ray_token_where_none_is_and_keeps_one(tmp_path):
+    """On a machine without `~/.ray/auth_token` the docs' first line makes one (so the
+    cluster then starts with authentication on, as on a machine a first local Ray has
+    run on: the case the next test runs), and on one with a token it keeps it."""
+    first = documented_cluster_lines()[0]
+    documented_venv_ray([first])
+    assert "get-auth-token" in first
+    env = cluster_env(tmp_path)
+    def run_first_line() -> str:
+        done = subprocess.run(["bash", "-c", first], cwd=ROOT, env=env, text=True,
+                              capture_output=True, timeout=120)
+        assert done.returncode == 0 and done.stdout == "", done.stderr[-2000:]
+        return (tmp_path / ".ray" / "auth_token").read_text()
+
+    made = run_first_line()
+    assert len(made.strip()) >= 32
+    assert run_first_line() == made
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_documented_local_cluster_submit_works_as_written(tmp_path):
+    """docs/tokenize.md's lines, run by bash from the repository root as written, without
+    RAY_AUTH_MODE and with a HOME whose Ray token a first local Ray made (where the user's
+    submit failed; only the ports are this test's, so it never meets another Ray here). The
+    demo job builds its corpus in tmp_path (RAYPIPE_DEMO_DIR, through the environment
+    `ray start` gives the job) and prints the absolute output path, which holds a verified
+    dataset. The head has token authentication on: the same submit without the token is
+    refused."""
+    lines = documented_cluster_lines()
+    venv_ray = documented_venv_ray(lines)
     home = tmp_path / "home"
     home.mkdir()
     ray_tmp = tempfile.mkdtemp(prefix="rp-doc-", dir="/tmp")  # short: Ray's socket paths
     env = {**cluster_env(home), "RAYPIPE_DEMO_DIR": str(tmp_path), "RAY_TMPDIR": ray_tmp}
-    if token == "made-before":
-        subprocess.run([str(venv_ray), "get-auth-token", "--generate"], env=env, check=True,
-                       capture_output=True, timeout=60)
+    subprocess.run([str(venv_ray), "get-auth-token", "--generate"], env=env, check=True,
+                   capture_output=True, timeout=60)
     port, dashboard = free_port(), free_port()
     ports = " ".join([f"--port={port}", f"--dashboard-port={dashboard}",
                       "--disable-usage-stats", *agent_ports()])

@@ -262,7 +262,7 @@ def encoded(tokenizer_path: str, texts: list[str]) -> list[list[int]]:
     return [[*tokenizer.encode(t, add_special_tokens=False).ids, eos] for t in texts if t]
 
 
-@pytest.mark.parametrize("unit_bytes", [1, 1 << 30], ids=["alone", "grouped"])
+@pytest.mark.parametrize("unit_bytes", [100_000, 1 << 30], ids=["byte-ranges", "grouped"])
 def test_a_bad_json_line_under_skip_bad_files_is_a_named_reject_and_every_other_line_is_kept(
         tmp_path, corpus_texts, tokenizer_path, unit_bytes):
     """3,000 good lines then a bad one (past two whole batches of 1,024), and a file whose
