@@ -163,6 +163,10 @@ class ShardSet:
                 self._pool = ThreadPoolExecutor(PREFETCH_THREADS, "raypipe-fetch")
             self._fetching[index] = self._pool.submit(self._fetch, self.shards[index].files)
 
+    def fetching_now(self) -> int:
+        """Shards being fetched into the cache now (prefetched, not done)."""
+        return sum(not future.done() for future in self._fetching.values())
+
     def close(self) -> None:
         """Stop background fetches and close every open shard."""
         if self._pool is not None:

@@ -201,7 +201,8 @@ def _report(model: nn.Module, optimizer: torch.optim.Optimizer, loaders: list[An
             val_loss: float | None = None) -> None:
     import ray.train
 
-    metrics = {"step": step, "loss": loss, **position_metrics(loaders[0])}
+    metrics = {"step": step, "loss": loss, **position_metrics(loaders[0]),
+               **loaders[0].data_waits.metrics()}  # how long this rank waited for data
     if val_loss is not None:
         metrics["val_loss"] = val_loss
     with tempfile.TemporaryDirectory() as directory:

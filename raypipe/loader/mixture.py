@@ -37,6 +37,7 @@ from raypipe.io.states import MixtureState, SourcePosition
 from raypipe.loader.batch import Batch
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
+from raypipe.loader.stats import WaitStats, WaitSummary
 from raypipe.loader.token_loader import TokenLoader, _rank_and_world
 from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
 from raypipe.sampling.mixture import (
@@ -105,6 +106,7 @@ class MixtureLoader:
         self._builders: dict[tuple[int, int], Any] = {}
         self._scratches: dict[tuple[int, int], BatchBuffers] = {}
         self.steps = 0
+        self.waits = WaitStats()
         self.positions = {name: SourcePosition(source.dataset.fingerprint, 0, 0, 0)
                           for name, source in zip(self.names, self.sources, strict=True)}
 
@@ -252,6 +254,11 @@ class MixtureLoader:
             yield from self._serve(self.batches.at(self.steps) // self.world_size,
                                    self.seq_len, self.batches.next_change(self.steps))
 
+    @property
+    def data_waits(self) -> WaitSummary:
+        """How long the training thread waited for its batches (raypipe.loader.stats)."""
+        return self.waits.summary()
+
     def _serve(self, rows: int, seq_len: int, until: int | None) -> Iterator[Any]:
         """The steps to `until` (None: without end), `rows` rows of `seq_len` per rank."""
         def fill(job: MixtureStep, views: BatchBuffers) -> tuple:
@@ -266,7 +273,7 @@ class MixtureLoader:
 
         prefetcher = batch_stream(self._schedule(until), fill, finish, rows,
                                   seq_len, self.options.dtype, self.device,
-                                  self.options.prefetch)
+                                  self.options.prefetch, waits=self.waits)
         try:
             for batch in prefetcher:
                 self.positions, self.steps = batch.mixture_state, batch.step + 1

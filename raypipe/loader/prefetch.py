@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from raypipe.loader.stats import WaitStats
 from raypipe.sampling.batches import BatchBuffers
 
 _DONE = object()
@@ -48,8 +50,10 @@ class Prefetcher:
 
     def __init__(self, jobs: Iterator[Any], build: Callable[[Any, int], Any],
                  wrap: Callable[[torch.Tensor, int, Any], Any], ring: HostRing,
-                 device: torch.device, depth: int, chunk: int = 1):
+                 device: torch.device, depth: int, chunk: int = 1,
+                 waits: WaitStats | None = None):
         self.jobs, self.build, self.wrap, self.ring = jobs, build, wrap, ring
+        self.waits = waits if waits is not None else WaitStats()
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -100,12 +104,16 @@ class Prefetcher:
 
     def __iter__(self) -> Iterator[Any]:
         while True:
+            began = time.perf_counter()
             item = self.queue.get()
+            waited = time.perf_counter() - began
             if item is _DONE:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield from item
+            for index, batch in enumerate(item):  # a handoff's wait, on its first batch
+                self.waits.add(waited if index == 0 else 0.0)
+                yield batch
 
     def close(self) -> None:
         self.stop.set()
@@ -115,12 +123,14 @@ class Prefetcher:
 def batch_stream(jobs: Iterator[Any], fill: Callable[[Any, BatchBuffers], Any],
                  finish: Callable[[BatchBuffers, Any], Any], rows: int, seq_len: int,
                  dtype: torch.dtype, device: torch.device, depth: int,
-                 prepare: Callable[[BatchBuffers], None] | None = None) -> Prefetcher:
+                 prepare: Callable[[BatchBuffers], None] | None = None,
+                 waits: WaitStats | None = None) -> Prefetcher:
     """Batches of `rows` x (`seq_len` + 1) tokens: `fill(job, host_views) -> meta` on the
     producer thread, `finish(device_views, meta)` on the trainer's. Small batches are
     handed over a few at a time (thread wake-ups dominate them), large ones one by one, so
     the (pinned) ring stays ~2 x depth + 2 batches, and a batch taken stays intact while
-    the trainer takes `depth` more; `prepare` sets up each host slot once."""
+    the trainer takes `depth` more; `prepare` sets up each host slot once; the training
+    thread's wait for each batch goes into `waits` (raypipe.loader.stats)."""
     numel = BatchBuffers.size(rows, seq_len)
     chunk = max(1, min(HANDOFF_CHUNK, HANDOFF_ELEMENTS // numel))
     ring = HostRing((depth + 2) * chunk + depth, numel, dtype, pin=device.type == "cuda")
@@ -137,4 +147,4 @@ def batch_stream(jobs: Iterator[Any], fill: Callable[[Any, BatchBuffers], Any],
                  else BatchBuffers.over(flat, rows, seq_len))
         return finish(views, meta)
 
-    return Prefetcher(jobs, build, wrap, ring, device, depth, chunk)
+    return Prefetcher(jobs, build, wrap, ring, device, depth, chunk, waits)

@@ -36,6 +36,7 @@ from raypipe.io.states import STATE_VERSION, LoaderState
 from raypipe.loader.batch import Batch
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
+from raypipe.loader.stats import WaitStats, WaitSummary
 from raypipe.sampling.batches import BatchBuffers, BatchPlan
 from raypipe.sampling.epochs import PlannedDataset
 from raypipe.sampling.mixture import is_mixture_spec
@@ -114,6 +115,7 @@ class TokenLoader:
         self.plans = self.planned.plans
         self.phases = self.planned.first_phases  # the current epoch's seq_len phases
         self.history: list[list[int]] = []  # [step, global batch, seq_len] at each change
+        self.waits = WaitStats(describe=self._fetching_now)
         # the last epoch that ended: (epoch, observations, tokens) its drop-last tail left
         self.dropped_tail: tuple[int, int, int] | None = None
 
@@ -288,7 +290,8 @@ class TokenLoader:
         rows = self.batch_size * observations // self.observations_per_batch  # pre-formed: B
         prefetcher = batch_stream(self._jobs(builder, segment), fill, finish,
                                   rows, segment.seq_len, self.options.dtype,
-                                  self.device, self.options.prefetch, builder.prepare)
+                                  self.device, self.options.prefetch, builder.prepare,
+                                  self.waits)
         try:
             for batch in prefetcher:
                 self.position = int(batch.positions[0]) - self.rank + segment.global_batch
@@ -306,6 +309,23 @@ class TokenLoader:
     def close(self) -> None:
         """Stop background shard fetches and close open shards (object storage)."""
         self.dataset.close()
+
+    @property
+    def data_waits(self) -> WaitSummary:
+        """How long the training thread waited for its batches (raypipe.loader.stats):
+        p50, p99 and max after the first batch, their sum, and the first batch's;
+        `.metrics()` for a report."""
+        return self.waits.summary()
+
+    def _fetching_now(self) -> str:
+        """What the loader was doing while a batch was late: shards on their way from
+        object storage, and its cache's counts."""
+        stats = self.cache_stats
+        if stats is None:
+            return ""
+        return (f"{self.dataset.fetching_now()} shard(s) of {self.dataset.root} being fetched; "
+                f"cache so far: {stats.downloads} downloads, {stats.downloaded_bytes:,} bytes, "
+                f"{stats.retries} retries, {stats.evicted_files} evictions")
 
     @property
     def cache_stats(self) -> CacheStats | None:
