@@ -1,6 +1,9 @@
 """A loopback TCP proxy that delays every HTTP request by D ms and counts the requests: an
 S3-protocol server on 127.0.0.1 made as slow as a real bucket (20-50 ms a request), so the
-bench measures what a job costs there instead of guessing.
+bench measures what a job costs there instead of guessing. Given `fails`, it also answers
+the GETs that `fails(path, times this path was asked for before)` picks with `503 SlowDown`
+itself, as a throttled bucket does (the body is 20 KB: larger than a small object, the case
+an SDK reads wrongly), so a loader's retries are tested against the real protocol.
 
     proxy = LatencyProxy(target_port, delay_ms=20).start()
     os.environ["AWS_ENDPOINT_URL"] = proxy.url
@@ -8,8 +11,9 @@ bench measures what a job costs there instead of guessing.
     proxy.stop()
 
 Each chunk a client sends that starts with an HTTP method is one request: it waits D ms,
-then goes on to the server; responses come back undelayed. Only 127.0.0.1 is ever
-connected to, and the proxy ends with the process that started it (a daemon thread).
+then goes on to the server (or is answered 503); responses come back undelayed. Only
+127.0.0.1 is ever connected to, and the proxy ends with the process that started it (a
+daemon thread).
 """
 
 from __future__ import annotations
@@ -17,17 +21,30 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 METHODS = (b"GET ", b"PUT ", b"HEAD ", b"POST ", b"DELETE ")
+SLOW_DOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+                  b"<Message>Please reduce your request rate.</Message>"
+                  b"<RequestId>raypipe-proxy</RequestId><HostId>"
+                  + b"x" * 20_000 + b"</HostId></Error>")
+SLOW_DOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+             b"Content-Length: " + str(len(SLOW_DOWN_BODY)).encode() + b"\r\n\r\n"
+             + SLOW_DOWN_BODY)
 
 
 class LatencyProxy:
-    """Forwards 127.0.0.1:<port> to 127.0.0.1:<target_port>, each request delayed."""
+    """Forwards 127.0.0.1:<port> to 127.0.0.1:<target_port>, each request delayed, the
+    GETs `fails` picks answered 503 SlowDown."""
 
-    def __init__(self, target_port: int, delay_ms: float):
+    def __init__(self, target_port: int, delay_ms: float,
+                 fails: Callable[[str, int], bool] | None = None):
         self.target_port = target_port
         self.delay = delay_ms / 1000
+        self.fails = fails
         self.requests: Counter = Counter()  # by HTTP method
+        self.gets: Counter = Counter()  # by path: every GET, answered 503 or forwarded
+        self.injected = 0  # 503s answered
         self.port = 0
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -47,16 +64,28 @@ class LatencyProxy:
         return self
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """Close the listener and every connection, then the loop: nothing is left for the
+        garbage collector to finish on a closed loop."""
+        async def shut_down() -> None:
+            self.server.close()
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self.thread.is_alive():
+            asyncio.run_coroutine_threadsafe(shut_down(), self.loop).result(10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(
+        self.server = self.loop.run_until_complete(
             asyncio.start_server(self._connection, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
+        self.port = self.server.sockets[0].getsockname()[1]
         self.ready.set()
         self.loop.run_forever()
+        self.loop.close()
 
     async def _connection(self, client_in: asyncio.StreamReader,
                           client_out: asyncio.StreamWriter) -> None:
@@ -65,17 +94,41 @@ class LatencyProxy:
         except OSError:
             client_out.close()
             return
-        await asyncio.gather(self._pump(client_in, server_out, True),
-                             self._pump(server_in, client_out, False),
+        await asyncio.gather(self._requests(client_in, server_out, client_out),
+                             self._pump(server_in, client_out),
                              return_exceptions=True)
 
-    async def _pump(self, source: asyncio.StreamReader, target: asyncio.StreamWriter,
-                    delayed: bool) -> None:
+    def _answers_itself(self, data: bytes) -> bool:
+        """Whether this GET is answered 503 here (counted either way)."""
+        if not data.startswith(b"GET "):
+            return False
+        path = data.split(b" ", 2)[1].decode().split("?", 1)[0]
+        asked = self.gets[path]
+        self.gets[path] += 1
+        if self.fails is None or not self.fails(path, asked):
+            return False
+        self.injected += 1
+        return True
+
+    async def _requests(self, source: asyncio.StreamReader, server: asyncio.StreamWriter,
+                        client: asyncio.StreamWriter) -> None:
         try:
             while data := await source.read(1 << 16):
-                if delayed and data.startswith(METHODS):
+                if data.startswith(METHODS):
                     self.requests[data.split(b" ", 1)[0].decode()] += 1
                     await asyncio.sleep(self.delay)
+                    if self._answers_itself(data):
+                        client.write(SLOW_DOWN)
+                        await client.drain()
+                        continue
+                server.write(data)
+                await server.drain()
+        finally:
+            server.close()
+
+    async def _pump(self, source: asyncio.StreamReader, target: asyncio.StreamWriter) -> None:
+        try:
+            while data := await source.read(1 << 16):
                 target.write(data)
                 await target.drain()
         finally:

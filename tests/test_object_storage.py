@@ -10,9 +10,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
+from bench.latency_proxy import LatencyProxy  # at collection: one thread compiles it
 from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
 from raypipe.errors import ConfigError, FormatError
@@ -355,14 +357,12 @@ def test_a_missing_bucket_is_one_line_naming_the_uri(s3_server, tmp_path, corpus
 
 
 def through_a_fault_proxy(monkeypatch, fails):
-    """AWS_ENDPOINT_URL pointed at a FaultProxy in front of the test server (a Store made
-    after this call opens its filesystem there)."""
-    from urllib.parse import urlparse
-
+    """AWS_ENDPOINT_URL pointed at the bench's loopback proxy in front of the test server,
+    answering the GETs `fails` picks with 503 SlowDown (a Store made after this call opens
+    its filesystem there)."""
     from raypipe.io import store as store_module
-    from tests.fault_proxy import FaultProxy
 
-    proxy = FaultProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, fails).start()
+    proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, 0, fails).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     monkeypatch.setattr(store_module, "RETRY_SECONDS", 0.01)
     return proxy
