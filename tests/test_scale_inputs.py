@@ -356,3 +356,21 @@ def test_a_document_limit_capped_by_the_memory_budget_is_said_in_the_log_and_sum
     assert f"  too_long   {note}" in summary.render()
     quiet = tokenize([str(tmp_path / "in")], tmp_path / "out2", tokenizer_path)
     assert "too_long   " not in quiet.render()
+
+
+def test_a_batch_that_spans_a_good_and_a_damaged_row_group_loses_none_of_the_good_rows(
+        tmp_path, corpus_texts):
+    """Batches of 32 rows over row groups of 20: the batch of rows 32-63 holds group 1's
+    last 8 rows beside damaged group 2's. The reader gives rows 0-39 (every whole row group
+    before the damage, each row once, in order), then an error naming row group 2."""
+    from raypipe.preprocess.inputs import unit_batches, units_of_file
+
+    texts = [f"row {index}: {text}" for index, text in enumerate(corpus_texts[:100])]
+    damaged = write_parquet(tmp_path / "b.parquet", texts, 20)
+    damage_row_group(damaged, 2)
+    [unit] = units_of_file(str(damaged), ["text"], 1 << 30)
+    got = []
+    with pytest.raises(InputError, match="row group 2 cannot be read"):
+        for batch in unit_batches(unit, ["text"], 32):
+            got += batch.column("text").to_pylist()
+    assert got == texts[:40]

@@ -491,9 +491,11 @@ def unit_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
     """The rows of a file unit as record batches of `columns` (text first; chat rows:
     `text_first=False`), in file order; a decode error is an InputError naming the unit's
     file and range (or line), raised after every complete row before it: the lines of a
-    JSON-lines file, the whole row groups of a parquet file (read one row group at a time,
-    so no batch mixes a good group with a damaged one). `skip_bad_lines`: a line that is not
-    JSON is a row counted as `invalid_json` (raypipe.preprocess.jsonl)."""
+    JSON-lines file, the whole row groups of a parquet file (batches span row groups; after
+    an error the row groups not yet given are read again one at a time, so a batch that
+    held a good group's rows beside a damaged one's loses none of them).
+    `skip_bad_lines`: a line that is not JSON is a row counted as `invalid_json`
+    (raypipe.preprocess.jsonl)."""
     if unit.kind == "jsonl":
         if unit.row_group_stop < 0:  # a group's member: its columns are checked here
             check_jsonl_fields(unit.uri, columns, data)
@@ -503,11 +505,34 @@ def unit_batches(unit: WorkUnit, columns: list[str], batch_rows: int,
     if unit.row_group_stop < 0:  # a group's member: every row group, columns checked here
         check_columns(unit.uri, columns, parquet.schema_arrow.names, "column")
     stop = unit.row_group_stop if unit.row_group_stop >= 0 else parquet.num_row_groups
-    for group in range(unit.row_group_start, stop):
-        try:
-            yield from parquet.iter_batches(batch_size=batch_rows,
-                                            columns=list(dict.fromkeys(columns)),
-                                            row_groups=[group], use_threads=False)
-        except (OSError, pa.ArrowException) as exc:
-            raise InputError(f"{unit.location}: row group {group} cannot be read (the row "
-                             f"groups before it are kept): {one_line(exc)}") from exc
+    groups = range(unit.row_group_start, stop)
+    wanted = list(dict.fromkeys(columns))
+    given = 0
+    try:
+        for batch in parquet.iter_batches(batch_size=batch_rows, columns=wanted,
+                                          row_groups=groups, use_threads=False):
+            yield batch
+            given += batch.num_rows
+        return
+    except (OSError, pa.ArrowException) as exc:
+        failure = exc
+    yield from _row_groups_after(unit, parquet, groups, wanted, batch_rows, given)
+    raise InputError(f"{unit.location} cannot be read: {one_line(failure)}") from failure
+
+
+def _row_groups_after(unit: WorkUnit, parquet: pq.ParquetFile, groups: range,
+                      columns: list[str], batch_rows: int, given: int
+                      ) -> Iterator[pa.RecordBatch]:
+    """After a failed read of `groups`: the rows past the first `given`, one row group at a
+    time, up to the damaged group, which raises an InputError naming it."""
+    first = 0
+    for group in groups:
+        rows = parquet.metadata.row_group(group).num_rows
+        if first + rows > given:
+            try:
+                table = parquet.read_row_group(group, columns=columns, use_threads=False)
+            except (OSError, pa.ArrowException) as exc:
+                raise InputError(f"{unit.location}: row group {group} cannot be read (the "
+                                 f"row groups before it are kept): {one_line(exc)}") from exc
+            yield from table.slice(max(0, given - first)).to_batches(max_chunksize=batch_rows)
+        first += rows
