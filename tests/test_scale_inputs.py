@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -264,7 +265,7 @@ def encoded(tokenizer_path: str, texts: list[str]) -> list[list[int]]:
 
 @pytest.mark.parametrize("unit_bytes", [100_000, 1 << 30], ids=["byte-ranges", "grouped"])
 def test_a_bad_json_line_under_skip_bad_files_is_a_named_reject_and_every_other_line_is_kept(
-        tmp_path, corpus_texts, tokenizer_path, unit_bytes):
+        tmp_path, corpus_texts, tokenizer_path, unit_bytes, caplog):
     """3,000 good lines then a bad one (past two whole batches of 1,024), and a file whose
     line 3 is bad: every other line is kept, in order; each bad line is a reject named by
     its row, counted as invalid_json; neither file is a bad file."""
@@ -275,8 +276,10 @@ def test_a_bad_json_line_under_skip_bad_files_is_a_named_reject_and_every_other_
     small = [json.dumps({"text": t}) + "\n" for t in corpus_texts[:6]]
     small[2] = "not json at all\n"
     (tmp_path / "in" / "b.jsonl").write_text("".join(small))
-    summary = tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path,
-                       unit_bytes=unit_bytes, skip_bad_files=True)
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        summary = tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path,
+                           unit_bytes=unit_bytes, skip_bad_files=True)
+    assert "line(s) that are not JSON skipped" not in caplog.text  # 2 of 3,006: under 1%
     kept = texts + [t for i, t in enumerate(corpus_texts[:6]) if i != 2]
     assert documents_of(tmp_path / "out") == encoded(tokenizer_path, kept)
     assert summary.skipped.get("invalid_json") == 2 and not summary.bad_files
@@ -285,6 +288,10 @@ def test_a_bad_json_line_under_skip_bad_files_is_a_named_reject_and_every_other_
     assert "b.jsonl\trow 2\tinvalid_json" in listed
     with pytest.raises(InputError, match="b.jsonl: line 3: not valid JSON"):
         tokenize([str(tmp_path / "in" / "b.jsonl")], tmp_path / "strict", tokenizer_path)
+    with caplog.at_level(logging.WARNING, logger="raypipe"):  # 1 of 6 rows: a warning
+        tokenize([str(tmp_path / "in" / "b.jsonl")], tmp_path / "small", tokenizer_path,
+                 skip_bad_files=True)
+    assert "1 line(s) that are not JSON skipped: 16.7% of the rows read" in caplog.text
 
 
 def damage_row_group(path: Path, group: int) -> None:

@@ -283,7 +283,13 @@ BAD_FILES_WARN_SHARE = 0.01  # of the input bytes: past it, skipped files are a 
 
 
 def warn_bad_files(summary: JobSummary) -> None:
-    """Skipped bad files are a warning once they pass BAD_FILES_WARN_SHARE of the input."""
+    """Skipped bad files, and lines that are not JSON (skipped under skip_bad_files), are a
+    warning once they pass BAD_FILES_WARN_SHARE of the input (bytes; rows)."""
+    bad_lines = summary.skipped.get("invalid_json", 0)
+    if bad_lines > BAD_FILES_WARN_SHARE * max(summary.rows, 1):
+        logger.warning("%d line(s) that are not JSON skipped: %.1f%% of the rows read; "
+                       "`raypipe inspect %s --rejects` names them", bad_lines,
+                       100 * bad_lines / max(summary.rows, 1), summary.output)
     if summary.bad_files and summary.bad_share > BAD_FILES_WARN_SHARE:
         logger.warning("%d bad input file(s) skipped: %.1f%% of the input bytes (first: %s: "
                        "%s); see manifest.json's bad_files", len(summary.bad_files),

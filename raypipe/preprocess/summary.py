@@ -3,10 +3,12 @@
 
 Invariant: every row or token the job did not turn into training tokens is a line of the
 summary (skipped rows by reason, the first of them named in the unit records and listed by
-`raypipe inspect --rejects`; input files skipped as bad; batch formats' cropped, padded and
-dropped tokens), next to
-what ran (units run, retried, already committed) and how long it took, Ray's start-up on a
-line of its own. Cost: built once from the manifest's totals and the fresh records.
+`raypipe inspect --rejects`; input files skipped as bad; files of input directories passed
+over; empty input files; batch formats' cropped, padded and dropped tokens), next to what
+ran (units run, retried, already committed) and how long it took, Ray's start-up on a line
+of its own. Cost: built once from the manifest's totals and the records, on the driver;
+`empty_files` walks each record and each group's members once (~1 us a file: ~1 s at 10^6
+files).
 """
 
 from __future__ import annotations
