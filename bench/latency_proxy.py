@@ -3,7 +3,8 @@ S3-protocol server on 127.0.0.1 made as slow as a real bucket (20-50 ms a reques
 bench measures what a job costs there instead of guessing. Given `fails`, it also answers
 the GETs that `fails(path, times this path was asked for before)` picks with `503 SlowDown`
 itself, as a throttled bucket does (the body is 20 KB: larger than a small object, the case
-an SDK reads wrongly), so a loader's retries are tested against the real protocol.
+an SDK reads wrongly), and given `resets`, it resets the connection of the GETs that picks
+(a TCP RST), so a loader's retries are tested against the real protocol.
 
     proxy = LatencyProxy(target_port, delay_ms=20).start()
     os.environ["AWS_ENDPOINT_URL"] = proxy.url
@@ -19,6 +20,8 @@ daemon thread).
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -38,10 +41,13 @@ class LatencyProxy:
     GETs `fails` picks answered 503 SlowDown."""
 
     def __init__(self, target_port: int, delay_ms: float,
-                 fails: Callable[[str, int], bool] | None = None):
+                 fails: Callable[[str, int], bool] | None = None,
+                 resets: Callable[[str, int], bool] | None = None):
         self.target_port = target_port
         self.delay = delay_ms / 1000
         self.fails = fails
+        self.resets = resets
+        self.reset = 0  # connections reset
         self.requests: Counter = Counter()  # by HTTP method
         self.gets: Counter = Counter()  # by path: every GET, answered 503 or forwarded
         self.injected = 0  # 503s answered
@@ -98,17 +104,29 @@ class LatencyProxy:
                              self._pump(server_in, client_out),
                              return_exceptions=True)
 
-    def _answers_itself(self, data: bytes) -> bool:
-        """Whether this GET is answered 503 here (counted either way)."""
+    def _answer(self, data: bytes) -> str:
+        """What this request gets: "forward", "503" or "reset" (a GET counted either way)."""
         if not data.startswith(b"GET "):
-            return False
+            return "forward"
         path = data.split(b" ", 2)[1].decode().split("?", 1)[0]
         asked = self.gets[path]
         self.gets[path] += 1
+        if self.resets is not None and self.resets(path, asked):
+            self.reset += 1
+            return "reset"
         if self.fails is None or not self.fails(path, asked):
-            return False
+            return "forward"
         self.injected += 1
-        return True
+        return "503"
+
+    @staticmethod
+    def _reset(client: asyncio.StreamWriter) -> None:
+        """Close the client's connection with a TCP reset (SO_LINGER 0), as a load balancer
+        that drops a connection does."""
+        sock = client.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.transport.abort()
 
     async def _requests(self, source: asyncio.StreamReader, server: asyncio.StreamWriter,
                         client: asyncio.StreamWriter) -> None:
@@ -117,7 +135,11 @@ class LatencyProxy:
                 if data.startswith(METHODS):
                     self.requests[data.split(b" ", 1)[0].decode()] += 1
                     await asyncio.sleep(self.delay)
-                    if self._answers_itself(data):
+                    answer = self._answer(data)
+                    if answer == "reset":
+                        self._reset(client)
+                        return
+                    if answer == "503":
                         client.write(SLOW_DOWN)
                         await client.drain()
                         continue

@@ -38,6 +38,8 @@ from raypipe.io.records import FileEntry, Manifest, ShardEntry
 from raypipe.io.store import Store, dataset_key
 
 PREFETCH_THREADS = 4
+PREFETCH_SHARE = 0.75  # of the cache budget, open and pending shards together
+OPEN_SHARE = 0.5  # ... open shards alone (past it the least recently used are closed)
 
 
 @dataclass
@@ -62,9 +64,9 @@ class ShardSet:
     Local outputs: each opened shard's files are first checked against the manifest (a stat
     each), then its reader's counts. Outputs on object storage: a shard's files come into the
     node-local `cache` (size and sha256 checked on arrival) before its reader opens them;
-    `prefetch` fetches shards ahead on background threads, and the least recently used open
-    shards are closed once they hold more than half the cache's budget, so eviction can
-    reclaim their space."""
+    `prefetch` fetches shards ahead on background threads while open and pending shards hold
+    under PREFETCH_SHARE of the budget, and the least recently used open shards are closed
+    past OPEN_SHARE, so eviction can reclaim their space."""
 
     kind: ClassVar[str] = ""  # the kind of format it opens (raypipe.formats: Format.kind)
     # what a converter reading it as documents should be told (None: nothing)
@@ -93,6 +95,7 @@ class ShardSet:
             self.local_root = self.store.root
         else:
             self.cache = cache or ShardCache()
+            self.cache.kept_suffixes = tuple(self.format.index_suffixes)
             self.key = dataset_key(self.store.uri, json.dumps(
                 manifest.to_json(), sort_keys=True).encode())
             self.local_root = self.cache.dataset_dir(self.key)
@@ -149,7 +152,8 @@ class ShardSet:
 
     def prefetch(self, indices: Iterable[int]) -> None:
         """Start fetching these shards into the cache (object storage; no-op locally), while
-        open and pending shards hold at most half the cache's budget."""
+        open and pending shards hold at most PREFETCH_SHARE of the cache's budget (a
+        windowed shuffle holds the window it reads and the next)."""
         if self.cache is None:
             return
         held = sum(self._shard_bytes(i) for i in (*self._readers, *self._fetching))
@@ -157,11 +161,18 @@ class ShardSet:
             if index in self._readers or index in self._fetching:
                 continue
             held += self._shard_bytes(index)
-            if held > self.cache.budget_bytes // 2:
+            if held > self.held_bytes(PREFETCH_SHARE):
                 break
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(PREFETCH_THREADS, "raypipe-fetch")
             self._fetching[index] = self._pool.submit(self._fetch, self.shards[index].files)
+
+    def held_bytes(self, share: float) -> int:
+        """`share` of the cache budget: what this process may hold open or pending (a
+        windowed shuffle's windows are sized so that a node's ranks fit together:
+        raypipe.sampling.plans)."""
+        assert self.cache is not None
+        return int(self.cache.budget_bytes * share)
 
     def fetching_now(self) -> int:
         """Shards being fetched into the cache now (prefetched, not done)."""
@@ -180,10 +191,22 @@ class ShardSet:
             self._close_oldest()
 
     def _close_oldest(self) -> None:
-        index, _ = self._readers.popitem(last=False)
+        self._close(next(iter(self._readers)))
+
+    def _close(self, index: int) -> None:
+        del self._readers[index]
         self.closes += 1
         if self.cache is not None:
             self.cache.unpin(self._pinned.pop(index, []))
+
+    def close_except(self, keep: Iterable[int]) -> None:
+        """Close every open shard outside `keep` (object storage: a windowed shuffle's
+        shards of windows already read), so the node's cache may evict them."""
+        if self.cache is None:
+            return
+        kept = set(keep)
+        for index in [index for index in self._readers if index not in kept]:
+            self._close(index)
 
     def _shard_bytes(self, index: int) -> int:
         return sum(entry.bytes for entry in self.shards[index].files)
@@ -241,7 +264,7 @@ class ShardSet:
     def _close_over_budget(self) -> None:
         assert self.cache is not None
         open_bytes = sum(self._shard_bytes(index) for index in self._readers)
-        while len(self._readers) > 1 and open_bytes > self.cache.budget_bytes // 2:
+        while len(self._readers) > 1 and open_bytes > self.held_bytes(OPEN_SHARE):
             open_bytes -= self._shard_bytes(next(iter(self._readers)))
             self._close_oldest()
 

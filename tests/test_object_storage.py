@@ -17,7 +17,7 @@ import pytest
 from bench.latency_proxy import LatencyProxy  # at collection: one thread compiles it
 from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
-from raypipe.errors import ConfigError, FormatError
+from raypipe.errors import ConfigError, FormatError, StateError
 from raypipe.formats.megatron import MegatronReader
 from raypipe.io.cache import ShardCache
 from raypipe.io.manifest import read_manifest
@@ -266,7 +266,7 @@ def test_two_processes_share_one_cache_without_corrupting_it(bucket, token_datas
                                 cwd=ROOT) for _ in range(2)]
     outputs = [reader.communicate(timeout=300)[0].split() for reader in readers]
     assert all(reader.returncode == 0 for reader in readers)
-    local = TokenLoader(token_dataset, 32, 4, mode="bestfit", seed=3)
+    local = TokenLoader(token_dataset, 32, 4, mode="bestfit", seed=3, shuffle="windowed")
     import hashlib
     digest = hashlib.sha256()
     for batch in local:
@@ -278,6 +278,42 @@ def test_two_processes_share_one_cache_without_corrupting_it(bucket, token_datas
     cached = ShardCache(cache_dir).cached_files()
     assert len(cached) == len(entries)
     assert not list(cache_dir.rglob("*.raypipe.tmp"))
+
+
+PINNING_PROCESS = """
+import sys
+from pathlib import Path
+from raypipe.io.cache import ShardCache
+cache = ShardCache(sys.argv[1], 10**9)
+cache.pin([Path(sys.argv[2])])
+print("pinned", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_eviction_keeps_a_file_another_process_of_the_node_pinned(tmp_path):
+    """A rank's pins are kept by every rank's eviction (the file it fetched ahead and has
+    not opened yet is not deleted under it); once that process ends its pins go too."""
+    folder = tmp_path / "cache" / "dataset"
+    folder.mkdir(parents=True)
+    theirs, mine = folder / "a.bin", folder / "b.bin"
+    for age, path in enumerate((theirs, mine)):
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (1000 + age, 1000 + age))  # theirs is the least recently used
+    pinning = subprocess.Popen([sys.executable, "-c", PINNING_PROCESS, str(tmp_path / "cache"),
+                                str(theirs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True, cwd=ROOT)
+    try:
+        assert pinning.stdout.readline().strip() == "pinned"
+        cache = ShardCache(tmp_path / "cache", 1500)
+        cache.evict()
+        assert theirs.exists() and not mine.exists()  # the other process's pin held
+    finally:
+        pinning.communicate("", timeout=60)
+    mine.write_bytes(b"x" * 1000)
+    cache.evict()
+    assert not theirs.exists() and mine.exists()  # its process ended: its pins went too
+    assert not list((tmp_path / "cache" / ".locks").glob("pins-*"))
 
 
 @pytest.mark.slow
@@ -302,6 +338,57 @@ def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_d
     figure("bytes downloaded per epoch / dataset",
            f"global {downloaded['global'] / data_bytes:.2f}x, shard-local "
            f"{downloaded['shard_local'] / data_bytes:.2f}x (cache of 2 of {len(shards)} shards)")
+
+
+def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_shard_once_per_epoch(
+        bucket, token_dataset, tmp_path):
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    shards = read_manifest(uri).formats["megatron"].shards
+    data_bytes = sum(f.bytes for shard in shards for f in shard.files)
+    largest = max(sum(f.bytes for f in shard.files) for shard in shards)
+    loader = TokenLoader(uri, 32, 4, seed=5, window_shards=1, cache_dir=tmp_path / "c",
+                         cache_bytes=3 * largest)
+    assert loader.spec.shuffle == "windowed" and len(shards) >= 5
+    served = [batch.inputs.numpy().tobytes() for batch in loader]
+    fetched = loader.cache_stats.downloaded_bytes
+    state = loader.state_dict()
+    loader.close()
+    # every shard once, though the cache holds 3 of them; the index files are read twice
+    # at most (once for the lengths when the loader opens)
+    index_bytes = sum(f.bytes for shard in shards for f in shard.files
+                      if f.path.endswith(".idx"))
+    assert data_bytes <= fetched <= data_bytes + index_bytes
+    assert state["knobs"]["shuffle"] == "windowed"
+    metrics = loader.stats.metrics()
+    assert metrics["fetched_bytes"] == fetched and metrics["cache_budget_bytes"] == 3 * largest
+    assert 0 < metrics["cache_used_bytes"] <= 3 * largest and "data_wait_p99_ms" in metrics
+    local = TokenLoader(token_dataset, 32, 4, seed=5, shuffle="windowed", window_shards=1)
+    assert local.spec.shuffle == "windowed"
+    assert [batch.inputs.numpy().tobytes() for batch in local] == served
+    assert TokenLoader(token_dataset, 32, 4).spec.shuffle == "global"  # auto, locally
+
+
+def test_bucket_loader_under_auto_resumes_a_global_state_as_global(bucket, token_dataset,
+                                                                   tmp_path):
+    """A state of 0.6 (no shuffle recorded: global) resumes on the bucket as global, not
+    under the windowed shuffle auto picks for a new run."""
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    local = TokenLoader(token_dataset, 32, 4, seed=5)
+    batches = iter(local)
+    next(batches)
+    state = local.state_dict()
+    assert "shuffle" not in state["knobs"]  # global: recorded as a 0.6 state records it
+    expected = [batch.inputs.numpy().tobytes() for batch in batches]
+    resumed = TokenLoader(uri, 32, 4, seed=5, cache_dir=tmp_path / "c")
+    assert resumed.spec.shuffle == "windowed"
+    resumed.load_state_dict(state)
+    assert resumed.spec.shuffle == "global"
+    assert [batch.inputs.numpy().tobytes() for batch in resumed] == expected
+    with pytest.raises(StateError, match="shuffle: saved 'global', now 'windowed'"):
+        TokenLoader(uri, 32, 4, seed=5, shuffle="windowed",
+                    cache_dir=tmp_path / "c").load_state_dict(state)
 
 
 @pytest.mark.ray

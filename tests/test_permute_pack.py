@@ -12,8 +12,18 @@ from raypipe.sampling.modes import waste_hints
 from raypipe.sampling.modes.bestfit import BestFitPlan
 from raypipe.sampling.modes.windows import WindowPlan
 from raypipe.sampling.pack import PACKINGS, pack, pack_crop, pack_fill, pack_split
-from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
-from raypipe.sampling.plans import PackingReport, ShardGroups
+from raypipe.sampling.permute import (
+    FeistelPermutation,
+    GroupedPermutation,
+    WindowedPermutation,
+)
+from raypipe.sampling.plans import (
+    LaneOrder,
+    PackingReport,
+    ShardGroups,
+    ShardWindows,
+    next_window_shards,
+)
 
 SIZES = [1, 2, 3, 7, 2**8, 2**8 - 1, 2**8 + 1, 2**16, 2**16 - 1, 2**16 + 1, 97, 65521, 131071,
          2**17 + 3]
@@ -321,6 +331,79 @@ def test_grouped_permutation_is_a_bijection_that_visits_one_group_at_a_time(size
     groups = np.searchsorted(starts, ids, side="right") - 1
     changes = int(np.count_nonzero(np.diff(groups))) if total else 0
     assert changes <= max(0, np.count_nonzero(sizes) - 1), "a group was left and re-entered"
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=30), st.integers(1, 8),
+       st.integers(0, 2**63), st.integers(0, 5))
+def test_windowed_permutation_is_a_bijection_reading_one_window_of_shards_at_a_time(
+        sizes, window, seed, epoch):
+    counts = np.array(sizes)
+    order = WindowedPermutation(counts, window, seed, epoch, salt=3)
+    total = int(counts.sum())
+    ids = order(np.arange(total, dtype=np.int64))
+    assert sorted(ids.tolist()) == list(range(total))
+    assert np.array_equal(order.inverse(ids), np.arange(total))
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    shard_of = np.searchsorted(starts, ids, side="right") - 1
+    for number in range(order.num_windows):  # window w's positions read window w's shards
+        first, stop = order.window_starts[number], order.window_starts[number + 1]
+        assert set(shard_of[first:stop].tolist()) <= set(order.window_shard_ids(number).tolist())
+        ahead = next_window_shards(order, int(first)) if stop > first else None
+        if ahead is not None and number + 1 < order.num_windows:
+            assert ahead.tolist() == order.window_shard_ids(number + 1).tolist()
+    assert sorted(order.shard_order.tolist()) == list(range(len(sizes)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=8), st.integers(1, 4))
+def test_lane_order_is_a_bijection_and_a_rank_reads_its_lane_until_the_leftovers(sizes, times):
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    lanes = LaneOrder(bounds)
+    total = int(bounds[-1])
+    observations = lanes(np.arange(total, dtype=np.int64))
+    assert sorted(observations.tolist()) == list(range(total))
+    world = len(sizes) * times  # a world size the lane count divides
+    lane_of = np.searchsorted(bounds, observations, side="right") - 1
+    for rank in range(world):
+        mine = np.arange(rank, lanes.even, world)
+        assert set(lane_of[mine].tolist()) <= {rank % len(sizes)}
+
+
+def test_windowed_bestfit_ranks_read_only_their_lanes_shards_before_the_leftovers():
+    rng = np.random.default_rng(4)
+    shard_documents = np.full(16, 40)
+    lengths = rng.integers(5, 60, int(shard_documents.sum()))
+    windows = ShardWindows(shard_documents, 2, 2)
+    plan = BestFitPlan(lengths, 31, seed=1, epoch=0, block_documents=8, groups=windows)
+    order = plan.document_order
+    starts = np.concatenate([[0], np.cumsum(shard_documents)])
+    halves = [set(order.shard_order[:8].tolist()), set(order.shard_order[8:].tolist())]
+    world = 4
+    for rank in range(world):
+        positions = np.arange(rank, plan.lanes.even, world)
+        documents = np.concatenate([row.documents for _, row in plan.rows(positions)])
+        shards = set((np.searchsorted(starts, documents, side="right") - 1).tolist())
+        assert shards <= halves[rank % 2], f"rank {rank} left its lane"
+    every = np.concatenate([row.documents for _, row in plan.rows(np.arange(plan.size))])
+    assert set(every.tolist()) == set(range(lengths.size))  # every document, in pieces
+
+
+def test_windowed_shard_order_draws_every_shard_into_every_window_alike():
+    """Over seeds, shard s lands in window w with probability 1/windows (not by its index:
+    neighbouring shards are no likelier to share a window than any two)."""
+    shards, window, seeds = 64, 8, 400
+    hits = np.zeros((shards, shards // window))
+    together = 0
+    for seed in range(seeds):
+        order = WindowedPermutation(np.ones(shards, dtype=np.int64), window, seed)
+        windows = np.empty(shards, dtype=np.int64)
+        windows[order.shard_order] = np.arange(shards) // window
+        hits[np.arange(shards), windows] += 1
+        together += int(windows[0] == windows[1])
+    expected = seeds / (shards // window)
+    assert np.abs(hits - expected).max() < 5 * np.sqrt(expected)  # ~5 sigma
+    assert together / seeds < 2 * (window - 1) / (shards - 1)
 
 
 @settings(max_examples=40, deadline=None)

@@ -23,6 +23,10 @@ MODES = {name: {"mode": name} for name in mode_names()} | {
     "bestfit-shard-local": {"mode": "bestfit", "shuffle": "shard_local", "group_shards": 2},
     "documents-shard-local": {"mode": "documents", "shuffle": "shard_local",
                               "group_shards": 3},
+    "bestfit-windowed": {"mode": "bestfit", "shuffle": "windowed", "window_shards": 1},
+    "bestfit-windowed-2-lanes": {"mode": "bestfit", "shuffle": "windowed", "window_shards": 1,
+                                 "lanes": 2},
+    "documents-windowed-3-lanes": {"mode": "documents", "shuffle": "windowed", "lanes": 3},
     "bestfit-train-split": {"mode": "bestfit", "split": "train", "validation_fraction": 0.2},
     "windows-train-split": {"mode": "windows", "split": "train", "validation_fraction": 0.2},
     "documents-validation-split": {"mode": "documents", "split": "validation",
@@ -84,10 +88,13 @@ def check_resume_1_2_3(path, mode: str, first_stop: int, reference_path=None) ->
     epoch is served exactly once (less the drop-last tail), each row as in an uninterrupted
     run over `reference_path` (default: `path` itself)."""
     options = MODES[mode]
-    whole, end_state = run_segment(reference_path or path, options, 1, None)
+    first, state = run_segment(path, options, 1, None, steps=first_stop)
+    # the reference runs under the shuffle the run resolved (auto: windowed on a bucket)
+    resolved = {name: state["knobs"][name] for name in ("shuffle", "window_shards")
+                if name in state.get("knobs", {})}
+    whole, end_state = run_segment(reference_path or path, {**options, **resolved}, 1, None)
     reference = dict(whole)
     assert end_state["epoch"] == 1 and end_state["position"] == 0
-    first, state = run_segment(path, options, 1, None, steps=first_stop)
     second, state = run_segment(path, options, 2, state, steps=2)
     third, final = run_segment(path, options, 3, state)
     consumed = first + second + third

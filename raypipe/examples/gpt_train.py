@@ -202,7 +202,7 @@ def _report(model: nn.Module, optimizer: torch.optim.Optimizer, loaders: list[An
     import ray.train
 
     metrics = {"step": step, "loss": loss, **position_metrics(loaders[0]),
-               **loaders[0].data_waits.metrics()}  # how long this rank waited for data
+               **loaders[0].stats.metrics()}  # waits for data; what the cache fetched
     if val_loss is not None:
         metrics["val_loss"] = val_loss
     with tempfile.TemporaryDirectory() as directory:

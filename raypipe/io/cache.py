@@ -8,12 +8,17 @@ manifest's bytes) laid out as the dataset is, so format readers open cached shar
 local ones. Every process and thread of a node may share one cache: a download holds a file
 lock (one of 64 stripes, never deleted), so one shard is fetched once and never seen half
 written. The cache holds at most `budget_bytes`: after each download the least recently used
-files (file mtime, touched on every use) are deleted until it fits, except those this process
-has pinned (its open shards). Pins are a process's own: deleting a file another process has
-mapped is safe on POSIX (the mapping keeps the data until it is closed), and one it fetched
-but has not opened yet is fetched again when it opens it (`lost_before_open` counts them).
-Cost: a hit is one stat and one utime (~5 us); a miss one download plus a sha256 pass
-(~1 GB/s) and one directory walk for eviction (~1 ms per 1,000 cached files).
+files (file mtime, touched on every use) are deleted until it fits, index files
+(`kept_suffixes`, ~1% of a dataset: every shard's are read when a loader opens) after all
+others, and never a file any live process of the node has pinned (the shards it has open or
+is fetching): each process lists its pins in `.locks/pins-<pid>`, rewritten under the
+eviction lock when they change, and an eviction reads every live process's list. Should a
+file still go (a process that pinned it after the list was read, or one in another pid
+namespace), one fetched and not yet opened is fetched again when it opens
+(`lost_before_open` counts them), and one mapped stays readable (POSIX keeps its data until
+it is unmapped). Cost: a hit is one stat and one utime (~5 us); a miss one download plus a
+sha256 pass (~1 GB/s) and one directory walk for eviction (~1 ms per 1,000 cached files);
+a pin change one small file write.
 """
 
 from __future__ import annotations
@@ -109,6 +114,8 @@ class ShardCache:
         self._pinned: Counter[Path] = Counter()
         self._mutex = threading.Lock()
         self._warned = False
+        # suffixes of index files (a dataset's, set when it opens): evicted after the rest
+        self.kept_suffixes: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"ShardCache({str(self.directory)!r}, budget {self.budget_bytes:,} bytes)"
@@ -185,9 +192,45 @@ class ShardCache:
 
     # ----- budget --------------------------------------------------------------------------
     def pin(self, paths: list[Path]) -> None:
-        """Keep these files (shards this process has open) out of eviction."""
+        """Keep these files (shards this process has open or is fetching) out of every
+        process's eviction on the node."""
         with self._mutex:
+            new = any(path not in self._pinned for path in paths)
             self._pinned.update(paths)
+        if new:
+            self._publish_pins()
+
+    def _pins_file(self, pid: int) -> Path:
+        return self.directory / LOCKS_DIR / f"pins-{pid}"
+
+    def _publish_pins(self) -> None:
+        """Write this process's pins where the node's other processes read them before
+        they evict (under the eviction lock, so no eviction runs on an older list)."""
+        with self._mutex:
+            listing = "\n".join(sorted(str(path) for path in self._pinned))
+        final = self._pins_file(os.getpid())
+        temporary = final.with_name(f".{final.name}.tmp")
+        with _file_lock(self.directory / LOCKS_DIR / "evict.lock"):
+            temporary.write_text(listing)
+            os.replace(temporary, final)
+
+    def node_pins(self) -> set[Path]:
+        """The files every live process of the node has pinned (this one's from memory);
+        the lists of processes that ended are removed."""
+        with self._mutex:
+            pinned = set(self._pinned)
+        for listing in (self.directory / LOCKS_DIR).glob("pins-*"):
+            pid = int(listing.name.removeprefix("pins-") or 0)
+            if pid == os.getpid():
+                continue
+            if not _alive(pid):
+                listing.unlink(missing_ok=True)
+                continue
+            try:
+                pinned.update(Path(line) for line in listing.read_text().splitlines())
+            except FileNotFoundError:
+                continue
+        return pinned
 
     def note_lost(self, paths: list[Path]) -> int:
         """Count the files of `paths` gone since they were fetched (another process's
@@ -200,9 +243,11 @@ class ShardCache:
     def unpin(self, paths: list[Path]) -> None:
         with self._mutex:
             self._pinned.subtract(paths)
-            for path in paths:
-                if self._pinned[path] <= 0:
-                    del self._pinned[path]
+            gone = [path for path in set(paths) if self._pinned[path] <= 0]
+            for path in gone:
+                del self._pinned[path]
+        if gone:
+            self._publish_pins()
 
     def cached_files(self) -> list[tuple[float, int, Path]]:
         """(last use, size, path) of every cached shard file (temps, locks and the plan
@@ -228,10 +273,10 @@ class ShardCache:
     def evict(self) -> None:
         """Delete least recently used files until the cache fits its budget."""
         with _file_lock(self.directory / LOCKS_DIR / "evict.lock"):
-            files = sorted(self.cached_files())
+            files = sorted(self.cached_files(),  # index files last: every open reads one
+                           key=lambda item: (item[2].name.endswith(self.kept_suffixes), item))
             total = sum(size for _, size, _ in files)
-            with self._mutex:
-                pinned = set(self._pinned)
+            pinned = self.node_pins()
             for _, size, path in files:
                 if total <= self.budget_bytes:
                     break
@@ -245,8 +290,19 @@ class ShardCache:
         if total > self.budget_bytes and not self._warned:
             self._warned = True
             logger.warning("%s: the shards in use (%s bytes) exceed the budget; raise it to at "
-                           "least the working set (shard-local shuffle bounds that)", self,
-                           f"{total:,}")
+                           "least the working set (the windowed shuffle bounds that: "
+                           "docs/cluster.md sizes it)", self, f"{total:,}")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (on this node: the cache is node-local)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def node_cached_array(key: str, compute: Callable[[], np.ndarray],

@@ -26,18 +26,19 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from raypipe.errors import ConfigError, StateError
+from raypipe.io.cache import CacheStats
 from raypipe.io.states import MixtureState, SourcePosition
 from raypipe.loader.batch import Batch
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
-from raypipe.loader.stats import WaitStats, WaitSummary
+from raypipe.loader.stats import LoaderStats, WaitStats, WaitSummary
 from raypipe.loader.token_loader import TokenLoader, _rank_and_world
 from raypipe.sampling.batches import BatchBuffers, BatchPlan, Filled, write_cu_seqlens
 from raypipe.sampling.mixture import (
@@ -95,6 +96,7 @@ class MixtureLoader:
                                  else scheduled.largest // self.world_size)
         self.sources = [TokenLoader(paths[name], options=source_options)
                         for name in self.names]
+        self._one_shuffle(options)
         self.batch_size = self.sources[0].batch_size
         self.batches = (scheduled or BatchSchedule.constant(self.world_size * self.batch_size)
                         ).with_seq_lens(list(options.seq_len_schedule or [])
@@ -109,6 +111,15 @@ class MixtureLoader:
         self.waits = WaitStats()
         self.positions = {name: SourcePosition(source.dataset.fingerprint, 0, 0, 0)
                           for name, source in zip(self.names, self.sources, strict=True)}
+
+    def _one_shuffle(self, options: LoaderOptions) -> None:
+        """Shuffle "auto" over sources some local, some on object storage: every source
+        windowed (one shuffle for all; a state records one set of knobs)."""
+        if options.shuffle == "auto" and len({source.spec.shuffle
+                                                for source in self.sources}) > 1:
+            for source in self.sources:
+                source.use_shuffle("windowed", options.window_shards, options.lanes,
+                                   "as another source of the mixture is on object storage")
 
     def _batch_schedule(self, options: LoaderOptions) -> BatchSchedule | None:
         """The global rows by step it was given (None: batch_size rows per rank)."""
@@ -259,6 +270,19 @@ class MixtureLoader:
         """How long the training thread waited for its batches (raypipe.loader.stats)."""
         return self.waits.summary()
 
+    @property
+    def stats(self) -> LoaderStats:
+        """Waits per batch, and what the sources' caches fetched, summed, and hold against
+        the budget (raypipe.loader.stats.LoaderStats)."""
+        caches = [source.dataset.cache for source in self.sources
+                  if source.dataset.cache is not None]
+        if not caches:
+            return LoaderStats(self.data_waits)
+        fetched = CacheStats(*(sum(getattr(cache.stats, item.name) for cache in caches)
+                               for item in fields(CacheStats)))
+        return LoaderStats(self.data_waits, fetched, caches[0].budget_bytes,
+                           caches[0].used_bytes())
+
     def _serve(self, rows: int, seq_len: int, until: int | None) -> Iterator[Any]:
         """The steps to `until` (None: without end), `rows` rows of `seq_len` per rank."""
         def fill(job: MixtureStep, views: BatchBuffers) -> tuple:
@@ -304,6 +328,8 @@ class MixtureLoader:
                 raise StateError(f"mixture source {name!r} changed since the checkpoint "
                                  f"(dataset {checked.sources[name].dataset!r}, now "
                                  f"{fingerprint!r})")
+        for source in self.sources:
+            source.adopt_shuffle(checked.knobs)
         saved_seq_len = checked.knobs.get("seq_len", self.seq_len)
         refused = knob_differences(checked.knobs, {**self.knobs(), "seq_len": saved_seq_len})
         if refused:

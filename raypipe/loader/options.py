@@ -32,8 +32,9 @@ PLAN_DEFAULTS = {spec.name: spec.default for spec in fields(PlanSpec) if spec.na
 class LoaderOptions:
     """`seq_len`/`batch_size`: trained positions per row and rows per rank (an LLMBATCH
     dataset fixes both; None takes its own). `rank`/`world_size`: None reads
-    torch.distributed, else 0 of 1. Plan knobs (mode, seed, shuffle, group_shards, split,
-    validation_fraction, and `knobs`, the mode's own): see raypipe.sampling.epochs.PlanSpec
+    torch.distributed, else 0 of 1. Plan knobs (mode, seed, shuffle, group_shards,
+    window_shards, lanes, split, validation_fraction, and `knobs`, the mode's own): see
+    raypipe.sampling.epochs.PlanSpec
     and docs/loader.md. `format`: which document format of
     the dataset to read (None: its first). `boundaries`: position_ids/cu_seqlens per
     document (None: on except in windows mode). `metadata`: stream windows carry their
@@ -56,6 +57,8 @@ class LoaderOptions:
     metadata: bool = False
     shuffle: str = PLAN_DEFAULTS["shuffle"]
     group_shards: int = PLAN_DEFAULTS["group_shards"]
+    window_shards: int = PLAN_DEFAULTS["window_shards"]
+    lanes: int = PLAN_DEFAULTS["lanes"]
     cache_dir: str | Path | None = None
     cache_bytes: int | str | None = None
     split: str = PLAN_DEFAULTS["split"]
@@ -120,7 +123,9 @@ class LoaderOptions:
 
     def plan_spec(self, seq_len: int) -> PlanSpec:
         return PlanSpec.of(self.mode, seq_len, seed=self.seed, shuffle=self.shuffle,
-                           group_shards=self.group_shards, split=self.split,
+                           group_shards=self.group_shards,
+                           window_shards=self.window_shards, lanes=self.lanes,
+                           split=self.split,
                            validation_fraction=self.validation_fraction, **self.knobs)
 
     def torch_device(self) -> torch.device:

@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -49,6 +50,28 @@ class WaitSummary:
         return {f"{prefix}_p50_ms": self.p50_ms, f"{prefix}_p99_ms": self.p99_ms,
                 f"{prefix}_max_ms": self.max_ms, f"{prefix}_total_s": self.total_s,
                 f"{prefix}_first_batch_s": self.first_batch_s}
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """What a loader's data cost: the training thread's waits, and (object storage) what
+    the node cache fetched and holds: bytes and requests fetched, retries, and the budget
+    in use (bytes in the cache's directory against its budget)."""
+
+    waits: WaitSummary
+    cache: Any = None  # raypipe.io.cache.CacheStats of this process (None: a local dataset)
+    budget_bytes: int = 0
+    used_bytes: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """Flat metrics for a report (Ray Train's `report`, a logger)."""
+        metrics = self.waits.metrics()
+        if self.cache is not None:
+            metrics.update(fetched_bytes=self.cache.downloaded_bytes,
+                           fetched_files=self.cache.downloads, fetch_retries=self.cache.retries,
+                           cache_used_bytes=self.used_bytes,
+                           cache_budget_bytes=self.budget_bytes)
+        return metrics
 
 
 @dataclass

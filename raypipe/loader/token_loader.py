@@ -21,8 +21,10 @@ raypipe.loader.prefetch; a seq_len change, docs/scale.md.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +38,18 @@ from raypipe.io.states import STATE_VERSION, LoaderState
 from raypipe.loader.batch import Batch
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
-from raypipe.loader.stats import WaitStats, WaitSummary
+from raypipe.loader.stats import LoaderStats, WaitStats, WaitSummary
 from raypipe.sampling.batches import BatchBuffers, BatchPlan
 from raypipe.sampling.epochs import PlannedDataset
 from raypipe.sampling.mixture import is_mixture_spec
-from raypipe.sampling.modes import BatchFiller, knob_differences, waste_hints
-from raypipe.sampling.plans import WASTE_WARNING, PackingReport
+from raypipe.sampling.modes import (
+    BatchFiller,
+    describe_shuffle,
+    knob_differences,
+    upgrade_knobs,
+    waste_hints,
+)
+from raypipe.sampling.plans import WASTE_WARNING, PackingReport, window_shards_for
 from raypipe.sampling.schedule import (
     Cursor,
     Phase,
@@ -68,8 +76,11 @@ class TokenLoader:
         """`path`: a dataset directory or URI (s3://, gs://, ...: shards come through the
         node-local cache at `cache_dir`, default $RAYPIPE_CACHE_DIR or ~/.cache/raypipe,
         holding at most `cache_bytes`, default $RAYPIPE_CACHE_BYTES or 64 GiB). `shuffle`:
-        "global" (every observation anywhere) or "shard_local" (groups of `group_shards`
-        consecutive shards, one group at a time: see raypipe.sampling.plans). `split`:
+        "auto" (the default: "global" for a local dataset, "windowed" on object storage),
+        "global" (every observation anywhere), "windowed" (the documents of windows of
+        `window_shards` shards drawn from the whole corpus, a window at a time) or
+        "shard_local" (groups of `group_shards` consecutive shards, one group at a time):
+        see raypipe.sampling.plans. `split`:
         "all", "train" or "validation": documents are held out for validation by a hash of
         (dataset fingerprint, document index) with probability `validation_fraction`
         (raypipe.sampling.split); "train" shuffles the rest (documents, bestfit; windows
@@ -116,8 +127,37 @@ class TokenLoader:
         self.phases = self.planned.first_phases  # the current epoch's seq_len phases
         self.history: list[list[int]] = []  # [step, global batch, seq_len] at each change
         self.waits = WaitStats(describe=self._fetching_now)
+        if self.rank == 0 and self.dataset.cache is not None:
+            self._note_shuffle()
         # the last epoch that ended: (epoch, observations, tokens) its drop-last tail left
         self.dropped_tail: tuple[int, int, int] | None = None
+
+    def _note_shuffle(self) -> None:
+        """Say which shuffle reads the bucket, and warn when the node cache is smaller than
+        what it holds: the windows of this node's ranks (LOCAL_WORLD_SIZE, as torchrun and
+        Ray Train set it; two a rank: the one read and the next) and every index file."""
+        dataset, spec = self.dataset, self.spec
+        logger.info("%s: shuffle %s", dataset.root, describe_shuffle(spec, dataset.num_shards))
+        shard_bytes = [sum(entry.bytes for entry in shard.files) for shard in dataset.shards]
+        if spec.shuffle != "windowed" or not shard_bytes:
+            if spec.shuffle == "global" and sum(shard_bytes) > dataset.cache.budget_bytes:
+                logger.warning("%s: the global shuffle reads every shard throughout the epoch "
+                               "and the cache holds less than the dataset, so shards are "
+                               "fetched many times; shuffle='auto' (windowed) fetches each "
+                               "once", dataset.root)
+            return
+        window = window_shards_for(dataset.num_shards, spec.window_shards, max(spec.lanes, 1))
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        index = sum(entry.bytes for shard in dataset.shards for entry in shard.files
+                    if entry.path.endswith(tuple(dataset.format.index_suffixes)))
+        needed = ranks * 2 * window * max(shard_bytes) + index
+        if needed > dataset.cache.budget_bytes:
+            logger.warning("%s: the node cache (%s bytes) is smaller than what the windowed "
+                           "shuffle holds (%s bytes: %d rank(s) x 2 windows of %d shard(s), "
+                           "and the index files), so shards will be fetched again; raise "
+                           "cache_bytes or give a smaller window_shards (docs/cluster.md)",
+                           dataset.root, f"{dataset.cache.budget_bytes:,}", f"{needed:,}",
+                           ranks, window)
 
     # ----- the epoch plan -------------------------------------------------------------
     @property
@@ -227,11 +267,24 @@ class TokenLoader:
                     and self.spec.loader_mode.prepares_next_epoch(self.spec)):
                 self.prepare_epoch(segment.epoch + 1)
             positions = chunk(index)
-            if self.dataset.cache is not None:  # fetch this chunk's and the next's shards
-                self.dataset.prefetch(builder.shards(positions).tolist())
-                if index + 2 < len(bounds):
-                    self.dataset.prefetch(builder.shards(chunk(index + 1)).tolist())
+            if self.dataset.cache is not None:
+                self._fetch_ahead(builder, positions,
+                                  chunk(index + 1) if index + 2 < len(bounds) else None)
             yield from builder.describe(positions)
+
+    def _fetch_ahead(self, builder: Any, positions: np.ndarray,
+                     following: np.ndarray | None) -> None:
+        """Object storage: fetch the shards of the steps described now, then those of the
+        next window (a windowed shuffle: the shards of windows already read are closed) or
+        of the next chunk of steps (`following`)."""
+        needed = builder.shards(positions).tolist()
+        self.dataset.prefetch(needed)
+        if self.spec.shuffle == "windowed":
+            ahead = builder.shards_ahead(int(positions[-1, -1])).tolist()
+            self.dataset.close_except([*needed, *ahead])
+            self.dataset.prefetch(ahead)
+        elif following is not None:
+            self.dataset.prefetch(builder.shards(following).tolist())
 
     def __iter__(self) -> Iterator[Batch]:
         """The remaining batches of the current epoch, each step of the schedule's global
@@ -317,6 +370,16 @@ class TokenLoader:
         `.metrics()` for a report."""
         return self.waits.summary()
 
+    @property
+    def stats(self) -> LoaderStats:
+        """Waits per batch, and what the node cache fetched (bytes, files, retries) and
+        holds against its budget (raypipe.loader.stats.LoaderStats; `.metrics()` for a
+        report)."""
+        cache = self.dataset.cache
+        if cache is None:
+            return LoaderStats(self.data_waits)
+        return LoaderStats(self.data_waits, cache.stats, cache.budget_bytes, cache.used_bytes())
+
     def _fetching_now(self) -> str:
         """What the loader was doing while a batch was late: shards on their way from
         object storage, and its cache's counts."""
@@ -354,6 +417,7 @@ class TokenLoader:
                 f"loader state was made for dataset {checked.dataset!r} but "
                 f"{self.dataset.root} is {self.dataset.fingerprint!r}: a shard or the manifest "
                 "changed since the checkpoint")
+        self.adopt_shuffle(checked.knobs)
         saved_seq_len = checked.knobs.get("seq_len", self.spec.seq_len)
         refused = knob_differences(checked.knobs, {**self.spec.knobs_record(),
                                                    "seq_len": saved_seq_len})
@@ -373,6 +437,34 @@ class TokenLoader:
                                                  phases))
         self.history = [list(entry) for entry in checked.history or []]
         self._plan_the_change()
+
+    def adopt_shuffle(self, saved_knobs: dict[str, Any]) -> None:
+        """A loader given shuffle "auto" resumes under the shuffle its state was made with
+        (a state of an earlier release, or of a run that resolved it otherwise: global),
+        and one given window_shards or lanes 0 under the state's (the lanes of the world
+        size it started at); a value given must match instead (checked with the other
+        knobs)."""
+        knobs, given = upgrade_knobs(saved_knobs), self.options
+        shuffle = knobs["shuffle"] if given.shuffle == "auto" else self.spec.shuffle
+        window = (knobs.get("window_shards", 0) if given.window_shards == 0
+                  else self.spec.window_shards)
+        lanes = knobs.get("lanes", 0) if given.lanes == 0 else self.spec.lanes
+        self.use_shuffle(shuffle, window, lanes, "as the loader state was made")
+
+    def use_shuffle(self, shuffle: str, window_shards: int, lanes: int, why: str) -> None:
+        """Plan under `shuffle` (its window and lanes) instead of what "auto" resolved to;
+        no-op where they are the same."""
+        layout = (shuffle, window_shards, lanes)
+        if layout == (self.spec.shuffle, self.spec.window_shards, self.spec.lanes):
+            return
+        resolved = describe_shuffle(self.spec, self.dataset.num_shards)
+        spec = replace(self.spec, shuffle=shuffle, window_shards=window_shards, lanes=lanes)
+        self.planned = PlannedDataset(self.dataset, spec, self.world_size, self.batch_size,
+                                      self.options.cache_dir, schedule=self.planned.schedule)
+        self.spec, self.plans = self.planned.spec, self.planned.plans
+        if self.rank == 0:
+            logger.info("%s: shuffle %s, %s (auto resolved it to %s)", self.dataset.root,
+                        describe_shuffle(self.spec, self.dataset.num_shards), why, resolved)
 
     def _plan_the_change(self) -> None:
         """A seq_len other than the saved one: the rest of the epoch planned now (a mode

@@ -29,7 +29,7 @@ from raypipe.sampling.batches import TokenSource
 from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
 from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec, document_split
-from raypipe.sampling.plans import ShardGroups, SumsMemo
+from raypipe.sampling.plans import ShardGroups, ShardWindows, SumsMemo, window_shards_for
 from raypipe.sampling.schedule import BatchSchedule, Cursor, Phase, Phases, Segment
 
 __all__ = ["EpochPlans", "PlanSpec", "PlannedDataset", "document_split"]
@@ -53,17 +53,23 @@ class EpochPlans:
                  lengths: Callable[[], DocumentLengths], stream_tokens: int | None = None,
                  step_observations: int = 1, memo: SumsMemo | None = None,
                  batch_size: int = 1):
-        self.spec, self.dataset = spec, dataset
+        self.spec = spec.for_storage(dataset.cache is None)
+        self.dataset = dataset
         self.inputs = PlanInputs(dataset, lengths, stream_tokens, step_observations,
                                  batch_size, memo, self.groups())
         self._kept: dict[tuple[int, Phases], Any] = {}
 
-    def groups(self) -> ShardGroups | None:
-        """The shard groups of a shard-local shuffle (None for a global one)."""
-        if self.spec.shuffle == "global":
-            return None
-        return ShardGroups.of(self.dataset.shard_token_counts,
-                              self.dataset.shard_document_counts, self.spec.group_shards)
+    def groups(self) -> ShardGroups | ShardWindows | None:
+        """The layout of a shard-local or windowed shuffle (None for a global one)."""
+        spec = self.spec
+        if spec.shuffle == "shard_local":
+            return ShardGroups.of(self.dataset.shard_token_counts,
+                                  self.dataset.shard_document_counts, spec.group_shards)
+        if spec.shuffle == "windowed":
+            lanes = max(spec.lanes, 1)
+            return ShardWindows(self.dataset.shard_document_counts, window_shards_for(
+                self.dataset.num_shards, spec.window_shards, lanes), lanes)
+        return None
 
     def build(self, epoch: int, phases: Phases = ()) -> Any:
         """Epoch `epoch`'s plan under `phases` (none: at the spec's seq_len), built afresh
@@ -113,7 +119,8 @@ class PlannedDataset:
                  memo: SumsMemo | None = None, schedule: BatchSchedule | None = None):
         """`memo`: where plan arrays are kept (default: once per node, `node_memo`);
         `schedule`: the global batch of each step (default: W x `batch_size` every step)."""
-        self.dataset, self.spec = dataset, spec
+        self.dataset = dataset
+        self.spec = spec = spec.for_storage(dataset.cache is None).for_world(world_size)
         self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
         schedule = schedule or BatchSchedule.constant(self.global_batch)
         # seq_len by step: the schedule's, else the spec's at every step
@@ -136,6 +143,8 @@ class PlannedDataset:
         split = None if self.split is None else (self.split.name, self.split.fraction)
         identity = [self.dataset.fingerprint, self.dataset.format_name, split, spec.shuffle,
                     spec.group_shards, *key]
+        if spec.shuffle == "windowed":
+            identity[5:5] = [spec.window_shards, spec.lanes]
         digest = hashlib.sha256(json.dumps(identity, default=str).encode()).hexdigest()[:32]
         return node_cached_array(digest, compute, self.cache_dir)
 

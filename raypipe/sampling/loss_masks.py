@@ -89,6 +89,9 @@ class LossMaskedFiller(BatchFiller[Any]):
     def shards(self, positions: np.ndarray) -> np.ndarray:
         return self.inner.shards(positions)
 
+    def shards_ahead(self, position: int) -> np.ndarray:
+        return self.inner.shards_ahead(position)
+
     def fill(self, plan: BatchPlan[Any], buffers: BatchBuffers) -> Filled:
         filled = self.inner.fill(plan, buffers)
         width = buffers.tokens.shape[1]

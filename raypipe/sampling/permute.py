@@ -12,6 +12,7 @@ Cost: O(1) memory; vectorized over numpy arrays, ~40 ns per index for a batch of
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -136,3 +137,86 @@ class GroupedPermutation:
             chosen = groups == group
             out[chosen] = self.starts[group] + self._within(group)(local[chosen])
         return out
+
+
+class WindowedPermutation:
+    """A permutation of documents [0, sum(shard_documents)) read a window of shards at a
+    time: the shards in a Feistel order, cut into windows of `window_shards` consecutive
+    shards of that order; windows visited in order, the documents of each window in a
+    Feistel order of their own. Position p's document lies in window p's shards, so a
+    reader holds one window (and the next, fetched ahead) while every shard of the corpus
+    is equally likely to be in any window. Exact inverse. Memory O(shards); cost one
+    Feistel call per window touched by a call, plus two binary searches a position."""
+
+    def __init__(self, shard_documents: np.ndarray, window_shards: int, seed: int,
+                 epoch: int = 0, salt: int = 0):
+        if window_shards < 1:
+            raise ValueError(f"window_shards must be >= 1, got {window_shards}")
+        counts = np.asarray(shard_documents, dtype=np.int64)
+        shards = len(counts)
+        self.seed, self.epoch, self.salt = seed, epoch, salt
+        self.window_shards = window_shards
+        self.shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        # the shard order: virtual shard k is shard shard_order[k]
+        self.shard_order = FeistelPermutation(shards, seed, epoch, salt * 7919 + 1)(
+            np.arange(shards, dtype=np.int64))
+        self.virtual_of = np.empty(shards, dtype=np.int64)
+        self.virtual_of[self.shard_order] = np.arange(shards, dtype=np.int64)
+        self.virtual_starts = np.concatenate([[0], np.cumsum(counts[self.shard_order])]
+                                             ).astype(np.int64)
+        bounds = np.append(np.arange(0, shards, window_shards), shards)
+        self.window_starts = self.virtual_starts[bounds]
+        self._inner: dict[int, FeistelPermutation] = {}
+
+    def __len__(self) -> int:
+        return int(self.shard_starts[-1])
+
+    @property
+    def num_windows(self) -> int:
+        return len(self.window_starts) - 1
+
+    def window_shard_ids(self, window: int) -> np.ndarray:
+        """The shards of window `window`."""
+        first = window * self.window_shards
+        return self.shard_order[first:first + self.window_shards]
+
+    def _within(self, window: int) -> FeistelPermutation:
+        if window not in self._inner:
+            if len(self._inner) > 64:
+                self._inner.clear()
+            size = int(self.window_starts[window + 1] - self.window_starts[window])
+            self._inner[window] = FeistelPermutation(size, self.seed, self.epoch,
+                                                     self.salt * 7919 + 2 + window)
+        return self._inner[window]
+
+    def _each_window(self, windows: np.ndarray, local: np.ndarray, inverse: bool
+                     ) -> np.ndarray:
+        out = np.empty_like(local)
+        for window in np.unique(windows).tolist():
+            chosen = windows == window
+            order = self._within(window)
+            out[chosen] = order.inverse(local[chosen]) if inverse else order(local[chosen])
+        return out
+
+    def _checked(self, values: Any) -> np.ndarray:
+        values = np.asarray(values, dtype=np.int64)
+        if values.size and (values.min() < 0 or values.max() >= len(self)):
+            raise IndexError(f"index outside [0, {len(self)})")
+        return values
+
+    def __call__(self, positions: Any) -> np.ndarray:
+        positions = self._checked(positions)
+        windows = np.searchsorted(self.window_starts, positions, side="right") - 1
+        virtual = self.window_starts[windows] + self._each_window(
+            windows, positions - self.window_starts[windows], inverse=False)
+        slots = np.searchsorted(self.virtual_starts, virtual, side="right") - 1
+        return self.shard_starts[self.shard_order[slots]] + virtual - self.virtual_starts[slots]
+
+    def inverse(self, documents: Any) -> np.ndarray:
+        documents = self._checked(documents)
+        shards = np.searchsorted(self.shard_starts, documents, side="right") - 1
+        slots = self.virtual_of[shards]
+        virtual = self.virtual_starts[slots] + documents - self.shard_starts[shards]
+        windows = slots // self.window_shards
+        return self.window_starts[windows] + self._each_window(
+            windows, virtual - self.window_starts[windows], inverse=True)

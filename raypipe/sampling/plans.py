@@ -1,20 +1,29 @@
-"""What every epoch plan shares: its packing report, the shard groups of a shard-local
-shuffle, the document permutation, and the knobs of the planner's cost.
+"""What every epoch plan shares: its packing report, the layout of its shuffle, the
+document permutation, and the knobs of the planner's cost.
 
 Invariant: observation g of an epoch is the same on every rank and machine (each mode's
 plan, raypipe.sampling.modes, is a pure function of (dataset, seed, epoch)); ranks never
-communicate. Shuffles: `global` touches every shard in every stretch of the epoch.
-`shard_local` (ShardGroups) cuts the shards into groups of consecutive shards; the
-observations of a group are contiguous positions (groups in a Feistel order, observations
-inside a group in another), so a rank reads one group (two for bestfit, whose blocks may
-straddle) at a time and, on object storage, fetches each shard once per epoch. Its
-statistical cost: a batch mixes documents of only G shards, and consecutive batches stay in
-one group for (group tokens / global batch tokens) steps; windows also drop the < T + 1
-tail tokens of each group instead of the stream's. Every plan reports what it trains, crops
-and drops of the tokens and how many positions it pads (`report()`); the loader and the
-LLMBATCH writer warn once when the untrained tokens or the padding pass 5%, with a hint
-(from the mode) that names another packing or mode. Cost: ~70 ns per observation to
-permute.
+communicate. Shuffles:
+- `global` touches every shard in every stretch of the epoch.
+- `windowed` (ShardWindows; raypipe.sampling.permute.WindowedPermutation) puts the shards
+  in a Feistel order and cuts it into windows of `window_shards`; the documents of a window
+  are permuted among themselves and windows are read in turn. A node holds one window and
+  the next while every shard is equally likely in any window: each shard is fetched once
+  per epoch and node, and a step mixes documents of `window_shards` shards drawn from the
+  whole corpus (bestfit's blocks may straddle two windows).
+- `shard_local` (ShardGroups) cuts the shards into groups of consecutive shards; the
+  observations of a group are contiguous positions (groups in a Feistel order,
+  observations inside a group in another). Its statistical cost: a batch mixes documents
+  of only G neighbouring shards, and consecutive batches stay in one group for (group
+  tokens / global batch tokens) steps; windows also drop the < T + 1 tail tokens of each
+  group instead of the stream's.
+- `auto` (the default) is `global` for a local dataset (nothing to fetch) and `windowed`
+  for one on object storage, resolved when the dataset opens from its URI alone (every
+  rank resolves the same; a loader state records the resolved shuffle).
+Every plan reports what it trains, crops and drops of the tokens and how many positions it
+pads (`report()`); the loader and the LLMBATCH writer warn once when the untrained tokens
+or the padding pass 5%, with a hint (from the mode) that names another packing or mode.
+Cost: ~70 ns per observation to permute.
 """
 
 from __future__ import annotations
@@ -27,7 +36,11 @@ from typing import Any
 import numpy as np
 
 from raypipe.sampling.pack import continued_pieces
-from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
+from raypipe.sampling.permute import (
+    FeistelPermutation,
+    GroupedPermutation,
+    WindowedPermutation,
+)
 
 logger = logging.getLogger("raypipe")
 SumsMemo = Callable[[tuple, Callable[[], np.ndarray]], np.ndarray]
@@ -161,7 +174,70 @@ class PackingReport:
                 f"{self.padded_tokens / positions:.2%} of the positions")
 
 
-SHUFFLES = ("global", "shard_local")
+SHUFFLES = ("auto", "global", "windowed", "shard_local")
+WINDOWS_PER_EPOCH = 32  # windowed, window_shards 0: 1/32 of a lane's shards a window
+AUTO_SHUFFLE = {True: "global", False: "windowed"}  # auto, by: the dataset is local
+
+
+def window_shards_for(shards: int, window_shards: int, lanes: int = 1) -> int:
+    """Shards a window holds: `window_shards`, or (0) about 1/WINDOWS_PER_EPOCH of a lane's
+    shards, at least one."""
+    return window_shards or max(1, shards // (WINDOWS_PER_EPOCH * max(lanes, 1)))
+
+
+@dataclass(frozen=True)
+class ShardWindows:
+    """The windowed shuffle's layout: documents per shard, shards per window, and lanes."""
+
+    shard_documents: np.ndarray
+    window_shards: int
+    lanes: int = 1
+
+
+class LaneOrder:
+    """Observations [0, n) read in `lanes` lanes side by side: lane l is the contiguous run
+    [bounds[l], bounds[l + 1]) of the plan's observations (whole windows of a windowed
+    shuffle), and position p < lanes x S (S: the shortest lane's length) is observation
+    bounds[p % lanes] + p // lanes; the positions after those read what the longer lanes
+    left, lane after lane. Consecutive positions cycle through the lanes, so rank r of a
+    world that `lanes` divides (positions p + i*W + r, p a multiple of W) reads lane
+    r % lanes alone until those leftovers at the epoch's end: a node fetches its ranks'
+    lanes, not the dataset. A bijection on [0, n); O(lanes) memory.
+    """
+
+    def __init__(self, bounds: np.ndarray):
+        self.bounds = np.asarray(bounds, dtype=np.int64)
+        self.lanes = len(self.bounds) - 1
+        sizes = np.diff(self.bounds)
+        self.side = int(sizes.min()) if self.lanes else 0
+        self.even = self.lanes * self.side  # positions read side by side
+        left = sizes - self.side  # what each lane holds past the side-by-side part
+        self.left_starts = np.concatenate([[0], np.cumsum(left)]).astype(np.int64)
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if self.lanes <= 1:
+            return positions
+        even = positions < self.even
+        out = np.empty_like(positions)
+        lane = positions[even] % self.lanes
+        out[even] = self.bounds[:-1][lane] + positions[even] // self.lanes
+        later = positions[~even] - self.even
+        lane = np.searchsorted(self.left_starts, later, side="right") - 1
+        out[~even] = self.bounds[:-1][lane] + self.side + later - self.left_starts[lane]
+        return out
+
+    def lane_of(self, observation: int) -> int:
+        return int(np.searchsorted(self.bounds, observation, side="right")) - 1
+
+
+def lane_bounds(window_starts: np.ndarray, lanes: int, observation_at: Any) -> np.ndarray:
+    """The observations where each of `lanes` lanes of whole windows begins (and the end):
+    windows split as evenly as whole windows allow; `observation_at(order positions)` says
+    which observation each window's first document begins."""
+    windows = len(window_starts) - 1
+    firsts = (np.arange(lanes + 1, dtype=np.int64) * windows) // max(lanes, 1)
+    return np.asarray(observation_at(window_starts[firsts]), dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -188,8 +264,33 @@ class ShardGroups:
         return np.diff(self.documents)
 
 
+DocumentOrder = FeistelPermutation | GroupedPermutation | WindowedPermutation
+
+
+def next_window_shards(order: Any, order_position: int, lanes: LaneOrder | None = None,
+                       observation: int = 0) -> np.ndarray:
+    """The shards of the window after the one holding position `order_position` of a
+    windowed document order (what a reader fetches while it reads this window), within the
+    lane of `observation` (None: one lane); empty for other orders, at a lane's or the
+    epoch's last window, and past the end."""
+    if not isinstance(order, WindowedPermutation) or not 0 <= order_position < len(order):
+        return np.empty(0, dtype=np.int64)
+    window = int(np.searchsorted(order.window_starts, order_position, side="right")) - 1
+    last = order.num_windows
+    if lanes is not None and lanes.lanes > 1:
+        lane = lanes.lane_of(observation)
+        last = int((lane + 1) * order.num_windows // lanes.lanes)
+    if window + 1 >= last:
+        return np.empty(0, dtype=np.int64)
+    return order.window_shard_ids(window + 1)
+
+
 def document_permutation(count: int, seed: int, epoch: int, salt: int,
-                         groups: ShardGroups | None) -> FeistelPermutation | GroupedPermutation:
+                         groups: ShardGroups | ShardWindows | None) -> DocumentOrder:
+    """The epoch's document order under a shuffle's layout (None: global)."""
     if groups is None:
         return FeistelPermutation(count, seed, epoch, salt=salt)
+    if isinstance(groups, ShardWindows):
+        return WindowedPermutation(groups.shard_documents, groups.window_shards, seed, epoch,
+                                   salt=salt)
     return GroupedPermutation(groups.document_counts, seed, epoch, salt=salt)

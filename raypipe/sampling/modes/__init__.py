@@ -18,6 +18,7 @@ from raypipe.sampling.modes.base import (
     ModeKnobs,
     PlanInputs,
     PlanSpec,
+    describe_shuffle,
     document_split,
     get_mode,
     knob,
@@ -47,5 +48,5 @@ from raypipe.sampling.modes.batches import RECORD_PLANS, record_plan  # noqa: E4
 __all__ = ["PLUGIN_GROUP", "RECORD_PLANS", "SHARED_KNOBS", "BatchFiller", "LoaderMode",
            "ModeKnobs", "PlanInputs", "PlanSpec", "get_mode", "knob", "knob_differences",
            "knob_fields", "knob_owners", "metadata_modes", "mode_names",
-           "plan_knob_names", "mode_serving", "document_split", "record_plan",
+           "plan_knob_names", "mode_serving", "describe_shuffle", "document_split", "record_plan",
            "refuse_stray_knobs", "register", "upgrade_knobs", "waste_hints"]

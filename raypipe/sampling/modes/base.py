@@ -39,7 +39,14 @@ from raypipe.sampling.batches import (
 )
 from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.pack import OVERLONGS, RowPieces
-from raypipe.sampling.plans import SHUFFLES, ShardGroups, SumsMemo
+from raypipe.sampling.plans import (
+    AUTO_SHUFFLE,
+    SHUFFLES,
+    ShardGroups,
+    ShardWindows,
+    SumsMemo,
+    window_shards_for,
+)
 from raypipe.sampling.split import SPLITS, DocumentSplit
 
 RowT = TypeVar("RowT")
@@ -67,6 +74,11 @@ class BatchFiller(ABC, Generic[RowT]):
         without reading any token."""
 
     boundaries: bool = True
+
+    def shards_ahead(self, position: int) -> np.ndarray:
+        """Shards to fetch beyond those of the next steps, while observation `position` is
+        read: under a windowed shuffle, the next window's (empty otherwise)."""
+        return np.empty(0, dtype=np.int64)
 
     def token_ranges(self, plan: BatchPlan[RowT]) -> list[list[tuple[int, int, int]]] | None:
         """Per row of a described batch: (shard, first token in the shard, count) of each
@@ -112,8 +124,8 @@ def knob_fields() -> dict[str, Field]:
     return declared
 
 
-SHARED_KNOBS = ("mode", "seq_len", "seed", "shuffle", "group_shards", "split",
-                "validation_fraction")  # PlanSpec's own fields: every mode's
+SHARED_KNOBS = ("mode", "seq_len", "seed", "shuffle", "group_shards", "window_shards",
+                "lanes", "split", "validation_fraction")  # PlanSpec's own fields: every mode's
 
 
 @dataclass(frozen=True)
@@ -128,9 +140,14 @@ class PlanSpec:
                      "batches, as written)", lambda: mode_spellings())
     seq_len: int = knob(0, "T: tokens a row trains (rows hold T + 1), as TokenLoader's")
     seed: int = knob(0, "the loader's seed")
-    shuffle: str = knob("global", "the loader's shuffle (shard_local: each node reads each "
-                        "shard once per epoch)", SHUFFLES)
+    shuffle: str = knob("auto", "the loader's shuffle (auto: global for a local dataset, "
+                        "windowed on object storage; windowed and shard_local: each node "
+                        "reads each shard once per epoch)", SHUFFLES)
     group_shards: int = knob(4, "shuffle shard_local: consecutive shards per group")
+    window_shards: int = knob(0, "shuffle windowed: shards per window (0: 1/32 of a "
+                              "lane's shards, at least 1)")
+    lanes: int = knob(0, "shuffle windowed: lanes of windows read side by side, rank r "
+                      "reading lane r % lanes (0: the world size the run starts at)")
     split: str = knob("all", "the documents served: all, or the train or validation split",
                       SPLITS)
     validation_fraction: float = knob(0.001, "the share of documents the validation "
@@ -162,6 +179,13 @@ class PlanSpec:
             raise ConfigError(f"shuffle='shard_local' needs a mode that reads documents "
                               f"(not {self.mode!r}, which already reads blocks of "
                               "consecutive batches) and group_shards >= 1")
+        for name in ("window_shards", "lanes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: {getattr(self, name)} must be >= 0 (0: chosen "
+                                  "for the data and the world size)")
+        if self.shuffle == "windowed" and not self.loader_mode.windowed:
+            raise ConfigError(f"shuffle='windowed' needs a mode whose rows are documents "
+                              f"({', '.join(windowed_modes())}), not {self.mode!r}")
         self._check_split()
 
     def _check_split(self) -> None:
@@ -177,13 +201,29 @@ class PlanSpec:
             raise ConfigError(f"split={self.split!r} needs mode "
                               f"{' or '.join(repr(name) for name in serving)}, not "
                               f"{self.mode!r}{why}")
-        if self.shuffle != "global":
-            raise ConfigError("split needs shuffle='global' (shard-local groups count every "
-                              "document)")
+        if self.shuffle not in ("global", "auto"):
+            raise ConfigError("split needs shuffle='global' (shard-local groups and windows "
+                              "count every document)")
 
     @property
     def loader_mode(self) -> LoaderMode:
         return get_mode(self.mode)
+
+    def for_storage(self, local: bool) -> PlanSpec:
+        """The spec with shuffle "auto" resolved for a dataset that is local or on object
+        storage (raypipe.sampling.plans: global locally, else windowed, where the mode and
+        split allow it; window_shards 0 stays "1/32 of the shards" of each dataset)."""
+        if self.shuffle != "auto":
+            return self
+        return replace(self, shuffle=AUTO_SHUFFLE[local or not self.loader_mode.windowed
+                                                  or self.split != "all"])
+
+    def for_world(self, world_size: int) -> PlanSpec:
+        """The spec with a windowed shuffle's lanes resolved: 0 is the world size the run
+        starts at (each rank then reads a lane of its own; a state records the count)."""
+        if self.shuffle != "windowed" or self.lanes:
+            return self
+        return replace(self, lanes=world_size)
 
     def for_data(self, chat: bool) -> PlanSpec:
         """The spec with what the data decides resolved (the mode's knobs' "auto")."""
@@ -206,11 +246,14 @@ class PlanSpec:
         return self.loader_mode.packed
 
     def knobs_record(self) -> dict[str, Any]:
-        """The knobs a loader state records; a knob at its value from before it existed is
-        left out (`compact_knobs`), so older states still load."""
+        """The knobs a loader state records (a shuffle's layout knob only under that
+        shuffle); a knob at its value from before it existed is left out (`compact_knobs`),
+        so older states still load."""
+        layout = {"shard_local": {"group_shards": self.group_shards},
+                  "windowed": {"window_shards": self.window_shards,
+                               "lanes": self.lanes}}.get(self.shuffle, {})
         return compact_knobs({"mode": self.mode, "seq_len": self.seq_len, "seed": self.seed,
-                              "shuffle": self.shuffle, "group_shards": self.group_shards,
-                              "split": self.split,
+                              "shuffle": self.shuffle, **layout, "split": self.split,
                               "validation_fraction": self.validation_fraction,
                               **self.loader_mode.knobs(self)})
 
@@ -261,7 +304,9 @@ def knob_owners() -> dict[str, list[str]]:
 
 
 def knob_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
-    """The knobs two records disagree on, each named with both values."""
+    """The knobs two records disagree on, each named with both values (a knob a record
+    leaves out at the value it had before it existed)."""
+    saved, current = upgrade_knobs(saved), upgrade_knobs(current)
     names = sorted(set(saved) | set(current),
                    key=lambda name: (name not in SHARED_KNOBS, name))
     return "; ".join(f"{name}: saved {saved.get(name, '(none)')!r}, now "
@@ -274,7 +319,7 @@ class PlanInputs:
     """What a mode plans an epoch from: the opened dataset, the lengths of the documents the
     plans number (called only by the modes that need them), the tokens windows are cut from,
     the observations of one global step, rows per rank, the node's memo of plan arrays and
-    the shard groups of a shard-local shuffle (None: global)."""
+    the layout of a windowed or shard-local shuffle (None: global)."""
 
     dataset: Any
     lengths: Callable[[], DocumentLengths]
@@ -282,7 +327,7 @@ class PlanInputs:
     step_observations: int = 1
     batch_size: int = 1
     memo: SumsMemo | None = None
-    groups: ShardGroups | None = None
+    groups: ShardGroups | ShardWindows | None = None
 
 
 # Backward compatibility of loader states, in one table: a knob a state leaves out where
@@ -290,7 +335,9 @@ class PlanInputs:
 # lacks it, then loads unchanged): knob -> (that value, the knobs left out with it). A mode
 # adds its own knobs' (LoaderMode.knobs_before).
 KNOBS_BEFORE: dict[str, tuple[Any, tuple[str, ...]]] = {
-    "shuffle": ("global", ("group_shards",)),  # before 0.3: a global shuffle
+    "shuffle": ("global", ("group_shards", "window_shards", "lanes")),  # before 0.3
+    "window_shards": (0, ()),  # before 0.7: no windowed shuffle
+    "lanes": (0, ()),
     "split": ("all", ("validation_fraction",)),  # before 0.4: no validation split
 }
 
@@ -330,6 +377,7 @@ class LoaderMode(ABC):
     boundaries_by_default: ClassVar[bool] = True  # position_ids/cu_seqlens per document
     splits: ClassVar[tuple[str, ...]] = ("all", "train")
     shard_local: ClassVar[bool] = True  # serves shuffle="shard_local"
+    windowed: ClassVar[bool] = True  # serves shuffle="windowed" (its rows are documents)
     window_metadata: ClassVar[bool] = False  # rows can carry a stream's metadata
     reads_stream: ClassVar[bool] = False  # rows are cut from the token stream (a split's)
     continues_plans: ClassVar[bool] = False  # seq_len may change inside an epoch
@@ -351,7 +399,8 @@ class LoaderMode(ABC):
         decided."""
         if not spec.seq_len or not batch_size:
             raise ConfigError("seq_len and batch_size must be given (>= 1)")
-        return spec.for_data(dataset.has_loss_mask), batch_size
+        return (spec.for_data(dataset.has_loss_mask)
+                .for_storage(dataset.cache is None), batch_size)
 
     def observations_per_step(self, batch_size: int) -> int:
         """Observations one rank takes per step: its rows."""
@@ -414,6 +463,24 @@ def waste_hints(mode: str, packing: str | None, chat: bool = False) -> Callable[
 
 
 _MODES: dict[str, LoaderMode] = {}
+
+
+def describe_shuffle(spec: PlanSpec, shards: int) -> str:
+    """A resolved spec's shuffle in words, for logs and reports."""
+    if spec.shuffle == "windowed":
+        lanes = max(spec.lanes, 1)
+        window = window_shards_for(shards, spec.window_shards, lanes)
+        return (f"windowed (windows of {window} of {shards} shards in {lanes} lane(s): a "
+                f"step mixes the documents of {window * lanes} shard(s) drawn from the "
+                "whole corpus)")
+    if spec.shuffle == "shard_local":
+        return f"shard_local (groups of {spec.group_shards} consecutive shards)"
+    return spec.shuffle
+
+
+def windowed_modes() -> list[str]:
+    """The modes that serve the windowed shuffle."""
+    return [name for name, mode in _MODES.items() if mode.windowed]
 
 
 def metadata_modes() -> list[str]:

@@ -206,6 +206,7 @@ class BatchesMode(LoaderMode):
     mixes = False  # a batch's rows are fixed: a mixture cannot split a step between sources
     splits = ("all",)
     shard_local = False
+    windowed = False
     Knobs = PreformedKnobs
 
     def open_dataset(self, store: Any, format_name: str | None, cache: Any) -> Any:

@@ -61,7 +61,16 @@ from raypipe.sampling.pack import (
     separator_of,
 )
 from raypipe.sampling.permute import FeistelPermutation
-from raypipe.sampling.plans import PackingReport, ShardGroups, SumsMemo, document_permutation
+from raypipe.sampling.plans import (
+    LaneOrder,
+    PackingReport,
+    ShardGroups,
+    ShardWindows,
+    SumsMemo,
+    document_permutation,
+    lane_bounds,
+    next_window_shards,
+)
 
 MIN_ROWS_PER_BLOCK = 256
 SUM_CHUNK_DOCUMENTS = 1 << 18  # documents permuted per numpy call when summing blocks
@@ -75,7 +84,8 @@ class BestFitPlan:
 
     def __init__(self, lengths: np.ndarray | DocumentLengths, seq_len: int, seed: int,
                  epoch: int, block_documents: int = 4096, packing: str = "fill",
-                 groups: ShardGroups | None = None, memo: SumsMemo | None = None,
+                 groups: ShardGroups | ShardWindows | None = None,
+                 memo: SumsMemo | None = None,
                  separator: str = "bos", overlong: str = "cut", first_document: int = 0):
         """`memo(key, compute)`: returns compute() or what it returned before for `key`
         (a node-local cache of the block token sums, shared by the node's ranks);
@@ -93,13 +103,24 @@ class BestFitPlan:
         self.seed, self.epoch = seed, epoch
         self.block_documents = block_size(lengths, self.capacity, block_documents, packing)
         self.document_order = document_permutation(len(lengths), seed, epoch, 3, groups)
-        self.num_blocks = -(-(len(lengths) - first_document) // self.block_documents)
+        self.lane_count = groups.lanes if isinstance(groups, ShardWindows) else 1
+        # where each block begins in the document order (blocks end where windows do)
+        self._cut_blocks(first_document)
         self._cached: OrderedDict[int, PackedBlock] = OrderedDict()
         self._row_orders: dict[int, FeistelPermutation] = {}
 
+    def _cut_blocks(self, first_document: int) -> None:
+        """Where each block begins and ends in the document order (from `first_document`);
+        `uniform`: every block holds block_documents (the last fewer)."""
+        count = len(self.lengths)
+        self.block_starts = block_starts(count, self.block_documents, first_document,
+                                         self.document_order)
+        self.block_ends = np.append(self.block_starts[1:], count).astype(np.int64)
+        self.uniform = not hasattr(self.document_order, "window_starts")
+        self.num_blocks = len(self.block_starts)
+
     def block_documents_ids(self, block: int) -> np.ndarray:
-        first = self.first_document + block * self.block_documents
-        stop = min(first + self.block_documents, len(self.lengths))
+        first, stop = int(self.block_starts[block]), int(self.block_ends[block])
         return self.document_order(np.arange(first, stop, dtype=np.int64))
 
     def pack(self, block: int) -> PackedBlock:
@@ -151,11 +172,14 @@ class BestFitPlan:
         that kept the block size) slices the whole epoch's sums: no pass over the lengths
         where the node holds them."""
         per_block, first = self.block_documents, self.first_document
-        if first % per_block == 0:
+        whole_starts = (self.block_starts if not first else
+                        block_starts(len(self.lengths), per_block, 0, self.document_order))
+        at = int(np.searchsorted(whole_starts, first))
+        if at < whole_starts.size and whole_starts[at] == first or first == len(self.lengths):
             key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths))
             whole = (self.memo(key, self.whole_epoch_sums) if self.memo is not None
                      else self.whole_epoch_sums())
-            return whole[first // per_block:]
+            return whole[at:]
         key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths), first)
         return (self.memo(key, self.block_token_sums) if self.memo is not None
                 else self.block_token_sums())
@@ -183,8 +207,10 @@ class BestFitPlan:
             blocks = inverse(np.arange(first, first + lengths.size, dtype=np.int64))
             if skipped:  # positions before the plan's first document are not its
                 kept = blocks >= skipped
-                blocks, lengths = blocks[kept] - skipped, lengths[kept]
-            return np.bincount(blocks // per_block, weights=lengths,  # exact below 2**53
+                blocks, lengths = blocks[kept], lengths[kept]
+            blocks = ((blocks - skipped) // per_block if self.uniform else
+                      np.searchsorted(self.block_starts, blocks, side="right") - 1)
+            return np.bincount(blocks, weights=lengths,  # exact below 2**53
                                minlength=self.num_blocks).astype(np.int64)
 
         pieces = ((first + start, lengths[start:start + SUM_CHUNK_DOCUMENTS])
@@ -225,9 +251,34 @@ class BestFitPlan:
                                                           salt=1000 + block)}
         return self._row_orders[block]
 
+    @cached_property
+    def lanes(self) -> LaneOrder | None:
+        """The lanes a windowed shuffle reads side by side (None: one)."""
+        if self.lane_count <= 1:
+            return None
+        if self.first_document:
+            self._refuse_lanes()
+        return LaneOrder(lane_bounds(self.document_order.window_starts, self.lane_count,
+                                     self._row_at_order))
+
+    def _refuse_lanes(self) -> None:
+        """Lanes serve no prefix of the rows, so the rest of an epoch is not planned again."""
+        raise ConfigError(f"a seq_len change inside an epoch under a windowed shuffle of "
+                          f"{self.lane_count} lanes (the rows served are no prefix of the "
+                          "plan): give lanes=1, or change seq_len where an epoch starts")
+
+    def _row_at_order(self, order_positions: np.ndarray) -> np.ndarray:
+        """The first row of the block that begins at each document-order position."""
+        return self.row_offsets[np.searchsorted(self.block_starts, order_positions)]
+
+    def observations(self, positions: np.ndarray) -> np.ndarray:
+        """The rows (in block order) the epoch's positions read: through the lanes."""
+        return positions if self.lanes is None else self.lanes(positions)
+
     def row_ids(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(block, row id within the block) of each position; one permutation call per
         block touched."""
+        positions = self.observations(np.asarray(positions, dtype=np.int64))
         blocks = np.searchsorted(self.row_offsets, positions, side="right") - 1
         local = positions - self.row_offsets[blocks]
         for block in np.unique(blocks).tolist():
@@ -238,6 +289,15 @@ class BestFitPlan:
     def counted_tokens(self, positions: np.ndarray) -> int:
         """Tokens the report counts for the rows at `positions` (their pieces)."""
         return sum(int(row.take.sum()) for _, row in self.rows(positions))
+
+    def shards_ahead(self, position: int) -> np.ndarray:
+        """The next window's shards in the lane of position `position` (windowed)."""
+        if not self.num_blocks or position >= self.size:
+            return np.empty(0, dtype=np.int64)
+        row = int(self.observations(np.array([position], dtype=np.int64))[0])
+        block = int(np.searchsorted(self.row_offsets, row, side="right")) - 1
+        return next_window_shards(self.document_order, int(self.block_starts[block]),
+                                  self.lanes, row)
 
     def repeated_tokens(self, positions: np.ndarray) -> int:
         """Of those, the tokens placed a second time (overlong `split`: the first token of
@@ -257,18 +317,19 @@ class BestFitPlan:
         """What the plan has not served once observations [0, position) are: the unserved
         rows' pieces of the block `position` falls in (merged per document), then every
         document of the blocks after it. O(one block)."""
+        if self.lane_count > 1 and position:
+            self._refuse_lanes()
         if position >= self.size:
             return Remainder.none(len(self.lengths))
         block = int(np.searchsorted(self.row_offsets, position, side="right")) - 1
         local = position - int(self.row_offsets[block])
         if local == 0:
-            return Remainder.none(self.first_document + block * self.block_documents)
+            return Remainder.none(int(self.block_starts[block]))
         count = int(self.row_offsets[block + 1] - self.row_offsets[block])
         packed = self.pack(block)
         rows = [packed.row(row) for row in
                 self._row_order(block)(np.arange(local, count, dtype=np.int64)).tolist()]
-        first = min(len(self.lengths), self.first_document + (block + 1) * self.block_documents)
-        return Remainder.of_rows(rows, first)
+        return Remainder.of_rows(rows, int(self.block_ends[block]))
 
 
 @dataclass(frozen=True)
@@ -404,10 +465,24 @@ def replace_first(plan: BestFitPlan, first_document: int) -> BestFitPlan:
     """`plan`'s shape from another first document (no block packed, nothing summed)."""
     other = copy.copy(plan)
     other.first_document = first_document
-    other.num_blocks = -(-(len(plan.lengths) - first_document) // plan.block_documents)
+    other._cut_blocks(first_document)
     other._cached, other._row_orders = OrderedDict(), {}
     other.__dict__.pop("_summary", None)
     return other
+
+
+def block_starts(count: int, per_block: int, first: int, order: Any) -> np.ndarray:
+    """Where each packing block begins in an epoch's document order, from position `first`
+    on: every `per_block` documents, and (a windowed order) at each window's start too, so
+    no block straddles two windows and a reader holds one window at a time."""
+    cuts = getattr(order, "window_starts", None)
+    if cuts is None:
+        return np.arange(first, count, per_block, dtype=np.int64)
+    starts = np.concatenate([np.arange(begin, end, per_block, dtype=np.int64)
+                             for begin, end in zip(cuts[:-1], cuts[1:], strict=True)]
+                            + [np.zeros(0, dtype=np.int64)])
+    starts = starts[starts > first]
+    return np.concatenate([[first] if first < count else [], starts]).astype(np.int64)
 
 
 def block_size(lengths: DocumentLengths, capacity: int, block_documents: int,
@@ -463,6 +538,11 @@ class BestFitFiller(BatchFiller[list[Piece]]):
     def token_ranges(self, plan: BatchPlan[list[Piece]]) -> list[list[tuple[int, int, int]]]:
         return [[(piece.shard, piece.first, piece.count) for piece in row]
                 for row in plan.rows]
+
+    def shards_ahead(self, position: int) -> np.ndarray:
+        plan, head = self.plan, getattr(self.plan, "head_rows", 0)
+        plan = getattr(plan, "tail", plan)  # a continued plan: the blocks after its head
+        return plan.shards_ahead(max(position - head, 0))
 
     def shards(self, positions: np.ndarray) -> np.ndarray:
         doc_ids = [row.documents for _, row in self.plan.rows(positions.reshape(-1))]

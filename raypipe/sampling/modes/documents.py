@@ -25,15 +25,23 @@ from raypipe.sampling.batches import (
 from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.modes.base import BatchFiller, LoaderMode, PlanInputs, register
 from raypipe.sampling.pack import RowPieces
-from raypipe.sampling.plans import PackingReport, ShardGroups, document_permutation
+from raypipe.sampling.plans import (
+    LaneOrder,
+    PackingReport,
+    ShardGroups,
+    ShardWindows,
+    document_permutation,
+    lane_bounds,
+    next_window_shards,
+)
 
 
 class DocumentPlan:
     kind = "documents"
 
     def __init__(self, lengths: np.ndarray | DocumentLengths, seq_len: int, seed: int,
-                 epoch: int, groups: ShardGroups | None = None, ordered: bool = False,
-                 pad_to: int = 1):
+                 epoch: int, groups: ShardGroups | ShardWindows | None = None,
+                 ordered: bool = False, pad_to: int = 1):
         """`ordered`: documents in index order (evaluation), `pad_to`: the size rounded up
         to a multiple of it with empty observations (id -1: a row of padding), so no
         document falls into a dropped tail."""
@@ -44,12 +52,15 @@ class DocumentPlan:
         self.ordered = ordered
         self.permutation = None if ordered else document_permutation(self.count, seed, epoch,
                                                                      2, groups)
+        self.lanes = (LaneOrder(lane_bounds(self.permutation.window_starts, groups.lanes,
+                                            lambda starts: starts))
+                      if isinstance(groups, ShardWindows) and groups.lanes > 1 else None)
 
     def documents(self, positions: np.ndarray) -> np.ndarray:
         inside = positions < self.count
         ids = np.full(positions.shape, -1, dtype=np.int64)
-        ids[inside] = (positions[inside] if self.permutation is None
-                       else self.permutation(positions[inside]))
+        order = positions[inside] if self.lanes is None else self.lanes(positions[inside])
+        ids[inside] = order if self.permutation is None else self.permutation(order)
         return ids
 
     def counted_tokens(self, positions: np.ndarray) -> int:
@@ -96,6 +107,13 @@ class DocumentsFiller(BatchFiller[DocumentRow]):
 
     def shards(self, positions: np.ndarray) -> np.ndarray:
         return self.source.shards_of_documents(self.plan.documents(positions.reshape(-1)))
+
+    def shards_ahead(self, position: int) -> np.ndarray:
+        plan = self.plan
+        if position >= plan.count:
+            return np.empty(0, dtype=np.int64)
+        order = position if plan.lanes is None else int(plan.lanes(np.array([position]))[0])
+        return next_window_shards(plan.permutation, order, plan.lanes, order)
 
     def fill(self, plan: BatchPlan[DocumentRow], buffers: BatchBuffers) -> Filled:
         """A document per row; its padded tail is pad_id, masked, a sequence of its own."""

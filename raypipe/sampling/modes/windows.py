@@ -110,6 +110,7 @@ class WindowsFiller(BatchFiller[int]):
 
 class WindowsMode(LoaderMode):
     name = "windows"
+    windowed = False  # a window of shards would cut the stream
     boundaries_by_default = False
     window_metadata = True
     reads_stream = True
