@@ -4,7 +4,7 @@ optimizer and loader state every k steps; rerunning with the same --storage/--na
     python jobs/train.py --data demo_out/tokens --workers 2            # local CPU, gloo
     ray job submit --working-dir . -- python jobs/train.py --data s3://bucket/tokens \\
         --storage s3://bucket/train_out --use-gpu --workers 8 --seq-len 1024 \\
-        --batch-size 16 --shuffle shard_local --wait-for-resources
+        --batch-size 16 --wait-for-resources
 
 In a submitted job the working directory is Ray's throw-away copy of `--working-dir`, so
 `--storage` must be a path every node sees or a URI: a relative one, or one inside that
@@ -30,6 +30,7 @@ from raypipe.errors import RaypipeError, StateError  # noqa: E402
 from raypipe.examples.gpt_train import fit  # noqa: E402
 from raypipe.io.paths import check_lasting_location  # noqa: E402
 from raypipe.sampling.modes import mode_names  # noqa: E402
+from raypipe.sampling.plans import SHUFFLES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", default="bestfit", choices=list(mode_names()),
                         help="how rows are made (docs/loader.md)")
     parser.add_argument("--seed", type=int, default=0, help="the loader's shuffle seed")
-    parser.add_argument("--shuffle", default="global", choices=["global", "shard_local"],
-                        help="shard_local: each node downloads each shard once per epoch")
+    parser.add_argument("--shuffle", default="auto", choices=list(SHUFFLES),
+                        help="auto: global for local data, windowed for a bucket (each node "
+                        "fetches its ranks' share once per epoch: docs/cluster.md)")
     parser.add_argument("--cache-dir", default=None,
                         help="node-local shard cache for URI data (None: "
                         "$RAYPIPE_CACHE_DIR, else ~/.cache/raypipe)")

@@ -95,7 +95,7 @@ class ShardSet:
             self.local_root = self.store.root
         else:
             self.cache = cache or ShardCache()
-            self.cache.kept_suffixes = tuple(self.format.index_suffixes)
+            self.cache.kept_suffixes = tuple(getattr(self.format, "index_suffixes", ()))
             self.key = dataset_key(self.store.uri, json.dumps(
                 manifest.to_json(), sort_keys=True).encode())
             self.local_root = self.cache.dataset_dir(self.key)

@@ -29,8 +29,10 @@ def consumed(log_dir: Path) -> dict[tuple[int, int], list[int]]:
     return logs
 
 
-def expected_ids(data: Path, positions: int, **split) -> list[int]:
-    plan = TokenLoader(data, SEQ, BATCH, mode="bestfit", seed=7, **split).plan()
+def expected_ids(data: Path, positions: int, **knobs) -> list[int]:
+    """The observations of the first `positions` positions of the run's plan (`knobs`: a
+    split, or the shuffle a bucket's auto resolved to)."""
+    plan = TokenLoader(data, SEQ, BATCH, mode="bestfit", seed=7, **knobs).plan()
     return sorted(row[0] for row in plan.rows(np.arange(positions)))
 
 
@@ -89,7 +91,10 @@ def test_restart_with_fewer_workers_continues_exactly_once_reading_s3(
     assert {rank for rank, step in logs if step > 8} == {0}
     ids = [i for batch in logs.values() for i in batch]
     assert len(ids) == len(set(ids))
-    assert sorted(ids) == expected_ids(token_dataset, 8 * 2 * BATCH + 6 * 1 * BATCH)
+    # auto on a bucket: windowed, a lane for each of the 2 workers it started with, kept
+    # by the resume at 1 (the state records them)
+    assert sorted(ids) == expected_ids(token_dataset, 8 * 2 * BATCH + 6 * 1 * BATCH,
+                                       shuffle="windowed", lanes=2)
 
 
 def test_ray_data_datasource_reads_the_loader_windows(ray_session, token_dataset):

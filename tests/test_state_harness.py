@@ -27,6 +27,8 @@ MODES = {name: {"mode": name} for name in mode_names()} | {
     "bestfit-windowed-2-lanes": {"mode": "bestfit", "shuffle": "windowed", "window_shards": 1,
                                  "lanes": 2},
     "documents-windowed-3-lanes": {"mode": "documents", "shuffle": "windowed", "lanes": 3},
+    "bestfit-windowed-train-split": {"mode": "bestfit", "shuffle": "windowed", "lanes": 2,
+                                     "split": "train", "validation_fraction": 0.2},
     "bestfit-train-split": {"mode": "bestfit", "split": "train", "validation_fraction": 0.2},
     "windows-train-split": {"mode": "windows", "split": "train", "validation_fraction": 0.2},
     "documents-validation-split": {"mode": "documents", "split": "validation",

@@ -112,7 +112,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                  if config.get(name)}
     loader = worker_loader(config["data"], config.get("seq_len"), config.get("batch_size"),
                            mode=config.get("mode", "bestfit"), seed=config.get("seed", 0),
-                           shuffle=config.get("shuffle", "global"),
+                           shuffle=config.get("shuffle", "auto"),
                            cache_dir=config.get("cache_dir"), name="train", **split,
                            **schedules)
     seq_lens = [length for _, length in config.get("seq_len_schedule") or []]

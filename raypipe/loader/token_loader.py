@@ -140,7 +140,8 @@ class TokenLoader:
         logger.info("%s: shuffle %s", dataset.root, describe_shuffle(spec, dataset.num_shards))
         shard_bytes = [sum(entry.bytes for entry in shard.files) for shard in dataset.shards]
         if spec.shuffle != "windowed" or not shard_bytes:
-            if spec.shuffle == "global" and sum(shard_bytes) > dataset.cache.budget_bytes:
+            if (spec.shuffle == "global" and spec.loader_mode.windowed
+                    and sum(shard_bytes) > dataset.cache.budget_bytes):
                 logger.warning("%s: the global shuffle reads every shard throughout the epoch "
                                "and the cache holds less than the dataset, so shards are "
                                "fetched many times; shuffle='auto' (windowed) fetches each "
@@ -280,7 +281,7 @@ class TokenLoader:
         needed = builder.shards(positions).tolist()
         self.dataset.prefetch(needed)
         if self.spec.shuffle == "windowed":
-            ahead = builder.shards_ahead(int(positions[-1, -1])).tolist()
+            ahead = builder.shards_ahead(int(positions[0, 0])).tolist()
             self.dataset.close_except([*needed, *ahead])
             self.dataset.prefetch(ahead)
         elif following is not None:

@@ -45,16 +45,18 @@ class EpochPlans:
     .Phase): each the mode's `continue_plan` of the one before.
 
     `lengths` gives the document lengths the plans number (called only by the modes that
-    need them); `stream_tokens` the tokens windows are cut from (a split's, or all);
+    need them), `shard_documents` how many of them each shard holds (default: every
+    document); `stream_tokens` the tokens windows are cut from (a split's, or all);
     `step_observations` the observations of one global step (a validation epoch is padded
     to a whole number of them); `memo` keeps bestfit's block sums."""
 
     def __init__(self, spec: PlanSpec, dataset: TokenDataset | BatchDataset,
                  lengths: Callable[[], DocumentLengths], stream_tokens: int | None = None,
                  step_observations: int = 1, memo: SumsMemo | None = None,
-                 batch_size: int = 1):
+                 batch_size: int = 1, shard_documents: np.ndarray | None = None):
         self.spec = spec.for_storage(dataset.cache is None)
         self.dataset = dataset
+        self.shard_documents = shard_documents  # None: every document of each shard
         self.inputs = PlanInputs(dataset, lengths, stream_tokens, step_observations,
                                  batch_size, memo, self.groups())
         self._kept: dict[tuple[int, Phases], Any] = {}
@@ -67,7 +69,9 @@ class EpochPlans:
                                   self.dataset.shard_document_counts, spec.group_shards)
         if spec.shuffle == "windowed":
             lanes = max(spec.lanes, 1)
-            return ShardWindows(self.dataset.shard_document_counts, window_shards_for(
+            counts = (self.dataset.shard_document_counts if self.shard_documents is None
+                      else self.shard_documents)
+            return ShardWindows(counts, window_shards_for(
                 self.dataset.num_shards, spec.window_shards, lanes), lanes)
         return None
 
@@ -133,7 +137,16 @@ class PlannedDataset:
         self._lengths: DocumentLengths | None = None
         self.plans = EpochPlans(spec, dataset, self.document_lengths,
                                 None if self.source is None else self.stream_tokens(),
-                                self.global_batch, memo or self.node_memo, batch_size)
+                                self.global_batch, memo or self.node_memo, batch_size,
+                                self.shard_documents())
+
+    def shard_documents(self) -> np.ndarray | None:
+        """How many of the documents the plans number each shard holds (a split's), or
+        None (every document; also a pre-formed dataset, which numbers batches)."""
+        if self.split is None or not hasattr(self.dataset, "shard_document_counts"):
+            return None
+        starts = np.concatenate([[0], np.cumsum(self.dataset.shard_document_counts)])
+        return np.diff(np.searchsorted(self.split.ids, starts)).astype(np.int64)
 
     def node_memo(self, key: tuple, compute: Callable[[], np.ndarray]) -> np.ndarray:
         """A plan's arrays kept once per node (raypipe.io.cache.node_cached_array), keyed

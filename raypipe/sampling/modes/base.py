@@ -147,7 +147,7 @@ class PlanSpec:
     window_shards: int = knob(0, "shuffle windowed: shards per window (0: 1/32 of a "
                               "lane's shards, at least 1)")
     lanes: int = knob(0, "shuffle windowed: lanes of windows read side by side, rank r "
-                      "reading lane r % lanes (0: the world size the run starts at)")
+                      "reading lane r mod lanes (0: the world size the run starts at)")
     split: str = knob("all", "the documents served: all, or the train or validation split",
                       SPLITS)
     validation_fraction: float = knob(0.001, "the share of documents the validation "
@@ -201,9 +201,9 @@ class PlanSpec:
             raise ConfigError(f"split={self.split!r} needs mode "
                               f"{' or '.join(repr(name) for name in serving)}, not "
                               f"{self.mode!r}{why}")
-        if self.shuffle not in ("global", "auto"):
-            raise ConfigError("split needs shuffle='global' (shard-local groups and windows "
-                              "count every document)")
+        if self.shuffle == "shard_local":
+            raise ConfigError("split needs shuffle 'global' or 'windowed' (shard-local "
+                              "groups count every document)")
 
     @property
     def loader_mode(self) -> LoaderMode:
@@ -211,12 +211,13 @@ class PlanSpec:
 
     def for_storage(self, local: bool) -> PlanSpec:
         """The spec with shuffle "auto" resolved for a dataset that is local or on object
-        storage (raypipe.sampling.plans: global locally, else windowed, where the mode and
-        split allow it; window_shards 0 stays "1/32 of the shards" of each dataset)."""
+        storage (raypipe.sampling.plans): global locally, else windowed where the mode
+        allows it and the documents are shuffled (not a validation split, served in order);
+        window_shards and lanes 0 are resolved per dataset and world size."""
         if self.shuffle != "auto":
             return self
         return replace(self, shuffle=AUTO_SHUFFLE[local or not self.loader_mode.windowed
-                                                  or self.split != "all"])
+                                                  or self.split == "validation"])
 
     def for_world(self, world_size: int) -> PlanSpec:
         """The spec with a windowed shuffle's lanes resolved: 0 is the world size the run

@@ -25,6 +25,7 @@ from raypipe.sampling.batches import (
 from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.modes.base import BatchFiller, LoaderMode, PlanInputs, register
 from raypipe.sampling.pack import RowPieces
+from raypipe.sampling.permute import WindowedPermutation
 from raypipe.sampling.plans import (
     LaneOrder,
     PackingReport,
@@ -54,7 +55,8 @@ class DocumentPlan:
                                                                      2, groups)
         self.lanes = (LaneOrder(lane_bounds(self.permutation.window_starts, groups.lanes,
                                             lambda starts: starts))
-                      if isinstance(groups, ShardWindows) and groups.lanes > 1 else None)
+                      if isinstance(self.permutation, WindowedPermutation)
+                      and groups.lanes > 1 else None)
 
     def documents(self, positions: np.ndarray) -> np.ndarray:
         inside = positions < self.count
