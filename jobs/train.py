@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--validation-fraction", type=float, default=None,
                         help="hold out this share of documents; report val_loss at "
                         "checkpoints (a validation loader with its own state)")
-    parser.add_argument("--workers", type=int, default=2, help="Ray Train workers")
+    parser.add_argument("--workers", type=worker_count, default=2,
+                        help="Ray Train workers: N, or MIN-MAX for Ray Train's elastic mode "
+                        "(the group restarts at another size after a failure or when nodes "
+                        "come; every loader resumes at the new world size)")
     parser.add_argument("--use-gpu", action="store_true",
                         help="one GPU per worker, nccl (default: CPU, gloo)")
     parser.add_argument("--max-steps", type=int, default=60, help="steps to train in all")
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ensure_ray(args.address, dashboard=True)  # Ray Train's controller polls its State API
     from raypipe.ray.train import missing_worker_resources
 
-    missing = missing_worker_resources(args.workers, args.use_gpu)
+    fewest = args.workers[0] if isinstance(args.workers, tuple) else args.workers
+    missing = missing_worker_resources(fewest, args.use_gpu)
     if missing and not args.wait_for_resources:
         print(f"raypipe: error: {missing}; pass fewer --workers, or --wait-for-resources "
               "on a cluster that autoscales", file=sys.stderr)
@@ -125,6 +129,19 @@ def main(argv: list[str] | None = None) -> int:
                      args.max_failures)
     print(f"finished: {result.metrics}; checkpoint {result.checkpoint}")
     return 0
+
+
+def worker_count(text: str) -> int | tuple[int, int]:
+    """`--workers`: N, or MIN-MAX (elastic)."""
+    low, _, high = text.partition("-")
+    try:
+        counts = (int(low), int(high)) if high else int(low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of workers, or MIN-MAX") from None
+    if (isinstance(counts, tuple) and not 1 <= counts[0] <= counts[1]) or \
+            (isinstance(counts, int) and counts < 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: workers must be >= 1 (MIN <= MAX)")
+    return counts
 
 
 def loader_shape(args: argparse.Namespace) -> dict:

@@ -144,6 +144,120 @@ def real_cluster(tmp_path_factory):
     assert not [p for p in psutil.process_iter(["cmdline"]) if _belongs(p, port)]
 
 
+ELASTIC_DRIVER = """
+import json, os, sys
+import ray
+config, address, storage = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+passed = [name for name in os.environ if name.startswith(("AWS_", "RAYPIPE_", "RAY_TRAIN_"))]
+ray.init(address=address, runtime_env={"env_vars": {n: os.environ[n] for n in passed}})
+from raypipe.examples.gpt_train import fit
+result = fit(config, (1, 3), storage, "elastic", max_failures=4, resize_seconds=2)
+print("finished at step", result.metrics["step"])
+"""
+
+
+class AddedNode:
+    """A 1-CPU node joined to a running cluster (`ray start --block`), and taken away by
+    killing its processes: a machine that comes, or is preempted."""
+
+    def __init__(self, cluster: dict, log: Path):
+        self.cluster, self.log, self.process = cluster, log, None
+
+    def start(self) -> None:
+        env = {**self.cluster["env"], "PATH": str(RAY.parent) + os.pathsep
+               + self.cluster["env"]["PATH"]}
+        with self.log.open("a") as output:  # what `ray start` said, should it fail
+            self.process = subprocess.Popen(
+                [str(RAY), "start", f"--address={self.cluster['gcs']}", "--num-cpus=1",
+                 "--node-ip-address=127.0.0.1", "--block", *agent_ports()],
+                stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(self.process.pid)
+            victims = [root, *root.children(recursive=True)]
+            for process in victims:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+            psutil.wait_procs(victims, timeout=30)
+        self.process = None
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_elastic_ray_train_grows_shrinks_and_grows_and_trains_every_observation_once(
+        real_cluster, token_dataset, bucket, tmp_path):
+    """Ray Train's elastic mode, ScalingConfig(num_workers=(1, 3)), reading a bucket: it
+    starts on the cluster's 2 CPUs, grows to 3 workers when a node comes, restarts at 2 when
+    that node is killed mid-epoch, and grows back when a node comes again; each restart
+    resumes every loader from the last checkpoint at the new world size. Every observation
+    is trained once, as the plan of the world size the run started at orders them."""
+    import threading
+
+    from tests.helpers import upload_tree
+    from tests.test_ray_train import base_config, expected_ids, latest_attempts
+
+    data = upload_tree(token_dataset, f"s3://{bucket}/tokens")
+    log = tmp_path / "log"
+    node = AddedNode(real_cluster, tmp_path / "node.log")
+    worlds: list = []
+
+    def world_now() -> int:
+        steps = latest_attempts(log) if log.exists() else {}
+        newest = max((step for _, step in steps), default=None)
+        return sum(1 for _, step in steps if step == newest)
+
+    def stop_soon() -> None:  # the run ends at a checkpoint every rank is still before
+        newest = max(step for _, step in latest_attempts(log))
+        stop_file.write_text(str((newest // 4 + 3) * 4))
+
+    def change_the_cluster() -> None:
+        try:
+            for wanted, change in ((2, node.start), (3, node.stop), (2, node.start),
+                                   (3, stop_soon)):
+                deadline = time.monotonic() + 240
+                while world_now() != wanted:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{wanted} workers (at {world_now()})")
+                    time.sleep(0.2)
+                worlds.append(wanted)
+                time.sleep(2)  # steps, and a checkpoint, at this size
+                if change is not None:
+                    change()
+        except TimeoutError as exc:
+            worlds.append(f"timed out waiting for {exc}")
+
+    changer = threading.Thread(target=change_the_cluster, daemon=True)
+    changer.start()
+    # steps paced so that the run outlasts the changes (a node takes ~5-10 s to come, Ray
+    # Train's resize check runs every 2 s), and ended a few steps after the last one; at
+    # most 300 steps of 2-3 x 2 rows, inside epoch 0
+    stop_file = tmp_path / "stop-at"
+    config = {**base_config(data, log, 300), "cache_dir": str(tmp_path / "cache"),
+              "step_seconds": 0.1, "stop_file": str(stop_file)}
+    env = {**real_cluster["env"], **{name: value for name, value in os.environ.items()
+                                     if name.startswith(("AWS_", "RAY_TRAIN_"))}}
+    try:
+        run = subprocess.run([sys.executable, "-c", ELASTIC_DRIVER, json.dumps(config),
+                              real_cluster["gcs"], str(tmp_path / "runs")], env=env,
+                             capture_output=True, text=True, timeout=600, cwd=ROOT)
+    finally:
+        changer.join(timeout=300)
+        node.stop()
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert worlds == [2, 3, 2, 3], (worlds, (tmp_path / "node.log").read_text()[-2000:])
+    last = int(stop_file.read_text())
+    assert f"finished at step {last}" in run.stdout
+    logs = latest_attempts(log)
+    assert sorted({step for _, step in logs}) == list(range(1, last + 1))
+    ids = [i for batch in logs.values() for i in batch]
+    assert len(ids) == len(set(ids)), "an observation was trained twice"
+    # auto on a bucket: windowed, a lane for each of the 2 workers it started with
+    assert sorted(ids) == expected_ids(token_dataset, len(ids), shuffle="windowed", lanes=2)
+
+
 def submit_job(cluster: dict, working_dir: str, *entrypoint: str,
                env_vars: dict[str, str] | None = None, wait: bool = True
                ) -> subprocess.CompletedProcess:

@@ -97,6 +97,20 @@ def test_restart_with_fewer_workers_continues_exactly_once_reading_s3(
                                        shuffle="windowed", lanes=2)
 
 
+def latest_attempts(log_dir: Path) -> dict[tuple[int, int], list[int]]:
+    """(rank, step) -> ids, each step as the attempt that trained it last: a restart at
+    another world size redoes the steps after its checkpoint, and the entries an earlier
+    attempt left for them (another rank set) are dropped."""
+    entries = [{**json.loads(path.read_text()), "rank": int(path.name.split("-")[0][4:])}
+               for path in log_dir.glob("rank*-step*.json")]
+    last: dict[int, dict] = {}
+    for entry in entries:
+        if entry["step"] not in last or entry["time"] > last[entry["step"]]["time"]:
+            last[entry["step"]] = entry
+    return {(entry["rank"], entry["step"]): entry["ids"] for entry in entries
+            if entry["attempt"] == last[entry["step"]]["attempt"]}
+
+
 def test_ray_data_datasource_reads_the_loader_windows(ray_session, token_dataset):
     from raypipe.ray.datasource import read_raypipe
 

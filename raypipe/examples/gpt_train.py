@@ -84,11 +84,27 @@ def _maybe_fail(config: dict[str, Any], step: int, rank: int) -> None:
     raise RuntimeError(f"injected failure at step {step}")
 
 
-def _log_step(log_dir: str | None, rank: int, step: int, batch: Any) -> None:
+def _log_step(log_dir: str | None, rank: int, step: int, batch: Any,
+              attempt: list[int]) -> None:
+    """The observations a step trained on, with the attempt that trained them (the step
+    it resumed from, its world size) and when: a step an attempt redid after a restart at
+    another world size has the later entry."""
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        entry = {"step": step, "epoch": batch.epoch, "ids": batch.observation_ids.tolist()}
+        entry = {"step": step, "epoch": batch.epoch, "ids": batch.observation_ids.tolist(),
+                 "attempt": attempt, "time": time.time()}
         (Path(log_dir) / f"rank{rank}-step{step:05d}.json").write_text(json.dumps(entry))
+
+
+def _last_step(config: dict[str, Any], max_steps: int) -> int:
+    """`max_steps`, or the step written in the file `stop_file` once it exists (a stop asked
+    for while the run goes on: every rank reads it each step and stops at that step, so it
+    must be a step no rank has passed)."""
+    stop = config.get("stop_file")
+    if not stop or not Path(stop).exists():
+        return max_steps
+    text = Path(stop).read_text().strip()
+    return min(max_steps, int(text)) if text else max_steps
 
 
 def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Any) -> int:
@@ -142,6 +158,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(resumed))
     model = ray.train.torch.prepare_model(model)
+    attempt = [step, loader.world_size]
     max_steps, every = config["max_steps"], config.get("checkpoint_every", 10)
     while step < max_steps:
         for batch in loader:
@@ -150,8 +167,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            _log_step(config.get("log_dir"), rank, step, batch)
+            _log_step(config.get("log_dir"), rank, step, batch, attempt)
             _maybe_fail(config, step, rank)
+            time.sleep(config.get("step_seconds", 0))  # test hook: a step as long as a real one
+            max_steps = _last_step(config, max_steps)
             if step % every == 0 or step == max_steps:
                 val_loss = _evaluate(model, validation, vocab, config.get("eval_batches", 2))
                 _report(model, optimizer, [loader, validation], step, float(loss.detach()),
@@ -219,15 +238,21 @@ def _report(model: nn.Module, optimizer: torch.optim.Optimizer, loaders: list[An
         ray.train.report(metrics, checkpoint=checkpoint)
 
 
-def fit(config: dict[str, Any], workers: int, storage: str, name: str, use_gpu: bool = False,
-        max_failures: int = 0) -> Any:
-    """Run the training job; a rerun with the same storage/name resumes its last checkpoint."""
+def fit(config: dict[str, Any], workers: int | tuple[int, int], storage: str, name: str,
+        use_gpu: bool = False, max_failures: int = 0, resize_seconds: float = 60.0) -> Any:
+    """Run the training job; a rerun with the same storage/name resumes its last checkpoint.
+    `workers` (min, max): Ray Train's elastic mode, which restarts the worker group at
+    another size after a failure, or when resources come (looked for every
+    `resize_seconds`); each restart resumes every loader from the last checkpoint at the
+    new world size."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    elastic = ({"elastic_resize_monitor_interval_s": resize_seconds}
+               if isinstance(workers, tuple) else {})
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, **elastic),
         run_config=RunConfig(storage_path=str(Path(storage).resolve()), name=name,
                              failure_config=FailureConfig(max_failures=max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=3)))
