@@ -5,6 +5,7 @@ checked) and resumes exactly at another world size."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -278,6 +279,43 @@ def test_two_processes_share_one_cache_without_corrupting_it(bucket, token_datas
     cached = ShardCache(cache_dir).cached_files()
     assert len(cached) == len(entries)
     assert not list(cache_dir.rglob("*.raypipe.tmp"))
+
+
+class FlipsAByte(Store):
+    """The real bucket, with the first `copies` downloads arriving with one byte flipped
+    (a transfer that came back wrong without an error)."""
+
+    def __init__(self, uri: str, copies: int):
+        super().__init__(uri)
+        self.flipped_left, self.downloads = copies, 0
+
+    def _download_once(self, relative, target):
+        size, digest = super()._download_once(relative, target)
+        self.downloads += 1
+        if self.flipped_left:
+            self.flipped_left -= 1
+            data = bytearray(target.read_bytes())
+            data[0] ^= 0xFF
+            target.write_bytes(bytes(data))
+            digest = hashlib.sha256(data).hexdigest()
+        return size, digest
+
+
+def test_a_copy_that_arrives_wrong_is_fetched_again_and_one_that_stays_wrong_is_refused(
+        bucket, token_dataset, tmp_path):
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    entry = read_manifest(uri).formats["megatron"].shards[0].files[0]
+    once = FlipsAByte(uri, copies=1)
+    cache = ShardCache(tmp_path / "cache", 10**9)
+    path = cache.fetch(once, "k", entry)
+    assert once.downloads == 2 and cache.stats.retries == 1
+    assert path.read_bytes() == (token_dataset / entry.path).read_bytes()
+    always = FlipsAByte(uri, copies=10)
+    with pytest.raises(FormatError, match="sha256 differs from the manifest") as refused:
+        ShardCache(tmp_path / "other", 10**9).fetch(always, "k", entry)
+    assert entry.path in str(refused.value) and always.downloads == 2
+    assert not list((tmp_path / "other").rglob("*.bin"))  # nothing wrong was cached
 
 
 PINNING_PROCESS = """

@@ -1,8 +1,9 @@
 """A node-local cache of dataset files that live on object storage.
 
 Invariant: a file appears under its cache name only after it was downloaded whole and its
-size and sha256 equal the manifest's (written to a hidden temp name, checked, renamed); an
-object that differs is refused with a FormatError naming its URI and nothing is cached. A
+size and sha256 equal the manifest's (written to a hidden temp name, checked, renamed); a
+copy that differs is downloaded once more, and an object that differs again is refused
+with a FormatError naming its URI, nothing cached. A
 dataset version has a directory of its own (`<cache>/<key>/`, key = hash of the URI and the
 manifest's bytes) laid out as the dataset is, so format readers open cached shards exactly as
 local ones. Every process and thread of a node may share one cache: a download holds a file
@@ -165,16 +166,21 @@ class ShardCache:
         return True
 
     def _download(self, store: Store, entry: FileEntry, final: Path) -> None:
+        """Download `entry` to `final`, checked: a copy whose size or sha256 differs from
+        the manifest is fetched once more (a transfer that came back wrong), and one that
+        differs again is refused, naming the object (it changed since the commit)."""
         temp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}"
                                ".raypipe.tmp")
         uri = store.uri_of(entry.path)
         try:
-            size, digest = store.download(entry.path, temp, self._count_retry)
-            if size != entry.bytes:
-                raise FormatError(uri, "size differs from the manifest", entry.bytes, size)
-            if digest != entry.sha256:
-                raise FormatError(uri, "sha256 differs from the manifest", entry.sha256,
-                                  digest)
+            for attempt in range(CHECKED_TRIES):
+                size, digest = store.download(entry.path, temp, self._count_retry)
+                problem = _mismatch(entry, size, digest)
+                if problem is None:
+                    break
+                if attempt + 1 == CHECKED_TRIES:
+                    raise FormatError(uri, *problem)
+                self._count_retry(FormatError(uri, *problem))
             os.replace(temp, final)
         except FileNotFoundError as exc:
             if store.exists(entry.path):  # the local side failed
@@ -292,6 +298,18 @@ class ShardCache:
             logger.warning("%s: the shards in use (%s bytes) exceed the budget; raise it to at "
                            "least the working set (the windowed shuffle bounds that: "
                            "docs/cluster.md sizes it)", self, f"{total:,}")
+
+
+CHECKED_TRIES = 2  # downloads of one object whose copy must match the manifest
+
+
+def _mismatch(entry: FileEntry, size: int, digest: str) -> tuple[str, object, object] | None:
+    """How a downloaded copy differs from its manifest entry (None: it does not)."""
+    if size != entry.bytes:
+        return "size differs from the manifest", entry.bytes, size
+    if digest != entry.sha256:
+        return "sha256 differs from the manifest", entry.sha256, digest
+    return None
 
 
 def _alive(pid: int) -> bool:

@@ -7,10 +7,11 @@ communicate. Shuffles:
 - `global` touches every shard in every stretch of the epoch.
 - `windowed` (ShardWindows; raypipe.sampling.permute.WindowedPermutation) puts the shards
   in a Feistel order and cuts it into windows of `window_shards`; the documents of a window
-  are permuted among themselves and windows are read in turn. A node holds one window and
-  the next while every shard is equally likely in any window: each shard is fetched once
-  per epoch and node, and a step mixes documents of `window_shards` shards drawn from the
-  whole corpus (bestfit's blocks may straddle two windows).
+  are permuted among themselves (bestfit's blocks end where windows do), and the windows,
+  split into `lanes` lanes (LaneOrder), are read a lane a rank. A rank holds the window it
+  reads and the next while every shard is equally likely in any window: a node fetches
+  each shard of its ranks' lanes once per epoch (about its share of the dataset), and a
+  step mixes documents of lanes x window_shards shards drawn from the whole corpus.
 - `shard_local` (ShardGroups) cuts the shards into groups of consecutive shards; the
   observations of a group are contiguous positions (groups in a Feistel order,
   observations inside a group in another). Its statistical cost: a batch mixes documents
