@@ -95,7 +95,10 @@ def test_trace_of_a_bestfit_step_on_two_ranks_names_the_source_rows_of_every_pie
 
 @pytest.mark.parametrize("mode, knobs", [("windows", {}), ("documents", {}),
                                          ("bestfit", {"packing": "split"}),
-                                         ("bestfit", {"packing": "crop"})])
+                                         ("bestfit", {"packing": "crop"}),
+                                         ("bestfit", {"shuffle": "windowed", "lanes": 2,
+                                                      "window_shards": 1}),
+                                         ("documents", {"shuffle": "windowed", "lanes": 3})])
 def test_trace_names_the_source_rows_of_every_mode(gapped, tokenizer_path, mode, knobs):
     tokenizer = Tokenizer.from_file(tokenizer_path)
     loader = TokenLoader(gapped, T, B, mode=mode, seed=1, **knobs)
@@ -108,10 +111,14 @@ def test_trace_names_the_source_rows_of_every_mode(gapped, tokenizer_path, mode,
             break
 
 
+@pytest.mark.parametrize("knobs", [{}, {"shuffle": "windowed", "window_shards": 1}],
+                         ids=["global", "windowed"])
 def test_trace_from_a_saved_state_covers_the_steps_after_it(gapped, tokenizer_path,
-                                                            tmp_path):
+                                                            tmp_path, knobs):
+    """The state holds the shuffle (a windowed one: its lanes, 2 here, those of the world
+    size it started at), so trace needs no knob."""
     tokenizer = Tokenizer.from_file(tokenizer_path)
-    loader = TokenLoader(gapped, T, B, seed=4, rank=0, world_size=2)
+    loader = TokenLoader(gapped, T, B, seed=4, rank=0, world_size=2, **knobs)
     batches = iter(loader)
     for _ in range(3):
         next(batches)
