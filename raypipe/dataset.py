@@ -100,6 +100,7 @@ class ShardSet:
                 manifest.to_json(), sort_keys=True).encode())
             self.local_root = self.cache.dataset_dir(self.key)
         self._fetching: dict[int, Future] = {}
+        self._opening: int | None = None  # the shard a reader waits for (object storage)
         self.closes = 0  # shards closed so far: holders of shard arrays drop theirs on change
         self._pinned: dict[int, list[Path]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -174,9 +175,12 @@ class ShardSet:
         assert self.cache is not None
         return int(self.cache.budget_bytes * share)
 
-    def fetching_now(self) -> int:
-        """Shards being fetched into the cache now (prefetched, not done)."""
-        return sum(not future.done() for future in self._fetching.values())
+    def fetching_now(self) -> list[str]:
+        """The shards being fetched into the cache now: the one a reader waits to open
+        first, then those fetched ahead and not done."""
+        ahead = [index for index, future in list(self._fetching.items()) if not future.done()]
+        waited = [] if self._opening is None else [self._opening]
+        return [self.shards[index].name for index in dict.fromkeys([*waited, *ahead])]
 
     def close(self) -> None:
         """Stop background fetches and close every open shard."""
@@ -228,7 +232,11 @@ class ShardSet:
             reader = self.format.reader.from_manifest(self.local_root, shard, self.section,
                                                       self.tokenizer)
         else:
-            reader = self._open_cached(index, refresh)
+            self._opening = index
+            try:
+                reader = self._open_cached(index, refresh)
+            finally:
+                self._opening = None
         self.check_reader(reader, shard)
         self._readers[index] = reader
         if self.cache is not None:

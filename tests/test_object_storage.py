@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -533,3 +534,32 @@ def test_an_object_that_keeps_failing_fails_in_one_line_naming_it_and_the_tries(
     message = str(failed.value)
     assert message.startswith(f"{uri}/megatron/") and ".idx: cannot download" in message
     assert f"(failed {DOWNLOAD_TRIES} times; giving up)" in message and "\n" not in message
+
+
+@pytest.mark.slow
+def test_a_late_batch_names_the_shard_the_loader_waits_on(bucket, token_dataset, tmp_path,
+                                                          monkeypatch):
+    """While the shards a batch needs are on their way (here: a bucket 150 ms a request
+    away), the line the loader logs for a late batch names them, and the cache's counts."""
+    import threading
+
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, 150).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        loader = TokenLoader(uri, 32, 4, seed=2, cache_dir=tmp_path / "cache")
+        first = threading.Thread(target=lambda: next(iter(loader)))
+        first.start()
+        deadline = time.monotonic() + 60
+        while not loader.dataset.fetching_now() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        named = loader.dataset.fetching_now()
+        line = loader.waits.describe()
+        first.join()
+    finally:
+        proxy.stop()
+    shard_names = {shard.name for shard in loader.dataset.shards}
+    assert named and set(named) <= shard_names
+    assert line.startswith(f"waiting on {named[0]}"), line
+    assert uri in line and "downloads" in line and "budget" in line

@@ -60,6 +60,7 @@ from raypipe.sampling.schedule import (
 )
 
 logger = logging.getLogger("raypipe")
+FETCHES_NAMED = 3  # shards a slow-wait line names
 DESCRIBE_STEPS = 64
 
 __all__ = ["Batch", "TokenLoader"]
@@ -382,14 +383,18 @@ class TokenLoader:
         return LoaderStats(self.data_waits, cache.stats, cache.budget_bytes, cache.used_bytes())
 
     def _fetching_now(self) -> str:
-        """What the loader was doing while a batch was late: shards on their way from
-        object storage, and its cache's counts."""
+        """What the loader was doing while a batch was late: the shards on their way from
+        object storage, by name, and its cache's counts."""
         stats = self.cache_stats
         if stats is None:
             return ""
-        return (f"{self.dataset.fetching_now()} shard(s) of {self.dataset.root} being fetched; "
-                f"cache so far: {stats.downloads} downloads, {stats.downloaded_bytes:,} bytes, "
-                f"{stats.retries} retries, {stats.evicted_files} evictions")
+        names = self.dataset.fetching_now()
+        shown = ", ".join(names[:FETCHES_NAMED]) + (f" and {len(names) - FETCHES_NAMED} more"
+                                                    if len(names) > FETCHES_NAMED else "")
+        return (f"waiting on {shown or 'no shard'} of {self.dataset.root} (the first: the one "
+                f"the next batch opens, if any); cache so far: {stats.downloads} downloads, "
+                f"{stats.downloaded_bytes:,} bytes, {stats.retries} retries, "
+                f"{stats.evicted_files} evictions, budget {self.dataset.cache.budget_bytes:,}")
 
     @property
     def cache_stats(self) -> CacheStats | None:
