@@ -187,13 +187,13 @@ class AddedNode:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_elastic_ray_train_grows_shrinks_and_grows_and_trains_every_observation_once(
+def test_elastic_ray_train_grows_then_shrinks_and_trains_every_observation_once(
         real_cluster, token_dataset, bucket, tmp_path):
     """Ray Train's elastic mode, ScalingConfig(num_workers=(1, 3)), reading a bucket: it
-    starts on the cluster's 2 CPUs, grows to 3 workers when a node comes, restarts at 2 when
-    that node is killed mid-epoch, and grows back when a node comes again; each restart
-    resumes every loader from the last checkpoint at the new world size. Every observation
-    is trained once, as the plan of the world size the run started at orders them."""
+    starts on the cluster's 2 CPUs, grows to 3 workers when a node comes, and restarts at 2
+    when that node is killed mid-epoch; each restart resumes every loader from the last
+    checkpoint at the new world size. Every observation is trained once, as the plan of the
+    world size the run started at orders them."""
     import threading
 
     from tests.helpers import upload_tree
@@ -215,8 +215,7 @@ def test_elastic_ray_train_grows_shrinks_and_grows_and_trains_every_observation_
 
     def change_the_cluster() -> None:
         try:
-            for wanted, change in ((2, node.start), (3, node.stop), (2, node.start),
-                                   (3, stop_soon)):
+            for wanted, change in ((2, node.start), (3, node.stop), (2, stop_soon)):
                 deadline = time.monotonic() + 240
                 while world_now() != wanted:
                     if time.monotonic() > deadline:
@@ -228,6 +227,8 @@ def test_elastic_ray_train_grows_shrinks_and_grows_and_trains_every_observation_
                     change()
         except TimeoutError as exc:
             worlds.append(f"timed out waiting for {exc}")
+        except Exception as exc:  # noqa: BLE001  (said in the assertion below)
+            worlds.append(f"the cluster changer failed: {exc!r}")
 
     changer = threading.Thread(target=change_the_cluster, daemon=True)
     changer.start()
@@ -247,7 +248,7 @@ def test_elastic_ray_train_grows_shrinks_and_grows_and_trains_every_observation_
         changer.join(timeout=300)
         node.stop()
     assert run.returncode == 0, run.stderr[-3000:]
-    assert worlds == [2, 3, 2, 3], (worlds, (tmp_path / "node.log").read_text()[-2000:])
+    assert worlds == [2, 3, 2], (worlds, (tmp_path / "node.log").read_text()[-2000:])
     last = int(stop_file.read_text())
     assert f"finished at step {last}" in run.stdout
     logs = latest_attempts(log)

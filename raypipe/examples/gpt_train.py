@@ -93,7 +93,10 @@ def _log_step(log_dir: str | None, rank: int, step: int, batch: Any,
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         entry = {"step": step, "epoch": batch.epoch, "ids": batch.observation_ids.tolist(),
                  "attempt": attempt, "time": time.time()}
-        (Path(log_dir) / f"rank{rank}-step{step:05d}.json").write_text(json.dumps(entry))
+        final = Path(log_dir) / f"rank{rank}-step{step:05d}.json"
+        temporary = final.with_name(f".{final.name}.tmp")
+        temporary.write_text(json.dumps(entry))
+        os.replace(temporary, final)  # a reader never sees half an entry
 
 
 def _last_step(config: dict[str, Any], max_steps: int) -> int:
