@@ -130,3 +130,24 @@ def test_convert_writes_and_reads_both_plugin_formats_with_their_options(plugin_
                          str(tmp_path / "x"), "--format", "nanogpt", "--flat-offset-width",
                          "4", status=2)
     assert "options of flat given" in wrong.stderr, wrong.stderr
+
+
+def test_a_new_in_tree_format_is_one_new_file_in_the_formats_package(tmp_path):
+    """The docs' `flat` format saved as raypipe/formats/flat.py in a copy of the package
+    (tmp_path) is registered, with its option, by importing raypipe.formats: no list of
+    names to edit."""
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "raypipe"
+    shutil.copytree(ROOT / "raypipe", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "formats" / "flat.py").write_text(documented_formats()["flat"])
+    check = ("import raypipe, raypipe.formats as f; "
+             f"assert raypipe.__file__.startswith({str(copy)!r}), raypipe.__file__; "
+             "print(sorted(f.FORMATS))")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          cwd=tmp_path, env={"PYTHONPATH": str(tmp_path), "PATH": ""},
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "'flat'" in done.stdout and "'megatron'" in done.stdout
