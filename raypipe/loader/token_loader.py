@@ -276,15 +276,16 @@ class TokenLoader:
 
     def _fetch_ahead(self, builder: Any, positions: np.ndarray,
                      following: np.ndarray | None) -> None:
-        """Object storage: fetch the shards of the steps described now, then those of the
-        next window (a windowed shuffle: the shards of windows already read are closed) or
-        of the next chunk of steps (`following`)."""
+        """Object storage: fetch the shards of the steps described now, then those the
+        shuffle plans next (a windowed one: the next window's, and the shards of windows
+        already read are closed) or, where it plans none, those of the next chunk of steps
+        (`following`)."""
         needed = builder.shards(positions).tolist()
         self.dataset.prefetch(needed)
-        if self.spec.shuffle == "windowed":
-            ahead = builder.shards_ahead(int(positions[0, 0])).tolist()
-            self.dataset.close_except([*needed, *ahead])
-            self.dataset.prefetch(ahead)
+        ahead = builder.shards_ahead(int(positions[0, 0]))
+        if ahead is not None:
+            self.dataset.close_except([*needed, *ahead.tolist()])
+            self.dataset.prefetch(ahead.tolist())
         elif following is not None:
             self.dataset.prefetch(builder.shards(following).tolist())
 

@@ -89,7 +89,7 @@ class LossMaskedFiller(BatchFiller[Any]):
     def shards(self, positions: np.ndarray) -> np.ndarray:
         return self.inner.shards(positions)
 
-    def shards_ahead(self, position: int) -> np.ndarray:
+    def shards_ahead(self, position: int) -> np.ndarray | None:
         return self.inner.shards_ahead(position)
 
     def fill(self, plan: BatchPlan[Any], buffers: BatchBuffers) -> Filled:

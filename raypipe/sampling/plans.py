@@ -269,12 +269,14 @@ DocumentOrder = FeistelPermutation | GroupedPermutation | WindowedPermutation
 
 
 def next_window_shards(order: Any, order_position: int, lanes: LaneOrder | None = None,
-                       observation: int = 0) -> np.ndarray:
+                       observation: int = 0) -> np.ndarray | None:
     """The shards of the window after the one holding position `order_position` of a
     windowed document order (what a reader fetches while it reads this window), within the
-    lane of `observation` (None: one lane); empty for other orders, at a lane's or the
-    epoch's last window, and past the end."""
-    if not isinstance(order, WindowedPermutation) or not 0 <= order_position < len(order):
+    lane of `observation` (None: one lane); empty at a lane's or the epoch's last window and
+    past the end; None for an order without windows."""
+    if not isinstance(order, WindowedPermutation):
+        return None
+    if not 0 <= order_position < len(order):
         return np.empty(0, dtype=np.int64)
     window = int(np.searchsorted(order.window_starts, order_position, side="right")) - 1
     last = order.num_windows

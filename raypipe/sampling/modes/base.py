@@ -75,10 +75,11 @@ class BatchFiller(ABC, Generic[RowT]):
 
     boundaries: bool = True
 
-    def shards_ahead(self, position: int) -> np.ndarray:
-        """Shards to fetch beyond those of the next steps, while observation `position` is
-        read: under a windowed shuffle, the next window's (empty otherwise)."""
-        return np.empty(0, dtype=np.int64)
+    def shards_ahead(self, position: int) -> np.ndarray | None:
+        """The shards to fetch while observation `position` is read, planned by the shuffle:
+        under a windowed one, the next window's of its lane (empty at a lane's end); None
+        where the shuffle plans no windows (the loader fetches the next steps' instead)."""
+        return None
 
     def token_ranges(self, plan: BatchPlan[RowT]) -> list[list[tuple[int, int, int]]] | None:
         """Per row of a described batch: (shard, first token in the shard, count) of each

@@ -290,10 +290,11 @@ class BestFitPlan:
         """Tokens the report counts for the rows at `positions` (their pieces)."""
         return sum(int(row.take.sum()) for _, row in self.rows(positions))
 
-    def shards_ahead(self, position: int) -> np.ndarray:
-        """The next window's shards in the lane of position `position` (windowed)."""
-        if not self.num_blocks or position >= self.size:
-            return np.empty(0, dtype=np.int64)
+    def shards_ahead(self, position: int) -> np.ndarray | None:
+        """The next window's shards in the lane of position `position` (windowed; None for
+        another order)."""
+        if self.uniform or not self.num_blocks or position >= self.size:
+            return None if self.uniform else np.empty(0, dtype=np.int64)
         row = int(self.observations(np.array([position], dtype=np.int64))[0])
         block = int(np.searchsorted(self.row_offsets, row, side="right")) - 1
         return next_window_shards(self.document_order, int(self.block_starts[block]),
@@ -539,7 +540,7 @@ class BestFitFiller(BatchFiller[list[Piece]]):
         return [[(piece.shard, piece.first, piece.count) for piece in row]
                 for row in plan.rows]
 
-    def shards_ahead(self, position: int) -> np.ndarray:
+    def shards_ahead(self, position: int) -> np.ndarray | None:
         plan, head = self.plan, getattr(self.plan, "head_rows", 0)
         plan = getattr(plan, "tail", plan)  # a continued plan: the blocks after its head
         return plan.shards_ahead(max(position - head, 0))

@@ -110,11 +110,10 @@ class DocumentsFiller(BatchFiller[DocumentRow]):
     def shards(self, positions: np.ndarray) -> np.ndarray:
         return self.source.shards_of_documents(self.plan.documents(positions.reshape(-1)))
 
-    def shards_ahead(self, position: int) -> np.ndarray:
+    def shards_ahead(self, position: int) -> np.ndarray | None:
         plan = self.plan
-        if position >= plan.count:
-            return np.empty(0, dtype=np.int64)
-        order = position if plan.lanes is None else int(plan.lanes(np.array([position]))[0])
+        order = (position if plan.lanes is None or position >= plan.count
+                 else int(plan.lanes(np.array([position]))[0]))
         return next_window_shards(plan.permutation, order, plan.lanes, order)
 
     def fill(self, plan: BatchPlan[DocumentRow], buffers: BatchBuffers) -> Filled:
