@@ -94,7 +94,7 @@ resumed.load_state_dict(state)
 next(iter(resumed))
 resume = time.perf_counter() - began
 began = time.perf_counter()
-loader.prepare_epoch(loader.epoch + 1).join()  # what the loader starts halfway through
+loader.run.prepare_epoch(loader.epoch + 1).join()  # what the loader starts halfway through
 prepare = time.perf_counter() - began
 began = time.perf_counter()
 loader.plan(loader.epoch + 1)

@@ -401,7 +401,7 @@ def test_windows_batches_carry_stream_metadata(rich_dataset):
 def test_an_options_record_and_keywords_make_the_same_loader(token_dataset):
     from raypipe.loader import LoaderOptions
 
-    options = LoaderOptions(seq_len=T, batch_size=B, mode="windows", seed=5)
+    options = LoaderOptions.of(seq_len=T, batch_size=B, mode="windows", seed=5)
     by_record = TokenLoader(token_dataset, options=options)
     by_keywords = TokenLoader(token_dataset, T, B, mode="windows", seed=5)
     assert by_record.state_dict() == by_keywords.state_dict()

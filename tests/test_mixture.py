@@ -158,7 +158,7 @@ def test_a_changed_or_missing_source_is_refused_naming_it(sources, tmp_path, cap
         other.load_state_dict(state)
     changed = json.loads(json.dumps(state))
     changed["sources"]["code"]["dataset"] = "0" * 16
-    with pytest.raises(StateError, match="'code' changed"):
+    with pytest.raises(StateError, match="source 'code' .* changed"):
         open_loader(sources, 16, 4).load_state_dict(changed)
     with caplog.at_level(logging.INFO, logger="raypipe"):
         reweighted = open_loader(sources, 16, 4, weights={"web": 0.9, "code": 0.1})

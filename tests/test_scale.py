@@ -40,7 +40,7 @@ def test_a_rank_maps_one_node_file_of_lengths_written_once(token_dataset, tmp_pa
     from raypipe.dataset import TokenDataset
 
     loader = TokenLoader(token_dataset, 16, 2, mode="bestfit", cache_dir=tmp_path)
-    lengths = loader.planned.document_lengths()
+    lengths = loader.run.planned.document_lengths()
     ((_, mapped),) = list(lengths.chunks())
     assert mapped.dtype == np.int32 and not mapped.flags.owndata
     assert not mapped.flags.writeable  # a read-only map of the node's file, not a copy
@@ -52,7 +52,7 @@ def test_a_rank_maps_one_node_file_of_lengths_written_once(token_dataset, tmp_pa
                         lambda *_: pytest.fail("lengths file written twice"))
     again = TokenLoader(token_dataset, 16, 2, mode="bestfit", rank=1, world_size=2,
                         cache_dir=tmp_path)
-    assert np.array_equal(again.planned.document_lengths()[ids], expected[ids])
+    assert np.array_equal(again.run.planned.document_lengths()[ids], expected[ids])
 
 
 def test_shard_lengths_without_the_node_cache_are_views_of_the_index_files(token_dataset):
@@ -77,13 +77,13 @@ def test_ranks_on_a_node_share_one_computation_of_the_block_sums(token_dataset, 
     second = TokenLoader(token_dataset, 16, 2, mode="bestfit", rank=1, world_size=2, seed=4)
     assert np.array_equal(second.plan().row_offsets, offsets)
     monkeypatch.undo()
-    fresh = BestFitPlan(first.planned.document_lengths().to_array(), 16, 4, 0)
+    fresh = BestFitPlan(first.run.planned.document_lengths().to_array(), 16, 4, 0)
     assert np.array_equal(fresh.row_offsets, offsets)  # the cached sums are the true ones
 
 
 def test_the_next_epochs_plan_is_prepared_in_the_background(token_dataset, monkeypatch):
     loader = TokenLoader(token_dataset, 16, 2, mode="bestfit", seed=8)
-    loader.prepare_epoch(5).join()
+    loader.run.prepare_epoch(5).join()
     monkeypatch.setattr(BestFitPlan, "block_token_sums",
                         lambda self: pytest.fail("epoch 5 computed at the boundary"))
     assert loader.plan(5).size > 0

@@ -369,7 +369,7 @@ def test_a_mixture_changes_seq_len_declared_or_on_resume_and_serves_no_token_twi
         where = end["sources"][name]
         assert where["epoch"] == 0
         source = last.sources[last.names.index(name)]
-        plan = source.plans(0, tuple(Phase(*phase) for phase in where["phases"]))
+        plan = source.planned.plan(0, tuple(Phase(*phase) for phase in where["phases"]))
         left = plan.counted_tokens(np.arange(where["position"], plan.size, dtype=np.int64))
         served = int((counts[first_id:first_id + total] == 1).sum())
         assert served + left == total, name

@@ -91,7 +91,7 @@ def test_train_windows_are_cut_from_the_train_documents_alone(token_dataset):
                          validation_fraction=0.3)
     dataset = TokenDataset(token_dataset)
     documents = list(dataset.iter_documents())
-    stream = np.concatenate([documents[i] for i in loader.split.ids.tolist()])
+    stream = np.concatenate([documents[i] for i in loader.run.planned.split.ids.tolist()])
     assert loader.plan().size == (stream.size - 1) // 32
     for batch in loader:
         for row, window in enumerate(batch.observation_ids.tolist()):

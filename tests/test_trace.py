@@ -137,13 +137,13 @@ def test_trace_from_a_saved_state_covers_the_steps_after_it(gapped, tokenizer_pa
 
 
 def test_trace_refuses_a_state_from_a_release_that_cut_rows_otherwise(gapped):
-    from raypipe.errors import ConfigError
+    from raypipe.errors import StateError
 
     loader = TokenLoader(gapped, T, B, seed=4)
     next(iter(loader))
     state = loader.state_dict()
     del state["knobs"]["pieces"]  # as 0.4 saved it: its rows were cut by another rule
-    with pytest.raises(ConfigError, match="another release"):
+    with pytest.raises(StateError, match="another release"):
         list(trace(gapped, state=state))
 
 

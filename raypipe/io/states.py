@@ -42,6 +42,15 @@ def read_state(cls: type[State], state: Any, where: str) -> State:
                          + f" in the {where}") from None
 
 
+def read_any_state(state: dict[str, Any] | None) -> LoaderState | MixtureState | None:
+    """A loader's state or a mixture's (`kind: mixture`), from its dict (None: None)."""
+    if state is None:
+        return None
+    if state.get("kind") == "mixture":
+        return read_state(MixtureState, state, "mixture state")
+    return read_state(LoaderState, state, "loader state")
+
+
 def check_position(where: str, epoch: int, position: int) -> None:
     if not 0 <= epoch < MAX_EPOCH:
         raise FormatError(where, f"field 'epoch' {epoch} outside [0, 2^53)")

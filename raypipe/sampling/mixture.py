@@ -330,6 +330,21 @@ def read_stages(path: str | Path) -> list[tuple[int, dict[str, float]]]:
     return chosen
 
 
+def mixture_sources(source: str | Path | dict, weights: dict[str, float] | None,
+                    stages: list[tuple[int, dict[str, float]]] | None
+                    ) -> tuple[dict[str, str | Path], dict[str, float] | None,
+                               list[tuple[int, dict[str, float]]] | None]:
+    """(paths, weights, stages) of a mixture given as {name: path} or as a YAML file (its
+    own weights and stages unless `weights` or `stages` are given)."""
+    if isinstance(source, dict):
+        return dict(source), weights, stages
+    spec = read_mixture(source)
+    paths: dict[str, str | Path] = {name: entry.path for name, entry in spec.items()}
+    if weights is None and stages is None:
+        return paths, spec_weights(spec), read_stages(source)
+    return paths, weights, stages
+
+
 def is_mixture_spec(location: object) -> bool:
     return isinstance(location, str | Path) and str(location).endswith(MIXTURE_SUFFIXES)
 

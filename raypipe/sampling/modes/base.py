@@ -162,6 +162,18 @@ class PlanSpec:
         shared = {name: values.pop(name) for name in SHARED_KNOBS if name in values}
         return cls(mode, seq_len, **shared, knobs=mode_knobs(mode, values))
 
+    def updated(self, others: Iterable[str] = (), **values: Any) -> PlanSpec:
+        """This spec with `values` (shared knobs and the mode's own, by name) in place of
+        its own; another mode's own knobs start at their defaults. A name that is no knob
+        is one ConfigError naming it and what is taken: the knobs and `others`."""
+        mode = current_mode_name(values.pop("mode", self.mode))
+        shared = {name: getattr(self, name) for name in SHARED_KNOBS if name != "mode"}
+        shared.update({name: values.pop(name) for name in SHARED_KNOBS if name in values})
+        refuse_stray_knobs(mode, values, {*SHARED_KNOBS, *others})
+        own = ({item.name: getattr(self.knobs, item.name) for item in fields(self.knobs)}
+               if mode == self.mode else {})
+        return PlanSpec(mode, **shared, knobs=get_mode(mode).Knobs(**{**own, **values}))
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", current_mode_name(self.mode))
         for name, value, allowed in (("mode", self.mode, mode_names()),
