@@ -25,37 +25,33 @@ from pathlib import Path
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
-from raypipe.cli import add_schedule_arguments  # noqa: E402
+from raypipe.cli import (  # noqa: E402
+    HelpFormatter,
+    add_plan_arguments,
+    add_schedule_arguments,
+    plan_knobs,
+)
 from raypipe.errors import RaypipeError, StateError  # noqa: E402
-from raypipe.examples.gpt_train import fit  # noqa: E402
+from raypipe.examples.gpt_train import fit, open_loaders  # noqa: E402
 from raypipe.io.paths import check_lasting_location  # noqa: E402
-from raypipe.sampling.modes import mode_names  # noqa: E402
-from raypipe.sampling.plans import SHUFFLES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0].replace("\n", " "),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     parser.add_argument("--data", required=True,
                         help="a raypipe output (a directory or a URI: s3://, gs://, ...) or "
                         "a mixture YAML (sources: {name: {path, weight}})")
-    parser.add_argument("--seq-len", type=int, default=128,
-                        help="T: tokens a row trains (rows hold T + 1)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per worker per step")
     add_schedule_arguments(parser)
-    parser.add_argument("--mode", default="bestfit", choices=list(mode_names()),
-                        help="how rows are made (docs/loader.md)")
-    parser.add_argument("--seed", type=int, default=0, help="the loader's shuffle seed")
-    parser.add_argument("--shuffle", default="auto", choices=list(SHUFFLES),
-                        help="auto: global for local data, windowed for a bucket (each node "
-                        "fetches its ranks' share once per epoch: docs/cluster.md)")
+    # every loader knob (mode, seed, shuffle, ... and each mode's own), as the CLI's; a
+    # --validation-fraction holds documents out and reports val_loss at checkpoints (a
+    # validation loader with its own state)
+    add_plan_arguments(parser, seq_len=128)
     parser.add_argument("--cache-dir", default=None,
                         help="node-local shard cache for URI data (None: "
                         "$RAYPIPE_CACHE_DIR, else ~/.cache/raypipe)")
-    parser.add_argument("--validation-fraction", type=float, default=None,
-                        help="hold out this share of documents; report val_loss at "
-                        "checkpoints (a validation loader with its own state)")
     parser.add_argument("--workers", type=worker_count, default=2,
                         help="Ray Train workers: N, or MIN-MAX for Ray Train's elastic mode "
                         "(the group restarts at another size after a failure or when nodes "
@@ -102,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
               "further, or pass another --name for a new run")
         return 0
     try:
-        check_loader_states(Path(args.storage) / args.name, args)
+        check_loader_states(Path(args.storage) / args.name, run_config(args))
     except RaypipeError as exc:  # a state that cannot resume: fail now, not per retry
         print(f"raypipe: error: {exc}", file=sys.stderr)
         return 2
@@ -117,11 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raypipe: error: {missing}; pass fewer --workers, or --wait-for-resources "
               "on a cluster that autoscales", file=sys.stderr)
         return 2
-    data = args.data if "://" in args.data else os.path.abspath(args.data)
-    config = {"data": data, "shuffle": args.shuffle, **loader_shape(args),
-              "cache_dir": args.cache_dir, "validation_fraction": args.validation_fraction,
-              "mode": args.mode, "seed": args.seed,
-              "max_steps": args.max_steps, "checkpoint_every": args.checkpoint_every}
+    config = {**run_config(args), "max_steps": args.max_steps,
+              "checkpoint_every": args.checkpoint_every}
     from raypipe.ray.stderr_lines import dropping_ray_noise
 
     with dropping_ray_noise():  # Ray's error line for the controller's PreemptionWatcher
@@ -144,14 +137,22 @@ def worker_count(text: str) -> int | tuple[int, int]:
     return counts
 
 
-def loader_shape(args: argparse.Namespace) -> dict:
-    """The loader's seq_len and batch size: fixed, or their schedules (which replace them)."""
-    return {"seq_len": None if args.seq_len_schedule else args.seq_len,
+def run_config(args: argparse.Namespace) -> dict:
+    """The loaders' part of the run's config (raypipe.examples.gpt_train.open_loaders):
+    the data, seq_len and batch size or their schedules (which replace them), the share of
+    documents held out, and every loader option given on the command line."""
+    knobs = plan_knobs(args)
+    held_out = knobs.pop("validation_fraction", None)
+    where = {"cache_dir": args.cache_dir, "format": args.format}
+    return {"data": args.data if "://" in args.data else os.path.abspath(args.data),
+            "seq_len": None if args.seq_len_schedule else args.seq_len,
             "batch_size": None if args.batch_schedule else args.batch_size,
-            "batch_schedule": args.batch_schedule, "seq_len_schedule": args.seq_len_schedule}
+            "batch_schedule": args.batch_schedule, "seq_len_schedule": args.seq_len_schedule,
+            "validation_fraction": held_out,
+            "options": {**knobs, **{name: value for name, value in where.items() if value}}}
 
 
-def check_loader_states(run: Path, args: argparse.Namespace) -> None:
+def check_loader_states(run: Path, config: dict) -> None:
     """Load the newest checkpoint's loader states into loaders of this run's settings, on
     the driver: a state made for another dataset or other knobs is refused here, once,
     instead of failing every worker and every Ray Train retry."""
@@ -161,26 +162,18 @@ def check_loader_states(run: Path, args: argparse.Namespace) -> None:
     from raypipe.loader import open_loader
     from raypipe.ray.train import state_file_name
 
-    data = args.data if "://" in args.data else os.path.abspath(args.data)
-    shape = loader_shape(args)
-    loaders = {"train": {"mode": args.mode, "batch_schedule": shape["batch_schedule"],
-                         "seq_len_schedule": shape["seq_len_schedule"]}}
-    if args.validation_fraction:
-        loaders["train"].update(split="train", validation_fraction=args.validation_fraction)
-        loaders["validation"] = {"mode": "documents", "split": "validation",
-                                 "validation_fraction": args.validation_fraction}
-    for name, options in loaders.items():
+    def resumed(data: str, seq_len: int | None, batch_size: int | None, name: str,
+                **options: object) -> object:
+        loader = open_loader(data, seq_len, batch_size, **options)
         path = newest[1] / state_file_name(name)
         if path.exists():
-            fixed = name == "validation"  # one shape: the first of the schedules
-            loader = open_loader(
-                data, args.seq_len if fixed or not shape["seq_len_schedule"] else None,
-                args.batch_size if fixed or not shape["batch_schedule"] else None,
-                seed=args.seed, shuffle=args.shuffle, cache_dir=args.cache_dir, **options)
             try:
                 loader.load_state_dict(json.loads(path.read_text()))
             except RaypipeError as exc:
                 raise StateError(f"{path}: cannot resume this run: {exc}") from exc
+        return loader
+
+    open_loaders(config, resumed)
 
 
 def newest_checkpoint(run: Path) -> tuple[int, Path] | None:

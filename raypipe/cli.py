@@ -22,7 +22,7 @@ from raypipe import interrupts
 from raypipe.config import ChatConfig, TokenizeConfig, legacy, load_config
 from raypipe.errors import ConfigError, RaypipeError
 from raypipe.formats import FORMATS, BatchOptions
-from raypipe.io.records import knob_choices
+from raypipe.knobs import knob_choices
 from raypipe.sampling.modes import knob_fields
 
 

@@ -236,8 +236,9 @@ def test_elastic_ray_train_grows_then_shrinks_and_trains_every_observation_once(
     # Train's resize check runs every 2 s), and ended a few steps after the last one; at
     # most 300 steps of 2-3 x 2 rows, inside epoch 0
     stop_file = tmp_path / "stop-at"
-    config = {**base_config(data, log, 300), "cache_dir": str(tmp_path / "cache"),
-              "step_seconds": 0.1, "stop_file": str(stop_file)}
+    config = {**base_config(data, log, 300), "step_seconds": 0.1,
+              "stop_file": str(stop_file)}
+    config["options"]["cache_dir"] = str(tmp_path / "cache")
     env = {**real_cluster["env"], **{name: value for name, value in os.environ.items()
                                      if name.startswith(("AWS_", "RAY_TRAIN_"))}}
     try:

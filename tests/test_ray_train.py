@@ -37,8 +37,8 @@ def expected_ids(data: Path, positions: int, **knobs) -> list[int]:
 
 
 def base_config(data: Path, log_dir: Path, max_steps: int) -> dict:
-    return {"data": str(data), "seq_len": SEQ, "batch_size": BATCH, "mode": "bestfit",
-            "seed": 7, "max_steps": max_steps, "checkpoint_every": 4, "log_dir": str(log_dir),
+    return {"data": str(data), "seq_len": SEQ, "batch_size": BATCH,
+            "options": {"mode": "bestfit", "seed": 7}, "max_steps": max_steps, "checkpoint_every": 4, "log_dir": str(log_dir),
             "width": 32}
 
 
@@ -79,11 +79,13 @@ def test_restart_with_fewer_workers_continues_exactly_once_reading_s3(
     # max_failures: Ray Train can lose a run's placement group to an infrastructure hiccup
     # on a loaded 2-core machine ("placement group was removed"); such a restart resumes
     # from the last checkpoint, and the exactly-once checks below still hold.
-    config = {**base_config(data, log, 8), "cache_dir": str(tmp_path / "cache")}
+    config = base_config(data, log, 8)
+    config["options"]["cache_dir"] = str(tmp_path / "cache")
     first = fit(config, workers=2, storage=str(tmp_path / "runs"), name="resize",
                 max_failures=2)
     assert first.metrics["step"] == 8
-    config = {**base_config(data, log, 14), "cache_dir": str(tmp_path / "cache")}
+    config = base_config(data, log, 14)
+    config["options"]["cache_dir"] = str(tmp_path / "cache")
     second = fit(config, workers=1, storage=str(tmp_path / "runs"), name="resize",
                  max_failures=2)
     assert second.metrics["step"] == 14

@@ -15,6 +15,7 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,33 +120,40 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Any
         return json.loads((Path(directory) / "trainer.json").read_text())["step"]
 
 
+def open_loaders(config: dict[str, Any], opener: Callable[..., Any]) -> tuple[Any, Any]:
+    """The run's loaders, opened by `opener` (raypipe.ray.train.worker_loader in a worker;
+    a driver's check opens them as they resume): "train" with the run's `options` (the
+    loader's keywords, as jobs/train.py takes them from the command line) and schedules,
+    and, where `validation_fraction` holds documents out, "validation" over them (None
+    otherwise)."""
+    options, held_out = config.get("options", {}), config.get("validation_fraction")
+    split = {"split": "train", "validation_fraction": held_out} if held_out else {}
+    schedules = {name: config[name] for name in ("batch_schedule", "seq_len_schedule")
+                 if config.get(name)}
+    loader = opener(config["data"], config.get("seq_len"), config.get("batch_size"),
+                    name="train", **options, **split, **schedules)
+    if not held_out:
+        return loader, None
+    seq_lens = [length for _, length in config.get("seq_len_schedule") or []]
+    where = {name: options[name] for name in ("cache_dir", "format") if name in options}
+    return loader, opener(config["data"], config.get("seq_len") or seq_lens[0],
+                          config.get("batch_size") or loader.batch_size, name="validation",
+                          mode="documents", split="validation", validation_fraction=held_out,
+                          **where)
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
     from raypipe.ray.train import save_loader_state, worker_loader
 
-    held_out = config.get("validation_fraction")
-    split = {"split": "train", "validation_fraction": held_out} if held_out else {}
-    schedules = {name: config[name] for name in ("batch_schedule", "seq_len_schedule")
-                 if config.get(name)}
-    loader = worker_loader(config["data"], config.get("seq_len"), config.get("batch_size"),
-                           mode=config.get("mode", "bestfit"), seed=config.get("seed", 0),
-                           shuffle=config.get("shuffle", "auto"),
-                           cache_dir=config.get("cache_dir"), name="train", **split,
-                           **schedules)
+    loader, validation = open_loaders(config, worker_loader)
     seq_lens = [length for _, length in config.get("seq_len_schedule") or []]
     longest = max(seq_lens or [config["seq_len"]])  # the model's positions: every phase's
-    validation = None
-    if held_out:  # its own state in the same checkpoint: restored independently
-        validation = worker_loader(config["data"], config.get("seq_len") or seq_lens[0],
-                                   config.get("batch_size") or loader.batch_size,
-                                   mode="documents", split="validation",
-                                   validation_fraction=held_out,
-                                   cache_dir=config.get("cache_dir"), name="validation")
     rank = ray.train.get_context().get_world_rank()
     vocab = loader.tokenizer.largest_id + 1
-    torch.manual_seed(config.get("seed", 0))
+    torch.manual_seed(config.get("options", {}).get("seed", 0))
     model = TinyGPT(vocab, longest, config.get("width", 64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.get("lr", 3e-3))
     checkpoint = ray.train.get_checkpoint()

@@ -37,10 +37,9 @@ from raypipe.io.records import (
     JsonRecord,
     ShardEntry,
     TokenizerInfo,
-    knob,
-    knob_fields_of,
 )
 from raypipe.io.store import Store
+from raypipe.knobs import knob, knob_fields_of
 
 
 @dataclass

@@ -42,8 +42,9 @@ from raypipe.formats.base import (
 )
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import safe_join
-from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo, knob
+from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 from raypipe.io.store import Store
+from raypipe.knobs import knob
 
 NAME = "mds"
 RAW, ZSTD = ".mds", ".mds.zstd"

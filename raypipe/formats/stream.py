@@ -38,8 +38,9 @@ from raypipe.formats.base import (
     starts_from_markers,
 )
 from raypipe.io.mapping import map_file
-from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo, knob
+from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 from raypipe.io.serialize import SERIALIZERS, get_serializer
+from raypipe.knobs import knob
 
 RECORD = np.dtype([("token", "<u4"), ("metadata_id", "<u4")])
 PLAIN = np.dtype("<u4")

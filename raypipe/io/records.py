@@ -18,7 +18,7 @@ import platform
 import types
 import typing
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -113,26 +113,6 @@ def _from_json(cls: type[Record], data: Any, where: str) -> Record:
                               type(value).__name__)
         values[name] = value
     return cls(**values)
-
-
-def knob(default: Any, help: str,
-         choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None) -> Any:
-    """A field a user sets (a loader mode's knob, a format's option): its default, and how
-    the command line says it (`help`; `choices`: the values allowed, or a function that
-    lists them). The CLI's options, the YAML keys and the Python keywords are made from
-    these fields; a field without `help` is recorded, never set by a user."""
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-
-def knob_fields_of(cls: type) -> tuple[dataclasses.Field, ...]:
-    """The fields of dataclass `cls` that a user sets (declared with `knob`)."""
-    return tuple(spec for spec in dataclasses.fields(cls) if "help" in spec.metadata)
-
-
-def knob_choices(spec: dataclasses.Field) -> tuple[Any, ...] | None:
-    """The values a knob allows (None: any of its type)."""
-    choices = spec.metadata.get("choices")
-    return choices() if callable(choices) else choices
 
 
 class JsonRecord:

@@ -155,9 +155,7 @@ class PlannedDataset:
         spec = self.spec
         split = None if self.split is None else (self.split.name, self.split.fraction)
         identity = [self.dataset.fingerprint, self.dataset.format_name, split, spec.shuffle,
-                    spec.group_shards, *key]
-        if spec.shuffle == "windowed":
-            identity[5:5] = [spec.window_shards, spec.lanes]
+                    spec.layout(), *key]
         digest = hashlib.sha256(json.dumps(identity, default=str).encode()).hexdigest()[:32]
         return node_cached_array(digest, compute, self.cache_dir)
 

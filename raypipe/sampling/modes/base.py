@@ -27,9 +27,9 @@ import numpy as np
 from raypipe.dataset import open_kind
 from raypipe.errors import ConfigError
 from raypipe.io.cache import ShardCache
-from raypipe.io.records import knob
 from raypipe.io.states import MODE_RENAMES
 from raypipe.io.store import Store
+from raypipe.knobs import applies, knob
 from raypipe.sampling.batches import (
     BatchBuffers,
     BatchPlan,
@@ -125,10 +125,6 @@ def knob_fields() -> dict[str, Field]:
     return declared
 
 
-SHARED_KNOBS = ("mode", "seq_len", "seed", "shuffle", "group_shards", "window_shards",
-                "lanes", "split", "validation_fraction")  # PlanSpec's own fields: every mode's
-
-
 @dataclass(frozen=True)
 class PlanSpec:
     """What shapes a loader's epochs: the knobs every mode has, and the mode's own
@@ -144,11 +140,13 @@ class PlanSpec:
     shuffle: str = knob("auto", "the loader's shuffle (auto: global for a local dataset, "
                         "windowed on object storage; windowed and shard_local: each node "
                         "reads each shard once per epoch)", SHUFFLES)
-    group_shards: int = knob(4, "shuffle shard_local: consecutive shards per group")
+    group_shards: int = knob(4, "shuffle shard_local: consecutive shards per group",
+                             applies=("shuffle", "shard_local"))
     window_shards: int = knob(0, "shuffle windowed: shards per window (0: 1/32 of a "
-                              "lane's shards, at least 1)")
+                              "lane's shards, at least 1)", applies=("shuffle", "windowed"))
     lanes: int = knob(0, "shuffle windowed: lanes of windows read side by side, rank r "
-                      "reading lane r mod lanes (0: the world size the run starts at)")
+                      "reading lane r mod lanes (0: the world size the run starts at)",
+                      applies=("shuffle", "windowed"))
     split: str = knob("all", "the documents served: all, or the train or validation split",
                       SPLITS)
     validation_fraction: float = knob(0.001, "the share of documents the validation "
@@ -260,21 +258,26 @@ class PlanSpec:
         return self.loader_mode.packed
 
     def knobs_record(self) -> dict[str, Any]:
-        """The knobs a loader state records (a shuffle's layout knob only under that
-        shuffle); a knob at its value from before it existed is left out (`compact_knobs`),
-        so older states still load."""
-        layout = {"shard_local": {"group_shards": self.group_shards},
-                  "windowed": {"window_shards": self.window_shards,
-                               "lanes": self.lanes}}.get(self.shuffle, {})
-        return compact_knobs({"mode": self.mode, "seq_len": self.seq_len, "seed": self.seed,
-                              "shuffle": self.shuffle, **layout, "split": self.split,
-                              "validation_fraction": self.validation_fraction,
-                              **self.loader_mode.knobs(self)})
+        """The knobs a loader state records: every shared knob that applies (a shuffle's
+        layout knobs only under that shuffle), then the mode's own; a knob at its value
+        from before it existed is left out (`compact_knobs`), so older states still load."""
+        shared = {item.name: getattr(self, item.name) for item in fields(self)
+                  if item.name != "knobs" and applies(item, self)}
+        return compact_knobs({**shared, **self.loader_mode.knobs(self)})
+
+    def layout(self) -> dict[str, Any]:
+        """The shuffle's layout knobs (those that apply only under it) and their values."""
+        return {item.name: getattr(self, item.name) for item in fields(self)
+                if item.metadata.get("applies") and applies(item, self)}
 
     def describe(self) -> str:
         """The row shape in words, for reports and warnings."""
         shape = f"{self.mode} ({self.packing})" if self.packed else self.mode
         return f"{shape} rows of {self.seq_len} + 1 tokens"
+
+
+# the knobs every mode has: PlanSpec's own fields, in their order
+SHARED_KNOBS = tuple(item.name for item in fields(PlanSpec) if item.name != "knobs")
 
 
 def mode_knobs(mode: str, values: dict[str, Any]) -> ModeKnobs:
