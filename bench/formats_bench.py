@@ -57,9 +57,9 @@ def stream_dataset(workdir: Path, total_tokens: int) -> Path:
 def llmbatch_rates(dataset: BatchDataset, reads: int) -> tuple[float, float]:
     reader = dataset.reader(0)
     raw = np.memmap(reader.path, dtype=np.uint8, mode="r")
-    out = np.empty((dataset.batch_size, dataset.seq_len), dtype=np.int64)
+    out = np.empty((dataset.batch_size, dataset.record_len), dtype=np.int64)
     order = np.random.default_rng(0).integers(0, reader.num_batches, reads)
-    nbytes = dataset.batch_size * dataset.seq_len * 4
+    nbytes = dataset.batch_size * dataset.record_len * 4
     for index in range(reader.num_batches):  # warm the page cache and the mappings once
         out[...] = reader.batch(index)
     began = time.perf_counter()

@@ -477,7 +477,7 @@ class BatchDataset(ShardSet):
                               "dataset", list(batch_formats()), list(manifest.formats))
         super().__init__(store, format_name or present[0], manifest, cache)
         self.options = self.format.recorded(self.section)
-        self.batch_size, self.seq_len = self.options.batch_size, self.options.seq_len
+        self.batch_size, self.record_len = self.options.batch_size, self.options.record_len
         self.padded_tokens = self.options.padded_tokens
         counts = np.array([s.batches for s in self.shards], dtype=np.int64)
         self.batch_offsets = np.concatenate([[0], np.cumsum(counts)])
@@ -488,10 +488,10 @@ class BatchDataset(ShardSet):
 
     def check_reader(self, reader: Any, shard: ShardEntry) -> None:
         super().check_reader(reader, shard)
-        if (reader.batch_size, reader.seq_len) != (self.batch_size, self.seq_len):
-            raise FormatError(reader.path, "(batch_size, seq_len) differ from the manifest",
-                              (self.batch_size, self.seq_len),
-                              (reader.batch_size, reader.seq_len))
+        if (reader.batch_size, reader.record_len) != (self.batch_size, self.record_len):
+            raise FormatError(reader.path, "(batch_size, record_len) differ from the manifest",
+                              (self.batch_size, self.record_len),
+                              (reader.batch_size, reader.record_len))
 
     @cached_property
     def fingerprint(self) -> str:

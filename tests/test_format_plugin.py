@@ -81,7 +81,7 @@ def test_tokenize_writes_both_plugin_formats_with_their_options(plugin_site, wri
     manifest = json.loads((written / "manifest.json").read_text())
     assert manifest["formats"]["flat"]["offset_width"] == 4  # a section records its options
     assert manifest["formats"]["npybatch"]["id_dtype"] == "uint16"
-    assert manifest["formats"]["npybatch"]["seq_len"] == RECORD_LEN
+    assert manifest["formats"]["npybatch"]["record_len"] == RECORD_LEN
     for shard in manifest["formats"]["flat"]["shards"]:  # 4 bytes an offset, N + 1 of them
         offsets = next(f for f in shard["files"] if f["path"].endswith(".off"))
         assert offsets["bytes"] == 4 * (shard["documents"] + 1)

@@ -149,7 +149,7 @@ def test_default_loader_fills_the_rows_of_a_narrow_corpus_on_2_ranks(narrow):
 def test_default_llmbatch_records_of_2049_are_full_on_a_narrow_corpus(narrow):
     dataset = BatchDataset(narrow)
     options = dataset.section.options
-    assert (options["packing"], dataset.seq_len) == ("fill", 2049)
+    assert (options["packing"], dataset.record_len) == ("fill", 2049)
     records = np.stack([dataset.batch(i) for i in range(dataset.num_batches)]).reshape(-1, 2049)
     real = ~np.stack([dataset.padding(i) for i in range(dataset.num_batches)]).reshape(-1, 2049)
     assert real.mean() >= 0.99, f"{1 - real.mean():.2%} of the positions are padding"

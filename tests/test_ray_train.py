@@ -38,7 +38,8 @@ def expected_ids(data: Path, positions: int, **knobs) -> list[int]:
 
 def base_config(data: Path, log_dir: Path, max_steps: int) -> dict:
     return {"data": str(data), "seq_len": SEQ, "batch_size": BATCH,
-            "options": {"mode": "bestfit", "seed": 7}, "max_steps": max_steps, "checkpoint_every": 4, "log_dir": str(log_dir),
+            "options": {"mode": "bestfit", "seed": 7}, "max_steps": max_steps,
+            "checkpoint_every": 4, "log_dir": str(log_dir),
             "width": 32}
 
 

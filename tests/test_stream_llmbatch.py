@@ -16,7 +16,8 @@ from tokenizers import Tokenizer
 from raypipe.config import load_config
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import InputError
-from raypipe.formats.llmbatch import LEGACY_PAD_ID, LLMBatchReader
+from raypipe.formats.llmbatch import LLMBatchReader
+from raypipe.io.manifest_compat import PAD_BEFORE_LENGTHS as LEGACY_PAD_ID
 from raypipe.preprocess.job import run_job
 from tests.helpers import expected_documents
 
@@ -254,7 +255,8 @@ def test_tokenize_summary_inspect_and_pack_report_agree_on_llmbatch_waste(
 
 def as_legacy_llmbatch(root):
     """Rewrite an LLMBATCH output as raypipe 0.3 wrote it: padding holds 0xFFFFFFFF, no
-    `.lengths` or `.pieces` sidecar, no `pad_id` option."""
+    `.lengths` or `.pieces` sidecar, no `pad_id` option, the record length under
+    `seq_len`."""
     from dataclasses import replace
 
     from raypipe.io.atomic import file_sha256
@@ -282,7 +284,8 @@ def as_legacy_llmbatch(root):
         entry = FileEntry(shard.files[0].path, len(raw), file_sha256(batch_file),
                           batch_file.stat().st_mtime_ns)
         shards.append(replace(shard, files=(entry,)))
-    options = {k: v for k, v in section.options.items() if k != "pad_id"}
+    options = {("seq_len" if k == "record_len" else k): v
+               for k, v in section.options.items() if k != "pad_id"}
     legacy = replace(section, shards=tuple(shards), options=options)
     write_manifest(root, replace(manifest, formats={**manifest.formats, "llmbatch": legacy}))
 
@@ -304,6 +307,7 @@ def test_llmbatch_ids_are_all_real_tokens_and_a_legacy_sentinel_file_still_reads
     as_legacy_llmbatch(tmp_path / "out")
     legacy = BatchDataset(tmp_path / "out")
     assert any((legacy.batch(i) == LEGACY_PAD_ID).any() for i in range(legacy.num_batches))
+    assert legacy.record_len == dataset.record_len == 65  # read from its `seq_len` key
     assert [r.tolist() for r in legacy.iter_records()] == [r.tolist() for r in records]
     served = [(b.inputs.clone(), b.mask.clone()) for b in
               TokenLoader(tmp_path / "out", mode="batches", pad_id=5, seed=1)]

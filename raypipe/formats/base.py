@@ -29,6 +29,7 @@ import numpy as np
 
 from raypipe.errors import ConfigError, FormatError
 from raypipe.io.atomic import HashedTempFile, file_sha256
+from raypipe.io.manifest_compat import upgrade_batch_section
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import plain_name, safe_join
 from raypipe.io.records import (
@@ -282,12 +283,12 @@ class BatchOptions(FormatOptions):
 @dataclass(frozen=True)
 class BatchSection(FormatOptions):
     """What a batch format's manifest section records (every batch format's, one record):
-    the record shape (seq_len tokens, batch_size records), the packing and seed that made
+    the record shape (record_len tokens, T + 1; batch_size records), the packing and seed that made
     them, the records before batching and the batches kept, the document format they were
     packed from, the pad token (absent in 0.3 files) and the packing report's token counts
     (absent before 0.2)."""
 
-    seq_len: int = 0
+    record_len: int = 0
     batch_size: int = 0
     packing: str = "fill"
     seed: int = 0
@@ -409,7 +410,8 @@ class BatchFormat(Format):
 
     def recorded(self, section: FormatSection) -> BatchSection:
         """What the format's manifest section records, typed."""
-        return BatchSection.of(section.options, f"{self.name} section")
+        return BatchSection.of(upgrade_batch_section(section.options),
+                               f"{self.name} section")
 
 
 @dataclass(frozen=True)
@@ -446,7 +448,7 @@ class BatchReader(ABC):
     """Zero-copy access to the batches of one committed batch shard."""
 
     batch_size: int
-    seq_len: int  # the record length T
+    record_len: int  # tokens a record holds: T + 1
     num_batches: int
 
     @classmethod

@@ -1,26 +1,26 @@
-"""LLMBATCH (ZeroBatch v2, docs/formats.md): pre-formed [batch_size, seq_len] uint32 batches,
+"""LLMBATCH (ZeroBatch v2, docs/formats.md): pre-formed [batch_size, record_len] uint32 batches,
 each in a 4096-byte-aligned slot, so serving batch i is one slice of an mmap.
 
-Invariant: a 4096-byte header (magic `LLMBATCH`, version 1, batch_size, seq_len,
-num_batches as u64 at offset 20, dtype 0 = uint32, seed, total_records; the rest zero),
-then slot i at 4096 + i * padded where padded = ceil(B*T*4 / 4096) * 4096, zero-filled past
-the batch's bytes; file size = 4096 + num_batches * padded. Every stored id is a real token
-of the vocabulary, so any reader of the format can feed a batch to an embedding: a record
-position that holds no token (the tail of a record under `split` or `fill` packing) holds
-the tokenizer's pad token (`pad_token`: its pad id, else EOS, else BOS, else 0; the
-section's `pad_id` option). Which positions are padding is in a sidecar `<name>.lengths`:
-uint32 little-endian, one per record in file order, its real tokens (padding is always a
-record's tail), 4 bytes per record of T x 4 (0.05% at T = 2049). Files of raypipe 0.3 have
-no sidecar and hold 0xFFFFFFFF (LEGACY_PAD_ID) at padding positions; they still read, with
-that sentinel as their padding. Where each record's pieces start is in a second sidecar
-`<name>.pieces` (raypipe 0.5): (records + 1) uint64 offsets into a table of uint32 piece
-words, then the words; a word is the piece's first column in its record (bits 0-29), bit 30
-set when the piece starts its document and bit 31 when it ends it. A record's pieces are
-contiguous slices of single documents, so the loader takes sequences (cu_seqlens,
-position_ids) and masks (the target into a piece is true only where the piece before ends
-its document and this one starts its own) from the file, never from a token scan; 0.4 files
-without it still read (boundaries then come from a BOS/EOS scan). About 4 bytes per piece,
-8 per record. The reader checks every header field and the sizes before mapping anything;
+Invariant: a 4096-byte header (magic `LLMBATCH`, version 1, batch_size, record_len
+(the spec's `seq_len`), num_batches as u64 at offset 20, dtype 0 = uint32, seed,
+total_records; the rest zero), then slot i at 4096 + i * padded where padded =
+ceil(B*T*4 / 4096) * 4096, zero-filled past the batch's bytes; file size = 4096 +
+num_batches * padded. Every stored id is a real token of the vocabulary, so any reader of
+the format can feed a batch to an embedding: a record position that holds no token (the
+tail of a record under `split` or `fill` packing) holds the tokenizer's pad token
+(`pad_token`: its pad id, else EOS, else BOS, else 0; the section's `pad_id` option).
+Which positions are padding is in a sidecar `<name>.lengths`: uint32 little-endian, one
+per record in file order, its real tokens (padding is always a record's tail), 4 bytes per
+record of T x 4 (0.05% at T = 2049); a file without it marks padding with
+PAD_BEFORE_LENGTHS (raypipe.io.manifest_compat names what older files lack). Where each
+record's pieces start is in a second sidecar `<name>.pieces`: (records + 1) uint64 offsets
+into a table of uint32 piece words, then the words; a word is the piece's first column in
+its record (bits 0-29), bit 30 set when the piece starts its document and bit 31 when it
+ends it. A record's pieces are contiguous slices of single documents, so the loader takes
+sequences (cu_seqlens, position_ids) and masks (the target into a piece is true only where
+the piece before ends its document and this one starts its own) from the file, never from
+a token scan (a file without it: from a BOS/EOS scan). About 4 bytes per piece, 8 per
+record. The reader checks every header field and the sizes before mapping anything;
 `batch(i)` is a zero-copy [B, T] view. The writer is told the number of batches up front
 (the header is written first, so the file is hashed as it is written).
 Cost: writing is one sequential pass; reading a batch is one memmap slice (+ B lengths).
@@ -44,6 +44,7 @@ from raypipe.formats.base import (
     require_file,
     require_size,
 )
+from raypipe.io.manifest_compat import PAD_BEFORE_LENGTHS
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import safe_join
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
@@ -53,7 +54,6 @@ VERSION = 1
 PAGE = 4096
 HEADER = struct.Struct("<8sIIIQIII")  # 40 bytes, then zeros up to PAGE
 MAX_U32 = 2**32 - 1
-LEGACY_PAD_ID = MAX_U32  # the padding of raypipe 0.3 files (no `.lengths` sidecar)
 LENGTHS = ".lengths"  # the sidecar: real tokens per record
 PIECES = ".pieces"  # the sidecar: where each record's pieces start, and their kind
 MASK = ".mask"  # the sidecar of chat data: u8 per record position, 1: a trained target
@@ -118,14 +118,14 @@ def pad_token(tokenizer: TokenizerInfo) -> int:
     return 0
 
 
-def slot_bytes(batch_size: int, seq_len: int) -> int:
-    raw = batch_size * seq_len * 4
+def slot_bytes(batch_size: int, record_len: int) -> int:
+    raw = batch_size * record_len * 4
     return -(-raw // PAGE) * PAGE
 
 
-def encode_header(batch_size: int, seq_len: int, num_batches: int, seed: int,
+def encode_header(batch_size: int, record_len: int, num_batches: int, seed: int,
                   total_records: int) -> bytes:
-    packed = HEADER.pack(MAGIC, VERSION, batch_size, seq_len, num_batches, 0,
+    packed = HEADER.pack(MAGIC, VERSION, batch_size, record_len, num_batches, 0,
                          seed & MAX_U32, min(total_records, MAX_U32))
     return packed + bytes(PAGE - len(packed))
 
@@ -136,15 +136,15 @@ class LLMBatchWriter(BatchWriter):
     `<name>.pieces` (kept in memory until commit: ~4 bytes a piece) and, for chat data,
     its per-token loss mask into `<name>.mask`."""
 
-    def __init__(self, directory: Path, name: str, batch_size: int, seq_len: int,
+    def __init__(self, directory: Path, name: str, batch_size: int, record_len: int,
                  num_batches: int, seed: int, total_records: int):
-        super().__init__(directory, name, batch_size, seq_len, num_batches, seed,
+        super().__init__(directory, name, batch_size, record_len, num_batches, seed,
                          total_records)
-        self.batch_size, self.seq_len, self.num_batches = batch_size, seq_len, num_batches
-        self.padded = slot_bytes(batch_size, seq_len)
-        self.padding = bytes(self.padded - batch_size * seq_len * 4)
+        self.batch_size, self.record_len, self.num_batches = batch_size, record_len, num_batches
+        self.padded = slot_bytes(batch_size, record_len)
+        self.padding = bytes(self.padded - batch_size * record_len * 4)
         self.file = self.open_file(".batch")
-        self.file.write(encode_header(batch_size, seq_len, num_batches, seed, total_records))
+        self.file.write(encode_header(batch_size, record_len, num_batches, seed, total_records))
         self.lengths = self.open_file(LENGTHS)
         self.piece_words: list[np.ndarray] = []
         self.written = 0
@@ -156,16 +156,16 @@ class LLMBatchWriter(BatchWriter):
         batch of a shard has one, or none does."""
         words = [piece_words(record.columns, record.starts_document, record.ends_document)
                  for record in pieces]
-        if batch.shape != (self.batch_size, self.seq_len):
-            raise FormatError(self.file.final, "batch shape", (self.batch_size, self.seq_len),
+        if batch.shape != (self.batch_size, self.record_len):
+            raise FormatError(self.file.final, "batch shape", (self.batch_size, self.record_len),
                               batch.shape)
         if batch.size and (batch.min() < 0 or batch.max() > MAX_U32):
             raise FormatError(self.file.final, "token id outside uint32", f"0..{MAX_U32}",
                               (int(batch.min()), int(batch.max())))
         if lengths.shape != (self.batch_size,) or lengths.min() < 0 or (
-                lengths.max() > self.seq_len):
+                lengths.max() > self.record_len):
             raise FormatError(self.lengths.final, "record lengths", f"{self.batch_size} in "
-                              f"[0, {self.seq_len}]", lengths.tolist())
+                              f"[0, {self.record_len}]", lengths.tolist())
         if len(words) != self.batch_size or any(
                 record.size and int((record & COLUMN_BITS).max()) >= max(int(length), 1)
                 for record, length in zip(words, lengths.tolist(), strict=True)):
@@ -186,9 +186,9 @@ class LLMBatchWriter(BatchWriter):
         if loss_mask is None or (self.written and not masked):
             raise FormatError(self.directory / f"{self.name}{MASK}", "a loss mask for every "
                               "batch of a shard, or for none", "all or none", "some")
-        if loss_mask.shape != (self.batch_size, self.seq_len):
+        if loss_mask.shape != (self.batch_size, self.record_len):
             raise FormatError(self.directory / f"{self.name}{MASK}", "loss mask shape",
-                              (self.batch_size, self.seq_len), loss_mask.shape)
+                              (self.batch_size, self.record_len), loss_mask.shape)
         mask_file = self._files.get(MASK) or self.open_file(MASK)
         mask_file.write(np.ascontiguousarray(loss_mask, dtype=np.uint8).data)
 
@@ -219,26 +219,26 @@ class LLMBatchReader(BatchReader):
                 or len(paths) != sum(map(len, by_suffix.values()))):
             raise FormatError(root / shard.name, "an LLMBATCH shard is a .batch file and "
                               "its .lengths and .pieces sidecars, and .mask for chat data "
-                              "(0.4: no .pieces; 0.3: the .batch file alone)",
+                              "(older files: without .pieces, or the .batch file alone)",
                               [".batch", LENGTHS, PIECES, MASK],
                               [entry.path for entry in shard.files])
         return cls(batches[0], lengths[0] if lengths else None, pieces[0] if pieces else None,
                    masks[0] if masks else None)
 
     def verify_contents(self) -> None:
-        """Every record length within [0, seq_len]; every record's pieces start at column 0
+        """Every record length within [0, record_len]; every record's pieces start at column 0
         and rise inside its real tokens (the header and sizes are checked on open)."""
         if self.lengths is not None and self.lengths.size and (
-                int(self.lengths.max()) > self.seq_len):
-            raise FormatError(self.lengths_path, "record length past seq_len",
-                              f"<= {self.seq_len}", int(self.lengths.max()))
+                int(self.lengths.max()) > self.record_len):
+            raise FormatError(self.lengths_path, "record length past record_len",
+                              f"<= {self.record_len}", int(self.lengths.max()))
         if self.piece_offsets is None or self.piece_words is None:
             return
         pieces = BatchPieces(self.piece_offsets.astype(np.int64), self.piece_words)
         records, columns = pieces.records, pieces.columns
         first = np.zeros(columns.size, dtype=bool)
         first[pieces.offsets[:-1][np.diff(pieces.offsets) > 0]] = True
-        lengths = (np.full(records.size, self.seq_len) if self.lengths is None
+        lengths = (np.full(records.size, self.record_len) if self.lengths is None
                    else self.lengths.astype(np.int64)[records])
         rising = np.ones(columns.size, dtype=bool)
         rising[1:] = columns[1:] > columns[:-1]
@@ -252,8 +252,8 @@ class LLMBatchReader(BatchReader):
 
     def __init__(self, path: str | Path, lengths_path: str | Path | None = None,
                  pieces_path: str | Path | None = None, mask_path: str | Path | None = None):
-        """`lengths_path`: the `.lengths` sidecar (None: a raypipe 0.3 file, whose padding
-        is LEGACY_PAD_ID); `pieces_path`: the `.pieces` sidecar (None: before 0.5);
+        """`lengths_path`: the `.lengths` sidecar (None: an older file, whose padding is
+        PAD_BEFORE_LENGTHS); `pieces_path`: the `.pieces` sidecar (None: an older file);
         `mask_path`: the `.mask` sidecar (chat data; None: every target is trained)."""
         self.path = Path(path)
         size = require_file(self.path)
@@ -261,7 +261,7 @@ class LLMBatchReader(BatchReader):
             raise FormatError(self.path, "truncated header", f">= {PAGE} bytes", size)
         with open(self.path, "rb") as handle:
             header = handle.read(PAGE)
-        (magic, version, batch_size, seq_len, num_batches, dtype, seed,
+        (magic, version, batch_size, record_len, num_batches, dtype, seed,
          total_records) = HEADER.unpack_from(header)
         if magic != MAGIC:
             raise FormatError(self.path, "wrong magic", MAGIC, magic)
@@ -269,14 +269,14 @@ class LLMBatchReader(BatchReader):
             raise FormatError(self.path, "unsupported version", VERSION, version)
         if dtype != 0:
             raise FormatError(self.path, "unsupported dtype code", 0, dtype)
-        if batch_size < 1 or seq_len < 1:
-            raise FormatError(self.path, "batch_size and seq_len must be >= 1", ">= 1",
-                              (batch_size, seq_len))
+        if batch_size < 1 or record_len < 1:
+            raise FormatError(self.path, "batch_size and record_len must be >= 1", ">= 1",
+                              (batch_size, record_len))
         if any(header[HEADER.size:]):
             raise FormatError(self.path, "reserved header bytes are not zero", 0, "non-zero")
-        self.padded = slot_bytes(batch_size, seq_len)
+        self.padded = slot_bytes(batch_size, record_len)
         require_size(self.path, PAGE + num_batches * self.padded, size)
-        self.batch_size, self.seq_len, self.num_batches = batch_size, seq_len, num_batches
+        self.batch_size, self.record_len, self.num_batches = batch_size, record_len, num_batches
         self.seed, self.total_records = seed, total_records
         self.data = map_file(self.path, np.uint8, PAGE)
         self.lengths_path = None if lengths_path is None else Path(lengths_path)
@@ -292,7 +292,7 @@ class LLMBatchReader(BatchReader):
             self._map_pieces(self.pieces_path, num_batches * batch_size)
         self.mask: np.ndarray | None = None
         if mask_path is not None:
-            require_size(Path(mask_path), num_batches * batch_size * seq_len,
+            require_size(Path(mask_path), num_batches * batch_size * record_len,
                          require_file(Path(mask_path)), "loss mask bytes (one per position)")
             self.mask = map_file(Path(mask_path), np.uint8)
 
@@ -318,19 +318,19 @@ class LLMBatchReader(BatchReader):
         if not 0 <= index < self.num_batches:
             raise IndexError(f"batch {index} out of range [0, {self.num_batches})")
         start = index * self.padded
-        raw = self.data[start:start + self.batch_size * self.seq_len * 4]
-        return raw.view("<u4").reshape(self.batch_size, self.seq_len)
+        raw = self.data[start:start + self.batch_size * self.record_len * 4]
+        return raw.view("<u4").reshape(self.batch_size, self.record_len)
 
     def padding(self, index: int, batch: np.ndarray | None = None) -> np.ndarray:
         """[B, T] bool: True where batch `index`'s records hold padding (`batch`: the
         batch's ids, where the caller has them already)."""
-        if self.lengths is None:  # raypipe 0.3: the sentinel marks padding
-            return (self.batch(index) if batch is None else batch) == LEGACY_PAD_ID
+        if self.lengths is None:  # an older file: the sentinel marks padding
+            return (self.batch(index) if batch is None else batch) == PAD_BEFORE_LENGTHS
         lengths = self.lengths[index * self.batch_size:(index + 1) * self.batch_size]
-        return np.arange(self.seq_len)[None, :] >= lengths[:, None]
+        return np.arange(self.record_len)[None, :] >= lengths[:, None]
 
     def pieces(self, index: int) -> BatchPieces | None:
-        """Batch `index`'s record pieces (None: a file from before 0.5, without them)."""
+        """Batch `index`'s record pieces (None: an older file, without them)."""
         if self.piece_offsets is None or self.piece_words is None:
             return None
         offsets = self.piece_offsets[index * self.batch_size:(index + 1) * self.batch_size + 1]
@@ -341,15 +341,15 @@ class LLMBatchReader(BatchReader):
         """[B, T] uint8 view: batch `index`'s loss mask (None: no `.mask` sidecar)."""
         if self.mask is None:
             return None
-        size = self.batch_size * self.seq_len
+        size = self.batch_size * self.record_len
         return self.mask[index * size:(index + 1) * size].reshape(self.batch_size,
-                                                                  self.seq_len)
+                                                                  self.record_len)
 
     def records(self, index: int) -> list[np.ndarray]:
         """Batch `index`'s records without their padding (views)."""
         batch = self.batch(index)
         if self.lengths is None:
-            return [record[record != LEGACY_PAD_ID] for record in batch]
+            return [record[record != PAD_BEFORE_LENGTHS] for record in batch]
         lengths = self.lengths[index * self.batch_size:(index + 1) * self.batch_size]
         return [record[:length] for record, length in zip(batch, lengths.tolist(),
                                                           strict=True)]

@@ -89,7 +89,7 @@ def _pack_batches(dataset: TokenDataset, staging: Staging, fmt: BatchFormat,
     report.warn_if_wasteful(f"{fmt.name} ({spec.packing} packing, records of {spec.record_len} "
                             "tokens)", waste_hints(mode_serving("batches").name, spec.packing,
                                                     masks is not None))
-    options = {"seq_len": spec.record_len, "batch_size": spec.batch_size,
+    options = {"record_len": spec.record_len, "batch_size": spec.batch_size,
                "packing": spec.packing, "seed": spec.seed, "total_records": plan.size,
                "num_batches": num_batches, "source_format": dataset.format_name,
                "pad_id": pad_id, **own_options(spec),

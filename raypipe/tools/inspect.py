@@ -227,7 +227,7 @@ def _inspect_batches(dataset: BatchDataset, samples: int, decoder: Any,
                      plot: str | Path | None) -> tuple[list[str], bool]:
     """The batch shape, the packing report and sample records (nothing drawn)."""
     options, section = dataset.options, dataset.section
-    lines = [f"  {dataset.num_batches:,} batches of [{dataset.batch_size}, {dataset.seq_len}] "
+    lines = [f"  {dataset.num_batches:,} batches of [{dataset.batch_size}, {dataset.record_len}] "
              f"({options.packing} packing, seed {options.seed}, "
              f"{options.total_records:,} records before batching)",
              "  records, not documents: each row is a packed sequence"]

@@ -55,7 +55,7 @@ def batches_report(where: str, dataset: BatchDataset, spec: PlanSpec, epochs: ra
     report = PackingReport.from_options(dataset.section.options)
     return "\n".join([
         f"packing report: {where}",
-        f"{dataset.format_name} records of {dataset.seq_len} tokens ({dataset.options.packing} "
+        f"{dataset.format_name} records of {dataset.record_len} tokens ({dataset.options.packing} "
         f"packing, seed {dataset.options.seed}), {dataset.num_batches:,} batches of "
         f"{dataset.batch_size}",
         report.render(),

@@ -178,7 +178,8 @@ class PreformedFiller(BatchFiller[int]):
             raise ConfigError(f"{dataset.root}: LLMBATCH records written before raypipe 0.5 "
                               "(no .pieces sidecar) were cut by another rule; convert them "
                               "again to trace them")
-        return record_plan(dataset.documents(), options.packing, options.seq_len, options.seed)[1]
+        return record_plan(dataset.documents(), options.packing, options.record_len,
+                           options.seed)[1]
 
     def segments(self, positions: np.ndarray) -> list[RowPieces]:
         batch = self.dataset.batch_size
@@ -219,7 +220,7 @@ class BatchesMode(LoaderMode):
     def fit(self, dataset: Any, spec: Any, batch_size: int | None) -> tuple[Any, int]:
         """The batches' own shape: seq_len and batch_size left out (0 / None) take it, and
         others are refused."""
-        shape = (dataset.seq_len - 1, dataset.batch_size)
+        shape = (dataset.record_len - 1, dataset.batch_size)
         if (spec.seq_len or shape[0], batch_size or shape[1]) != shape:
             raise ConfigError(f"{dataset.root}: {dataset.format_name} batches are "
                               f"[{shape[1]}, {shape[0] + 1}] records, i.e. seq_len={shape[0]}, "
