@@ -219,7 +219,7 @@ def mask_cost(output: Path, seq_len: int = 2048, batch_size: int = 8,
     import numpy as np
 
     from raypipe.loader import TokenLoader
-    from raypipe.sampling.batches import BatchBuffers
+    from raypipe.sampling.buffers import BatchBuffers
 
     loader = TokenLoader(output, seq_len=seq_len, batch_size=batch_size, mode="bestfit",
                          seed=1, device="cpu")

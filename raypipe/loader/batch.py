@@ -1,7 +1,7 @@
 """The batch a loader yields: views of one (device) buffer, and what names its rows.
 
 Invariant: inputs, targets, position_ids, cu_seqlens and mask are views of one flat buffer
-laid out by raypipe.sampling.batches.BatchBuffers, so a batch costs one host-to-device copy;
+laid out by raypipe.sampling.buffers.BatchBuffers, so a batch costs one host-to-device copy;
 `Batch.of` is the one place a batch is assembled. Cost: a few tensor views per batch.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from raypipe.dataset import StreamWindow
-from raypipe.sampling.batches import BatchBuffers, Filled
+from raypipe.sampling.buffers import BatchBuffers, Filled
 
 
 @dataclass

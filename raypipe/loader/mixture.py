@@ -30,7 +30,7 @@ from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.stats import LoaderStats, WaitStats, WaitSummary
 from raypipe.loader.token_loader import _rank_and_world
-from raypipe.sampling.batches import BatchBuffers, Filled, write_cu_seqlens
+from raypipe.sampling.buffers import BatchBuffers, Filled, write_cu_seqlens
 from raypipe.sampling.modes import BatchFiller
 from raypipe.sampling.run import MixtureRun, MixtureStep
 

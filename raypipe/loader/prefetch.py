@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from raypipe.loader.stats import WaitStats
-from raypipe.sampling.batches import BatchBuffers
+from raypipe.sampling.buffers import BatchBuffers
 
 _DONE = object()
 HANDOFF_CHUNK = 4  # at most this many batches per producer->trainer handoff

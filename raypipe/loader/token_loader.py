@@ -10,7 +10,7 @@ observation of an epoch is served once except its drop-last tail (`dropped_tail`
 seq_len change begins a phase (raypipe.sampling.schedule). The loader keeps placement (this
 rank's rows into pinned host buffers, then the device), prefetch (object storage: the
 shards of the steps described now, and those the shuffle plans next) and tensors. Cost: see
-raypipe.sampling.batches and raypipe.loader.prefetch; a seq_len change, docs/scale.md.
+raypipe.sampling.buffers and raypipe.loader.prefetch; a seq_len change, docs/scale.md.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from raypipe.loader.batch import Batch
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.stats import LoaderStats, WaitStats, WaitSummary
-from raypipe.sampling.batches import BatchBuffers, BatchPlan
+from raypipe.sampling.buffers import BatchBuffers, DescribedRows
 from raypipe.sampling.mixture import is_mixture_spec
 from raypipe.sampling.modes import BatchFiller
 from raypipe.sampling.plans import PackingReport
@@ -162,7 +162,7 @@ class TokenLoader:
             yield from self._serve(fillers[segment.phases], segment)
         run.end_epoch()
 
-    def _jobs(self, filler: BatchFiller, segment: Segment) -> Iterator[BatchPlan]:
+    def _jobs(self, filler: BatchFiller, segment: Segment) -> Iterator[DescribedRows]:
         """This rank's described steps of the segment (object storage: their shards
         fetched ahead, then those the shuffle plans next or, where it plans none, those of
         the next chunk of steps; the shards of windows already read are closed)."""
@@ -182,7 +182,7 @@ class TokenLoader:
         """The segment's batches, the run advancing as each is taken."""
         with_metadata = self.options.metadata
 
-        def fill(job: BatchPlan, views: BatchBuffers) -> tuple:
+        def fill(job: DescribedRows, views: BatchBuffers) -> tuple:
             filled = filler.fill(job, views)
             return job, filled, filler.metadata(job) if with_metadata else None
 

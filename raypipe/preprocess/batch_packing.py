@@ -32,7 +32,7 @@ from raypipe.formats import BatchFormat, BatchOptions, RecordPieces, batch_forma
 from raypipe.io.records import FormatSection, Manifest, ShardEntry
 from raypipe.io.staging import Staging
 from raypipe.io.store import Store
-from raypipe.sampling.batches import BatchBuffers, TokenSource
+from raypipe.sampling.buffers import BatchBuffers, TokenSource
 from raypipe.sampling.loss_masks import LossMasks
 from raypipe.sampling.modes import mode_serving, record_plan, waste_hints
 from raypipe.sampling.pack import RowPieces
@@ -72,9 +72,9 @@ def _pack_batches(dataset: TokenDataset, staging: Staging, fmt: BatchFormat,
             for chunk in range(first, stop, DESCRIBE_BATCHES):
                 steps = np.arange(chunk, min(chunk + DESCRIBE_BATCHES, stop), dtype=np.int64)
                 positions = steps[:, None] * spec.batch_size + np.arange(spec.batch_size)
-                for batch_plan in builder.describe(positions):
-                    builder.fill(batch_plan, buffers)
-                    rows = builder.segments(batch_plan.positions)
+                for described in builder.describe(positions):
+                    builder.fill(described, buffers)
+                    rows = builder.segments(described.positions)
                     writer.add_batch(buffers.tokens,
                                      np.array([min(row.length, spec.record_len) for row in rows]),
                                      [record_pieces(row) for row in rows],

@@ -57,7 +57,7 @@ from raypipe.preprocess.output import accepted_fingerprints, prepare_output, rem
 from raypipe.preprocess.planning import plan_inputs
 from raypipe.preprocess.progress import Progress
 from raypipe.preprocess.runners import SerialRunner, UnitRunner
-from raypipe.preprocess.sources import DatasetBlocks, PlannedUnits
+from raypipe.preprocess.sources import DatasetBlocks, FileUnits
 from raypipe.preprocess.summary import (
     JobSummary,
     empty_files,
@@ -267,7 +267,7 @@ def run_job(config: TokenizeConfig, runner: UnitRunner | None = None,
                          "no document; pass --allow-empty to write an empty dataset anyway")
     job = Job(resolved, runner or SerialRunner(resolved.tokenizer), progress_every)
     sizes = {uri: found.stats[uri].size for uri in found.files}
-    return job.run(PlannedUnits(units, tuple(found.passed_over), sizes, plan.bad_files),
+    return job.run(FileUnits(units, tuple(found.passed_over), sizes, plan.bad_files),
                    started)
 
 

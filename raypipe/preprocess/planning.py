@@ -49,7 +49,7 @@ GROUP_FILES = 16_384  # files in one group at most (bounds a unit record's size)
 
 
 @dataclass(frozen=True)
-class Plan:
+class InputUnits:
     """A job's units in order, and the files planning skipped under `skip_bad_files`."""
 
     units: list[WorkUnit]
@@ -99,7 +99,7 @@ def group_unit(uris: list[str], stats: dict[str, FileStat]) -> WorkUnit:
 
 
 def plan_inputs(found: InputFiles, columns: list[str], unit_bytes: int,
-                text_first: bool = True, skip_bad_files: bool = False) -> Plan:
+                text_first: bool = True, skip_bad_files: bool = False) -> InputUnits:
     """The work units of `found`'s files (columns checked: the text column first, of a type
     that holds text, unless `text_first` is off: chat rows)."""
     stats = found.stats if len(found.stats) == len(found.files) else stat_files(found.files)
@@ -124,7 +124,7 @@ def plan_inputs(found: InputFiles, columns: list[str], unit_bytes: int,
     if errors:
         raise bad_input(errors)
     units = [unit for each in planned if isinstance(each, list) for unit in each]
-    return Plan(units, tuple(each for each in planned if isinstance(each, BadFile)))
+    return InputUnits(units, tuple(each for each in planned if isinstance(each, BadFile)))
 
 
 def _check_first_member(uri: str, columns: list[str], text_first: bool) -> None:

@@ -34,7 +34,7 @@ from raypipe.preprocess.unit import UnitSettings
 SAMPLE_UNITS = 8  # units tried for the self-check's sample before it goes without
 
 
-class PlannedUnits:
+class FileUnits:
     """The units planned over input files (raypipe.preprocess.inputs.plan_units)."""
 
     noun = "units"

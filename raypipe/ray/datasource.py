@@ -22,7 +22,7 @@ from ray.data.datasource import Datasource, ReadTask
 
 from raypipe.dataset import TokenDataset
 from raypipe.io.store import Store
-from raypipe.sampling.batches import TokenSource
+from raypipe.sampling.buffers import TokenSource
 from raypipe.sampling.modes import PlanInputs, PlanSpec, get_mode
 
 ROWS_PER_BLOCK = 256

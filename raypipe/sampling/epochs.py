@@ -25,7 +25,7 @@ from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError
 from raypipe.io.cache import ShardCache, node_cached_array
 from raypipe.io.store import Store
-from raypipe.sampling.batches import TokenSource
+from raypipe.sampling.buffers import TokenSource
 from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
 from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec, document_split

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.sampling.batches import (
+from raypipe.sampling.buffers import (
     BatchBuffers,
-    BatchPlan,
+    DescribedRows,
     Filled,
     ShardArrays,
     TokenSource,
@@ -83,7 +83,7 @@ class LossMaskedFiller(BatchFiller[Any]):
         self.inner, self.masks = inner, masks
         self.boundaries = inner.boundaries
 
-    def describe(self, positions: np.ndarray) -> list[BatchPlan[Any]]:
+    def describe(self, positions: np.ndarray) -> list[DescribedRows[Any]]:
         return self.inner.describe(positions)
 
     def shards(self, positions: np.ndarray) -> np.ndarray:
@@ -92,7 +92,7 @@ class LossMaskedFiller(BatchFiller[Any]):
     def shards_ahead(self, position: int) -> np.ndarray | None:
         return self.inner.shards_ahead(position)
 
-    def fill(self, plan: BatchPlan[Any], buffers: BatchBuffers) -> Filled:
+    def fill(self, plan: DescribedRows[Any], buffers: BatchBuffers) -> Filled:
         filled = self.inner.fill(plan, buffers)
         width = buffers.tokens.shape[1]
         ranges = self.inner.token_ranges(plan)
@@ -107,5 +107,5 @@ class LossMaskedFiller(BatchFiller[Any]):
     def prepare(self, buffers: BatchBuffers) -> None:
         self.inner.prepare(buffers)
 
-    def metadata(self, plan: BatchPlan[Any]) -> list[Any]:
+    def metadata(self, plan: DescribedRows[Any]) -> list[Any]:
         return self.inner.metadata(plan)

@@ -38,7 +38,7 @@ from raypipe.io.states import (
     SourcePosition,
     read_any_state,
 )
-from raypipe.sampling.batches import BatchPlan
+from raypipe.sampling.buffers import DescribedRows
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.mixture import (
     MixtureSchedule,
@@ -412,7 +412,7 @@ class MixtureStep:
     rows: list[tuple[int, int, int]]
     after: dict[str, SourcePosition]
     phases: list[Phases]
-    groups: dict[tuple[int, int, Phases], tuple[list[int], BatchPlan]] = field(
+    groups: dict[tuple[int, int, Phases], tuple[list[int], DescribedRows]] = field(
         default_factory=dict)
 
 
@@ -528,7 +528,7 @@ class MixtureRun:
             for at, (index, _, _) in enumerate(entries):
                 by_step.setdefault(index, []).append(at)
             for index, ats in by_step.items():
-                chunk[index].groups[key] = ([entries[at][1] for at in ats], BatchPlan(
+                chunk[index].groups[key] = ([entries[at][1] for at in ats], DescribedRows(
                     plan.positions[ats], plan.observation_ids[ats],
                     [plan.rows[at] for at in ats]))
 

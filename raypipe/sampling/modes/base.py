@@ -30,9 +30,9 @@ from raypipe.io.cache import ShardCache
 from raypipe.io.states import MODE_RENAMES
 from raypipe.io.store import Store
 from raypipe.knobs import applies, knob
-from raypipe.sampling.batches import (
+from raypipe.sampling.buffers import (
     BatchBuffers,
-    BatchPlan,
+    DescribedRows,
     Filled,
     TokenSource,
     write_row_boundaries,
@@ -57,15 +57,15 @@ class BatchFiller(ABC, Generic[RowT]):
     """A mode's batches for one epoch's plan: described ahead, filled into host buffers."""
 
     @abstractmethod
-    def describe(self, positions: np.ndarray) -> list[BatchPlan[RowT]]:
-        """`positions` [steps, k] -> one BatchPlan per step (vectorized across steps)."""
+    def describe(self, positions: np.ndarray) -> list[DescribedRows[RowT]]:
+        """`positions` [steps, k] -> one DescribedRows per step (vectorized across steps)."""
 
     @abstractmethod
     def shards(self, positions: np.ndarray) -> np.ndarray:
         """The shards the observations at `positions` read (fetched ahead)."""
 
     @abstractmethod
-    def fill(self, plan: BatchPlan[RowT], buffers: BatchBuffers) -> Filled:
+    def fill(self, plan: DescribedRows[RowT], buffers: BatchBuffers) -> Filled:
         """Write the batch into a `prepare`d buffer."""
 
     @abstractmethod
@@ -81,7 +81,7 @@ class BatchFiller(ABC, Generic[RowT]):
         where the shuffle plans no windows (the loader fetches the next steps' instead)."""
         return None
 
-    def token_ranges(self, plan: BatchPlan[RowT]) -> list[list[tuple[int, int, int]]] | None:
+    def token_ranges(self, plan: DescribedRows[RowT]) -> list[list[tuple[int, int, int]]] | None:
         """Per row of a described batch: (shard, first token in the shard, count) of each
         piece in row order, where the plan already holds them located (the loss mask reads
         them); None: the caller asks `segments` and locates them itself."""
@@ -93,7 +93,7 @@ class BatchFiller(ABC, Generic[RowT]):
         if not self.boundaries:
             write_row_boundaries(buffers)
 
-    def metadata(self, plan: BatchPlan[RowT]) -> list[Any]:
+    def metadata(self, plan: DescribedRows[RowT]) -> list[Any]:
         raise ConfigError(f"metadata=True needs a mode whose rows are windows of a stream "
                           f"dataset ({', '.join(metadata_modes())})")
 

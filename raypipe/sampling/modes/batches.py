@@ -23,9 +23,9 @@ import numpy as np
 
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError
-from raypipe.sampling.batches import (
+from raypipe.sampling.buffers import (
     BatchBuffers,
-    BatchPlan,
+    DescribedRows,
     Filled,
     TokenSource,
     scan_boundaries,
@@ -70,7 +70,7 @@ def record_plan(dataset: TokenDataset, packing: str, record_len: int, seed: int,
                              boundaries=False)
 
 
-class PreformedPlan:
+class BatchesPlan:
     """Whole pre-formed batches in a block shuffle (see the module)."""
 
     def __init__(self, num_batches: int, batch_size: int, record_len: int, seed: int,
@@ -103,10 +103,10 @@ class PreformedPlan:
         return PackingReport(self.size * self.batch_size, tokens, 0, 0, 0, tokens)
 
 
-class PreformedFiller(BatchFiller[int]):
+class BatchesFiller(BatchFiller[int]):
     """A batch is one pre-formed [B, T] block, copied out of its mmap slice."""
 
-    def __init__(self, dataset: BatchDataset, plan: PreformedPlan, seq_len: int,
+    def __init__(self, dataset: BatchDataset, plan: BatchesPlan, seq_len: int,
                  pad_id: int = 0, boundaries: bool = True):
         self.dataset, self.plan, self.boundaries = dataset, plan, boundaries
         self.pad_id = pad_id
@@ -116,11 +116,11 @@ class PreformedFiller(BatchFiller[int]):
         ids = self.plan.batches(positions.reshape(-1))
         return np.unique(np.searchsorted(self.dataset.batch_offsets, ids, side="right") - 1)
 
-    def describe(self, positions: np.ndarray) -> list[BatchPlan[int]]:
+    def describe(self, positions: np.ndarray) -> list[DescribedRows[int]]:
         ids = self.plan.batches(positions.reshape(-1)).reshape(positions.shape)
-        return [BatchPlan(positions[i], ids[i], ids[i].tolist()) for i in range(len(ids))]
+        return [DescribedRows(positions[i], ids[i], ids[i].tolist()) for i in range(len(ids))]
 
-    def fill(self, plan: BatchPlan[int], buffers: BatchBuffers) -> Filled:
+    def fill(self, plan: DescribedRows[int], buffers: BatchBuffers) -> Filled:
         index = plan.rows[0]
         buffers.tokens[...] = self.dataset.batch(index)
         padding = None
@@ -189,7 +189,7 @@ class PreformedFiller(BatchFiller[int]):
 
 
 @dataclass(frozen=True)
-class PreformedKnobs(ModeKnobs):
+class BatchesKnobs(ModeKnobs):
     """The pre-formed batches' knob: how many consecutive batches a shuffled block holds."""
 
     block_batches: int = knob(64, "batches: batches per shuffled block")
@@ -208,7 +208,7 @@ class BatchesMode(LoaderMode):
     splits = ("all",)
     shard_local = False
     windowed = False
-    Knobs = PreformedKnobs
+    Knobs = BatchesKnobs
 
     def open_dataset(self, store: Any, format_name: str | None, cache: Any) -> Any:
         dataset = super().open_dataset(store, format_name, cache)
@@ -234,15 +234,15 @@ class BatchesMode(LoaderMode):
     def rows_from(self, dataset: Any, spec: Any) -> tuple[None, Any]:
         return None, dataset  # the batches themselves; no split
 
-    def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> PreformedPlan:
+    def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> BatchesPlan:
         dataset = inputs.dataset
-        return PreformedPlan(dataset.num_batches, inputs.batch_size, spec.seq_len + 1,
+        return BatchesPlan(dataset.num_batches, inputs.batch_size, spec.seq_len + 1,
                              spec.seed, epoch, spec.knobs.block_batches,
                              lambda index: int((~dataset.padding(index)).sum()))
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
-               boundaries: bool = True) -> PreformedFiller:
-        return PreformedFiller(source, plan, seq_len, pad_id, boundaries)
+               boundaries: bool = True) -> BatchesFiller:
+        return BatchesFiller(source, plan, seq_len, pad_id, boundaries)
 
     def waste_hint(self, waste: str, packing: str | None) -> str:
         if waste == "padding" and packing not in ("fill", "concat"):

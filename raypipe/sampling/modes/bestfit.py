@@ -36,9 +36,9 @@ import numpy as np
 
 from raypipe.errors import ConfigError
 from raypipe.formats import PACKING_BY_DATA, packing_for_data
-from raypipe.sampling.batches import (
+from raypipe.sampling.buffers import (
     BatchBuffers,
-    BatchPlan,
+    DescribedRows,
     Filled,
     TokenSource,
     write_boundaries,
@@ -517,7 +517,7 @@ class BestFitFiller(BatchFiller[list[Piece]]):
         self.source, self.plan, self.seq_len = source, plan, seq_len
         self.pad_id, self.boundaries = pad_id, boundaries
 
-    def describe(self, positions: np.ndarray) -> list[BatchPlan[list[Piece]]]:
+    def describe(self, positions: np.ndarray) -> list[DescribedRows[list[Piece]]]:
         steps, batch = positions.shape
         rows_of = self.plan.rows(positions.reshape(-1))
         pieces = [row for _, row in rows_of]
@@ -533,10 +533,10 @@ class BestFitFiller(BatchFiller[list[Piece]]):
             rows.append(located[at:at + len(row.take)])
             at += len(row.take)
         ids = np.array([row_id for row_id, _ in rows_of], dtype=np.int64).reshape(steps, batch)
-        return [BatchPlan(positions[i], ids[i], rows[i * batch:(i + 1) * batch])
+        return [DescribedRows(positions[i], ids[i], rows[i * batch:(i + 1) * batch])
                 for i in range(steps)]
 
-    def token_ranges(self, plan: BatchPlan[list[Piece]]) -> list[list[tuple[int, int, int]]]:
+    def token_ranges(self, plan: DescribedRows[list[Piece]]) -> list[list[tuple[int, int, int]]]:
         return [[(piece.shard, piece.first, piece.count) for piece in row]
                 for row in plan.rows]
 
@@ -550,7 +550,7 @@ class BestFitFiller(BatchFiller[list[Piece]]):
         return self.source.shards_of_documents(np.concatenate(doc_ids) if doc_ids
                                                else np.empty(0, np.int64))
 
-    def fill(self, plan: BatchPlan[list[Piece]], buffers: BatchBuffers) -> Filled:
+    def fill(self, plan: DescribedRows[list[Piece]], buffers: BatchBuffers) -> Filled:
         """Pieces back to back, each a sequence of its own; the target that crosses into a
         piece is masked unless the piece before ends its document and this one starts its
         own; a row's unfilled tail is padding: pad_id tokens, masked targets, a sequence of

@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from raypipe.sampling.batches import (
+from raypipe.sampling.buffers import (
     BatchBuffers,
-    BatchPlan,
+    DescribedRows,
     Filled,
     TokenSource,
     write_boundaries,
@@ -97,14 +97,14 @@ class DocumentsFiller(BatchFiller[DocumentRow]):
         self.source, self.plan, self.seq_len = source, plan, seq_len
         self.pad_id, self.boundaries = pad_id, boundaries
 
-    def describe(self, positions: np.ndarray) -> list[BatchPlan[DocumentRow]]:
+    def describe(self, positions: np.ndarray) -> list[DescribedRows[DocumentRow]]:
         local_ids = self.plan.documents(positions.reshape(-1))
         shards, firsts, counts = self.source.locate_documents(local_ids)
         ids = self.source.global_documents(local_ids).reshape(positions.shape)
         rows = [DocumentRow(*row) for row in zip(shards.tolist(), firsts.tolist(),
                                                  counts.tolist(), strict=True)]
         batch = positions.shape[1]
-        return [BatchPlan(positions[i], ids[i], rows[i * batch:(i + 1) * batch])
+        return [DescribedRows(positions[i], ids[i], rows[i * batch:(i + 1) * batch])
                 for i in range(len(positions))]
 
     def shards(self, positions: np.ndarray) -> np.ndarray:
@@ -116,7 +116,7 @@ class DocumentsFiller(BatchFiller[DocumentRow]):
                  else int(plan.lanes(np.array([position]))[0]))
         return next_window_shards(plan.permutation, order, plan.lanes, order)
 
-    def fill(self, plan: BatchPlan[DocumentRow], buffers: BatchBuffers) -> Filled:
+    def fill(self, plan: DescribedRows[DocumentRow], buffers: BatchBuffers) -> Filled:
         """A document per row; its padded tail is pad_id, masked, a sequence of its own."""
         tokens, width = self.source.tokens, self.seq_len + 1
         starts, flags = [], []

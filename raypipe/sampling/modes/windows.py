@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from raypipe.dataset import StreamWindow
-from raypipe.sampling.batches import (
+from raypipe.sampling.buffers import (
     BatchBuffers,
-    BatchPlan,
+    DescribedRows,
     Filled,
     TokenSource,
     scan_boundaries,
@@ -80,26 +80,26 @@ class WindowsFiller(BatchFiller[int]):
         self.boundaries = boundaries
         self.bos_id, self.eos_id = source.dataset.bos_id, source.dataset.eos_id
 
-    def describe(self, positions: np.ndarray) -> list[BatchPlan[int]]:
+    def describe(self, positions: np.ndarray) -> list[DescribedRows[int]]:
         ids, offsets = self.plan.window_starts(positions.reshape(-1))
         ids, rows = ids.reshape(positions.shape), offsets.reshape(positions.shape).tolist()
-        return [BatchPlan(positions[i], ids[i], rows[i]) for i in range(len(positions))]
+        return [DescribedRows(positions[i], ids[i], rows[i]) for i in range(len(positions))]
 
     def shards(self, positions: np.ndarray) -> np.ndarray:
         return self.source.shards_of_tokens(self.plan.window_starts(positions.reshape(-1))[1],
                                             self.seq_len + 1)
 
-    def fill(self, plan: BatchPlan[int], buffers: BatchBuffers) -> Filled:
+    def fill(self, plan: DescribedRows[int], buffers: BatchBuffers) -> Filled:
         self.source.copy_windows(plan.rows, buffers.tokens)
         if not self.boundaries:
             return Filled(len(plan.rows))
         return scan_boundaries(buffers, self.bos_id, self.eos_id)
 
-    def metadata(self, plan: BatchPlan[int]) -> list[StreamWindow]:
+    def metadata(self, plan: DescribedRows[int]) -> list[StreamWindow]:
         """Each row's tokens with their metadata (a stream dataset)."""
         return [self.source.dataset.window(offset, self.seq_len + 1) for offset in plan.rows]
 
-    def row_lengths(self, plan: BatchPlan[int]) -> np.ndarray:
+    def row_lengths(self, plan: DescribedRows[int]) -> np.ndarray:
         return np.full(len(plan.rows), self.seq_len + 1, dtype=np.int64)
 
     def segments(self, positions: np.ndarray) -> list[RowPieces]:

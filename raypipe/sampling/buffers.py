@@ -67,7 +67,7 @@ class Filled:
 
 
 @dataclass
-class BatchPlan(Generic[RowT]):
+class DescribedRows(Generic[RowT]):
     """What one batch holds, computed ahead: positions, observation ids, and one typed row
     description per row (the mode's own row type)."""
 
