@@ -321,9 +321,9 @@ def test_the_retired_name_llmbatch_selects_the_batches_mode_and_its_states_load(
     at the same position (and a `batches` state an `llmbatch` loader)."""
     import logging
 
-    from raypipe.sampling.modes import base
+    from raypipe.sampling import state_compat
 
-    base._WARNED_RENAMES.discard("llmbatch")
+    state_compat._warned.discard("llmbatch")
     with caplog.at_level(logging.WARNING, logger="raypipe"):
         old = [TokenLoader(rich_dataset, mode="llmbatch", seed=3, block_batches=4)
                for _ in range(2)]

@@ -5,9 +5,8 @@ Invariant: `LoaderState.from_dict` / `MixtureState.from_dict` accept only what `
 writes: every key present, every field of its type (a bool is not an int, a float or a
 string is not a position) and in range (epoch in [0, 2^53), position, steps and rows
 consumed >= 0, the version this release writes); anything else is one StateError naming
-the field. A state of an earlier release is upgraded as it is read: a loader mode it names
-by a retired name (`MODE_RENAMES`) gets the mode's name of today. The records are JSON-able
-and a few hundred bytes. Cost: microseconds.
+the field. What an earlier release's state lacks is read by raypipe.sampling.state_compat.
+The records are JSON-able and a few hundred bytes. Cost: microseconds.
 """
 
 from __future__ import annotations
@@ -20,19 +19,12 @@ from raypipe.io.records import JsonRecord
 
 STATE_VERSION = 1
 MAX_EPOCH = 2**53  # exact in JSON numbers of every language; far beyond any run
-# loader modes renamed: old name -> today's (0.7: `llmbatch` serves any batch format)
-MODE_RENAMES = {"llmbatch": "batches"}
 
 State = TypeVar("State", bound=JsonRecord)
 
 
 def read_state(cls: type[State], state: Any, where: str) -> State:
-    """`cls` from a state dict (a retired mode name upgraded); a problem is a StateError
-    naming the field."""
-    if isinstance(state, dict) and isinstance(state.get("knobs"), dict) \
-            and state["knobs"].get("mode") in MODE_RENAMES:
-        state = {**state, "knobs": {**state["knobs"],
-                                    "mode": MODE_RENAMES[state["knobs"]["mode"]]}}
+    """`cls` from a state dict; a problem is a StateError naming the field."""
     try:
         return cls.from_json(state, where)
     except FormatError as exc:
@@ -72,8 +64,8 @@ class LoaderState(JsonRecord):
     epoch: int
     position: int
     saved_with: dict[str, int]
-    steps: int | None = None  # global steps taken from the start of training (None: before
-    # 0.7, counted from the positions)
+    steps: int | None = None  # global steps taken from the start of training (None: not
+    # recorded, counted from the positions: raypipe.sampling.state_compat)
     # the epoch's seq_len phases, [[seq_len, begins], ...] (raypipe.sampling.schedule.Phase:
     # the position is in the last one's plan); None: one, at the knobs' seq_len
     phases: list[list[int]] | None = None
@@ -110,8 +102,8 @@ def check_int_rows(where: str, name: str, rows: list[list[int]] | None, width: i
 class SourcePosition(JsonRecord):
     """Where one source of a mixture stands: its dataset fingerprint, epoch, position in the
     epoch, rows it has served in all, and rows it had served when the weights now in force
-    began (their stage: the weights are balanced on the rows since; 0 in states before 0.7,
-    whose weights held from the start); `phases`: the epoch's seq_len phases, as a
+    began (their stage: the weights are balanced on the rows since; 0 where a state does not
+    record it: its weights held from the start); `phases`: the epoch's seq_len phases, as a
     LoaderState's (None: one, at the state's seq_len)."""
 
     dataset: str

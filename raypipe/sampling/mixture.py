@@ -150,12 +150,6 @@ def restage(positions: list[SourcePosition]) -> list[SourcePosition]:
     return [replace(position, stage_base=position.consumed) for position in positions]
 
 
-def implied_phases(saved_seq_len: int, seq_len: int) -> list[list[int]] | None:
-    """The phases of a source position a state saved without them (one, at the state's
-    seq_len), as a schedule at `seq_len` records them (None: its own seq_len)."""
-    return None if saved_seq_len == seq_len else [[saved_seq_len, 0]]
-
-
 def resumed_positions(stages: WeightStages, saved_weights: np.ndarray, steps: int,
                       positions: list[SourcePosition]) -> list[SourcePosition]:
     """Where a resumed mixture's sources stand: as saved, and a stage begun there if the

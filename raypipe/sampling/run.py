@@ -36,14 +36,12 @@ from raypipe.io.states import (
     LoaderState,
     MixtureState,
     SourcePosition,
-    read_any_state,
 )
 from raypipe.sampling.buffers import DescribedRows
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.mixture import (
     MixtureSchedule,
     WeightStages,
-    implied_phases,
     is_mixture_spec,
     mixture_sources,
     resumed_positions,
@@ -68,6 +66,7 @@ from raypipe.sampling.schedule import (
     phase_rows,
     phases_of_rows,
 )
+from raypipe.sampling.state_compat import implied_phases, read_state, steps_taken, upgraded
 
 logger = logging.getLogger("raypipe")
 DESCRIBE_STEPS = 64  # steps described together: one vectorized plan call per chunk
@@ -323,7 +322,8 @@ class Run:
 
     def resume(self, state: dict[str, Any] | LoaderState) -> None:
         """Stand where `state` (any rank's, any world size) stands."""
-        saved = state if isinstance(state, LoaderState) else LoaderState.from_dict(state)
+        saved = (state if isinstance(state, LoaderState)
+                 else LoaderState.from_dict(upgraded(state)))
         check_dataset(saved.dataset, self.dataset)
         self.adopt_shuffle(saved.knobs)
         check_knobs("the loader state", saved.knobs, self.spec.knobs_record(),
@@ -334,9 +334,8 @@ class Run:
             raise StateError(f"loader state position {saved.position} outside epoch "
                              f"{saved.epoch} (size {size})")
         self.epoch, self.position, self.phases = saved.epoch, saved.position, phases
-        self.steps = (saved.steps if saved.steps is not None else
-                      self.planned.schedule.steps_before(self.planned.plan_size, saved.epoch,
-                                                         saved.position, phases))
+        self.steps = steps_taken(saved, lambda: self.planned.schedule.steps_before(
+            self.planned.plan_size, saved.epoch, saved.position, phases))
         self.history = [list(entry) for entry in saved.history or []]
         if self.seq_len != self.phases[-1].seq_len:
             cursor = self.planned.schedule.phases_at(self.cursor())
@@ -563,7 +562,8 @@ class MixtureRun:
     def resume(self, state: dict[str, Any] | MixtureState) -> None:
         """Stand where `state` (any rank's, any world size) stands; weights other than the
         state's begin a stage there, every source continuing from its own position."""
-        saved = state if isinstance(state, MixtureState) else MixtureState.from_dict(state)
+        saved = (state if isinstance(state, MixtureState)
+                 else MixtureState.from_dict(upgraded(state)))
         if sorted(saved.sources) != self.names:
             raise StateError(f"mixture state holds sources {sorted(saved.sources)}, this "
                              f"mixture has {self.names}")
@@ -698,8 +698,8 @@ def read_state_file(state: dict[str, Any] | str | Path | None
                     ) -> LoaderState | MixtureState | None:
     """A loader's or a mixture's state, from its dict or its JSON file."""
     if state is None or isinstance(state, dict):
-        return read_any_state(state)
+        return read_state(state)
     try:
-        return read_any_state(json.loads(Path(state).read_text()))
+        return read_state(json.loads(Path(state).read_text()))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{state}: cannot read the loader state: {exc}") from exc

@@ -27,9 +27,9 @@ import numpy as np
 from raypipe.dataset import open_kind
 from raypipe.errors import ConfigError
 from raypipe.io.cache import ShardCache
-from raypipe.io.states import MODE_RENAMES
 from raypipe.io.store import Store
 from raypipe.knobs import applies, knob
+from raypipe.sampling import state_compat
 from raypipe.sampling.buffers import (
     BatchBuffers,
     DescribedRows,
@@ -164,7 +164,7 @@ class PlanSpec:
         """This spec with `values` (shared knobs and the mode's own, by name) in place of
         its own; another mode's own knobs start at their defaults. A name that is no knob
         is one ConfigError naming it and what is taken: the knobs and `others`."""
-        mode = current_mode_name(values.pop("mode", self.mode))
+        mode = state_compat.current_mode_name(values.pop("mode", self.mode))
         shared = {name: getattr(self, name) for name in SHARED_KNOBS if name != "mode"}
         shared.update({name: values.pop(name) for name in SHARED_KNOBS if name in values})
         refuse_stray_knobs(mode, values, {*SHARED_KNOBS, *others})
@@ -173,7 +173,7 @@ class PlanSpec:
         return PlanSpec(mode, **shared, knobs=get_mode(mode).Knobs(**{**own, **values}))
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", current_mode_name(self.mode))
+        object.__setattr__(self, "mode", state_compat.current_mode_name(self.mode))
         for name, value, allowed in (("mode", self.mode, mode_names()),
                                      ("shuffle", self.shuffle, SHUFFLES),
                                      ("split", self.split, SPLITS)):
@@ -347,39 +347,17 @@ class PlanInputs:
     groups: ShardGroups | ShardWindows | None = None
 
 
-# Backward compatibility of loader states, in one table: a knob a state leaves out where
-# it holds the value it had before the knob existed (a state of an earlier release, which
-# lacks it, then loads unchanged): knob -> (that value, the knobs left out with it). A mode
-# adds its own knobs' (LoaderMode.knobs_before).
-KNOBS_BEFORE: dict[str, tuple[Any, tuple[str, ...]]] = {
-    "shuffle": ("global", ("group_shards", "window_shards", "lanes")),  # before 0.3
-    "window_shards": (0, ()),  # before 0.7: no windowed shuffle
-    "lanes": (0, ()),
-    "split": ("all", ("validation_fraction",)),  # before 0.4: no validation split
-}
-
-
-def knobs_before(mode: str) -> dict[str, tuple[Any, tuple[str, ...]]]:
-    """The table above with mode `mode`'s own entries."""
-    return {**KNOBS_BEFORE, **get_mode(mode).knobs_before}
-
-
 def compact_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
-    """`knobs` without those at their value from before they existed (and their
-    companions): what a loader state records."""
-    compact = dict(knobs)
-    for added, (before, companions) in knobs_before(knobs["mode"]).items():
-        if added in compact and compact[added] == before:
-            for name in (added, *companions):
-                compact.pop(name, None)
-    return compact
+    """`knobs` as a loader state records them (raypipe.sampling.state_compat)."""
+    return state_compat.compact_knobs(knobs, get_mode(knobs["mode"]).knobs_before)
 
 
 def upgrade_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
-    """A saved state's knobs with each one it leaves out at its value from before it
-    existed (what an earlier release ran with; companions keep their defaults)."""
-    table = knobs_before(knobs["mode"]) if knobs.get("mode") in _MODES else KNOBS_BEFORE
-    return {**{knob: before for knob, (before, _) in table.items()}, **knobs}
+    """A saved state's knobs with those it leaves out at their values from before they
+    existed (raypipe.sampling.state_compat)."""
+    mode = knobs.get("mode")
+    return state_compat.upgrade_knobs(knobs, _MODES[mode].knobs_before if mode in _MODES
+                                      else {})
 
 
 class LoaderMode(ABC):
@@ -399,7 +377,7 @@ class LoaderMode(ABC):
     reads_stream: ClassVar[bool] = False  # rows are cut from the token stream (a split's)
     continues_plans: ClassVar[bool] = False  # seq_len may change inside an epoch
     Knobs: ClassVar[type[ModeKnobs]] = ModeKnobs  # its own knobs (none by default)
-    # its knobs' values from before they existed (see KNOBS_BEFORE)
+    # its own knobs' values from before they existed (raypipe.sampling.state_compat)
     knobs_before: ClassVar[dict[str, tuple[Any, tuple[str, ...]]]] = {}
 
     def knobs(self, spec: Any) -> dict[str, Any]:
@@ -525,29 +503,15 @@ def register(mode: LoaderMode) -> LoaderMode:
 
 
 def get_mode(name: str) -> LoaderMode:
-    name = current_mode_name(name)
+    name = state_compat.current_mode_name(name)
     if name not in _MODES:
         raise ConfigError(f"mode: {name!r} not among {list(_MODES)}")
     return _MODES[name]
 
 
-_WARNED_RENAMES: set[str] = set()
-
-
-def current_mode_name(name: str) -> str:
-    """Today's name of mode `name` (a retired name: one deprecation line per process)."""
-    if name not in MODE_RENAMES:
-        return name
-    if name not in _WARNED_RENAMES:
-        _WARNED_RENAMES.add(name)
-        logger.warning("loader mode %r is now called %r; the old name keeps working",
-                       name, MODE_RENAMES[name])
-    return MODE_RENAMES[name]
-
-
 def mode_spellings() -> tuple[str, ...]:
-    """The modes' names, and the retired names that still select them."""
-    return (*_MODES, *MODE_RENAMES)
+    """The modes' names, and the names they had that still select them."""
+    return (*_MODES, *state_compat.former_mode_names())
 
 
 def mode_names() -> tuple[str, ...]:

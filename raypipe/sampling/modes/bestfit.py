@@ -631,9 +631,9 @@ class BestFitMode(LoaderMode):
     continues_plans = True
     Knobs = BestFitKnobs
     knobs_before = {
-        "packing": ("crop", ("pieces",)),  # before 0.2: crop packing only (no pieces)
-        "pieces": ("edges", ()),  # before 0.5: pieces cut edge to edge, another rule
-        "overlong": ("cut", ()),  # before 0.6: a document over a row cut edge to edge
+        "packing": ("crop", ("pieces",)),  # crop packing only (no pieces)
+        "pieces": ("edges", ()),  # pieces cut edge to edge, another rule
+        "overlong": ("cut", ()),  # a document over a row cut edge to edge
     }
 
     def knobs(self, spec: Any) -> dict[str, Any]:
