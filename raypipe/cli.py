@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from raypipe import interrupts
-from raypipe.config import ChatConfig, TokenizeConfig, legacy, load_config
+from raypipe.config import ChatConfig, TokenizeConfig, compat, load_config
 from raypipe.errors import ConfigError, RaypipeError
-from raypipe.formats import FORMATS, BatchOptions
+from raypipe.formats import FORMATS
 from raypipe.knobs import knob_choices
 from raypipe.sampling.modes import knob_fields
 
@@ -88,13 +88,12 @@ def given_chat(args: argparse.Namespace) -> Any:
 
 
 FORMAT_OPTION = "format_option"  # an argparse dest prefix: format_option:<format>:<option>
-RETIRED_FLAG = "retired_key"  # an argparse dest prefix: retired_key:<key> (a 0.6 flag)
 
 
 def add_format_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per option a registered format declares, `--<format>-<option>` (made from
-    its options type), and 0.6's flat flags (--record-len, --no-metadata, ...), which still
-    work with one deprecation line (raypipe.config.legacy)."""
+    its options type), and the flags the config's compatibility module still takes
+    (raypipe.config.compat)."""
     for name, fmt in FORMATS.items():
         hints = typing.get_type_hints(fmt.options_type)
         for spec in fmt.options_type.settable():
@@ -103,12 +102,7 @@ def add_format_arguments(parser: argparse.ArgumentParser) -> None:
             _add_typed(parser, [f"--{name}-{spec.name}".replace("_", "-")],
                        f"{FORMAT_OPTION}:{name}:{spec.name}", hints[spec.name],
                        knob_choices(spec), text)
-    for key, flags in legacy.FLAT_FLAGS.items():
-        target, option = legacy.FLAT_OPTIONS[key]
-        owner = BatchOptions if target == legacy.EVERY_BATCH_FORMAT else \
-            FORMATS[target].options_type
-        _add_typed(parser, list(flags), f"{RETIRED_FLAG}:{key}",
-                   typing.get_type_hints(owner)[option], None, argparse.SUPPRESS)
+    compat.add_retired_flags(parser, _add_typed)
 
 
 def _add_typed(parser: argparse.ArgumentParser, flags: list[str], dest: str, hint: Any,
@@ -133,11 +127,6 @@ def given_format_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return chosen
 
 
-def given_retired_keys(args: argparse.Namespace) -> dict[str, Any]:
-    """0.6's flat flags given, by their config key (upgraded by raypipe.config.legacy)."""
-    return given_under(args, RETIRED_FLAG)
-
-
 def given_under(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
     """The options given (not None) whose argparse dest is `<prefix>:<key>`, by key."""
     return {dest.split(":", 1)[1]: value for dest, value in vars(args).items()
@@ -150,7 +139,7 @@ def config_from_args(args: argparse.Namespace) -> TokenizeConfig:
     overrides["inputs"] = overrides["inputs"] or None
     overrides["chat"] = given_chat(args)
     return load_config(args.config, given_format_options(args),
-                       **overrides, **given_retired_keys(args))
+                       **overrides, **compat.given_retired_flags(args))
 
 
 def command_tokenize(args: argparse.Namespace) -> int:
@@ -253,14 +242,15 @@ def command_convert(args: argparse.Namespace) -> int:
 
 
 def convert_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The destination format's options from its --<format>-<option> flags (and 0.6's
-    --record-len, --batch-size, ...); a flag of another format is refused."""
+    """The destination format's options from its --<format>-<option> flags (and those
+    raypipe.config.compat still takes); a flag of another format is refused."""
     given = given_format_options(args)
     others = sorted(set(given) - {args.format})
     if others:
         raise ConfigError(f"convert --format {args.format}: options of {', '.join(others)} "
                           f"given ({', '.join(f'--{name}-...' for name in others)})")
-    upgraded = legacy.upgrade(given_retired_keys(args), {args.format: given.get(args.format)})
+    upgraded = compat.upgrade(compat.given_retired_flags(args),
+                              {args.format: given.get(args.format)})
     return (upgraded.get("formats") or {}).get(args.format) or given.get(args.format) or {}
 
 

@@ -91,7 +91,7 @@ def test_train_job_rerun_with_nothing_left_says_so_without_starting_ray(tmp_path
 def test_record_len_today_and_its_0_6_spellings_set_the_llmbatch_record_length(caplog,
                                                                               monkeypatch):
     from raypipe.cli import config_from_args, convert_options
-    from raypipe.config import legacy
+    from raypipe.config import compat as legacy
 
     monkeypatch.setattr(legacy, "_warned", set())  # the line is said once per process
 
@@ -305,7 +305,7 @@ def test_a_config_change_is_described_by_flag_and_unset_values_say_so():
 def test_a_bad_format_option_is_refused_at_config_time_naming_the_flags(fmt, option, value,
                                                                         spelling):
     from raypipe.config import load_config
-    from raypipe.config.legacy import FLAT_OPTIONS
+    from raypipe.config.compat import FLAT_OPTIONS
     from raypipe.errors import ConfigError
 
     given = ({"formats": {fmt: {option: value}}} if spelling == "today" else

@@ -1,4 +1,4 @@
-"""The tokenize config's retired shapes (raypipe.config.legacy), one test each: 0.6's flat
+"""The tokenize config's retired shapes (raypipe.config.compat), one test each: 0.6's flat
 per-format keys load as today's `formats: {name: {option: value}}` with one deprecation
 line naming today's spelling, a key that no longer does anything loads with a warning, and
 the config.yaml a 0.6 job wrote (tests/golden) loads and keeps the fingerprint its output
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from raypipe.config import legacy, load_config
+from raypipe.config import compat as legacy
+from raypipe.config import load_config
 from raypipe.demo.train_tokenizer import SHIPPED
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -235,8 +235,10 @@ def test_an_output_of_the_previous_release_is_still_recognized(tmp_path, corpus_
     """0.1-0.2 hashed the paths as spelled: their job and unit records still count."""
     config = config_for(corpus_dir, tmp_path / "out", tokenizer_path)
     summary = run_job(config)
-    legacy = config.spelled_fingerprint(read_manifest_json(tmp_path / "out")["tokenizer"]
-                                        ["sha256"])
+    from raypipe.config import compat
+
+    legacy = compat.spelled_fingerprint(
+        config.output_fields(), read_manifest_json(tmp_path / "out")["tokenizer"]["sha256"])
     for record in (tmp_path / "out" / "_units").glob("*.json"):
         data = json.loads(record.read_text())
         data["fingerprint"] = legacy

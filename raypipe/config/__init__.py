@@ -10,8 +10,8 @@ with another tokenizer or format set is refused (unless `overwrite`). Where thin
 (inputs, output, tokenizer path) is not hashed as spelled: the tokenizer counts by its
 contents (sha256) and the job compares the resolved input files (raypipe.preprocess.job),
 so `corpus/` and `corpus/*.parquet`, or `out` and its absolute path, are the same job.
-Cost: microseconds, once per config (options typed and checked here, the retired shapes of
-raypipe.config.legacy upgraded here); a unit reads its formats' options from the config's
+Cost: microseconds, once per config (options typed and checked here, earlier releases'
+shapes upgraded by raypipe.config.compat); a unit reads its formats' options from the config's
 dict, nothing per unit or per row.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from raypipe.config import legacy
+from raypipe.config import compat
 from raypipe.errors import ConfigError, FormatError
 from raypipe.formats import (
     DEFAULT_FORMATS,
@@ -66,8 +66,8 @@ EOS_FORMATS = tuple(name for name, fmt in FORMATS.items()
 def flag_of(name: str) -> str:
     """The command-line flag of TokenizeConfig field `name` (what messages call it); of a
     format's option as a fingerprint names it (`seq_len`, `stream.serializer`): today's."""
-    if name in legacy.FLAT_OPTIONS or "." in name:
-        return legacy.flag_of_option(name)
+    if name in compat.FLAT_OPTIONS or "." in name:
+        return compat.flag_of_option(name)
     spec = next((f for f in dataclasses.fields(TokenizeConfig) if f.name == name), None)
     if spec is None or spec.metadata.get("positional"):
         return name
@@ -382,7 +382,7 @@ class TokenizeConfig:
         """A config from its keys; those of earlier releases are upgraded
         (raypipe.config.legacy)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        data = legacy.upgrade(data, format_entries(data.get("formats")))
+        data = compat.upgrade(data, format_entries(data.get("formats")))
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; known: {sorted(names)}")
@@ -401,11 +401,11 @@ class TokenizeConfig:
         bytes, so outputs made then keep theirs."""
         names = list(self.formats)
         flat = {**self.to_dict(), "formats": names,
-                **legacy.fingerprint_fields(names, self.formats,
+                **compat.fingerprint_fields(names, self.formats,
                                             packing_for_data(PACKING_BY_DATA, self.is_chat)),
-                **legacy.flat_chat(None if self.chat is None else dataclasses.asdict(self.chat))}
+                **compat.flat_chat(None if self.chat is None else dataclasses.asdict(self.chat))}
         return {k: v for k, v in flat.items() if k not in EXECUTION_FIELDS
-                and legacy.ADDED_FIELDS.get(k, object()) != v}
+                and compat.ADDED_FIELDS.get(k, object()) != v}
 
     def meaning_fields(self) -> dict[str, Any]:
         """The output-shaping fields without the locations (inputs, output, tokenizer path)."""
@@ -414,15 +414,6 @@ class TokenizeConfig:
     def output_fingerprint(self, tokenizer_sha256: str) -> str:
         payload = json.dumps({"config": self.meaning_fields(), "fingerprint_version": 2,
                               "tokenizer_sha256": tokenizer_sha256}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-    def spelled_fingerprint(self, tokenizer_sha256: str) -> str:
-        """The fingerprint of raypipe 0.1-0.2, which hashed the locations as spelled: an
-        output made then with the same spelling is still recognized."""
-        payload = json.dumps(
-            {"config": self.output_fields(), "tokenizer_sha256": tokenizer_sha256},
-            sort_keys=True,
-        )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

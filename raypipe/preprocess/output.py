@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import PurePosixPath
 from typing import Any
 
-from raypipe.config import LOCATION_FIELDS, TokenizeConfig, flag_of
+from raypipe.config import LOCATION_FIELDS, TokenizeConfig, compat, flag_of
 from raypipe.errors import ConfigError
 from raypipe.formats import FORMATS
 from raypipe.io.atomic import TEMP_SUFFIX, remove_stale_temps
@@ -37,8 +37,10 @@ logger = logging.getLogger("raypipe")
 
 
 def accepted_fingerprints(config: TokenizeConfig, settings: UnitSettings) -> set[str]:
-    """The job's fingerprint, and the one raypipe 0.1-0.2 computed for the same spelling."""
-    return {settings.fingerprint, config.spelled_fingerprint(settings.tokenizer.sha256)}
+    """The job's fingerprint, and the one earlier releases computed for the same spelling
+    (raypipe.config.compat)."""
+    return {settings.fingerprint, compat.spelled_fingerprint(config.output_fields(),
+                                                             settings.tokenizer.sha256)}
 
 
 def prepare_output(config: TokenizeConfig, settings: UnitSettings,

@@ -1,6 +1,6 @@
 """The tokenize config's shapes of earlier releases, upgraded on read: its one
-compatibility module (the loader state's is raypipe.io.states, the manifest's
-raypipe.io.records).
+compatibility module (the loader state's is raypipe.sampling.state_compat, the manifest's
+raypipe.io.manifest_compat), the command line's retired flags included.
 
 Invariant: a config of raypipe 0.1-0.6 loads as today's. Its YAML keys and keywords
 (`seq_len`, `mds_compression`, ...: options of one format, flat beside the job's own fields)
@@ -8,16 +8,24 @@ move into `formats: {name: {option: value}}`, and its flat chat keys (`messages_
 `train_on`, ...) into the `chat:` mapping, with one deprecation line per process naming each
 retired key and its new spelling; keys that no longer do anything load with a warning.
 `fingerprint_fields` lays today's options out in 0.6's flat shape, so an output made by any
-earlier release keeps its fingerprint and a rerun still reuses its shards. Cost:
+earlier release keeps its fingerprint and a rerun still reuses its shards; and
+`spelled_fingerprint` is the fingerprint of 0.1-0.2, which hashed the locations as spelled.
+0.6's flat flags (--record-len, --no-metadata, ...) still parse (`add_retired_flags`), with
+the same deprecation line as their YAML keys. Cost:
 microseconds, once per config.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
 import logging
+import typing
+from collections.abc import Callable
 from typing import Any
 
-from raypipe.formats import FormatOptions, batch_formats, of_kind
+from raypipe.formats import BatchOptions, FormatOptions, batch_formats, get_format, of_kind
 
 logger = logging.getLogger("raypipe")
 
@@ -59,7 +67,34 @@ PACKINGS_OF_0_6 = ("auto", "fill", "split")
 # keys of earlier releases that no longer do anything -> why (a config holding one loads,
 # with a warning)
 RETIRED_KEYS = {"head_start": "removed in 0.6: every unit runs on Ray Data"}
+RETIRED_FLAG = "retired_key"  # an argparse dest prefix: retired_key:<key> (a 0.6 flag)
 _warned: set[str] = set()
+
+
+def add_retired_flags(parser: argparse.ArgumentParser,
+                      add_typed: Callable[..., None]) -> None:
+    """0.6's flat flags, hidden from the help: `add_typed(parser, flags, dest, hint,
+    choices, help)` adds each as an option of its option's type."""
+    for key, flags in FLAT_FLAGS.items():
+        target, option = FLAT_OPTIONS[key]
+        owner = BatchOptions if target == EVERY_BATCH_FORMAT else \
+            get_format(target).options_type
+        add_typed(parser, list(flags), f"{RETIRED_FLAG}:{key}",
+                  typing.get_type_hints(owner)[option], None, argparse.SUPPRESS)
+
+
+def given_retired_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """0.6's flat flags given, by their config key (which `upgrade` moves)."""
+    return {dest.split(":", 1)[1]: value for dest, value in vars(args).items()
+            if dest.startswith(RETIRED_FLAG + ":") and value is not None}
+
+
+def spelled_fingerprint(output_fields: dict[str, Any], tokenizer_sha256: str) -> str:
+    """The fingerprint of raypipe 0.1-0.2, which hashed the locations as spelled: an output
+    made then with the same spelling is still recognized."""
+    payload = json.dumps({"config": output_fields, "tokenizer_sha256": tokenizer_sha256},
+                         sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def targets(key: str, names: list[str]) -> list[str]:
