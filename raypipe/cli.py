@@ -102,7 +102,7 @@ def add_format_arguments(parser: argparse.ArgumentParser) -> None:
             _add_typed(parser, [f"--{name}-{spec.name}".replace("_", "-")],
                        f"{FORMAT_OPTION}:{name}:{spec.name}", hints[spec.name],
                        knob_choices(spec), text)
-    compat.add_retired_flags(parser, _add_typed)
+    compat.add_former_flags(parser, _add_typed)
 
 
 def _add_typed(parser: argparse.ArgumentParser, flags: list[str], dest: str, hint: Any,
@@ -139,7 +139,7 @@ def config_from_args(args: argparse.Namespace) -> TokenizeConfig:
     overrides["inputs"] = overrides["inputs"] or None
     overrides["chat"] = given_chat(args)
     return load_config(args.config, given_format_options(args),
-                       **overrides, **compat.given_retired_flags(args))
+                       **overrides, **compat.given_former_flags(args))
 
 
 def command_tokenize(args: argparse.Namespace) -> int:
@@ -249,7 +249,7 @@ def convert_options(args: argparse.Namespace) -> dict[str, Any]:
     if others:
         raise ConfigError(f"convert --format {args.format}: options of {', '.join(others)} "
                           f"given ({', '.join(f'--{name}-...' for name in others)})")
-    upgraded = compat.upgrade(compat.given_retired_flags(args),
+    upgraded = compat.upgrade(compat.given_former_flags(args),
                               {args.format: given.get(args.format)})
     return (upgraded.get("formats") or {}).get(args.format) or given.get(args.format) or {}
 

@@ -362,6 +362,11 @@ class TokenDataset(ShardSet):
     def num_tokens(self) -> int:
         return int(self.shard_token_counts.sum())
 
+    @property
+    def served_tokens(self) -> int:
+        """Tokens an epoch over every document serves from: all of them."""
+        return self.num_tokens
+
     def shard_prefix(self, index: int) -> Path:
         """The local path prefix of a shard's files (in the cache for object storage)."""
         if self.cache is not None:
@@ -483,6 +488,12 @@ class BatchDataset(ShardSet):
         self.batch_offsets = np.concatenate([[0], np.cumsum(counts)])
 
     @property
+    def served_tokens(self) -> int:
+        """Tokens an epoch serves: the records' real tokens as their packing recorded them
+        (0 where the output does not record them)."""
+        return int(self.options.used_tokens or 0)
+
+    @property
     def num_batches(self) -> int:
         return int(self.batch_offsets[-1])
 
@@ -495,7 +506,7 @@ class BatchDataset(ShardSet):
 
     @cached_property
     def fingerprint(self) -> str:
-        """As ShardSet's, in the payload shape of raypipe 0.1 (saved states stay valid)."""
+        """As ShardSet's, in the payload shape it has always had (saved states stay valid)."""
         payload = {"fingerprint": self.manifest.fingerprint, "format": self.format_name,
                    "shards": [[f.path, f.bytes, f.sha256] for s in self.shards
                               for f in s.files]}

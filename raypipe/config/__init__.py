@@ -379,8 +379,7 @@ class TokenizeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TokenizeConfig:
-        """A config from its keys; those of earlier releases are upgraded
-        (raypipe.config.legacy)."""
+        """A config from its keys, upgraded by raypipe.config.compat."""
         names = {f.name for f in dataclasses.fields(cls)}
         data = compat.upgrade(data, format_entries(data.get("formats")))
         unknown = sorted(set(data) - names)
@@ -395,10 +394,9 @@ class TokenizeConfig:
         return cls(**data)
 
     def output_fields(self) -> dict[str, Any]:
-        """The fields that determine output bytes, in 0.6's flat shape (each format's options
-        as 0.6 named them: raypipe.config.legacy), so outputs made then keep their
-        fingerprint. A field added after 0.1 is left out at the value that reproduces 0.1's
-        bytes, so outputs made then keep theirs."""
+        """The fields that determine output bytes, laid out as raypipe.config.compat lays
+        them, so an output of any earlier release keeps its fingerprint (a field added
+        since is left out at the value that reproduces the bytes written before it)."""
         names = list(self.formats)
         flat = {**self.to_dict(), "formats": names,
                 **compat.fingerprint_fields(names, self.formats,

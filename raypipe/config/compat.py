@@ -10,7 +10,7 @@ retired key and its new spelling; keys that no longer do anything load with a wa
 `fingerprint_fields` lays today's options out in 0.6's flat shape, so an output made by any
 earlier release keeps its fingerprint and a rerun still reuses its shards; and
 `spelled_fingerprint` is the fingerprint of 0.1-0.2, which hashed the locations as spelled.
-0.6's flat flags (--record-len, --no-metadata, ...) still parse (`add_retired_flags`), with
+0.6's flat flags (--record-len, --no-metadata, ...) still parse (`add_former_flags`), with
 the same deprecation line as their YAML keys. Cost:
 microseconds, once per config.
 """
@@ -71,7 +71,7 @@ RETIRED_FLAG = "retired_key"  # an argparse dest prefix: retired_key:<key> (a 0.
 _warned: set[str] = set()
 
 
-def add_retired_flags(parser: argparse.ArgumentParser,
+def add_former_flags(parser: argparse.ArgumentParser,
                       add_typed: Callable[..., None]) -> None:
     """0.6's flat flags, hidden from the help: `add_typed(parser, flags, dest, hint,
     choices, help)` adds each as an option of its option's type."""
@@ -83,7 +83,7 @@ def add_retired_flags(parser: argparse.ArgumentParser,
                   typing.get_type_hints(owner)[option], None, argparse.SUPPRESS)
 
 
-def given_retired_flags(args: argparse.Namespace) -> dict[str, Any]:
+def given_former_flags(args: argparse.Namespace) -> dict[str, Any]:
     """0.6's flat flags given, by their config key (which `upgrade` moves)."""
     return {dest.split(":", 1)[1]: value for dest, value in vars(args).items()
             if dest.startswith(RETIRED_FLAG + ":") and value is not None}

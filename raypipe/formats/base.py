@@ -202,7 +202,8 @@ def shard_prefix(root: Path, shard: ShardEntry) -> Path:
 
 
 PACKING_BY_DATA = "auto"  # a packing left to the data: see packing_for_data
-# how a batch format's records are packed (`bestfit`: the name `crop` had before 0.4)
+# how a batch format's records are packed (`bestfit`: crop's former name,
+# raypipe.io.manifest_compat)
 RECORD_PACKINGS = ("fill", "split", "crop", "concat", "bestfit")
 BATCH_PACKINGS = (*RECORD_PACKINGS, PACKING_BY_DATA)  # what a batch format's packing takes
 
@@ -285,8 +286,8 @@ class BatchSection(FormatOptions):
     """What a batch format's manifest section records (every batch format's, one record):
     the record shape (record_len tokens, T + 1; batch_size records), the packing and seed that made
     them, the records before batching and the batches kept, the document format they were
-    packed from, the pad token (absent in 0.3 files) and the packing report's token counts
-    (absent before 0.2)."""
+    packed from, the pad token and the packing report's token counts (None where an older
+    output does not record them: raypipe.io.manifest_compat)."""
 
     record_len: int = 0
     batch_size: int = 0
@@ -336,6 +337,8 @@ class Format:
     # job's total tokens -> the line; None: nothing to add)
     summary_line: Callable[[FormatSection, int], str | None] = lambda section, total: None
     holds_loss_mask: bool = False  # its shards can store a per-token loss mask (chat data)
+    # its readers find documents by the separator token alone (no index of their own)
+    finds_documents_by_separator: bool = False
     # what its shards hold: "documents" or "batches" (each kind's typed record sets it);
     # the dataset opener (raypipe.dataset) and the loader modes dispatch on it
     kind: ClassVar[str] = ""
@@ -389,8 +392,6 @@ class DocumentFormat(Format):
     # a shard's path prefix as its trainer's data-path argument takes it (Megatron's
     # --data-path: the path without .bin/.idx); None: no such argument
     trainer_prefix: Callable[[ShardEntry], str] | None = None
-    # its readers find documents by the separator token alone (no index of their own)
-    finds_documents_by_separator: bool = False
     # how many metadata records a shard holds, from its manifest entry (formats whose
     # windows carry records; else 0)
     metadata_records: Callable[[ShardEntry], int] = lambda shard: 0

@@ -1,7 +1,7 @@
 """NanoGPT token shards: `<name>.bin` (1024-byte header + tokens) + `<name>.bos.idx`
 (docs/formats.md).
 
-Invariant: uint16 shards carry the legacy header (magic 20240520, version 1, T, 0) that
+Invariant: uint16 shards carry the original header (magic 20240520, version 1, T, 0) that
 llm.c, modded-nanogpt and NeMo Automodel all read; uint32 shards (largest id > 65535) carry
 Automodel's header (magic 278895051, version 1, T, itemsize 4). `.bos.idx` is int32 TOKEN
 indices of every BOS (raypipe rule), written only when BOS is prepended; the reader
@@ -33,7 +33,7 @@ from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerIn
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-MAGIC_LEGACY = 20240520
+MAGIC_ORIGINAL = 20240520
 MAGIC_AUTOMODEL = 278895051
 VERSION = 1
 MAX_TOKENS = 2**31 - 1
@@ -46,11 +46,11 @@ def nanogpt_dtype(largest_id: int) -> np.dtype:
 
 def encode_header(num_tokens: int, dtype: np.dtype) -> bytes:
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    legacy = dtype.itemsize == 2
-    header[0] = MAGIC_LEGACY if legacy else MAGIC_AUTOMODEL
+    original = dtype.itemsize == 2
+    header[0] = MAGIC_ORIGINAL if original else MAGIC_AUTOMODEL
     header[1] = VERSION
     header[2] = num_tokens
-    header[3] = 0 if legacy else dtype.itemsize
+    header[3] = 0 if original else dtype.itemsize
     return header.tobytes()
 
 
@@ -106,12 +106,12 @@ class NanoGPTReader(ShardReader):
             raise FormatError(self.bin_path, "truncated header", f">= {HEADER_BYTES} bytes", size)
         header = np.fromfile(self.bin_path, dtype="<i4", count=HEADER_INTS)
         magic, version, count = int(header[0]), int(header[1]), int(header[2])
-        if magic not in (MAGIC_LEGACY, MAGIC_AUTOMODEL):
-            raise FormatError(self.bin_path, "wrong magic", f"{MAGIC_LEGACY} or "
+        if magic not in (MAGIC_ORIGINAL, MAGIC_AUTOMODEL):
+            raise FormatError(self.bin_path, "wrong magic", f"{MAGIC_ORIGINAL} or "
                               f"{MAGIC_AUTOMODEL}", magic)
         if version != VERSION:
             raise FormatError(self.bin_path, "unsupported version", VERSION, version)
-        itemsize = 2 if magic == MAGIC_LEGACY else int(header[3])
+        itemsize = 2 if magic == MAGIC_ORIGINAL else int(header[3])
         if itemsize not in (2, 4):
             raise FormatError(self.bin_path, "unsupported itemsize", "2 or 4", itemsize)
         if count < 0:

@@ -3,8 +3,11 @@ and the files it lists.
 
 Invariant: every way an earlier release's output differs from today's is named here and
 read here as today's shape, so no other module names an old release:
-- 0.1 manifests lack the unit list's last three fields and the packing report's token
-  counts (absent before 0.2); they read as "not recorded" (None).
+- 0.1 manifests lack the unit list's last three fields and each file's `mtime_ns`, and the
+  packing report's token counts are absent before 0.2; a batch section before 0.4 has no
+  `pad_id`: each reads as "not recorded" (None, the records' defaults).
+- A batch format's packing `bestfit` is crop's name before 0.4 (before 0.2 in the record
+  plans' table): it still reads, as crop.
 - LLMBATCH files of 0.3 have no `.lengths` sidecar: their padding positions hold
   `PAD_BEFORE_LENGTHS` instead of a pad token; 0.4 files have no `.pieces` sidecar (the
   loader then finds boundaries by a BOS/EOS scan, and `raypipe trace` refuses them, as

@@ -142,7 +142,7 @@ UNIT_KINDS = ("parquet", "jsonl", "block", "group")
 class JobRecord(JsonRecord):
     """What `_units/_job.json` says of the job that made an output: its fingerprint, the
     output-shaping config by meaning, the tokenizer's contents and the resolved inputs
-    (the last three absent in outputs of raypipe 0.1)."""
+    (the last three absent in older outputs: raypipe.io.manifest_compat)."""
 
     fingerprint: str
     config: dict[str, Any] = field(default_factory=dict)
@@ -224,7 +224,7 @@ class TokenizerInfo(JsonRecord):
     bos_id: int | None
     eos_id: int | None
     backend: str = "tokenizers"  # the library that encoded (same ids either way)
-    pad_id: int | None = None  # its pad token, where it has one (None in raypipe <= 0.3)
+    pad_id: int | None = None  # its pad token, where it has one (None: older outputs)
     chat_template_sha256: str | None = None  # chat data: the template that rendered it
 
 
@@ -235,7 +235,7 @@ class FileEntry(JsonRecord):
     path: str
     bytes: int
     sha256: str
-    mtime_ns: int | None = None  # at commit; None in outputs of raypipe 0.1
+    mtime_ns: int | None = None  # at commit; None in older outputs
 
     def check(self, where: str) -> None:
         relative_path(self.path, where)
@@ -347,7 +347,7 @@ class UnitRecord(JsonRecord):
     peak_rss_bytes: int = 0
     special_literals: int = 0  # documents whose text contains a special token's literal
     # the rows that made no document, as runs (first row in the unit, count, ...): with the
-    # unit's first row, document k's input row (None: a record from before 0.5)
+    # unit's first row, document k's input row (None: an older record)
     skipped_runs: tuple[int, ...] | None = None
     trained_tokens: int | None = None  # chat data: tokens whose loss mask is 1
     # a group unit: the rows read from each member file, in order (None: not a group)
@@ -379,7 +379,7 @@ class UnitRecord(JsonRecord):
 
     def document_rows(self, documents: np.ndarray) -> np.ndarray | None:
         """The rows (counted from the unit's first) that documents `documents` of the unit
-        came from; None where the record does not say (before 0.5, with rows skipped)."""
+        came from; None where the record does not say (an older one, with rows skipped)."""
         documents = np.asarray(documents, dtype=np.int64)
         if self.skipped_runs is None:
             return documents if self.rows == self.documents else None

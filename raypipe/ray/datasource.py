@@ -23,7 +23,8 @@ from ray.data.datasource import Datasource, ReadTask
 from raypipe.dataset import TokenDataset
 from raypipe.io.store import Store
 from raypipe.sampling.buffers import TokenSource
-from raypipe.sampling.modes import PlanInputs, PlanSpec, get_mode
+from raypipe.sampling.epochs import EpochPlans
+from raypipe.sampling.modes import PlanSpec
 
 ROWS_PER_BLOCK = 256
 WINDOWS = "windows"  # the loader mode whose rows this datasource yields
@@ -31,8 +32,7 @@ WINDOWS = "windows"  # the loader mode whose rows this datasource yields
 
 def windows_plan(dataset: TokenDataset, seq_len: int, seed: int, epoch: int) -> Any:
     """The windows mode's plan of `epoch`: TokenLoader(mode="windows")'s order."""
-    spec = PlanSpec(WINDOWS, seq_len, seed)
-    return get_mode(WINDOWS).plan(spec, PlanInputs(dataset, lambda: None), epoch)
+    return EpochPlans(PlanSpec(WINDOWS, seq_len, seed), dataset, lambda: None)(epoch)
 
 
 def _read_windows(root: str, format_name: str | None, seq_len: int, seed: int, epoch: int,

@@ -132,8 +132,8 @@ class PlannedDataset:
                          else schedule.with_seq_lens([(0, spec.seq_len)]))
         # the split its plans number, and what the mode's filler reads rows from
         self.split, self.rows = spec.loader_mode.rows_from(dataset, spec)
-        self.source: TokenSource | None = (self.rows if isinstance(self.rows, TokenSource)
-                                           else None)  # documents' tokens, where rows read them
+        # the documents' tokens, where rows read them (None: pre-formed batches)
+        self.source: TokenSource | None = spec.loader_mode.token_source(self.rows)
         self._lengths: DocumentLengths | None = None
         self.plans = EpochPlans(spec, dataset, self.document_lengths,
                                 None if self.source is None else self.stream_tokens(),
@@ -143,7 +143,7 @@ class PlannedDataset:
     def shard_documents(self) -> np.ndarray | None:
         """How many of the documents the plans number each shard holds (a split's), or
         None (every document; also a pre-formed dataset, which numbers batches)."""
-        if self.split is None or not hasattr(self.dataset, "shard_document_counts"):
+        if self.split is None:
             return None
         starts = np.concatenate([[0], np.cumsum(self.dataset.shard_document_counts)])
         return np.diff(np.searchsorted(self.split.ids, starts)).astype(np.int64)
@@ -186,8 +186,7 @@ class PlannedDataset:
         cache = None if store.local else ShardCache(cache_dir, cache_bytes)
         dataset = spec.loader_mode.open_dataset(store, format_name, cache)
         spec, batch_size = spec.loader_mode.fit(dataset, spec, batch_size)
-        if (schedule is not None or seq_len_schedule) and \
-                spec.loader_mode.observations_per_step(batch_size) == 1:
+        if (schedule is not None or seq_len_schedule) and not spec.loader_mode.schedules:
             raise ConfigError(f"batch_schedule, seq_len_schedule: mode {spec.mode!r} serves "
                               "pre-formed batches of the shape they were written with")
         if seq_len_schedule:
@@ -270,9 +269,8 @@ class PlannedDataset:
         """Tokens an epoch serves from: its documents' (a split's, or all; a document
         format's), or a batch format's real tokens as its packing recorded them (0 where
         the file predates that record)."""
-        options = getattr(self.dataset, "options", None)
-        if options is not None and hasattr(options, "used_tokens"):
-            return int(options.used_tokens or 0)
+        if self.split is None:
+            return self.dataset.served_tokens
         return self.document_lengths().total
 
     def steps_in(self, epoch: int) -> int:

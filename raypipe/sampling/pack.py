@@ -61,7 +61,7 @@ import numpy as np
 PACKINGS = ("fill", "split", "crop")
 # what split packing does with a document longer than a row (docs/packing.md): `cut` into
 # row-sized pieces edge to edge (a later piece's first token is no target: text's rule
-# since 0.1), `split` into row-sized pieces that overlap by one token (each later piece
+# from the start), `split` into row-sized pieces that overlap by one token (each later piece
 # starts with the token before it as its first input: every target trained once), its first
 # row kept and the rest cropped (`truncate`), or the document left out (`drop`)
 OVERLONGS = ("cut", "split", "truncate", "drop")

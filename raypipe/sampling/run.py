@@ -685,8 +685,8 @@ def saved_batch_schedule(saved: LoaderState) -> list[tuple[int, int]] | None:
     """The global batch by step of the run that saved `saved`: its history's (a ramp
     included), or its one global batch (the saving rank's batch times its world size), so
     a replay at another world size splits the run's global batch as a resumed loader does.
-    None for a mode whose step is one pre-formed batch a rank."""
-    if get_mode(upgrade_knobs(saved.knobs)["mode"]).serves != "documents":
+    None for a mode that takes no schedule (a step is one pre-formed batch a rank)."""
+    if not get_mode(upgrade_knobs(saved.knobs)["mode"]).schedules:
         return None
     if saved.history:
         return [(entry[0], entry[1]) for entry in saved.history]

@@ -213,7 +213,7 @@ class BatchSchedule:
                      ) -> int:
         """Global steps taken from the start of training to (epoch, position) of its first
         phase, a position this schedule's walk reaches (for a state saved without its step
-        count, before 0.7: under a constant schedule)."""
+        count: raypipe.sampling.state_compat)."""
         steps = 0
         for segment in self.segments(plan_size, Cursor(0, 0, 0, phases)):
             if segment.epoch > epoch or (segment.epoch, segment.position) >= (epoch, position):

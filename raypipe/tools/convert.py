@@ -24,7 +24,6 @@ from raypipe.dataset import Document, open_kind, open_source
 from raypipe.errors import ConfigError, FormatError
 from raypipe.formats import (
     FORMATS,
-    DocumentFormat,
     FormatOptions,
     document_formats,
     get_format,
@@ -78,7 +77,7 @@ def _check_chat_target(source: Store, manifest: Manifest, format_name: str) -> b
         able = [name for name, other in FORMATS.items() if other.holds_loss_mask]
         raise ConfigError(f"{source}: chat data (a loss mask per token); {format_name} "
                           f"cannot hold its mask: convert to one of {', '.join(able)}")
-    if (isinstance(fmt, DocumentFormat) and fmt.finds_documents_by_separator
+    if (fmt.finds_documents_by_separator
             and info.bos_id is None and info.eos_id is None):
         raise ConfigError(f"{source}: its conversations have no BOS or EOS, and "
                           f"{format_name} finds documents by one: tokenize again with --eos, "

@@ -38,7 +38,7 @@ class TraceRecord:
     """One piece of one row of one step: where it sits in the batch and where it came from
     (`source`: the mixture source's name, None for one dataset; `input`: the input file's
     URI or a Dataset block's id, `input_row` the 0-based row there, None where the output
-    does not know it: a converted dataset, or a unit record from before 0.5 whose unit
+    does not know it: a converted dataset, or an older unit record whose unit
     skipped rows)."""
 
     step: int

@@ -376,6 +376,7 @@ class LoaderMode(ABC):
     window_metadata: ClassVar[bool] = False  # rows can carry a stream's metadata
     reads_stream: ClassVar[bool] = False  # rows are cut from the token stream (a split's)
     continues_plans: ClassVar[bool] = False  # seq_len may change inside an epoch
+    schedules: ClassVar[bool] = True  # takes batch and seq_len schedules (rows, not batches)
     Knobs: ClassVar[type[ModeKnobs]] = ModeKnobs  # its own knobs (none by default)
     # its own knobs' values from before they existed (raypipe.sampling.state_compat)
     knobs_before: ClassVar[dict[str, tuple[Any, tuple[str, ...]]]] = {}
@@ -412,6 +413,11 @@ class LoaderMode(ABC):
             starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
             source.restrict_stream(starts[split.ids], lengths[split.ids])
         return split, source
+
+    def token_source(self, rows: Any) -> TokenSource | None:
+        """The documents' tokens its rows read (`rows`: what `rows_from` gave; None where
+        rows are not cut from documents)."""
+        return rows
 
     @abstractmethod
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> Any:

@@ -1,11 +1,11 @@
 """`batches`: the pre-formed batches of a batch format (LLMBATCH), one per observation, and
-the record plans that made them (`llmbatch` is its name before 0.7: still accepted).
+the record plans that made them (its former name still selects it: raypipe.sampling.state_compat).
 
 Invariant: the loader serves whole batches in a block shuffle (as ZeroBatch's loader does):
 blocks of `block_batches` consecutive batches are visited in a Feistel order per epoch,
 batches inside a block in file order (sequential reads); a partial last block stays last;
 one rank takes one batch per step. Masks and sequences come from the file's `.pieces`
-sidecar (raypipe.formats.llmbatch), never from a token scan (files from before 0.5: a
+sidecar (raypipe.formats.llmbatch), never from a token scan (older files: a
 BOS/EOS scan). The records themselves are the rows of an epoch-0 plan over the dataset's
 documents (`record_plan`: the one definition of what each LLMBATCH packing is, shared by
 the packer and `raypipe trace`), record r of the output being plan position r. Cost: one
@@ -47,7 +47,7 @@ from raypipe.sampling.permute import FeistelPermutation
 from raypipe.sampling.plans import PackingReport
 
 # an LLMBATCH packing -> (the loader mode whose epoch-0 plan makes its records, that mode's
-# packing); "bestfit" is the name `crop` had before 0.2
+# packing); "bestfit" is crop's former name (raypipe.io.manifest_compat)
 RECORD_PLANS = {"fill": ("bestfit", "fill"), "split": ("bestfit", "split"),
                 "crop": ("bestfit", "crop"), "bestfit": ("bestfit", "crop"),
                 "concat": ("windows", None)}
@@ -175,7 +175,7 @@ class BatchesFiller(BatchFiller[int]):
                               "shards they were packed from (format "
                               f"{options.source_format!r}), which this output lacks")
         if dataset.num_batches and dataset.pieces(0) is None:
-            raise ConfigError(f"{dataset.root}: LLMBATCH records written before raypipe 0.5 "
+            raise ConfigError(f"{dataset.root}: LLMBATCH records of an older release "
                               "(no .pieces sidecar) were cut by another rule; convert them "
                               "again to trace them")
         return record_plan(dataset.documents(), options.packing, options.record_len,
@@ -204,6 +204,7 @@ class BatchesMode(LoaderMode):
 
     name = "batches"
     serves = "batches"
+    schedules = False
     mixes = False  # a batch's rows are fixed: a mixture cannot split a step between sources
     splits = ("all",)
     shard_local = False
@@ -233,6 +234,9 @@ class BatchesMode(LoaderMode):
 
     def rows_from(self, dataset: Any, spec: Any) -> tuple[None, Any]:
         return None, dataset  # the batches themselves; no split
+
+    def token_source(self, rows: Any) -> None:
+        return None  # pre-formed batches, not cut from documents
 
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> BatchesPlan:
         dataset = inputs.dataset

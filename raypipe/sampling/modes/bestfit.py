@@ -76,7 +76,7 @@ MIN_ROWS_PER_BLOCK = 256
 SUM_CHUNK_DOCUMENTS = 1 << 18  # documents permuted per numpy call when summing blocks
 SUM_THREADS = max(1, min(8, os.cpu_count() or 1))  # threads of the block-sum pass
 CACHED_BLOCKS = 8  # packed blocks a plan keeps (a step's rows span a few blocks)
-PIECES_RULE = "separated"  # the cut rule of raypipe.sampling.pack since 0.5 (states record it)
+PIECES_RULE = "separated"  # the cut rule of raypipe.sampling.pack (states record it)
 
 
 class BestFitPlan:
