@@ -75,11 +75,8 @@ class LoaderOptions:
         if self.prefetch < 1:
             raise ConfigError(f"prefetch: {self.prefetch} must be >= 1")
         mode = self.plan.loader_mode
-        if len({length for _, length in self.seq_len_schedule or ()}) > 1 and \
-                not mode.continues_plans:
-            raise ConfigError(f"seq_len_schedule: mode {mode.name!r} cannot plan the rest of "
-                              "an epoch again at another seq_len (a change would come "
-                              "inside an epoch); use mode 'bestfit'")
+        if len({length for _, length in self.seq_len_schedule or ()}) > 1:
+            mode.refuse_a_seq_len_change("seq_len_schedule")  # a change inside an epoch
         if self.metadata and not mode.window_metadata:
             raise ConfigError(f"metadata=True needs a mode whose rows are windows of a stream "
                               f"dataset ({', '.join(metadata_modes())}), not {mode.name!r}")

@@ -86,12 +86,9 @@ class EpochPlans:
         if not 0 < phase.begins <= before.size:
             raise ConfigError(f"epoch {epoch}: a seq_len phase begins at observation "
                               f"{phase.begins}, outside its plan of {before.size}")
-        if not mode.continues_plans:
-            raise ConfigError(
-                f"seq_len: {phases[-2].seq_len} -> {phase.seq_len} inside epoch {epoch} (at "
-                f"observation {phase.begins} of {before.size}): mode {mode.name!r} cannot "
-                "plan the rest of an epoch again at another seq_len; change seq_len where "
-                "an epoch starts, or use mode 'bestfit'")
+        mode.refuse_a_seq_len_change(f"seq_len: {phases[-2].seq_len} -> {phase.seq_len} "
+                                     f"inside epoch {epoch} (at observation {phase.begins} "
+                                     f"of {before.size})")
         return mode.continue_plan(self.at_seq_len(phase.seq_len), self.inputs, epoch, before,
                                   phase.begins)
 

@@ -677,7 +677,7 @@ def state_knobs(saved: LoaderState | MixtureState, mode: str | None) -> dict[str
     """The plan knobs a state ran with but seq_len (a knob it leaves out at its value from
     before it existed), those of `mode` where another mode is asked for."""
     stated = upgrade_knobs(saved.knobs)
-    names = set(plan_knob_names(mode or stated.get("mode", "bestfit"))) - {"seq_len"}
+    names = set(plan_knob_names(mode or stated.get("mode", PlanSpec.mode))) - {"seq_len"}
     return {name: value for name, value in stated.items() if name in names}
 
 

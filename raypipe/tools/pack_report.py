@@ -27,7 +27,7 @@ MIXTURE_STEPS = 1000
 MIXTURE_ROWS_PER_STEP = 8
 
 
-def pack_report(dataset_path: str | Path, seq_len: int, mode: str = "bestfit", *,
+def pack_report(dataset_path: str | Path, seq_len: int, mode: str = PlanSpec.mode, *,
                 epoch: int = 0, epochs: int = 1, format_name: str | None = None,
                 **knobs: Any) -> str:
     """The report for `epochs` epochs from `epoch`, as printed text (a dataset on object

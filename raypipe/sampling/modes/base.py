@@ -437,6 +437,15 @@ class LoaderMode(ABC):
         `continues_plans`)."""
         raise NotImplementedError(f"mode {self.name!r} does not continue plans")
 
+    def refuse_a_seq_len_change(self, what: str) -> None:
+        """The one refusal of a seq_len change inside an epoch by a mode that cannot plan
+        its rest again (`what`: the change, in words); nothing where it can."""
+        if not self.continues_plans:
+            able = [name for name, mode in _MODES.items() if mode.continues_plans]
+            raise ConfigError(f"{what}: mode {self.name!r} cannot plan the rest of an epoch "
+                              "again at another seq_len; change seq_len where an epoch "
+                              f"starts, or use mode {' or '.join(map(repr, able))}")
+
     def prepares_next_epoch(self, spec: Any) -> bool:
         """Whether the loader should build the next epoch's plan in the background."""
         return False

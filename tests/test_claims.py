@@ -1,0 +1,155 @@
+"""The claims of docs/architecture.md and docs/guarantees.md that code can check, each
+checked against the source: who imports torch and ray, who builds a plan from a spec, who
+tests the kind of a dataset, who names a loader mode, where compatibility with earlier
+releases lives, and where the loader's knobs become flags. No Ray."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from raypipe.sampling.modes import knob_fields, mode_names
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "raypipe"
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported(path: Path) -> set[str]:
+    """The top-level packages a module imports, at module level or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def layer_of(module: str, layers: list[str]) -> int:
+    """The index of `module`'s layer in pyproject's layers contract (the package itself,
+    and anything above the first layer, counts as the top: -1)."""
+    for index, layer in enumerate(layers):
+        for member in layer.split("|"):
+            member = member.strip()
+            if module == member or module.startswith(member + "."):
+                return index
+    return -1
+
+
+def layers() -> list[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contract = next(c for c in config["tool"]["importlinter"]["contracts"]
+                    if c["type"] == "layers")
+    return contract["layers"]
+
+
+def source_of(*relative: str) -> dict[str, str]:
+    return {name: (PACKAGE / name).read_text() for name in relative}
+
+
+@pytest.mark.parametrize("library, lowest", [("torch", "raypipe.loader"),
+                                             ("ray", "raypipe.ray")])
+def test_nothing_below_loader_imports_torch_and_nothing_below_ray_imports_ray(library,
+                                                                               lowest):
+    """architecture.md and guarantees.md: only loader/ and the layers above it (ray/,
+    examples/, demo/, cli) import torch; only ray/ and those above it import ray."""
+    order = layers()
+    limit = layer_of(lowest, order)
+    below = sorted(module for module, path in modules().items()
+                   if library in imported(path) and layer_of(module, order) > limit)
+    assert not below, f"{library} imported below {lowest}: {below}"
+
+
+PLAN_CALL = re.compile(r"(?:\bmode|loader_mode|get_mode\([^)]*\))\.plan\(")
+
+
+def test_epoch_plans_are_the_one_place_a_loaders_plan_is_built_from_a_spec():
+    """architecture.md: `EpochPlans` builds every plan a loader, trace, pack-report and the
+    Ray datasource run; the one other call of a mode's `plan` is `record_plan`, the plan of
+    an LLMBATCH output's records, in the batches mode's own module."""
+    calls = {str(path.relative_to(PACKAGE)): len(PLAN_CALL.findall(path.read_text()))
+             for path in PACKAGE.rglob("*.py") if PLAN_CALL.search(path.read_text())}
+    assert calls == {"sampling/epochs.py": 1, "sampling/modes/batches.py": 1}, calls
+    batches = (PACKAGE / "sampling/modes/batches.py").read_text()
+    record_plan = batches[batches.index("def record_plan("):]
+    assert PLAN_CALL.search(record_plan[:record_plan.index("\nclass ")])
+
+
+KIND_TEST = re.compile(r"hasattr\(|isinstance\([^)]*(?:Dataset|Format|TokenSource)\b"
+                       r"|\b(?:dataset|fmt|format|source|mode)\.(?:kind|serves)\s*[!=]="
+                       r"|\btype\([^)]*\)\s*(?:is|==)")
+
+
+def test_the_epoch_plans_the_run_the_loaders_and_the_tools_never_test_the_kind():
+    """architecture.md: they open a dataset through the opener and ask it (or dispatch on
+    `dataset.kind` through one table, or on the loader mode); none tests which kind of
+    dataset or format it holds."""
+    files = ["sampling/epochs.py", "sampling/run.py", "tools/convert.py", "tools/inspect.py",
+             "tools/verify.py", "tools/pack_report.py", "tools/trace.py",
+             *(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "loader").glob("*.py"))]
+    tests = {name: KIND_TEST.findall(text) for name, text in source_of(*files).items()
+             if KIND_TEST.search(text)}
+    assert not tests, tests
+
+
+def test_the_loader_the_run_trace_pack_report_the_packer_and_the_cli_name_no_mode():
+    """modes/base.py and architecture.md: nothing outside a mode's module names it; they
+    find it through the registry (a mode whose name is also a kind of format, documents
+    or batches, is looked up by that kind)."""
+    files = ["sampling/run.py", "sampling/epochs.py", "tools/trace.py",
+             "tools/pack_report.py", "preprocess/batch_packing.py", "cli.py",
+             *(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "loader").glob("*.py"))]
+    named = {(name, mode) for name, text in source_of(*files).items()
+             for mode in set(mode_names()) - {"documents", "batches"}
+             if re.search(rf"[\"']{mode}[\"']", text)}
+    assert not named, named
+
+
+COMPATIBILITY = {"config/compat.py", "sampling/state_compat.py", "io/manifest_compat.py"}
+EARLIER_RELEASE = re.compile(
+    r"legacy|retired|deprecat|[A-Z_]*RENAMES\b"
+    r"|\b(?:raypipe|releases?|before|after|since|until|in|of|then)\s+(?:<=\s*)?0\.\d(?![\d.])"
+    r"|\b0\.\d(?:'s\b|-0\.\d\b(?!\s*(?:us|ms|s)\b))|\(0\.\d:")
+
+
+def test_only_the_compatibility_modules_name_an_earlier_release():
+    """architecture.md: one compatibility module per record kind (the config's, the loader
+    state's, the manifest's); no other module of raypipe or jobs/ names an earlier
+    release, a retired flag or a renamed key."""
+    paths = [*PACKAGE.rglob("*.py"), *(ROOT / "jobs").rglob("*.py")]
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in paths if str(path.relative_to(PACKAGE)
+                                      if path.is_relative_to(PACKAGE) else path)
+             not in COMPATIBILITY
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if EARLIER_RELEASE.search(line)]
+    assert not found, "\n".join(found)
+    for name in COMPATIBILITY:
+        assert EARLIER_RELEASE.search((PACKAGE / name).read_text()), name
+
+
+def test_the_training_job_takes_every_loader_knob_from_the_generated_flags():
+    """architecture.md: the loader's knobs are declared once (PlanSpec and each mode's
+    Knobs); jobs/train.py's flags for them are made from that declaration, as the CLI's."""
+    parser: argparse.ArgumentParser = runpy.run_path(str(ROOT / "jobs/train.py"))[
+        "build_parser"]()
+    flags = {option for action in parser._actions for option in action.option_strings}
+    missing = [name for name in knob_fields() if f"--{name.replace('_', '-')}" not in flags]
+    assert not missing, missing
+    text = (ROOT / "jobs/train.py").read_text()
+    assert not re.search(r"add_argument\(\s*\"--(?:mode|seed|shuffle|split)\"", text)
