@@ -30,7 +30,14 @@ from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
 from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec, document_split
 from raypipe.sampling.plans import ShardGroups, ShardWindows, SumsMemo, window_shards_for
-from raypipe.sampling.schedule import BatchSchedule, Cursor, Phase, Phases, Segment
+from raypipe.sampling.schedule import (
+    BatchSchedule,
+    Cursor,
+    Phase,
+    Phases,
+    Segment,
+    batch_shape,
+)
 
 __all__ = ["EpochPlans", "PlanSpec", "PlannedDataset", "document_split"]
 
@@ -167,18 +174,12 @@ class PlannedDataset:
         `batch_schedule`: [(first step, global batch), ...] instead of `batch_size` (rows
         per rank: its largest stage's, for the buffers); `seq_len_schedule`: [(first step,
         seq_len), ...] (the spec's seq_len: its first stage's)."""
-        schedule = None
         if seq_len_schedule:
             spec = replace(spec, seq_len=int(seq_len_schedule[0][1]))
-        if batch_schedule:
-            if batch_size is not None:
-                raise ConfigError("give batch_size (rows per rank, every step) or "
-                                  "batch_schedule (global rows by step), not both")
-            if spec.split == "validation":
-                raise ConfigError("batch_schedule: a validation split serves every held-out "
-                                  "document at one batch size; give it batch_size")
-            schedule = BatchSchedule.of(batch_schedule, world_size)
-            batch_size = schedule.largest // world_size
+        if batch_schedule and spec.split == "validation":
+            raise ConfigError("batch_schedule: a validation split serves every held-out "
+                              "document at one batch size; give it batch_size")
+        schedule, batch_size = batch_shape(batch_size, batch_schedule, world_size)
         store = Store(path)
         cache = None if store.local else ShardCache(cache_dir, cache_bytes)
         dataset = spec.loader_mode.open_dataset(store, format_name, cache)

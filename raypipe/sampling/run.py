@@ -63,6 +63,7 @@ from raypipe.sampling.schedule import (
     Phase,
     Phases,
     Segment,
+    batch_shape,
     phase_rows,
     phases_of_rows,
 )
@@ -441,13 +442,7 @@ class MixtureRun:
         if not spec.loader_mode.mixes:
             raise ConfigError(f"mixture: sources are read as documents or windows; mode "
                               f"{spec.mode!r} (pre-formed batches) cannot be mixed")
-        scheduled = None
-        if batch_schedule:
-            if batch_size is not None:
-                raise ConfigError("give batch_size (rows per rank, every step) or "
-                                  "batch_schedule (global rows by step), not both")
-            scheduled = BatchSchedule.of(batch_schedule, world_size)
-            batch_size = scheduled.largest // world_size
+        scheduled, batch_size = batch_shape(batch_size, batch_schedule, world_size)
         names = sorted(paths)
         sources = [Run.open(paths[name], spec, 1, batch_size, **source_options)
                    for name in names]

@@ -224,6 +224,20 @@ class BatchSchedule:
         raise AssertionError("segments never end")
 
 
+def batch_shape(batch_size: int | None, batch_schedule: Sequence[tuple[int, int]] | None,
+                world_size: int) -> tuple[BatchSchedule | None, int | None]:
+    """(the schedule of global rows by step, None without one; rows per rank for the
+    buffers: `batch_size`, or the schedule's largest stage's share) from one or the other,
+    never both."""
+    if not batch_schedule:
+        return None, batch_size
+    if batch_size is not None:
+        raise ConfigError("give batch_size (rows per rank, every step) or batch_schedule "
+                          "(global rows by step), not both")
+    schedule = BatchSchedule.of(batch_schedule, world_size)
+    return schedule, schedule.largest // world_size
+
+
 def stage_of(starts: tuple[int, ...], step: int) -> int:
     """The stage in force at `step` (`starts`: each stage's first step, from 0)."""
     return int(np.searchsorted(np.array(starts), step, side="right")) - 1
