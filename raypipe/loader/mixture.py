@@ -1,7 +1,7 @@
 """MixtureLoader: batches drawn from several tokenized datasets at fixed weights, with a state
 that resumes exactly, at any world size.
 
-Invariant: the loader is a view of one `MixtureRun` (raypipe.sampling.run), which owns the
+Invariant: the loader is a view of one `MixtureRun` (raypipe.sampling.mixture_run), which owns the
 sources' positions, the split of each global step between them (raypipe.sampling.mixture:
 every source within one row of its weight after every step, a pure function of the rows each
 has served, so every rank and every resume computes the same split), the steps and the
@@ -31,8 +31,8 @@ from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.stats import LoaderStats, WaitStats, WaitSummary
 from raypipe.loader.token_loader import _rank_and_world
 from raypipe.sampling.buffers import BatchBuffers, Filled, write_cu_seqlens
+from raypipe.sampling.mixture_run import MixtureRun, MixtureStep
 from raypipe.sampling.modes import BatchFiller
-from raypipe.sampling.run import MixtureRun, MixtureStep
 
 
 class MixtureLoader:

@@ -2,7 +2,7 @@
 
 Invariant: a loader's order is a pure function of (dataset fingerprint, seed, epoch, world
 size, step), so the rows of step S on rank R are computed, not logged: trace is the loader's
-own run (raypipe.sampling.run), resumed from a state or replayed from a history; it asks
+own run (raypipe.sampling.replay), resumed from a state or replayed from a history; it asks
 each row's filler what it holds (`segments`: document, token range, columns) and maps each
 document to its input and input row through the manifest's units and their unit records
 (the rows a unit skipped, stored as runs at tokenize time: 0 bytes per document kept). It
@@ -30,7 +30,8 @@ from raypipe.errors import ConfigError
 from raypipe.io.manifest import unit_record_name
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.unit import file_first_row
-from raypipe.sampling.run import StepRow, replay
+from raypipe.sampling.replay import replay
+from raypipe.sampling.run import StepRow
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
     loader's `state_dict()` or its JSON file, stands; with both, from `step` steps after
     the state's) on rank `rank` (None: every rank), as TraceRecords. `data`: a dataset path
     or URI, a mixture YAML or {name: path}. `options`: the run's, as
-    raypipe.sampling.run.replay takes them (seq_len, batch_size, the loader's knobs, a
+    raypipe.sampling.replay.replay takes them (seq_len, batch_size, the loader's knobs, a
     mixture's `weights` and `stages`, `batch_schedule`, `seq_len_schedule`, `history`: a
     state whose record of every change of global batch and seq_len gives both schedules and
     its knobs, format_name, cache_dir), each taken from `state` where not given. `text`:

@@ -1,0 +1,121 @@
+"""`raypipe trace`'s run: the run a loader ran, opened from a state or a history.
+
+Invariant: `replay` opens the run of a dataset or a mixture under the knobs given, each
+taken from the state where not given (its knobs, world size and global batch), and resumes
+it there through the run's own `resume`, so what a state refuses, trace refuses, and the
+steps it walks are the loader's. Cost: one state read; the run's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from raypipe.errors import ConfigError
+from raypipe.io.states import LoaderState, MixtureState
+from raypipe.sampling.epochs import PlanSpec
+from raypipe.sampling.mixture import is_mixture_spec, mixture_sources
+from raypipe.sampling.mixture_run import MixtureRun
+from raypipe.sampling.modes import get_mode, plan_knob_names, upgrade_knobs
+from raypipe.sampling.run import Run
+from raypipe.sampling.state_compat import read_state
+
+__all__ = ["replay"]
+
+
+def replay(data: str | Path | dict[str, str], *,
+           state: dict[str, Any] | str | Path | None = None,
+           history: dict[str, Any] | str | Path | None = None, world_size: int | None = None,
+           seq_len: int | None = None, batch_size: int | None = None,
+           batch_schedule: list[tuple[int, int]] | None = None,
+           seq_len_schedule: list[tuple[int, int]] | None = None,
+           weights: dict[str, float] | None = None,
+           stages: list[tuple[int, dict[str, float]]] | None = None,
+           format_name: str | None = None, cache_dir: str | Path | None = None,
+           **knobs: Any) -> Run | MixtureRun:
+    """The run of `data` (a dataset, a mixture YAML or {name: path}) under the knobs given,
+    resumed where `state` (a state_dict or its JSON file) stands, its knobs, world size
+    and global batch taken from it where not given; or, from a `history` state, the run
+    from its start under the shape its record of changes gives."""
+    if history is not None:
+        if state is not None or batch_schedule or seq_len_schedule:
+            raise ConfigError("trace: give history (a state whose record of changes gives "
+                              "the schedules) or state and the schedules, not both")
+        recorded = read_state_file(history)
+        if not isinstance(recorded, LoaderState) or not recorded.history:
+            raise ConfigError(f"trace: {history if not isinstance(history, dict) else 'the'}"
+                              " state records no history of changes (a one-dataset loader's "
+                              "state does)")
+        knobs = {**state_knobs(recorded, knobs.get("mode")), **knobs}
+        world_size = world_size or recorded.saved_with.get("world_size")
+        batch_schedule = [(entry[0], entry[1]) for entry in recorded.history]
+        seq_len_schedule = [(entry[0], entry[2]) for entry in recorded.history]
+    saved = read_state_file(state)
+    if saved is not None:
+        knobs = {**state_knobs(saved, knobs.get("mode")), **knobs}
+        seq_len = seq_len or saved.knobs.get("seq_len")
+        if isinstance(saved, LoaderState):
+            world_size = world_size or saved.saved_with.get("world_size")
+            if batch_size is None and not batch_schedule:
+                batch_schedule = saved_batch_schedule(saved)
+            batch_size = batch_size or saved.saved_with.get("batch_size")
+    spec = PlanSpec.of(seq_len=(seq_len_schedule[0][1] if seq_len_schedule else seq_len) or 0,
+                       **knobs)
+    world_size = world_size or 1
+    run: Run | MixtureRun
+    if isinstance(data, dict) or is_mixture_spec(data):
+        if isinstance(saved, LoaderState):
+            raise ConfigError("a single dataset's loader state cannot trace a mixture")
+        if batch_size is None and not batch_schedule:
+            raise ConfigError("tracing a mixture needs batch_size or batch_schedule (its "
+                              "state does not record them)")
+        paths, weights, stages = mixture_sources(data, weights, stages)
+        if saved is not None and weights is None and not stages:
+            weights = saved.weights
+        run = MixtureRun.open(paths, spec, world_size,
+                              None if batch_schedule else batch_size, weights=weights,
+                              stages=stages, batch_schedule=batch_schedule,
+                              seq_len_schedule=seq_len_schedule, cache_dir=cache_dir)
+    else:
+        if isinstance(saved, MixtureState):
+            raise ConfigError("a mixture state needs the mixture (a YAML or {name: path}) "
+                              "as data")
+        run = Run.open(data, spec, world_size, None if batch_schedule else batch_size,
+                       format_name=format_name, cache_dir=cache_dir,
+                       batch_schedule=batch_schedule, seq_len_schedule=seq_len_schedule)
+    if saved is not None:
+        run.resume(saved)  # type: ignore[arg-type]  (each kind checked above)
+    return run
+
+
+def state_knobs(saved: LoaderState | MixtureState, mode: str | None) -> dict[str, Any]:
+    """The plan knobs a state ran with but seq_len (a knob it leaves out at its value from
+    before it existed), those of `mode` where another mode is asked for."""
+    stated = upgrade_knobs(saved.knobs)
+    names = set(plan_knob_names(mode or stated.get("mode", PlanSpec.mode))) - {"seq_len"}
+    return {name: value for name, value in stated.items() if name in names}
+
+
+def saved_batch_schedule(saved: LoaderState) -> list[tuple[int, int]] | None:
+    """The global batch by step of the run that saved `saved`: its history's (a ramp
+    included), or its one global batch (the saving rank's batch times its world size), so
+    a replay at another world size splits the run's global batch as a resumed loader does.
+    None for a mode that takes no schedule (a step is one pre-formed batch a rank)."""
+    if not get_mode(upgrade_knobs(saved.knobs)["mode"]).schedules:
+        return None
+    if saved.history:
+        return [(entry[0], entry[1]) for entry in saved.history]
+    per_rank, world = saved.saved_with.get("batch_size"), saved.saved_with.get("world_size")
+    return [(0, per_rank * world)] if per_rank and world else None
+
+
+def read_state_file(state: dict[str, Any] | str | Path | None
+                    ) -> LoaderState | MixtureState | None:
+    """A loader's or a mixture's state, from its dict or its JSON file."""
+    if state is None or isinstance(state, dict):
+        return read_state(state)
+    try:
+        return read_state(json.loads(Path(state).read_text()))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{state}: cannot read the loader state: {exc}") from exc
