@@ -21,6 +21,19 @@ def test_the_mixture_benchmark_runs_at_a_tiny_size(tmp_path):
     assert rows == ["bestfit", "windows"], done.stdout
 
 
+@pytest.mark.slow
+def test_the_encode_paths_benchmark_runs_at_a_tiny_size(tmp_path):
+    pytest.importorskip("gigatoken")
+    done = subprocess.run([sys.executable, "bench/encode_paths_bench.py", "--mb", "1",
+                           "--tokenizer", "shipped", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    table = lines[lines.index("gigatoken, one calling thread:") + 1:]
+    assert "encode_arrow (the units' call)" in table[0], done.stdout
+    assert next(line for line in table if line.startswith("all")).count("x)") == 4, table
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_tokenize_benchmark_runs_at_a_tiny_size(tmp_path):

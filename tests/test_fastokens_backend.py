@@ -220,18 +220,30 @@ def test_the_default_install_brings_fastokens_on_linux_x86_64_only():
 
 
 @pytest.mark.parametrize("arrow_type", [pa.string(), pa.large_string()])
+@pytest.mark.parametrize("way_in", ["python strings", "arrow buffers"])
 def test_gigatoken_reads_arrow_buffers_as_it_reads_python_strings(tokenizer_path, corpus_texts,
-                                                                  arrow_type):
-    """Texts handed over as an Arrow array (no Python string each; a slice of one, so its
-    offsets do not start at 0) give the ids the same texts give as a list."""
+                                                                  arrow_type, way_in):
+    """Texts handed over as an Arrow array (a slice of one, so its offsets do not start at
+    0) give the ids the same texts give as a list, whichever way in the batch's mean length
+    picks: short texts as Python strings, long ones from the array's own buffers."""
     pytest.importorskip("gigatoken")
-    from raypipe.preprocess.encoding.gigatoken_backend import GigatokenIds
+    from raypipe.preprocess.encoding.gigatoken_backend import (
+        ARROW_MIN_MEAN_BYTES,
+        GigatokenIds,
+        mean_bytes,
+    )
 
     tokenizer = Tokenizer.from_file(tokenizer_path)
     model = GigatokenIds(tokenizer, tokenizer_sha256(tokenizer), "text")
     texts = [text for text in corpus_texts[:400] if text] + ["é字😀 <|endoftext|>", "\r\n\t"]
-    whole = pa.array(["skipped"] * 7 + texts, arrow_type)
-    ids, lengths = model.encode_arrow(whole.slice(7))
+    if way_in == "arrow buffers":  # texts of several documents each: long on average
+        texts = [" ".join(texts[start:start + 40]) for start in range(0, len(texts), 40)]
+    whole = pa.array(["skipped" * 500] * 7 + texts, arrow_type)
+    batch = whole.slice(7)
+    mean = sum(len(text.encode()) for text in texts) / len(texts)
+    assert mean_bytes(batch) == pytest.approx(mean)
+    assert (mean >= ARROW_MIN_MEAN_BYTES) == (way_in == "arrow buffers")
+    ids, lengths = model.encode_arrow(batch)
     expected_ids, expected_lengths = model.encode_flat(texts)
     assert lengths.tolist() == expected_lengths.tolist() and len(lengths) == len(texts)
     assert ids.tolist() == expected_ids.tolist()

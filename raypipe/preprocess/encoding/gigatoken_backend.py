@@ -10,9 +10,14 @@ special token's literal in a document stays text, as `tokenizers`' encode_specia
 is a model built from the tokenizer.json without its special added tokens; the non-special
 ones still match, as in `tokenizers`. A batch is one `encode_batch(texts, parallel=False)`
 call on the calling thread (no thread pool: a Ray actor owns one CPU), two buffers back
-(content and offsets of an awkward list array), no Python object per token. Cost, the
-shipped 8k vocabulary on one core: ~120 MB/s of text; loading a vocabulary ~0.1 s a
-process and policy.
+(content and offsets of an awkward list array), no Python object per token. Which texts it
+is given is measured (bench/encode_paths_bench.py, one thread, deduplicated docstrings and
+text files): `encode_batch` beats a loop of per-text `encode` at every length, by 1.2-1.5x
+on short texts, and of its two inputs, the batch's Python strings (`to_pylist` counted) are
+faster while a text averages under ARROW_MIN_MEAN_BYTES (1.1-1.3x), the Arrow array's own
+buffers (an awkward view, no Python string per text) above it (1.05-1.15x); `encode_arrow`
+picks by the batch's mean. Cost, the shipped 8k vocabulary on one core: ~270-300 MB/s of
+text on that corpus; loading a vocabulary ~0.1 s a process and policy.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from raypipe.preprocess.encoding.fastokens_backend import raise_lone_surrogate
 from raypipe.preprocess.encoding.loading import cannot_load
 
 _MODELS: dict[tuple[str, str], Any] = {}
+# a batch whose texts average fewer UTF-8 bytes goes in as Python strings, not as an awkward
+# view of its Arrow buffers (the faster way in on each side: bench/encode_paths_bench.py)
+ARROW_MIN_MEAN_BYTES = 1024
 
 
 def tokenizer_json(tokenizer: Any, special_tokens_in_text: str) -> str:
@@ -88,11 +96,21 @@ class GigatokenIds:
         return flat_ids(encoded)
 
     def encode_arrow(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-        """An Arrow string array without nulls, encoded from its own buffers (no Python
-        string per text: ~0.35 ns a byte saved)."""
-        if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
-            return self.encode_flat(texts.to_pylist())  # e.g. string_view: its own layout
+        """An Arrow string array without nulls: texts of ARROW_MIN_MEAN_BYTES or more on
+        average encoded from the array's own buffers (no Python string per text), shorter
+        ones as Python strings (see the module)."""
+        if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)) \
+                or mean_bytes(texts) < ARROW_MIN_MEAN_BYTES:  # string_view: its own layout
+            return self.encode_flat(texts.to_pylist())
         return flat_ids(self.model.encode_batch(awkward_strings(texts), parallel=False))
+
+
+def mean_bytes(texts: pa.Array) -> float:
+    """The mean UTF-8 bytes of a string array's texts (from its offsets: no pass over the
+    text)."""
+    width = np.int64 if pa.types.is_large_string(texts.type) else np.int32
+    offsets = np.frombuffer(texts.buffers()[1], dtype=width)
+    return float(offsets[texts.offset + len(texts)] - offsets[texts.offset]) / max(len(texts), 1)
 
 
 def awkward_strings(texts: pa.Array) -> Any:
