@@ -69,6 +69,7 @@ from common import (
     unique_corpus,
 )
 from gpt2_tokenizer import gpt2_tokenizer_json
+from megatron_race import race
 
 from raypipe.demo.train_tokenizer import LLAMA3_SPLIT, SHIPPED, train_bpe
 from raypipe.preprocess.encoding.encoder import DocumentEncoder, single_threaded_tokenizers
@@ -448,6 +449,12 @@ def main() -> None:
     parser.add_argument("--cluster", action="store_true",
                         help="also run raypipe (auto) against a running cluster "
                              "(`ray start --head`, then `address`), as `ray job submit` does")
+    parser.add_argument("--megatron", type=Path, default=None,
+                        help="a Megatron-LM checkout (d98e8a6): race its gigatoken fast "
+                             "path against raypipe as typed, with Ray's floor, and nothing "
+                             "else (bench/megatron_race.py)")
+    parser.add_argument("--megatron-python", type=Path, default=None,
+                        help="the Python 3.12 venv's python that runs Megatron's fast path")
     args = parser.parse_args()
     args.workdir.mkdir(exist_ok=True)
     corpus = {"unique": unique_corpus, "shuffled": shuffled_corpus,
@@ -456,6 +463,15 @@ def main() -> None:
     tokenizer = bench_tokenizer(args.tokenizer, args.workdir, corpus, args.gpt2_dir)
     eos = EOS[args.tokenizer]
     print(f"corpus: {corpus} ({size / 1e6:.1f} MB parquet); tokenizer {tokenizer}")
+    if args.megatron is not None or args.megatron_python is not None:
+        cluster = Cluster(args.workdir) if args.cluster else None
+        try:
+            race(corpus, args.workdir, tokenizer, args.megatron, args.megatron_python,
+                 args.repeats, lambda: fresh_env(args.workdir), cluster)
+        finally:
+            if cluster is not None:
+                cluster.stop()
+        return
     chosen = [name for name in BACKENDS if name in args.backends.split(",")]
     ceilings: dict[str, list] = {name: [] for name in chosen}
     loops: dict[str, list] = {name: [] for name in chosen}

@@ -14,8 +14,10 @@ from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
 from raypipe.errors import ConfigError, InputError
 from raypipe.io.store import Store
+from raypipe.preprocess import planning
 from raypipe.preprocess.job import SerialRunner, run_job
 from raypipe.preprocess.output import unit_records
+from raypipe.preprocess.planning import auto_unit_bytes
 from tests.conftest import write_parquet
 from tests.helpers import expected_documents, file_identities, shard_files
 
@@ -69,6 +71,35 @@ def test_rerun_of_finished_job_rewrites_nothing(tmp_path, corpus_dir, tokenizer_
     before = file_identities(tmp_path / "out")
     summary = run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, encode_batch_rows=3))
     assert summary.units_run == 0
+    assert file_identities(tmp_path / "out") == before
+
+
+def test_a_unit_size_left_to_raypipe_follows_the_input_bytes_within_its_bounds():
+    assert auto_unit_bytes(0) == planning.MIN_AUTO_UNIT_BYTES
+    assert auto_unit_bytes(200_000_000) == -(-200_000_000 // planning.AUTO_UNITS)
+    assert auto_unit_bytes(10**13) == planning.MAX_AUTO_UNIT_BYTES
+
+
+def test_a_small_corpus_left_to_raypipe_is_cut_by_its_bytes_and_a_rerun_plans_the_same(
+        tmp_path, corpus_dir, tokenizer_path, monkeypatch):
+    monkeypatch.setattr(planning, "MIN_AUTO_UNIT_BYTES", 1)  # the fixture's corpus is KBs
+    total = sum(path.stat().st_size for path in corpus_dir.iterdir())
+    config = config_for(corpus_dir, tmp_path / "out", tokenizer_path, unit_bytes=None)
+    first = run_job(config)
+    assert first.units > 3  # three files: under 64 MiB they made one unit before
+    job = json.loads((tmp_path / "out" / "_units" / "_job.json").read_text())
+    assert job["config"]["unit_bytes"] == -(-total // planning.AUTO_UNITS)
+    monkeypatch.setattr(planning, "AUTO_UNITS", 3)  # another size now: the output's holds
+    again = run_job(config)
+    assert (again.units, again.units_run) == (first.units, 0)
+
+
+def test_an_output_of_the_former_default_unit_size_reruns_without_work(
+        tmp_path, corpus_dir, tokenizer_path):
+    run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, unit_bytes=64 << 20))
+    before = file_identities(tmp_path / "out")
+    again = run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path, unit_bytes=None))
+    assert (again.units, again.units_run) == (1, 0)
     assert file_identities(tmp_path / "out") == before
 
 

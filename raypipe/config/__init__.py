@@ -205,9 +205,12 @@ class TokenizeConfig:
     eos_token: str | None = option(None, help="EOS token string (default: detected)")
     shard_tokens: int = option(1 << 29, help="a shard rolls over before the document that "
                                              "would exceed this many tokens")
-    unit_bytes: int = option(64 << 20, help="input bytes per work unit (the unit of "
-                                            "parallelism): larger files are cut, smaller "
-                                            "ones grouped")
+    unit_bytes: int | None = option(None, help="input bytes per work unit (the unit of "
+                                               "parallelism): larger files are cut, smaller "
+                                               "ones grouped (default: the value the "
+                                               "output's earlier job used, else the input's "
+                                               "bytes / 64 within [1 MiB, 64 MiB]: from the "
+                                               "input alone, never the cluster)")
     max_document_chars: int | None = option(10_000_000, help="longer documents are skipped "
                                                              "and counted as too_long")
     worker_memory_budget: int = option(2 << 30, help="bytes a worker may spend tokenizing one "
@@ -265,7 +268,7 @@ class TokenizeConfig:
         if not 1 <= self.shard_tokens <= NANOGPT_MAX_TOKENS:
             raise ConfigError(f"shard_tokens: {self.shard_tokens} not in [1, 2^31-1]")
         for name in ("encode_batch_rows", "unit_bytes", "worker_memory_budget"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.special_tokens_in_text not in ("text", "special"):
             raise ConfigError(f"special_tokens_in_text: {self.special_tokens_in_text!r} not "

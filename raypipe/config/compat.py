@@ -52,6 +52,10 @@ FLAT_FLAGS = {"metadata": ("--metadata",), "metadata_serializer": ("--metadata-s
 FLAT_DEFAULTS = {"metadata": True, "metadata_serializer": "json", "mds_concat_tokens": None,
                  "mds_compression": None, "seq_len": None, "batch_size": None,
                  "seed": 0, "batches_per_shard": 1024}  # packing: "auto" for the data
+# unit_bytes' one default until it was sized from the input (0.6 and before), and still a
+# Dataset job's value: its units are its blocks, so it shapes nothing, and the fingerprint
+# of an earlier Dataset job's output holds
+UNIT_BYTES_BEFORE_AUTO = 64 << 20
 # fields added after 0.1 -> the value that behaves as 0.1 did (not part of the fingerprint)
 ADDED_FIELDS = {"special_tokens_in_text": "special", "worker_memory_budget": 2 << 30,
                 "chat": False, "messages_column": "messages", "prompt_column": None,

@@ -7,11 +7,14 @@ schema) before touching the output, (3) takes the output's lock (one job per out
 refuses an output made with a different output-shaping config unless `overwrite`
 (raypipe.preprocess.output), (5) runs every unit without a valid commit record on its
 `UnitRunner` (Ray Data in raypipe.ray, always: the driver tokenizes nothing itself), while
-the encoder's self-check (~1 s) overlaps the runner's start-up, (6) writes `manifest.json`
-last. Rerunning a finished file job launches nothing, starts no Ray and rewrites nothing.
-Units of an earlier run that the source no longer yields are removed once the manifest is
-written (counted in the summary). Cost: the source's commit checks, one self-check, and a
-thread for it.
+the encoder's self-check (~1 s) overlaps the runner's start-up (a file job whose output has
+no manifest, so work whatever the plan, plans on another thread while Ray starts; measured
+on 2 cores, where Ray's start is CPU-bound, this gains nothing, 4.0-4.2 s to Ray up either
+way: it pays where planning waits on a bucket's listing and footers), (6) writes
+`manifest.json` last. Rerunning a finished file job launches nothing, starts no Ray and
+rewrites nothing. Units of an earlier run that the source no longer yields are removed
+once the manifest is written (counted in the summary). Cost: the source's commit checks,
+one self-check, and a thread for it.
 """
 
 from __future__ import annotations
@@ -28,12 +31,18 @@ from typing import Any, Protocol
 import pyarrow as pa
 from tokenizers import Tokenizer
 
-from raypipe.config import TokenizeConfig, dump_config_yaml
+from raypipe.config import TokenizeConfig, compat, dump_config_yaml
 from raypipe.errors import ConfigError, InputError
 from raypipe.formats import get_format, of_kind, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.lock import output_lock
-from raypipe.io.manifest import CONFIG_NAME, read_manifest, shard_table, write_manifest
+from raypipe.io.manifest import (
+    CONFIG_NAME,
+    MANIFEST_NAME,
+    read_manifest,
+    shard_table,
+    write_manifest,
+)
 from raypipe.io.records import BadFile, Manifest, PassedOver, UnitRecord, WorkUnit
 from raypipe.io.store import Store
 from raypipe.preprocess.batch_packing import pack_batches_from_manifest
@@ -53,8 +62,13 @@ from raypipe.preprocess.encoding.self_check import (
     sample_texts,
 )
 from raypipe.preprocess.inputs import find_inputs
-from raypipe.preprocess.output import accepted_fingerprints, prepare_output, remove_units
-from raypipe.preprocess.planning import plan_inputs
+from raypipe.preprocess.output import (
+    accepted_fingerprints,
+    prepare_output,
+    recorded_unit_bytes,
+    remove_units,
+)
+from raypipe.preprocess.planning import auto_unit_bytes, plan_inputs
 from raypipe.preprocess.progress import Progress
 from raypipe.preprocess.runners import SerialRunner, UnitRunner
 from raypipe.preprocess.sources import DatasetBlocks, FileUnits
@@ -160,7 +174,7 @@ class Source(Protocol):
     def open(self, output: Store, accepted: set[str]) -> bool: ...
     @property
     def progress_units(self) -> list[WorkUnit] | None: ...
-    def sample(self, runner: UnitRunner, columns: list[str]) -> pa.Table | None: ...
+    def sample(self, columns: list[str]) -> pa.Table | None: ...
     def run(self, runner: UnitRunner, settings: UnitSettings
             ) -> Iterator[tuple[UnitRecord, bool]]: ...
     def ordered(self) -> list[UnitRecord]: ...
@@ -170,11 +184,13 @@ class Source(Protocol):
 
 @dataclass
 class Job:
-    """A tokenize job over one source on one runner."""
+    """A tokenize job over one source on one runner (`checked`: its self-checked settings,
+    when they were made while the runner connected)."""
 
     resolved: Resolved
     runner: UnitRunner
     progress_every: float = 10.0
+    checked: tuple[UnitSettings, BackendChoice] | None = None
 
     @property
     def config(self) -> TokenizeConfig:
@@ -228,15 +244,16 @@ class Job:
                ) -> tuple[UnitSettings, BackendChoice]:
         """Settings with the self-checked backend, the runner connected: the check (on its
         own thread when the source's texts need no runner) overlaps a local Ray's start."""
-        columns = self.config.chat.columns if self.config.chat else [self.config.text_column]
-        wanted = self.config.tokenizer_backend != "tokenizers"
-
         def check() -> tuple[UnitSettings, BackendChoice]:
-            return with_backend(self.resolved, source.sample(self.runner, columns)
-                                if wanted else None)
+            return self_checked(self.resolved, source)
 
         if source.progress_units:
             progress.await_workers()  # no ETA from a window holding Ray's start
+        if self.checked is not None:  # made while the runner connected, before the lock
+            with progress.quiet():
+                self.runner.connect()
+            progress.note(self.runner.startup_line())
+            return self.checked
         if not source.samples_without_runner:
             with progress.quiet():
                 self.runner.connect()
@@ -250,13 +267,31 @@ class Job:
             return checked.result()
 
 
-def run_job(config: TokenizeConfig, runner: UnitRunner | None = None,
-            progress_every: float = 10.0) -> JobSummary:
-    """Tokenize the input files `config.inputs` names (serially unless given a runner)."""
-    started = time.perf_counter()
-    resolved = resolve(config)
-    # plan first: bad input fails before the output directory is touched
+def self_checked(resolved: Resolved, source: Source) -> tuple[UnitSettings, BackendChoice]:
+    """The settings with the backend self-checked on the source's first rows."""
+    config = resolved.settings.config
+    columns = config.chat.columns if config.chat else [config.text_column]
+    wanted = config.tokenizer_backend != "tokenizers"
+    return with_backend(resolved, source.sample(columns) if wanted else None)
+
+
+@dataclass(frozen=True)
+class FileJob:
+    """A file job planned: its tokenizer and settings, its units, and its self-check where
+    it was made while Ray started."""
+
+    resolved: Resolved
+    source: FileUnits
+    checked: tuple[UnitSettings, BackendChoice] | None
+
+
+def plan_file_job(config: TokenizeConfig, self_check: bool) -> FileJob:
+    """Find the inputs, size and plan the units (bad input fails here, before the output
+    is touched), load the tokenizer; self-check the backend if asked."""
     found = find_inputs(config.inputs)
+    sizes = {uri: found.stats[uri].size for uri in found.files}
+    config = with_unit_bytes(config, sum(sizes.values()))
+    resolved = resolve(config)
     plan = plan_inputs(found, resolved.settings.columns, config.unit_bytes,
                        text_first=not config.chat, skip_bad_files=config.skip_bad_files)
     units = plan.units
@@ -265,18 +300,46 @@ def run_job(config: TokenizeConfig, runner: UnitRunner | None = None,
         raise InputError(f"{', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: the "
                          f"input ({len(files)} file(s)) has 0 rows, so the job would write "
                          "no document; pass --allow-empty to write an empty dataset anyway")
-    job = Job(resolved, runner or SerialRunner(resolved.tokenizer), progress_every)
-    sizes = {uri: found.stats[uri].size for uri in found.files}
-    return job.run(FileUnits(units, tuple(found.passed_over), sizes, plan.bad_files),
-                   started)
+    source = FileUnits(units, tuple(found.passed_over), sizes, plan.bad_files)
+    return FileJob(resolved, source,
+                   self_checked(resolved, source) if self_check and units else None)
+
+
+def run_job(config: TokenizeConfig, runner: UnitRunner | None = None,
+            progress_every: float = 10.0) -> JobSummary:
+    """Tokenize the input files `config.inputs` names (serially unless given a runner).
+    An output without a manifest has work whatever the plan: there the runner connects (a
+    local Ray starts, seconds) while the job plans and self-checks on another thread;
+    elsewhere Ray starts only once the plan leaves a unit to run."""
+    started = time.perf_counter()
+    early = runner is not None and not Store(config.output).exists(MANIFEST_NAME)
+    with ThreadPoolExecutor(1, thread_name_prefix="raypipe-plan") as pool:
+        planned = pool.submit(plan_file_job, config, early)
+        if early:  # on this thread: a local Ray's processes end with the thread that
+            runner.connect()  # started them (their parent-death signal)
+        job = planned.result()
+    return Job(job.resolved, runner or SerialRunner(job.resolved.tokenizer), progress_every,
+               job.checked).run(job.source, started)
 
 
 def run_dataset_job(dataset: Any, label: str, config: TokenizeConfig, runner: UnitRunner,
                     progress_every: float = 10.0) -> JobSummary:
     """Tokenize the text column of a ray.data.Dataset (`label` names it in records)."""
     started = time.perf_counter()
+    if config.unit_bytes is None:  # a Dataset's units are its blocks
+        config = dataclasses.replace(config, unit_bytes=compat.UNIT_BYTES_BEFORE_AUTO)
     job = Job(resolve(config), runner, progress_every)
     return job.run(DatasetBlocks(dataset, label), started)
+
+
+def with_unit_bytes(config: TokenizeConfig, input_bytes: int) -> TokenizeConfig:
+    """The config with its unit size decided (it shapes the units, so the fingerprint): as
+    given; else as the output's earlier job planned (a rerun keeps its units), unless
+    `overwrite`; else from the input's bytes alone (raypipe.preprocess.planning)."""
+    if config.unit_bytes is not None:
+        return config
+    recorded = None if config.overwrite else recorded_unit_bytes(Store(config.output))
+    return dataclasses.replace(config, unit_bytes=recorded or auto_unit_bytes(input_bytes))
 
 
 BAD_FILES_WARN_SHARE = 0.01  # of the input bytes: past it, skipped files are a warning

@@ -74,6 +74,17 @@ def prepare_output(config: TokenizeConfig, settings: UnitSettings,
     return output
 
 
+def recorded_unit_bytes(output: Store) -> int | None:
+    """The unit size the output's earlier job planned with (None: no earlier job, or one
+    whose record lacks it): a rerun that leaves it to raypipe plans the same units, so it
+    keeps what was committed and its fingerprint."""
+    if not output.exists(JOB_PATH):
+        return None
+    previous = JobRecord.from_json(output.read_json(JOB_PATH), output.uri_of(JOB_PATH))
+    value = previous.config.get("unit_bytes")
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def refuse_foreign_files(output: Store) -> None:
     """An output without raypipe's job record must hold nothing but the lock: files raypipe
     did not write would sit among its shards (and `--overwrite` would delete them)."""

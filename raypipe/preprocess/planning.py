@@ -1,7 +1,10 @@
 """Plan a job's input files into work units sized by bytes, whatever the files.
 
 Invariant: the unit list is a pure function of the sorted input files, their sizes (from
-the listing) and `unit_bytes`, never of parallelism or timing. A file of at least
+the listing) and `unit_bytes`, never of parallelism or timing. A config that leaves
+`unit_bytes` to raypipe gets the output's earlier value (a rerun plans the same units), else
+`auto_unit_bytes` of the listing's total: so a corpus of a few files is cut into units
+enough for every worker, and the output is the same bytes at any parallelism. A file of at least
 `unit_bytes` is cut as `raypipe.preprocess.inputs` cuts it (row groups, byte ranges); the
 smaller ones are grouped, in sorted order, into `group` units that close once they hold
 `unit_bytes` (so a group holds less than `unit_bytes` plus one file) or GROUP_FILES files.
@@ -46,6 +49,13 @@ from raypipe.preprocess.inputs import (
 from raypipe.preprocess.jsonl import is_jsonl
 
 GROUP_FILES = 16_384  # files in one group at most (bounds a unit record's size)
+# unit_bytes left to raypipe: the input's bytes / AUTO_UNITS, within [MIN, MAX]: a 200 MB
+# corpus makes enough units for every worker of a small cluster from the first second,
+# a large one 64 MiB units (the per-unit cost, a few shard files and a record, stays
+# under 2% of a unit's time); from the listing alone, so never from the cluster
+AUTO_UNITS = 64
+MIN_AUTO_UNIT_BYTES = 1 << 20
+MAX_AUTO_UNIT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,12 @@ class InputUnits:
 
     units: list[WorkUnit]
     bad_files: tuple[BadFile, ...] = ()
+
+
+def auto_unit_bytes(input_bytes: int) -> int:
+    """The unit size of an input of `input_bytes` (the listing's sizes) when the config
+    leaves it to raypipe."""
+    return min(MAX_AUTO_UNIT_BYTES, max(MIN_AUTO_UNIT_BYTES, -(-input_bytes // AUTO_UNITS)))
 
 
 def file_groups(files: list[str], stats: dict[str, FileStat], unit_bytes: int

@@ -74,7 +74,7 @@ class FileUnits:
     def progress_units(self) -> list[WorkUnit] | None:
         return self.pending
 
-    def sample(self, runner: UnitRunner, columns: list[str]) -> pa.Table | None:
+    def sample(self, columns: list[str]) -> pa.Table | None:
         """The first rows of the first unit that can be read (a bad file fails, or is
         skipped, in its own unit, where the good units in flight still commit)."""
         for unit in (self.pending or self.units)[:SAMPLE_UNITS]:
@@ -140,7 +140,7 @@ class DatasetBlocks:
     def progress_units(self) -> list[WorkUnit] | None:
         return None
 
-    def sample(self, runner: UnitRunner, columns: list[str]) -> pa.Table | None:
+    def sample(self, columns: list[str]) -> pa.Table | None:
         return self.sample_rows
 
     def run(self, runner: UnitRunner, settings: UnitSettings
