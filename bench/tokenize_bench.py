@@ -467,7 +467,7 @@ def main() -> None:
         cluster = Cluster(args.workdir) if args.cluster else None
         try:
             race(corpus, args.workdir, tokenizer, args.megatron, args.megatron_python,
-                 args.repeats, lambda: fresh_env(args.workdir), cluster)
+                 args.repeats, lambda: fresh_env(args.workdir), cluster, args.mb)
         finally:
             if cluster is not None:
                 cluster.stop()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,3 +96,34 @@ def test_the_every_token_once_script_passes_on_a_small_dataset(token_dataset, ch
     assert done.returncode == 0, done.stdout + done.stderr
     assert "EVERY TOKEN ONCE: PASS" in done.stdout and "more than once 0," in done.stdout
     assert "run 3: 1 ranks" in done.stdout
+
+
+def test_the_megatron_race_tells_identical_documents_from_a_changed_token(
+        tmp_path, corpus_dir, tokenizer_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from megatron_race import compare_outputs
+
+    from raypipe.config import load_config
+    from raypipe.dataset import TokenDataset
+    from raypipe.formats.megatron import encode_index
+    from raypipe.preprocess.job import run_job
+
+    run_job(load_config(None, inputs=[str(corpus_dir)], output=str(tmp_path / "ours"),
+                        tokenizer=tokenizer_path, formats=["megatron"], unit_bytes=1))
+    dataset = TokenDataset(tmp_path / "ours", "megatron")
+    documents = list(dataset.iter_documents())
+    assert dataset.num_shards > 1
+    tokens = np.concatenate(documents)
+    lengths = np.array([len(document) for document in documents])
+    prefix = tmp_path / "theirs" / "out"
+    prefix.parent.mkdir()
+
+    def write_theirs(ids: np.ndarray) -> None:  # one file, as Megatron's builder writes
+        Path(f"{prefix}_text_document.bin").write_bytes(ids.tobytes())
+        Path(f"{prefix}_text_document.idx").write_bytes(encode_index(lengths, ids.dtype))
+
+    write_theirs(tokens)
+    assert compare_outputs(tmp_path / "ours", prefix).startswith("IDENTICAL tokens")
+    tokens[len(tokens) // 2] += 1
+    write_theirs(tokens)
+    assert compare_outputs(tmp_path / "ours", prefix).startswith("DIFFERENT")
