@@ -54,11 +54,11 @@ FLOOR = """
 import sys, time
 import ray
 address = sys.argv[1] or None
-if address:
-    ray.init(address=address, log_to_driver=False)
+if address:  # as raypipe.ray.session connects
+    ray.init(address=address, log_to_driver=True)
 else:
     ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False)
+             log_to_driver=True)
 up = time.time()
 
 class Nothing:
