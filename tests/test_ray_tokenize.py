@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+import time
 
 import pytest
 import yaml
@@ -14,6 +15,7 @@ import raypipe
 from raypipe.cli import main
 from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
+from raypipe.errors import ConfigError
 from raypipe.preprocess.job import run_job
 from raypipe.ray.executor import run_tokenize
 from tests.helpers import expected_documents, file_identities, shard_files
@@ -194,3 +196,52 @@ def test_a_truncated_gzip_fails_in_one_line_and_the_units_in_flight_commit(
     assert skipped.uri == str(bad) and skipped.rows_read > 100
     assert summary.documents == 160 + sum(
         1 for text in corpus_texts[300:300 + skipped.rows_read] if text)
+
+
+@pytest.mark.slow
+def test_the_workers_start_while_the_self_check_runs_and_encode_with_its_choice(
+        ray_session, tmp_path, corpus_dir, tokenizer_path, monkeypatch):
+    from raypipe.preprocess import job
+    from raypipe.ray.executor import RayDataRunner
+
+    moments: dict[str, float] = {}
+    check, launch = job.with_backend, RayDataRunner.run
+
+    def slow_check(*args, **kwargs):
+        time.sleep(2.0)  # the workers are started meanwhile
+        checked = check(*args, **kwargs)
+        moments["checked"] = time.monotonic()
+        return checked
+
+    def launched(self, units, settings):
+        moments.setdefault("launched", time.monotonic())
+        yield from launch(self, units, settings)
+
+    monkeypatch.setattr(job, "with_backend", slow_check)
+    monkeypatch.setattr(RayDataRunner, "run", launched)
+    config = load_config(None, inputs=[str(corpus_dir)], output=str(tmp_path / "out"),
+                         tokenizer=tokenizer_path, formats=["megatron"], unit_bytes=1,
+                         tokenizer_backend="tiktoken")
+    summary = run_tokenize(config)
+    assert moments["launched"] < moments["checked"]
+    assert summary.backend == "tiktoken" and summary.units_run == summary.units > 1
+    serial = load_config(None, inputs=[str(corpus_dir)], output=str(tmp_path / "serial"),
+                         tokenizer=tokenizer_path, formats=["megatron"], unit_bytes=1)
+    run_job(serial)
+    assert shard_files(tmp_path / "out") == shard_files(tmp_path / "serial")
+
+
+def test_a_self_check_that_fails_after_the_workers_started_fails_the_job_with_its_error(
+        ray_session, tmp_path, corpus_dir, tokenizer_path, monkeypatch):
+    from raypipe.preprocess import job
+
+    def failing_check(*args, **kwargs):
+        time.sleep(1.0)
+        raise ConfigError("tokenizer_backend: the check's own words")
+
+    monkeypatch.setattr(job, "with_backend", failing_check)
+    config = load_config(None, inputs=[str(corpus_dir)], output=str(tmp_path / "out"),
+                         tokenizer=tokenizer_path, formats=["megatron"], unit_bytes=1)
+    with pytest.raises(ConfigError, match="the check's own words"):
+        run_tokenize(config)
+    assert not list((tmp_path / "out" / "_units").glob("part-*.json"))

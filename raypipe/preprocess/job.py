@@ -24,7 +24,8 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,7 +71,7 @@ from raypipe.preprocess.output import (
 )
 from raypipe.preprocess.planning import auto_unit_bytes, plan_inputs
 from raypipe.preprocess.progress import Progress
-from raypipe.preprocess.runners import SerialRunner, UnitRunner
+from raypipe.preprocess.runners import LaterSettings, SerialRunner, Settings, UnitRunner
 from raypipe.preprocess.sources import DatasetBlocks, FileUnits
 from raypipe.preprocess.summary import (
     JobSummary,
@@ -175,7 +176,7 @@ class Source(Protocol):
     @property
     def progress_units(self) -> list[WorkUnit] | None: ...
     def sample(self, columns: list[str]) -> pa.Table | None: ...
-    def run(self, runner: UnitRunner, settings: UnitSettings
+    def run(self, runner: UnitRunner, settings: Settings
             ) -> Iterator[tuple[UnitRecord, bool]]: ...
     def ordered(self) -> list[UnitRecord]: ...
     def names(self) -> set[str]: ...
@@ -184,13 +185,13 @@ class Source(Protocol):
 
 @dataclass
 class Job:
-    """A tokenize job over one source on one runner (`checked`: its self-checked settings,
-    when they were made while the runner connected)."""
+    """A tokenize job over one source on one runner (`checked`: its self-check, running on
+    another thread since before the runner connected)."""
 
     resolved: Resolved
     runner: UnitRunner
     progress_every: float = 10.0
-    checked: tuple[UnitSettings, BackendChoice] | None = None
+    checked: Future[tuple[UnitSettings, BackendChoice]] | None = None
 
     @property
     def config(self) -> TokenizeConfig:
@@ -215,13 +216,15 @@ class Job:
         if has_work:
             with Progress(source.progress_units, self.progress_every,
                           noun=source.noun) as progress:  # its clock includes Ray's start
-                settings, choice = self._start(source, progress)
+                checked = self._start(source, progress)
                 launched = time.perf_counter()
-                for record, now in source.run(self.runner, settings):
-                    if now:
-                        fresh.append(record)
-                    progress.update(record)
+                with check_failure_first(checked):
+                    for record, now in source.run(self.runner, LaterSettings(checked)):
+                        if now:
+                            fresh.append(record)
+                        progress.update(record)
                 run_seconds = time.perf_counter() - launched
+                settings, choice = checked.result()
             manifest = commit_manifest(config, settings, output, source.ordered(),
                                        source.bad_files, source.passed_over)
             removed = remove_unplanned(output, source.names(), source.label)
@@ -241,15 +244,17 @@ class Job:
         return summary
 
     def _start(self, source: Source, progress: Progress
-               ) -> tuple[UnitSettings, BackendChoice]:
-        """Settings with the self-checked backend, the runner connected: the check (on its
-        own thread when the source's texts need no runner) overlaps a local Ray's start."""
+               ) -> Future[tuple[UnitSettings, BackendChoice]]:
+        """The runner connected, and the settings with the self-checked backend: the
+        check (on its own thread when the source's texts need no runner) overlaps a local
+        Ray's start; one begun before the runner connected may still run (the runner's
+        workers start meanwhile)."""
         def check() -> tuple[UnitSettings, BackendChoice]:
             return self_checked(self.resolved, source)
 
         if source.progress_units:
             progress.await_workers()  # no ETA from a window holding Ray's start
-        if self.checked is not None:  # made while the runner connected, before the lock
+        if self.checked is not None:  # begun before the runner connected, and the lock
             with progress.quiet():
                 self.runner.connect()
             progress.note(self.runner.startup_line())
@@ -258,13 +263,33 @@ class Job:
             with progress.quiet():
                 self.runner.connect()
             progress.note(self.runner.startup_line())
-            return check()
+            return done(check())
         with ThreadPoolExecutor(1, thread_name_prefix="raypipe-self-check") as pool:
             checked = pool.submit(check)
             with progress.quiet():
                 self.runner.connect()
             progress.note(self.runner.startup_line())
-            return checked.result()
+            return done(checked.result())
+
+
+def done(value: Any) -> Future:
+    """A future that holds `value` already."""
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+@contextmanager
+def check_failure_first(checked: Future) -> Iterator[None]:
+    """A run that fails after its self-check failed raises the check's error (its workers,
+    waiting for the settings, failed for want of them)."""
+    try:
+        yield
+    except Exception:
+        failure = checked.exception() if checked.done() else None
+        if failure is not None:
+            raise failure from None
+        raise
 
 
 def self_checked(resolved: Resolved, source: Source) -> tuple[UnitSettings, BackendChoice]:
@@ -277,17 +302,15 @@ def self_checked(resolved: Resolved, source: Source) -> tuple[UnitSettings, Back
 
 @dataclass(frozen=True)
 class FileJob:
-    """A file job planned: its tokenizer and settings, its units, and its self-check where
-    it was made while Ray started."""
+    """A file job planned: its tokenizer and settings, and its units."""
 
     resolved: Resolved
     source: FileUnits
-    checked: tuple[UnitSettings, BackendChoice] | None
 
 
-def plan_file_job(config: TokenizeConfig, self_check: bool) -> FileJob:
+def plan_file_job(config: TokenizeConfig) -> FileJob:
     """Find the inputs, size and plan the units (bad input fails here, before the output
-    is touched), load the tokenizer; self-check the backend if asked."""
+    is touched), load the tokenizer."""
     found = find_inputs(config.inputs)
     sizes = {uri: found.stats[uri].size for uri in found.files}
     config = with_unit_bytes(config, sum(sizes.values()))
@@ -300,26 +323,30 @@ def plan_file_job(config: TokenizeConfig, self_check: bool) -> FileJob:
         raise InputError(f"{', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: the "
                          f"input ({len(files)} file(s)) has 0 rows, so the job would write "
                          "no document; pass --allow-empty to write an empty dataset anyway")
-    source = FileUnits(units, tuple(found.passed_over), sizes, plan.bad_files)
-    return FileJob(resolved, source,
-                   self_checked(resolved, source) if self_check and units else None)
+    return FileJob(resolved, FileUnits(units, tuple(found.passed_over), sizes,
+                                       plan.bad_files))
 
 
 def run_job(config: TokenizeConfig, runner: UnitRunner | None = None,
             progress_every: float = 10.0) -> JobSummary:
     """Tokenize the input files `config.inputs` names (serially unless given a runner).
     An output without a manifest has work whatever the plan: there the runner connects (a
-    local Ray starts, seconds) while the job plans and self-checks on another thread;
-    elsewhere Ray starts only once the plan leaves a unit to run."""
+    local Ray starts, seconds) while the job plans, then self-checks, on other threads,
+    and the runner's workers start while the self-check still runs; elsewhere Ray starts
+    only once the plan leaves a unit to run."""
     started = time.perf_counter()
     early = runner is not None and not Store(config.output).exists(MANIFEST_NAME)
-    with ThreadPoolExecutor(1, thread_name_prefix="raypipe-plan") as pool:
-        planned = pool.submit(plan_file_job, config, early)
+    with ThreadPoolExecutor(2, thread_name_prefix="raypipe-plan") as pool:
+        planned = pool.submit(plan_file_job, config)
+        checked = pool.submit(lambda: self_checked(planned.result().resolved,
+                                                   planned.result().source)) if early else None
         if early:  # on this thread: a local Ray's processes end with the thread that
             runner.connect()  # started them (their parent-death signal)
         job = planned.result()
-    return Job(job.resolved, runner or SerialRunner(job.resolved.tokenizer), progress_every,
-               job.checked).run(job.source, started)
+        if not job.source.units:
+            checked = None  # nothing to sample: checked as a job without work is
+        return Job(job.resolved, runner or SerialRunner(job.resolved.tokenizer),
+                   progress_every, checked).run(job.source, started)
 
 
 def run_dataset_job(dataset: Any, label: str, config: TokenizeConfig, runner: UnitRunner,

@@ -10,7 +10,8 @@ unit.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +36,31 @@ class BlockRun:
     record: UnitRecord | None
 
 
+class LaterSettings:
+    """A job's settings while its self-check still runs on another thread: a runner may
+    start its workers first and hand them the settings once they are ready."""
+
+    def __init__(self, checked: Future[tuple[UnitSettings, Any]]):
+        self.checked = checked
+
+    def wait(self) -> UnitSettings:
+        return self.checked.result()[0]
+
+    def when_ready(self, callback: Callable[[UnitSettings | BaseException], None]) -> None:
+        """Call `callback` with the settings (or the check's error) once they are ready, on
+        the checking thread (now, if they are)."""
+        self.checked.add_done_callback(
+            lambda done: callback(done.exception() or done.result()[0]))
+
+
+Settings = UnitSettings | LaterSettings
+
+
+def settings_now(settings: Settings) -> UnitSettings:
+    """The settings, waiting for the self-check if it still runs."""
+    return settings.wait() if isinstance(settings, LaterSettings) else settings
+
+
 class UnitRunner(Protocol):
     """Runs a job's planned units, or a ray.data.Dataset's blocks."""
 
@@ -49,14 +75,14 @@ class UnitRunner(Protocol):
     def startup_line(self) -> str | None:
         """One progress line on what `connect` started (None: nothing to say)."""
 
-    def run(self, units: list[WorkUnit], settings: UnitSettings) -> Iterator[UnitRecord]:
+    def run(self, units: list[WorkUnit], settings: Settings) -> Iterator[UnitRecord]:
         """Records of `units` as they commit."""
 
     def sample_rows(self, dataset: Any, columns: list[str], rows: int) -> pa.Table:
         """`columns` of the Dataset's first `rows` rows; refuses a Dataset without one of
         them."""
 
-    def run_blocks(self, dataset: Any, settings: UnitSettings, committed: frozenset[str],
+    def run_blocks(self, dataset: Any, settings: Settings, committed: frozenset[str],
                    label: str) -> Iterator[BlockRun]:
         """One BlockRun per block, in the Dataset's order."""
 
@@ -89,7 +115,8 @@ class SerialRunner:
     def startup_line(self) -> str | None:
         return None
 
-    def run(self, units: Iterable[WorkUnit], settings: UnitSettings) -> Iterator[UnitRecord]:
+    def run(self, units: Iterable[WorkUnit], settings: Settings) -> Iterator[UnitRecord]:
+        settings = settings_now(settings)
         encoder = None
         for unit in units:
             encoder = encoder or make_encoder(settings, self.tokenizer)
@@ -98,6 +125,6 @@ class SerialRunner:
     def sample_rows(self, dataset: Any, columns: list[str], rows: int) -> pa.Table:
         raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")
 
-    def run_blocks(self, dataset: Any, settings: UnitSettings, committed: frozenset[str],
+    def run_blocks(self, dataset: Any, settings: Settings, committed: frozenset[str],
                    label: str) -> Iterator[BlockRun]:
         raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")

@@ -28,8 +28,7 @@ from raypipe.io.records import BadFile, PassedOver, UnitRecord, WorkUnit
 from raypipe.io.store import Store
 from raypipe.preprocess.encoding.self_check import SAMPLE_ROWS, sample_rows
 from raypipe.preprocess.output import unit_records
-from raypipe.preprocess.runners import UnitRunner
-from raypipe.preprocess.unit import UnitSettings
+from raypipe.preprocess.runners import Settings, UnitRunner
 
 SAMPLE_UNITS = 8  # units tried for the self-check's sample before it goes without
 
@@ -84,7 +83,7 @@ class FileUnits:
                 continue
         return None
 
-    def run(self, runner: UnitRunner, settings: UnitSettings
+    def run(self, runner: UnitRunner, settings: Settings
             ) -> Iterator[tuple[UnitRecord, bool]]:
         """(record, tokenized now) as units commit: only the pending ones are reported."""
         if self.pending:
@@ -143,7 +142,7 @@ class DatasetBlocks:
     def sample(self, columns: list[str]) -> pa.Table | None:
         return self.sample_rows
 
-    def run(self, runner: UnitRunner, settings: UnitSettings
+    def run(self, runner: UnitRunner, settings: Settings
             ) -> Iterator[tuple[UnitRecord, bool]]:
         """(record, tokenized now) for every block, in the Dataset's order."""
         for block in runner.run_blocks(self.dataset, settings, frozenset(self.committed),

@@ -9,8 +9,13 @@ any worker count. Planned units run as `from_items(units, up to UNITS_PER_BLOCK 
 `dataset.map_batches(TokenizeBlocks, actor pool)`, one unit per block, named by the hash of
 its rows. Each map actor loads the tokenizer once (adopting the tiktoken conversion the
 driver made for its self-check, both read from one object-store copy) and encodes with one
-thread; token arrays never cross the
-object store. Ray Data restarts a killed actor and runs its block again; the job's
+thread; token arrays never cross the object store. The actors start while the driver's
+self-check still runs: each waits for the job's settings at the ledger, where the driver
+publishes them (or the check's failure, which fails the job with the check's own error)
+once the check ends; measured on a running 2-CPU cluster, 20 MB, 5 rounds alternating:
+the first unit starts 0.15 s sooner (median 3.89 s against 4.05 s from launch), where the
+check and the actors share 2 cores; on a cluster whose actors run on other nodes the
+check's ~0.6 s is hidden whole. Ray Data restarts a killed actor and runs its block again; the job's
 `UnitLedger` actor counts every unit's attempts, so retries are reported, and a unit that
 killed its worker UNIT_RETRIES + 1 times fails the job naming its file and rows instead of
 restarting forever (committed units stay). Bad input (a RaypipeError) comes back as the
@@ -24,6 +29,7 @@ leaves its execution plan, with the tokenize map stage, in Ray Data's log.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -44,7 +50,7 @@ from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
 from raypipe.preprocess.encoding.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.job import JobSummary, run_dataset_job, run_job
-from raypipe.preprocess.runners import BlockRun, make_encoder
+from raypipe.preprocess.runners import BlockRun, LaterSettings, Settings, make_encoder
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
 from raypipe.ray.session import cluster_cpus, ensure_ray, quiet_ray_notices
 from raypipe.ray.stderr_lines import dropping_ray_noise
@@ -54,13 +60,30 @@ UNIT_RETRIES = 3  # runs of a unit after its worker died, before the job fails
 
 
 class UnitLedger:
-    """A Ray actor (no CPU): how often a worker started each unit, and whether the job has
-    failed (then units not yet started are not started: the ones in flight finish and
-    commit, and the driver raises the failure once they have)."""
+    """A Ray actor (no CPU, async): how often a worker started each unit, whether the job
+    has failed (then units not yet started are not started: the ones in flight finish and
+    commit, and the driver raises the failure once they have), and the job's JobShared,
+    which map actors wait for while they start: the driver publishes it once its
+    self-check is done, so the actors' start overlaps the check."""
 
     def __init__(self) -> None:
         self.attempts: dict[str, int] = {}
         self.failed = False
+        self.shared: list[Any] | str | None = None  # [JobShared's ref], or why there is none
+        self.published = asyncio.Event()
+
+    def publish(self, shared: list[Any] | str) -> None:
+        """The JobShared's reference in a list (a reference inside a list is passed as
+        itself), or the reason the job has none (its self-check failed)."""
+        self.shared = shared
+        self.published.set()
+
+    async def job_shared(self) -> list[Any]:
+        await self.published.wait()
+        if isinstance(self.shared, str):
+            raise RuntimeError(self.shared)
+        assert self.shared is not None
+        return self.shared
 
     def attempts_before(self, names: list[str]) -> list[int] | None:
         """How often each unit was started before (0 the first time; more: its actor died
@@ -91,12 +114,12 @@ class JobShared:
 
 class MapTokenizer:
     """What both map stages share: the encoder loaded once per actor, and the ledger. The
-    job's JobShared comes as an object reference inside a list: the constructor's own
+    job's JobShared comes from the ledger, as an object reference: the constructor's own
     arguments stay small, so Ray inlines them instead of keeping an object-store copy for
     actor restarts (which it logs at error level for every actor)."""
 
-    def __init__(self, shared: list[Any], ledger: Any):
-        job: JobShared = ray.get(shared[0])
+    def __init__(self, ledger: Any):
+        job: JobShared = ray.get(ray.get(ledger.job_shared.remote())[0])
         settings = job.settings
         if job.conversion is not None:
             adopt(settings.tokenizer.sha256, job.conversion)
@@ -198,8 +221,8 @@ class TokenizeBlocks(MapTokenizer):
     """Map stage over a user's Dataset: each block is one unit named by the hash of its
     rows; a block whose unit is committed already is not tokenized again."""
 
-    def __init__(self, shared: list[Any], ledger: Any, label: str):
-        super().__init__(shared, ledger)
+    def __init__(self, ledger: Any, label: str):
+        super().__init__(ledger)
         self.committed = self.job.committed
         self.label = label
 
@@ -257,12 +280,27 @@ class RayDataRunner:
             options["runtime_env"] = {"env_vars": faults.environment()}
         return options
 
-    def _start(self, settings: UnitSettings, committed: frozenset[str] = frozenset()
-               ) -> list[Any]:
-        """The job's ledger running, and its JobShared in the object store (a reference
-        in a list: the map actors' constructor argument)."""
+    def _start(self, settings: Settings, committed: frozenset[str] = frozenset()) -> None:
+        """The job's ledger running; the job's JobShared published there once the settings
+        are ready (now, or when the self-check ends: the map actors start meanwhile)."""
         self.connect()
-        return [ray.put(JobShared(settings, converted(settings.tokenizer.sha256), committed))]
+        ledger = self.ledger
+
+        def publish(ready: UnitSettings | BaseException) -> None:
+            """Never raises (the actors would wait for ever): a failure is published."""
+            try:
+                if isinstance(ready, BaseException):
+                    raise ready
+                conversion = converted(ready.tokenizer.sha256)
+                shared: list[Any] | str = [ray.put(JobShared(ready, conversion, committed))]
+            except BaseException as exc:  # noqa: BLE001  (handed to the actors as words)
+                shared = f"the job's settings could not be made: {exc}"
+            ledger.publish.remote(shared)
+
+        if isinstance(settings, LaterSettings):
+            settings.when_ready(publish)
+        else:
+            publish(settings)
 
     def _finish(self) -> None:
         if self.ledger is not None:
@@ -270,10 +308,10 @@ class RayDataRunner:
             ray.kill(self.ledger)
             self.ledger = None
 
-    def run(self, units: list[WorkUnit], settings: UnitSettings) -> Iterator[UnitRecord]:
+    def run(self, units: list[WorkUnit], settings: Settings) -> Iterator[UnitRecord]:
         """Records of `units` as they commit; the first failure is raised once the units
         in flight have finished (and committed)."""
-        shared = self._start(settings)
+        self._start(settings)
         workers = max(1, min(self.num_workers or cluster_cpus(), len(units)))
         per_block = units_per_block(len(units), workers)
         outcomes = Outcomes(self.ledger)
@@ -283,7 +321,7 @@ class RayDataRunner:
                                               override_num_blocks=-(-len(units) // per_block))
             # no reads compete for CPUs here: a whole CPU per actor cannot starve them
             mapped = dataset.map_batches(TokenizeUnits, fn_constructor_args=(
-                shared, self.ledger), batch_format="numpy",
+                self.ledger,), batch_format="numpy",
                 **{**self._map_options(workers, 1.0), "batch_size": per_block})
             mapped.context.enable_progress_bars = False  # raypipe's own line has the ETA
             mapped.context.enable_fallback_to_arrow_object_ext_type = True
@@ -300,11 +338,11 @@ class RayDataRunner:
         finally:
             self._finish()
 
-    def run_blocks(self, dataset: Any, settings: UnitSettings,
+    def run_blocks(self, dataset: Any, settings: Settings,
                    committed: frozenset[str], label: str) -> Iterator[BlockRun]:
         """(unit name, its new record or None if committed before) per block, in the
         Dataset's block order."""
-        shared = self._start(settings, committed)
+        self._start(settings, committed)
         cpus = cluster_cpus()
         workers = max(1, self.num_workers or cpus)
         # leave a CPU to the Dataset's own read and map tasks: an actor pool holding every
@@ -315,7 +353,7 @@ class RayDataRunner:
                  context.enable_fallback_to_arrow_object_ext_type)
         try:
             mapped = dataset.map_batches(TokenizeBlocks, fn_constructor_args=(
-                shared, self.ledger, label), batch_format="pyarrow",
+                self.ledger, label), batch_format="pyarrow",
                 **{**self._map_options(workers, actor_cpus), "batch_size": None})
             context.execution_options.preserve_order = True  # the manifest's order
             context.enable_fallback_to_arrow_object_ext_type = True
