@@ -14,11 +14,12 @@ self-check still runs: each waits for the job's settings at the ledger, where th
 publishes them (or the check's failure, which fails the job with the check's own error)
 once the check ends; measured on a running 2-CPU cluster, 20 MB, 5 rounds alternating:
 the first unit starts 0.15 s sooner (median 3.89 s against 4.05 s from launch), where the
-check and the actors share 2 cores; on a cluster whose actors run on other nodes the
-check's ~0.6 s is hidden whole. Ray Data restarts a killed actor and runs its block again; the job's
-`UnitLedger` actor counts every unit's attempts, so retries are reported, and a unit that
-killed its worker UNIT_RETRIES + 1 times fails the job naming its file and rows instead of
-restarting forever (committed units stay). Bad input (a RaypipeError) comes back as the
+check and the actors share 2 cores (where the actors run on other nodes than the driver,
+the check's ~0.6 s should overlap them whole: not measured, one machine here). Ray Data
+restarts a killed actor and runs its block again; the job's `UnitLedger` actor counts
+every unit's attempts, so retries are reported, and a unit that killed its worker
+UNIT_RETRIES + 1 times fails the job naming its file and rows instead of restarting
+forever (committed units stay). Bad input (a RaypipeError) comes back as the
 unit's result and is raised on the driver as itself: Ray Data neither retries it nor wraps
 it. It is raised once the stage drains: the ledger then starts no further unit, and the
 units in flight on other actors finish and commit. A unit whose block runs again after its
