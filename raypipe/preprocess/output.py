@@ -75,14 +75,15 @@ def prepare_output(config: TokenizeConfig, settings: UnitSettings,
 
 
 def recorded_unit_bytes(output: Store) -> int | None:
-    """The unit size the output's earlier job planned with (None: no earlier job, or one
-    whose record lacks it): a rerun that leaves it to raypipe plans the same units, so it
-    keeps what was committed and its fingerprint."""
+    """The unit size the output's earlier job planned with (None: no earlier job): a rerun
+    that leaves it to raypipe plans the same units, so it keeps what was committed and its
+    fingerprint. A job record of a release that did not record its config planned with
+    that release's one default."""
     if not output.exists(JOB_PATH):
         return None
     previous = JobRecord.from_json(output.read_json(JOB_PATH), output.uri_of(JOB_PATH))
     value = previous.config.get("unit_bytes")
-    return value if isinstance(value, int) and value > 0 else None
+    return value if isinstance(value, int) and value > 0 else compat.UNIT_BYTES_BEFORE_AUTO
 
 
 def refuse_foreign_files(output: Store) -> None:
