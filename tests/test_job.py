@@ -18,6 +18,7 @@ from raypipe.preprocess import planning
 from raypipe.preprocess.job import SerialRunner, run_job
 from raypipe.preprocess.output import unit_records
 from raypipe.preprocess.planning import auto_unit_bytes
+from raypipe.preprocess.summary import describe_bytes
 from tests.conftest import write_parquet
 from tests.helpers import expected_documents, file_identities, shard_files
 
@@ -89,6 +90,7 @@ def test_a_small_corpus_left_to_raypipe_is_cut_by_its_bytes_and_a_rerun_plans_th
     assert first.units > 3  # three files: under 64 MiB they made one unit before
     job = json.loads((tmp_path / "out" / "_units" / "_job.json").read_text())
     assert job["config"]["unit_bytes"] == -(-total // planning.AUTO_UNITS)
+    assert f"{describe_bytes(job['config']['unit_bytes'])} of input a unit" in first.render()
     monkeypatch.setattr(planning, "AUTO_UNITS", 3)  # another size now: the output's holds
     again = run_job(config)
     assert (again.units, again.units_run) == (first.units, 0)

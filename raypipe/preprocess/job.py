@@ -234,6 +234,7 @@ class Job:
                             choice.reason if choice is not None else
                             "recorded in the manifest", run_seconds=run_seconds,
                             units_removed=removed, noun=source.noun,
+                            unit_bytes=config.unit_bytes if source.noun == "units" else None,
                             passed_over=manifest.passed_over,
                             bad_files=manifest.bad_files, input_bytes=source.input_bytes(),
                             empty_files=empty_files(source.ordered()),

@@ -55,6 +55,7 @@ class JobSummary:
     empty_files: tuple[str, ...] = ()  # input files with no row (counted, not an error)
     char_limit_note: str = ""  # why documents are skipped as too_long below the asked limit
     separators: dict[str, str] = field(default_factory=dict)  # format -> what it writes
+    unit_bytes: int | None = None  # a file job's unit size, as planned (given or decided)
 
     @property
     def bad_share(self) -> float:
@@ -75,7 +76,9 @@ class JobSummary:
         lines = [
             f"raypipe tokenize -> {self.output}",
             f"  {noun:<10} {self.units} ({self.units_run} run, "
-            f"{self.units - self.units_run} already committed)",
+            f"{self.units - self.units_run} already committed"
+            + (f"; {describe_bytes(self.unit_bytes)} of input a unit" if self.unit_bytes
+               else "") + ")",
         ]
         if self.unit_retries:
             lines.append(f"  retried    {self.unit_retries} unit run(s) lost to a dead worker, "
@@ -162,3 +165,9 @@ def packing_line(options: dict[str, Any]) -> str:
     return f"{options['packing']} packing: {PackingReport.from_options(options).summary_line()}"
 
 
+def describe_bytes(count: int) -> str:
+    """1,234,567 -> '1.2 MB' (decimal units, as `du --si` and object stores bill them)."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
