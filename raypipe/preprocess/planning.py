@@ -51,8 +51,9 @@ from raypipe.preprocess.jsonl import is_jsonl
 GROUP_FILES = 16_384  # files in one group at most (bounds a unit record's size)
 # unit_bytes left to raypipe: the input's bytes / AUTO_UNITS, within [MIN, MAX]: a 200 MB
 # corpus makes enough units for every worker of a small cluster from the first second,
-# a large one 64 MiB units (the per-unit cost, a few shard files and a record, stays
-# under 2% of a unit's time); from the listing alone, so never from the cluster
+# a large one 64 MiB units; units stay >= 1 MiB, as a unit's own cost (its shard files,
+# their fsyncs and its record: milliseconds) is felt only below a few MiB; from the
+# listing alone, so never from the cluster
 AUTO_UNITS = 64
 MIN_AUTO_UNIT_BYTES = 1 << 20
 MAX_AUTO_UNIT_BYTES = 64 << 20
