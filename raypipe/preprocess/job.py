@@ -253,24 +253,23 @@ class Job:
         def check() -> tuple[UnitSettings, BackendChoice]:
             return self_checked(self.resolved, source)
 
+        def connect() -> None:
+            with progress.quiet():
+                self.runner.connect()
+            progress.note(self.runner.startup_line())
+
         if source.progress_units:
             progress.await_workers()  # no ETA from a window holding Ray's start
         if self.checked is not None:  # begun before the runner connected, and the lock
-            with progress.quiet():
-                self.runner.connect()
-            progress.note(self.runner.startup_line())
+            connect()
             return self.checked
         if not source.samples_without_runner:
-            with progress.quiet():
-                self.runner.connect()
-            progress.note(self.runner.startup_line())
+            connect()
             return done(check())
         with ThreadPoolExecutor(1, thread_name_prefix="raypipe-self-check") as pool:
             checked = pool.submit(check)
-            with progress.quiet():
-                self.runner.connect()
-            progress.note(self.runner.startup_line())
-            return done(checked.result())
+            connect()
+        return checked  # done: the pool waited for it
 
 
 def done(value: Any) -> Future:
@@ -339,8 +338,12 @@ def run_job(config: TokenizeConfig, runner: UnitRunner | None = None,
     early = runner is not None and not Store(config.output).exists(MANIFEST_NAME)
     with ThreadPoolExecutor(2, thread_name_prefix="raypipe-plan") as pool:
         planned = pool.submit(plan_file_job, config)
-        checked = pool.submit(lambda: self_checked(planned.result().resolved,
-                                                   planned.result().source)) if early else None
+
+        def check_planned() -> tuple[UnitSettings, BackendChoice]:
+            job = planned.result()
+            return self_checked(job.resolved, job.source)
+
+        checked = pool.submit(check_planned) if early else None
         if early:  # on this thread: a local Ray's processes end with the thread that
             runner.connect()  # started them (their parent-death signal)
         job = planned.result()

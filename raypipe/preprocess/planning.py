@@ -4,10 +4,12 @@ Invariant: the unit list is a pure function of the sorted input files, their siz
 the listing) and `unit_bytes`, never of parallelism or timing. A config that leaves
 `unit_bytes` to raypipe gets the output's earlier value (a rerun plans the same units), else
 `auto_unit_bytes` of the listing's total: so a corpus of a few files is cut into units
-enough for every worker, and the output is the same bytes at any parallelism. A file of at least
-`unit_bytes` is cut as `raypipe.preprocess.inputs` cuts it (row groups, byte ranges); the
-smaller ones are grouped, in sorted order, into `group` units that close once they hold
-`unit_bytes` (so a group holds less than `unit_bytes` plus one file) or GROUP_FILES files.
+enough for every worker, and the output is the same bytes at any parallelism (deciding it
+costs one sum over the listing and one read of the output's job record, once a job, not
+per unit). A file of at least `unit_bytes` is cut as `raypipe.preprocess.inputs` cuts it
+(row groups, byte ranges); the smaller ones are grouped, in sorted order, into `group`
+units that close once they hold `unit_bytes` (so a group holds less than `unit_bytes` plus
+one file) or GROUP_FILES files.
 The units are ordered by their first file. So 10^4 files of 10 KB make a few units and a
 few shards, and a job has at most (small files' bytes / unit_bytes + 1) group units. A
 group's identity is its members' listing (URI, size, modification time): a file rewritten
