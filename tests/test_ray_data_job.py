@@ -212,3 +212,51 @@ def test_a_dataset_of_conversations_tokenizes_with_its_loss_mask(ray_session, tm
     assert [d.tolist() for d in got.iter_documents()] == [w.ids.tolist() for w in want]
     assert [got.document_loss_mask(i).astype(bool).tolist() for i in range(40)] == \
         [w.trained.tolist() for w in want]
+
+
+def test_a_dataset_job_runs_the_dataset_once_and_self_checks_on_its_own_rows(
+        ray_session, tmp_path, corpus_dir, tokenizer_path, monkeypatch):
+    """No execution of the user's Dataset before the job's own: the column check reads
+    the schema Ray Data knows without running it, and the self-check encodes the first rows
+    of the first block a worker tokenizes (offered to the driver through the ledger)."""
+    import ray.data
+
+    from raypipe.preprocess import job as job_module
+    from tests.test_ray_tokenize import ray_data_plans
+
+    checked: list[list[str]] = []
+    choose = job_module.choose_backend
+    monkeypatch.setattr(job_module, "choose_backend", lambda requested, tokenizer, policy,
+                        sample: checked.append(sample) or choose(requested, tokenizer,
+                                                                 policy, sample))
+    dataset = ray.data.read_parquet(str(corpus_dir)).map(
+        lambda row: {**row, "text": row["text"].upper() if row["text"] else row["text"]})
+    before = ray_data_plans("Execution plan of Dataset")
+    summary = raypipe.tokenize(dataset, str(tmp_path / "out"), tokenizer_path,
+                               formats="megatron")
+    plans = ray_data_plans("Execution plan of Dataset") - before
+    assert len(plans) == 1 and plans <= ray_data_plans("MapBatches(TokenizeBlocks)"), plans
+    assert summary.units_run == summary.units >= 1
+    assert len(checked) == 1 and checked[0], "the self-check got no text of the Dataset"
+    uppercased = {row["text"] for row in dataset.take_all() if row["text"]}
+    assert set(checked[0]) <= uppercased  # the Dataset's rows as its map made them
+    again = raypipe.tokenize(dataset, str(tmp_path / "out"), tokenizer_path,
+                             formats="megatron")
+    assert again.units_run == 0 and len(checked) == 2 and checked[1] == []  # none tokenized
+
+
+def test_a_dataset_whose_columns_are_known_only_by_running_it_is_refused_by_its_blocks(
+        ray_session, tmp_path, tokenizer_path):
+    """A map's output schema is unknown until the Dataset runs: the job runs it once, and
+    its blocks refuse it, naming the columns they have; nothing is committed."""
+    import ray.data
+
+    from raypipe.errors import InputError
+
+    dataset = ray.data.from_items([{"body": f"text {i}"} for i in range(20)]).map(
+        lambda row: {"body": row["body"], "chars": len(row["body"])})
+    assert dataset.schema(fetch_if_missing=False) is None  # what this test is about
+    with pytest.raises(InputError, match=r"ray.data.Dataset: column\(s\) \['text'\] not found "
+                                         r"in a block; available columns: \['body', 'chars'\]"):
+        raypipe.tokenize(dataset, str(tmp_path / "out"), tokenizer_path)
+    assert not (tmp_path / "out" / "manifest.json").exists()

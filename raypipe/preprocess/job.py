@@ -2,17 +2,18 @@
 
 Invariant: one `Job` runs every source (planned units of files, or a ray.data.Dataset's
 blocks: raypipe.preprocess.sources). It (1) loads the tokenizer once and resolves the
-fingerprint, (2) checks the input (every file's text column at planning, a Dataset's
-schema) before touching the output, (3) takes the output's lock (one job per output), (4)
-refuses an output made with a different output-shaping config unless `overwrite`
-(raypipe.preprocess.output), (5) runs every unit without a valid commit record on its
-`UnitRunner` (Ray Data in raypipe.ray, always: the driver tokenizes nothing itself), while
-the encoder's self-check (~1 s) overlaps the runner's start-up (a file job whose output has
-no manifest, so work whatever the plan, plans on another thread while Ray starts; measured
-on 2 cores, where Ray's start is CPU-bound, this gains nothing, 4.0-4.2 s to Ray up either
-way: it pays where planning waits on a bucket's listing and footers), (6) writes
-`manifest.json` last. Rerunning a finished file job launches nothing, starts no Ray and
-rewrites nothing. Units of an earlier run that the source no longer yields are removed
+fingerprint, (2) checks the input (every file's text column at planning; a Dataset's
+schema, where Ray Data knows it without running the Dataset: otherwise each of its blocks
+checks its own columns as it runs) before touching the output, (3) takes the output's lock
+(one job per output), (4) refuses an output made with a different output-shaping config
+unless `overwrite` (raypipe.preprocess.output), (5) runs every unit without a valid commit
+record on its `UnitRunner` (Ray Data in raypipe.ray, always: the driver tokenizes nothing
+itself), while the encoder's self-check (~1 s) overlaps the runner's start-up (a file job
+whose output has no manifest, so work whatever the plan, plans on another thread while Ray
+starts; measured on 2 cores, where Ray's start is CPU-bound, this gains nothing, 4.0-4.2 s
+to Ray up either way: it pays where planning waits on a bucket's listing and footers), (6)
+writes `manifest.json` last. Rerunning a finished file job launches nothing, starts no Ray
+and rewrites nothing. Units of an earlier run that the source no longer yields are removed
 once the manifest is written (counted in the summary). Cost: the source's commit checks,
 one self-check, and a thread for it.
 """
@@ -22,8 +23,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -263,19 +265,27 @@ class Job:
         if self.checked is not None:  # begun before the runner connected, and the lock
             connect()
             return self.checked
-        if not source.samples_without_runner:
+        if not source.samples_without_runner:  # its rows come from the run, once it runs
             connect()
-            return done(check())
+            return in_background(check)
         with ThreadPoolExecutor(1, thread_name_prefix="raypipe-self-check") as pool:
             checked = pool.submit(check)
             connect()
         return checked  # done: the pool waited for it
 
 
-def done(value: Any) -> Future:
-    """A future that holds `value` already."""
+def in_background(work: Callable[[], Any]) -> Future:
+    """`work`'s result, computed on a daemon thread (one that never holds up the
+    interpreter's exit, should the run end without what `work` waits for)."""
     future: Future = Future()
-    future.set_result(value)
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # noqa: BLE001  (the future holds it)
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="raypipe-self-check", daemon=True).start()
     return future
 
 

@@ -78,12 +78,15 @@ class UnitRunner(Protocol):
     def run(self, units: list[WorkUnit], settings: Settings) -> Iterator[UnitRecord]:
         """Records of `units` as they commit."""
 
-    def sample_rows(self, dataset: Any, columns: list[str], rows: int) -> pa.Table:
-        """`columns` of the Dataset's first `rows` rows; refuses a Dataset without one of
-        them."""
+    def check_columns(self, dataset: Any, columns: list[str]) -> None:
+        """Refuses a Dataset without one of `columns`, where that is known before it runs."""
+
+    def first_rows(self) -> pa.Table | None:
+        """A Dataset job's self-check rows, taken from its run (None: the run tokenized no
+        block)."""
 
     def run_blocks(self, dataset: Any, settings: Settings, committed: frozenset[str],
-                   label: str) -> Iterator[BlockRun]:
+                   label: str, columns: list[str]) -> Iterator[BlockRun]:
         """One BlockRun per block, in the Dataset's order."""
 
 
@@ -122,9 +125,12 @@ class SerialRunner:
             encoder = encoder or make_encoder(settings, self.tokenizer)
             yield tokenize_unit(unit, settings, encoder)
 
-    def sample_rows(self, dataset: Any, columns: list[str], rows: int) -> pa.Table:
+    def check_columns(self, dataset: Any, columns: list[str]) -> None:
+        raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")
+
+    def first_rows(self) -> pa.Table | None:
         raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")
 
     def run_blocks(self, dataset: Any, settings: Settings, committed: frozenset[str],
-                   label: str) -> Iterator[BlockRun]:
+                   label: str, columns: list[str]) -> Iterator[BlockRun]:
         raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")

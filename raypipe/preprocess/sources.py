@@ -26,7 +26,7 @@ from raypipe.io.manifest import (
 )
 from raypipe.io.records import BadFile, PassedOver, UnitRecord, WorkUnit
 from raypipe.io.store import Store
-from raypipe.preprocess.encoding.self_check import SAMPLE_ROWS, sample_rows
+from raypipe.preprocess.encoding.self_check import sample_rows
 from raypipe.preprocess.output import unit_records
 from raypipe.preprocess.runners import Settings, UnitRunner
 
@@ -108,7 +108,7 @@ class DatasetBlocks:
     """The blocks of a user's ray.data.Dataset (`label` names it in records and messages)."""
 
     noun = "blocks"
-    samples_without_runner = False  # sampling a Dataset runs on Ray
+    samples_without_runner = False  # its sample comes from its run (the first block tokenized)
     passed_over: tuple[PassedOver, ...] = ()
     bad_files: tuple[BadFile, ...] = ()
 
@@ -118,15 +118,17 @@ class DatasetBlocks:
         self.committed: dict[str, UnitRecord] = {}
         self.records: list[UnitRecord] = []
         self.seen: set[str] = set()
-        self.sample_rows: pa.Table | None = None
+        self.runner: UnitRunner | None = None
+        self.columns: list[str] = []
 
     def input_names(self) -> list[str]:
         return [self.label]
 
     def check(self, runner: UnitRunner, columns: list[str]) -> None:
-        """Before the output is touched: refuse a Dataset without the columns a unit reads
-        (this starts Ray), and keep its first rows for the self-check."""
-        self.sample_rows = runner.sample_rows(self.dataset, columns, SAMPLE_ROWS)
+        """Before the output is touched: refuse a Dataset without the columns a unit reads,
+        where its schema is known without running it (this starts Ray)."""
+        runner.check_columns(self.dataset, columns)
+        self.runner, self.columns = runner, columns
 
     def open(self, output: Store, accepted: set[str]) -> bool:
         for _, record in unit_records(output):
@@ -140,13 +142,16 @@ class DatasetBlocks:
         return None
 
     def sample(self, columns: list[str]) -> pa.Table | None:
-        return self.sample_rows
+        """The first rows of the first block a worker is about to tokenize (waits for the
+        run to get there; None if it tokenizes none)."""
+        assert self.runner is not None
+        return self.runner.first_rows()
 
     def run(self, runner: UnitRunner, settings: Settings
             ) -> Iterator[tuple[UnitRecord, bool]]:
         """(record, tokenized now) for every block, in the Dataset's order."""
         for block in runner.run_blocks(self.dataset, settings, frozenset(self.committed),
-                                       self.label):
+                                       self.label, self.columns):
             if block.name in self.seen:
                 raise InputError(f"{self.label}: two blocks hold the same rows ({block.name}); "
                                  "their units would be one: drop the duplicate rows or "

@@ -15,8 +15,13 @@ publishes them (or the check's failure, which fails the job with the check's own
 once the check ends; measured on a running 2-CPU cluster, 20 MB, 5 rounds alternating:
 the first unit starts 0.15 s sooner (median 3.89 s against 4.05 s from launch), where the
 check and the actors share 2 cores (where the actors run on other nodes than the driver,
-the check's ~0.6 s should overlap them whole: not measured, one machine here). Ray Data
-restarts a killed actor and runs its block again; the job's `UnitLedger` actor counts
+the check's ~0.6 s should overlap them whole: not measured, one machine here). A user's
+Dataset runs once, as the job: no `take_batch` or schema fetch runs it before (measured
+on a 2-CPU local Ray, a 900-row parquet Dataset repartitioned into 6 blocks, 3 jobs each:
+8.4-11.4 s a job with such a first execution, 5.4-6.9 s without); its self-check rows are
+the first rows of the first block a map actor is about to tokenize, offered to the driver
+at the ledger.
+Ray Data restarts a killed actor and runs its block again; the job's `UnitLedger` actor counts
 every unit's attempts, so retries are reported, and a unit that killed its worker
 UNIT_RETRIES + 1 times fails the job naming its file and rows instead of restarting
 forever (committed units stay). Bad input (a RaypipeError) comes back as the
@@ -35,6 +40,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -49,6 +55,7 @@ from raypipe.errors import InputError, RaypipeError, bad_input
 from raypipe.io.manifest import committed_unit_record
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
+from raypipe.preprocess.encoding.self_check import first_rows
 from raypipe.preprocess.encoding.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.job import JobSummary, run_dataset_job, run_job
 from raypipe.preprocess.runners import BlockRun, LaterSettings, Settings, make_encoder
@@ -64,14 +71,29 @@ class UnitLedger:
     """A Ray actor (no CPU, async): how often a worker started each unit, whether the job
     has failed (then units not yet started are not started: the ones in flight finish and
     commit, and the driver raises the failure once they have), and the job's JobShared,
-    which map actors wait for while they start: the driver publishes it once its
-    self-check is done, so the actors' start overlaps the check."""
+    which map actors wait for before their first unit: the driver publishes it once its
+    self-check is done, so the actors' start overlaps the check. In a Dataset job the
+    check's rows come from the run itself: the first block a map actor is about to
+    tokenize offers its first rows here (`offer_sample`), and the driver checks on them."""
 
     def __init__(self) -> None:
         self.attempts: dict[str, int] = {}
         self.failed = False
         self.shared: list[Any] | str | None = None  # [JobShared's ref], or why there is none
         self.published = asyncio.Event()
+        self.sample: pa.Table | None = None
+        self.sampled = asyncio.Event()
+
+    def offer_sample(self, rows: pa.Table) -> None:
+        """A Dataset job's self-check rows: the first rows of a block a map actor is about
+        to tokenize (the first offer is kept; the driver waits for it)."""
+        if not self.sampled.is_set():
+            self.sample = rows
+            self.sampled.set()
+
+    async def first_sample(self) -> pa.Table | None:
+        await self.sampled.wait()
+        return self.sample
 
     def publish(self, shared: list[Any] | str) -> None:
         """The JobShared's reference in a list (a reference inside a list is passed as
@@ -105,12 +127,11 @@ class UnitLedger:
 
 @dataclasses.dataclass(frozen=True)
 class JobShared:
-    """What every map actor of a job reads once: the settings (with the tokenizer's JSON),
-    the tiktoken conversion the driver made, and a Dataset job's committed block units."""
+    """What every map actor of a job reads once, before its first unit: the settings (with
+    the tokenizer's JSON) and the tiktoken conversion the driver made."""
 
     settings: UnitSettings
     conversion: Conversion | None
-    committed: frozenset[str] = frozenset()
 
 
 class MapTokenizer:
@@ -119,15 +140,19 @@ class MapTokenizer:
     arguments stay small, so Ray inlines them instead of keeping an object-store copy for
     actor restarts (which it logs at error level for every actor)."""
 
+    settings: UnitSettings
+    encoder: DocumentEncoder
+
     def __init__(self, ledger: Any):
-        job: JobShared = ray.get(ray.get(ledger.job_shared.remote())[0])
-        settings = job.settings
-        if job.conversion is not None:
-            adopt(settings.tokenizer.sha256, job.conversion)
-        self.job = job
-        self.settings = settings
-        self.encoder: DocumentEncoder = make_encoder(settings)
         self.ledger = ledger
+
+    def load(self) -> None:
+        """Wait for the job's JobShared at the ledger; load the encoder."""
+        job: JobShared = ray.get(ray.get(self.ledger.job_shared.remote())[0])
+        if job.conversion is not None:
+            adopt(job.settings.tokenizer.sha256, job.conversion)
+        self.settings = job.settings
+        self.encoder = make_encoder(job.settings)
 
     def outcomes(self, units: list[WorkUnit], batches: Any = None
                  ) -> list[UnitRecord | RaypipeError | None]:
@@ -202,7 +227,11 @@ class Outcomes:
 
 class TokenizeUnits(MapTokenizer):
     """Map stage over planned units (rows {"unit": WorkUnit}, several a block): an outcome
-    per unit."""
+    per unit. The actor loads the encoder as it starts."""
+
+    def __init__(self, ledger: Any):
+        super().__init__(ledger)
+        self.load()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return _outcomes(self.outcomes(list(batch["unit"])))
@@ -220,19 +249,24 @@ def block_digest(table: pa.Table, columns: list[str]) -> str:
 
 class TokenizeBlocks(MapTokenizer):
     """Map stage over a user's Dataset: each block is one unit named by the hash of its
-    rows; a block whose unit is committed already is not tokenized again."""
+    `columns`' rows; a block whose unit is committed already is not tokenized again. Before
+    its first block to tokenize, the actor offers that block's first rows to the ledger
+    (the driver's self-check, in a Dataset job, runs on the first rows offered) and waits
+    for the job's settings. `committed`: [a reference to the committed units' names]."""
 
-    def __init__(self, ledger: Any, label: str):
+    def __init__(self, ledger: Any, label: str, columns: list[str], committed: list[Any]):
         super().__init__(ledger)
-        self.committed = self.job.committed
         self.label = label
+        self.columns = columns
+        self.committed: frozenset[str] = ray.get(committed[0])
+        self.loaded = False
 
     def __call__(self, table: pa.Table) -> dict[str, np.ndarray]:
         name, outcome = self.block_outcome(table)
         return {**_outcomes([outcome]), "name": np.array([name])}
 
     def block_outcome(self, table: pa.Table) -> tuple[str, UnitRecord | RaypipeError | None]:
-        columns = self.settings.columns
+        columns = self.columns
         missing = [name for name in columns if name not in table.column_names]
         if missing:
             return "", InputError(f"{self.label}: column(s) {missing} not found in a block; "
@@ -242,6 +276,10 @@ class TokenizeBlocks(MapTokenizer):
                         kind="block", size_bytes=int(table.nbytes))
         if unit.name in self.committed:
             return unit.name, None
+        if not self.loaded:
+            self.ledger.offer_sample.remote(first_rows(table.select(columns)))
+            self.load()
+            self.loaded = True
         return unit.name, self.outcomes([unit], table.select(columns).to_batches(
             max_chunksize=self.settings.config.encode_batch_rows))[0]
 
@@ -258,6 +296,7 @@ class RayDataRunner:
         self.retries = 0
         self.ledger: Any = None
         self.joined = False  # a Ray session that was running already
+        self.run_over = threading.Event()  # set once run/run_blocks has ended, either way
 
     def connect(self) -> None:
         """Connect to (or start) Ray, and start the job's ledger."""
@@ -281,7 +320,7 @@ class RayDataRunner:
             options["runtime_env"] = {"env_vars": faults.environment()}
         return options
 
-    def _start(self, settings: Settings, committed: frozenset[str] = frozenset()) -> None:
+    def _start(self, settings: Settings) -> None:
         """The job's ledger running; the job's JobShared published there once the settings
         are ready (now, or when the self-check ends: the map actors start meanwhile)."""
         self.connect()
@@ -293,7 +332,7 @@ class RayDataRunner:
                 if isinstance(ready, BaseException):
                     raise ready
                 conversion = converted(ready.tokenizer.sha256)
-                shared: list[Any] | str = [ray.put(JobShared(ready, conversion, committed))]
+                shared: list[Any] | str = [ray.put(JobShared(ready, conversion))]
             except BaseException as exc:  # noqa: BLE001  (handed to the actors as words)
                 shared = f"the job's settings could not be made: {exc}"
             ledger.publish.remote(shared)
@@ -304,6 +343,7 @@ class RayDataRunner:
             publish(settings)
 
     def _finish(self) -> None:
+        self.run_over.set()
         if self.ledger is not None:
             self.retries = ray.get(self.ledger.retries.remote())
             ray.kill(self.ledger)
@@ -339,11 +379,11 @@ class RayDataRunner:
         finally:
             self._finish()
 
-    def run_blocks(self, dataset: Any, settings: Settings,
-                   committed: frozenset[str], label: str) -> Iterator[BlockRun]:
+    def run_blocks(self, dataset: Any, settings: Settings, committed: frozenset[str],
+                   label: str, columns: list[str]) -> Iterator[BlockRun]:
         """(unit name, its new record or None if committed before) per block, in the
-        Dataset's block order."""
-        self._start(settings, committed)
+        Dataset's block order: the Dataset's one execution."""
+        self._start(settings)
         cpus = cluster_cpus()
         workers = max(1, self.num_workers or cpus)
         # leave a CPU to the Dataset's own read and map tasks: an actor pool holding every
@@ -354,7 +394,7 @@ class RayDataRunner:
                  context.enable_fallback_to_arrow_object_ext_type)
         try:
             mapped = dataset.map_batches(TokenizeBlocks, fn_constructor_args=(
-                self.ledger, label), batch_format="pyarrow",
+                self.ledger, label, columns, [ray.put(committed)]), batch_format="pyarrow",
                 **{**self._map_options(workers, actor_cpus), "batch_size": None})
             context.execution_options.preserve_order = True  # the manifest's order
             context.enable_fallback_to_arrow_object_ext_type = True
@@ -375,18 +415,34 @@ class RayDataRunner:
              context.enable_fallback_to_arrow_object_ext_type) = saved
             self._finish()
 
-    def sample_rows(self, dataset: Any, columns: list[str], rows: int) -> pa.Table:
-        """`columns` of the Dataset's first `rows` rows (the encoder's self-check takes its
-        texts from them); refuses a Dataset without one of `columns`, naming its columns."""
+    def check_columns(self, dataset: Any, columns: list[str]) -> None:
+        """Refuse a Dataset without one of `columns`, naming its columns, where Ray Data
+        knows its schema without running it (a read, `from_items`, a repartition of them);
+        otherwise each block checks its own (`TokenizeBlocks`), so the Dataset runs once."""
         self.connect()  # raypipe's session (loopback, address), before Ray Data would init one
-        available = dataset.columns()
+        schema = dataset.schema(fetch_if_missing=False)
+        if schema is None:
+            return
+        available = list(schema.names)
         missing = [name for name in columns if name not in available]
         if missing:
             role = "text column" if len(columns) == 1 else "column(s)"
             shown = repr(missing[0]) if len(missing) == 1 else str(missing)
             raise InputError(f"{describe_dataset(dataset)}: {role} {shown} not found; "
                              f"available columns: {available}")
-        return dataset.select_columns(columns).take_batch(rows, batch_format="pyarrow")
+
+    def first_rows(self) -> pa.Table | None:
+        """The rows the first map actor about to tokenize a block offered (waits for them
+        while the run goes on); None once the run has ended without an offer (every block
+        committed before, or none)."""
+        offered = self.ledger.first_sample.remote()
+        while not self.run_over.is_set():
+            if ray.wait([offered], timeout=0.1)[0]:
+                try:
+                    return ray.get(offered)
+                except ray.exceptions.RayActorError:  # the run ended: the ledger is gone
+                    return None
+        return None
 
 
 UNITS_PER_BLOCK = 64  # units one Ray Data block carries at most

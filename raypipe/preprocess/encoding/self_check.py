@@ -6,7 +6,8 @@ measures) only when (1) its library is installed, (2) it can run the tokenizer.j
 (tiktoken: an exact conversion, tiktoken_backend.why_not; gigatoken, fastokens: they load
 it), and (3) at job start it gives, under the job's special-token policy, the same ids as
 `tokenizers` for a sample of the job's own texts (up to SAMPLE_CHARS characters from its
-first pending unit; a chat job's conversations as rendered) and for a fixed adversarial
+first pending unit, or of the first block of a ray.data.Dataset a worker is about to
+tokenize; a chat job's conversations as rendered) and for a fixed adversarial
 set: the tokenizer's special-token literals, characters of every Unicode general category,
 combining marks, emoji sequences, CJK, `\\r\\n`, long whitespace runs, a 1 MB run without
 whitespace, contractions with ' and ’, digits in several scripts. `auto` takes the first
@@ -104,6 +105,16 @@ def sample_rows(unit: WorkUnit, columns: list[str]) -> pa.Table:
     if not batches:
         return pa.table({name: pa.array([], pa.string()) for name in columns})
     return pa.Table.from_batches(batches)
+
+
+def first_rows(table: pa.Table) -> pa.Table:
+    """A copy of a block's first rows, as `sample_rows` takes them from a file: up to
+    SAMPLE_ROWS rows, fewer where they pass 2 x SAMPLE_CHARS bytes (a copy: a slice would
+    carry the whole block's buffers wherever it is sent)."""
+    rows = min(table.num_rows, SAMPLE_ROWS)
+    while rows > 1 and table.slice(0, rows).nbytes > 2 * SAMPLE_CHARS:
+        rows //= 2
+    return table.take(pa.array(range(rows), pa.int64()))
 
 
 def sample_texts(column: pa.Array | pa.ChunkedArray) -> list[str]:
