@@ -215,7 +215,7 @@ def test_a_dataset_of_conversations_tokenizes_with_its_loss_mask(ray_session, tm
 
 
 def test_a_dataset_job_runs_the_dataset_once_and_self_checks_on_its_own_rows(
-        ray_session, tmp_path, corpus_dir, tokenizer_path, monkeypatch):
+        ray_session, tmp_path, corpus_texts, tokenizer_path, monkeypatch):
     """No execution of the user's Dataset before the job's own: the column check reads
     the schema Ray Data knows without running it, and the self-check encodes the first rows
     of the first block a worker tokenizes (offered to the driver through the ledger)."""
@@ -229,8 +229,9 @@ def test_a_dataset_job_runs_the_dataset_once_and_self_checks_on_its_own_rows(
     monkeypatch.setattr(job_module, "choose_backend", lambda requested, tokenizer, policy,
                         sample: checked.append(sample) or choose(requested, tokenizer,
                                                                  policy, sample))
-    dataset = ray.data.read_parquet(str(corpus_dir)).map(
-        lambda row: {**row, "text": row["text"].upper() if row["text"] else row["text"]})
+    dataset = ray.data.from_items([{"text": text} for text in corpus_texts[:90]],
+                                  override_num_blocks=3).map(
+        lambda row: {"text": row["text"].upper()})
     before = ray_data_plans("Execution plan of Dataset")
     summary = raypipe.tokenize(dataset, str(tmp_path / "out"), tokenizer_path,
                                formats="megatron")

@@ -3,12 +3,19 @@ library (and, for benchmarks, of every installed package), read with `ast` (noth
 imported or executed).
 
 Invariant: for one Python installation the document list is deterministic (files sorted,
-docstrings in source order). Cost: ~2 s to parse the standard library (~2,500 files).
+docstrings in source order). Each file's docstrings are cached under
+`<RAYPIPE_CACHE_DIR or ~/.cache/raypipe>/docstrings/` (one Arrow file a root, keyed by the
+root, this Python's version and MIN_CHARS; an entry is used only while its file's size and
+mtime are those it was read at). Cost, measured on 2 cores (the standard library: 799 files,
+7,335 docstrings, 1.8 M characters): 3.9-4.1 s to parse it all, 0.03 s with the cache warm.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import os
+import sys
 import sysconfig
 import warnings
 from collections.abc import Iterator
@@ -16,6 +23,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from raypipe.io.atomic import write_bytes_atomic
+from raypipe.io.cache import default_cache_dir
 
 DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 MIN_CHARS = 40
@@ -26,15 +36,14 @@ def stdlib_root() -> Path:
 
 
 def python_files(root: Path, skip_site_packages: bool = True) -> list[Path]:
+    """The .py files under `root`, sorted, outside test directories (and site-packages)."""
+    skipped = {"test", "tests", "__pycache__"} | (
+        {"site-packages", "dist-packages"} if skip_site_packages else set())
     files = []
-    for path in sorted(root.rglob("*.py")):
-        parts = set(path.relative_to(root).parts)
-        if skip_site_packages and ("site-packages" in parts or "dist-packages" in parts):
-            continue
-        if "test" in parts or "tests" in parts:
-            continue
-        files.append(path)
-    return files
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [name for name in subdirectories if name not in skipped]
+        files += [Path(directory) / name for name in names if name.endswith(".py")]
+    return sorted(files)
 
 
 def docstrings_of(path: Path) -> Iterator[str]:
@@ -51,18 +60,75 @@ def docstrings_of(path: Path) -> Iterator[str]:
                 yield text
 
 
+class DocstringCache:
+    """The docstrings of a root's files as read before (module docstring): `docstrings`
+    parses only a file that is new or changed; `save` writes the cache back if it grew."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        key = hashlib.sha256(f"{root.resolve()}\0{sys.version}\0{MIN_CHARS}".encode())
+        self.path = default_cache_dir() / "docstrings" / f"{key.hexdigest()[:20]}.arrow"
+        self.entries: dict[str, tuple[int, int, list[str]]] = {}
+        self.changed = False
+        try:
+            with pa.OSFile(str(self.path)) as source:
+                table = pa.ipc.open_file(source).read_all()
+            self.entries = {row["file"]: (row["size"], row["mtime_ns"], row["docstrings"])
+                            for row in table.to_pylist()}
+        except (OSError, pa.ArrowInvalid, KeyError):
+            pass  # no cache yet, or an unreadable one: rebuilt as files are parsed
+
+    def docstrings(self, path: Path) -> list[str]:
+        name = str(path.relative_to(self.root))
+        try:
+            stat = path.stat()
+        except OSError:
+            return []
+        cached = self.entries.get(name)
+        if cached is not None and cached[:2] == (stat.st_size, stat.st_mtime_ns):
+            return cached[2]
+        texts = list(docstrings_of(path))
+        self.entries[name] = (stat.st_size, stat.st_mtime_ns, texts)
+        self.changed = True
+        return texts
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        names = sorted(self.entries)
+        table = pa.table({
+            "file": pa.array(names, pa.string()),
+            "size": pa.array([self.entries[n][0] for n in names], pa.int64()),
+            "mtime_ns": pa.array([self.entries[n][1] for n in names], pa.int64()),
+            "docstrings": pa.array([self.entries[n][2] for n in names],
+                                   pa.list_(pa.large_string()))})
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(self.path, sink.getvalue().to_pybytes())
+        except OSError:
+            pass  # a read-only home: the corpus is the same, only slower next time
+
+
 def gather_docstrings(roots: list[Path] | None = None, limit_chars: int | None = None,
                       skip_site_packages: bool = True) -> list[str]:
-    """Docstrings of every .py file under `roots` (default: the standard library)."""
+    """Docstrings of every .py file under `roots` (default: the standard library), up to
+    the first that reaches `limit_chars` characters in all."""
     documents: list[str] = []
     total = 0
     for root in roots or [stdlib_root()]:
-        for path in python_files(root, skip_site_packages):
-            for text in docstrings_of(path):
-                documents.append(text)
-                total += len(text)
-                if limit_chars is not None and total >= limit_chars:
-                    return documents
+        cache = DocstringCache(root)
+        try:
+            for path in python_files(root, skip_site_packages):
+                for text in cache.docstrings(path):
+                    documents.append(text)
+                    total += len(text)
+                    if limit_chars is not None and total >= limit_chars:
+                        return documents
+        finally:
+            cache.save()
     return documents
 
 
