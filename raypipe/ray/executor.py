@@ -2,35 +2,34 @@
 
 Invariant: Ray Data only moves work (WorkUnit dataclasses, or a user Dataset's blocks) in
 and small commit records (UnitRecord) out; all reading, tokenizing and writing is
-`raypipe.preprocess.unit.tokenize_unit`, so output is byte-identical to the serial runner at
-any worker count. Planned units run as `from_items(units, up to UNITS_PER_BLOCK a block)`
--> `map_batches(TokenizeUnits, actor pool)` (the driver pays per block, not per unit:
-`units_per_block`); a user's Dataset runs as
-`dataset.map_batches(TokenizeBlocks, actor pool)`, one unit per block, named by the hash of
-its rows. Each map actor loads the tokenizer once (adopting the tiktoken conversion the
-driver made for its self-check, both read from one object-store copy) and encodes with one
-thread; token arrays never cross the object store. The actors start while the driver's
-self-check still runs: each waits for the job's settings at the ledger, where the driver
-publishes them (or the check's failure, which fails the job with the check's own error)
-once the check ends; measured on a running 2-CPU cluster, 20 MB, 5 rounds alternating:
-the first unit starts 0.15 s sooner (median 3.89 s against 4.05 s from launch), where the
-check and the actors share 2 cores (where the actors run on other nodes than the driver,
-the check's ~0.6 s should overlap them whole: not measured, one machine here). A user's
-Dataset runs once, as the job: no `take_batch` or schema fetch runs it before (measured
-on a 2-CPU local Ray, a 900-row parquet Dataset repartitioned into 6 blocks, 3 jobs each:
-8.4-11.4 s a job with such a first execution, 5.4-6.9 s without); its self-check rows are
-the first rows of the first block a map actor is about to tokenize, offered to the driver
-at the ledger.
-Ray Data restarts a killed actor and runs its block again; the job's `UnitLedger` actor counts
-every unit's attempts, so retries are reported, and a unit that killed its worker
-UNIT_RETRIES + 1 times fails the job naming its file and rows instead of restarting
-forever (committed units stay). Bad input (a RaypipeError) comes back as the
-unit's result and is raised on the driver as itself: Ray Data neither retries it nor wraps
-it. It is raised once the stage drains: the ledger then starts no further unit, and the
-units in flight on other actors finish and commit. A unit whose block runs again after its
-actor died is taken as it was committed, if it was. Every pending unit runs here,
-whatever Ray's start-up costs (there is no driver-side head start), so every job with work
-leaves its execution plan, with the tokenize map stage, in Ray Data's log.
+`raypipe.preprocess.unit.tokenize_unit`, so output is byte-identical to the serial runner
+at any worker count. Planned units run as `from_items(units, up to UNITS_PER_BLOCK a
+block)` -> `map_batches(TokenizeUnits, actor pool)` (the driver pays per block, not per
+unit: `units_per_block`); a user's Dataset runs as `dataset.map_batches(TokenizeBlocks,
+actor pool)`, one unit per block, named by the hash of its rows. Each map actor loads the
+tokenizer once (adopting the tiktoken conversion the driver made for its self-check, both
+read from one object-store copy) and encodes with one thread; token arrays never cross the
+object store. The actors start while the driver's self-check still runs: each waits for the
+job's settings at the ledger, where the driver publishes them (or the check's failure,
+which fails the job with the check's own error) once the check ends; measured on a running
+2-CPU cluster, 20 MB, 5 rounds alternating: the first unit starts 0.15 s sooner (median
+3.89 s against 4.05 s from launch), where the check and the actors share 2 cores (where the
+actors run on other nodes than the driver, the check's ~0.6 s should overlap them whole:
+not measured, one machine here). A user's Dataset runs once, as the job: no `take_batch` or
+schema fetch runs it before (measured on a 2-CPU local Ray, a 900-row parquet Dataset
+repartitioned into 6 blocks, 3 jobs each: 8.4-11.4 s a job with such a first execution,
+5.4-6.9 s without); its self-check rows are the first rows of the first block a map actor
+is about to tokenize, offered to the driver at the ledger. Ray Data restarts a killed actor
+and runs its block again; the job's `UnitLedger` actor counts every unit's attempts, so
+retries are reported, and a unit that killed its worker UNIT_RETRIES + 1 times fails the
+job naming its file and rows instead of restarting forever (committed units stay). Bad
+input (a RaypipeError) comes back as the unit's result and is raised on the driver as
+itself: Ray Data neither retries it nor wraps it. It is raised once the stage drains: the
+ledger then starts no further unit, and the units in flight on other actors finish and
+commit. A unit whose block runs again after its actor died is taken as it was committed, if
+it was. Every pending unit runs here, whatever Ray's start-up costs (there is no
+driver-side head start), so every job with work leaves its execution plan, with the
+tokenize map stage, in Ray Data's log.
 """
 
 from __future__ import annotations
@@ -435,7 +434,10 @@ class RayDataRunner:
         """The rows the first map actor about to tokenize a block offered (waits for them
         while the run goes on); None once the run has ended without an offer (every block
         committed before, or none)."""
-        offered = self.ledger.first_sample.remote()
+        ledger = self.ledger
+        if ledger is None:  # the run has ended already
+            return None
+        offered = ledger.first_sample.remote()
         while not self.run_over.is_set():
             if ray.wait([offered], timeout=0.1)[0]:
                 try:
