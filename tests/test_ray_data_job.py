@@ -261,3 +261,27 @@ def test_a_dataset_whose_columns_are_known_only_by_running_it_is_refused_by_its_
                                          r"in a block; available columns: \['body', 'chars'\]"):
         raypipe.tokenize(dataset, str(tmp_path / "out"), tokenizer_path)
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_self_check_that_fails_on_the_first_block_s_rows_fails_the_dataset_job_with_its_error(
+        ray_session, tmp_path, corpus_texts, tokenizer_path, monkeypatch):
+    """The check waits for the rows a map actor offers, fails on them; the actor, waiting
+    for the settings, fails for want of them; the job raises the check's own error and
+    commits no unit."""
+    import ray.data
+
+    from raypipe.errors import ConfigError
+    from raypipe.preprocess import job as job_module
+
+    offered: list[int] = []
+
+    def failing_check(resolved, sample):
+        offered.append(sample.num_rows)
+        raise ConfigError("tokenizer_backend: the check's own words")
+
+    monkeypatch.setattr(job_module, "with_backend", failing_check)
+    dataset = ray.data.from_items([{"text": text} for text in corpus_texts[:40]])
+    with pytest.raises(ConfigError, match="the check's own words"):
+        raypipe.tokenize(dataset, str(tmp_path / "out"), tokenizer_path, formats="megatron")
+    assert offered and offered[0] > 0  # it failed on the Dataset's rows
+    assert not list((tmp_path / "out" / "_units").glob("block-*.json"))
