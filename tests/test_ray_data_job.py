@@ -285,3 +285,23 @@ def test_a_self_check_that_fails_on_the_first_block_s_rows_fails_the_dataset_job
         raypipe.tokenize(dataset, str(tmp_path / "out"), tokenizer_path, formats="megatron")
     assert offered and offered[0] > 0  # it failed on the Dataset's rows
     assert not list((tmp_path / "out" / "_units").glob("block-*.json"))
+
+
+def test_a_dataset_that_yields_no_block_is_refused_and_its_self_check_stops_waiting(
+        ray_session, tmp_path, tokenizer_path):
+    """No actor ever offers rows: the check stops waiting when the run ends, and the job
+    fails in one line instead of hanging."""
+    import threading
+    import time
+
+    import ray.data
+
+    dataset = ray.data.range(0).map(lambda row: {"text": "never"})
+    with pytest.raises(InputError, match=r"ray.data.Dataset: the Dataset yields no block"):
+        raypipe.tokenize(dataset, str(tmp_path / "out"), tokenizer_path)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    deadline = time.monotonic() + 10
+    while any(t.name == "raypipe-self-check" for t in threading.enumerate()) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t for t in threading.enumerate() if t.name == "raypipe-self-check"]
