@@ -19,17 +19,18 @@ not measured, one machine here). A user's Dataset runs once, as the job: no `tak
 schema fetch runs it before (measured on a 2-CPU local Ray, a 900-row parquet Dataset
 repartitioned into 6 blocks, 3 jobs each: 8.4-11.4 s a job with such a first execution,
 5.4-6.9 s without); its self-check rows are the first rows of the first block a map actor
-is about to tokenize, offered to the driver at the ledger. Ray Data restarts a killed actor
-and runs its block again; the job's `UnitLedger` actor counts every unit's attempts, so
-retries are reported, and a unit that killed its worker UNIT_RETRIES + 1 times fails the
-job naming its file and rows instead of restarting forever (committed units stay). Bad
-input (a RaypipeError) comes back as the unit's result and is raised on the driver as
-itself: Ray Data neither retries it nor wraps it. It is raised once the stage drains: the
-ledger then starts no further unit, and the units in flight on other actors finish and
-commit. A unit whose block runs again after its actor died is taken as it was committed, if
-it was. Every pending unit runs here, whatever Ray's start-up costs (there is no
-driver-side head start), so every job with work leaves its execution plan, with the
-tokenize map stage, in Ray Data's log.
+is about to tokenize, offered to the driver at the ledger (per job: an offer an actor, the
+first kept, each at most 4,096 rows or ~512 KB, and one `ray.put` of the committed block
+names; nothing per unit on the driver). Ray Data restarts a killed actor and runs its block
+again; the job's `UnitLedger` actor counts every unit's attempts, so retries are reported,
+and a unit that killed its worker UNIT_RETRIES + 1 times fails the job naming its file and
+rows instead of restarting forever (committed units stay). Bad input (a RaypipeError) comes
+back as the unit's result and is raised on the driver as itself: Ray Data neither retries
+it nor wraps it. It is raised once the stage drains: the ledger then starts no further
+unit, and the units in flight on other actors finish and commit. A unit whose block runs
+again after its actor died is taken as it was committed, if it was. Every pending unit runs
+here, whatever Ray's start-up costs (there is no driver-side head start), so every job with
+work leaves its execution plan, with the tokenize map stage, in Ray Data's log.
 """
 
 from __future__ import annotations
