@@ -34,6 +34,7 @@ from raypipe.cli import (  # noqa: E402
 from raypipe.errors import RaypipeError, StateError  # noqa: E402
 from raypipe.examples.gpt_train import fit, open_loaders  # noqa: E402
 from raypipe.io.paths import check_lasting_location  # noqa: E402
+from raypipe.tools.trace import document_names  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     # --validation-fraction holds documents out and reports val_loss at checkpoints (a
     # validation loader with its own state)
     add_plan_arguments(parser, seq_len=128)
+    parser.add_argument("--exclude", default=None, metavar="FILE",
+                        help="documents to leave out from where the run resumes on, one a "
+                        "line (numbers, <input>:<row>, or raypipe trace's JSON records), read "
+                        "here and sent to every worker; the loader states record them")
     parser.add_argument("--cache-dir", default=None,
                         help="node-local shard cache for URI data (None: "
                         "$RAYPIPE_CACHE_DIR, else ~/.cache/raypipe)")
@@ -143,7 +148,8 @@ def run_config(args: argparse.Namespace) -> dict:
     documents held out, and every loader option given on the command line."""
     knobs = plan_knobs(args)
     held_out = knobs.pop("validation_fraction", None)
-    where = {"cache_dir": args.cache_dir, "format": args.format}
+    where = {"cache_dir": args.cache_dir, "format": args.format,
+             "exclude": document_names(args.exclude) if args.exclude else None}
     return {"data": args.data if "://" in args.data else os.path.abspath(args.data),
             "seq_len": None if args.seq_len_schedule else args.seq_len,
             "batch_size": None if args.batch_schedule else args.batch_size,

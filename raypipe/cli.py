@@ -379,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("dataset", help=DATASET_HELP)
     verify.set_defaults(handler=command_verify)
     inspect = subcommand("inspect", help="counts, shards, lengths, samples")
-    inspect.add_argument("dataset", help=DATASET_HELP)
+    inspect.add_argument("dataset", help=DATASET_HELP + "; or a loader state's JSON file "
+                         "(where its run stands, and every change it records)")
     inspect.add_argument("--samples", type=int, default=3, help="documents shown per format")
     inspect.add_argument("--tokenizer", help="tokenizer.json to decode samples with")
     inspect.add_argument("--plot", help="write a PNG histogram of document lengths here")

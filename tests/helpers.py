@@ -1,5 +1,7 @@
 """Test helpers: the documents a tokenize job must produce, computed without raypipe; a
-plugin distribution installed in tmp_path and run in a fresh process."""
+plugin distribution installed in tmp_path and run in a fresh process; corpora whose tokens
+are numbered (a token's id says which token of which document it is), or whose rows
+include rows that make no document; a serial tokenize job."""
 
 from __future__ import annotations
 
@@ -8,8 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
+
+from bench.common import write_synthetic_dataset
+from raypipe.config import load_config
+from raypipe.dataset import TokenDataset
+from raypipe.preprocess.job import run_job
 
 
 def expected_documents(corpus: Path, tokenizer_path: str, bos: bool = True,
@@ -89,3 +98,53 @@ def run_with_plugin(site: Path, *args: str, status: int = 0) -> subprocess.Compl
                           cwd=root, timeout=300)
     assert done.returncode == status, (done.stdout[-2000:], done.stderr[-3000:])
     return done
+
+
+def numbered_dataset(directory, tokens: int, first: int = 1, seed: int = 7):
+    """A megatron dataset whose tokens are numbered from `first` on, in storage order (so a
+    token's id says which token of which document it is); (path, its token count)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(3.6, 1.0, 6000).astype(np.int64) + 2, 2, 400)
+    lengths = lengths[np.cumsum(lengths) <= tokens]
+    ids = np.arange(first, first + int(lengths.sum()), dtype=np.uint32)
+    output = directory / "tokens"
+    write_synthetic_dataset(output, "megatron", [(ids, lengths, None)], f"numbered-{first}",
+                            shard_tokens=40_000, largest_id=1 << 20)
+    return output, int(lengths.sum())
+
+
+def document_starts(path) -> np.ndarray:
+    """The id of each document's first token (token ids number the tokens from 1)."""
+    lengths = TokenDataset(path).document_lengths()
+    return np.concatenate([[0], np.cumsum(lengths)[:-1]]) + 1
+
+
+def assert_every_token_once(taken, total, tail_tokens):
+    """Every document token is in exactly one row of one step, but the drop-last tail's."""
+    counts = np.bincount(np.concatenate([rows.ravel() for _, rows in taken.values()]),
+                         minlength=total + 1)[1:]
+    assert counts.max() == 1, f"{int((counts > 1).sum())} tokens trained twice"
+    assert int((counts == 0).sum()) == tail_tokens
+
+
+def corpus_with_gaps(directory, texts):
+    """Parquet files whose rows include empty and null texts (skipped: no document), so a
+    document's index is not its input row."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for index, text in enumerate(texts):
+        rows.append(text)
+        if index % 7 == 3:
+            rows.append("" if index % 2 else None)
+    for part in range(2):
+        table = pa.table({"text": pa.array(rows[part::2], pa.string())})
+        pq.write_table(table, directory / f"part-{part}.parquet", row_group_size=60)
+    return directory
+
+
+def tokenize(corpus, output, tokenizer_path, **options):
+    options = {"bos": True, **options}  # documents start with BOS in every format
+    run_job(load_config(None, inputs=[str(corpus)], output=str(output),
+                        tokenizer=tokenizer_path, shard_tokens=9_000, unit_bytes=1,
+                        **options))
+    return output

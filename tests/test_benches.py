@@ -98,6 +98,18 @@ def test_the_every_token_once_script_passes_on_a_small_dataset(token_dataset, ch
     assert "run 3: 1 ranks" in done.stdout
 
 
+@pytest.mark.slow
+def test_the_changing_data_script_passes_on_a_small_dataset(token_dataset, tmp_path):
+    done = subprocess.run([sys.executable, "bench/changing_data.py", str(token_dataset),
+                           "--exclude", "40", "--seq-len", "64", "--rows", "6",
+                           "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "CHANGING DATA: PASS" in done.stdout and "more than once 0," in done.stdout
+    assert "resumed excluding the 40 documents trace named" in done.stdout
+    assert len((tmp_path / "excluded.jsonl").read_text().splitlines()) == 40
+
+
 def test_the_megatron_race_tells_identical_documents_from_a_changed_token(
         tmp_path, corpus_dir, tokenizer_path):
     sys.path.insert(0, str(ROOT / "bench"))

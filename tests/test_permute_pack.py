@@ -321,8 +321,8 @@ def test_waste_hint_never_names_what_is_running(caplog, mode, packing):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(0, 2**32),
        st.integers(0, 3))
-def test_grouped_permutation_is_a_bijection_that_visits_one_group_at_a_time(sizes, seed,
-                                                                           epoch):
+def test_grouped_permutation_is_an_invertible_bijection_that_visits_one_group_at_a_time(
+        sizes, seed, epoch):
     permutation = GroupedPermutation(np.array(sizes), seed, epoch, salt=3)
     total = sum(sizes)
     ids = permutation(np.arange(total, dtype=np.int64))
@@ -331,6 +331,7 @@ def test_grouped_permutation_is_a_bijection_that_visits_one_group_at_a_time(size
     groups = np.searchsorted(starts, ids, side="right") - 1
     changes = int(np.count_nonzero(np.diff(groups))) if total else 0
     assert changes <= max(0, np.count_nonzero(sizes) - 1), "a group was left and re-entered"
+    assert np.array_equal(permutation.inverse(ids), np.arange(total))
 
 
 @settings(max_examples=80, deadline=None)

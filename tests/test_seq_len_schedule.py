@@ -17,41 +17,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.common import write_synthetic_dataset
 from raypipe.errors import ConfigError, StateError
 from raypipe.loader import TokenLoader
 from raypipe.sampling.schedule import BatchSchedule, Phase, seq_len_stages_by_tokens
+from tests.helpers import assert_every_token_once, document_starts, numbered_dataset
 
 TOKENS = 120_000
 SHORT, LONG = 32, 128  # the issue's 512 -> 2048, scaled to a test's corpus
 RAMP = BatchSchedule.ramp(24, 96, 24, 4)  # 8 -> 32 rows, x3 so 1, 2 and 3 ranks divide it
 
 
-def numbered_dataset(directory, tokens: int, first: int = 1, seed: int = 7):
-    """A megatron dataset whose tokens are numbered from `first` on, in storage order (so a
-    token's id says which token of which document it is); (path, its token count)."""
-    rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(3.6, 1.0, 6000).astype(np.int64) + 2, 2, 400)
-    lengths = lengths[np.cumsum(lengths) <= tokens]
-    ids = np.arange(first, first + int(lengths.sum()), dtype=np.uint32)
-    output = directory / "tokens"
-    write_synthetic_dataset(output, "megatron", [(ids, lengths, None)], f"numbered-{first}",
-                            shard_tokens=40_000, largest_id=1 << 20)
-    return output, int(lengths.sum())
-
-
 @pytest.fixture(scope="module")
 def numbered(tmp_path_factory):
     """A megatron dataset whose token k (k = 1..N over all documents) is the id k."""
     return numbered_dataset(tmp_path_factory.mktemp("numbered"), TOKENS)
-
-
-def document_starts(path) -> np.ndarray:
-    """The id of each document's first token (token ids number the tokens from 1)."""
-    from raypipe.dataset import TokenDataset
-
-    lengths = TokenDataset(path).document_lengths()
-    return np.concatenate([[0], np.cumsum(lengths)[:-1]]) + 1
 
 
 def a_third_then_long(total: int) -> list[tuple[int, int]]:
@@ -82,14 +61,6 @@ def run(path, world, state, steps, **options):
     states = [loader.state_dict() for loader in loaders]
     assert all(saved == states[0] for saved in states)
     return taken, json.loads(json.dumps(states[0])), loaders[0]
-
-
-def assert_every_token_once(taken, total, tail_tokens):
-    """Every document token is in exactly one row of one step, but the drop-last tail's."""
-    counts = np.bincount(np.concatenate([rows.ravel() for _, rows in taken.values()]),
-                         minlength=total + 1)[1:]
-    assert counts.max() == 1, f"{int((counts > 1).sum())} tokens trained twice"
-    assert int((counts == 0).sum()) == tail_tokens
 
 
 def assert_same_steps(resumed, whole):

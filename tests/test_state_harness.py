@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from raypipe.errors import ConfigError, StateError
 from raypipe.loader import MixtureLoader, TokenLoader, open_loader
 from raypipe.sampling.modes import get_mode, mode_names
 
@@ -129,3 +130,38 @@ def test_state_round_trips_through_json_in_every_mode(rich_dataset, mode):
     loader.load_state_dict(json.loads(json.dumps(state)))
     assert loader.state_dict()["position"] == state["position"] > 0
     assert np.all(next(iter(loader)).positions >= state["position"])
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_every_mode_excludes_documents_on_resume_or_refuses_naming_why(rich_dataset, mode):
+    """Documents excluded on a resume: the state records them from that step, the steps
+    after (as trace replays them from that state) hold none of them and serve the rest of
+    the epoch, at 2 ranks and at 3; a mode that cannot plan without them refuses in one
+    line naming itself, lanes that serve no prefix of the plan name the lanes."""
+    from raypipe import trace
+
+    options, excluded = MODES[mode], list(range(0, 80, 3))
+    _, state = run_segment(rich_dataset, options, 2, None, steps=1)
+    if not get_mode(options["mode"]).excludes:
+        with pytest.raises(ConfigError, match=f"mode '{options['mode']}' cannot plan an epoch "
+                           "without some of its documents"):
+            make_loader(rich_dataset, {**options, "exclude": excluded}, 0, 2)
+        return
+    loader = make_loader(rich_dataset, {**options, "exclude": excluded}, 0, 2)
+    if loader.spec.lanes > 1:
+        with pytest.raises(StateError, match=f"windowed shuffle of {loader.spec.lanes} lanes"):
+            loader.load_state_dict(state)
+        assert "exclusions" not in loader.state_dict() or not loader.state_dict()[
+            "exclusions"], "a refused exclusion was kept"
+        return
+    loader.load_state_dict(state)
+    resumed = loader.state_dict()
+    record = resumed["exclusions"][0]
+    assert record["step"] == 1 and record["named"] == len(excluded)
+    assert set(record["documents"]) <= set(excluded)
+    steps = len(loader)
+    pieces = list(trace(rich_dataset, state=resumed, steps=steps, seed=SEED, batch_size=B))
+    assert {piece.step for piece in pieces} == set(range(1, 1 + steps))
+    assert not {piece.document for piece in pieces} & set(record["documents"])
+    consumed, final = run_segment(rich_dataset, {**options, "exclude": excluded}, 3, state)
+    assert final["epoch"] == 1 and len(consumed) >= steps

@@ -7,41 +7,16 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from tokenizers import Tokenizer
 
-from raypipe.config import load_config
 from raypipe.loader import MixtureLoader, TokenLoader
-from raypipe.preprocess.job import run_job
 from raypipe.tools.trace import trace
+from tests.helpers import corpus_with_gaps, tokenize
 
 T, B = 96, 3
-
-
-def corpus_with_gaps(directory, texts):
-    """Parquet files whose rows include empty and null texts (skipped: no document), so a
-    document's index is not its input row."""
-    directory.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for index, text in enumerate(texts):
-        rows.append(text)
-        if index % 7 == 3:
-            rows.append("" if index % 2 else None)
-    for part in range(2):
-        table = pa.table({"text": pa.array(rows[part::2], pa.string())})
-        pq.write_table(table, directory / f"part-{part}.parquet", row_group_size=60)
-    return directory
-
-
-def tokenize(corpus, output, tokenizer_path, **options):
-    options = {"bos": True, **options}  # documents start with BOS in every format
-    run_job(load_config(None, inputs=[str(corpus)], output=str(output),
-                        tokenizer=tokenizer_path, shard_tokens=9_000, unit_bytes=1,
-                        **options))
-    return output
 
 
 @pytest.fixture(scope="module")

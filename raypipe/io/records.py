@@ -390,6 +390,30 @@ class UnitRecord(JsonRecord):
         return documents + skipped_before[np.searchsorted(kept_before, documents,
                                                           side="right")]
 
+    def row_document(self, row: int) -> int | None:
+        """The document of the unit (counted from its first) that row `row` of the unit
+        made: the inverse of `document_rows`; None where the row made none (it was
+        skipped) or the record does not say."""
+        if not 0 <= row < self.rows:
+            return None
+        if self.skipped_runs is None:
+            return row if self.rows == self.documents else None
+        starts = np.array(self.skipped_runs[0::2], dtype=np.int64)
+        ends = starts + np.array(self.skipped_runs[1::2], dtype=np.int64)
+        run = int(np.searchsorted(starts, row, side="right")) - 1
+        if run >= 0 and row < ends[run]:
+            return None
+        return row - int((ends[:run + 1] - starts[:run + 1]).sum())
+
+    def file_rows(self) -> list[tuple[WorkUnit, int, int]]:
+        """(file unit, rows read from it, the unit's row its first is) of each file the
+        unit read, in order (one, but for a group)."""
+        if not self.member_rows:
+            return [(self.unit, self.rows, 0)]
+        offsets = np.concatenate([[0], np.cumsum(self.member_rows)]).tolist()
+        return [(member, rows, int(offsets[index])) for index, (member, rows) in
+                enumerate(zip(self.unit.members, self.member_rows, strict=True))]
+
     def input_row(self, row: int) -> tuple[WorkUnit, int]:
         """The file unit and the row in it that row `row` of the unit (counted from the
         unit's first) was read from; for a group, through `member_rows`."""

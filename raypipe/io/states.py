@@ -72,30 +72,77 @@ class LoaderState(JsonRecord):
     # the run's shape so far, [[first step, global batch, seq_len], ...] at every step where
     # either changed, declared or on a resume (what `raypipe trace --history` replays)
     history: list[list[int]] | None = None
+    # the documents left out of the run, each set from its step on, in the order given
+    # (raypipe.sampling.exclusions); None: none
+    exclusions: tuple[Exclusion, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.exclusions is not None:
+            object.__setattr__(self, "exclusions", tuple(
+                entry if isinstance(entry, Exclusion)
+                else Exclusion.from_json(entry, f"loader state exclusion {index}")
+                for index, entry in enumerate(self.exclusions)))
 
     def check(self, where: str) -> None:
         check_version(where, self.version)
         check_position(where, self.epoch, self.position)
         if self.steps is not None and self.steps < 0:
             raise FormatError(where, f"field 'steps' {self.steps} is negative")
-        check_int_rows(where, "phases", self.phases, 2)
-        check_int_rows(where, "history", self.history, 3)
+        check_int_rows(where, "phases", self.phases, (2, 3))
+        check_int_rows(where, "history", self.history, (3,))
+        steps = [entry.step for entry in self.exclusions or ()]
+        if steps != sorted(steps):
+            raise FormatError(where, f"field 'exclusions' begin at steps {steps}, not in order")
+        for index, phase in enumerate(self.phases or []):
+            if len(phase) == 3 and phase[2] > len(self.exclusions or ()):
+                raise FormatError(where, f"phase {index} excludes {phase[2]} exclusions' "
+                                  f"documents; the state records {len(self.exclusions or ())}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        if self.exclusions is not None:
+            record["exclusions"] = list(record["exclusions"])
+        return record
 
     @classmethod
     def from_dict(cls, state: Any) -> LoaderState:
         return read_state(cls, state, "loader state")
 
 
-def check_int_rows(where: str, name: str, rows: list[list[int]] | None, width: int) -> None:
-    """`rows`, where given, is a non-empty list of [`width` ints >= 0]."""
+def check_int_rows(where: str, name: str, rows: list[list[int]] | None,
+                   widths: tuple[int, ...]) -> None:
+    """`rows`, where given, is a non-empty list of [ints >= 0], each of one of `widths`."""
     if rows is not None and (not rows or any(
-            not isinstance(row, list) or len(row) != width
+            not isinstance(row, list) or len(row) not in widths
             or not all(type(value) is int and value >= 0 for value in row) for row in rows)):
         raise FormatError(where, f"field {name!r} {rows!r} is not a non-empty list of "
-                          f"[{width} ints >= 0]")
+                          f"[{' or '.join(map(str, widths))} ints >= 0]")
+
+
+@dataclass(frozen=True)
+class Exclusion(JsonRecord):
+    """Documents left out of a run from global step `step` on: `documents`, the dataset's
+    document numbers (sorted, each once, none excluded before), of `named` documents named
+    (by number, or by input and row as `raypipe trace` names them); `not_found` of the names
+    matched no document of the dataset (or of the loader's split), `repeated` were excluded
+    already."""
+
+    step: int
+    documents: list[int]
+    named: int
+    not_found: int = 0
+    repeated: int = 0
+
+    def check(self, where: str) -> None:
+        if min(self.step, self.named, self.not_found, self.repeated) < 0:
+            raise FormatError(where, "fields 'step', 'named', 'not_found' and 'repeated' "
+                              "must be >= 0")
+        documents = self.documents
+        if (not all(type(value) is int and value >= 0 for value in documents)
+                or any(later <= earlier for earlier, later in zip(documents, documents[1:],
+                                                                   strict=False))):
+            raise FormatError(where, "field 'documents' is not a list of increasing document "
+                              "numbers >= 0")
 
 
 @dataclass(frozen=True)
@@ -115,7 +162,7 @@ class SourcePosition(JsonRecord):
 
     def check(self, where: str) -> None:
         check_position(where, self.epoch, self.position)
-        check_int_rows(where, "phases", self.phases, 2)
+        check_int_rows(where, "phases", self.phases, (2,))
         if self.consumed < 0:
             raise FormatError(where, f"field 'consumed' {self.consumed} is negative")
         if not 0 <= self.stage_base <= self.consumed:

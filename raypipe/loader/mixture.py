@@ -47,6 +47,11 @@ class MixtureLoader:
         self.options = options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
         if options.metadata:
             raise ConfigError("mixture: stream metadata cannot be mixed")
+        if options.exclude is not None:
+            raise ConfigError("exclude: a mixture does not exclude documents yet (each "
+                              "source's run would need its own exclusions); exclude them "
+                              "with a TokenLoader of that source, or leave them to the next "
+                              "tokenize job")
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
         self.run = MixtureRun.open(
             paths, options.plan, self.world_size, options.batch_size, weights=weights,

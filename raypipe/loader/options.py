@@ -21,6 +21,7 @@ import torch
 
 from raypipe.errors import ConfigError
 from raypipe.sampling.modes import PlanSpec, metadata_modes
+from raypipe.tools.trace import DocumentName
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,10 @@ class LoaderOptions:
     object-storage shards and plans. `batch_schedule`: the global batch by step (instead of
     `batch_size`; a ramp: raypipe.sampling.schedule.BatchSchedule.ramp); `seq_len_schedule`:
     seq_len by step (instead of seq_len; by tokens trained:
-    raypipe.sampling.schedule.seq_len_stages_by_tokens). Build it with `of()`, which takes
+    raypipe.sampling.schedule.seq_len_stages_by_tokens). `exclude`: documents left out
+    from where the loader starts or resumes on (numbers, "<input>:<row>" or `raypipe
+    trace` records, or a file of them, one a line: raypipe.tools.trace.DocumentsByName),
+    recorded in its state (raypipe.sampling.exclusions). Build it with `of()`, which takes
     every option and knob by name."""
 
     plan: PlanSpec = field(default_factory=PlanSpec)
@@ -53,6 +57,7 @@ class LoaderOptions:
     cache_bytes: int | str | None = None
     batch_schedule: tuple[tuple[int, int], ...] | None = None
     seq_len_schedule: tuple[tuple[int, int], ...] | None = None
+    exclude: tuple[DocumentName, ...] | str | Path | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.int32, torch.int64):
@@ -72,6 +77,8 @@ class LoaderOptions:
                                   "not both")
             object.__setattr__(self, "plan", replace(self.plan,
                                                      seq_len=self.seq_len_schedule[0][1]))
+        if self.exclude is not None and not isinstance(self.exclude, str | Path):
+            object.__setattr__(self, "exclude", tuple(self.exclude))
         if self.prefetch < 1:
             raise ConfigError(f"prefetch: {self.prefetch} must be >= 1")
         mode = self.plan.loader_mode

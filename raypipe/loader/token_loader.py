@@ -7,7 +7,8 @@ of (dataset, seed, e); a global step consumes G = world_size x k consecutive pos
 batch_size rows, or one pre-formed batch; with a batch schedule, the schedule's G at that
 step), position p + i*W + r going to rank r as its i-th observation of the step; every
 observation of an epoch is served once except its drop-last tail (`dropped_tail`), and a
-seq_len change begins a phase (raypipe.sampling.schedule). The loader keeps placement (this
+seq_len change, or documents excluded (`exclude`), begin a phase
+(raypipe.sampling.schedule). The loader keeps placement (this
 rank's rows into pinned host buffers, then the device), prefetch (object storage: the
 shards of the steps described now, and those the shuffle plans next) and tensors. Cost: see
 raypipe.sampling.buffers and raypipe.loader.prefetch; a seq_len change, docs/scale.md.
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from raypipe.errors import ConfigError
@@ -35,6 +37,7 @@ from raypipe.sampling.modes import BatchFiller
 from raypipe.sampling.plans import PackingReport
 from raypipe.sampling.run import Run
 from raypipe.sampling.schedule import Phases, Segment
+from raypipe.tools.trace import DocumentsByName, document_names
 
 logger = logging.getLogger("raypipe")
 FETCHES_NAMED = 3  # shards a slow-wait line names
@@ -91,6 +94,10 @@ class TokenLoader:
         self.waits = WaitStats(describe=self._fetching_now)
         if self.rank == 0 and self.dataset.cache is not None:
             self.run.note_shuffle()
+        # the `exclude` option's documents, resolved now, excluded where the run starts:
+        # at the first batch or state asked for, or at the step a state resumes
+        self._excluded = self._resolve_exclusions()
+        self._to_exclude = self._excluded is not None
 
     # ----- the run's shape, as the Loader contract names it --------------------------------
     @property
@@ -155,6 +162,7 @@ class TokenLoader:
         """The remaining batches of the current epoch, each step of the schedule's global
         batch (its rows split evenly between the ranks); afterwards the epoch advances."""
         run, fillers = self.run, {}
+        self._exclude()
         run.plan()  # checked: at least one global step, the waste warned of
         for segment in run.epoch_segments():
             if segment.phases not in fillers:
@@ -259,11 +267,31 @@ class TokenLoader:
         return self.run.knobs()
 
     def state_dict(self) -> dict[str, Any]:
+        self._exclude()
         return self.run.state().to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state` (any rank's `state_dict()`, any world size)."""
+        """Resume from `state` (any rank's `state_dict()`, any world size); the documents
+        of `exclude` that the state's exclusions do not hold are excluded from its step."""
         self.run.resume(state)
+        self._to_exclude = self._excluded is not None
+        self._exclude()
+
+    def _resolve_exclusions(self) -> tuple[np.ndarray, int, int] | None:
+        """The `exclude` option's documents: (their numbers, names given, names that named
+        none), or None without the option."""
+        if self.options.exclude is None:
+            return None
+        self.run.spec.loader_mode.refuse_an_exclusion(f"{self.dataset.root}: exclude")
+        names = document_names(self.options.exclude)
+        found, missing = DocumentsByName(self.run.planned.document_dataset)(names)
+        return found, len(names), missing
+
+    def _exclude(self) -> None:
+        """Exclude the `exclude` option's documents from where the run stands, once."""
+        if self._to_exclude and self._excluded is not None:
+            self._to_exclude = False
+            self.run.exclude(*self._excluded)
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 from raypipe.dataset import BatchDataset, TokenDataset
-from raypipe.errors import ConfigError
+from raypipe.errors import ConfigError, StateError
 from raypipe.io.cache import ShardCache, node_cached_array
 from raypipe.io.store import Store
 from raypipe.sampling.buffers import TokenSource
+from raypipe.sampling.exclusions import Exclusion, RunExclusions
 from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
 from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec, document_split
@@ -60,12 +61,14 @@ class EpochPlans:
     def __init__(self, spec: PlanSpec, dataset: TokenDataset | BatchDataset,
                  lengths: Callable[[], DocumentLengths], stream_tokens: int | None = None,
                  step_observations: int = 1, memo: SumsMemo | None = None,
-                 batch_size: int = 1, shard_documents: np.ndarray | None = None):
+                 batch_size: int = 1, shard_documents: np.ndarray | None = None,
+                 exclusions: RunExclusions | None = None):
         self.spec = spec.for_storage(dataset.cache is None)
         self.dataset = dataset
         self.shard_documents = shard_documents  # None: every document of each shard
         self.inputs = PlanInputs(dataset, lengths, stream_tokens, step_observations,
                                  batch_size, memo, self.groups())
+        self.exclusions = exclusions  # the run's (None: none can be made)
         self._kept: dict[tuple[int, Phases], Any] = {}
 
     def groups(self) -> ShardGroups | ShardWindows | None:
@@ -88,16 +91,32 @@ class EpochPlans:
         mode = self.spec.loader_mode
         if len(phases) <= 1:
             spec = self.spec if not phases else self.at_seq_len(phases[0].seq_len)
-            return mode.plan(spec, self.inputs, epoch)
+            return mode.plan(spec, self.inputs_of(phases[0] if phases else Phase(0)), epoch)
         before, phase = self(epoch, phases[:-1]), phases[-1]
         if not 0 < phase.begins <= before.size:
-            raise ConfigError(f"epoch {epoch}: a seq_len phase begins at observation "
+            raise ConfigError(f"epoch {epoch}: a phase begins at observation "
                               f"{phase.begins}, outside its plan of {before.size}")
-        mode.refuse_a_seq_len_change(f"seq_len: {phases[-2].seq_len} -> {phase.seq_len} "
-                                     f"inside epoch {epoch} (at observation {phase.begins} "
-                                     f"of {before.size})")
-        return mode.continue_plan(self.at_seq_len(phase.seq_len), self.inputs, epoch, before,
-                                  phase.begins)
+        if phase.seq_len != phases[-2].seq_len:
+            mode.refuse_a_seq_len_change(f"seq_len: {phases[-2].seq_len} -> {phase.seq_len} "
+                                         f"inside epoch {epoch} (at observation "
+                                         f"{phase.begins} of {before.size})")
+        return mode.continue_plan(self.at_seq_len(phase.seq_len), self.inputs_of(phase),
+                                  epoch, before, phase.begins)
+
+    def forget(self) -> None:
+        """Drop the plans kept (the exclusions they were made under changed)."""
+        self._kept.clear()
+
+    def inputs_of(self, phase: Phase) -> PlanInputs:
+        """What a mode plans `phase` from: the inputs, without the documents of the run's
+        first `phase.excluded` exclusions."""
+        if not phase.excluded:
+            return self.inputs
+        if self.exclusions is None or phase.excluded > len(self.exclusions):
+            raise ConfigError(f"a phase excludes the documents of {phase.excluded} "
+                              "exclusion(s), more than the run records")
+        self.spec.loader_mode.refuse_an_exclusion("documents excluded")
+        return replace(self.inputs, excluded=self.exclusions.in_plan(phase.excluded))
 
     def at_seq_len(self, seq_len: int) -> PlanSpec:
         return self.spec if seq_len == self.spec.seq_len else replace(self.spec,
@@ -105,7 +124,7 @@ class EpochPlans:
 
     def __call__(self, epoch: int, phases: Phases = ()) -> Any:
         """Epoch `epoch`'s plan under `phases` (kept, with the latest few others)."""
-        if len(phases) == 1 and phases[0].seq_len == self.spec.seq_len:
+        if len(phases) == 1 and phases[0] == Phase(self.spec.seq_len):
             phases = ()
         key = (epoch, phases)
         if key not in self._kept:
@@ -139,10 +158,13 @@ class PlannedDataset:
         # the documents' tokens, where rows read them (None: pre-formed batches)
         self.source: TokenSource | None = spec.loader_mode.token_source(self.rows)
         self._lengths: DocumentLengths | None = None
+        # the documents left out, each set from its step on (the plans' numbering: the split's)
+        self.exclusions = RunExclusions(int(getattr(dataset, "num_documents", 0)),
+                                        None if self.split is None else self.split.ids)
         self.plans = EpochPlans(spec, dataset, self.document_lengths,
                                 None if self.source is None else self.stream_tokens(),
                                 self.global_batch, memo or self.node_memo, batch_size,
-                                self.shard_documents())
+                                self.shard_documents(), self.exclusions)
 
     def shard_documents(self) -> np.ndarray | None:
         """How many of the documents the plans number each shard holds (a split's), or
@@ -225,7 +247,47 @@ class PlannedDataset:
     @property
     def first_phases(self) -> Phases:
         """The phases an epoch begins with at step 0: one, at the schedule's first seq_len."""
-        return (Phase(self.schedule.seq_len_at(0) or self.seq_len),)
+        return self.phases_from(0)
+
+    def phases_from(self, step: int) -> Phases:
+        """The phases an epoch that begins at step `step` begins with: one, at that step's
+        seq_len and exclusions."""
+        return (Phase(self.schedule.seq_len_at(step) or self.seq_len, 0,
+                      self.schedule.exclusions_at(step)),)
+
+    def exclude(self, step: int, documents: np.ndarray, named: int | None = None,
+                not_found: int = 0) -> Exclusion | None:
+        """Leave `documents` (the dataset's numbers) out from global step `step` on: an
+        exclusion of the run (raypipe.sampling.exclusions), recorded with what of them was
+        not found or excluded already; None where none is left to exclude."""
+        self.spec.loader_mode.refuse_an_exclusion(f"{self.dataset.root}: documents excluded")
+        record = self.exclusions.add(step, documents, named, not_found)
+        if record is not None:
+            self.schedule = self.schedule.with_exclusion(step)
+        return record
+
+    def take_back_exclusion(self) -> None:
+        """Undo the last `exclude` (its rest of the epoch could not be planned)."""
+        self.exclusions.pop()
+        self.plans.forget()
+        self.schedule = replace(self.schedule,
+                                exclusion_starts=self.schedule.exclusion_starts[:-1])
+
+    def reset_exclusions(self) -> None:
+        """Forget every exclusion (a resume makes its state's instead)."""
+        self.exclusions = self.plans.exclusions = RunExclusions(self.exclusions.count,
+                                                                self.exclusions.split_ids)
+        self.plans.forget()
+        self.schedule = replace(self.schedule, exclusion_starts=())
+
+    def adopt_exclusion(self, record: Exclusion) -> None:
+        """Make an exclusion a state records, as it was made."""
+        self.spec.loader_mode.refuse_an_exclusion(f"{self.dataset.root}: documents excluded")
+        try:
+            self.exclusions.adopt(record)
+        except ValueError as exc:
+            raise StateError(f"{self.dataset.root}: {exc}") from None
+        self.schedule = self.schedule.with_exclusion(record.step)
 
     def plan(self, epoch: int, phases: Phases = ()) -> Any:
         return self.plans(epoch, phases)

@@ -33,8 +33,8 @@ from raypipe.io.states import SourcePosition
 from raypipe.sampling.schedule import (
     BatchSchedule,
     Cursor,
-    Phase,
     Phases,
+    next_epoch_phases,
     phase_rows,
     phases_of_rows,
 )
@@ -274,7 +274,7 @@ class MixtureSchedule:
             if size <= 0 and len(phases) == 1:
                 raise ConfigError(f"mixture source {index}: epoch {epoch} holds no row")
             if position >= size:  # the next epoch starts at the seq_len it stands at
-                epoch, position, phases = epoch + 1, 0, (Phase(phases[-1].seq_len),)
+                epoch, position, phases = epoch + 1, 0, next_epoch_phases(phases)
                 continue
             take = min(left, size - position)
             if describe:

@@ -101,7 +101,7 @@ class GroupedPermutation:
     the range [starts[g], starts[g + 1]); groups are visited in a Feistel order, and the ids
     inside each group in a Feistel order of their own. Consecutive positions therefore stay
     inside one group (a few shards) until it is exhausted. Memory O(groups); cost one
-    Feistel call per group touched by a call."""
+    Feistel call per group touched by a call; exact inverse."""
 
     def __init__(self, sizes: np.ndarray, seed: int, epoch: int = 0, salt: int = 0):
         self.sizes = np.asarray(sizes, dtype=np.int64)
@@ -136,6 +136,21 @@ class GroupedPermutation:
         for group in np.unique(groups).tolist():
             chosen = groups == group
             out[chosen] = self.starts[group] + self._within(group)(local[chosen])
+        return out
+
+    def inverse(self, ids: Any) -> np.ndarray:
+        """The position of each id: its group's visit start plus its place in the group."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
+            raise IndexError(f"ids outside [0, {len(self)})")
+        groups = np.searchsorted(self.starts, ids, side="right") - 1
+        slot_of = np.empty(len(self.sizes), dtype=np.int64)
+        slot_of[self.order] = np.arange(len(self.sizes), dtype=np.int64)
+        out = np.empty_like(ids)
+        for group in np.unique(groups).tolist():
+            chosen = groups == group
+            out[chosen] = (self.visit_starts[slot_of[group]]
+                           + self._within(group).inverse(ids[chosen] - self.starts[group]))
         return out
 
 

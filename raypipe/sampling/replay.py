@@ -84,6 +84,9 @@ def replay(data: str | Path | dict[str, str], *,
         run = Run.open(data, spec, world_size, None if batch_schedule else batch_size,
                        format_name=format_name, cache_dir=cache_dir,
                        batch_schedule=batch_schedule, seq_len_schedule=seq_len_schedule)
+        if history is not None:  # each exclusion from its step, as the run made it
+            for record in recorded.exclusions or ():
+                run.planned.adopt_exclusion(record)
     if saved is not None:
         run.resume(saved)  # type: ignore[arg-type]  (each kind checked above)
     return run

@@ -2,7 +2,8 @@
 loaders serve a run's steps and `raypipe trace` replays them.
 
 Invariant: a `Run` is the one owner of where one dataset's run stands: the cursor (epoch,
-seq_len phases, position, steps taken) and the history of its shape. It is the one place
+seq_len phases, position, steps taken), the history of its shape and the documents it
+excludes, each from its step (raypipe.sampling.exclusions). It is the one place
 that opens a run, resumes it from a state, walks its steps (every step's epoch, phases,
 seq_len, global rows and the rows of each rank) and counts each epoch's drop-last tail. What
 a resume checks (the fingerprint, the shuffle the state was made with, the knobs, the
@@ -33,6 +34,7 @@ from raypipe.io.states import (
     LoaderState,
 )
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
+from raypipe.sampling.exclusions import Exclusion
 from raypipe.sampling.modes import (
     BatchFiller,
     describe_shuffle,
@@ -47,6 +49,7 @@ from raypipe.sampling.schedule import (
     Phase,
     Phases,
     Segment,
+    next_epoch_phases,
     phase_rows,
     phases_of_rows,
 )
@@ -167,7 +170,7 @@ class Run:
         checked to hold a global step; rank 0 warns once if its rows waste much."""
         epoch = self.epoch if epoch is None else epoch
         plan = self.planned.plan(epoch, self.phases if epoch == self.epoch
-                                 else self.planned.first_phases)
+                                 else self.later_phases())
         if plan.size < self.global_batch and len(self.phases) == 1:
             raise ConfigError(
                 f"{self.dataset.root}: epoch {epoch} has {plan.size} observations, fewer "
@@ -194,7 +197,7 @@ class Run:
     def prepare_epoch(self, epoch: int) -> threading.Thread:
         """Build epoch `epoch`'s plan on a background thread into the node's plan cache, so
         the epoch boundary loads it (bestfit: its block sums) instead of computing it."""
-        first_phase = (Phase(self.seq_len),)
+        first_phase = self.later_phases()
 
         def build() -> None:
             try:
@@ -206,6 +209,11 @@ class Run:
         thread = threading.Thread(target=build, name=f"raypipe-plan-{epoch}", daemon=True)
         thread.start()
         return thread
+
+    def later_phases(self) -> Phases:
+        """The phases a later epoch begins with, as far as the run knows now: one, at the
+        current seq_len, without the documents of every exclusion made."""
+        return (Phase(self.seq_len, 0, len(self.planned.exclusions)),)
 
     def report(self, epoch: int | None = None) -> PackingReport:
         """What the epoch's rows make of the data (chat data: with its loss mask's count)."""
@@ -272,7 +280,7 @@ class Run:
                 self.epoch, rows, tokens, 100 * share, "; hint: a smaller global batch, or a "
                 "longer epoch (more data), leaves less" if share > WASTE_WARNING else "")
         self.epoch, self.position = self.epoch + 1, 0
-        self.phases = (Phase(self.phases[-1].seq_len),)
+        self.phases = next_epoch_phases(self.phases)
 
     def step_rows(self, step: int, steps: int, ranks: Any) -> Iterator[StepRow]:
         """What each row of `ranks` holds in `steps` steps from `step` steps after where
@@ -301,8 +309,33 @@ class Run:
         return LoaderState(STATE_VERSION, self.dataset.fingerprint, self.dataset.format_name,
                            self.knobs(), self.epoch, self.position,
                            {"world_size": self.world_size, "batch_size": self.batch_size},
-                           self.steps, phase_rows(self.phases) if len(self.phases) > 1
-                           else None, [list(entry) for entry in self.history] or None)
+                           self.steps, phase_rows(self.phases)
+                           if len(self.phases) > 1 or self.phases[0].excluded else None,
+                           [list(entry) for entry in self.history] or None,
+                           tuple(self.planned.exclusions.records) or None)
+
+    def exclude(self, documents: np.ndarray, named: int | None = None,
+                not_found: int = 0) -> Exclusion | None:
+        """Leave `documents` (the dataset's numbers) out from the next step on: the rest of
+        the epoch is planned again without them, and every later epoch is planned without
+        them; what was not found or excluded already is counted in the exclusion and the
+        log (rank 0). None where none is left to exclude."""
+        record = self.planned.exclude(self.steps, documents, named, not_found)
+        if record is not None:
+            cursor = self.planned.schedule.phases_at(self.cursor())
+            try:
+                planned_again(f"{self.dataset.root}: exclude", lambda: self.planned.plan(
+                    cursor.epoch, cursor.phases))
+            except StateError:
+                self.planned.take_back_exclusion()
+                raise
+        if self.rank == 0:
+            if record is None:
+                logger.info("%s: none of the %d document(s) named is left to exclude",
+                            self.dataset.root, named if named is not None else len(documents))
+            else:
+                self.planned.exclusions.log(record, str(self.dataset.root))
+        return record
 
     def resume(self, state: dict[str, Any] | LoaderState) -> None:
         """Stand where `state` (any rank's, any world size) stands."""
@@ -312,6 +345,9 @@ class Run:
         self.adopt_shuffle(saved.knobs)
         check_knobs("the loader state", saved.knobs, self.spec.knobs_record(),
                     "seq_len, batch size, world size and a schedule")
+        self.planned.reset_exclusions()
+        for record in saved.exclusions or ():
+            self.planned.adopt_exclusion(record)
         phases = phases_of_rows(saved.phases, saved.knobs.get("seq_len", self.spec.seq_len))
         size = self.planned.plan_size(saved.epoch, phases)
         if saved.position > size:
@@ -348,10 +384,13 @@ class Run:
         if (shuffle, window_shards, lanes) == (spec.shuffle, spec.window_shards, spec.lanes):
             return
         resolved = describe_shuffle(spec, self.dataset.num_shards)
+        before = self.planned
         self.planned = PlannedDataset(
             self.dataset, replace(spec, shuffle=shuffle, window_shards=window_shards,
                                   lanes=lanes), self.world_size, self.batch_size,
-            self.planned.cache_dir, schedule=self.planned.schedule)
+            before.cache_dir, schedule=before.schedule)
+        for record in before.exclusions.records:  # (their steps are in the schedule)
+            self.planned.exclusions.adopt(record)
         if self.rank == 0:
             logger.info("%s: shuffle %s, %s (auto resolved it to %s)", self.dataset.root,
                         describe_shuffle(self.spec, self.dataset.num_shards), why, resolved)

@@ -6,9 +6,11 @@ to the next stage's (a ramp is a run of stages, as Megatron's --rampup-batch-siz
 OLMo-core's batch-size scheduler make; a long-context phase is a seq_len stage). An epoch's
 steps take their global batch each, one after another from where the last ended, while a
 whole step fits (drop-last: the tail that does not is left, counted in the epoch's report).
-A seq_len that changes inside an epoch begins a `Phase`: the rest of the epoch planned
-again at the new seq_len from what the phase before had not served at that position (the
-mode's `continue_plan`), so no token is served twice and none is skipped. The cursor of any
+A seq_len that changes inside an epoch, or documents excluded from a step on (the
+run's exclusions: raypipe.sampling.exclusions), begins a `Phase`: the rest of the epoch
+planned again at the new seq_len, without the excluded documents, from what the phase
+before had not served at that position (the mode's `continue_plan`), so no token is served
+twice and none is skipped but the excluded. The cursor of any
 step, (epoch, phases, position, step), is a pure function of (the schedule, the plans'
 sizes, the cursor walked from); a loader state records it. `segments` yields the runs of
 equal global batch and seq_len, which the loader fills and `raypipe trace` replays. Cost:
@@ -27,25 +29,35 @@ from raypipe.errors import ConfigError
 
 @dataclass(frozen=True)
 class Phase:
-    """A stretch of an epoch at one seq_len: the first phase is the epoch's plan at
-    `seq_len`; a later one is the rest of the phase before it, from its position `begins`
-    on, planned again at `seq_len` (observations numbered from 0 again)."""
+    """A stretch of an epoch at one seq_len, without the documents of the run's first
+    `excluded` exclusions: the first phase is the epoch's plan; a later one is the rest of
+    the phase before it, from its position `begins` on, planned again (observations
+    numbered from 0 again)."""
 
     seq_len: int
     begins: int = 0
+    excluded: int = 0
 
 
 Phases = tuple[Phase, ...]
 
 
 def phase_rows(phases: Phases) -> list[list[int]]:
-    """Phases as a state records them: [[seq_len, begins], ...]."""
-    return [[phase.seq_len, phase.begins] for phase in phases]
+    """Phases as a state records them: [[seq_len, begins], ...], [seq_len, begins,
+    excluded] where documents are excluded."""
+    return [[phase.seq_len, phase.begins, *([phase.excluded] if phase.excluded else [])]
+            for phase in phases]
 
 
 def phases_of_rows(rows: list[list[int]] | None, seq_len: int) -> Phases:
     """The phases a state records (None: one, at `seq_len`, the state's)."""
     return tuple(Phase(*row) for row in rows) if rows else (Phase(seq_len),)
+
+
+def next_epoch_phases(phases: Phases) -> Phases:
+    """The phases the next epoch begins with: one, at the last phase's seq_len and
+    exclusions."""
+    return (Phase(phases[-1].seq_len, 0, phases[-1].excluded),)
 PlanSize = Callable[[int, Phases], int]  # (epoch, phases) -> observations of that plan
 
 
@@ -96,6 +108,7 @@ class BatchSchedule:
     sizes: tuple[int, ...]
     seq_starts: tuple[int, ...] = ()
     seq_lens: tuple[int, ...] = ()
+    exclusion_starts: tuple[int, ...] = ()  # the step each exclusion of the run begins at
 
     @classmethod
     def constant(cls, global_batch: int) -> BatchSchedule:
@@ -110,6 +123,19 @@ class BatchSchedule:
                 raise ConfigError(f"seq_len_schedule: seq_len {length} from step {step} "
                                   "must be >= 1")
         return replace(self, seq_starts=starts, seq_lens=lengths)
+
+    def with_exclusion(self, step: int) -> BatchSchedule:
+        """This schedule with one more exclusion, in force from `step` on (no earlier than
+        the last one's)."""
+        if self.exclusion_starts and step < self.exclusion_starts[-1]:
+            raise ConfigError(f"an exclusion from step {step} comes before the last one's, "
+                              f"from step {self.exclusion_starts[-1]}")
+        return replace(self, exclusion_starts=(*self.exclusion_starts, int(step)))
+
+    def exclusions_at(self, step: int) -> int:
+        """How many of the run's exclusions are in force at step `step`."""
+        return int(np.searchsorted(np.array(self.exclusion_starts, dtype=np.int64), step,
+                                   side="right"))
 
     def seq_len_at(self, step: int) -> int | None:
         """The seq_len of step `step` (None: no seq_len stages)."""
@@ -159,20 +185,24 @@ class BatchSchedule:
     def next_change(self, step: int) -> int | None:
         """The first step after `step` whose global batch or seq_len may differ (None:
         none)."""
-        later = [start for start in (*self.starts, *self.seq_starts) if start > step]
+        later = [start for start in (*self.starts, *self.seq_starts, *self.exclusion_starts)
+                 if start > step]
         return min(later) if later else None
 
     def phases_at(self, cursor: Cursor) -> Cursor:
-        """The cursor with the seq_len of its step in force: a seq_len other than its last
-        phase's begins a phase at its position (at position 0, replaces that phase)."""
-        wanted = self.seq_len_at(cursor.step)
+        """The cursor with the seq_len and the exclusions of its step in force: either
+        other than its last phase's begins a phase at its position (at position 0, replaces
+        that phase)."""
         last = cursor.phases[-1]
-        if wanted is None or wanted == last.seq_len:
+        seq_len = self.seq_len_at(cursor.step) or last.seq_len
+        excluded = max(self.exclusions_at(cursor.step), last.excluded)
+        if (seq_len, excluded) == (last.seq_len, last.excluded):
             return cursor
         if cursor.position == 0:
-            return replace(cursor, phases=(*cursor.phases[:-1], Phase(wanted, last.begins)))
+            return replace(cursor, phases=(*cursor.phases[:-1],
+                                           Phase(seq_len, last.begins, excluded)))
         return replace(cursor, position=0,
-                       phases=(*cursor.phases, Phase(wanted, cursor.position)))
+                       phases=(*cursor.phases, Phase(seq_len, cursor.position, excluded)))
 
     def segments(self, plan_size: PlanSize, cursor: Cursor, one_epoch: bool = False
                  ) -> Iterator[Segment]:
@@ -191,7 +221,7 @@ class BatchSchedule:
                                       f"one global step of {global_batch}")
                 if one_epoch:
                     return
-                cursor = Cursor(epoch + 1, 0, step, (Phase(phases[-1].seq_len),))
+                cursor = Cursor(epoch + 1, 0, step, next_epoch_phases(phases))
                 continue
             change = self.next_change(step)
             steps = fit if change is None else min(fit, change - step)

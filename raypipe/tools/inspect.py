@@ -19,9 +19,11 @@ from raypipe.formats import document_format
 from raypipe.io.manifest import as_store, read_manifest, unit_record_name
 from raypipe.io.parallel import map_threads
 from raypipe.io.records import Manifest, UnitRecord
+from raypipe.io.states import LoaderState, MixtureState
 from raypipe.io.store import Store
 from raypipe.preprocess.summary import packing_line
 from raypipe.sampling.mixture import is_mixture_spec, mixture_weights, read_mixture, spec_weights
+from raypipe.sampling.replay import read_state_file
 
 
 def _decoder(manifest: Manifest, tokenizer: str | None) -> Any:
@@ -64,7 +66,42 @@ def inspect_dataset(root: str | Path | Store, samples: int = 3, tokenizer: str |
                     plot: str | Path | None = None) -> str:
     if is_mixture_spec(root):
         return inspect_mixture(str(root), samples, tokenizer)
+    if isinstance(root, str | Path) and str(root).endswith(".json") and Path(root).is_file():
+        return inspect_state(root)
     return inspect_output(root, samples, tokenizer, plot)
+
+
+def inspect_state(path: str | Path) -> str:
+    """A loader state (its JSON file): where the run stands, its knobs, and every change
+    it records (shapes by step, documents excluded by step)."""
+    state = read_state_file(path)
+    if isinstance(state, MixtureState):
+        lines = [f"{path}: a mixture's loader state, after {state.steps:,} steps",
+                 f"  weights: {state.weights}", f"  knobs: {state.knobs}"]
+        lines += [f"  source {name}: epoch {where.epoch}, position {where.position:,}, "
+                  f"{where.consumed:,} rows served (dataset {where.dataset})"
+                  for name, where in sorted(state.sources.items())]
+        return "\n".join(lines)
+    assert isinstance(state, LoaderState)
+    saved = state.saved_with
+    lines = [f"{path}: a loader state of dataset {state.dataset} ({state.format})",
+             f"  stands at: epoch {state.epoch}, position {state.position:,}, after "
+             f"{state.steps if state.steps is not None else '?'} steps (saved at world size "
+             f"{saved.get('world_size')}, batch size {saved.get('batch_size')})",
+             f"  knobs: {state.knobs}"]
+    if state.phases:
+        lines.append("  this epoch's phases (seq_len, from position, exclusions in force): "
+                     + ", ".join(str(tuple(row)) for row in state.phases))
+    changes = [(entry[0], f"global batch {entry[1]}, seq_len {entry[2]}")
+               for entry in state.history or []]
+    changes += [(record.step, f"{len(record.documents):,} document(s) excluded ("
+                 f"{record.named:,} named, {record.not_found:,} not found, "
+                 f"{record.repeated:,} excluded already)")
+                for record in state.exclusions or ()]
+    lines.append(f"  history ({len(changes)} change(s)):" if changes else "  history: none")
+    lines += [f"    from step {step:,}: {what}" for step, what in sorted(changes,
+                                                                        key=lambda c: c[0])]
+    return "\n".join(lines)
 
 
 def list_rejects(root: str | Path | Store) -> str:

@@ -16,10 +16,11 @@ their modules.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import Field, dataclass, fields, replace
+from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
@@ -345,6 +346,17 @@ class PlanInputs:
     batch_size: int = 1
     memo: SumsMemo | None = None
     groups: ShardGroups | ShardWindows | None = None
+    # the documents the plan leaves out (its numbering, ascending; raypipe.sampling.
+    # exclusions), and a digest of them for the memo's keys; empty: none
+    excluded: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def excluded_key(self) -> str:
+        """What names the excluded set in a memo key ("" for none)."""
+        if not self.excluded.size:
+            return ""
+        return hashlib.sha256(np.ascontiguousarray(self.excluded, dtype="<i8").data
+                              ).hexdigest()[:16]
 
 
 def compact_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
@@ -376,6 +388,7 @@ class LoaderMode(ABC):
     window_metadata: ClassVar[bool] = False  # rows can carry a stream's metadata
     reads_stream: ClassVar[bool] = False  # rows are cut from the token stream (a split's)
     continues_plans: ClassVar[bool] = False  # seq_len may change inside an epoch
+    excludes: ClassVar[bool] = False  # documents may be excluded from a step on
     schedules: ClassVar[bool] = True  # takes batch and seq_len schedules (rows, not batches)
     Knobs: ClassVar[type[ModeKnobs]] = ModeKnobs  # its own knobs (none by default)
     # its own knobs' values from before they existed (raypipe.sampling.state_compat)
@@ -445,6 +458,15 @@ class LoaderMode(ABC):
             raise ConfigError(f"{what}: mode {self.name!r} cannot plan the rest of an epoch "
                               "again at another seq_len; change seq_len where an epoch "
                               f"starts, or use mode {' or '.join(map(repr, able))}")
+
+    def refuse_an_exclusion(self, what: str) -> None:
+        """The one refusal of documents excluded by a mode that cannot plan without them
+        (`what`: the exclusion, in words); nothing where it can."""
+        if not self.excludes:
+            able = [name for name, mode in _MODES.items() if mode.excludes]
+            raise ConfigError(f"{what}: mode {self.name!r} cannot plan an epoch without "
+                              "some of its documents (its rows are not made of whole "
+                              f"documents); use mode {' or '.join(map(repr, able))}")
 
     def prepares_next_epoch(self, spec: Any) -> bool:
         """Whether the loader should build the next epoch's plan in the background."""

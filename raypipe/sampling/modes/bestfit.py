@@ -17,7 +17,10 @@ continues the plan (`ContinuedPlan`): the unserved rows of the block at the posi
 apart into token ranges and packed again at the new seq_len, then the later documents in
 new blocks, so every token the plan had not served is served once; cost O(one block) plus
 the later blocks' sums (a slice of the node's when the block size holds, else one pass):
-1.1 s to the first batch after a 2048 -> 8192 change at 10^8 documents (docs/scale.md). Cost: see
+1.1 s to the first batch after a 2048 -> 8192 change at 10^8 documents (docs/scale.md).
+Documents excluded from a step on (raypipe.sampling.exclusions) continue the plan the same
+way, the remainder's ranges of excluded documents dropped; a plan under exclusions packs
+each block without them and takes their tokens off the block sums, O(excluded). Cost: see
 bench/packing_bench.py for planner documents per second, then O(1) per row; ~70 us to fill
 a batch of 8 x 2049 (bench/loader_bench.py).
 """
@@ -86,14 +89,21 @@ class BestFitPlan:
                  epoch: int, block_documents: int = 4096, packing: str = "fill",
                  groups: ShardGroups | ShardWindows | None = None,
                  memo: SumsMemo | None = None,
-                 separator: str = "bos", overlong: str = "cut", first_document: int = 0):
+                 separator: str = "bos", overlong: str = "cut", first_document: int = 0,
+                 excluded: np.ndarray | None = None, excluded_key: str = ""):
         """`memo(key, compute)`: returns compute() or what it returned before for `key`
         (a node-local cache of the block token sums, shared by the node's ranks);
         `separator`: which side of a document carries BOS/EOS (raypipe.sampling.pack);
         `first_document`: the plan packs the epoch's documents from this position of its
-        document order on (the rest of an epoch whose seq_len changed: ContinuedPlan)."""
+        document order on (the rest of an epoch whose seq_len changed: ContinuedPlan);
+        `excluded`: documents left out (ascending; raypipe.sampling.exclusions), named in
+        memo keys by `excluded_key`: each block packs its other documents, and the block
+        sums lose their tokens, O(excluded)."""
         lengths = DocumentLengths.of(lengths)
         self.first_document = first_document
+        self.excluded = (np.zeros(0, dtype=np.int64) if excluded is None
+                         else np.asarray(excluded, dtype=np.int64))
+        self.excluded_key = excluded_key
         self.memo = memo
         self.lengths = lengths
         self.packing = packing
@@ -120,8 +130,16 @@ class BestFitPlan:
         self.num_blocks = len(self.block_starts)
 
     def block_documents_ids(self, block: int) -> np.ndarray:
+        """The documents block `block` packs, in the epoch's order (the excluded left out)."""
         first, stop = int(self.block_starts[block]), int(self.block_ends[block])
-        return self.document_order(np.arange(first, stop, dtype=np.int64))
+        ids = self.document_order(np.arange(first, stop, dtype=np.int64))
+        return ids[~np.isin(ids, self.excluded)] if self.excluded.size else ids
+
+    @cached_property
+    def kept_total(self) -> int:
+        """Tokens of the epoch's documents but the excluded."""
+        excluded = self.lengths[self.excluded].sum() if self.excluded.size else 0
+        return self.lengths.total - int(excluded)
 
     def pack(self, block: int) -> PackedBlock:
         """Block `block`'s rows; the last CACHED_BLOCKS blocks packed stay cached, so a
@@ -151,7 +169,7 @@ class BestFitPlan:
             dropped += packed.dropped_tokens
             padded += packed.padded_tokens
             repeated += packed.repeated_tokens
-        total = used + cropped + dropped if self.first_document else self.lengths.total
+        total = used + cropped + dropped if self.first_document else self.kept_total
         report = PackingReport(int(rows.sum()), used, cropped, padded, dropped, total,
                                repeated_tokens=repeated)
         return np.cumsum(rows), report
@@ -161,7 +179,7 @@ class BestFitPlan:
         per block, no block packed."""
         sums = self.kept_block_sums()
         rows = -(-sums // self.capacity)
-        total = int(sums.sum()) if self.first_document else self.lengths.total
+        total = int(sums.sum()) if self.first_document else self.kept_total
         positions = int(rows.sum()) * self.capacity
         report = PackingReport(int(rows.sum()), total, 0, positions - total, 0, total)
         return np.concatenate([[0], np.cumsum(rows)]).astype(np.int64), report
@@ -176,11 +194,13 @@ class BestFitPlan:
                         block_starts(len(self.lengths), per_block, 0, self.document_order))
         at = int(np.searchsorted(whole_starts, first))
         if at < whole_starts.size and whole_starts[at] == first or first == len(self.lengths):
-            key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths))
+            key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths),
+                   *([self.excluded_key] if self.excluded_key else []))
             whole = (self.memo(key, self.whole_epoch_sums) if self.memo is not None
                      else self.whole_epoch_sums())
             return whole[at:]
-        key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths), first)
+        key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths), first,
+               *([self.excluded_key] if self.excluded_key else []))
         return (self.memo(key, self.block_token_sums) if self.memo is not None
                 else self.block_token_sums())
 
@@ -194,24 +214,13 @@ class BestFitPlan:
         """Tokens of each block, in one vectorized pass over the lengths in storage order
         (a document's block is its position in the epoch's order // K, from the inverse
         permutation), a bounded number of documents at a time: no gather, no per-document
-        array kept. (The shard-local order has no inverse: it gathers in position order.)"""
-        per_block = self.block_documents
-        inverse = getattr(self.document_order, "inverse", None)
-        if inverse is None:
-            return self._block_sums_in_order()
-
-        skipped = self.first_document
+        array kept; the excluded documents' tokens taken off after, O(excluded)."""
+        inverse = self.document_order.inverse
 
         def sums_of(piece: tuple[int, np.ndarray]) -> np.ndarray:
             first, lengths = piece
-            blocks = inverse(np.arange(first, first + lengths.size, dtype=np.int64))
-            if skipped:  # positions before the plan's first document are not its
-                kept = blocks >= skipped
-                blocks, lengths = blocks[kept], lengths[kept]
-            blocks = ((blocks - skipped) // per_block if self.uniform else
-                      np.searchsorted(self.block_starts, blocks, side="right") - 1)
-            return np.bincount(blocks, weights=lengths,  # exact below 2**53
-                               minlength=self.num_blocks).astype(np.int64)
+            return self._sums_by_block(np.arange(first, first + lengths.size,
+                                                 dtype=np.int64), lengths, inverse)
 
         pieces = ((first + start, lengths[start:start + SUM_CHUNK_DOCUMENTS])
                   for first, lengths in self.lengths.chunks()
@@ -220,18 +229,22 @@ class BestFitPlan:
         with ThreadPoolExecutor(SUM_THREADS) as pool:  # numpy releases the GIL
             for partial in pool.map(sums_of, pieces):
                 sums += partial
+        if self.excluded.size:  # the excluded documents' tokens are no block's
+            sums -= self._sums_by_block(self.excluded, self.lengths[self.excluded], inverse)
         return sums
 
-    def _block_sums_in_order(self) -> np.ndarray:
-        count, per_block = len(self.lengths), self.block_documents
-        step = per_block * max(1, SUM_CHUNK_DOCUMENTS // per_block)
-        sums = []
-        for first in range(self.first_document, count, step):
-            ids = self.document_order(np.arange(first, min(first + step, count),
-                                                dtype=np.int64))
-            lengths = self.lengths[ids]
-            sums.append(np.add.reduceat(lengths, np.arange(0, lengths.size, per_block)))
-        return np.concatenate(sums) if sums else np.zeros(0, dtype=np.int64)
+    def _sums_by_block(self, documents: np.ndarray, lengths: np.ndarray, inverse: Any
+                       ) -> np.ndarray:
+        """Tokens of `documents` (their `lengths`) summed by the block each falls in
+        (documents before the plan's first are none of its blocks')."""
+        blocks = inverse(documents)
+        if self.first_document:
+            kept = blocks >= self.first_document
+            blocks, lengths = blocks[kept], lengths[kept]
+        blocks = ((blocks - self.first_document) // self.block_documents if self.uniform
+                  else np.searchsorted(self.block_starts, blocks, side="right") - 1)
+        return np.bincount(blocks, weights=lengths,  # exact below 2**53
+                           minlength=self.num_blocks).astype(np.int64)
 
     @property
     def row_offsets(self) -> np.ndarray:
@@ -263,9 +276,10 @@ class BestFitPlan:
 
     def _refuse_lanes(self) -> None:
         """Lanes serve no prefix of the rows, so the rest of an epoch is not planned again."""
-        raise ConfigError(f"a seq_len change inside an epoch under a windowed shuffle of "
-                          f"{self.lane_count} lanes (the rows served are no prefix of the "
-                          "plan): give lanes=1, or change seq_len where an epoch starts")
+        raise ConfigError(f"a change inside an epoch (of seq_len, or documents excluded) "
+                          f"under a windowed shuffle of {self.lane_count} lanes (the rows "
+                          "served are no prefix of the plan): give lanes=1, or make the "
+                          "change where an epoch starts")
 
     def _row_at_order(self, order_positions: np.ndarray) -> np.ndarray:
         """The first row of the block that begins at each document-order position."""
@@ -369,6 +383,14 @@ class Remainder:
     @property
     def tokens(self) -> int:
         return int(self.counts.sum())
+
+    def without(self, excluded: np.ndarray) -> Remainder:
+        """The remainder but the ranges of `excluded` documents."""
+        if not excluded.size or not self.documents.size:
+            return self
+        kept = ~np.isin(self.documents, excluded)
+        return Remainder(self.documents[kept], self.starts[kept], self.counts[kept],
+                         self.first_document)
 
 
 HEAD_SALT = 999  # the Feistel salt of a continued plan's re-planned rows
@@ -629,6 +651,7 @@ class BestFitMode(LoaderMode):
     name = "bestfit"
     packed = True
     continues_plans = True
+    excludes = True
     Knobs = BestFitKnobs
     knobs_before = {
         "packing": ("crop", ("pieces",)),  # crop packing only (no pieces)
@@ -646,13 +669,15 @@ class BestFitMode(LoaderMode):
         return BestFitPlan(inputs.lengths(), spec.seq_len, spec.seed, epoch,
                            spec.knobs.block_documents, spec.packing, inputs.groups,
                            inputs.memo, separator_of(dataset.bos_id, dataset.eos_id),
-                           spec.resolved_overlong, first_document)
+                           spec.resolved_overlong, first_document, inputs.excluded,
+                           inputs.excluded_key)
 
     def continue_plan(self, spec: Any, inputs: PlanInputs, epoch: int, before: Any,
                       position: int) -> ContinuedPlan:
-        """The rest of `before` from `position` at spec.seq_len: the partly served block's
-        unserved pieces packed again, then the later documents in new blocks."""
-        remainder = before.remaining(position)
+        """The rest of `before` from `position` at spec.seq_len without the documents
+        `inputs` excludes: the partly served block's unserved pieces packed again, then the
+        later documents in new blocks."""
+        remainder = before.remaining(position).without(inputs.excluded)
         return ContinuedPlan(remainder, self.plan(spec, inputs, epoch,
                                                   remainder.first_document))
 

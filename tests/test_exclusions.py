@@ -1,0 +1,259 @@
+"""Documents excluded on resume (raypipe.sampling.exclusions): from the step of the change
+no excluded document is served, every other token is still served once in the epoch (the
+drop-last tail counted), the change is in the state, a resume at any world size and
+`raypipe trace --history` replay the same steps, and a mode that cannot re-plan refuses it
+naming the mode. The dataset's tokens are their own identity (numbered 1..N), so the tests
+count tokens in the batches, not in the plans."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raypipe.errors import ConfigError, StateError
+from raypipe.io.states import LoaderState
+from raypipe.loader import MixtureLoader, TokenLoader
+from tests.helpers import corpus_with_gaps, document_starts, numbered_dataset, tokenize
+
+TOKENS = 60_000
+SEQ_LEN, ROWS = 32, 6  # rows per step of the whole run: 6 divides among 1, 2 and 3 ranks
+CHANGE = 9  # the step the exclusion begins at
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory):
+    return numbered_dataset(tmp_path_factory.mktemp("numbered"), TOKENS)
+
+
+def serve(path, world, state, steps, **options):
+    """({step: [rows of every rank, each its T + 1 tokens]}, the state after, rank 0's
+    loader) for at most `steps` steps from `state`."""
+    if options.get("mode", "bestfit") == "bestfit":
+        options = {"block_documents": 64, **options}
+    loaders = [TokenLoader(str(path), SEQ_LEN, ROWS // world, rank=rank, world_size=world,
+                           seed=3, **options) for rank in range(world)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    iterators = [iter(loader) for loader in loaders]
+    taken = {}
+    for _ in range(steps):
+        batches = [next(iterator, None) for iterator in iterators]
+        if batches[0] is None:
+            break
+        taken[batches[0].step] = np.concatenate(
+            [torch.cat([b.inputs, b.targets[:, -1:]], 1).numpy() for b in batches])
+    for iterator in iterators:
+        iterator.close()
+    states = [loader.state_dict() for loader in loaders]
+    assert all(saved == states[0] for saved in states)
+    return taken, json.loads(json.dumps(states[0])), loaders[0]
+
+
+def documents_of(taken, starts) -> np.ndarray:
+    """The documents whose tokens the steps hold."""
+    tokens = np.concatenate([rows.ravel() for rows in taken.values()]) if taken else []
+    tokens = np.asarray(tokens)
+    return np.unique(np.searchsorted(starts, tokens[tokens > 0], side="right") - 1)
+
+
+MODES = [pytest.param({"packing": "fill"}, id="fill"),
+         pytest.param({"packing": "split"}, id="split"),
+         pytest.param({"shuffle": "shard_local", "group_shards": 1}, id="shard_local"),
+         pytest.param({"mode": "documents"}, id="documents")]
+
+
+@pytest.mark.parametrize("knobs", MODES)
+def test_documents_excluded_on_resume_are_not_served_after_and_every_other_token_once(
+        numbered, knobs):
+    path, total = numbered
+    starts = document_starts(path)
+    lengths = np.diff(np.append(starts, total + 1))
+    before, state, _ = serve(path, 2, None, CHANGE, **knobs)
+    served = documents_of(before, starts)
+    unserved = np.setdiff1d(np.arange(starts.size), served)
+    # named three ways: trace records of served documents, numbers of unserved ones, and
+    # names that match none, or that repeat
+    names = ([{"document": int(document)} for document in served[:20]]
+             + [int(document) for document in unserved[::7][:200]]
+             + [str(int(unserved[0])), 10**9, {"document": starts.size}])
+    excluded = np.union1d(served[:20], unserved[::7][:200])
+    after, state, loader = serve(path, 3, state, 10**6, exclude=names, **knobs)
+    record = state["exclusions"][0]
+    assert record["step"] == CHANGE and record["documents"] == excluded.tolist()
+    assert (record["named"], record["not_found"], record["repeated"]) == (len(names), 2, 1)
+    assert not np.isin(documents_of(after, starts), excluded).any()
+    counts = np.bincount(np.concatenate([rows.ravel() for rows in
+                                         [*before.values(), *after.values()]]),
+                         minlength=total + 1)[1:]
+    if knobs.get("mode") == "documents":  # one document a row, cropped to it
+        per_document = np.minimum(lengths, SEQ_LEN + 1)
+        kept = np.setdiff1d(np.arange(starts.size), excluded)
+        assert counts.max() == 1
+        trained = np.add.reduceat(counts, starts - 1)
+        missing = per_document[kept] - trained[kept]
+        assert (missing >= 0).all() and missing.sum() == loader.dropped_tail[2]
+        return
+    assert counts.max() == 1, "a token trained twice"
+    never = counts == 0
+    owner = np.searchsorted(starts, np.arange(1, total + 1), side="right") - 1
+    # every token never trained is the drop-last tail's, or an excluded document's
+    # that the steps before the change had not served
+    assert int((never & ~np.isin(owner, excluded)).sum()) == loader.dropped_tail[2]
+    unserved_excluded = np.isin(owner, excluded) & np.isin(
+        np.arange(1, total + 1), np.concatenate([rows.ravel() for rows in before.values()]),
+        invert=True)
+    assert (never[np.isin(owner, excluded)] == unserved_excluded[np.isin(owner, excluded)]
+            ).all()
+
+
+def test_a_resume_after_an_exclusion_at_any_world_size_serves_the_same_steps(numbered):
+    path, _ = numbered
+    before, state, _ = serve(path, 2, None, CHANGE)
+    excluded = list(range(0, 600, 5))
+    whole, _, _ = serve(path, 2, state, 10**6, exclude=excluded)
+    first, middle, _ = serve(path, 3, state, 7, exclude=excluded)
+    rest, final, _ = serve(path, 1, middle, 10**6)  # the state carries the exclusion
+    resumed = {**first, **rest}
+    assert sorted(resumed) == sorted(whole)
+    for step, rows in whole.items():
+        assert sorted(map(tuple, resumed[step])) == sorted(map(tuple, rows)), step
+    assert [entry["documents"] for entry in final["exclusions"]] == [excluded]
+    # the same names again on a later resume exclude nothing more
+    _, again, _ = serve(path, 2, middle, 1, exclude=excluded)
+    assert len(again["exclusions"]) == 1
+
+
+def test_trace_history_replays_the_steps_across_an_exclusion(numbered):
+    from raypipe import trace
+
+    path, _ = numbered
+    starts = document_starts(path)
+    _, state, _ = serve(path, 2, None, CHANGE)
+    after, state, _ = serve(path, 3, state, 4, exclude=list(range(0, 900, 4)))
+    for step in (CHANGE, CHANGE + 3):
+        pieces = [record for record in trace(str(path), step, history=state,
+                                             world_size=3)]
+        rows = after[step]
+        for piece in pieces:
+            first = int(starts[piece.document])
+            row = rows[piece.rank * (ROWS // 3) + piece.row]
+            assert row[piece.col_start:piece.col_end].tolist() == list(
+                range(first + piece.token_start, first + piece.token_end))
+        assert {(piece.rank, piece.row) for piece in pieces} == {
+            (rank, row) for rank in range(3) for row in range(ROWS // 3)}
+        assert not {piece.document for piece in pieces} & set(range(0, 900, 4))
+
+
+def test_a_document_named_by_input_and_row_is_the_one_trace_names(tmp_path, corpus_texts,
+                                                                  tokenizer_path):
+    from raypipe import trace
+
+    corpus = corpus_with_gaps(tmp_path / "corpus", corpus_texts[:400])
+    output = tokenize(corpus, tmp_path / "tokens", tokenizer_path)
+    loader = TokenLoader(str(output), 64, 2, seed=1)
+    iterator = iter(loader)
+    next(iterator)
+    iterator.close()
+    state = loader.state_dict()
+    records = list(trace(str(output), 0, world_size=1, seq_len=64, batch_size=2, seed=1))
+    named = [f"{record.input}:{record.input_row}" for record in records]
+    names_file = tmp_path / "bad.txt"  # as trace prints them, and as "input:row"
+    names_file.write_text("\n".join([json.dumps(records[0].to_json()), *named[1:],
+                                     f"{records[0].input}:99999", ""]))
+    resumed = TokenLoader(str(output), 64, 2, seed=1, exclude=str(names_file))
+    resumed.load_state_dict(state)
+    record = resumed.state_dict()["exclusions"][0]
+    assert record["documents"] == sorted({record.document for record in records})
+    assert record["not_found"] == 1 and record["named"] == len(records) + 1
+
+
+def test_a_state_lists_its_exclusions_and_inspect_shows_every_change(numbered, tmp_path,
+                                                                     capsys):
+    from raypipe.cli import main
+
+    path, _ = numbered
+    _, state, _ = serve(path, 2, None, 3)
+    _, state, _ = serve(path, 2, state, 2, exclude=[1, 2, 3])
+    _, state, _ = serve(path, 3, state, 2, exclude=[1, 2, 3, 4, 99999999])
+    assert [(entry["step"], entry["documents"], entry["not_found"], entry["repeated"])
+            for entry in state["exclusions"]] == [(3, [1, 2, 3], 0, 0), (5, [4], 1, 3)]
+    saved = tmp_path / "state.json"
+    saved.write_text(json.dumps(state))
+    assert main(["inspect", str(saved)]) == 0
+    shown = capsys.readouterr().out
+    assert "from step 3: 3 document(s) excluded (3 named, 0 not found" in shown
+    assert "from step 5: 1 document(s) excluded (5 named, 1 not found, 3 excluded" in shown
+    assert "from step 0: global batch 6, seq_len 32" in shown
+
+
+def test_a_state_whose_phase_counts_more_exclusions_than_it_records_is_refused(numbered):
+    path, _ = numbered
+    _, state, _ = serve(path, 2, None, 3, exclude=[5])
+    state["phases"] = [[SEQ_LEN, 0, 2]]
+    with pytest.raises(StateError, match="phase 0 excludes 2 exclusions' documents"):
+        LoaderState.from_dict(state)
+    state["phases"], state["exclusions"][0]["documents"] = None, [7, 5]
+    with pytest.raises(StateError, match="'documents' is not a list of increasing"):
+        LoaderState.from_dict(state)
+
+
+def test_windows_mode_refuses_an_exclusion_naming_the_mode_and_a_mixture_names_the_option(
+        numbered):
+    path, _ = numbered
+    with pytest.raises(ConfigError, match="mode 'windows' cannot plan an epoch without"):
+        TokenLoader(str(path), SEQ_LEN, 2, mode="windows", exclude=[1])
+    with pytest.raises(ConfigError, match="exclude: a mixture does not exclude"):
+        MixtureLoader({"a": str(path), "b": str(path)}, SEQ_LEN, 2, exclude=[1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 200), min_size=2, max_size=200),
+       cuts=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3),
+       picks=st.lists(st.integers(0, 199), min_size=1, max_size=3 * 20),
+       packing=st.sampled_from(["fill", "split", "crop"]), seed=st.integers(0, 5))
+def test_any_chain_of_exclusions_serves_each_other_token_at_most_once_and_fill_split_all(
+        lengths, cuts, picks, packing, seed):
+    """Serve a plan to a position, exclude some documents and continue, again: no excluded
+    document's token after its exclusion, every other token once (fill, split: exactly)."""
+    from raypipe.sampling.lengths import DocumentLengths
+    from raypipe.sampling.modes.base import PlanInputs, PlanSpec
+    from raypipe.sampling.modes.bestfit import BESTFIT
+
+    lengths = np.array(lengths, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    counts = np.zeros(int(lengths.sum()), dtype=np.int64)
+
+    class Dataset:
+        bos_id, eos_id = 1, None
+
+    def inputs(excluded):
+        return PlanInputs(Dataset(), lambda: DocumentLengths.of(lengths),
+                          excluded=np.array(sorted(excluded), dtype=np.int64))
+
+    spec = PlanSpec.of(seq_len=16, seed=seed, packing=packing, block_documents=8)
+    excluded: set[int] = set()
+    plan = BESTFIT.plan(spec, inputs(excluded), 0)
+    chunks = [picks[index::len(cuts)] for index in range(len(cuts))]
+    for cut, chunk in zip(cuts, chunks, strict=True):
+        position = int(cut * plan.size)
+        for _, row in plan.rows(np.arange(position, dtype=np.int64)) if position else []:
+            for document, start, take in zip(row.documents, row.starts, row.take,
+                                             strict=True):
+                counts[offsets[document] + start:offsets[document] + start + take] += 1
+        excluded |= {pick % lengths.size for pick in chunk}
+        plan = BESTFIT.continue_plan(spec, inputs(excluded), 0, plan, position)
+    for _, row in plan.rows(np.arange(plan.size, dtype=np.int64)) if plan.size else []:
+        for document, start, take in zip(row.documents, row.starts, row.take, strict=True):
+            assert int(document) not in excluded
+            counts[offsets[document] + start:offsets[document] + start + take] += 1
+    owner = np.repeat(np.arange(lengths.size), lengths)
+    kept = ~np.isin(owner, list(excluded))
+    assert counts.max() <= 1
+    if packing != "crop":
+        assert (counts[kept] == 1).all()
