@@ -149,12 +149,13 @@ def test_new_weights_on_resume_hold_their_shares_over_the_rows_after_it(sources)
     assert abs(code - 0.8 * len(after)) <= 0.01 * len(after), (code, len(after))
 
 
-def test_a_changed_or_missing_source_is_refused_naming_it(sources, tmp_path, caplog):
+def test_a_changed_source_or_none_in_common_is_refused_naming_it(sources, tmp_path, caplog):
     loader = open_loader(sources, 16, 4, weights={"web": 0.5, "code": 0.5})
     next(iter(loader))
     state = loader.state_dict()
-    other = open_loader({"web": sources["web"]}, 16, 4)
-    with pytest.raises(StateError, match="sources"):
+    other = open_loader({"other": sources["web"]}, 16, 4)
+    with pytest.raises(StateError, match=r"holds sources \['code', 'web'\], this mixture has "
+                       r"\['other'\]: none in common"):
         other.load_state_dict(state)
     changed = json.loads(json.dumps(state))
     changed["sources"]["code"]["dataset"] = "0" * 16

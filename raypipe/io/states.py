@@ -171,9 +171,28 @@ class SourcePosition(JsonRecord):
 
 
 @dataclass(frozen=True)
+class SourceChange(JsonRecord):
+    """A mixture's sources changed on a resume, from global step `step` on: `added` began
+    at their first row, `dropped` served nothing more, each by name with its dataset
+    (`datasets`: {name: dataset root} of both), under `weights` (the sources' after it)."""
+
+    step: int
+    added: list[str]
+    dropped: list[str]
+    datasets: dict[str, str]
+    weights: dict[str, float]
+
+    def check(self, where: str) -> None:
+        if self.step < 0 or not (self.added or self.dropped):
+            raise FormatError(where, "a source change names a step >= 0 and a source added "
+                              "or dropped")
+
+
+@dataclass(frozen=True)
 class MixtureState(JsonRecord):
     """A MixtureLoader's checkpointable position (JSON-able, a few hundred bytes per
-    source); every source's position is checked as a SourcePosition."""
+    source); every source's position is checked as a SourcePosition; `changes`: the
+    sources added and dropped on resumes, in order (None: none)."""
 
     weights: dict[str, float]
     knobs: dict[str, Any]
@@ -181,12 +200,18 @@ class MixtureState(JsonRecord):
     sources: dict[str, SourcePosition]
     version: int = STATE_VERSION
     kind: str = "mixture"
+    changes: tuple[SourceChange, ...] | None = None
 
     def __post_init__(self) -> None:
         sources = {name: entry if isinstance(entry, SourcePosition)
                    else SourcePosition.from_json(entry, f"mixture state source {name!r}")
                    for name, entry in self.sources.items()}
         object.__setattr__(self, "sources", sources)
+        if self.changes is not None:
+            object.__setattr__(self, "changes", tuple(
+                entry if isinstance(entry, SourceChange)
+                else SourceChange.from_json(entry, f"mixture state change {index}")
+                for index, entry in enumerate(self.changes)))
 
     def check(self, where: str) -> None:
         if self.kind != "mixture":
@@ -194,9 +219,16 @@ class MixtureState(JsonRecord):
         check_version(where, self.version)
         if self.steps < 0:
             raise FormatError(where, f"field 'steps' {self.steps} is negative")
+        steps = [change.step for change in self.changes or ()]
+        if steps != sorted(steps) or any(step > self.steps for step in steps):
+            raise FormatError(where, f"field 'changes' at steps {steps}: not in order, or "
+                              f"after the state's {self.steps} steps")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        if self.changes is not None:
+            record["changes"] = list(record["changes"])
+        return record
 
     @classmethod
     def from_dict(cls, state: Any) -> MixtureState:

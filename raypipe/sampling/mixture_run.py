@@ -23,10 +23,15 @@ from typing import Any
 import numpy as np
 
 from raypipe.errors import ConfigError, StateError
-from raypipe.io.states import MixtureState, SourcePosition
+from raypipe.io.states import MixtureState, SourceChange, SourcePosition
 from raypipe.sampling.buffers import DescribedRows
 from raypipe.sampling.epochs import PlanSpec
-from raypipe.sampling.mixture import MixtureSchedule, WeightStages, resumed_positions
+from raypipe.sampling.mixture import (
+    MixtureSchedule,
+    WeightStages,
+    restage,
+    resumed_positions,
+)
 from raypipe.sampling.modes import BatchFiller
 from raypipe.sampling.run import (
     DESCRIBE_STEPS,
@@ -69,6 +74,7 @@ class MixtureRun:
         self.steps = 0
         self.positions = {name: SourcePosition(source.dataset.fingerprint, 0, 0, 0)
                           for name, source in zip(names, sources, strict=True)}
+        self.changes: list[SourceChange] = []  # sources added and dropped on resumes
         self._fillers: dict[tuple[int, int, Phases], BatchFiller] = {}
 
     @classmethod
@@ -194,33 +200,43 @@ class MixtureRun:
 
     def state(self) -> MixtureState:
         return MixtureState(self.weights_by_name, self.knobs(), self.steps,
-                            dict(self.positions))
+                            dict(self.positions), changes=tuple(self.changes) or None)
 
     def resume(self, state: dict[str, Any] | MixtureState) -> None:
         """Stand where `state` (any rank's, any world size) stands; weights other than the
         state's begin a stage there, every source continuing from its own position."""
         saved = (state if isinstance(state, MixtureState)
                  else MixtureState.from_dict(upgraded(state)))
-        if sorted(saved.sources) != self.names:
+        added = [name for name in self.names if name not in saved.sources]
+        dropped = sorted(name for name in saved.sources if name not in self.names)
+        if len(added) == len(self.names):
             raise StateError(f"mixture state holds sources {sorted(saved.sources)}, this "
-                             f"mixture has {self.names}")
+                             f"mixture has {self.names}: none in common (a source kept, "
+                             "with its dataset unchanged, is what a resume continues)")
         for name, source in zip(self.names, self.sources, strict=True):
-            check_dataset(saved.sources[name].dataset, source.dataset, name)
+            if name in saved.sources:
+                check_dataset(saved.sources[name].dataset, source.dataset, name)
             source.adopt_shuffle(saved.knobs)
         check_knobs("the mixture state", saved.knobs, self.knobs(),
-                    "seq_len, batch size, world size and weights")
+                    "seq_len, batch size, world size, weights and sources")
         self.steps = saved.steps
-        if not np.allclose([saved.weights[name] for name in self.names], self.weights,
-                           rtol=0, atol=1e-12):
-            logger.info("mixture weights changed on resume: %s -> %s; every source continues "
-                        "from its own position, the new weights' shares counted from here",
-                        saved.weights, self.weights_by_name)
+        self.changes = list(saved.changes or ())
         implied = implied_phases(saved.knobs.get("seq_len", self.seq_len),
                                  self.sources[0].spec.seq_len)
-        positions = resumed_positions(
-            self.stages, np.array([saved.weights[name] for name in self.names]), saved.steps,
-            [replace(saved.sources[name], phases=saved.sources[name].phases or implied)
-             for name in self.names])
+        kept = [replace(saved.sources[name], phases=saved.sources[name].phases or implied)
+                if name in saved.sources else self.positions[name] for name in self.names]
+        if added or dropped:
+            self.change_sources(added, dropped, saved)
+            positions = restage(kept)
+        else:
+            if not np.allclose([saved.weights[name] for name in self.names], self.weights,
+                               rtol=0, atol=1e-12):
+                logger.info("mixture weights changed on resume: %s -> %s; every source "
+                            "continues from its own position, the new weights' shares "
+                            "counted from here", saved.weights, self.weights_by_name)
+            positions = resumed_positions(
+                self.stages, np.array([saved.weights[name] for name in self.names]),
+                saved.steps, kept)
         self.positions = dict(zip(self.names, positions, strict=True))
         schedule = self.schedule()
 
@@ -230,6 +246,30 @@ class MixtureRun:
                 self.sources[index].planned.plan(position.epoch, schedule.phases_of(position))
 
         planned_again("mixture state", rephased)
+
+
+    def change_sources(self, added: list[str], dropped: list[str], saved: MixtureState
+                       ) -> None:
+        """Record (and, rank 0, log) the sources added and dropped at the state's step: an
+        added source begins at its first row, a dropped one serves nothing more, and the
+        weights now in force begin a stage there (each source's share counted from it)."""
+        roots = {name: str(source.dataset.root)
+                 for name, source in zip(self.names, self.sources, strict=True)}
+        change = SourceChange(saved.steps, added, dropped,
+                              {**{name: f"dataset {saved.sources[name].dataset}"
+                                  for name in dropped},
+                               **{name: roots[name] for name in added}},
+                              self.weights_by_name)
+        self.changes.append(change)
+        if self.rank == 0:
+            logger.warning("mixture sources changed on resume at step %d: %s; the weights "
+                           "%s hold from here, every kept source continuing from its own "
+                           "position", saved.steps, "; ".join(
+                               [f"{name} added ({roots[name]}), from its first row"
+                                for name in added]
+                               + [f"{name} dropped (served {saved.sources[name].consumed:,}"
+                                  " rows; nothing more)" for name in dropped]),
+                           self.weights_by_name)
 
 
 def check_tokenizers(names: list[str], sources: list[Run]) -> None:

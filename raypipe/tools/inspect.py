@@ -81,6 +81,10 @@ def inspect_state(path: str | Path) -> str:
         lines += [f"  source {name}: epoch {where.epoch}, position {where.position:,}, "
                   f"{where.consumed:,} rows served (dataset {where.dataset})"
                   for name, where in sorted(state.sources.items())]
+        changes = state.changes or ()
+        lines.append(f"  history ({len(changes)} change(s)):" if changes else "  history: none")
+        lines += [f"    from step {change.step:,}: sources added {change.added}, dropped "
+                  f"{change.dropped}, weights {change.weights}" for change in changes]
         return "\n".join(lines)
     assert isinstance(state, LoaderState)
     saved = state.saved_with

@@ -1,9 +1,11 @@
-"""Documents excluded on resume (raypipe.sampling.exclusions): from the step of the change
-no excluded document is served, every other token is still served once in the epoch (the
-drop-last tail counted), the change is in the state, a resume at any world size and
-`raypipe trace --history` replay the same steps, and a mode that cannot re-plan refuses it
-naming the mode. The dataset's tokens are their own identity (numbered 1..N), so the tests
-count tokens in the batches, not in the plans."""
+"""Data that changes under a run. Documents excluded on resume
+(raypipe.sampling.exclusions): from the step of the change no excluded document is served,
+every other token is still served once in the epoch (the drop-last tail counted), the
+change is in the state, a resume at any world size and `raypipe trace --history` replay the
+same steps, and a mode that cannot re-plan refuses it naming the mode. The dataset's tokens
+are their own identity (numbered 1..N), so the tests count tokens in the batches, not in
+the plans. Mixture sources added and dropped on resume: the kept ones continue where they
+stood, an added one from its first row, a dropped one serves nothing more, each recorded."""
 
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raypipe.dataset import TokenDataset
 from raypipe.errors import ConfigError, StateError
 from raypipe.io.states import LoaderState
 from raypipe.loader import MixtureLoader, TokenLoader
+from tests import test_state_harness as harness
+from tests.conftest import write_parquet
 from tests.helpers import corpus_with_gaps, document_starts, numbered_dataset, tokenize
 
 TOKENS = 60_000
@@ -257,3 +262,81 @@ def test_any_chain_of_exclusions_serves_each_other_token_at_most_once_and_fill_s
     assert counts.max() <= 1
     if packing != "crop":
         assert (counts[kept] == 1).all()
+
+
+@pytest.fixture(scope="module")
+def extra_source(tmp_path_factory, corpus_texts, tokenizer_path):
+    """A third dataset of other documents, the same tokenizer as the session's."""
+    root = tmp_path_factory.mktemp("extra")
+    write_parquet(root / "corpus" / "part-0.parquet", corpus_texts[600:900], row_group_rows=50)
+    return tokenize(root / "corpus", root / "tokens", tokenizer_path)
+
+
+def by_name(consumed, names):
+    """(source name, position) -> tokens of each row served (the loader's source ids index
+    the sorted names of the mixture that served it)."""
+    return [((sorted(names)[source], position), tokens)
+            for (source, position), tokens in consumed]
+
+
+def test_a_source_added_and_one_dropped_on_resume_continue_the_kept_from_where_they_stood(
+        token_dataset, rich_dataset, extra_source, tmp_path, capsys):
+    from raypipe.cli import main
+
+    before = {"web": str(token_dataset), "code": str(rich_dataset)}
+    after = {"web": str(token_dataset), "extra": str(extra_source)}
+    old = {"mode": "documents", "weights": {"web": 0.6, "code": 0.4}}
+    new = {"mode": "documents", "weights": {"web": 0.5, "extra": 0.5}}
+    first, state = harness.run_segment(before, old, 2, None, steps=10)
+    served_web = state["sources"]["web"]["consumed"]
+    second, middle = harness.run_segment(after, new, 3, state, steps=6)
+    third, final = harness.run_segment(after, new, 1, middle, steps=6)
+    whole, _ = harness.run_segment(after, new, 2, state, steps=12)  # no stop after the change
+    rows = by_name(second + third, after)
+    assert rows == by_name(whole, after), "a resume after the change served other steps"
+    web = [position for (name, position), _ in by_name(first, before) if name == "web"]
+    web += [position for (name, position), _ in rows if name == "web"]
+    assert sorted(web) == list(range(len(web))), "web repeated or skipped a row"
+    extra = sorted(position for (name, position), _ in rows if name == "extra")
+    assert extra == list(range(len(extra))), "the added source did not begin at its first row"
+    assert abs(len(extra) - 0.5 * len(rows)) <= 1, "the new weights' shares"
+    assert served_web < final["sources"]["web"]["consumed"] and "code" not in final["sources"]
+    change = final["changes"][0]
+    assert (change["step"], change["added"], change["dropped"]) == (10, ["extra"], ["code"])
+    assert change["weights"] == {"extra": 0.5, "web": 0.5}
+    saved = tmp_path / "mixture-state.json"
+    saved.write_text(json.dumps(final))
+    assert main(["inspect", str(saved)]) == 0
+    assert "from step 10: sources added ['extra'], dropped ['code']" in capsys.readouterr().out
+
+
+def test_trace_after_a_source_change_names_the_rows_the_resumed_mixture_served(
+        token_dataset, rich_dataset, extra_source):
+    from raypipe import trace
+
+    before = {"web": str(token_dataset), "code": str(rich_dataset)}
+    after = {"web": str(token_dataset), "extra": str(extra_source)}
+    _, state = harness.run_segment(before, {"mode": "documents"}, 2, None, steps=4)
+    loaders = [MixtureLoader(after, harness.T, harness.B, rank=rank, world_size=2,
+                             seed=harness.SEED, mode="documents") for rank in range(2)]
+    for loader in loaders:
+        loader.load_state_dict(state)
+    resumed = loaders[0].state_dict()
+    batches = [next(iter(loader)) for loader in loaders]
+    pieces = list(trace(after, state=resumed, world_size=2, batch_size=harness.B,
+                        seed=harness.SEED,
+                        mode="documents"))
+    assert {piece.step for piece in pieces} == {4}
+    assert {piece.source for piece in pieces} <= {"web", "extra"} and any(
+        piece.source == "extra" for piece in pieces)
+    datasets = {name: TokenDataset(path) for name, path in after.items()}
+    for piece in pieces:
+        batch = batches[piece.rank]
+        row = torch.cat([batch.inputs[piece.row], batch.targets[piece.row, -1:]]).tolist()
+        assert batch.source_ids[piece.row] == sorted(after).index(piece.source)
+        dataset = datasets[piece.source]
+        shard = int(np.searchsorted(dataset.document_offsets, piece.document, side="right")) - 1
+        tokens = dataset.reader(shard).document(
+            piece.document - int(dataset.document_offsets[shard]))
+        assert row[piece.col_start:piece.col_end] == tokens[
+            piece.token_start:piece.token_end].tolist()
