@@ -208,13 +208,16 @@ def test_a_state_whose_phase_counts_more_exclusions_than_it_records_is_refused(n
         LoaderState.from_dict(state)
 
 
-def test_windows_mode_refuses_an_exclusion_naming_the_mode_and_a_mixture_names_the_option(
+def test_windows_mode_refuses_an_exclusion_naming_the_mode_and_a_mixture_the_source(
         numbered):
     path, _ = numbered
     with pytest.raises(ConfigError, match="mode 'windows' cannot plan an epoch without"):
         TokenLoader(str(path), SEQ_LEN, 2, mode="windows", exclude=[1])
-    with pytest.raises(ConfigError, match="exclude: a mixture does not exclude"):
+    with pytest.raises(ConfigError, match="exclude: 1 names no source; a mixture's"):
         MixtureLoader({"a": str(path), "b": str(path)}, SEQ_LEN, 2, exclude=[1])
+    with pytest.raises(ConfigError, match="names source 'c', which this mixture does not"):
+        MixtureLoader({"a": str(path), "b": str(path)}, SEQ_LEN, 2,
+                      exclude=[{"source": "c", "document": 1}])
 
 
 @settings(max_examples=60, deadline=None)
@@ -340,3 +343,57 @@ def test_trace_after_a_source_change_names_the_rows_the_resumed_mixture_served(
             piece.document - int(dataset.document_offsets[shard]))
         assert row[piece.col_start:piece.col_end] == tokens[
             piece.token_start:piece.token_end].tolist()
+
+
+def serve_mixture(paths, world, state, steps, **options):
+    """({step: rows of every rank}, the state after) of a mixture, as `serve`."""
+    loaders = [MixtureLoader(paths, SEQ_LEN, ROWS // world, rank=rank, world_size=world,
+                             seed=3, block_documents=64, **options) for rank in range(world)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    iterators = [iter(loader) for loader in loaders]
+    taken = {}
+    for _ in range(steps):
+        batches = [next(iterator) for iterator in iterators]
+        taken[batches[0].step] = np.concatenate(
+            [torch.cat([b.inputs, b.targets[:, -1:]], 1).numpy() for b in batches])
+    states = [loader.state_dict() for loader in loaders]
+    assert all(saved == states[0] for saved in states)
+    return taken, json.loads(json.dumps(states[0]))
+
+
+def test_a_mixture_excludes_each_source_s_documents_named_by_trace_records(tmp_path):
+    from raypipe import trace
+
+    a, _ = numbered_dataset(tmp_path / "a", 30_000)
+    b, _ = numbered_dataset(tmp_path / "b", 30_000, first=1_000_000, seed=8)
+    paths = {"a": str(a), "b": str(b)}
+    starts = {"a": document_starts(a), "b": document_starts(b) - 1 + 1_000_000}
+    before, state = serve_mixture(paths, 2, None, CHANGE)
+    records = [record.to_json() for record in trace(
+        paths, CHANGE - 1, steps=1, state=None, world_size=2, batch_size=ROWS // 2, seed=3,
+        block_documents=64, seq_len=SEQ_LEN)]
+    named = records + [{"source": "b", "document": 5}, {"source": "a", "document": 10**7}]
+    after, final = serve_mixture(paths, 3, state, 12, exclude=named)
+    excluded = {name: sorted({r["document"] for r in named
+                              if r["source"] == name and r["document"] < starts[name].size})
+                for name in paths}
+    assert {name: entries[0]["documents"] for name, entries in
+            final["exclusions"].items()} == excluded
+    assert final["exclusions"]["a"][0]["not_found"] == 1
+    served_after = np.concatenate([rows.ravel() for rows in after.values()])
+    for name in paths:
+        owners = np.searchsorted(starts[name], served_after[served_after >= starts[name][0]],
+                                 side="right") - 1
+        owners = owners[owners < starts[name].size]
+        assert not np.isin(owners, excluded[name]).any(), name
+    every = np.concatenate([rows.ravel() for rows in [*before.values(), *after.values()]])
+    every = every[every > 0]
+    assert np.bincount(every).max() == 1, "a token trained twice"
+    # the same steps from a resume at another world size after the change
+    first, middle = serve_mixture(paths, 1, state, 5, exclude=named)
+    rest, _ = serve_mixture(paths, 2, middle, 7)
+    for step, rows in after.items():
+        again = {**first, **rest}[step]
+        assert sorted(map(tuple, again)) == sorted(map(tuple, rows)), step

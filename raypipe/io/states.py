@@ -78,10 +78,8 @@ class LoaderState(JsonRecord):
 
     def __post_init__(self) -> None:
         if self.exclusions is not None:
-            object.__setattr__(self, "exclusions", tuple(
-                entry if isinstance(entry, Exclusion)
-                else Exclusion.from_json(entry, f"loader state exclusion {index}")
-                for index, entry in enumerate(self.exclusions)))
+            object.__setattr__(self, "exclusions",
+                               exclusions_of(self.exclusions, "loader state exclusion"))
 
     def check(self, where: str) -> None:
         check_version(where, self.version)
@@ -90,13 +88,7 @@ class LoaderState(JsonRecord):
             raise FormatError(where, f"field 'steps' {self.steps} is negative")
         check_int_rows(where, "phases", self.phases, (2, 3))
         check_int_rows(where, "history", self.history, (3,))
-        steps = [entry.step for entry in self.exclusions or ()]
-        if steps != sorted(steps):
-            raise FormatError(where, f"field 'exclusions' begin at steps {steps}, not in order")
-        for index, phase in enumerate(self.phases or []):
-            if len(phase) == 3 and phase[2] > len(self.exclusions or ()):
-                raise FormatError(where, f"phase {index} excludes {phase[2]} exclusions' "
-                                  f"documents; the state records {len(self.exclusions or ())}")
+        check_exclusions(where, self.exclusions or (), self.phases)
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
@@ -117,6 +109,26 @@ def check_int_rows(where: str, name: str, rows: list[list[int]] | None,
             or not all(type(value) is int and value >= 0 for value in row) for row in rows)):
         raise FormatError(where, f"field {name!r} {rows!r} is not a non-empty list of "
                           f"[{' or '.join(map(str, widths))} ints >= 0]")
+
+
+def exclusions_of(entries: Any, where: str) -> tuple[Exclusion, ...]:
+    """Exclusions from their records or their JSON objects."""
+    return tuple(entry if isinstance(entry, Exclusion)
+                 else Exclusion.from_json(entry, f"{where} {index}")
+                 for index, entry in enumerate(entries))
+
+
+def check_exclusions(where: str, exclusions: tuple[Exclusion, ...],
+                     phases: list[list[int]] | None) -> None:
+    """Exclusions begin at steps in order, and no phase counts more of them than there
+    are."""
+    steps = [entry.step for entry in exclusions]
+    if steps != sorted(steps):
+        raise FormatError(where, f"field 'exclusions' begin at steps {steps}, not in order")
+    for index, phase in enumerate(phases or []):
+        if len(phase) == 3 and phase[2] > len(exclusions):
+            raise FormatError(where, f"phase {index} excludes {phase[2]} exclusions' "
+                              f"documents; the state records {len(exclusions)}")
 
 
 @dataclass(frozen=True)
@@ -162,7 +174,7 @@ class SourcePosition(JsonRecord):
 
     def check(self, where: str) -> None:
         check_position(where, self.epoch, self.position)
-        check_int_rows(where, "phases", self.phases, (2,))
+        check_int_rows(where, "phases", self.phases, (2, 3))
         if self.consumed < 0:
             raise FormatError(where, f"field 'consumed' {self.consumed} is negative")
         if not 0 <= self.stage_base <= self.consumed:
@@ -192,7 +204,8 @@ class SourceChange(JsonRecord):
 class MixtureState(JsonRecord):
     """A MixtureLoader's checkpointable position (JSON-able, a few hundred bytes per
     source); every source's position is checked as a SourcePosition; `changes`: the
-    sources added and dropped on resumes, in order (None: none)."""
+    sources added and dropped on resumes, in order (None: none); `exclusions`: each
+    source's documents left out, as a LoaderState's (None: none)."""
 
     weights: dict[str, float]
     knobs: dict[str, Any]
@@ -201,6 +214,7 @@ class MixtureState(JsonRecord):
     version: int = STATE_VERSION
     kind: str = "mixture"
     changes: tuple[SourceChange, ...] | None = None
+    exclusions: dict[str, tuple[Exclusion, ...]] | None = None
 
     def __post_init__(self) -> None:
         sources = {name: entry if isinstance(entry, SourcePosition)
@@ -212,6 +226,10 @@ class MixtureState(JsonRecord):
                 entry if isinstance(entry, SourceChange)
                 else SourceChange.from_json(entry, f"mixture state change {index}")
                 for index, entry in enumerate(self.changes)))
+        if self.exclusions is not None:
+            object.__setattr__(self, "exclusions", {
+                name: exclusions_of(entries, f"mixture state source {name!r} exclusion")
+                for name, entries in self.exclusions.items()})
 
     def check(self, where: str) -> None:
         if self.kind != "mixture":
@@ -223,11 +241,19 @@ class MixtureState(JsonRecord):
         if steps != sorted(steps) or any(step > self.steps for step in steps):
             raise FormatError(where, f"field 'changes' at steps {steps}: not in order, or "
                               f"after the state's {self.steps} steps")
+        for name, entries in (self.exclusions or {}).items():
+            if name not in self.sources:
+                raise FormatError(where, f"field 'exclusions' names source {name!r}, which "
+                                  "the state does not hold")
+            check_exclusions(where, entries, self.sources[name].phases)
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
         if self.changes is not None:
             record["changes"] = list(record["changes"])
+        if self.exclusions is not None:
+            record["exclusions"] = {name: list(entries)
+                                    for name, entries in record["exclusions"].items()}
         return record
 
     @classmethod

@@ -26,6 +26,7 @@ import numpy as np
 from raypipe.errors import ConfigError
 from raypipe.io.cache import CacheStats
 from raypipe.loader.batch import Batch
+from raypipe.loader.exclusions import PendingExclusions
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.stats import LoaderStats, WaitStats, WaitSummary
@@ -47,11 +48,6 @@ class MixtureLoader:
         self.options = options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
         if options.metadata:
             raise ConfigError("mixture: stream metadata cannot be mixed")
-        if options.exclude is not None:
-            raise ConfigError("exclude: a mixture does not exclude documents yet (each "
-                              "source's run would need its own exclusions); exclude them "
-                              "with a TokenLoader of that source, or leave them to the next "
-                              "tokenize job")
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
         self.run = MixtureRun.open(
             paths, options.plan, self.world_size, options.batch_size, weights=weights,
@@ -60,6 +56,11 @@ class MixtureLoader:
             cache_dir=options.cache_dir, cache_bytes=options.cache_bytes,
             pad_id=options.pad_id, boundaries=options.boundaries)
         self.names, self.sources = self.run.names, self.run.sources
+        self.exclusions = PendingExclusions(  # excluded where the run starts, or resumes
+            options.exclude, {name: source.planned.document_dataset
+                              for name, source in zip(self.names, self.sources, strict=True)},
+            lambda what: self.sources[0].spec.loader_mode.refuse_an_exclusion(
+                f"mixture: {what}"))
         self.batch_size = self.sources[0].batch_size
         self.device = options.torch_device()
         self.state_name: str | None = None
@@ -131,6 +132,7 @@ class MixtureLoader:
         """Batches without end (each source cycles its epochs); stop after the steps you
         train. The state advances as each batch is taken; each step holds the batch
         schedule's rows (every rank its share)."""
+        self._exclude()
         while True:
             steps = self.run.steps
             yield from self._serve(self.global_batch // self.world_size, self.seq_len,
@@ -182,12 +184,20 @@ class MixtureLoader:
         return self.run.knobs()
 
     def state_dict(self) -> dict[str, Any]:
+        self._exclude()
         return self.run.state().to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from any rank's `state_dict()` at any world size; new weights continue
-        every source from its own position."""
+        every source from its own position, a source added begins at its first row, and
+        the documents of `exclude` the state does not hold are excluded from its step."""
         self.run.resume(state)
+        self.exclusions.resumed()
+        self._exclude()
+
+    def _exclude(self) -> None:
+        """Exclude the `exclude` option's documents from where the run stands, once."""
+        self.exclusions.apply(self.run.exclude)
 
     def close(self) -> None:
         for source in self.sources:

@@ -21,13 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from raypipe.errors import ConfigError
 from raypipe.io.cache import CacheStats
 from raypipe.io.records import TokenizerInfo
 from raypipe.loader.batch import Batch
+from raypipe.loader.exclusions import PendingExclusions
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.stats import LoaderStats, WaitStats, WaitSummary
@@ -37,7 +37,6 @@ from raypipe.sampling.modes import BatchFiller
 from raypipe.sampling.plans import PackingReport
 from raypipe.sampling.run import Run
 from raypipe.sampling.schedule import Phases, Segment
-from raypipe.tools.trace import DocumentsByName, document_names
 
 logger = logging.getLogger("raypipe")
 FETCHES_NAMED = 3  # shards a slow-wait line names
@@ -94,10 +93,10 @@ class TokenLoader:
         self.waits = WaitStats(describe=self._fetching_now)
         if self.rank == 0 and self.dataset.cache is not None:
             self.run.note_shuffle()
-        # the `exclude` option's documents, resolved now, excluded where the run starts:
-        # at the first batch or state asked for, or at the step a state resumes
-        self._excluded = self._resolve_exclusions()
-        self._to_exclude = self._excluded is not None
+        self.exclusions = PendingExclusions(  # excluded where the run starts, or resumes
+            options.exclude, {None: self.run.planned.document_dataset},
+            lambda what: self.spec.loader_mode.refuse_an_exclusion(
+                f"{self.dataset.root}: {what}"))
 
     # ----- the run's shape, as the Loader contract names it --------------------------------
     @property
@@ -274,24 +273,12 @@ class TokenLoader:
         """Resume from `state` (any rank's `state_dict()`, any world size); the documents
         of `exclude` that the state's exclusions do not hold are excluded from its step."""
         self.run.resume(state)
-        self._to_exclude = self._excluded is not None
+        self.exclusions.resumed()
         self._exclude()
-
-    def _resolve_exclusions(self) -> tuple[np.ndarray, int, int] | None:
-        """The `exclude` option's documents: (their numbers, names given, names that named
-        none), or None without the option."""
-        if self.options.exclude is None:
-            return None
-        self.run.spec.loader_mode.refuse_an_exclusion(f"{self.dataset.root}: exclude")
-        names = document_names(self.options.exclude)
-        found, missing = DocumentsByName(self.run.planned.document_dataset)(names)
-        return found, len(names), missing
 
     def _exclude(self) -> None:
         """Exclude the `exclude` option's documents from where the run stands, once."""
-        if self._to_exclude and self._excluded is not None:
-            self._to_exclude = False
-            self.run.exclude(*self._excluded)
+        self.exclusions.apply(lambda by_source: self.run.exclude(*by_source[None]))
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -181,17 +181,22 @@ class MixtureSchedule:
     rank every step, or a BatchSchedule of each step's global rows and seq_len (at a step
     whose seq_len differs from a source's, the source begins a phase where it stands: the
     rest of its epoch planned again, as a TokenLoader's); `seq_len`: where a position
-    records no phases, the one it stands at."""
+    records no phases, the one it stands at; `exclusion_starts`: the step each of a
+    source's exclusions begins at (raypipe.sampling.exclusions), a phase begun there too."""
 
     def __init__(self, weights: np.ndarray | WeightStages, world_size: int,
                  batch_size: int | BatchSchedule,
                  plan_sizes: Sequence[Callable[[int, Phases], int]],
-                 positions: list[SourcePosition], step: int = 0, seq_len: int = 0):
+                 positions: list[SourcePosition], step: int = 0, seq_len: int = 0,
+                 exclusion_starts: Sequence[tuple[int, ...]] = ()):
         self.stages = (weights if isinstance(weights, WeightStages)
                        else WeightStages.single(weights))
         self.world_size = world_size
         self.batches = (batch_size if isinstance(batch_size, BatchSchedule)
                         else BatchSchedule.constant(world_size * batch_size))
+        # each source's steps: the mixture's, with that source's exclusions
+        self.source_batches = [replace(self.batches, exclusion_starts=tuple(starts))
+                               for starts in exclusion_starts] or [self.batches] * len(positions)
         self.plan_sizes = plan_sizes
         self.seq_len = seq_len
         self.positions = list(positions)
@@ -201,14 +206,12 @@ class MixtureSchedule:
         return phases_of_rows(position.phases, self.seq_len)
 
     def rephase(self) -> None:
-        """At the next step's seq_len, every source whose phase is at another begins one
-        where it stands (at position 0: its phase replaced)."""
-        if self.batches.seq_len_at(self.step) is None:
-            return
+        """At the next step's seq_len and the source's exclusions, every source whose phase
+        is at others begins one where it stands (at position 0: its phase replaced)."""
         for index, position in enumerate(self.positions):
             phases = self.phases_of(position)
-            cursor = self.batches.phases_at(Cursor(position.epoch, position.position,
-                                                   self.step, phases))
+            cursor = self.source_batches[index].phases_at(
+                Cursor(position.epoch, position.position, self.step, phases))
             if cursor.phases != phases:
                 self.positions[index] = replace(position, position=cursor.position,
                                                 phases=phase_rows(cursor.phases))
@@ -227,7 +230,9 @@ class MixtureSchedule:
         end = self.step + steps
         while self.step < end:
             self.rephase()
-            later = [start for start in self.batches.seq_starts if start > self.step]
+            later = sorted(start for batches in self.source_batches
+                           for start in (*batches.seq_starts, *batches.exclusion_starts)
+                           if start > self.step)
             self._skip_run(min(end, later[0]) - self.step if later else end - self.step)
 
     def _skip_run(self, steps: int) -> None:
@@ -283,7 +288,8 @@ class MixtureSchedule:
         return taken, replace(where, epoch=epoch, position=position,
                               consumed=where.consumed + count,
                               phases=phase_rows(phases) if where.phases or len(phases) > 1
-                              or phases[0].seq_len != self.seq_len else None)
+                              or phases[0].seq_len != self.seq_len or phases[0].excluded
+                              else None)
 
 
 MIXTURE_SUFFIXES = (".yaml", ".yml")

@@ -126,7 +126,8 @@ class MixtureRun:
             self.stages, self.world_size, self.batches,
             [source.planned.plan_size for source in self.sources],
             [self.positions[name] for name in self.names], self.steps,
-            self.sources[0].spec.seq_len)
+            self.sources[0].spec.seq_len,
+            [source.planned.schedule.exclusion_starts for source in self.sources])
 
     def filler(self, source: int, epoch: int, phases: Phases) -> BatchFiller:
         """Source `source`'s filler of epoch `epoch` under `phases` (the latest few kept)."""
@@ -199,8 +200,32 @@ class MixtureRun:
         return self.sources[0].planned.plans.at_seq_len(self.seq_len).knobs_record()
 
     def state(self) -> MixtureState:
+        exclusions = {name: tuple(source.planned.exclusions.records)
+                      for name, source in zip(self.names, self.sources, strict=True)
+                      if len(source.planned.exclusions)}
         return MixtureState(self.weights_by_name, self.knobs(), self.steps,
-                            dict(self.positions), changes=tuple(self.changes) or None)
+                            dict(self.positions), changes=tuple(self.changes) or None,
+                            exclusions=exclusions or None)
+
+    def exclude(self, by_source: dict[str, tuple[np.ndarray, int, int]]) -> None:
+        """Leave documents of each named source out from the next step on: {source:
+        (its document numbers, names given for it, names that matched none)}; as a
+        one-dataset run's `exclude`, source by source (its rest of the epoch planned again
+        where it stands now)."""
+        for name, (documents, named, not_found) in sorted(by_source.items()):
+            source = self.sources[self.names.index(name)]
+            record = source.planned.exclude(self.steps, documents, named, not_found)
+            if record is None:
+                continue
+            try:
+                planned_again(f"mixture source {name!r}: exclude",
+                              lambda: self.rephased(self.schedule()))
+            except StateError:
+                source.planned.take_back_exclusion()
+                raise
+            if self.rank == 0:
+                source.planned.exclusions.log(record, f"mixture source {name!r} "
+                                                      f"({source.dataset.root})")
 
     def resume(self, state: dict[str, Any] | MixtureState) -> None:
         """Stand where `state` (any rank's, any world size) stands; weights other than the
@@ -221,6 +246,10 @@ class MixtureRun:
                     "seq_len, batch size, world size, weights and sources")
         self.steps = saved.steps
         self.changes = list(saved.changes or ())
+        for name, source in zip(self.names, self.sources, strict=True):
+            source.planned.reset_exclusions()
+            for record in (saved.exclusions or {}).get(name, ()):
+                source.planned.adopt_exclusion(record)
         implied = implied_phases(saved.knobs.get("seq_len", self.seq_len),
                                  self.sources[0].spec.seq_len)
         kept = [replace(saved.sources[name], phases=saved.sources[name].phases or implied)
@@ -239,13 +268,14 @@ class MixtureRun:
                 saved.steps, kept)
         self.positions = dict(zip(self.names, positions, strict=True))
         schedule = self.schedule()
+        planned_again("mixture state", lambda: self.rephased(schedule))
 
-        def rephased() -> None:
-            schedule.rephase()
-            for index, position in enumerate(schedule.positions):
-                self.sources[index].planned.plan(position.epoch, schedule.phases_of(position))
-
-        planned_again("mixture state", rephased)
+    def rephased(self, schedule: MixtureSchedule) -> None:
+        """Plan every source's rest of its epoch under the phases of the schedule's next
+        step (a change a source cannot plan raises here, not at the first batch)."""
+        schedule.rephase()
+        for index, position in enumerate(schedule.positions):
+            self.sources[index].planned.plan(position.epoch, schedule.phases_of(position))
 
 
     def change_sources(self, added: list[str], dropped: list[str], saved: MixtureState

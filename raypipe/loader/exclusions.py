@@ -1,0 +1,75 @@
+"""The loaders' `exclude` option: documents named as `raypipe trace` names them, resolved once
+per loader, excluded once where its run starts.
+
+Invariant: the names are resolved when the loader is made (a name that is no name fails
+there, in one line), each to its source's document numbers (a mixture's: by the name's
+`source`, as its trace records carry it); they are excluded from the step the run stands at
+when it first serves a batch or gives its state, or at the step a state resumes (the run
+records each exclusion: raypipe.sampling.exclusions), so a loader resumed with the same
+names excludes nothing twice. Cost: the resolution's (raypipe.tools.trace.DocumentsByName),
+once per loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from raypipe.errors import ConfigError
+from raypipe.tools.trace import DocumentName, DocumentsByName, document_names
+
+Resolved = dict[str | None, tuple[np.ndarray, int, int]]  # source -> (documents, named, none)
+
+
+class PendingExclusions:
+    """The `exclude` option of one loader: `datasets` are its sources by name (None: the
+    one dataset of a TokenLoader), `modes` refuse an exclusion their mode cannot serve."""
+
+    def __init__(self, names: Any, datasets: dict[str | None, Any],
+                 refuse: Callable[[str], None]):
+        self.by_source: Resolved | None = None
+        if names is not None:
+            refuse("exclude")
+            self.by_source = resolve(document_names(names), datasets)
+        self.due = self.by_source is not None
+
+    def resumed(self) -> None:
+        """A state was loaded: the names are excluded again from its step (those it holds
+        already count as repeated)."""
+        self.due = self.by_source is not None
+
+    def apply(self, exclude: Callable[[Resolved], None]) -> None:
+        """Exclude the names now, if they are due."""
+        if self.due and self.by_source is not None:
+            self.due = False
+            exclude(self.by_source)
+
+
+def resolve(names: list[DocumentName], datasets: dict[str | None, Any]) -> Resolved:
+    """Each source's (document numbers, names given, names that matched none) for `names`;
+    with several sources, each name says its source (a trace record's `source`)."""
+    grouped: dict[str | None, list[DocumentName]] = {}
+    for name in names:
+        grouped.setdefault(source_of(name, datasets), []).append(name)
+    resolved: Resolved = {}
+    for source, given in grouped.items():
+        found, missing = DocumentsByName(datasets[source])(given)
+        resolved[source] = (found, len(given), missing)
+    return resolved
+
+
+def source_of(name: DocumentName, datasets: dict[str | None, Any]) -> str | None:
+    """The source `name` belongs to: the one dataset's, or its `source`."""
+    if list(datasets) == [None]:
+        return None
+    source = name.get("source") if isinstance(name, dict) else None
+    if source is None:
+        raise ConfigError(f"exclude: {name!r} names no source; a mixture's documents are "
+                          "named as `raypipe trace` records them, with their 'source' "
+                          f"(one of {sorted(map(str, datasets))})")
+    if source not in datasets:
+        raise ConfigError(f"exclude: {name!r} names source {source!r}, which this mixture "
+                          f"does not have (its sources: {sorted(map(str, datasets))})")
+    return source
