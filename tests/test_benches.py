@@ -102,12 +102,15 @@ def test_the_every_token_once_script_passes_on_a_small_dataset(token_dataset, ch
 def test_the_changing_data_script_passes_on_a_small_dataset(token_dataset, tmp_path):
     done = subprocess.run([sys.executable, "bench/changing_data.py", str(token_dataset),
                            "--exclude", "40", "--seq-len", "64", "--rows", "6",
-                           "--workdir", str(tmp_path)],
+                           "--source-tokens", "60000", "--workdir", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "CHANGING DATA: PASS" in done.stdout and "more than once 0," in done.stdout
     assert "resumed excluding the 40 documents trace named" in done.stdout
-    assert len((tmp_path / "excluded.jsonl").read_text().splitlines()) == 40
+    assert "code dropped, books added, excluding the 40 documents" in done.stdout
+    assert "books: epoch 0's tokens trained once" in done.stdout
+    for name in ("excluded.jsonl", "excluded-mixture.jsonl"):
+        assert len((tmp_path / name).read_text().splitlines()) == 40
 
 
 def test_the_megatron_race_tells_identical_documents_from_a_changed_token(

@@ -10,6 +10,7 @@ stood, an added one from its first row, a dropped one serves nothing more, each 
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -209,15 +210,17 @@ def test_a_state_whose_phase_counts_more_exclusions_than_it_records_is_refused(n
 
 
 def test_windows_mode_refuses_an_exclusion_naming_the_mode_and_a_mixture_the_source(
-        numbered):
+        numbered, caplog):
     path, _ = numbered
     with pytest.raises(ConfigError, match="mode 'windows' cannot plan an epoch without"):
         TokenLoader(str(path), SEQ_LEN, 2, mode="windows", exclude=[1])
     with pytest.raises(ConfigError, match="exclude: 1 names no source; a mixture's"):
         MixtureLoader({"a": str(path), "b": str(path)}, SEQ_LEN, 2, exclude=[1])
-    with pytest.raises(ConfigError, match="names source 'c', which this mixture does not"):
-        MixtureLoader({"a": str(path), "b": str(path)}, SEQ_LEN, 2,
-                      exclude=[{"source": "c", "document": 1}])
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        loader = MixtureLoader({"a": str(path), "b": str(path)}, SEQ_LEN, 2,
+                               exclude=[{"source": "c", "document": 1}])
+    assert "1 name(s) of sources this mixture does not have (c: 1)" in caplog.text
+    assert loader.state_dict()["exclusions"] is None
 
 
 @settings(max_examples=60, deadline=None)

@@ -12,6 +12,7 @@ once per loader.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -20,19 +21,21 @@ import numpy as np
 from raypipe.errors import ConfigError
 from raypipe.tools.trace import DocumentName, DocumentsByName, document_names
 
+logger = logging.getLogger("raypipe")
 Resolved = dict[str | None, tuple[np.ndarray, int, int]]  # source -> (documents, named, none)
 
 
 class PendingExclusions:
     """The `exclude` option of one loader: `datasets` are its sources by name (None: the
-    one dataset of a TokenLoader), `modes` refuse an exclusion their mode cannot serve."""
+    one dataset of a TokenLoader), `refuse` refuses an exclusion its mode cannot serve,
+    `rank` the loader's (rank 0 logs)."""
 
     def __init__(self, names: Any, datasets: dict[str | None, Any],
-                 refuse: Callable[[str], None]):
+                 refuse: Callable[[str], None], rank: int = 0):
         self.by_source: Resolved | None = None
         if names is not None:
             refuse("exclude")
-            self.by_source = resolve(document_names(names), datasets)
+            self.by_source = resolve(document_names(names), datasets, rank == 0)
         self.due = self.by_source is not None
 
     def resumed(self) -> None:
@@ -47,12 +50,24 @@ class PendingExclusions:
             exclude(self.by_source)
 
 
-def resolve(names: list[DocumentName], datasets: dict[str | None, Any]) -> Resolved:
+def resolve(names: list[DocumentName], datasets: dict[str | None, Any], log: bool = True
+            ) -> Resolved:
     """Each source's (document numbers, names given, names that matched none) for `names`;
-    with several sources, each name says its source (a trace record's `source`)."""
+    with several sources, each name says its source (a trace record's `source`); the names
+    of a source the mixture does not have (one dropped) are counted in one warning (`log`:
+    rank 0's)."""
     grouped: dict[str | None, list[DocumentName]] = {}
+    others: dict[str, int] = {}  # names of sources the mixture does not have
     for name in names:
-        grouped.setdefault(source_of(name, datasets), []).append(name)
+        source = source_of(name, datasets)
+        if source is not None and source not in datasets:
+            others[source] = others.get(source, 0) + 1
+            continue
+        grouped.setdefault(source, []).append(name)
+    if others and log:
+        logger.warning("exclude: %d name(s) of sources this mixture does not have (%s): "
+                       "nothing of theirs is served, nothing to exclude", sum(others.values()),
+                       ", ".join(f"{source}: {count}" for source, count in sorted(others.items())))
     resolved: Resolved = {}
     for source, given in grouped.items():
         found, missing = DocumentsByName(datasets[source])(given)
@@ -69,7 +84,4 @@ def source_of(name: DocumentName, datasets: dict[str | None, Any]) -> str | None
         raise ConfigError(f"exclude: {name!r} names no source; a mixture's documents are "
                           "named as `raypipe trace` records them, with their 'source' "
                           f"(one of {sorted(map(str, datasets))})")
-    if source not in datasets:
-        raise ConfigError(f"exclude: {name!r} names source {source!r}, which this mixture "
-                          f"does not have (its sources: {sorted(map(str, datasets))})")
-    return source
+    return str(source)

@@ -60,7 +60,7 @@ class MixtureLoader:
             options.exclude, {name: source.planned.document_dataset
                               for name, source in zip(self.names, self.sources, strict=True)},
             lambda what: self.sources[0].spec.loader_mode.refuse_an_exclusion(
-                f"mixture: {what}"))
+                f"mixture: {what}"), self.rank)
         self.batch_size = self.sources[0].batch_size
         self.device = options.torch_device()
         self.state_name: str | None = None

@@ -96,7 +96,7 @@ class TokenLoader:
         self.exclusions = PendingExclusions(  # excluded where the run starts, or resumes
             options.exclude, {None: self.run.planned.document_dataset},
             lambda what: self.spec.loader_mode.refuse_an_exclusion(
-                f"{self.dataset.root}: {what}"))
+                f"{self.dataset.root}: {what}"), self.rank)
 
     # ----- the run's shape, as the Loader contract names it --------------------------------
     @property

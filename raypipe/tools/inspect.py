@@ -19,7 +19,7 @@ from raypipe.formats import document_format
 from raypipe.io.manifest import as_store, read_manifest, unit_record_name
 from raypipe.io.parallel import map_threads
 from raypipe.io.records import Manifest, UnitRecord
-from raypipe.io.states import LoaderState, MixtureState
+from raypipe.io.states import Exclusion, LoaderState, MixtureState
 from raypipe.io.store import Store
 from raypipe.preprocess.summary import packing_line
 from raypipe.sampling.mixture import is_mixture_spec, mixture_weights, read_mixture, spec_weights
@@ -81,11 +81,12 @@ def inspect_state(path: str | Path) -> str:
         lines += [f"  source {name}: epoch {where.epoch}, position {where.position:,}, "
                   f"{where.consumed:,} rows served (dataset {where.dataset})"
                   for name, where in sorted(state.sources.items())]
-        changes = state.changes or ()
-        lines.append(f"  history ({len(changes)} change(s)):" if changes else "  history: none")
-        lines += [f"    from step {change.step:,}: sources added {change.added}, dropped "
-                  f"{change.dropped}, weights {change.weights}" for change in changes]
-        return "\n".join(lines)
+        changes = [(change.step, f"sources added {change.added}, dropped {change.dropped}, "
+                    f"weights {change.weights}") for change in state.changes or ()]
+        changes += [(record.step, f"source {name}: " + excluded(record))
+                    for name, records in (state.exclusions or {}).items()
+                    for record in records]
+        return "\n".join(lines + history_lines(changes))
     assert isinstance(state, LoaderState)
     saved = state.saved_with
     lines = [f"{path}: a loader state of dataset {state.dataset} ({state.format})",
@@ -98,14 +99,20 @@ def inspect_state(path: str | Path) -> str:
                      + ", ".join(str(tuple(row)) for row in state.phases))
     changes = [(entry[0], f"global batch {entry[1]}, seq_len {entry[2]}")
                for entry in state.history or []]
-    changes += [(record.step, f"{len(record.documents):,} document(s) excluded ("
-                 f"{record.named:,} named, {record.not_found:,} not found, "
-                 f"{record.repeated:,} excluded already)")
-                for record in state.exclusions or ()]
-    lines.append(f"  history ({len(changes)} change(s)):" if changes else "  history: none")
-    lines += [f"    from step {step:,}: {what}" for step, what in sorted(changes,
-                                                                        key=lambda c: c[0])]
-    return "\n".join(lines)
+    changes += [(record.step, excluded(record)) for record in state.exclusions or ()]
+    return "\n".join(lines + history_lines(changes))
+
+
+def excluded(record: Exclusion) -> str:
+    return (f"{len(record.documents):,} document(s) excluded ({record.named:,} named, "
+            f"{record.not_found:,} not found, {record.repeated:,} excluded already)")
+
+
+def history_lines(changes: list[tuple[int, str]]) -> list[str]:
+    """A state's changes, by step."""
+    return ([f"  history ({len(changes)} change(s)):" if changes else "  history: none"]
+            + [f"    from step {step:,}: {what}"
+               for step, what in sorted(changes, key=lambda change: change[0])])
 
 
 def list_rejects(root: str | Path | Store) -> str:
