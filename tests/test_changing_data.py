@@ -400,3 +400,25 @@ def test_a_mixture_excludes_each_source_s_documents_named_by_trace_records(tmp_p
     for step, rows in after.items():
         again = {**first, **rest}[step]
         assert sorted(map(tuple, again)) == sorted(map(tuple, rows)), step
+
+
+def test_jobs_train_sends_the_documents_of_its_exclude_file_to_the_train_loader(numbered,
+                                                                               tmp_path):
+    import runpy
+    from pathlib import Path
+
+    from raypipe.examples.gpt_train import open_loaders
+
+    path, _ = numbered
+    job = runpy.run_path(str(Path(__file__).resolve().parents[1] / "jobs" / "train.py"))
+    names = tmp_path / "bad.jsonl"
+    names.write_text('{"document": 3}\n7\n\n')
+    args = job["build_parser"]().parse_args(["--data", str(path), "--exclude", str(names),
+                                             "--seq-len", "32"])
+    config = job["run_config"](args)
+    assert config["options"]["exclude"] == [{"document": 3}, "7"]
+    train, validation = open_loaders(
+        config, lambda *given, name, **options: TokenLoader(*given, **options))
+    assert validation is None
+    record = train.state_dict()["exclusions"][0]
+    assert (record["step"], record["documents"], record["named"]) == (0, [3, 7], 2)
