@@ -148,3 +148,30 @@ def tokenize(corpus, output, tokenizer_path, **options):
                         tokenizer=tokenizer_path, shard_tokens=9_000, unit_bytes=1,
                         **options))
     return output
+
+
+def lockstep(loaders, state, steps):
+    """Loaders of one run (one a rank) resumed from `state` (None: from the start), then
+    up to `steps` steps taken in lockstep (fewer where the epoch ends): ({step: (seq_len,
+    rows of every rank, rank-major, each its T + 1 tokens)}, the state after, which every
+    rank agrees on, JSON round-tripped)."""
+    import json
+
+    import torch
+
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    iterators = [iter(loader) for loader in loaders]
+    taken = {}
+    for _ in range(steps):
+        batches = [next(iterator, None) for iterator in iterators]
+        if batches[0] is None:
+            break
+        rows = [torch.cat([b.inputs, b.targets[:, -1:]], 1).numpy().copy() for b in batches]
+        taken[batches[0].step] = (batches[0].inputs.shape[1], np.concatenate(rows))
+    for iterator in iterators:
+        iterator.close()
+    states = [loader.state_dict() for loader in loaders]
+    assert all(saved == states[0] for saved in states), "ranks disagree on the state"
+    return taken, json.loads(json.dumps(states[0]))

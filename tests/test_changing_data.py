@@ -24,7 +24,13 @@ from raypipe.io.states import LoaderState
 from raypipe.loader import MixtureLoader, TokenLoader
 from tests import test_state_harness as harness
 from tests.conftest import write_parquet
-from tests.helpers import corpus_with_gaps, document_starts, numbered_dataset, tokenize
+from tests.helpers import (
+    corpus_with_gaps,
+    document_starts,
+    lockstep,
+    numbered_dataset,
+    tokenize,
+)
 
 TOKENS = 60_000
 SEQ_LEN, ROWS = 32, 6  # rows per step of the whole run: 6 divides among 1, 2 and 3 ranks
@@ -43,22 +49,8 @@ def serve(path, world, state, steps, **options):
         options = {"block_documents": 64, **options}
     loaders = [TokenLoader(str(path), SEQ_LEN, ROWS // world, rank=rank, world_size=world,
                            seed=3, **options) for rank in range(world)]
-    for loader in loaders:
-        if state is not None:
-            loader.load_state_dict(state)
-    iterators = [iter(loader) for loader in loaders]
-    taken = {}
-    for _ in range(steps):
-        batches = [next(iterator, None) for iterator in iterators]
-        if batches[0] is None:
-            break
-        taken[batches[0].step] = np.concatenate(
-            [torch.cat([b.inputs, b.targets[:, -1:]], 1).numpy() for b in batches])
-    for iterator in iterators:
-        iterator.close()
-    states = [loader.state_dict() for loader in loaders]
-    assert all(saved == states[0] for saved in states)
-    return taken, json.loads(json.dumps(states[0])), loaders[0]
+    taken, state = lockstep(loaders, state, steps)
+    return {step: rows for step, (_, rows) in taken.items()}, state, loaders[0]
 
 
 def documents_of(taken, starts) -> np.ndarray:
@@ -352,18 +344,8 @@ def serve_mixture(paths, world, state, steps, **options):
     """({step: rows of every rank}, the state after) of a mixture, as `serve`."""
     loaders = [MixtureLoader(paths, SEQ_LEN, ROWS // world, rank=rank, world_size=world,
                              seed=3, block_documents=64, **options) for rank in range(world)]
-    for loader in loaders:
-        if state is not None:
-            loader.load_state_dict(state)
-    iterators = [iter(loader) for loader in loaders]
-    taken = {}
-    for _ in range(steps):
-        batches = [next(iterator) for iterator in iterators]
-        taken[batches[0].step] = np.concatenate(
-            [torch.cat([b.inputs, b.targets[:, -1:]], 1).numpy() for b in batches])
-    states = [loader.state_dict() for loader in loaders]
-    assert all(saved == states[0] for saved in states)
-    return taken, json.loads(json.dumps(states[0]))
+    taken, state = lockstep(loaders, state, steps)
+    return {step: rows for step, (_, rows) in taken.items()}, state
 
 
 def test_a_mixture_excludes_each_source_s_documents_named_by_trace_records(tmp_path):

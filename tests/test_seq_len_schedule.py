@@ -20,7 +20,12 @@ from hypothesis import strategies as st
 from raypipe.errors import ConfigError, StateError
 from raypipe.loader import TokenLoader
 from raypipe.sampling.schedule import BatchSchedule, Phase, seq_len_stages_by_tokens
-from tests.helpers import assert_every_token_once, document_starts, numbered_dataset
+from tests.helpers import (
+    assert_every_token_once,
+    document_starts,
+    lockstep,
+    numbered_dataset,
+)
 
 TOKENS = 120_000
 SHORT, LONG = 32, 128  # the 512 -> 2048, scaled to a test's corpus
@@ -45,22 +50,8 @@ def run(path, world, state, steps, **options):
         options = {"block_documents": 64, **options}  # blocks of ~150-570 documents
     loaders = [TokenLoader(str(path), rank=rank, world_size=world, seed=3,
                            batch_schedule=RAMP, **options) for rank in range(world)]
-    for loader in loaders:
-        if state is not None:
-            loader.load_state_dict(state)
-    iterators = [iter(loader) for loader in loaders]
-    taken = {}
-    for _ in range(steps):
-        batches = [next(iterator, None) for iterator in iterators]
-        if batches[0] is None:
-            break
-        rows = [torch.cat([b.inputs, b.targets[:, -1:]], 1).numpy().copy() for b in batches]
-        taken[batches[0].step] = (batches[0].inputs.shape[1], np.concatenate(rows))
-    for iterator in iterators:
-        iterator.close()
-    states = [loader.state_dict() for loader in loaders]
-    assert all(saved == states[0] for saved in states)
-    return taken, json.loads(json.dumps(states[0])), loaders[0]
+    taken, state = lockstep(loaders, state, steps)
+    return taken, state, loaders[0]
 
 
 def assert_same_steps(resumed, whole):
