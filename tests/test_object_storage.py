@@ -563,3 +563,26 @@ def test_a_late_batch_names_the_shard_the_loader_waits_on(bucket, token_dataset,
     assert named and set(named) <= shard_names
     assert line.startswith(f"waiting on {named[0]}"), line
     assert uri in line and "downloads" in line and "budget" in line
+
+
+def test_a_bucket_loader_excludes_documents_named_by_input_and_row_from_trace(
+        bucket, token_dataset, tmp_path):
+    """Documents named as trace names them in a bucket's output (its unit records read from
+    the bucket) are excluded on resume; the same steps as the local output's run."""
+    from raypipe import trace
+
+    uri = upload_tree(token_dataset, f"s3://{bucket}/excluded")
+    options = {"seed": 2, "cache_dir": tmp_path / "cache", "shuffle": "global"}
+    loader = TokenLoader(uri, 32, 4, **options)
+    next(iter(loader))
+    state = loader.state_dict()
+    named = [f"{record.input}:{record.input_row}"
+             for record in trace(uri, 0, world_size=1, seq_len=32, batch_size=4, **options)]
+    resumed = TokenLoader(uri, 32, 4, exclude=named, **options)
+    resumed.load_state_dict(state)
+    local = TokenLoader(token_dataset, 32, 4, exclude=named, **options)
+    local.load_state_dict(state)
+    record = resumed.state_dict()["exclusions"][0]
+    assert record["step"] == 1 and record["not_found"] == 0 and record["documents"]
+    assert record == local.state_dict()["exclusions"][0]
+    assert next(iter(resumed)).inputs.tolist() == next(iter(local)).inputs.tolist()

@@ -7,7 +7,10 @@ a state (the state's checks are raypipe.sampling.run's, written once), walks its
 (raypipe.sampling.mixture's `MixtureSchedule`: each step's rows split between the sources
 by weight, every source within one row of its weight after every step, a pure function of
 the rows each has served) and describes each rank's rows, one describe per source, epoch
-and phases for DESCRIBE_STEPS steps. Cost: O(sources + rows) a step, ~17 us a step
+and phases for DESCRIBE_STEPS steps. Its data may change on a resume: a source added begins
+at its first row, one dropped serves nothing more (a weight stage begins there, the change
+recorded in the state), and each source keeps its own exclusions
+(raypipe.sampling.exclusions). Cost: O(sources + rows) a step, ~17 us a step
 skipped (raypipe.sampling.mixture).
 """
 
@@ -229,7 +232,9 @@ class MixtureRun:
 
     def resume(self, state: dict[str, Any] | MixtureState) -> None:
         """Stand where `state` (any rank's, any world size) stands; weights other than the
-        state's begin a stage there, every source continuing from its own position."""
+        state's begin a stage there, every source continuing from its own position; a source
+        the state lacks is added (from its first row), one it holds and this mixture lacks
+        is dropped, recorded as a change; each source's exclusions are the state's."""
         saved = (state if isinstance(state, MixtureState)
                  else MixtureState.from_dict(upgraded(state)))
         added = [name for name in self.names if name not in saved.sources]
@@ -276,7 +281,6 @@ class MixtureRun:
         schedule.rephase()
         for index, position in enumerate(schedule.positions):
             self.sources[index].planned.plan(position.epoch, schedule.phases_of(position))
-
 
     def change_sources(self, added: list[str], dropped: list[str], saved: MixtureState
                        ) -> None:
