@@ -34,8 +34,9 @@ Checks, each printed, exit status 1 when one fails:
   same steps.
 The tokens are held in memory (a check for datasets up to ~10^8 tokens).
 
-Not exercised yet (refused on resume, naming it: docs/loader.md, "When the data changes"):
-training while the tokenize job runs, and shards added to a dataset.
+Not exercised here: units added to a dataset on resume (served from the next epoch;
+tests/test_changing_data.py), and training while the tokenize job runs (refused: docs/
+loader.md, "When the data changes").
 """
 
 from __future__ import annotations

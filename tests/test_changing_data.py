@@ -9,6 +9,7 @@ stood, an added one from its first row, a dropped one serves nothing more, each 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -211,8 +212,8 @@ def test_windows_mode_refuses_an_exclusion_naming_the_mode_and_a_mixture_the_sou
     with caplog.at_level(logging.WARNING, logger="raypipe"):
         loader = MixtureLoader({"a": str(path), "b": str(path)}, SEQ_LEN, 2,
                                exclude=[{"source": "c", "document": 1}])
+        assert loader.state_dict()["exclusions"] is None
     assert "1 name(s) of sources this mixture does not have (c: 1)" in caplog.text
-    assert loader.state_dict()["exclusions"] is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -404,3 +405,125 @@ def test_jobs_train_sends_the_documents_of_its_exclude_file_to_the_train_loader(
     assert validation is None
     record = train.state_dict()["exclusions"][0]
     assert (record["step"], record["documents"], record["named"]) == (0, [3, 7], 2)
+
+
+@pytest.fixture
+def growing(tmp_path, corpus_texts, tokenizer_path):
+    """A tokenized output of two parquet files, and a function that adds a third and
+    reruns the job (its units added to the output)."""
+    corpus = tmp_path / "corpus"
+    for index in range(2):
+        write_parquet(corpus / f"part-{index}.parquet", corpus_texts[index:600:3],
+                      row_group_rows=50)
+    output = tokenize(corpus, tmp_path / "tokens", tokenizer_path)
+
+    def add_a_file() -> None:
+        write_parquet(corpus / "part-2.parquet", corpus_texts[2:600:3], row_group_rows=50)
+        tokenize(corpus, output, tokenizer_path)
+
+    return output, add_a_file
+
+
+def serve_epochs(path, world, state, steps, **options):
+    loaders = [TokenLoader(str(path), SEQ_LEN, ROWS // world, rank=rank, world_size=world,
+                           seed=3, **options) for rank in range(world)]
+    taken, state = lockstep(loaders, state, steps)
+    return {step: rows for step, (_, rows) in taken.items()}, state, loaders[0]
+
+
+def pieces_by_document(path, state, steps):
+    """{document: [(token_start, token_end), ...]} of the pieces trace names in `steps`
+    steps from where `state` stands."""
+    from raypipe import trace
+
+    found: dict[int, list] = {}
+    for record in trace(str(path), state=state, steps=steps):
+        found.setdefault(record.document, []).append((record.token_start, record.token_end))
+    return found
+
+
+def test_units_added_on_resume_are_served_from_the_next_epoch_and_every_token_once(growing,
+                                                                                   tmp_path):
+    from raypipe.tools.inspect import inspect_state
+
+    path, add_a_file = growing
+    whole, _, _ = serve_epochs(path, 2, None, 10**6)
+    first, state, _ = serve_epochs(path, 2, None, 20)
+    assert state["view"] and state["units_added"] is None
+    add_a_file()
+    rest, at_epoch_end, loader = serve_epochs(path, 3, state, 10**6)
+    # the epoch in progress is the one the run would have served without the new units
+    assert sorted({**first, **rest}) == sorted(whole)
+    for step, rows in rest.items():
+        assert sorted(map(tuple, rows)) == sorted(map(tuple, whole[step])), step
+    record = at_epoch_end["units_added"][0]
+    assert (record["step"], record["epoch"]) == (20, 1)
+    before = TokenDataset(path).num_documents - 200  # the third file's 200 documents
+    assert record["documents"] == before + 200 and loader.dataset.num_documents == before + 200
+    # epoch 1 serves every document of the grown data, each token once (but the tail)
+    steps = len(loader)
+    pieces = pieces_by_document(path, at_epoch_end, steps)
+    lengths = loader.dataset.document_lengths()
+    assert set(pieces) <= set(range(before + 200)) and max(pieces) >= before
+    tail = loader.run.planned.left_at(1, loader.run.phases, steps * ROWS)[1]
+    covered = 0
+    for document, ranges in pieces.items():
+        ranges.sort()
+        assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:],
+                                                                   strict=False)), document
+        covered += sum(end - start for start, end in ranges)
+    assert covered + tail == int(lengths.sum())
+    # a resume in epoch 1, at another world size, continues it (the data as the state had it)
+    middle, mid_state, _ = serve_epochs(path, 1, at_epoch_end, 5)
+    after, _, _ = serve_epochs(path, 2, mid_state, 3)
+    replayed = pieces_by_document(path, mid_state, 3)
+    assert sum(len(ranges) for ranges in replayed.values()) > 0
+    assert mid_state["units_added"] == at_epoch_end["units_added"]
+    saved = tmp_path / "state.json"
+    saved.write_text(json.dumps(mid_state))
+    assert "from step 20: the output's units added: 12 units" in inspect_state(saved)
+
+
+def test_trace_history_replays_a_run_across_units_added(growing):
+    from raypipe import trace
+
+    path, add_a_file = growing
+    _, state, _ = serve_epochs(path, 2, None, 20)
+    add_a_file()
+    epoch_0, end, loader = serve_epochs(path, 2, state, 10**6)
+    epoch_1, final, _ = serve_epochs(path, 2, end, 4)
+    starts = np.concatenate([[0], np.cumsum(loader.dataset.document_lengths())])
+    tokens = np.concatenate(list(loader.dataset.iter_documents()))
+    for step in (21, max(epoch_0), min(epoch_1), min(epoch_1) + 3):
+        rows = {**epoch_0, **epoch_1}[step]
+        for piece in trace(str(path), step, history=final):
+            first = int(starts[piece.document])
+            row = rows[piece.rank * (ROWS // 2) + piece.row]
+            assert row[piece.col_start:piece.col_end].tolist() == tokens[
+                first + piece.token_start:first + piece.token_end].tolist(), step
+
+
+def test_a_unit_the_run_held_that_the_output_lost_is_refused_naming_it(growing, tmp_path):
+    from raypipe.io.manifest import read_manifest, write_manifest
+
+    path, add_a_file = growing
+    _, state, _ = serve_epochs(path, 2, None, 3)
+    add_a_file()
+    manifest = read_manifest(path)
+    gone = manifest.units[0].name
+    lost = dataclasses.replace(manifest, units=manifest.units[1:])
+    write_manifest(path, lost)
+    with pytest.raises(StateError, match=f"unit {gone}: the run's data held this unit"):
+        serve_epochs(path, 2, state, 1)
+
+
+def test_a_mode_or_a_split_that_cannot_serve_units_added_refuses_them(growing):
+    path, add_a_file = growing
+    _, windows, _ = serve_epochs(path, 1, None, 2, mode="windows")
+    _, split, _ = serve_epochs(path, 1, None, 2, split="train", validation_fraction=0.2)
+    add_a_file()
+    with pytest.raises(StateError, match="gained units since the checkpoint, and mode "
+                       "'windows' cannot serve them"):
+        serve_epochs(path, 1, windows, 1, mode="windows")
+    with pytest.raises(StateError, match="split 'train' draws its documents by the data's"):
+        serve_epochs(path, 1, split, 1, split="train", validation_fraction=0.2)

@@ -23,6 +23,7 @@ from raypipe.io.atomic import atomic_writer
 from raypipe.io.parallel import map_threads
 from raypipe.io.records import FileEntry, Manifest, ShardEntry, UnitRecord, WorkUnit, to_json
 from raypipe.io.store import Store
+from raypipe.io.views import keep_view
 
 logger = logging.getLogger("raypipe")
 
@@ -151,8 +152,12 @@ def shard_table(records: list[UnitRecord], format_name: str) -> tuple[ShardEntry
 
 
 def write_manifest(output: Store | str | Path, manifest: Manifest) -> None:
-    """Write the manifest: the record that the whole dataset is complete (written last)."""
+    """Write the manifest: the record that the whole dataset is complete (written last);
+    the unit order of the one it replaces, and its own, kept (raypipe.io.views)."""
     store = as_store(output)
+    if store.exists(MANIFEST_NAME):
+        keep_view(store, read_manifest(store))
+    keep_view(store, manifest)
     # compact: json's C encoder (an indent takes its Python one, ~10x slower at 10^4 units)
     data = (json.dumps(manifest.to_json(), separators=(",", ":"), sort_keys=True)
             + "\n").encode()

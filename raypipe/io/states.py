@@ -75,11 +75,20 @@ class LoaderState(JsonRecord):
     # the documents left out of the run, each set from its step on, in the order given
     # (raypipe.sampling.exclusions); None: none
     exclusions: tuple[Exclusion, ...] | None = None
+    # the unit order the run numbers documents in (the key of the output's kept order it
+    # began with: raypipe.io.views), and the units it gained on resumes; None: not recorded
+    view: str | None = None
+    units_added: tuple[UnitsAdded, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.exclusions is not None:
             object.__setattr__(self, "exclusions",
                                exclusions_of(self.exclusions, "loader state exclusion"))
+        if self.units_added is not None:
+            object.__setattr__(self, "units_added", tuple(
+                entry if isinstance(entry, UnitsAdded)
+                else UnitsAdded.from_json(entry, f"loader state units added {index}")
+                for index, entry in enumerate(self.units_added)))
 
     def check(self, where: str) -> None:
         check_version(where, self.version)
@@ -92,8 +101,9 @@ class LoaderState(JsonRecord):
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
-        if self.exclusions is not None:
-            record["exclusions"] = list(record["exclusions"])
+        for name in ("exclusions", "units_added"):
+            if record[name] is not None:
+                record[name] = list(record[name])
         return record
 
     @classmethod
@@ -129,6 +139,25 @@ def check_exclusions(where: str, exclusions: tuple[Exclusion, ...],
         if len(phase) == 3 and phase[2] > len(exclusions):
             raise FormatError(where, f"phase {index} excludes {phase[2]} exclusions' "
                               f"documents; the state records {len(exclusions)}")
+
+
+@dataclass(frozen=True)
+class UnitsAdded(JsonRecord):
+    """Units a run's output gained, found on a resume at global step `step`: those of the
+    output's unit order `view` (its key: raypipe.io.views) that the run's data did not
+    hold, numbered after its documents (the run's data: `units` units, `documents`
+    documents after it), served from epoch `epoch` on."""
+
+    step: int
+    view: str
+    units: int
+    documents: int
+    epoch: int
+
+    def check(self, where: str) -> None:
+        if min(self.step, self.units, self.documents, self.epoch) < 0:
+            raise FormatError(where, "fields 'step', 'units', 'documents' and 'epoch' must "
+                              "be >= 0")
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,14 @@
 """The loaders' `exclude` option: documents named as `raypipe trace` names them, resolved once
 per loader, excluded once where its run starts.
 
-Invariant: the names are resolved when the loader is made (a name that is no name fails
-there, in one line), each to its source's document numbers (a mixture's: by the name's
-`source`, as its trace records carry it); they are excluded from the step the run stands at
-when it first serves a batch or gives its state, or at the step a state resumes (the run
-records each exclusion: raypipe.sampling.exclusions), so a loader resumed with the same
-names excludes nothing twice. Cost: the resolution's (raypipe.tools.trace.DocumentsByName),
-once per loader.
+Invariant: the names are read when the loader is made (a file that cannot be read, or a
+mixture's name without its source, fails there, in one line); each is resolved to its
+source's document number in the data the run serves when it is excluded (a run resumed
+on an output that gained units numbers its documents as it did: raypipe.sampling.growth):
+from the step the run stands at when it first serves a batch or gives its state, or at the
+step a state resumes (the run records each exclusion: raypipe.sampling.exclusions), so a
+loader resumed with the same names excludes nothing twice. Cost: the resolution's
+(raypipe.tools.trace.DocumentsByName), once per resume.
 """
 
 from __future__ import annotations
@@ -30,24 +31,28 @@ class PendingExclusions:
     one dataset of a TokenLoader), `refuse` refuses an exclusion its mode cannot serve,
     `rank` the loader's (rank 0 logs)."""
 
-    def __init__(self, names: Any, datasets: dict[str | None, Any],
+    def __init__(self, names: Any, datasets: Callable[[], dict[str | None, Any]],
                  refuse: Callable[[str], None], rank: int = 0):
-        self.by_source: Resolved | None = None
+        """`datasets()`: the run's sources, as it serves them now."""
+        self.names: list[DocumentName] | None = None
+        self.datasets, self.rank = datasets, rank
         if names is not None:
             refuse("exclude")
-            self.by_source = resolve(document_names(names), datasets, rank == 0)
-        self.due = self.by_source is not None
+            self.names = document_names(names)
+            for name in self.names:
+                source_of(name, datasets())
+        self.due = self.names is not None
 
     def resumed(self) -> None:
         """A state was loaded: the names are excluded again from its step (those it holds
         already count as repeated)."""
-        self.due = self.by_source is not None
+        self.due = self.names is not None
 
     def apply(self, exclude: Callable[[Resolved], None]) -> None:
         """Exclude the names now, if they are due."""
-        if self.due and self.by_source is not None:
+        if self.due and self.names is not None:
             self.due = False
-            exclude(self.by_source)
+            exclude(resolve(self.names, self.datasets(), self.rank == 0))
 
 
 def resolve(names: list[DocumentName], datasets: dict[str | None, Any], log: bool = True

@@ -57,8 +57,8 @@ class MixtureLoader:
             pad_id=options.pad_id, boundaries=options.boundaries)
         self.names, self.sources = self.run.names, self.run.sources
         self.exclusions = PendingExclusions(  # excluded where the run starts, or resumes
-            options.exclude, {name: source.planned.document_dataset
-                              for name, source in zip(self.names, self.sources, strict=True)},
+            options.exclude, lambda: {name: source.planned.document_dataset for name, source
+                                      in zip(self.names, self.sources, strict=True)},
             lambda what: self.sources[0].spec.loader_mode.refuse_an_exclusion(
                 f"mixture: {what}"), self.rank)
         self.batch_size = self.sources[0].batch_size

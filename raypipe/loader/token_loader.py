@@ -94,7 +94,7 @@ class TokenLoader:
         if self.rank == 0 and self.dataset.cache is not None:
             self.run.note_shuffle()
         self.exclusions = PendingExclusions(  # excluded where the run starts, or resumes
-            options.exclude, {None: self.run.planned.document_dataset},
+            options.exclude, lambda: {None: self.run.planned.document_dataset},
             lambda what: self.spec.loader_mode.refuse_an_exclusion(
                 f"{self.dataset.root}: {what}"), self.rank)
 

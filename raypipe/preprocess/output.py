@@ -30,6 +30,7 @@ from raypipe.io.manifest import (
 )
 from raypipe.io.records import JobRecord, UnitRecord
 from raypipe.io.store import Store
+from raypipe.io.views import VIEWS_DIR
 from raypipe.preprocess.unit import UnitSettings
 
 JOB_PATH = f"{UNITS_DIR}/{JOB_RECORD}"
@@ -183,5 +184,5 @@ def clear_output(output: Store) -> None:
     """Remove what raypipe wrote (never other files of the user's)."""
     output.delete(MANIFEST_NAME)
     output.delete(CONFIG_NAME)
-    for name in (*FORMATS, UNITS_DIR):
+    for name in (*FORMATS, UNITS_DIR, VIEWS_DIR):
         output.delete_tree(name)

@@ -62,28 +62,35 @@ class EpochPlans:
                  lengths: Callable[[], DocumentLengths], stream_tokens: int | None = None,
                  step_observations: int = 1, memo: SumsMemo | None = None,
                  batch_size: int = 1, shard_documents: np.ndarray | None = None,
-                 exclusions: RunExclusions | None = None):
+                 exclusions: RunExclusions | None = None,
+                 served: Callable[[int], int | None] = lambda epoch: None):
+        """`served(epoch)`: how many of the documents (the first) epoch `epoch` serves
+        (None: all; fewer where the run's data gained units it serves from a later
+        epoch)."""
         self.spec = spec.for_storage(dataset.cache is None)
         self.dataset = dataset
         self.shard_documents = shard_documents  # None: every document of each shard
         self.inputs = PlanInputs(dataset, lengths, stream_tokens, step_observations,
                                  batch_size, memo, self.groups())
         self.exclusions = exclusions  # the run's (None: none can be made)
+        self.served = served
         self._kept: dict[tuple[int, Phases], Any] = {}
 
-    def groups(self) -> ShardGroups | ShardWindows | None:
-        """The layout of a shard-local or windowed shuffle (None for a global one)."""
+    def groups(self, shards: int | None = None) -> ShardGroups | ShardWindows | None:
+        """The layout of a shard-local or windowed shuffle over the first `shards` shards
+        (None: all; None for a global shuffle)."""
         spec = self.spec
         if spec.shuffle == "shard_local":
-            return ShardGroups.of(self.dataset.shard_token_counts,
-                                  self.dataset.shard_document_counts, spec.group_shards)
-        if spec.shuffle == "windowed":
-            lanes = max(spec.lanes, 1)
-            counts = (self.dataset.shard_document_counts if self.shard_documents is None
-                      else self.shard_documents)
-            return ShardWindows(counts, window_shards_for(
-                self.dataset.num_shards, spec.window_shards, lanes), lanes)
-        return None
+            return ShardGroups.of(self.dataset.shard_token_counts[:shards],
+                                  self.dataset.shard_document_counts[:shards],
+                                  spec.group_shards)
+        if spec.shuffle != "windowed":
+            return None
+        counts = (self.dataset.shard_document_counts if self.shard_documents is None
+                  else self.shard_documents)[:shards]
+        lanes = max(spec.lanes, 1)
+        return ShardWindows(counts, window_shards_for(len(counts), spec.window_shards, lanes),
+                            lanes)
 
     def build(self, epoch: int, phases: Phases = ()) -> Any:
         """Epoch `epoch`'s plan under `phases` (none: at the spec's seq_len), built afresh
@@ -91,7 +98,8 @@ class EpochPlans:
         mode = self.spec.loader_mode
         if len(phases) <= 1:
             spec = self.spec if not phases else self.at_seq_len(phases[0].seq_len)
-            return mode.plan(spec, self.inputs_of(phases[0] if phases else Phase(0)), epoch)
+            return mode.plan(spec, self.inputs_of(phases[0] if phases else Phase(0), epoch),
+                             epoch)
         before, phase = self(epoch, phases[:-1]), phases[-1]
         if not 0 < phase.begins <= before.size:
             raise ConfigError(f"epoch {epoch}: a phase begins at observation "
@@ -100,23 +108,41 @@ class EpochPlans:
             mode.refuse_a_seq_len_change(f"seq_len: {phases[-2].seq_len} -> {phase.seq_len} "
                                          f"inside epoch {epoch} (at observation "
                                          f"{phase.begins} of {before.size})")
-        return mode.continue_plan(self.at_seq_len(phase.seq_len), self.inputs_of(phase),
-                                  epoch, before, phase.begins)
+        return mode.continue_plan(self.at_seq_len(phase.seq_len),
+                                  self.inputs_of(phase, epoch), epoch, before, phase.begins)
 
     def forget(self) -> None:
         """Drop the plans kept (the exclusions they were made under changed)."""
         self._kept.clear()
 
-    def inputs_of(self, phase: Phase) -> PlanInputs:
-        """What a mode plans `phase` from: the inputs, without the documents of the run's
-        first `phase.excluded` exclusions."""
+    def inputs_of(self, phase: Phase, epoch: int) -> PlanInputs:
+        """What a mode plans `phase` of epoch `epoch` from: the inputs, of the documents
+        the epoch serves, without those of the run's first `phase.excluded` exclusions."""
+        inputs = self.inputs_of_epoch(epoch)
         if not phase.excluded:
-            return self.inputs
+            return inputs
         if self.exclusions is None or phase.excluded > len(self.exclusions):
             raise ConfigError(f"a phase excludes the documents of {phase.excluded} "
                               "exclusion(s), more than the run records")
         self.spec.loader_mode.refuse_an_exclusion("documents excluded")
-        return replace(self.inputs, excluded=self.exclusions.in_plan(phase.excluded))
+        excluded = self.exclusions.in_plan(phase.excluded)
+        served = self.served(epoch)
+        return replace(inputs, excluded=excluded if served is None
+                       else excluded[excluded < served])
+
+    def inputs_of_epoch(self, epoch: int) -> PlanInputs:
+        """The inputs of the documents epoch `epoch` serves: the first `served(epoch)`
+        (whole shards: a unit's), or all."""
+        served = self.served(epoch)
+        if served is None:
+            return self.inputs
+        counts = (self.dataset.shard_document_counts if self.shard_documents is None
+                  else self.shard_documents)
+        shards = int(np.searchsorted(np.cumsum(counts), served, side="left")) + 1 \
+            if served else 0
+        lengths = self.inputs.lengths
+        return replace(self.inputs, lengths=lambda: lengths().prefix(served),
+                       groups=self.groups(min(shards, len(counts))))
 
     def at_seq_len(self, seq_len: int) -> PlanSpec:
         return self.spec if seq_len == self.spec.seq_len else replace(self.spec,
@@ -143,10 +169,14 @@ class PlannedDataset:
 
     def __init__(self, dataset: TokenDataset | BatchDataset, spec: PlanSpec,
                  world_size: int, batch_size: int, cache_dir: str | Path | None = None,
-                 memo: SumsMemo | None = None, schedule: BatchSchedule | None = None):
+                 memo: SumsMemo | None = None, schedule: BatchSchedule | None = None,
+                 served_from: tuple[tuple[int, int], ...] = ()):
         """`memo`: where plan arrays are kept (default: once per node, `node_memo`);
-        `schedule`: the global batch of each step (default: W x `batch_size` every step)."""
+        `schedule`: the global batch of each step (default: W x `batch_size` every step);
+        `served_from`: ((first epoch, documents it and the later ones serve), ...) of a
+        run whose data gained units (none: every epoch serves every document)."""
         self.dataset = dataset
+        self.served_from = served_from
         self.spec = spec = spec.for_storage(dataset.cache is None).for_world(world_size)
         self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
         schedule = schedule or BatchSchedule.constant(self.global_batch)
@@ -164,7 +194,16 @@ class PlannedDataset:
         self.plans = EpochPlans(spec, dataset, self.document_lengths,
                                 None if self.source is None else self.stream_tokens(),
                                 self.global_batch, memo or self.node_memo, batch_size,
-                                self.shard_documents(), self.exclusions)
+                                self.shard_documents(), self.exclusions, self.served_in)
+
+    def served_in(self, epoch: int) -> int | None:
+        """How many of the documents (the first) epoch `epoch` serves; None: all."""
+        served = None
+        for first, documents in self.served_from:
+            if first <= epoch:
+                served = documents
+        total = getattr(self.dataset, "num_documents", None)
+        return None if served is None or served == total else served
 
     def shard_documents(self) -> np.ndarray | None:
         """How many of the documents the plans number each shard holds (a split's), or

@@ -91,6 +91,16 @@ class DocumentLengths:
             out[chosen] = self._shard_lengths(shard)[ids[chosen] - self.offsets[shard]]
         return out
 
+    def prefix(self, count: int) -> DocumentLengths:
+        """The lengths of the first `count` documents (their shards, the last cut)."""
+        if count >= len(self):
+            return self
+        starts = self.offsets[:-1]
+        shards = int(np.searchsorted(starts, count, side="left"))
+        counts = np.minimum(self.offsets[1:shards + 1], count) - starts[:shards]
+        whole = self._shard_lengths
+        return DocumentLengths(counts, lambda shard: whole(shard)[:counts[shard]])
+
     def to_array(self) -> np.ndarray:
         """Every length in one int64 array (8 bytes a document: tools and splits only)."""
         parts = [lengths for _, lengths in self.chunks()]

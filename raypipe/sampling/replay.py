@@ -84,7 +84,8 @@ def replay(data: str | Path | dict[str, str], *,
         run = Run.open(data, spec, world_size, None if batch_schedule else batch_size,
                        format_name=format_name, cache_dir=cache_dir,
                        batch_schedule=batch_schedule, seq_len_schedule=seq_len_schedule)
-        if history is not None:  # each exclusion from its step, as the run made it
+        if history is not None:  # its data, and each exclusion from its step, as it had
+            run.adopt_data(recorded, grow=False)
             for record in recorded.exclusions or ():
                 run.planned.adopt_exclusion(record)
     if saved is not None:

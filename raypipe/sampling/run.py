@@ -35,6 +35,7 @@ from raypipe.io.states import (
 )
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.exclusions import Exclusion
+from raypipe.sampling.growth import RunData
 from raypipe.sampling.modes import (
     BatchFiller,
     describe_shuffle,
@@ -114,6 +115,8 @@ class Run:
     def __init__(self, planned: PlannedDataset, asked: PlanSpec, rank: int = 0,
                  pad_id: int = 0, boundaries: bool | None = None):
         self.planned, self.asked, self.rank, self.pad_id = planned, asked, rank, pad_id
+        # the units of the output the run serves, in its order (raypipe.sampling.growth)
+        self.data = RunData.of(planned.dataset)
         mode = planned.spec.loader_mode
         self.boundaries = mode.boundaries_by_default if boundaries is None else boundaries
         self.epoch, self.position, self.steps = 0, 0, 0
@@ -312,7 +315,8 @@ class Run:
                            self.steps, phase_rows(self.phases)
                            if len(self.phases) > 1 or self.phases[0].excluded else None,
                            [list(entry) for entry in self.history] or None,
-                           tuple(self.planned.exclusions.records) or None)
+                           tuple(self.planned.exclusions.records) or None,
+                           self.data.view, self.data.added or None)
 
     def exclude(self, documents: np.ndarray, named: int | None = None,
                 not_found: int = 0) -> Exclusion | None:
@@ -341,7 +345,7 @@ class Run:
         """Stand where `state` (any rank's, any world size) stands."""
         saved = (state if isinstance(state, LoaderState)
                  else LoaderState.from_dict(upgraded(state)))
-        check_dataset(saved.dataset, self.dataset)
+        self.adopt_data(saved)
         self.adopt_shuffle(saved.knobs)
         check_knobs("the loader state", saved.knobs, self.spec.knobs_record(),
                     "seq_len, batch size, world size and a schedule")
@@ -367,6 +371,55 @@ class Run:
                             "served", self.dataset.root, self.phases[-1].seq_len,
                             self.seq_len, self.steps, self.epoch, self.seq_len)
 
+    def adopt_data(self, saved: LoaderState, grow: bool = True) -> None:
+        """Serve the data as `saved` had it (its units in its order: raypipe.sampling.
+        growth), refusing data that changed; with `grow`, the units the output gained since
+        are added, served from the next epoch (from this one at its start)."""
+        if (saved.view in (None, self.data.view) and not saved.units_added) or \
+                not self.spec.loader_mode.excludes:  # (whole documents only: below)
+            if saved.view not in (None, self.data.view) and \
+                    saved.dataset != self.dataset.fingerprint:
+                self.refuse_growth()  # the output changed, and the mode cannot follow
+            check_dataset(saved.dataset, self.dataset)
+            return  # the output as the run had it
+        data = self.data.as_saved(saved.view, saved.units_added or ())
+        check_dataset(saved.dataset, data.dataset)
+        grown = None
+        if grow and data.fresh():
+            self.refuse_growth()
+            grown = data.grown(saved.steps or 0, saved.epoch + (saved.position > 0))
+        if grown is not None:
+            if self.rank == 0:
+                record = grown.added[-1]
+                logger.warning("%s: the output gained %d unit(s) since the checkpoint; their "
+                               "%s documents are numbered after the run's %s and served "
+                               "from epoch %d on (the epoch in progress is not planned "
+                               "again)", self.dataset.root, record.units - len(data.names()),
+                               f"{record.documents - data.dataset.num_documents:,}",
+                               f"{data.dataset.num_documents:,}", record.epoch)
+            data = grown
+        if data is not self.data:
+            self.data = data
+            self.planned = PlannedDataset(
+                data.dataset, self.planned.spec, self.world_size, self.batch_size,
+                self.planned.cache_dir, schedule=self.planned.schedule,
+                served_from=data.served_from)
+
+    def refuse_growth(self) -> None:
+        """Units added are numbered after the run's documents: a mode whose plans are not
+        made of whole documents, or a split drawn by the data's fingerprint, cannot serve
+        them."""
+        mode = self.spec.loader_mode
+        if not mode.excludes:
+            raise StateError(f"{self.dataset.root}: the output gained units since the "
+                             f"checkpoint, and mode {mode.name!r} cannot serve them (its "
+                             "rows are not made of whole documents); resume on the data "
+                             "as it was, or start a new run")
+        if self.planned.split is not None:
+            raise StateError(f"{self.dataset.root}: the output gained units since the "
+                             f"checkpoint, and split {self.spec.split!r} draws its documents "
+                             "by the data's fingerprint, which they change; start a new run")
+
     def adopt_shuffle(self, saved_knobs: dict[str, Any]) -> None:
         """A run asked for shuffle "auto" resumes under the shuffle its state was made with
         (a state from before the knob: global), and one asked for window_shards or lanes 0
@@ -388,7 +441,7 @@ class Run:
         self.planned = PlannedDataset(
             self.dataset, replace(spec, shuffle=shuffle, window_shards=window_shards,
                                   lanes=lanes), self.world_size, self.batch_size,
-            before.cache_dir, schedule=before.schedule)
+            before.cache_dir, schedule=before.schedule, served_from=before.served_from)
         for record in before.exclusions.records:  # (their steps are in the schedule)
             self.planned.exclusions.adopt(record)
         if self.rank == 0:

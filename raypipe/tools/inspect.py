@@ -100,6 +100,9 @@ def inspect_state(path: str | Path) -> str:
     changes = [(entry[0], f"global batch {entry[1]}, seq_len {entry[2]}")
                for entry in state.history or []]
     changes += [(record.step, excluded(record)) for record in state.exclusions or ()]
+    changes += [(record.step, f"the output's units added: {record.units:,} units, "
+                 f"{record.documents:,} documents in all, served from epoch {record.epoch}")
+                for record in state.units_added or ()]
     return "\n".join(lines + history_lines(changes))
 
 

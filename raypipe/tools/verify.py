@@ -30,6 +30,7 @@ from raypipe.io.lock import LOCK_NAME
 from raypipe.io.manifest import CONFIG_NAME, MANIFEST_NAME, UNITS_DIR, as_store, read_manifest
 from raypipe.io.records import FileEntry, Manifest
 from raypipe.io.store import Store
+from raypipe.io.views import VIEWS_DIR
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class VerifyCounts:
 # raypipe's bookkeeping beside the shards: the manifest, the job's config, unit and job
 # records, the lock of a running job
 BOOKKEEPING = (MANIFEST_NAME, CONFIG_NAME, LOCK_NAME)
-BOOKKEEPING_DIRS = (f"{UNITS_DIR}/",)
+BOOKKEEPING_DIRS = (f"{UNITS_DIR}/", f"{VIEWS_DIR}/")
 
 
 def unlisted_files(store: Store, manifest: Manifest) -> tuple[str, ...]:

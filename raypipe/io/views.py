@@ -1,0 +1,84 @@
+"""An output's unit orders, kept, and a view of its units in another order.
+
+Invariant: every manifest a job writes (and the one a rerun replaces) has the order of its
+units kept under `_views/<key>.json`, the key a digest of the names in order, written once
+and never changed. A loader whose output gained units since its state was saved numbers
+documents in the order it had (its units first, in their order; the units added after
+them): `view_manifest` is the manifest of the output's units in that order, shards and
+totals with them, so every earlier document keeps its number and every file is checked as
+the manifest's own. Cost: one small JSON file per manifest written (~40 bytes a unit); a
+view is O(units + shards) in memory, built once per loader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+from raypipe.errors import FormatError
+from raypipe.io.records import Manifest
+from raypipe.io.store import Store
+
+VIEWS_DIR = "_views"
+
+
+def view_key(unit_names: Sequence[str]) -> str:
+    """The key of a unit order: a digest of the names, in order."""
+    return hashlib.sha256("\n".join(unit_names).encode()).hexdigest()[:16]
+
+
+def unit_names(manifest: Manifest) -> list[str]:
+    return [unit.name for unit in manifest.units]
+
+
+def keep_view(store: Store, manifest: Manifest) -> str:
+    """Keep `manifest`'s unit order (once); its key."""
+    names = unit_names(manifest)
+    key = view_key(names)
+    path = f"{VIEWS_DIR}/{key}.json"
+    if not store.exists(path):
+        store.write_json(path, {"units": names})
+    return key
+
+
+def read_view(store: Store, key: str, current: Manifest) -> list[str] | None:
+    """The unit order kept under `key` (the current manifest's own, if it is that one);
+    None where the output does not keep it."""
+    names = unit_names(current)
+    if view_key(names) == key:
+        return names
+    path = f"{VIEWS_DIR}/{key}.json"
+    if not store.exists(path):
+        return None
+    kept = store.read_json(path).get("units")
+    if not isinstance(kept, list) or view_key(kept) != key:
+        raise FormatError(store.uri_of(path), "not the unit order its name says")
+    return kept
+
+
+def view_manifest(manifest: Manifest, names: Sequence[str], format_name: str) -> Manifest:
+    """`manifest` with its units, and format `format_name`'s shards, in the order of
+    `names` (a unit the manifest lacks is a FormatError naming it); the other formats left
+    out (their shards follow the manifest's order)."""
+    units = {unit.name: unit for unit in manifest.units}
+    missing = [name for name in names if name not in units]
+    if missing:
+        raise FormatError(f"unit {missing[0]}", "the run's data held this unit; the output "
+                          f"no longer does ({len(missing)} missing)")
+    section = manifest.formats[format_name]
+    by_unit: dict[str, list] = {}
+    for shard in section.shards:
+        by_unit.setdefault(shard.name.rsplit("-", 1)[0], []).append(shard)
+    shards = tuple(shard for name in names for shard in by_unit.get(name, []))
+    chosen = [units[name] for name in names]
+    totals = dataclasses.replace(
+        manifest.totals, rows=sum(unit.rows for unit in chosen),
+        documents=sum(unit.documents for unit in chosen),
+        tokens=sum(unit.tokens for unit in chosen), shards=len(shards),
+        bytes=sum(shard.bytes for shard in shards), trained_tokens=None)
+    return dataclasses.replace(manifest, units=tuple(chosen), totals=totals, formats={
+        format_name: dataclasses.replace(section, shards=shards)})
+
+
+__all__ = ["VIEWS_DIR", "keep_view", "read_view", "unit_names", "view_key", "view_manifest"]
