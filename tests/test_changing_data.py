@@ -527,3 +527,21 @@ def test_a_mode_or_a_split_that_cannot_serve_units_added_refuses_them(growing):
         serve_epochs(path, 1, windows, 1, mode="windows")
     with pytest.raises(StateError, match="split 'train' draws its documents by the data's"):
         serve_epochs(path, 1, split, 1, split="train", validation_fraction=0.2)
+
+
+def test_a_unit_rewritten_since_the_checkpoint_is_refused_naming_it(tmp_path, corpus_texts,
+                                                                    tokenizer_path):
+    corpus = tmp_path / "corpus"
+    for index in range(2):
+        write_parquet(corpus / f"part-{index}.parquet", corpus_texts[index:400:2],
+                      row_group_rows=400)
+    path = tokenize(corpus, tmp_path / "tokens", tokenizer_path)
+    _, state, _ = serve_epochs(path, 2, None, 3)
+    write_parquet(corpus / "part-1.parquet", [text.upper() for text in corpus_texts[1:400:2]],
+                  row_group_rows=400)  # the same rows, other text: its unit is rewritten
+    tokenize(corpus, path, tokenizer_path)
+    rewritten = next(unit.name for unit in TokenDataset(path).manifest.units
+                     if unit.name.startswith("part-1"))
+    with pytest.raises(StateError, match=f"unit {rewritten} of the run's data was rewritten "
+                       "since the checkpoint"):
+        serve_epochs(path, 2, state, 1)

@@ -6,8 +6,9 @@ and never changed. A loader whose output gained units since its state was saved 
 documents in the order it had (its units first, in their order; the units added after
 them): `view_manifest` is the manifest of the output's units in that order, shards and
 totals with them, so every earlier document keeps its number and every file is checked as
-the manifest's own. Cost: one small JSON file per manifest written (~40 bytes a unit); a
-view is O(units + shards) in memory, built once per loader.
+the manifest's own; a unit whose files differ from the kept digests is named as rewritten.
+Cost: one small JSON file per manifest written (~40 bytes a unit, and 19 a unit per format
+for its digest); a view is O(units + shards) in memory, built once per loader.
 """
 
 from __future__ import annotations
@@ -33,13 +34,41 @@ def unit_names(manifest: Manifest) -> list[str]:
 
 
 def keep_view(store: Store, manifest: Manifest) -> str:
-    """Keep `manifest`'s unit order (once); its key."""
+    """Keep `manifest`'s unit order (once), with a digest of each unit's shard files per
+    format (what names a unit rewritten since); its key."""
     names = unit_names(manifest)
     key = view_key(names)
     path = f"{VIEWS_DIR}/{key}.json"
     if not store.exists(path):
-        store.write_json(path, {"units": names})
+        store.write_json(path, {"units": names, "digests": {
+            format_name: unit_digests(manifest, format_name)
+            for format_name in manifest.formats}})
     return key
+
+
+def unit_digests(manifest: Manifest, format_name: str) -> dict[str, str]:
+    """{unit: digest of its shard files of format `format_name`} (names, sizes, sha256)."""
+    files: dict[str, list] = {}
+    for shard in manifest.formats[format_name].shards:
+        files.setdefault(shard.name.rsplit("-", 1)[0], []).extend(
+            [entry.path, entry.bytes, entry.sha256] for entry in shard.files)
+    return {name: hashlib.sha256(repr(files.get(name, [])).encode()).hexdigest()[:16]
+            for name in unit_names(manifest)}
+
+
+def rewritten_unit(store: Store, key: str, current: Manifest, format_name: str
+                   ) -> str | None:
+    """The first unit of the kept order `key` whose shard files of `format_name` differ
+    from what the order kept (None: none, or the output keeps no digests for it)."""
+    path = f"{VIEWS_DIR}/{key}.json"
+    if not store.exists(path):
+        return None
+    kept = (store.read_json(path).get("digests") or {}).get(format_name)
+    if not isinstance(kept, dict):
+        return None
+    now = unit_digests(current, format_name)
+    return next((name for name, digest in kept.items()
+                 if name in now and now[name] != digest), None)
 
 
 def read_view(store: Store, key: str, current: Manifest) -> list[str] | None:
@@ -81,4 +110,5 @@ def view_manifest(manifest: Manifest, names: Sequence[str], format_name: str) ->
         format_name: dataclasses.replace(section, shards=shards)})
 
 
-__all__ = ["VIEWS_DIR", "keep_view", "read_view", "unit_names", "view_key", "view_manifest"]
+__all__ = ["VIEWS_DIR", "keep_view", "read_view", "rewritten_unit", "unit_digests",
+           "unit_names", "view_key", "view_manifest"]

@@ -5,8 +5,8 @@ kept unit order, `LoaderState.view`: raypipe.io.views), then, for each `UnitsAdd
 records, the units of that later order it did not hold, in that order; so every document
 keeps its number, the added are numbered after, and the run's data is a pure function of
 what the state records and the output's kept orders. A unit the run held that the output
-no longer holds is refused naming it (one rewritten changes the data's fingerprint, which
-the resume refuses). Added units are served from the epoch after the one the resume stands
+no longer holds is refused naming it, and so is one rewritten (its files differ from the
+digests kept with the order). Added units are served from the epoch after the one the resume stands
 in (from that one where it stands at its start): the epoch in progress is not planned
 again. Cost: one manifest's units and shards, reordered, once per loader; one small read
 per kept order the state names.
@@ -20,7 +20,7 @@ from raypipe.dataset import BatchDataset, TokenDataset, open_kind
 from raypipe.errors import FormatError, StateError
 from raypipe.io.records import Manifest
 from raypipe.io.states import UnitsAdded
-from raypipe.io.views import read_view, unit_names, view_key, view_manifest
+from raypipe.io.views import read_view, rewritten_unit, unit_names, view_key, view_manifest
 
 __all__ = ["RunData", "UnitsAdded"]
 
@@ -92,6 +92,25 @@ class RunData:
         record = UnitsAdded(step, view_key(unit_names(self.output)), len(names) + len(fresh),
                             dataset.num_documents, epoch)
         return RunData(self.output, self.view, (*self.added, record), dataset)
+
+    def check(self, fingerprint: str, root: str) -> None:
+        """Refuse data whose fingerprint is not the state's, naming the unit rewritten
+        since (its shard files differ from those the output kept with the order); a
+        StateError either way."""
+        if self.dataset.fingerprint == fingerprint:
+            return
+        for key in (self.view, *(record.view for record in self.added)):
+            unit = rewritten_unit(self.dataset.store, key, self.output,
+                                  self.dataset.format_name)
+            if unit is not None:
+                raise StateError(f"{root}: unit {unit} of the run's data was rewritten since "
+                                 f"the checkpoint (its {self.dataset.format_name} files differ "
+                                 "from those the output kept): its documents would be other "
+                                 "tokens under the same numbers; restore it, or start a new "
+                                 "run")
+        raise StateError(f"{root} changed since the checkpoint (a shard or the manifest): the "
+                         f"state was made for dataset {fingerprint!r}, it is now "
+                         f"{self.dataset.fingerprint!r}")
 
     @property
     def served_from(self) -> tuple[tuple[int, int], ...]:

@@ -380,10 +380,13 @@ class Run:
             if saved.view not in (None, self.data.view) and \
                     saved.dataset != self.dataset.fingerprint:
                 self.refuse_growth()  # the output changed, and the mode cannot follow
-            check_dataset(saved.dataset, self.dataset)
+            if saved.view is None:
+                check_dataset(saved.dataset, self.dataset)
+            else:
+                self.data.check(saved.dataset, str(self.dataset.root))
             return  # the output as the run had it
         data = self.data.as_saved(saved.view, saved.units_added or ())
-        check_dataset(saved.dataset, data.dataset)
+        data.check(saved.dataset, str(self.dataset.root))
         grown = None
         if grow and data.fresh():
             self.refuse_growth()
