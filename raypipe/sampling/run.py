@@ -98,6 +98,20 @@ def check_dataset(saved: str, dataset: Any, source: str | None = None) -> None:
                          f"{dataset.fingerprint!r}")
 
 
+def check_data(saved: LoaderState, data: RunData) -> None:
+    """Refuse data other than the state's, naming the unit rewritten since where the output
+    kept its files' digests (raypipe.io.views)."""
+    if saved.dataset != data.dataset.fingerprint and saved.view is not None:
+        unit = data.rewritten()
+        if unit is not None:
+            raise StateError(f"{data.dataset.root}: unit {unit} of the run's data was "
+                             "rewritten since the checkpoint (its "
+                             f"{data.dataset.format_name} files differ from those the output "
+                             "kept): its documents would be other tokens under the same "
+                             "numbers; restore it, or start a new run")
+    check_dataset(saved.dataset, data.dataset)
+
+
 def planned_again(what: str, plan: Callable[[], Any]) -> None:
     """Plan the rest of an epoch after a seq_len change now: a mode that cannot is refused
     here, naming the change, not at the first batch."""
@@ -380,13 +394,10 @@ class Run:
             if saved.view not in (None, self.data.view) and \
                     saved.dataset != self.dataset.fingerprint:
                 self.refuse_growth()  # the output changed, and the mode cannot follow
-            if saved.view is None:
-                check_dataset(saved.dataset, self.dataset)
-            else:
-                self.data.check(saved.dataset, str(self.dataset.root))
+            check_data(saved, self.data)
             return  # the output as the run had it
         data = self.data.as_saved(saved.view, saved.units_added or ())
-        data.check(saved.dataset, str(self.dataset.root))
+        check_data(saved, data)
         grown = None
         if grow and data.fresh():
             self.refuse_growth()
