@@ -263,6 +263,70 @@ def test_any_chain_of_exclusions_serves_each_other_token_at_most_once_and_fill_s
         assert (counts[kept] == 1).all()
 
 
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 200), min_size=2, max_size=200),
+       present=st.floats(0.05, 1.0), cuts=st.lists(st.floats(0.0, 1.0), min_size=1,
+                                                    max_size=3),
+       picks=st.lists(st.integers(0, 199), max_size=3 * 10),
+       mode=st.sampled_from(["fill", "split", "crop", "documents"]), seed=st.integers(0, 5))
+def test_any_chain_of_joins_and_exclusions_serves_every_token_of_the_epoch_once(
+        lengths, present, cuts, picks, mode, seed):
+    """A plan of the first documents, served to a position, continued with more documents
+    joined (and some excluded), again: every token of every document that joined and was
+    not excluded is served once (crop: at most once; documents: its first row's worth)."""
+    from raypipe.sampling.lengths import DocumentLengths
+    from raypipe.sampling.modes import get_mode
+    from raypipe.sampling.modes.base import PlanInputs, PlanSpec
+
+    lengths = np.array(lengths, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    counts = np.zeros(int(lengths.sum()), dtype=np.int64)
+    capacity = 17
+
+    class Dataset:
+        bos_id, eos_id = 1, None
+
+    def inputs(count, excluded):
+        return PlanInputs(Dataset(), lambda: DocumentLengths.of(lengths[:count]),
+                          excluded=np.array(sorted(excluded), dtype=np.int64))
+
+    def serve(plan, positions):
+        if mode == "documents":
+            for document in plan.documents(positions).tolist():
+                take = min(int(lengths[document]), capacity)
+                counts[offsets[document]:offsets[document] + take] += 1
+            return set(plan.documents(positions).tolist())
+        served = set()
+        for _, row in plan.rows(positions) if positions.size else []:
+            for document, start, take in zip(row.documents, row.starts, row.take,
+                                             strict=True):
+                counts[offsets[document] + start:offsets[document] + start + take] += 1
+                served.add(int(document))
+        return served
+
+    knobs = ({"mode": "documents"} if mode == "documents"
+             else {"packing": mode, "block_documents": 8})
+    spec = PlanSpec.of(seq_len=capacity - 1, seed=seed, **knobs)
+    planner = get_mode(spec.mode)
+    count = max(1, int(present * lengths.size))
+    excluded: set[int] = set()
+    plan = planner.plan(spec, inputs(count, excluded), 0)
+    for index, cut in enumerate(cuts):
+        position = int(cut * plan.size)
+        serve(plan, np.arange(position, dtype=np.int64))
+        count = min(lengths.size, count + 1 + (lengths.size - count) // 2)
+        excluded |= {pick % count for pick in picks[index::len(cuts)]}
+        plan = planner.continue_plan(spec, inputs(count, excluded), 0, plan, position)
+    assert not serve(plan, np.arange(plan.size, dtype=np.int64)) & excluded
+    owner = np.repeat(np.arange(lengths.size), lengths)
+    within = offsets[owner] + capacity > np.arange(owner.size)  # a document's first row
+    kept = ~np.isin(owner, list(excluded)) & (owner < count)
+    kept &= within if mode == "documents" else True
+    assert counts.max() <= 1 and not counts[owner >= count].any()
+    if mode != "crop":
+        assert (counts[kept] == 1).all()
+
+
 @pytest.fixture(scope="module")
 def extra_source(tmp_path_factory, corpus_texts, tokenizer_path):
     """A third dataset of other documents, the same tokenizer as the session's."""
@@ -451,7 +515,7 @@ def test_units_added_on_resume_are_served_from_the_next_epoch_and_every_token_on
     first, state, _ = serve_epochs(path, 2, None, 20)
     assert state["view"] and state["units_added"] is None
     add_a_file()
-    rest, at_epoch_end, loader = serve_epochs(path, 3, state, 10**6)
+    rest, at_epoch_end, loader = serve_epochs(path, 3, state, 10**6, units_join="next_epoch")
     # the epoch in progress is the one the run would have served without the new units
     assert sorted({**first, **rest}) == sorted(whole)
     for step, rows in rest.items():
@@ -482,6 +546,60 @@ def test_units_added_on_resume_are_served_from_the_next_epoch_and_every_token_on
     saved = tmp_path / "state.json"
     saved.write_text(json.dumps(mid_state))
     assert "from step 20: the output's units added: 12 units" in inspect_state(saved)
+
+
+@pytest.mark.parametrize("mode", ["bestfit", "documents"])
+def test_units_added_on_resume_join_the_rest_of_the_epoch_and_every_token_once(growing, mode):
+    path, add_a_file = growing
+    knobs = {"mode": mode, **({"block_documents": 1} if mode == "bestfit" else {})}
+    whole, _, _ = serve_epochs(path, 2, None, 10**6, **knobs)  # (blocks of ~170 documents)
+    first, state, _ = serve_epochs(path, 2, None, 20, **knobs)
+    before = TokenDataset(path).num_documents
+    add_a_file()
+    rest, at_epoch_end, loader = serve_epochs(path, 3, state, 10**6, **knobs)
+    record = at_epoch_end["units_added"][0]
+    assert (record["step"], record["epoch"], record["joins"]) == (20, 1, True)
+    assert at_epoch_end["epoch"] == 1
+    # the steps before the join are the run's as it was; those after hold the added
+    # documents shuffled in among the rest (not appended after it)
+    assert all(np.array_equal(first[step], whole[step]) for step in first)
+    epoch_0 = {**first, **rest}
+    traced = {step: list(trace_step(path, step, at_epoch_end)) for step in epoch_0}
+    joined = [step for step, records in traced.items()
+              if any(record.document >= before for record in records)]
+    old = [step for step, records in traced.items()
+           if any(record.document < before for record in records)]
+    assert min(joined) >= 20 and max(old) > min(joined) + len(rest) // 4
+    # trace of the history names the rows served, token for token
+    starts = np.concatenate([[0], np.cumsum(loader.dataset.document_lengths())])
+    tokens = np.concatenate(list(loader.dataset.iter_documents()))
+    for step in (19, 20, 21, max(epoch_0)):
+        rows = epoch_0[step]
+        world = 2 if step < 20 else 3  # trace splits each step between the state's 3 ranks
+        for piece in traced[step]:
+            first_token = int(starts[piece.document])
+            position = piece.row * 3 + piece.rank  # of the step's rows
+            row = rows[position % world * (ROWS // world) + position // world]
+            assert row[piece.col_start:piece.col_end].tolist() == tokens[
+                first_token + piece.token_start:first_token + piece.token_end].tolist(), step
+    # every token of every document, old and added, is trained once in epoch 0 (documents
+    # mode: a row holds a document's first T + 1 tokens), but the drop-last tail
+    lengths = loader.dataset.document_lengths()
+    covered = np.zeros(lengths.size, dtype=np.int64)
+    for records in traced.values():
+        for record in records:
+            covered[record.document] += record.token_end - record.token_start
+    capacity = lengths if mode == "bestfit" else np.minimum(lengths, SEQ_LEN + 1)
+    assert (covered <= capacity).all()
+    tail_tokens = loader.dropped_tail[2]
+    assert int(capacity.sum() - covered.sum()) == tail_tokens
+    assert (covered[before:] > 0).sum() > 0.8 * (lengths.size - before)
+
+
+def trace_step(path, step, history):
+    from raypipe import trace
+
+    return trace(str(path), step, history=history)
 
 
 def test_trace_history_replays_a_run_across_units_added(growing):

@@ -15,6 +15,7 @@ from raypipe.sampling.pack import PACKINGS, pack, pack_crop, pack_fill, pack_spl
 from raypipe.sampling.permute import (
     FeistelPermutation,
     GroupedPermutation,
+    JoinedOrder,
     WindowedPermutation,
 )
 from raypipe.sampling.plans import (
@@ -42,6 +43,25 @@ def test_bijection_and_inverse_exhaustive(n):
 def test_bijection_for_any_size_seed_epoch(n, seed, epoch):
     values = FeistelPermutation(n, seed, epoch)(np.arange(n))
     assert np.array_equal(np.sort(values), np.arange(n))
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 400), joins=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 300)),
+                                             min_size=1, max_size=3),
+       seed=st.integers(0, 2**32))
+def test_a_joined_order_keeps_what_was_served_and_mixes_the_rest_with_the_joined(n, joins,
+                                                                                seed):
+    order, count = FeistelPermutation(n, seed, 0, salt=3), n
+    for share, added in joins:
+        first = int(share * count)
+        joined = JoinedOrder(order, first, count + added, seed, 0, salt=4096 + count + added)
+        every = joined(np.arange(count + added, dtype=np.int64))
+        assert sorted(every.tolist()) == list(range(count + added))
+        assert np.array_equal(joined.inverse(every), np.arange(count + added))
+        assert np.array_equal(every[:first], order(np.arange(first, dtype=np.int64)))
+        unserved = set(order(np.arange(first, count, dtype=np.int64)).tolist())
+        assert set(every[first:].tolist()) == unserved | set(range(count, count + added))
+        order, count = joined, count + added
 
 
 def test_seeds_and_epochs_give_different_orders():

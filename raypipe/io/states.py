@@ -95,9 +95,10 @@ class LoaderState(JsonRecord):
         check_position(where, self.epoch, self.position)
         if self.steps is not None and self.steps < 0:
             raise FormatError(where, f"field 'steps' {self.steps} is negative")
-        check_int_rows(where, "phases", self.phases, (2, 3))
+        check_int_rows(where, "phases", self.phases, (2, 3, 4))
         check_int_rows(where, "history", self.history, (3,))
         check_exclusions(where, self.exclusions or (), self.phases)
+        check_joins(where, self.units_added or (), self.phases)
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
@@ -136,23 +137,36 @@ def check_exclusions(where: str, exclusions: tuple[Exclusion, ...],
     if steps != sorted(steps):
         raise FormatError(where, f"field 'exclusions' begin at steps {steps}, not in order")
     for index, phase in enumerate(phases or []):
-        if len(phase) == 3 and phase[2] > len(exclusions):
+        if len(phase) >= 3 and phase[2] > len(exclusions):
             raise FormatError(where, f"phase {index} excludes {phase[2]} exclusions' "
                               f"documents; the state records {len(exclusions)}")
 
 
+def check_joins(where: str, added: tuple[UnitsAdded, ...],
+                phases: list[list[int]] | None) -> None:
+    """No phase counts more joins of units into an epoch than the state records."""
+    joins = sum(record.joins for record in added)
+    for index, phase in enumerate(phases or []):
+        if len(phase) == 4 and phase[3] > joins:
+            raise FormatError(where, f"phase {index} holds the units of {phase[3]} joins; "
+                              f"the state records {joins}")
+
+
 @dataclass(frozen=True)
 class UnitsAdded(JsonRecord):
-    """Units a run's output gained, found on a resume at global step `step`: those of the
-    output's unit order `view` (its key: raypipe.io.views) that the run's data did not
-    hold, numbered after its documents (the run's data: `units` units, `documents`
-    documents after it), served from epoch `epoch` on."""
+    """Units a run's output gained, found at global step `step` (on a resume, or while
+    following a running job): those of the output's unit order `view` (its key:
+    raypipe.io.views) that the run's data did not hold, numbered after its documents (the
+    run's data: `units` units, `documents` documents after it), served from epoch `epoch`
+    on; `joins`: they also joined the rest of the epoch before it from step `step` (a
+    phase began there: raypipe.sampling.schedule.Phase.joined)."""
 
     step: int
     view: str
     units: int
     documents: int
     epoch: int
+    joins: bool = False
 
     def check(self, where: str) -> None:
         if min(self.step, self.units, self.documents, self.epoch) < 0:
@@ -203,7 +217,7 @@ class SourcePosition(JsonRecord):
 
     def check(self, where: str) -> None:
         check_position(where, self.epoch, self.position)
-        check_int_rows(where, "phases", self.phases, (2, 3))
+        check_int_rows(where, "phases", self.phases, (2, 3, 4))
         if self.consumed < 0:
             raise FormatError(where, f"field 'consumed' {self.consumed} is negative")
         if not 0 <= self.stage_base <= self.consumed:

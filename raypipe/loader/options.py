@@ -39,8 +39,13 @@ class LoaderOptions:
     raypipe.sampling.schedule.seq_len_stages_by_tokens). `exclude`: documents left out
     from where the loader starts or resumes on (numbers, "<input>:<row>" or `raypipe
     trace` records, or a file of them, one a line: raypipe.tools.trace.DocumentsByName),
-    recorded in its state (raypipe.sampling.exclusions). Build it with `of()`, which takes
-    every option and knob by name."""
+    recorded in its state (raypipe.sampling.exclusions). `units_join`: where units the
+    output gained (found on a resume, or while following a running job) are served:
+    "epoch" (the default: shuffled into the rest of the epoch in progress) or "next_epoch"
+    (raypipe.sampling.growth). `follow`: train on the output of a tokenize job that is
+    still running, its units joining as they commit (raypipe.io.live), checked every
+    `follow_steps` steps. Build it with `of()`, which takes every option and knob by
+    name."""
 
     plan: PlanSpec = field(default_factory=PlanSpec)
     batch_size: int | None = None
@@ -58,6 +63,9 @@ class LoaderOptions:
     batch_schedule: tuple[tuple[int, int], ...] | None = None
     seq_len_schedule: tuple[tuple[int, int], ...] | None = None
     exclude: tuple[DocumentName, ...] | str | Path | None = None
+    units_join: str = "epoch"
+    follow: bool = False
+    follow_steps: int = 20
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.int32, torch.int64):
@@ -81,6 +89,10 @@ class LoaderOptions:
             object.__setattr__(self, "exclude", tuple(self.exclude))
         if self.prefetch < 1:
             raise ConfigError(f"prefetch: {self.prefetch} must be >= 1")
+        if self.units_join not in UNITS_JOIN:
+            raise ConfigError(f"units_join: {self.units_join!r} not among {list(UNITS_JOIN)}")
+        if self.follow_steps < 1:
+            raise ConfigError(f"follow_steps: {self.follow_steps} must be >= 1")
         mode = self.plan.loader_mode
         if len({length for _, length in self.seq_len_schedule or ()}) > 1:
             mode.refuse_a_seq_len_change("seq_len_schedule")  # a change inside an epoch
@@ -124,4 +136,5 @@ class LoaderOptions:
         return device
 
 
+UNITS_JOIN = ("epoch", "next_epoch")  # where units added to the output are served from
 OPTIONS = frozenset(item.name for item in fields(LoaderOptions)) - {"plan"}  # the rest: knobs

@@ -77,7 +77,8 @@ class TokenLoader:
                             cache_dir=options.cache_dir, cache_bytes=options.cache_bytes,
                             batch_schedule=options.batch_schedule,
                             seq_len_schedule=options.seq_len_schedule,
-                            pad_id=options.pad_id, boundaries=options.boundaries)
+                            pad_id=options.pad_id, boundaries=options.boundaries,
+                            units_join=options.units_join)
         self.dataset: Any = self.run.dataset
         split = self.run.planned.split
         if split is not None and self.rank == 0:

@@ -63,10 +63,10 @@ class EpochPlans:
                  step_observations: int = 1, memo: SumsMemo | None = None,
                  batch_size: int = 1, shard_documents: np.ndarray | None = None,
                  exclusions: RunExclusions | None = None,
-                 served: Callable[[int], int | None] = lambda epoch: None):
-        """`served(epoch)`: how many of the documents (the first) epoch `epoch` serves
-        (None: all; fewer where the run's data gained units it serves from a later
-        epoch)."""
+                 served: Callable[[int, int], int | None] = lambda epoch, joined: None):
+        """`served(epoch, joined)`: how many of the documents (the first) epoch `epoch`
+        serves once the run's first `joined` joins of units are in force (None: all; fewer
+        where the run's data gained units it serves from later)."""
         self.spec = spec.for_storage(dataset.cache is None)
         self.dataset = dataset
         self.shard_documents = shard_documents  # None: every document of each shard
@@ -117,8 +117,9 @@ class EpochPlans:
 
     def inputs_of(self, phase: Phase, epoch: int) -> PlanInputs:
         """What a mode plans `phase` of epoch `epoch` from: the inputs, of the documents
-        the epoch serves, without those of the run's first `phase.excluded` exclusions."""
-        inputs = self.inputs_of_epoch(epoch)
+        the epoch serves in that phase, without those of the run's first `phase.excluded`
+        exclusions."""
+        inputs = self.inputs_of_epoch(epoch, phase.joined)
         if not phase.excluded:
             return inputs
         if self.exclusions is None or phase.excluded > len(self.exclusions):
@@ -126,14 +127,14 @@ class EpochPlans:
                               "exclusion(s), more than the run records")
         self.spec.loader_mode.refuse_an_exclusion("documents excluded")
         excluded = self.exclusions.in_plan(phase.excluded)
-        served = self.served(epoch)
+        served = self.served(epoch, phase.joined)
         return replace(inputs, excluded=excluded if served is None
                        else excluded[excluded < served])
 
-    def inputs_of_epoch(self, epoch: int) -> PlanInputs:
-        """The inputs of the documents epoch `epoch` serves: the first `served(epoch)`
-        (whole shards: a unit's), or all."""
-        served = self.served(epoch)
+    def inputs_of_epoch(self, epoch: int, joined: int = 0) -> PlanInputs:
+        """The inputs of the documents epoch `epoch` serves under `joined` joins: the
+        first `served(epoch, joined)` (whole shards: a unit's), or all."""
+        served = self.served(epoch, joined)
         if served is None:
             return self.inputs
         counts = (self.dataset.shard_document_counts if self.shard_documents is None
@@ -170,16 +171,20 @@ class PlannedDataset:
     def __init__(self, dataset: TokenDataset | BatchDataset, spec: PlanSpec,
                  world_size: int, batch_size: int, cache_dir: str | Path | None = None,
                  memo: SumsMemo | None = None, schedule: BatchSchedule | None = None,
-                 served_from: tuple[tuple[int, int], ...] = ()):
+                 served_from: tuple[tuple[int, int], ...] = (),
+                 joins: tuple[tuple[int, int], ...] = ()):
         """`memo`: where plan arrays are kept (default: once per node, `node_memo`);
         `schedule`: the global batch of each step (default: W x `batch_size` every step);
         `served_from`: ((first epoch, documents it and the later ones serve), ...) of a
-        run whose data gained units (none: every epoch serves every document)."""
+        run whose data gained units (none: every epoch serves every document); `joins`:
+        ((step, documents served from it), ...) where added units joined the epoch in
+        progress (each begins a phase: raypipe.sampling.schedule)."""
         self.dataset = dataset
-        self.served_from = served_from
+        self.served_from, self.joins = served_from, joins
         self.spec = spec = spec.for_storage(dataset.cache is None).for_world(world_size)
         self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
-        schedule = schedule or BatchSchedule.constant(self.global_batch)
+        schedule = replace(schedule or BatchSchedule.constant(self.global_batch),
+                           join_starts=tuple(step for step, _ in joins))
         # seq_len by step: the schedule's, else the spec's at every step
         self.schedule = (schedule if schedule.seq_lens
                          else schedule.with_seq_lens([(0, spec.seq_len)]))
@@ -196,12 +201,15 @@ class PlannedDataset:
                                 self.global_batch, memo or self.node_memo, batch_size,
                                 self.shard_documents(), self.exclusions, self.served_in)
 
-    def served_in(self, epoch: int) -> int | None:
-        """How many of the documents (the first) epoch `epoch` serves; None: all."""
+    def served_in(self, epoch: int, joined: int = 0) -> int | None:
+        """How many of the documents (the first) epoch `epoch` serves under the run's
+        first `joined` joins; None: all."""
         served = None
         for first, documents in self.served_from:
             if first <= epoch:
                 served = documents
+        for _, documents in self.joins[:joined]:
+            served = max(served or 0, documents)
         total = getattr(self.dataset, "num_documents", None)
         return None if served is None or served == total else served
 
@@ -290,9 +298,9 @@ class PlannedDataset:
 
     def phases_from(self, step: int) -> Phases:
         """The phases an epoch that begins at step `step` begins with: one, at that step's
-        seq_len and exclusions."""
+        seq_len, exclusions and joins."""
         return (Phase(self.schedule.seq_len_at(step) or self.seq_len, 0,
-                      self.schedule.exclusions_at(step)),)
+                      self.schedule.exclusions_at(step), self.schedule.joins_at(step)),)
 
     def exclude(self, step: int, documents: np.ndarray, named: int | None = None,
                 not_found: int = 0) -> Exclusion | None:

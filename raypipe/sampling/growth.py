@@ -6,16 +6,18 @@ records, the units of that later order it did not hold, in that order; so every 
 keeps its number, the added are numbered after, and the run's data is a pure function of
 what the state records and the output's kept orders. A unit the run held that the output
 no longer holds is refused naming it, and so is one rewritten (its files differ from the
-digests kept with the order). Added units are served from the epoch after the one the resume stands
-in (from that one where it stands at its start): the epoch in progress is not planned
-again. Cost: one manifest's units and shards, reordered, once per loader; one small read
-per kept order the state names. Measured at 10^5 units: a view 4.2 us a unit; the digests
-that name a rewritten unit 8.7 us a unit, computed only when a resume's fingerprint differs.
+digests kept with the order). Added units are served from the epoch after the one the
+run stands in (from that one where it stands at its start); under units_join "epoch" (the
+default) they also join the rest of the epoch in progress, shuffled in among what it had
+not served (a phase: raypipe.sampling.plans.continued_order). Cost: one manifest's units
+and shards, reordered, once per loader; one small read per kept order the state names.
+Measured at 10^5 units: a view 4.2 us a unit; the digests that name a rewritten unit 8.7
+us a unit, computed only when a resume's fingerprint differs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from raypipe.dataset import BatchDataset, TokenDataset, open_kind
 from raypipe.errors import FormatError, StateError
@@ -83,16 +85,28 @@ class RunData:
         held = set(self.names())
         return [name for name in unit_names(self.output) if name not in held]
 
-    def grown(self, step: int, epoch: int) -> RunData | None:
+    def grown(self, step: int, epoch: int, joins: bool = False) -> RunData | None:
         """This data with the output's units it does not hold added at global step `step`,
-        served from epoch `epoch` on; None where the output holds none."""
+        served from epoch `epoch` on (`joins`: and the rest of the epoch before it from
+        `step`); None where the output holds none."""
         names, fresh = self.names(), self.fresh()
         if not fresh:
             return None
         dataset = self.opened(names + fresh)
         record = UnitsAdded(step, view_key(unit_names(self.output)), len(names) + len(fresh),
-                            dataset.num_documents, epoch)
+                            dataset.num_documents, epoch, joins)
         return RunData(self.output, self.view, (*self.added, record), dataset)
+
+    def with_output(self, output: Manifest) -> RunData:
+        """This data, its units now found in `output` (a later manifest of the same
+        output: a running job's, raypipe.io.live)."""
+        return replace(self, output=output)
+
+    @property
+    def joins(self) -> tuple[tuple[int, int], ...]:
+        """((step, documents served from it), ...) of the units that joined an epoch in
+        progress."""
+        return tuple((record.step, record.documents) for record in self.added if record.joins)
 
     def rewritten(self) -> str | None:
         """A unit of the run's data whose files differ from those the output kept with

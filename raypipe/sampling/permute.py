@@ -235,3 +235,59 @@ class WindowedPermutation:
         windows = slots // self.window_shards
         return self.window_starts[windows] + self._each_window(
             windows, virtual - self.window_starts[windows], inverse=True)
+
+
+class JoinedOrder:
+    """An epoch's document order after documents joined it at order position `first`:
+    positions before `first` are `base`'s (what was served); from `first` on, a Feistel
+    order of base's unserved positions [first, len(base)) and the joined documents
+    [len(base), count) together, so the joined documents are shuffled among what was left
+    of the epoch. Memory O(1) beyond `base`; each call one Feistel call on top of base's;
+    exact inverse. `key` names it in memo keys (the orders it is built on included)."""
+
+    def __init__(self, base: Any, first: int, count: int, seed: int, epoch: int, salt: int):
+        self.base, self.first, self.count = base, int(first), int(count)
+        self.base_count = len(base)
+        if not 0 <= self.first <= self.base_count <= self.count:
+            raise ValueError(f"a joined order needs 0 <= first {first} <= the order's "
+                             f"{self.base_count} <= count {count}")
+        self.left = self.base_count - self.first  # base positions not yet served
+        self.mixed = FeistelPermutation(self.count - self.first, seed, epoch, salt)
+        self.key = (f"{getattr(base, 'key', '')}+joined({self.first},{self.base_count},"
+                    f"{self.count},{salt})")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __call__(self, positions: Any) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= self.count):
+            raise IndexError(f"positions outside [0, {self.count})")
+        out = np.empty_like(positions)
+        served = positions < self.first
+        if served.any():
+            out[served] = self.base(positions[served])
+        mixed = self.mixed(positions[~served] - self.first)
+        joined = mixed >= self.left
+        mixed[joined] += self.base_count - self.left  # the joined documents' numbers
+        old = ~joined
+        if old.any():
+            mixed[old] = self.base(mixed[old] + self.first)
+        out[~served] = mixed
+        return out
+
+    def inverse(self, ids: Any) -> np.ndarray:
+        """The position of each document: base's where base served it before `first`,
+        else `first` plus its place in the mixed order."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.count):
+            raise IndexError(f"ids outside [0, {self.count})")
+        out = np.empty_like(ids)
+        joined = ids >= self.base_count
+        places = ids - self.base_count + self.left  # a joined document's mixed index
+        if (~joined).any():
+            places[~joined] = self.base.inverse(ids[~joined]) - self.first
+        served = places < 0
+        out[served] = places[served] + self.first
+        out[~served] = self.first + self.mixed.inverse(places[~served])
+        return out

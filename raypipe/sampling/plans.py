@@ -36,10 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from raypipe.errors import ConfigError
 from raypipe.sampling.pack import continued_pieces
 from raypipe.sampling.permute import (
     FeistelPermutation,
     GroupedPermutation,
+    JoinedOrder,
     WindowedPermutation,
 )
 
@@ -265,7 +267,8 @@ class ShardGroups:
         return np.diff(self.documents)
 
 
-DocumentOrder = FeistelPermutation | GroupedPermutation | WindowedPermutation
+DocumentOrder = FeistelPermutation | GroupedPermutation | WindowedPermutation | JoinedOrder
+JOIN_SALT = 4096  # the Feistel salts of joined orders: this plus the documents after the join
 
 
 def next_window_shards(order: Any, order_position: int, lanes: LaneOrder | None = None,
@@ -297,3 +300,21 @@ def document_permutation(count: int, seed: int, epoch: int, salt: int,
         return WindowedPermutation(groups.shard_documents, groups.window_shards, seed, epoch,
                                    salt=salt)
     return GroupedPermutation(groups.document_counts, seed, epoch, salt=salt)
+
+
+def continued_order(before: DocumentOrder, first: int, count: int, seed: int, epoch: int,
+                    groups: ShardGroups | ShardWindows | None) -> DocumentOrder:
+    """The document order the rest of an epoch continues in from order position `first`:
+    `before`'s, or, where documents [len(before), count) joined the epoch (units added to
+    the output: raypipe.sampling.growth), those and before's unserved ones shuffled
+    together (permute.JoinedOrder, salted by `count`, which grows with every join). A
+    windowed or shard-local shuffle reads shards a window at a time, which a join
+    anywhere in the rest would break: refused, naming the way out."""
+    if count == len(before):
+        return before
+    if groups is not None:
+        shuffle = "windowed" if isinstance(groups, ShardWindows) else "shard_local"
+        raise ConfigError(f"units added join the rest of the epoch in progress only under "
+                          f"the global shuffle; under shuffle {shuffle!r} give "
+                          "units_join='next_epoch' (served from the next epoch)")
+    return JoinedOrder(before, first, count, seed, epoch, JOIN_SALT + count)

@@ -32,6 +32,7 @@ from raypipe.errors import ConfigError, StateError
 from raypipe.io.states import (
     STATE_VERSION,
     LoaderState,
+    UnitsAdded,
 )
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.exclusions import Exclusion
@@ -127,8 +128,9 @@ class Run:
     adopts the state's where it asked nothing)."""
 
     def __init__(self, planned: PlannedDataset, asked: PlanSpec, rank: int = 0,
-                 pad_id: int = 0, boundaries: bool | None = None):
+                 pad_id: int = 0, boundaries: bool | None = None, units_join: str = "epoch"):
         self.planned, self.asked, self.rank, self.pad_id = planned, asked, rank, pad_id
+        self.units_join = units_join  # where added units are served (LoaderOptions)
         # the units of the output the run serves, in its order (raypipe.sampling.growth)
         self.data = RunData.of(planned.dataset)
         mode = planned.spec.loader_mode
@@ -145,12 +147,12 @@ class Run:
              batch_size: int | None = None, *, rank: int = 0, format_name: str | None = None,
              cache_dir: str | Path | None = None, cache_bytes: int | str | None = None,
              batch_schedule: Any = None, seq_len_schedule: Any = None, pad_id: int = 0,
-             boundaries: bool | None = None) -> Run:
+             boundaries: bool | None = None, units_join: str = "epoch") -> Run:
         planned = PlannedDataset.open(path, spec, world_size, batch_size, format_name,
                                       cache_dir, cache_bytes,
                                       batch_schedule=list(batch_schedule or []),
                                       seq_len_schedule=list(seq_len_schedule or []))
-        return cls(planned, spec, rank, pad_id, boundaries)
+        return cls(planned, spec, rank, pad_id, boundaries, units_join)
 
     @property
     def dataset(self) -> Any:
@@ -230,7 +232,7 @@ class Run:
     def later_phases(self) -> Phases:
         """The phases a later epoch begins with, as far as the run knows now: one, at the
         current seq_len, without the documents of every exclusion made."""
-        return (Phase(self.seq_len, 0, len(self.planned.exclusions)),)
+        return (Phase(self.seq_len, 0, len(self.planned.exclusions), len(self.planned.joins)),)
 
     def report(self, epoch: int | None = None) -> PackingReport:
         """What the epoch's rows make of the data (chat data: with its loss mask's count)."""
@@ -375,20 +377,20 @@ class Run:
         self.steps = steps_taken(saved, lambda: self.planned.schedule.steps_before(
             self.planned.plan_size, saved.epoch, saved.position, phases))
         self.history = [list(entry) for entry in saved.history or []]
-        if self.seq_len != self.phases[-1].seq_len:
-            cursor = self.planned.schedule.phases_at(self.cursor())
+        cursor = self.planned.schedule.phases_at(self.cursor())
+        if cursor.phases != self.phases:  # a seq_len change, or units joining, from here
             planned_again("loader state", lambda: self.planned.plan(cursor.epoch,
                                                                     cursor.phases))
-            if self.rank == 0:
-                logger.info("%s: seq_len %d -> %d from step %d: the rest of epoch %d is "
-                            "planned again at %d from what the saved position had not "
-                            "served", self.dataset.root, self.phases[-1].seq_len,
-                            self.seq_len, self.steps, self.epoch, self.seq_len)
+        if self.seq_len != self.phases[-1].seq_len and self.rank == 0:
+            logger.info("%s: seq_len %d -> %d from step %d: the rest of epoch %d is "
+                        "planned again at %d from what the saved position had not "
+                        "served", self.dataset.root, self.phases[-1].seq_len,
+                        self.seq_len, self.steps, self.epoch, self.seq_len)
 
     def adopt_data(self, saved: LoaderState, grow: bool = True) -> None:
         """Serve the data as `saved` had it (its units in its order: raypipe.sampling.
         growth), refusing data that changed; with `grow`, the units the output gained since
-        are added, served from the next epoch (from this one at its start)."""
+        are added where `units_join` says (`grown`)."""
         if (saved.view in (None, self.data.view) and not saved.units_added) or \
                 not self.spec.loader_mode.excludes:  # (whole documents only: below)
             if saved.view not in (None, self.data.view) and \
@@ -398,26 +400,64 @@ class Run:
             return  # the output as the run had it
         data = self.data.as_saved(saved.view, saved.units_added or ())
         check_data(saved, data)
-        grown = None
-        if grow and data.fresh():
-            self.refuse_growth()
-            grown = data.grown(saved.steps or 0, saved.epoch + (saved.position > 0))
-        if grown is not None:
-            if self.rank == 0:
-                record = grown.added[-1]
-                logger.warning("%s: the output gained %d unit(s) since the checkpoint; their "
-                               "%s documents are numbered after the run's %s and served "
-                               "from epoch %d on (the epoch in progress is not planned "
-                               "again)", self.dataset.root, record.units - len(data.names()),
-                               f"{record.documents - data.dataset.num_documents:,}",
-                               f"{data.dataset.num_documents:,}", record.epoch)
-            data = grown
+        if grow:
+            data = self.grown(data, saved.steps or 0, saved.epoch, saved.position) or data
         if data is not self.data:
+            self.use_data(data)
+
+    def grown(self, data: RunData, step: int, epoch: int, position: int) -> RunData | None:
+        """`data` with the output's units it does not hold added at step `step`, where the
+        run stands at `position` of epoch `epoch`: served from the next epoch, or (at an
+        epoch's start, or under units_join "epoch") from this one, joining the rest of it;
+        None where none was added."""
+        if not data.fresh():
+            return None
+        self.refuse_growth()
+        joins = self.units_join == "epoch" and position > 0
+        grown = data.grown(step, epoch + (position > 0), joins)
+        if grown is not None and self.rank == 0:
+            record = grown.added[-1]
+            logger.warning("%s: the output gained %d unit(s); their %s documents are "
+                           "numbered after the run's %s and %s", self.dataset.root,
+                           record.units - len(data.names()),
+                           f"{record.documents - data.dataset.num_documents:,}",
+                           f"{data.dataset.num_documents:,}",
+                           f"join the rest of epoch {epoch} from step {step}, shuffled in "
+                           "among what it had not served" if joins else
+                           f"are served from epoch {record.epoch} on (units_join "
+                           f"{self.units_join!r})")
+        return grown
+
+    def use_data(self, data: RunData) -> None:
+        """Plan `data` from now on, under the run's schedule and exclusions."""
+        before, self.data = self.planned, data
+        self.planned = PlannedDataset(data.dataset, before.spec, self.world_size,
+                                      self.batch_size, before.cache_dir,
+                                      schedule=before.schedule, served_from=data.served_from,
+                                      joins=data.joins)
+        for record in before.exclusions.records:  # (their steps are in the schedule)
+            self.planned.exclusions.adopt(record)
+
+    def join_units(self, output: Any) -> UnitsAdded | None:
+        """Add the units `output` (a later manifest of the run's output: a running job's)
+        holds that the run does not, from the next step on (`grown`); the rest of the
+        epoch is planned again now, and a refusal leaves the run as it was. The record
+        made, or None where none was added."""
+        data = self.data.with_output(output)
+        grown = self.grown(data, self.steps, self.epoch, self.position)
+        if grown is None:
             self.data = data
-            self.planned = PlannedDataset(
-                data.dataset, self.planned.spec, self.world_size, self.batch_size,
-                self.planned.cache_dir, schedule=self.planned.schedule,
-                served_from=data.served_from)
+            return None
+        before = (self.data, self.planned)
+        self.use_data(grown)
+        cursor = self.planned.schedule.phases_at(self.cursor())
+        try:
+            planned_again(f"{self.dataset.root}: units joined", lambda: self.planned.plan(
+                cursor.epoch, cursor.phases))
+        except StateError:
+            self.data, self.planned = before
+            raise
+        return grown.added[-1]
 
     def refuse_growth(self) -> None:
         """Units added are numbered after the run's documents: a mode whose plans are not
@@ -455,7 +495,8 @@ class Run:
         self.planned = PlannedDataset(
             self.dataset, replace(spec, shuffle=shuffle, window_shards=window_shards,
                                   lanes=lanes), self.world_size, self.batch_size,
-            before.cache_dir, schedule=before.schedule, served_from=before.served_from)
+            before.cache_dir, schedule=before.schedule, served_from=before.served_from,
+            joins=before.joins)
         for record in before.exclusions.records:  # (their steps are in the schedule)
             self.planned.exclusions.adopt(record)
         if self.rank == 0:

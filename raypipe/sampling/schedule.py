@@ -30,13 +30,15 @@ from raypipe.errors import ConfigError
 @dataclass(frozen=True)
 class Phase:
     """A stretch of an epoch at one seq_len, without the documents of the run's first
-    `excluded` exclusions: the first phase is the epoch's plan; a later one is the rest of
-    the phase before it, from its position `begins` on, planned again (observations
-    numbered from 0 again)."""
+    `excluded` exclusions, with those of units its first `joined` joins added to the epoch
+    in progress (raypipe.sampling.growth): the first phase is the epoch's plan; a later one
+    is the rest of the phase before it, from its position `begins` on, planned again
+    (observations numbered from 0 again)."""
 
     seq_len: int
     begins: int = 0
     excluded: int = 0
+    joined: int = 0
 
 
 Phases = tuple[Phase, ...]
@@ -44,9 +46,11 @@ Phases = tuple[Phase, ...]
 
 def phase_rows(phases: Phases) -> list[list[int]]:
     """Phases as a state records them: [[seq_len, begins], ...], [seq_len, begins,
-    excluded] where documents are excluded."""
-    return [[phase.seq_len, phase.begins, *([phase.excluded] if phase.excluded else [])]
-            for phase in phases]
+    excluded] where documents are excluded, [seq_len, begins, excluded, joined] where
+    units joined the epoch."""
+    return [[phase.seq_len, phase.begins,
+             *([phase.excluded, phase.joined] if phase.joined else
+               [phase.excluded] if phase.excluded else [])] for phase in phases]
 
 
 def phases_of_rows(rows: list[list[int]] | None, seq_len: int) -> Phases:
@@ -55,9 +59,10 @@ def phases_of_rows(rows: list[list[int]] | None, seq_len: int) -> Phases:
 
 
 def next_epoch_phases(phases: Phases) -> Phases:
-    """The phases the next epoch begins with: one, at the last phase's seq_len and
-    exclusions."""
-    return (Phase(phases[-1].seq_len, 0, phases[-1].excluded),)
+    """The phases the next epoch begins with: one, at the last phase's seq_len, exclusions
+    and joins."""
+    last = phases[-1]
+    return (Phase(last.seq_len, 0, last.excluded, last.joined),)
 PlanSize = Callable[[int, Phases], int]  # (epoch, phases) -> observations of that plan
 
 
@@ -109,6 +114,7 @@ class BatchSchedule:
     seq_starts: tuple[int, ...] = ()
     seq_lens: tuple[int, ...] = ()
     exclusion_starts: tuple[int, ...] = ()  # the step each exclusion of the run begins at
+    join_starts: tuple[int, ...] = ()  # the step units join the epoch in progress, each time
 
     @classmethod
     def constant(cls, global_batch: int) -> BatchSchedule:
@@ -135,6 +141,19 @@ class BatchSchedule:
     def exclusions_at(self, step: int) -> int:
         """How many of the run's exclusions are in force at step `step`."""
         return int(np.searchsorted(np.array(self.exclusion_starts, dtype=np.int64), step,
+                                   side="right"))
+
+    def with_join(self, step: int) -> BatchSchedule:
+        """This schedule with units joining the epoch in progress at `step` (no earlier
+        than the last join)."""
+        if self.join_starts and step < self.join_starts[-1]:
+            raise ConfigError(f"units joining at step {step} come before the last join, at "
+                              f"step {self.join_starts[-1]}")
+        return replace(self, join_starts=(*self.join_starts, int(step)))
+
+    def joins_at(self, step: int) -> int:
+        """How many of the run's joins are in force at step `step`."""
+        return int(np.searchsorted(np.array(self.join_starts, dtype=np.int64), step,
                                    side="right"))
 
     def seq_len_at(self, step: int) -> int | None:
@@ -185,24 +204,25 @@ class BatchSchedule:
     def next_change(self, step: int) -> int | None:
         """The first step after `step` whose global batch or seq_len may differ (None:
         none)."""
-        later = [start for start in (*self.starts, *self.seq_starts, *self.exclusion_starts)
-                 if start > step]
+        later = [start for start in (*self.starts, *self.seq_starts, *self.exclusion_starts,
+                                     *self.join_starts) if start > step]
         return min(later) if later else None
 
     def phases_at(self, cursor: Cursor) -> Cursor:
-        """The cursor with the seq_len and the exclusions of its step in force: either
-        other than its last phase's begins a phase at its position (at position 0, replaces
-        that phase)."""
+        """The cursor with the seq_len, the exclusions and the joins of its step in force:
+        any other than its last phase's begins a phase at its position (at position 0,
+        replaces that phase)."""
         last = cursor.phases[-1]
         seq_len = self.seq_len_at(cursor.step) or last.seq_len
         excluded = max(self.exclusions_at(cursor.step), last.excluded)
-        if (seq_len, excluded) == (last.seq_len, last.excluded):
+        joined = max(self.joins_at(cursor.step), last.joined)
+        if (seq_len, excluded, joined) == (last.seq_len, last.excluded, last.joined):
             return cursor
         if cursor.position == 0:
             return replace(cursor, phases=(*cursor.phases[:-1],
-                                           Phase(seq_len, last.begins, excluded)))
-        return replace(cursor, position=0,
-                       phases=(*cursor.phases, Phase(seq_len, cursor.position, excluded)))
+                                           Phase(seq_len, last.begins, excluded, joined)))
+        return replace(cursor, position=0, phases=(
+            *cursor.phases, Phase(seq_len, cursor.position, excluded, joined)))
 
     def segments(self, plan_size: PlanSize, cursor: Cursor, one_epoch: bool = False
                  ) -> Iterator[Segment]:

@@ -65,11 +65,13 @@ from raypipe.sampling.pack import (
 )
 from raypipe.sampling.permute import FeistelPermutation
 from raypipe.sampling.plans import (
+    DocumentOrder,
     LaneOrder,
     PackingReport,
     ShardGroups,
     ShardWindows,
     SumsMemo,
+    continued_order,
     document_permutation,
     lane_bounds,
     next_window_shards,
@@ -90,7 +92,8 @@ class BestFitPlan:
                  groups: ShardGroups | ShardWindows | None = None,
                  memo: SumsMemo | None = None,
                  separator: str = "bos", overlong: str = "cut", first_document: int = 0,
-                 excluded: np.ndarray | None = None, excluded_key: str = ""):
+                 excluded: np.ndarray | None = None, excluded_key: str = "",
+                 order: DocumentOrder | None = None):
         """`memo(key, compute)`: returns compute() or what it returned before for `key`
         (a node-local cache of the block token sums, shared by the node's ranks);
         `separator`: which side of a document carries BOS/EOS (raypipe.sampling.pack);
@@ -98,7 +101,8 @@ class BestFitPlan:
         document order on (the rest of an epoch whose seq_len changed: ContinuedPlan);
         `excluded`: documents left out (ascending; raypipe.sampling.exclusions), named in
         memo keys by `excluded_key`: each block packs its other documents, and the block
-        sums lose their tokens, O(excluded)."""
+        sums lose their tokens, O(excluded); `order`: the epoch's document order (default:
+        its Feistel order; the rest of an epoch that units joined: plans.continued_order)."""
         lengths = DocumentLengths.of(lengths)
         self.first_document = first_document
         self.excluded = (np.zeros(0, dtype=np.int64) if excluded is None
@@ -112,7 +116,11 @@ class BestFitPlan:
         self.capacity = seq_len + 1
         self.seed, self.epoch = seed, epoch
         self.block_documents = block_size(lengths, self.capacity, block_documents, packing)
-        self.document_order = document_permutation(len(lengths), seed, epoch, 3, groups)
+        self.document_order = order if order is not None else document_permutation(
+            len(lengths), seed, epoch, 3, groups)
+        if len(self.document_order) != len(lengths):
+            raise ValueError(f"an order of {len(self.document_order)} documents for a plan "
+                             f"of {len(lengths)}")
         self.lane_count = groups.lanes if isinstance(groups, ShardWindows) else 1
         # where each block begins in the document order (blocks end where windows do)
         self._cut_blocks(first_document)
@@ -193,14 +201,17 @@ class BestFitPlan:
         whole_starts = (self.block_starts if not first else
                         block_starts(len(self.lengths), per_block, 0, self.document_order))
         at = int(np.searchsorted(whole_starts, first))
-        if at < whole_starts.size and whole_starts[at] == first or first == len(self.lengths):
+        order_key = getattr(self.document_order, "key", "")  # a joined order: its own
+        if not order_key and (at < whole_starts.size and whole_starts[at] == first
+                              or first == len(self.lengths)):
             key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths),
                    *([self.excluded_key] if self.excluded_key else []))
             whole = (self.memo(key, self.whole_epoch_sums) if self.memo is not None
                      else self.whole_epoch_sums())
             return whole[at:]
         key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths), first,
-               *([self.excluded_key] if self.excluded_key else []))
+               *([self.excluded_key] if self.excluded_key else []),
+               *([order_key] if order_key else []))
         return (self.memo(key, self.block_token_sums) if self.memo is not None
                 else self.block_token_sums())
 
@@ -663,23 +674,26 @@ class BestFitMode(LoaderMode):
         return {"block_documents": spec.knobs.block_documents, "packing": spec.packing,
                 "pieces": PIECES_RULE, "overlong": spec.resolved_overlong}
 
-    def plan(self, spec: Any, inputs: PlanInputs, epoch: int, first_document: int = 0
-             ) -> BestFitPlan:
+    def plan(self, spec: Any, inputs: PlanInputs, epoch: int, first_document: int = 0,
+             order: DocumentOrder | None = None) -> BestFitPlan:
         dataset = inputs.dataset
         return BestFitPlan(inputs.lengths(), spec.seq_len, spec.seed, epoch,
                            spec.knobs.block_documents, spec.packing, inputs.groups,
                            inputs.memo, separator_of(dataset.bos_id, dataset.eos_id),
                            spec.resolved_overlong, first_document, inputs.excluded,
-                           inputs.excluded_key)
+                           inputs.excluded_key, order)
 
     def continue_plan(self, spec: Any, inputs: PlanInputs, epoch: int, before: Any,
                       position: int) -> ContinuedPlan:
         """The rest of `before` from `position` at spec.seq_len without the documents
         `inputs` excludes: the partly served block's unserved pieces packed again, then the
-        later documents in new blocks."""
+        later documents in new blocks, in before's order (with the documents that joined
+        the epoch, where `inputs` holds more: shuffled in among them)."""
         remainder = before.remaining(position).without(inputs.excluded)
-        return ContinuedPlan(remainder, self.plan(spec, inputs, epoch,
-                                                  remainder.first_document))
+        first = remainder.first_document
+        order = continued_order(getattr(before, "tail", before).document_order, first,
+                                len(inputs.lengths()), spec.seed, epoch, inputs.groups)
+        return ContinuedPlan(remainder, self.plan(spec, inputs, epoch, first, order))
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
                boundaries: bool = True) -> BestFitFiller:

@@ -31,10 +31,12 @@ from raypipe.sampling.modes.base import BatchFiller, LoaderMode, PlanInputs, reg
 from raypipe.sampling.pack import RowPieces
 from raypipe.sampling.permute import WindowedPermutation
 from raypipe.sampling.plans import (
+    DocumentOrder,
     LaneOrder,
     PackingReport,
     ShardGroups,
     ShardWindows,
+    continued_order,
     document_permutation,
     lane_bounds,
     next_window_shards,
@@ -49,16 +51,17 @@ class DocumentPlan:
     def __init__(self, lengths: np.ndarray | DocumentLengths, seq_len: int, seed: int,
                  epoch: int, groups: ShardGroups | ShardWindows | None = None,
                  ordered: bool = False, pad_to: int = 1, first: int = 0,
-                 excluded: np.ndarray | None = None):
+                 excluded: np.ndarray | None = None, order: DocumentOrder | None = None):
         """`ordered`: documents in index order (evaluation), `pad_to`: the size rounded up
         to a multiple of it with empty observations (id -1: a row of padding), so no
         document falls into a dropped tail; `first`: the plan serves the epoch's order from
-        this place on (the rest of an epoch); `excluded`: documents it leaves out."""
+        this place on (the rest of an epoch); `excluded`: documents it leaves out; `order`:
+        the epoch's order (default: its Feistel order; plans.continued_order)."""
         self.lengths = DocumentLengths.of(lengths)
         self.capacity = seq_len + 1
         self.ordered, self.first = ordered, first
-        self.permutation = None if ordered else document_permutation(
-            len(self.lengths), seed, epoch, 2, groups)
+        self.permutation = None if ordered else order if order is not None else \
+            document_permutation(len(self.lengths), seed, epoch, 2, groups)
         self.lanes = (LaneOrder(lane_bounds(self.permutation.window_starts, groups.lanes,
                                             lambda starts: starts))
                       if isinstance(self.permutation, WindowedPermutation)
@@ -190,22 +193,25 @@ class DocumentsMode(LoaderMode):
     continues_plans = True
     excludes = True
 
-    def plan(self, spec: Any, inputs: PlanInputs, epoch: int, first: int = 0
-             ) -> DocumentPlan:
+    def plan(self, spec: Any, inputs: PlanInputs, epoch: int, first: int = 0,
+             order: DocumentOrder | None = None) -> DocumentPlan:
         if spec.split == "validation":
             return DocumentPlan(inputs.lengths(), spec.seq_len, spec.seed, epoch,
                                 ordered=True, pad_to=inputs.step_observations, first=first,
                                 excluded=inputs.excluded)
         return DocumentPlan(inputs.lengths(), spec.seq_len, spec.seed, epoch, inputs.groups,
-                            first=first, excluded=inputs.excluded)
+                            first=first, excluded=inputs.excluded, order=order)
 
     def continue_plan(self, spec: Any, inputs: PlanInputs, epoch: int, before: Any,
                       position: int) -> DocumentPlan:
         """The rest of `before` from `position`: its order from the place that position
-        reached, without the documents `inputs` excludes."""
+        reached, without the documents `inputs` excludes (with those that joined the epoch,
+        where `inputs` holds more: shuffled in among the rest)."""
         first = (int(before.places(np.array([position], dtype=np.int64))[0])
                  if position < before.count else len(before.lengths))
-        return self.plan(spec, inputs, epoch, first)
+        order = None if before.permutation is None else continued_order(
+            before.permutation, first, len(inputs.lengths()), spec.seed, epoch, inputs.groups)
+        return self.plan(spec, inputs, epoch, first, order)
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
                boundaries: bool = True) -> DocumentsFiller:
