@@ -11,7 +11,8 @@ renamed), `megatron.after_bin` (.bin renamed, .idx not), `megatron.mid_index` (h
 temp written), `unit.before_record` (shards committed, record not),
 `manifest.before_rename`, `manifest.after_rename`, `write` (any shard write: ENOSPC).
 Actions: `kill` (SIGKILL this process), `exit` (os._exit, no cleanup), `raise`, `enospc`
-(OSError 28), `pause` (write this pid to the marker and sleep: the test kills it).
+(OSError 28), `pause` (write this pid to the marker and sleep: the test kills it), `delay` (sleep
+`seconds` and go on: a slow job, as a loader following it sees one).
 With `"in": "worker"` a fault fires only in a Ray worker (whose environment, from
 `environment()`, says so), never on the driver (a fault in a shared code path such as
 `tokenize_unit` would otherwise fire in a test's own serial run).
@@ -68,6 +69,9 @@ def point(name: str, unit: str = "", rows: int = 0, path: object = None) -> None
         with open(marker, "a" if spec.get("always") else "x") as handle:  # always, or once
             handle.write(f"{os.getpid()}\n" if spec.get("always") else str(os.getpid()))
     except FileExistsError:
+        return
+    if spec.get("action") == "delay":  # a slow unit, not a fault: nothing else happens
+        time.sleep(float(spec.get("seconds", 0.1)))
         return
     _act(spec.get("action", "raise"), name, path)
 

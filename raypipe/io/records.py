@@ -153,6 +153,37 @@ class JobRecord(JsonRecord):
         return dataclasses.asdict(self)
 
 
+LIVE_STATES = ("running", "finished", "failed")
+
+
+@dataclass(frozen=True)
+class LiveStatus(JsonRecord):
+    """What `_live/status.json` says of the tokenize job writing an output (raypipe.io.live):
+    the job's run (`job`, new each run), its `state` (running, finished or failed, with the
+    `error` that ended it), the units it planned and those committed so far, the key of the
+    unit order the newest manifest holds (`view`: the live manifest's while it runs, the
+    manifest's once finished; "" before any), and when it was written (unix seconds)."""
+
+    job: str
+    state: str
+    units_planned: int
+    units_committed: int
+    view: str
+    updated: float
+    error: str = ""
+
+    def check(self, where: str) -> None:
+        if self.state not in LIVE_STATES:
+            raise FormatError(where, f"field 'state' {self.state!r} not among "
+                              f"{list(LIVE_STATES)}")
+        if min(self.units_planned, self.units_committed) < 0:
+            raise FormatError(where, "fields 'units_planned' and 'units_committed' must be "
+                              ">= 0")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclass(frozen=True)
 class WorkUnit(JsonRecord):
     """One unit of a tokenize job, by `kind`: row groups [row_group_start, row_group_stop)

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from raypipe.errors import ConfigError
+from raypipe.errors import ConfigError, FormatError
 from raypipe.io.cache import CacheStats
 from raypipe.io.records import TokenizerInfo
 from raypipe.loader.batch import Batch
 from raypipe.loader.exclusions import PendingExclusions
+from raypipe.loader.follow import JobFollower, unfinished_output
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.stats import LoaderStats, WaitStats, WaitSummary
@@ -72,14 +74,27 @@ class TokenLoader:
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
         if options.metadata and options.plan.split != "all":
             raise ConfigError("split with metadata=True is not supported")
-        self.run = Run.open(path, options.plan, self.world_size, options.batch_size,
-                            rank=self.rank, format_name=options.format,
-                            cache_dir=options.cache_dir, cache_bytes=options.cache_bytes,
-                            batch_schedule=options.batch_schedule,
-                            seq_len_schedule=options.seq_len_schedule,
-                            pad_id=options.pad_id, boundaries=options.boundaries,
-                            units_join=options.units_join)
-        self.dataset: Any = self.run.dataset
+        # a running tokenize job's output: its units as they commit (raypipe.loader.follow)
+        self.follower = (JobFollower(path, self.rank, self.world_size, options.follow_steps)
+                         if options.follow else None)
+        manifest = (self.follower.first_manifest(options.format)
+                    if self.follower is not None else None)
+        try:
+            self.run = Run.open(path, options.plan, self.world_size, options.batch_size,
+                                rank=self.rank, format_name=options.format,
+                                cache_dir=options.cache_dir, cache_bytes=options.cache_bytes,
+                                batch_schedule=options.batch_schedule,
+                                seq_len_schedule=options.seq_len_schedule,
+                                pad_id=options.pad_id, boundaries=options.boundaries,
+                                units_join=options.units_join, manifest=manifest)
+        except FormatError:
+            unfinished = None if options.follow else unfinished_output(path)
+            if unfinished is None:
+                raise
+            raise ConfigError(unfinished) from None
+        if self.follower is not None and self.follower.active:
+            self.run.refuse_growth("follow=True: a running job's units join the run",
+                                   "give mode 'bestfit' or 'documents' and split 'all'")
         split = self.run.planned.split
         if split is not None and self.rank == 0:
             logger.info("%s: split %r holds %s of %s documents (validation_fraction %s)",
@@ -100,6 +115,11 @@ class TokenLoader:
                 f"{self.dataset.root}: {what}"), self.rank)
 
     # ----- the run's shape, as the Loader contract names it --------------------------------
+    @property
+    def dataset(self) -> Any:
+        """The documents the run serves (more of them once units joined)."""
+        return self.run.dataset
+
     @property
     def spec(self) -> Any:
         return self.run.spec
@@ -160,15 +180,30 @@ class TokenLoader:
     # ----- iteration --------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
         """The remaining batches of the current epoch, each step of the schedule's global
-        batch (its rows split evenly between the ranks); afterwards the epoch advances."""
-        run, fillers = self.run, {}
+        batch (its rows split evenly between the ranks); afterwards the epoch advances.
+        Following a running job, units that joined re-plan the rest of the epoch, from the
+        step they joined at."""
+        run = self.run
         self._exclude()
         run.plan()  # checked: at least one global step, the waste warned of
+        while (yield from self._serve_epoch()):
+            pass  # units joined: the rest of the epoch from where the run stands
+        run.end_epoch()
+
+    def _serve_epoch(self) -> Iterator[Batch]:
+        """The rest of the current epoch's batches; returns True where units joined the
+        run after one of them (the epoch is not over)."""
+        run, fillers, follower = self.run, {}, self.follower
         for segment in run.epoch_segments():
             if segment.phases not in fillers:
                 fillers = {segment.phases: run.filler(segment.epoch, segment.phases)}
-            yield from self._serve(fillers[segment.phases], segment)
-        run.end_epoch()
+            with closing(self._serve(fillers[segment.phases], segment)) as batches:
+                for batch in batches:
+                    yield batch
+                    if follower is not None and follower.due(run.steps) and \
+                            follower.check(run):
+                        return True
+        return False
 
     def _jobs(self, filler: BatchFiller, segment: Segment) -> Iterator[DescribedRows]:
         """This rank's described steps of the segment (object storage: their shards

@@ -38,6 +38,8 @@ from raypipe.config import TokenizeConfig, compat, dump_config_yaml
 from raypipe.errors import ConfigError, InputError
 from raypipe.formats import get_format, of_kind, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
+from raypipe.io.live import LiveWriter
+from raypipe.io.live import settle as settle_live
 from raypipe.io.lock import output_lock
 from raypipe.io.manifest import (
     CONFIG_NAME,
@@ -177,6 +179,7 @@ class Source(Protocol):
     def open(self, output: Store, accepted: set[str]) -> bool: ...
     @property
     def progress_units(self) -> list[WorkUnit] | None: ...
+    def planned_units(self) -> int: ...
     def sample(self, columns: list[str]) -> pa.Table | None: ...
     def run(self, runner: UnitRunner, settings: Settings
             ) -> Iterator[tuple[UnitRecord, bool]]: ...
@@ -215,23 +218,32 @@ class Job:
         choice: BackendChoice | None = None
         fresh: list[UnitRecord] = []
         run_seconds = 0.0
+        live = None
         if has_work:
             with Progress(source.progress_units, self.progress_every,
                           noun=source.noun) as progress:  # its clock includes Ray's start
                 checked = self._start(source, progress)
+                live = LiveWriter(output, source.planned_units(),
+                                  lambda records: build_manifest(
+                                      config, checked.result()[0], records),
+                                  ready=checked.done)
                 launched = time.perf_counter()
-                with check_failure_first(checked):
+                with check_failure_first(checked), live_failure(live):
                     for record, now in source.run(self.runner, LaterSettings(checked)):
                         if now:
                             fresh.append(record)
                         progress.update(record)
+                        live.committed(record)
                 run_seconds = time.perf_counter() - launched
                 settings, choice = checked.result()
-            manifest = commit_manifest(config, settings, output, source.ordered(),
-                                       source.bad_files, source.passed_over)
-            removed = remove_unplanned(output, source.names(), source.label)
+            with live_failure(live):
+                manifest = commit_manifest(config, settings, output, source.ordered(),
+                                           source.bad_files, source.passed_over)
+                removed = remove_unplanned(output, source.names(), source.label)
+            live.finished(manifest)
         else:
             manifest, removed = read_manifest(output), 0
+            settle_live(output, manifest)
         summary = summarize(config, manifest, output, started, len(source.ordered()), fresh,
                             choice.reason if choice is not None else
                             "recorded in the manifest", run_seconds=run_seconds,
@@ -241,7 +253,8 @@ class Job:
                             bad_files=manifest.bad_files, input_bytes=source.input_bytes(),
                             empty_files=empty_files(source.ordered()),
                             char_limit_note=config.char_limit_capped or "",
-                            separators=separator_lines(manifest, self.resolved.tokenizer))
+                            separators=separator_lines(manifest, self.resolved.tokenizer),
+                            live_updates=live.updates if live is not None else 0)
         warn_bad_files(summary)
         refuse_empty(config, summary, source.label)
         return summary
@@ -287,6 +300,16 @@ def in_background(work: Callable[[], Any]) -> Future:
 
     threading.Thread(target=run, name="raypipe-self-check", daemon=True).start()
     return future
+
+
+@contextmanager
+def live_failure(live: LiveWriter) -> Iterator[None]:
+    """A job that fails says so in its live status (what it committed stays followed)."""
+    try:
+        yield
+    except BaseException as exc:
+        live.failed(exc)
+        raise
 
 
 @contextmanager

@@ -20,6 +20,7 @@ from raypipe.config import LOCATION_FIELDS, TokenizeConfig, compat, flag_of
 from raypipe.errors import ConfigError
 from raypipe.formats import FORMATS
 from raypipe.io.atomic import TEMP_SUFFIX, remove_stale_temps
+from raypipe.io.live import LIVE_DIR
 from raypipe.io.lock import LOCK_NAME
 from raypipe.io.manifest import (
     CONFIG_NAME,
@@ -184,5 +185,5 @@ def clear_output(output: Store) -> None:
     """Remove what raypipe wrote (never other files of the user's)."""
     output.delete(MANIFEST_NAME)
     output.delete(CONFIG_NAME)
-    for name in (*FORMATS, UNITS_DIR, VIEWS_DIR):
+    for name in (*FORMATS, UNITS_DIR, VIEWS_DIR, LIVE_DIR):
         output.delete_tree(name)

@@ -73,6 +73,10 @@ class FileUnits:
     def progress_units(self) -> list[WorkUnit] | None:
         return self.pending
 
+    def planned_units(self) -> int:
+        """Units the job's output will hold (committed already, and to run)."""
+        return len(self.units)
+
     def sample(self, columns: list[str]) -> pa.Table | None:
         """The first rows of the first unit that can be read (a bad file fails, or is
         skipped, in its own unit, where the good units in flight still commit)."""
@@ -140,6 +144,10 @@ class DatasetBlocks:
     @property
     def progress_units(self) -> list[WorkUnit] | None:
         return None
+
+    def planned_units(self) -> int:
+        """Units the job's output will hold: unknown (0) until the Dataset has run."""
+        return 0
 
     def sample(self, columns: list[str]) -> pa.Table | None:
         """The first rows of the first block a worker is about to tokenize (waits for the

@@ -56,6 +56,7 @@ class JobSummary:
     char_limit_note: str = ""  # why documents are skipped as too_long below the asked limit
     separators: dict[str, str] = field(default_factory=dict)  # format -> what it writes
     unit_bytes: int | None = None  # a file job's unit size, as planned (given or decided)
+    live_updates: int = 0  # live manifests written while it ran (raypipe.io.live)
 
     @property
     def bad_share(self) -> float:
@@ -104,6 +105,10 @@ class JobSummary:
         if self.units_removed:
             lines.append(f"  removed    {self.units_removed} unit(s) of an earlier run that "
                          "the inputs no longer yield")
+        if self.live_updates:
+            lines.append(f"  live       {self.live_updates} live manifest(s) written as units "
+                         "committed (_live/: loaders with follow=True trained on them); the "
+                         "manifest now holds every unit")
         lines += [
             f"  rows       {self.rows:,}",
             f"  documents  {self.documents:,}",

@@ -24,6 +24,7 @@ import numpy as np
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError, StateError
 from raypipe.io.cache import ShardCache, node_cached_array
+from raypipe.io.records import Manifest
 from raypipe.io.store import Store
 from raypipe.sampling.buffers import TokenSource
 from raypipe.sampling.exclusions import Exclusion, RunExclusions
@@ -237,12 +238,14 @@ class PlannedDataset:
              format_name: str | None = None, cache_dir: str | Path | None = None,
              cache_bytes: int | str | None = None, memo: SumsMemo | None = None,
              batch_schedule: list[tuple[int, int]] | None = None,
-             seq_len_schedule: list[tuple[int, int]] | None = None) -> PlannedDataset:
+             seq_len_schedule: list[tuple[int, int]] | None = None,
+             manifest: Manifest | None = None) -> PlannedDataset:
         """Open `path` (a directory or URI: shards through the node cache) for `spec`; a
         pre-formed dataset fixes seq_len and batch_size (0 / None take its own).
         `batch_schedule`: [(first step, global batch), ...] instead of `batch_size` (rows
         per rank: its largest stage's, for the buffers); `seq_len_schedule`: [(first step,
-        seq_len), ...] (the spec's seq_len: its first stage's)."""
+        seq_len), ...] (the spec's seq_len: its first stage's); `manifest`: the output's to
+        open (default: its manifest.json; a running job's: raypipe.io.live)."""
         if seq_len_schedule:
             spec = replace(spec, seq_len=int(seq_len_schedule[0][1]))
         if batch_schedule and spec.split == "validation":
@@ -251,7 +254,7 @@ class PlannedDataset:
         schedule, batch_size = batch_shape(batch_size, batch_schedule, world_size)
         store = Store(path)
         cache = None if store.local else ShardCache(cache_dir, cache_bytes)
-        dataset = spec.loader_mode.open_dataset(store, format_name, cache)
+        dataset = spec.loader_mode.open_dataset(store, format_name, cache, manifest)
         spec, batch_size = spec.loader_mode.fit(dataset, spec, batch_size)
         if (schedule is not None or seq_len_schedule) and not spec.loader_mode.schedules:
             raise ConfigError(f"batch_schedule, seq_len_schedule: mode {spec.mode!r} serves "

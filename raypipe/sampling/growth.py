@@ -80,21 +80,24 @@ class RunData:
         return open_kind(self.dataset.store, TokenDataset.kind, self.dataset.format_name,
                          manifest=manifest, cache=self.dataset.cache)
 
-    def fresh(self) -> list[str]:
-        """The output's units this data does not hold, in the output's order."""
+    def fresh(self, key: str | None = None) -> list[str]:
+        """The units of the output's kept order `key` (None: the output's own) this data
+        does not hold, in that order."""
         held = set(self.names())
-        return [name for name in unit_names(self.output) if name not in held]
+        order = unit_names(self.output) if key is None else self.kept(key, "to add")
+        return [name for name in order if name not in held]
 
-    def grown(self, step: int, epoch: int, joins: bool = False) -> RunData | None:
-        """This data with the output's units it does not hold added at global step `step`,
-        served from epoch `epoch` on (`joins`: and the rest of the epoch before it from
-        `step`); None where the output holds none."""
-        names, fresh = self.names(), self.fresh()
+    def grown(self, step: int, epoch: int, joins: bool = False, key: str | None = None
+              ) -> RunData | None:
+        """This data with the units of order `key` (None: the output's own) it does not
+        hold added at global step `step`, served from epoch `epoch` on (`joins`: and the
+        rest of the epoch before it from `step`); None where there are none."""
+        names, fresh = self.names(), self.fresh(key)
         if not fresh:
             return None
         dataset = self.opened(names + fresh)
-        record = UnitsAdded(step, view_key(unit_names(self.output)), len(names) + len(fresh),
-                            dataset.num_documents, epoch, joins)
+        record = UnitsAdded(step, key or view_key(unit_names(self.output)),
+                            len(names) + len(fresh), dataset.num_documents, epoch, joins)
         return RunData(self.output, self.view, (*self.added, record), dataset)
 
     def with_output(self, output: Manifest) -> RunData:

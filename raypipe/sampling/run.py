@@ -147,11 +147,13 @@ class Run:
              batch_size: int | None = None, *, rank: int = 0, format_name: str | None = None,
              cache_dir: str | Path | None = None, cache_bytes: int | str | None = None,
              batch_schedule: Any = None, seq_len_schedule: Any = None, pad_id: int = 0,
-             boundaries: bool | None = None, units_join: str = "epoch") -> Run:
+             boundaries: bool | None = None, units_join: str = "epoch",
+             manifest: Any = None) -> Run:
         planned = PlannedDataset.open(path, spec, world_size, batch_size, format_name,
                                       cache_dir, cache_bytes,
                                       batch_schedule=list(batch_schedule or []),
-                                      seq_len_schedule=list(seq_len_schedule or []))
+                                      seq_len_schedule=list(seq_len_schedule or []),
+                                      manifest=manifest)
         return cls(planned, spec, rank, pad_id, boundaries, units_join)
 
     @property
@@ -405,16 +407,17 @@ class Run:
         if data is not self.data:
             self.use_data(data)
 
-    def grown(self, data: RunData, step: int, epoch: int, position: int) -> RunData | None:
-        """`data` with the output's units it does not hold added at step `step`, where the
-        run stands at `position` of epoch `epoch`: served from the next epoch, or (at an
-        epoch's start, or under units_join "epoch") from this one, joining the rest of it;
-        None where none was added."""
-        if not data.fresh():
+    def grown(self, data: RunData, step: int, epoch: int, position: int,
+              key: str | None = None) -> RunData | None:
+        """`data` with the units of the output's order `key` (None: its own) it does not
+        hold added at step `step`, where the run stands at `position` of epoch `epoch`:
+        served from the next epoch, or (at an epoch's start, or under units_join "epoch")
+        from this one, joining the rest of it; None where none was added."""
+        if not data.fresh(key):
             return None
         self.refuse_growth()
         joins = self.units_join == "epoch" and position > 0
-        grown = data.grown(step, epoch + (position > 0), joins)
+        grown = data.grown(step, epoch + (position > 0), joins, key)
         if grown is not None and self.rank == 0:
             record = grown.added[-1]
             logger.warning("%s: the output gained %d unit(s); their %s documents are "
@@ -437,14 +440,16 @@ class Run:
                                       joins=data.joins)
         for record in before.exclusions.records:  # (their steps are in the schedule)
             self.planned.exclusions.adopt(record)
+        if before.dataset is not data.dataset:
+            before.dataset.close()  # its open shards, and fetches in flight
 
-    def join_units(self, output: Any) -> UnitsAdded | None:
-        """Add the units `output` (a later manifest of the run's output: a running job's)
-        holds that the run does not, from the next step on (`grown`); the rest of the
-        epoch is planned again now, and a refusal leaves the run as it was. The record
-        made, or None where none was added."""
+    def join_units(self, output: Any, key: str) -> UnitsAdded | None:
+        """Add the units of the output's kept order `key` the run does not hold (`output`:
+        a manifest of the run's output holding them: a running job's, raypipe.io.live),
+        from the next step on (`grown`); the rest of the epoch is planned again now, and a
+        refusal leaves the run as it was. The record made, or None where none was added."""
         data = self.data.with_output(output)
-        grown = self.grown(data, self.steps, self.epoch, self.position)
+        grown = self.grown(data, self.steps, self.epoch, self.position, key)
         if grown is None:
             self.data = data
             return None
@@ -459,20 +464,21 @@ class Run:
             raise
         return grown.added[-1]
 
-    def refuse_growth(self) -> None:
+    def refuse_growth(self, what: str = "the output gained units since the checkpoint",
+                      instead: str = "resume on the data as it was, or start a new run"
+                      ) -> None:
         """Units added are numbered after the run's documents: a mode whose plans are not
         made of whole documents, or a split drawn by the data's fingerprint, cannot serve
-        them."""
+        them (`what`: how they came; `instead`: what the user can do)."""
         mode = self.spec.loader_mode
         if not mode.excludes:
-            raise StateError(f"{self.dataset.root}: the output gained units since the "
-                             f"checkpoint, and mode {mode.name!r} cannot serve them (its "
-                             "rows are not made of whole documents); resume on the data "
-                             "as it was, or start a new run")
+            raise StateError(f"{self.dataset.root}: {what}, and mode {mode.name!r} cannot "
+                             "serve them (its rows are not made of whole documents); "
+                             f"{instead}")
         if self.planned.split is not None:
-            raise StateError(f"{self.dataset.root}: the output gained units since the "
-                             f"checkpoint, and split {self.spec.split!r} draws its documents "
-                             "by the data's fingerprint, which they change; start a new run")
+            raise StateError(f"{self.dataset.root}: {what}, and split {self.spec.split!r} "
+                             "draws its documents by the data's fingerprint, which they "
+                             f"change; {instead}")
 
     def adopt_shuffle(self, saved_knobs: dict[str, Any]) -> None:
         """A run asked for shuffle "auto" resumes under the shuffle its state was made with

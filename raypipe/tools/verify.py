@@ -26,6 +26,7 @@ from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, dataset_index_problems, get_format
 from raypipe.formats.base import require_size
 from raypipe.io.cache import ShardCache
+from raypipe.io.live import LIVE_DIR
 from raypipe.io.lock import LOCK_NAME
 from raypipe.io.manifest import CONFIG_NAME, MANIFEST_NAME, UNITS_DIR, as_store, read_manifest
 from raypipe.io.records import FileEntry, Manifest
@@ -44,7 +45,7 @@ class VerifyCounts:
 # raypipe's bookkeeping beside the shards: the manifest, the job's config, unit and job
 # records, the lock of a running job
 BOOKKEEPING = (MANIFEST_NAME, CONFIG_NAME, LOCK_NAME)
-BOOKKEEPING_DIRS = (f"{UNITS_DIR}/", f"{VIEWS_DIR}/")
+BOOKKEEPING_DIRS = (f"{UNITS_DIR}/", f"{VIEWS_DIR}/", f"{LIVE_DIR}/")
 
 
 def unlisted_files(store: Store, manifest: Manifest) -> tuple[str, ...]:

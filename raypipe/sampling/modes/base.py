@@ -28,6 +28,7 @@ import numpy as np
 from raypipe.dataset import open_kind
 from raypipe.errors import ConfigError
 from raypipe.io.cache import ShardCache
+from raypipe.io.records import Manifest
 from raypipe.io.store import Store
 from raypipe.knobs import applies, knob
 from raypipe.sampling import state_compat
@@ -399,9 +400,10 @@ class LoaderMode(ABC):
         return {item.name: getattr(spec.knobs, item.name) for item in fields(spec.knobs)}
 
     def open_dataset(self, store: Store, format_name: str | None,
-                     cache: ShardCache | None) -> Any:
-        """The dataset it reads: the output's format of the kind it serves."""
-        return open_kind(store, self.serves, format_name, cache=cache)
+                     cache: ShardCache | None, manifest: Manifest | None = None) -> Any:
+        """The dataset it reads: the output's format of the kind it serves (through
+        `manifest`, where given: a running job's, raypipe.io.live)."""
+        return open_kind(store, self.serves, format_name, manifest, cache)
 
     def fit(self, dataset: Any, spec: Any, batch_size: int | None) -> tuple[Any, int]:
         """(spec, rows per rank per step) for `dataset`: as given, the data's knobs

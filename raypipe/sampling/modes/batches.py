@@ -211,8 +211,9 @@ class BatchesMode(LoaderMode):
     windowed = False
     Knobs = BatchesKnobs
 
-    def open_dataset(self, store: Any, format_name: str | None, cache: Any) -> Any:
-        dataset = super().open_dataset(store, format_name, cache)
+    def open_dataset(self, store: Any, format_name: str | None, cache: Any,
+                     manifest: Any = None) -> Any:
+        dataset = super().open_dataset(store, format_name, cache, manifest)
         if dataset.cache is None:
             for index in range(dataset.num_shards):
                 dataset.reader(index)  # every local file checked up front

@@ -1,0 +1,170 @@
+"""Training while the tokenize job runs (`follow=True`, raypipe.loader.follow and
+raypipe.io.live): the loader opens once the job's first units commit, the rest join the
+epoch in progress as they commit, and every token of every unit the epoch held is trained
+once (the drop-last tail counted); the state records each join, so `raypipe trace` of the
+finished output replays the steps; a job that fails leaves what it committed, and a rerun's
+units join; a loader that does not follow names the running job."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from raypipe.errors import ConfigError
+from raypipe.io.live import LIVE_STATUS
+from raypipe.loader import TokenLoader
+from tests.conftest import write_parquet
+from tests.helpers import tokenize
+
+SEQ_LEN, ROWS = 32, 6
+
+
+@pytest.fixture
+def corpus(tmp_path, corpus_texts):
+    """Three parquet files of 4 row groups each: 12 units of 50 documents."""
+    directory = tmp_path / "corpus"
+    for index in range(3):
+        write_parquet(directory / f"part-{index}.parquet", corpus_texts[index:600:3],
+                      row_group_rows=50)
+    return directory
+
+
+def run_job_in_background(corpus, output, tokenizer_path, monkeypatch, seconds, fault=None):
+    """The tokenize job on a thread, each unit slowed by `seconds` (a test-only delay at
+    its commit), or `fault` instead; (thread, errors it raised)."""
+    spec = fault or {"point": "unit.before_record", "action": "delay", "seconds": seconds,
+                     "always": True}
+    monkeypatch.setenv("RAYPIPE_TEST_FAULT", json.dumps(
+        {"marker": str(output.parent / f"fault-{time.monotonic_ns()}"), **spec}))
+    errors: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            tokenize(corpus, output, tokenizer_path)
+        except BaseException as exc:  # noqa: BLE001  (the test looks at it)
+            errors.append(exc)
+
+    thread = threading.Thread(target=job, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def train(loader, until, slow=lambda: True, step_seconds=0.03):
+    """Batches from `loader` (a training step taking `step_seconds` each while `slow()`)
+    until `until()` holds at an epoch's end: {step: (epoch, rows)}, and each epoch's
+    dropped tail."""
+    import torch
+
+    taken, tails = {}, {}
+    while True:
+        for batch in loader:
+            taken[batch.step] = (batch.epoch, torch.cat([batch.inputs, batch.targets[:, -1:]],
+                                                        1).numpy().copy())
+            if slow():
+                time.sleep(step_seconds)
+        tails[loader.epoch - 1] = loader.dropped_tail[2]
+        if until():
+            return taken, tails
+
+
+def traced_tokens(path, dataset, taken, state, world=1):
+    """Every step's rows as `raypipe trace` of the finished output names them, each piece
+    checked against the row served, counted per document (of `dataset`: the run's data,
+    numbered as the run numbers them) and epoch: ({epoch: token counts}, lengths)."""
+    from raypipe import trace
+
+    lengths = dataset.document_lengths()
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.concatenate(list(dataset.iter_documents()))
+    counts: dict[int, np.ndarray] = {}
+    for step, (epoch, rows) in taken.items():
+        per_epoch = counts.setdefault(epoch, np.zeros(lengths.size, dtype=np.int64))
+        for piece in trace(str(path), step, history=state):
+            row = rows[piece.rank * (ROWS // world) + piece.row]
+            first = int(starts[piece.document])
+            assert row[piece.col_start:piece.col_end].tolist() == tokens[
+                first + piece.token_start:first + piece.token_end].tolist(), step
+            per_epoch[piece.document] += piece.token_end - piece.token_start
+    return counts, lengths
+
+
+@pytest.mark.slow
+def test_a_loader_follows_a_running_job_and_trains_every_token_of_each_epoch_once(
+        corpus, tmp_path, tokenizer_path, monkeypatch, caplog):
+    output = tmp_path / "tokens"
+    job, errors = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.15)
+    caplog.set_level(logging.INFO, logger="raypipe")
+    loader = TokenLoader(str(output), SEQ_LEN, ROWS, seed=5, follow=True, follow_steps=2,
+                         device="cpu")
+    opened_with = loader.dataset.num_documents
+    taken, tails = train(loader, lambda: not job.is_alive() and not loader.follower.active
+                         and loader.epoch >= 2, slow=job.is_alive)
+    job.join()
+    assert not errors
+    state = loader.state_dict()
+    joins = state["units_added"]
+    # it opened on the first units, and the rest joined epochs in progress, each recorded
+    assert opened_with < 600 and loader.dataset.num_documents == 600
+    assert any(record["joins"] for record in joins)
+    assert joins[-1]["documents"] == 600
+    assert "its units join this run as they commit" in caplog.text
+    assert "the tokenize job finished" in caplog.text
+    # every token of every document an epoch held is trained once in it, but its tail
+    counts, lengths = traced_tokens(output, loader.dataset, taken, state)
+    for epoch, per_document in counts.items():
+        held = int(np.flatnonzero(per_document).max()) + 1
+        assert (per_document[:held] <= lengths[:held]).all(), epoch
+        missing = int((lengths[:held] - per_document[:held]).sum())
+        assert missing == tails[epoch], epoch
+    last = max(counts)
+    assert int(np.flatnonzero(counts[last]).max()) + 1 == 600  # the last epoch: every unit
+
+
+def test_a_loader_that_does_not_follow_names_the_running_job(corpus, tmp_path,
+                                                             tokenizer_path, monkeypatch):
+    output = tmp_path / "tokens"
+    job, _ = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.1)
+    deadline = time.monotonic() + 60
+    while not (output / LIVE_STATUS).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(ConfigError, match=r"no manifest yet: the tokenize job writing .* is "
+                                           r"running: \d+ of 12 unit\(s\) committed; pass "
+                                           "follow=True"):
+        TokenLoader(str(output), SEQ_LEN, ROWS)
+    job.join()
+
+
+def test_a_failed_job_leaves_its_units_and_a_rerun_s_units_join(corpus, tmp_path,
+                                                                tokenizer_path, monkeypatch,
+                                                                caplog):
+    from raypipe.io.live import LiveOutput
+    from raypipe.io.store import Store
+
+    output = tmp_path / "tokens"
+    job, errors = run_job_in_background(
+        corpus, output, tokenizer_path, monkeypatch, 0,
+        fault={"point": "unit.before_record", "action": "raise", "unit": "part-1"})
+    job.join()
+    assert errors  # the job failed at part-1's first unit
+    status = LiveOutput(Store(output)).status()
+    assert status.state == "failed" and "injected fault" in status.error
+    caplog.set_level(logging.INFO, logger="raypipe")
+    loader = TokenLoader(str(output), SEQ_LEN, ROWS, seed=5, follow=True, follow_steps=1,
+                         device="cpu")
+    assert loader.dataset.num_documents == 200  # the 4 units committed before it failed
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    assert "failed (InjectedFault: injected fault at unit.before_record)" in caplog.text
+    monkeypatch.delenv("RAYPIPE_TEST_FAULT")
+    tokenize(corpus, output, tokenizer_path)  # the rerun commits the rest, and finishes
+    batch = next(iterator)
+    state = loader.state_dict()
+    assert state["units_added"][-1]["documents"] == 600
+    assert state["units_added"][-1]["step"] == batch.step  # the step after the rerun
+    assert not loader.follower.active
