@@ -268,15 +268,18 @@ def test_any_chain_of_exclusions_serves_each_other_token_at_most_once_and_fill_s
        present=st.floats(0.05, 1.0), cuts=st.lists(st.floats(0.0, 1.0), min_size=1,
                                                     max_size=3),
        picks=st.lists(st.integers(0, 199), max_size=3 * 10),
-       mode=st.sampled_from(["fill", "split", "crop", "documents"]), seed=st.integers(0, 5))
+       mode=st.sampled_from(["fill", "split", "crop", "documents"]), seed=st.integers(0, 5),
+       windowed=st.booleans())
 def test_any_chain_of_joins_and_exclusions_serves_every_token_of_the_epoch_once(
-        lengths, present, cuts, picks, mode, seed):
+        lengths, present, cuts, picks, mode, seed, windowed):
     """A plan of the first documents, served to a position, continued with more documents
     joined (and some excluded), again: every token of every document that joined and was
-    not excluded is served once (crop: at most once; documents: its first row's worth)."""
+    not excluded is served once (crop: at most once; documents: its first row's worth);
+    under a windowed shuffle (shards of 5 documents, windows of 2 shards) too."""
     from raypipe.sampling.lengths import DocumentLengths
     from raypipe.sampling.modes import get_mode
     from raypipe.sampling.modes.base import PlanInputs, PlanSpec
+    from raypipe.sampling.plans import ShardWindows
 
     lengths = np.array(lengths, dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -287,7 +290,9 @@ def test_any_chain_of_joins_and_exclusions_serves_every_token_of_the_epoch_once(
         bos_id, eos_id = 1, None
 
     def inputs(count, excluded):
+        shards = np.diff(np.append(np.arange(0, count, 5), count))  # of 5 documents
         return PlanInputs(Dataset(), lambda: DocumentLengths.of(lengths[:count]),
+                          groups=ShardWindows(shards, 2) if windowed else None,
                           excluded=np.array(sorted(excluded), dtype=np.int64))
 
     def serve(plan, positions):
@@ -306,15 +311,16 @@ def test_any_chain_of_joins_and_exclusions_serves_every_token_of_the_epoch_once(
 
     knobs = ({"mode": "documents"} if mode == "documents"
              else {"packing": mode, "block_documents": 8})
-    spec = PlanSpec.of(seq_len=capacity - 1, seed=seed, **knobs)
+    spec = PlanSpec.of(seq_len=capacity - 1, seed=seed, **knobs,
+                       **({"shuffle": "windowed"} if windowed else {}))
     planner = get_mode(spec.mode)
-    count = max(1, int(present * lengths.size))
+    count = min(lengths.size, max(5, int(present * lengths.size) // 5 * 5))  # whole shards
     excluded: set[int] = set()
     plan = planner.plan(spec, inputs(count, excluded), 0)
     for index, cut in enumerate(cuts):
         position = int(cut * plan.size)
         serve(plan, np.arange(position, dtype=np.int64))
-        count = min(lengths.size, count + 1 + (lengths.size - count) // 2)
+        count = min(lengths.size, (count + 5 + (lengths.size - count) // 2) // 5 * 5)
         excluded |= {pick % count for pick in picks[index::len(cuts)]}
         plan = planner.continue_plan(spec, inputs(count, excluded), 0, plan, position)
     assert not serve(plan, np.arange(plan.size, dtype=np.int64)) & excluded
@@ -548,10 +554,12 @@ def test_units_added_on_resume_are_served_from_the_next_epoch_and_every_token_on
     assert "from step 20: the output's units added: 12 units" in inspect_state(saved)
 
 
-@pytest.mark.parametrize("mode", ["bestfit", "documents"])
+@pytest.mark.parametrize("mode", ["bestfit", "documents", "windowed"])
 def test_units_added_on_resume_join_the_rest_of_the_epoch_and_every_token_once(growing, mode):
     path, add_a_file = growing
-    knobs = {"mode": mode, **({"block_documents": 1} if mode == "bestfit" else {})}
+    knobs = {"mode": "documents"} if mode == "documents" else {"block_documents": 1}
+    if mode == "windowed":  # the added units' shards: windows after the epoch's own
+        knobs.update(shuffle="windowed", window_shards=2, lanes=1)
     whole, _, _ = serve_epochs(path, 2, None, 10**6, **knobs)  # (blocks of ~170 documents)
     first, state, _ = serve_epochs(path, 2, None, 20, **knobs)
     before = TokenDataset(path).num_documents
@@ -569,7 +577,11 @@ def test_units_added_on_resume_join_the_rest_of_the_epoch_and_every_token_once(g
               if any(record.document >= before for record in records)]
     old = [step for step, records in traced.items()
            if any(record.document < before for record in records)]
-    assert min(joined) >= 20 and max(old) > min(joined) + len(rest) // 4
+    assert min(joined) >= 20
+    if mode == "windowed":
+        assert max(old) <= min(joined) + 1
+    else:
+        assert max(old) > min(joined) + len(rest) // 4
     # trace of the history names the rows served, token for token
     starts = np.concatenate([[0], np.cumsum(loader.dataset.document_lengths())])
     tokens = np.concatenate(list(loader.dataset.iter_documents()))
@@ -589,7 +601,7 @@ def test_units_added_on_resume_join_the_rest_of_the_epoch_and_every_token_once(g
     for records in traced.values():
         for record in records:
             covered[record.document] += record.token_end - record.token_start
-    capacity = lengths if mode == "bestfit" else np.minimum(lengths, SEQ_LEN + 1)
+    capacity = lengths if mode != "documents" else np.minimum(lengths, SEQ_LEN + 1)
     assert (covered <= capacity).all()
     tail_tokens = loader.dropped_tail[2]
     assert int(capacity.sum() - covered.sum()) == tail_tokens

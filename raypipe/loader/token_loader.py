@@ -93,8 +93,10 @@ class TokenLoader:
                 raise
             raise ConfigError(unfinished) from None
         if self.follower is not None and self.follower.active:
-            self.run.refuse_growth("follow=True: a running job's units join the run",
-                                   "give mode 'bestfit' or 'documents' and split 'all'")
+            following = "follow=True: a running job's units join the run"
+            self.run.refuse_growth(following, "give mode 'bestfit' or 'documents' and split "
+                                   "'all'")
+            self.run.refuse_joins(following)
         split = self.run.planned.split
         if split is not None and self.rank == 0:
             logger.info("%s: split %r holds %s of %s documents (validation_fraction %s)",

@@ -190,6 +190,10 @@ class WindowedPermutation:
     def num_windows(self) -> int:
         return len(self.window_starts) - 1
 
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_order)
+
     def window_shard_ids(self, window: int) -> np.ndarray:
         """The shards of window `window`."""
         first = window * self.window_shards
@@ -290,4 +294,63 @@ class JoinedOrder:
         served = places < 0
         out[served] = places[served] + self.first
         out[~served] = self.first + self.mixed.inverse(places[~served])
+        return out
+
+
+class AppendedWindows:
+    """A windowed order after units joined it: `base`'s windows as they were (what it had
+    not served keeps its places), then the joined documents [len(base), len(base) +
+    len(added)) in `added`'s windows (a WindowedPermutation over the joined units' shards,
+    numbered after base's `base_shards`). A reader still holds one window at a time, which
+    a shuffle of the joined documents among base's unserved ones would break. Memory
+    O(shards); exact inverse. `key` names it in memo keys."""
+
+    def __init__(self, base: Any, added: WindowedPermutation, base_shards: int, salt: int):
+        self.base, self.added, self.base_shards = base, added, int(base_shards)
+        self.base_count = len(base)
+        self.window_starts = np.concatenate([base.window_starts,
+                                             added.window_starts[1:] + self.base_count])
+        self.key = (f"{getattr(base, 'key', '')}+windows({self.base_count},{len(added)},"
+                    f"{salt})")
+
+    def __len__(self) -> int:
+        return self.base_count + len(self.added)
+
+    @property
+    def num_windows(self) -> int:
+        return len(self.window_starts) - 1
+
+    @property
+    def num_shards(self) -> int:
+        return self.base_shards + len(self.added.shard_order)
+
+    def window_shard_ids(self, window: int) -> np.ndarray:
+        """The shards of window `window` (the joined ones numbered after base's)."""
+        if window < self.base.num_windows:
+            return self.base.window_shard_ids(window)
+        return self.added.window_shard_ids(window - self.base.num_windows) + self.base_shards
+
+    def __call__(self, positions: Any) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
+            raise IndexError(f"positions outside [0, {len(self)})")
+        out = np.empty_like(positions)
+        old = positions < self.base_count
+        if old.any():
+            out[old] = self.base(positions[old])
+        if (~old).any():
+            out[~old] = self.added(positions[~old] - self.base_count) + self.base_count
+        return out
+
+    def inverse(self, documents: Any) -> np.ndarray:
+        documents = np.asarray(documents, dtype=np.int64)
+        if documents.size and (documents.min() < 0 or documents.max() >= len(self)):
+            raise IndexError(f"ids outside [0, {len(self)})")
+        out = np.empty_like(documents)
+        old = documents < self.base_count
+        if old.any():
+            out[old] = self.base.inverse(documents[old])
+        if (~old).any():
+            out[~old] = (self.added.inverse(documents[~old] - self.base_count)
+                         + self.base_count)
         return out

@@ -39,6 +39,7 @@ import numpy as np
 from raypipe.errors import ConfigError
 from raypipe.sampling.pack import continued_pieces
 from raypipe.sampling.permute import (
+    AppendedWindows,
     FeistelPermutation,
     GroupedPermutation,
     JoinedOrder,
@@ -267,7 +268,8 @@ class ShardGroups:
         return np.diff(self.documents)
 
 
-DocumentOrder = FeistelPermutation | GroupedPermutation | WindowedPermutation | JoinedOrder
+DocumentOrder = (FeistelPermutation | GroupedPermutation | WindowedPermutation | JoinedOrder
+                 | AppendedWindows)
 JOIN_SALT = 4096  # the Feistel salts of joined orders: this plus the documents after the join
 
 
@@ -277,7 +279,7 @@ def next_window_shards(order: Any, order_position: int, lanes: LaneOrder | None 
     windowed document order (what a reader fetches while it reads this window), within the
     lane of `observation` (None: one lane); empty at a lane's or the epoch's last window and
     past the end; None for an order without windows."""
-    if not isinstance(order, WindowedPermutation):
+    if not hasattr(order, "window_shard_ids"):  # (windowed, or windows appended to one)
         return None
     if not 0 <= order_position < len(order):
         return np.empty(0, dtype=np.int64)
@@ -308,13 +310,24 @@ def continued_order(before: DocumentOrder, first: int, count: int, seed: int, ep
     `before`'s, or, where documents [len(before), count) joined the epoch (units added to
     the output: raypipe.sampling.growth), those and before's unserved ones shuffled
     together (permute.JoinedOrder, salted by `count`, which grows with every join). A
-    windowed or shard-local shuffle reads shards a window at a time, which a join
-    anywhere in the rest would break: refused, naming the way out."""
+    windowed shuffle reads a window of shards at a time, which a document joined anywhere
+    would break: the joined units' shards are windows of their own after before's
+    (permute.AppendedWindows). A shard-local shuffle's groups are refused, naming the way
+    out."""
     if count == len(before):
         return before
+    salt = JOIN_SALT + count
+    if isinstance(groups, ShardWindows) and hasattr(before, "window_starts"):
+        if groups.lanes > 1:
+            raise ConfigError(f"units joining the epoch in progress under a windowed "
+                              f"shuffle of {groups.lanes} lanes (the rows served are no "
+                              "prefix of the plan): give lanes=1, or units_join='next_epoch'")
+        shards = before.num_shards
+        return AppendedWindows(before, WindowedPermutation(
+            groups.shard_documents[shards:], groups.window_shards, seed, epoch, salt),
+            shards, salt)
     if groups is not None:
-        shuffle = "windowed" if isinstance(groups, ShardWindows) else "shard_local"
-        raise ConfigError(f"units added join the rest of the epoch in progress only under "
-                          f"the global shuffle; under shuffle {shuffle!r} give "
-                          "units_join='next_epoch' (served from the next epoch)")
-    return JoinedOrder(before, first, count, seed, epoch, JOIN_SALT + count)
+        raise ConfigError("units joining the epoch in progress under shuffle 'shard_local': "
+                          "give units_join='next_epoch' (served from the next epoch), or "
+                          "shuffle 'global' or 'windowed'")
+    return JoinedOrder(before, first, count, seed, epoch, salt)

@@ -420,15 +420,17 @@ class Run:
         grown = data.grown(step, epoch + (position > 0), joins, key)
         if grown is not None and self.rank == 0:
             record = grown.added[-1]
+            how = ("their shards read as windows after the epoch's own"
+                   if self.spec.shuffle == "windowed" else
+                   "shuffled in among what it had not served")
             logger.warning("%s: the output gained %d unit(s); their %s documents are "
                            "numbered after the run's %s and %s", self.dataset.root,
                            record.units - len(data.names()),
                            f"{record.documents - data.dataset.num_documents:,}",
                            f"{data.dataset.num_documents:,}",
-                           f"join the rest of epoch {epoch} from step {step}, shuffled in "
-                           "among what it had not served" if joins else
-                           f"are served from epoch {record.epoch} on (units_join "
-                           f"{self.units_join!r})")
+                           f"join the rest of epoch {epoch} from step {step}, {how}"
+                           if joins else f"are served from epoch {record.epoch} on "
+                           f"(units_join {self.units_join!r})")
         return grown
 
     def use_data(self, data: RunData) -> None:
@@ -479,6 +481,24 @@ class Run:
             raise StateError(f"{self.dataset.root}: {what}, and split {self.spec.split!r} "
                              "draws its documents by the data's fingerprint, which they "
                              f"change; {instead}")
+
+    def refuse_joins(self, what: str) -> None:
+        """Units that join the epoch in progress (units_join "epoch") need a shuffle that
+        can take them (raypipe.sampling.plans.continued_order): said now, not at the
+        first join."""
+        spec = self.spec
+        if self.units_join != "epoch":
+            return
+        if spec.shuffle == "windowed" and spec.lanes > 1:
+            raise ConfigError(f"{self.dataset.root}: {what}, and units cannot join an epoch "
+                              f"in progress under a windowed shuffle of {spec.lanes} lanes "
+                              "(the rows served are no prefix of the plan): give lanes=1 "
+                              "(each node then reads every window), or units_join="
+                              "'next_epoch' (they join at the next epoch)")
+        if spec.shuffle == "shard_local":
+            raise ConfigError(f"{self.dataset.root}: {what}, and units cannot join an epoch "
+                              "in progress under shuffle 'shard_local': give shuffle "
+                              "'global' or 'windowed', or units_join='next_epoch'")
 
     def adopt_shuffle(self, saved_knobs: dict[str, Any]) -> None:
         """A run asked for shuffle "auto" resumes under the shuffle its state was made with
