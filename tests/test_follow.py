@@ -168,3 +168,96 @@ def test_a_failed_job_leaves_its_units_and_a_rerun_s_units_join(corpus, tmp_path
     assert state["units_added"][-1]["documents"] == 600
     assert state["units_added"][-1]["step"] == batch.step  # the step after the rerun
     assert not loader.follower.active
+
+
+RANK_SCRIPT = """
+import json, sys, time, numpy as np, torch
+import torch.distributed as dist
+from raypipe.loader import TokenLoader
+output, port, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=2)
+loader = TokenLoader(output, 32, 3, seed=5, follow=True, follow_steps=2, device="cpu")
+rows, epochs, tails = {}, {}, {}
+while True:
+    for batch in loader:
+        rows[str(batch.step)] = torch.cat([batch.inputs, batch.targets[:, -1:]], 1).tolist()
+        epochs[str(batch.step)] = batch.epoch
+        dist.barrier()  # a training step's all-reduce, taking a while as the job runs
+        if loader.follower.active:
+            time.sleep(0.03)
+    tails[str(loader.epoch - 1)] = loader.dropped_tail[2]
+    if not loader.follower.active and loader.epoch >= 2:
+        break
+json.dump({"rows": rows, "epochs": epochs, "tails": tails, "state": loader.state_dict()},
+          open(out, "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_following_a_job_add_each_unit_at_the_same_step(corpus, tmp_path,
+                                                                 tokenizer_path,
+                                                                 monkeypatch):
+    """Two processes of one torch.distributed (gloo) group follow the job: rank 0 decides
+    when units join and every rank adds them at that step, so both save one state, and
+    trace of it replays what each rank was served."""
+    import socket
+    import subprocess
+    import sys
+
+    output = tmp_path / "tokens"
+    job, errors = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.15)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = [tmp_path / f"rank-{rank}.json" for rank in range(2)]
+    environment = {key: value for key, value in __import__("os").environ.items()
+                   if key != "RAYPIPE_TEST_FAULT"}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(output), str(port),
+                               str(rank), str(results[rank])], env=environment)
+             for rank in range(2)]
+    assert [rank.wait(timeout=300) for rank in ranks] == [0, 0]
+    job.join()
+    assert not errors
+    served = [json.loads(path.read_text()) for path in results]
+    assert served[0]["state"] == served[1]["state"]
+    state = served[0]["state"]
+    assert any(record["joins"] for record in state["units_added"])
+    assert state["units_added"][-1]["documents"] == 600
+    taken = {int(step): (served[0]["epochs"][step],
+                         np.array(served[0]["rows"][step] + served[1]["rows"][step]))
+             for step in served[0]["rows"]}
+    from raypipe.loader import TokenLoader as Loader
+
+    replayed = Loader(str(output), SEQ_LEN, ROWS // 2, rank=0, world_size=2, seed=5,
+                      device="cpu")
+    replayed.load_state_dict(state)
+    counts, lengths = traced_tokens(output, replayed.dataset, taken, state, world=2)
+    tails = {int(epoch): tokens for epoch, tokens in served[0]["tails"].items()}
+    for epoch, per_document in counts.items():
+        held = int(np.flatnonzero(per_document).max()) + 1
+        assert int((lengths[:held] - per_document[:held]).sum()) == tails[epoch], epoch
+
+
+def test_following_refuses_up_front_what_could_not_take_units_mid_run(
+        token_dataset, corpus, tmp_path, tokenizer_path, monkeypatch):
+    """An output whose job finished is followed with nothing to follow; for one a job may
+    still add to (here: it failed, and a rerun would), a shuffle that could not take units
+    into the epoch in progress, and ranks with no process group to agree through, are
+    refused when the loader opens, naming the way out."""
+    finished = TokenLoader(str(token_dataset), SEQ_LEN, ROWS, follow=True, device="cpu")
+    assert not finished.follower.active
+    output = tmp_path / "tokens"
+    job, _ = run_job_in_background(
+        corpus, output, tokenizer_path, monkeypatch, 0,
+        fault={"point": "unit.before_record", "action": "raise", "unit": "part-1"})
+    job.join()
+    with pytest.raises(ConfigError, match="give lanes=1 .* or units_join='next_epoch'"):
+        TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, shuffle="windowed", lanes=2,
+                    device="cpu")
+    TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, shuffle="windowed", lanes=2,
+                units_join="next_epoch", device="cpu")
+    with pytest.raises(ConfigError, match="follow=True on 2 ranks: .*torch.distributed"):
+        TokenLoader(str(output), SEQ_LEN, 3, rank=0, world_size=2, follow=True,
+                    device="cpu")
