@@ -608,6 +608,58 @@ def test_units_added_on_resume_join_the_rest_of_the_epoch_and_every_token_once(g
     assert (covered[before:] > 0).sum() > 0.8 * (lengths.size - before)
 
 
+def test_a_mixture_source_s_added_units_join_its_epoch_and_every_token_once(growing,
+                                                                           token_dataset):
+    """A mixture source whose output gained units on resume takes them into the rest of its
+    epoch (the other source unchanged); by the end of that epoch, every token of every
+    document of the grown source was served once, as trace of the resumed state names."""
+    from raypipe import trace
+
+    path, add_a_file = growing
+    paths = {"grow": str(path), "web": str(token_dataset)}
+    before = TokenDataset(path).num_documents
+    first, state = serve_mixture(paths, 2, None, 10)
+    served_before = list(trace(paths, steps=10, world_size=2, seq_len=SEQ_LEN,
+                               batch_size=ROWS // 2, seed=3, block_documents=64))
+    add_a_file()
+    loaders = [MixtureLoader(paths, SEQ_LEN, ROWS // 3, rank=rank, world_size=3, seed=3,
+                             block_documents=64) for rank in range(3)]
+    for loader in loaders:
+        loader.load_state_dict(state)
+    resumed = loaders[0].state_dict()
+    record = resumed["units_added"]["grow"][0]
+    assert (record["step"], record["joins"], record["documents"]) == (10, True, before + 200)
+    assert "web" not in resumed["units_added"]
+    taken, steps = {}, 0
+    iterators = [iter(loader) for loader in loaders]
+    while True:
+        batches = [next(iterator) for iterator in iterators]
+        taken[batches[0].step] = np.concatenate([torch.cat(
+            [batch.inputs, batch.targets[:, -1:]], 1).numpy() for batch in batches])
+        steps += 1
+        if batches[0].mixture_state["grow"].epoch >= 1:
+            break
+    grown = loaders[0].sources[loaders[0].names.index("grow")].dataset
+    lengths = grown.document_lengths()
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.concatenate(list(grown.iter_documents()))
+    covered = np.zeros(lengths.size, dtype=np.int64)
+    pieces = [*served_before,
+              *trace(paths, state=resumed, steps=steps, world_size=3, batch_size=ROWS // 3,
+                     seed=3, block_documents=64)]
+    for piece in pieces:
+        if piece.source != "grow" or piece.epoch != 0:
+            continue
+        covered[piece.document] += piece.token_end - piece.token_start
+        if piece.step >= 10:  # the resumed steps' rows, token for token
+            row = taken[piece.step][piece.rank * (ROWS // 3) + piece.row]
+            first_token = int(starts[piece.document])
+            assert row[piece.col_start:piece.col_end].tolist() == tokens[
+                first_token + piece.token_start:first_token + piece.token_end].tolist()
+    assert np.array_equal(covered, lengths)  # a mixture drops no tail
+    assert (covered[before:] > 0).all()
+
+
 def trace_step(path, step, history):
     from raypipe import trace
 

@@ -166,7 +166,7 @@ def test_a_failed_job_leaves_its_units_and_a_rerun_s_units_join(corpus, tmp_path
     batch = next(iterator)
     state = loader.state_dict()
     assert state["units_added"][-1]["documents"] == 600
-    assert state["units_added"][-1]["step"] == batch.step  # the step after the rerun
+    assert state["units_added"][-1]["step"] == batch.step + 1  # the step after the rerun
     assert not loader.follower.active
 
 
@@ -207,7 +207,6 @@ def test_two_ranks_following_a_job_add_each_unit_at_the_same_step(corpus, tmp_pa
     import sys
 
     output = tmp_path / "tokens"
-    job, errors = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.15)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -216,7 +215,8 @@ def test_two_ranks_following_a_job_add_each_unit_at_the_same_step(corpus, tmp_pa
                    if key != "RAYPIPE_TEST_FAULT"}
     ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(output), str(port),
                                str(rank), str(results[rank])], env=environment)
-             for rank in range(2)]
+             for rank in range(2)]  # started first: they wait for the job's first units
+    job, errors = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.2)
     assert [rank.wait(timeout=300) for rank in ranks] == [0, 0]
     job.join()
     assert not errors

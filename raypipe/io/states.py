@@ -248,7 +248,9 @@ class MixtureState(JsonRecord):
     """A MixtureLoader's checkpointable position (JSON-able, a few hundred bytes per
     source); every source's position is checked as a SourcePosition; `changes`: the
     sources added and dropped on resumes, in order (None: none); `exclusions`: each
-    source's documents left out, as a LoaderState's (None: none)."""
+    source's documents left out, as a LoaderState's (None: none); `views` and
+    `units_added`: each source's unit order and the units it gained, as a LoaderState's
+    (None: not recorded, or none)."""
 
     weights: dict[str, float]
     knobs: dict[str, Any]
@@ -258,8 +260,16 @@ class MixtureState(JsonRecord):
     kind: str = "mixture"
     changes: tuple[SourceChange, ...] | None = None
     exclusions: dict[str, tuple[Exclusion, ...]] | None = None
+    views: dict[str, str] | None = None
+    units_added: dict[str, tuple[UnitsAdded, ...]] | None = None
 
     def __post_init__(self) -> None:
+        if self.units_added is not None:
+            object.__setattr__(self, "units_added", {
+                name: tuple(entry if isinstance(entry, UnitsAdded) else UnitsAdded.from_json(
+                    entry, f"mixture state source {name!r} units added {index}")
+                    for index, entry in enumerate(entries))
+                for name, entries in self.units_added.items()})
         sources = {name: entry if isinstance(entry, SourcePosition)
                    else SourcePosition.from_json(entry, f"mixture state source {name!r}")
                    for name, entry in self.sources.items()}
@@ -289,14 +299,19 @@ class MixtureState(JsonRecord):
                 raise FormatError(where, f"field 'exclusions' names source {name!r}, which "
                                   "the state does not hold")
             check_exclusions(where, entries, self.sources[name].phases)
+        for name, entries in (self.units_added or {}).items():
+            if name not in self.sources:
+                raise FormatError(where, f"field 'units_added' names source {name!r}, which "
+                                  "the state does not hold")
+            check_joins(where, entries, self.sources[name].phases)
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
         if self.changes is not None:
             record["changes"] = list(record["changes"])
-        if self.exclusions is not None:
-            record["exclusions"] = {name: list(entries)
-                                    for name, entries in record["exclusions"].items()}
+        for kind in ("exclusions", "units_added"):
+            if record[kind] is not None:
+                record[kind] = {name: list(entries) for name, entries in record[kind].items()}
         return record
 
     @classmethod

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -141,15 +142,17 @@ class JobFollower:
     def due(self, steps: int) -> bool:
         return self.active and steps % self.every_steps == 0
 
-    def check(self, run: Any) -> bool:
-        """Add the units the job committed since the last check (every rank the same);
-        True where some were added (the rest of the epoch is planned again)."""
+    def check(self, join: Callable[[Manifest, str], Any]) -> bool:
+        """Add the units the job committed since the last check (every rank the same):
+        `join(manifest, key)` adds those of unit order `key` (Run.join_units, or a
+        mixture's for its source); True where some were added (the rest of the epoch is
+        planned again)."""
         view, state = self._pick()
         if state == "finished":
             self.active = False
         if not view or view == self.view:
             return False
-        record = run.join_units(self._manifest(view, state), view)
+        record = join(self._manifest(view, state), view)
         self.view = view
         if record is None:
             return False

@@ -17,6 +17,7 @@ against one source).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from raypipe.errors import ConfigError
 from raypipe.io.cache import CacheStats
 from raypipe.loader.batch import Batch
 from raypipe.loader.exclusions import PendingExclusions
+from raypipe.loader.follow import JobFollower
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
 from raypipe.loader.stats import LoaderStats, WaitStats, WaitSummary
@@ -49,13 +51,27 @@ class MixtureLoader:
         if options.metadata:
             raise ConfigError("mixture: stream metadata cannot be mixed")
         self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
+        # each source a running tokenize job writes: its units as they commit
+        self.followers = ({name: JobFollower(path, self.rank, self.world_size,
+                                            options.follow_steps)
+                           for name, path in sorted(paths.items())} if options.follow else {})
         self.run = MixtureRun.open(
             paths, options.plan, self.world_size, options.batch_size, weights=weights,
             stages=stages, rank=self.rank, batch_schedule=options.batch_schedule,
             seq_len_schedule=options.seq_len_schedule, format_name=options.format,
             cache_dir=options.cache_dir, cache_bytes=options.cache_bytes,
-            pad_id=options.pad_id, boundaries=options.boundaries)
+            pad_id=options.pad_id, boundaries=options.boundaries,
+            units_join=options.units_join,
+            manifests={name: follower.first_manifest(options.format)
+                       for name, follower in self.followers.items()})
         self.names, self.sources = self.run.names, self.run.sources
+        for name, follower in self.followers.items():
+            if follower.active:
+                source = self.sources[self.names.index(name)]
+                following = f"mixture source {name!r}, follow=True: a running job's units join"
+                source.refuse_growth(following, "give mode 'bestfit' or 'documents' and "
+                                     "split 'all'")
+                source.refuse_joins(following)
         self.exclusions = PendingExclusions(  # excluded where the run starts, or resumes
             options.exclude, lambda: {name: source.planned.document_dataset for name, source
                                       in zip(self.names, self.sources, strict=True)},
@@ -135,8 +151,23 @@ class MixtureLoader:
         self._exclude()
         while True:
             steps = self.run.steps
-            yield from self._serve(self.global_batch // self.world_size, self.seq_len,
-                                   self.run.batches.next_change(steps))
+            with closing(self._serve(self.global_batch // self.world_size, self.seq_len,
+                                     self.run.batches.next_change(steps))) as batches:
+                for batch in batches:  # units joining at the next step, recorded before
+                    joined = self._followed()  # this batch is given (as TokenLoader's)
+                    yield batch
+                    if joined:
+                        break  # a source's rest planned again from here
+
+    def _followed(self) -> bool:
+        """Following running jobs: every source's units committed since (on every rank the
+        same) joined where the mixture stands now, at a check step; True where some did."""
+        joined = False
+        for name, follower in self.followers.items():
+            if follower.due(self.run.steps):
+                joined |= follower.check(
+                    lambda manifest, key, name=name: self.run.join_units(name, manifest, key))
+        return joined
 
     def _serve(self, rows: int, seq_len: int, until: int | None) -> Iterator[Any]:
         """The steps to `until` (None: without end), `rows` rows of `seq_len` per rank."""

@@ -194,16 +194,18 @@ class TokenLoader:
 
     def _serve_epoch(self) -> Iterator[Batch]:
         """The rest of the current epoch's batches; returns True where units joined the
-        run after one of them (the epoch is not over)."""
+        run after one of them (the epoch is not over). The join is made before that batch
+        is given, so a state saved after it records the join (at the next step)."""
         run, fillers, follower = self.run, {}, self.follower
         for segment in run.epoch_segments():
             if segment.phases not in fillers:
                 fillers = {segment.phases: run.filler(segment.epoch, segment.phases)}
             with closing(self._serve(fillers[segment.phases], segment)) as batches:
-                for batch in batches:
+                for batch in batches:  # units joining at the next step, before this batch
+                    joined = (follower is not None and follower.due(run.steps)  # is given:
+                              and follower.check(run.join_units))  # its state records them
                     yield batch
-                    if follower is not None and follower.due(run.steps) and \
-                            follower.check(run):
+                    if joined:
                         return True
         return False
 

@@ -181,22 +181,25 @@ class MixtureSchedule:
     rank every step, or a BatchSchedule of each step's global rows and seq_len (at a step
     whose seq_len differs from a source's, the source begins a phase where it stands: the
     rest of its epoch planned again, as a TokenLoader's); `seq_len`: where a position
-    records no phases, the one it stands at; `exclusion_starts`: the step each of a
-    source's exclusions begins at (raypipe.sampling.exclusions), a phase begun there too."""
+    records no phases, the one it stands at; `source_starts`: per source, (the step each
+    of its exclusions begins at, the step each of its joins of units begins at)
+    (raypipe.sampling.exclusions, raypipe.sampling.growth), a phase begun there too."""
 
     def __init__(self, weights: np.ndarray | WeightStages, world_size: int,
                  batch_size: int | BatchSchedule,
                  plan_sizes: Sequence[Callable[[int, Phases], int]],
                  positions: list[SourcePosition], step: int = 0, seq_len: int = 0,
-                 exclusion_starts: Sequence[tuple[int, ...]] = ()):
+                 source_starts: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] = ()):
         self.stages = (weights if isinstance(weights, WeightStages)
                        else WeightStages.single(weights))
         self.world_size = world_size
         self.batches = (batch_size if isinstance(batch_size, BatchSchedule)
                         else BatchSchedule.constant(world_size * batch_size))
-        # each source's steps: the mixture's, with that source's exclusions
-        self.source_batches = [replace(self.batches, exclusion_starts=tuple(starts))
-                               for starts in exclusion_starts] or [self.batches] * len(positions)
+        # each source's steps: the mixture's, with that source's exclusions and joins
+        self.source_batches = [replace(self.batches, exclusion_starts=tuple(excluded),
+                                       join_starts=tuple(joined))
+                               for excluded, joined in source_starts
+                               ] or [self.batches] * len(positions)
         self.plan_sizes = plan_sizes
         self.seq_len = seq_len
         self.positions = list(positions)
@@ -206,8 +209,9 @@ class MixtureSchedule:
         return phases_of_rows(position.phases, self.seq_len)
 
     def rephase(self) -> None:
-        """At the next step's seq_len and the source's exclusions, every source whose phase
-        is at others begins one where it stands (at position 0: its phase replaced)."""
+        """At the next step's seq_len and the source's exclusions and joins, every source
+        whose phase is at others begins one where it stands (at position 0: its phase
+        replaced)."""
         for index, position in enumerate(self.positions):
             phases = self.phases_of(position)
             cursor = self.source_batches[index].phases_at(
@@ -231,7 +235,8 @@ class MixtureSchedule:
         while self.step < end:
             self.rephase()
             later = sorted(start for batches in self.source_batches
-                           for start in (*batches.seq_starts, *batches.exclusion_starts)
+                           for start in (*batches.seq_starts, *batches.exclusion_starts,
+                                         *batches.join_starts)
                            if start > self.step)
             self._skip_run(min(end, later[0]) - self.step if later else end - self.step)
 
@@ -289,7 +294,7 @@ class MixtureSchedule:
                               consumed=where.consumed + count,
                               phases=phase_rows(phases) if where.phases or len(phases) > 1
                               or phases[0].seq_len != self.seq_len or phases[0].excluded
-                              else None)
+                              or phases[0].joined else None)
 
 
 MIXTURE_SUFFIXES = (".yaml", ".yml")

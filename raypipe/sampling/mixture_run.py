@@ -10,7 +10,9 @@ the rows each has served) and describes each rank's rows, one describe per sourc
 and phases for DESCRIBE_STEPS steps. Its data may change on a resume: a source added begins
 at its first row, one dropped serves nothing more (a weight stage begins there, the change
 recorded in the state), and each source keeps its own exclusions
-(raypipe.sampling.exclusions). Cost: O(sources + rows) a step, ~17 us a step
+(raypipe.sampling.exclusions) and its own data: units its output gained join it as a
+one-dataset run's do (raypipe.sampling.growth), on a resume or while it follows a running
+job. Cost: O(sources + rows) a step, ~17 us a step
 skipped (raypipe.sampling.mixture).
 """
 
@@ -40,7 +42,6 @@ from raypipe.sampling.run import (
     DESCRIBE_STEPS,
     Run,
     StepRow,
-    check_dataset,
     check_knobs,
     planned_again,
 )
@@ -85,9 +86,11 @@ class MixtureRun:
              batch_size: int | None, *, weights: dict[str, float] | None = None,
              stages: list[tuple[int, dict[str, float]]] | None = None, rank: int = 0,
              batch_schedule: Any = None, seq_len_schedule: Any = None,
-             **source_options: Any) -> MixtureRun:
+             manifests: dict[str, Any] | None = None, **source_options: Any) -> MixtureRun:
         """`paths`: {source name: dataset}; `weights` (None: by tokens) then `stages`;
-        `source_options`: Run.open's (format_name, cache_dir, ...), every source's."""
+        `manifests`: {source name: the manifest to open it by} (a running job's:
+        raypipe.io.live; default: each output's own); `source_options`: Run.open's
+        (format_name, cache_dir, ...), every source's."""
         if not paths:
             raise ConfigError("mixture: no sources given")
         if not spec.loader_mode.mixes:
@@ -95,8 +98,9 @@ class MixtureRun:
                               f"{spec.mode!r} (pre-formed batches) cannot be mixed")
         scheduled, batch_size = batch_shape(batch_size, batch_schedule, world_size)
         names = sorted(paths)
-        sources = [Run.open(paths[name], spec, 1, batch_size, **source_options)
-                   for name in names]
+        sources = [Run.open(paths[name], spec, 1, batch_size, rank=rank,
+                            manifest=(manifests or {}).get(name), **source_options)
+                   for name in names]  # (each logs on the mixture's rank 0 alone)
         if spec.shuffle == "auto" and len({source.spec.shuffle for source in sources}) > 1:
             for source in sources:  # one shuffle for all: a state records one set of knobs
                 source.use_shuffle("windowed", spec.window_shards, spec.lanes,
@@ -130,7 +134,8 @@ class MixtureRun:
             [source.planned.plan_size for source in self.sources],
             [self.positions[name] for name in self.names], self.steps,
             self.sources[0].spec.seq_len,
-            [source.planned.schedule.exclusion_starts for source in self.sources])
+            [(source.planned.schedule.exclusion_starts, source.planned.schedule.join_starts)
+             for source in self.sources])
 
     def filler(self, source: int, epoch: int, phases: Phases) -> BatchFiller:
         """Source `source`'s filler of epoch `epoch` under `phases` (the latest few kept)."""
@@ -206,9 +211,15 @@ class MixtureRun:
         exclusions = {name: tuple(source.planned.exclusions.records)
                       for name, source in zip(self.names, self.sources, strict=True)
                       if len(source.planned.exclusions)}
+        added = {name: source.data.added
+                 for name, source in zip(self.names, self.sources, strict=True)
+                 if source.data.added}
         return MixtureState(self.weights_by_name, self.knobs(), self.steps,
                             dict(self.positions), changes=tuple(self.changes) or None,
-                            exclusions=exclusions or None)
+                            exclusions=exclusions or None,
+                            views={name: source.data.view for name, source
+                                   in zip(self.names, self.sources, strict=True)},
+                            units_added=added or None)
 
     def exclude(self, by_source: dict[str, tuple[np.ndarray, int, int]]) -> None:
         """Leave documents of each named source out from the next step on: {source:
@@ -230,11 +241,12 @@ class MixtureRun:
                 source.planned.exclusions.log(record, f"mixture source {name!r} "
                                                       f"({source.dataset.root})")
 
-    def resume(self, state: dict[str, Any] | MixtureState) -> None:
+    def resume(self, state: dict[str, Any] | MixtureState, grow: bool = True) -> None:
         """Stand where `state` (any rank's, any world size) stands; weights other than the
         state's begin a stage there, every source continuing from its own position; a source
         the state lacks is added (from its first row), one it holds and this mixture lacks
-        is dropped, recorded as a change; each source's exclusions are the state's."""
+        is dropped, recorded as a change; each source's exclusions are the state's, and
+        its data (`grow`: with the units its output gained since joining)."""
         saved = (state if isinstance(state, MixtureState)
                  else MixtureState.from_dict(upgraded(state)))
         added = [name for name in self.names if name not in saved.sources]
@@ -244,9 +256,14 @@ class MixtureRun:
                              f"mixture has {self.names}: none in common (a source kept, "
                              "with its dataset unchanged, is what a resume continues)")
         for name, source in zip(self.names, self.sources, strict=True):
-            if name in saved.sources:
-                check_dataset(saved.sources[name].dataset, source.dataset, name)
+            if name in saved.sources:  # its data as the state had it, units added joining
+                where = saved.sources[name]
+                source.adopt_data_of(where.dataset, (saved.views or {}).get(name),
+                                     (saved.units_added or {}).get(name, ()),
+                                     (saved.steps, where.epoch, where.position), grow,
+                                     source=name)
             source.adopt_shuffle(saved.knobs)
+        self._fillers.clear()
         check_knobs("the mixture state", saved.knobs, self.knobs(),
                     "seq_len, batch size, world size, weights and sources")
         self.steps = saved.steps
@@ -257,8 +274,10 @@ class MixtureRun:
                 source.planned.adopt_exclusion(record)
         implied = implied_phases(saved.knobs.get("seq_len", self.seq_len),
                                  self.sources[0].spec.seq_len)
-        kept = [replace(saved.sources[name], phases=saved.sources[name].phases or implied)
-                if name in saved.sources else self.positions[name] for name in self.names]
+        kept = [replace(saved.sources[name], phases=saved.sources[name].phases or implied,
+                        dataset=source.dataset.fingerprint)  # (units may have joined it)
+                if name in saved.sources else self.positions[name]
+                for name, source in zip(self.names, self.sources, strict=True)]
         if added or dropped:
             self.change_sources(added, dropped, saved)
             positions = restage(kept)
@@ -274,6 +293,18 @@ class MixtureRun:
         self.positions = dict(zip(self.names, positions, strict=True))
         schedule = self.schedule()
         planned_again("mixture state", lambda: self.rephased(schedule))
+
+    def join_units(self, name: str, output: Any, key: str) -> Any:
+        """Add the units of source `name`'s kept order `key` it does not hold (`output`: a
+        manifest holding them, a running job's: raypipe.io.live) from the next step on, where
+        the source stands (Run.join_units); every source's rest planned again now. The
+        record, or None where none was added."""
+        source, where = self.sources[self.names.index(name)], self.positions[name]
+        record = source.join_units(output, key, (self.steps, where.epoch, where.position),
+                                   lambda: self.rephased(self.schedule()))
+        self._fillers.clear()
+        self.positions[name] = replace(where, dataset=source.dataset.fingerprint)
+        return record
 
     def rephased(self, schedule: MixtureSchedule) -> None:
         """Plan every source's rest of its epoch under the phases of the schedule's next

@@ -3,7 +3,9 @@
 Invariant: `replay` opens the run of a dataset or a mixture under the knobs given, each
 taken from the state where not given (its knobs, world size and global batch), and resumes
 it there through the run's own `resume`, so what a state refuses, trace refuses, and the
-steps it walks are the loader's. Cost: one state read; the run's.
+steps it walks are the loader's; the run's data is what the state records (units its
+output gained since are not added: a loader resumed from it adds them, and records so in
+its own state). Cost: one state read; the run's.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def replay(data: str | Path | dict[str, str], *,
             run.adopt_data(recorded, grow=False)
             for record in recorded.exclusions or ():
                 run.planned.adopt_exclusion(record)
-    if saved is not None:
-        run.resume(saved)  # type: ignore[arg-type]  (each kind checked above)
+    if saved is not None:  # the data as the state recorded it: none the output gained since
+        run.resume(saved, grow=False)  # type: ignore[arg-type]  (each kind checked above)
     return run
 
 

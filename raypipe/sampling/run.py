@@ -99,10 +99,12 @@ def check_dataset(saved: str, dataset: Any, source: str | None = None) -> None:
                          f"{dataset.fingerprint!r}")
 
 
-def check_data(saved: LoaderState, data: RunData) -> None:
-    """Refuse data other than the state's, naming the unit rewritten since where the output
-    kept its files' digests (raypipe.io.views)."""
-    if saved.dataset != data.dataset.fingerprint and saved.view is not None:
+def check_data(fingerprint: str, view: str | None, data: RunData,
+               source: str | None = None) -> None:
+    """Refuse data other than a state's (its dataset `fingerprint`, its unit order `view`),
+    naming the unit rewritten since where the output kept its files' digests
+    (raypipe.io.views); `source`: a mixture's source name."""
+    if fingerprint != data.dataset.fingerprint and view is not None:
         unit = data.rewritten()
         if unit is not None:
             raise StateError(f"{data.dataset.root}: unit {unit} of the run's data was "
@@ -110,7 +112,7 @@ def check_data(saved: LoaderState, data: RunData) -> None:
                              f"{data.dataset.format_name} files differ from those the output "
                              "kept): its documents would be other tokens under the same "
                              "numbers; restore it, or start a new run")
-    check_dataset(saved.dataset, data.dataset)
+    check_dataset(fingerprint, data.dataset, source)
 
 
 def planned_again(what: str, plan: Callable[[], Any]) -> None:
@@ -359,11 +361,13 @@ class Run:
                 self.planned.exclusions.log(record, str(self.dataset.root))
         return record
 
-    def resume(self, state: dict[str, Any] | LoaderState) -> None:
-        """Stand where `state` (any rank's, any world size) stands."""
+    def resume(self, state: dict[str, Any] | LoaderState, grow: bool = True) -> None:
+        """Stand where `state` (any rank's, any world size) stands (`grow`: the units the
+        output gained since joining, as a loader's resume adds them; a replay of what the
+        state recorded adds none)."""
         saved = (state if isinstance(state, LoaderState)
                  else LoaderState.from_dict(upgraded(state)))
-        self.adopt_data(saved)
+        self.adopt_data(saved, grow)
         self.adopt_shuffle(saved.knobs)
         check_knobs("the loader state", saved.knobs, self.spec.knobs_record(),
                     "seq_len, batch size, world size and a schedule")
@@ -390,20 +394,29 @@ class Run:
                         self.seq_len, self.steps, self.epoch, self.seq_len)
 
     def adopt_data(self, saved: LoaderState, grow: bool = True) -> None:
-        """Serve the data as `saved` had it (its units in its order: raypipe.sampling.
-        growth), refusing data that changed; with `grow`, the units the output gained since
-        are added where `units_join` says (`grown`)."""
-        if (saved.view in (None, self.data.view) and not saved.units_added) or \
+        """Serve the data as `saved` had it (raypipe.sampling.growth), refusing data that
+        changed; with `grow`, the units the output gained since are added (`adopt_data_of`)."""
+        self.adopt_data_of(saved.dataset, saved.view, saved.units_added or (),
+                           (saved.steps or 0, saved.epoch, saved.position), grow)
+
+    def adopt_data_of(self, fingerprint: str, view: str | None,
+                      added: tuple[UnitsAdded, ...], at: tuple[int, int, int],
+                      grow: bool = True, source: str | None = None) -> None:
+        """Serve the data a state had (its dataset `fingerprint`, unit order `view` and
+        units `added`: its units in its order), refusing data that changed; with `grow`,
+        the units the output gained since are added where `units_join` says (`grown`), at
+        `at`: (global step, epoch, position) of the run (a mixture's: of source
+        `source`)."""
+        if (view in (None, self.data.view) and not added) or \
                 not self.spec.loader_mode.excludes:  # (whole documents only: below)
-            if saved.view not in (None, self.data.view) and \
-                    saved.dataset != self.dataset.fingerprint:
+            if view not in (None, self.data.view) and fingerprint != self.dataset.fingerprint:
                 self.refuse_growth()  # the output changed, and the mode cannot follow
-            check_data(saved, self.data)
+            check_data(fingerprint, view, self.data, source)
             return  # the output as the run had it
-        data = self.data.as_saved(saved.view, saved.units_added or ())
-        check_data(saved, data)
+        data = self.data.as_saved(view, added)
+        check_data(fingerprint, view, data, source)
         if grow:
-            data = self.grown(data, saved.steps or 0, saved.epoch, saved.position) or data
+            data = self.grown(data, *at) or data
         if data is not self.data:
             self.use_data(data)
 
@@ -445,22 +458,28 @@ class Run:
         if before.dataset is not data.dataset:
             before.dataset.close()  # its open shards, and fetches in flight
 
-    def join_units(self, output: Any, key: str) -> UnitsAdded | None:
+    def join_units(self, output: Any, key: str, at: tuple[int, int, int] | None = None,
+                   check: Callable[[], None] | None = None) -> UnitsAdded | None:
         """Add the units of the output's kept order `key` the run does not hold (`output`:
         a manifest of the run's output holding them: a running job's, raypipe.io.live),
-        from the next step on (`grown`); the rest of the epoch is planned again now, and a
-        refusal leaves the run as it was. The record made, or None where none was added."""
+        from the next step on (`grown`; `at`: (step, epoch, position), default where the run
+        stands); the rest of the epoch is planned again now (`check`: how, default this
+        run's), and a refusal leaves the run as it was. The record, or None where none
+        was added."""
         data = self.data.with_output(output)
-        grown = self.grown(data, self.steps, self.epoch, self.position, key)
+        grown = self.grown(data, *(at or (self.steps, self.epoch, self.position)), key=key)
         if grown is None:
             self.data = data
             return None
         before = (self.data, self.planned)
         self.use_data(grown)
-        cursor = self.planned.schedule.phases_at(self.cursor())
+
+        def plan_here() -> None:
+            cursor = self.planned.schedule.phases_at(self.cursor())
+            self.planned.plan(cursor.epoch, cursor.phases)
+
         try:
-            planned_again(f"{self.dataset.root}: units joined", lambda: self.planned.plan(
-                cursor.epoch, cursor.phases))
+            planned_again(f"{self.dataset.root}: units joined", check or plan_here)
         except StateError:
             self.data, self.planned = before
             raise
