@@ -261,3 +261,55 @@ def test_following_refuses_up_front_what_could_not_take_units_mid_run(
     with pytest.raises(ConfigError, match="follow=True on 2 ranks: .*torch.distributed"):
         TokenLoader(str(output), SEQ_LEN, 3, rank=0, world_size=2, follow=True,
                     device="cpu")
+
+
+def test_a_mixture_follows_its_running_source_and_trains_each_of_its_tokens_once(
+        corpus, tmp_path, tokenizer_path, token_dataset, monkeypatch):
+    """A mixture of a finished dataset and one a running job writes: the running source's
+    units join its epoch as they commit; replayed by trace from the states the loader saved
+    where its data changed, every step's rows are what the loader served, and every token
+    of the running source's first epoch is trained once."""
+    import torch
+
+    from raypipe import trace
+    from raypipe.loader import MixtureLoader
+
+    output = tmp_path / "tokens"
+    paths = {"live": str(output), "web": str(token_dataset)}
+    options = {"seq_len": SEQ_LEN, "batch_size": ROWS, "seed": 5, "device": "cpu"}
+    job, errors = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.15)
+    loader = MixtureLoader(paths, follow=True, follow_steps=2, **options)
+    states = [loader.state_dict()]  # the state before each step
+    rows = {}
+    for batch in loader:
+        rows[batch.step] = torch.cat([batch.inputs, batch.targets[:, -1:]], 1).numpy()
+        states.append(loader.state_dict())
+        if job.is_alive():
+            time.sleep(0.03)
+        if batch.mixture_state["live"].epoch >= 1 and not job.is_alive():
+            break
+    job.join()
+    assert not errors and not loader.followers["live"].active
+    joins = states[-1]["units_added"]["live"]
+    assert any(record["joins"] for record in joins) and joins[-1]["documents"] == 600
+    # trace from the state before each stretch of steps whose data held
+    changes = [0] + [step for step in range(1, len(rows))
+                     if states[step]["units_added"] != states[step - 1]["units_added"]]
+    live = loader.sources[loader.names.index("live")].dataset
+    lengths = live.document_lengths()
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.concatenate(list(live.iter_documents()))
+    covered = np.zeros(lengths.size, dtype=np.int64)
+    for begin, end in zip(changes, [*changes[1:], len(rows)], strict=True):
+        for piece in trace(paths, state=states[begin], steps=end - begin, batch_size=ROWS,
+                           **{key: value for key, value in options.items()
+                              if key not in ("batch_size", "device")}):
+            row = rows[piece.step][piece.row]
+            if piece.source != "live":
+                continue
+            first = int(starts[piece.document])
+            assert row[piece.col_start:piece.col_end].tolist() == tokens[
+                first + piece.token_start:first + piece.token_end].tolist(), piece.step
+            if piece.epoch == 0:
+                covered[piece.document] += piece.token_end - piece.token_start
+    assert np.array_equal(covered, lengths)  # every token once (a mixture drops no tail)
