@@ -1,9 +1,10 @@
-"""Data that changes under a run: a mixture source dropped and one added on resume,
-documents excluded on resume, at other world sizes, every surviving token still trained
-once, counted token by token.
+"""Data that changes under a run: training while the tokenize job runs, a mixture source
+dropped and one added on resume, documents excluded on resume, at other world sizes, every
+surviving token still trained once, counted token by token.
 
     python bench/changing_data.py [DATA] [--exclude 1000] [--stops 0.3,0.65]
         [--seq-len 512] [--rows 24] [--tokens 4000000] [--source-tokens 2000000]
+        [--unit-seconds 0.2]
 
 Two runs, each stopped on 2 ranks, resumed on 3 with the change, stopped again and
 finished on 1 (`--stops`: the fractions of the run's steps where it stops):
@@ -13,44 +14,54 @@ finished on 1 (`--stops`: the fractions of the run's steps where it stops):
    `raypipe.trace` of the steps before it names --exclude documents (its JSON records,
    written to a file, as a user would keep them); the second run resumes with
    `exclude=<that file>`, the third from the second's state alone.
-2. A mixture of numbered synthetic sources (a token's id says which token of which
-   document of which source it is; --source-tokens each): web and code at 0.5 / 0.5; at
-   the first stop, code is dropped, books added (web and books at 0.5 / 0.5), and --exclude
-   documents that trace named in the steps before the stop are excluded (those of code:
-   nothing left to exclude, counted in the log). The run goes on until web and books have
-   each finished their epoch 0.
+2. The issue's one run: a mixture of numbered sources (documents whose texts are their
+   tokens' numbers, tokenized by raypipe's job with a word-level tokenizer that maps "t<i>"
+   to id i, so a token's id says which token of which document of which source it is;
+   --source-tokens each). web is written by a tokenize job of 20 units that runs while
+   the mixture trains (each unit slowed to --unit-seconds with raypipe's test-only fault
+   hook, as a long job's pace); code was tokenized before. The first run is 2 processes of
+   one torch.distributed (gloo) group that start once 10% of web's units have committed
+   and follow the job (`follow=True`), its units joining web's epoch as they commit; at
+   the first stop code is dropped, books added (web and books at 0.5 / 0.5), and
+   --exclude documents that trace named in the steps before the stop are excluded (those
+   of code: nothing left to exclude, counted in the log). The run goes on until web and
+   books have each finished their epoch 0.
 
 Checks, each printed, exit status 1 when one fails:
 - each step's rows equal those of a run that made the same changes at the same step
-  without stopping again, at the first run's world size;
-- the state records each change (its step, the documents excluded, the sources added and
-  dropped);
+  without stopping again, at the first run's world size (the mixture: from the first
+  stop, where it no longer follows a job);
+- the state records each change (web's units joining, their steps; the documents
+  excluded, the sources added and dropped);
 - no excluded document's token, and no dropped source's, is trained from the change on;
 - every token of every surviving document of an epoch is trained exactly once in it (one
   dataset: but the drop-last tail, which the loader reports; a mixture drops nothing);
   nothing twice;
 - `raypipe trace` rebuilds every step's rows (one dataset: from the final state's
-  history; the mixture: from each run's first state), so a rerun of the history gives the
-  same steps.
+  history; the mixture: from the state before each stretch whose data held, each join
+  and each resume), so a rerun of the history gives the same steps.
 The tokens are held in memory (a check for datasets up to ~10^8 tokens).
-
-Not exercised here: units added to a dataset on resume (served from the next epoch;
-tests/test_changing_data.py), and training while the tokenize job runs (refused: docs/
-loader.md, "When the data changes").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
+import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
-from common import synthetic_token_dataset, write_synthetic_dataset
+from common import synthetic_token_dataset
 from every_token_once import Rows, run, traced_steps
 
 from raypipe.dataset import TokenDataset
@@ -163,23 +174,6 @@ def one_dataset(args: argparse.Namespace, worlds: list[int], stops: list[float])
 FIRST_TOKEN = {"web": 1, "code": 10_000_000, "books": 20_000_000}  # each source's numbering
 
 
-def numbered_source(directory: Path, name: str, tokens: int, seed: int) -> str:
-    """A megatron dataset of about `tokens` tokens numbered from FIRST_TOKEN[name] on, in
-    storage order (a token's id says which token of which document of which source)."""
-    output = directory / f"numbered-{name}-{tokens}-seed{seed}"
-    if not (output / "manifest.json").exists():
-        rng = np.random.default_rng(seed)
-        lengths = np.clip(rng.lognormal(5.5, 1.0, tokens // 150).astype(np.int64) + 2, 2,
-                          20_000)
-        lengths = lengths[np.cumsum(lengths) <= tokens]
-        first = FIRST_TOKEN[name]
-        ids = np.arange(first, first + int(lengths.sum()), dtype=np.uint32)
-        write_synthetic_dataset(output, "megatron", [(ids, lengths, None)],
-                                f"numbered-{name}-{seed}", shard_tokens=1 << 22,
-                                largest_id=1 << 26)
-    return str(output)
-
-
 def serve_mixture(paths: dict[str, str], world: int, state: dict | None, options: dict,
                   until: Any) -> tuple[dict[int, np.ndarray], dict, dict]:
     """A mixture's steps on `world` ranks from `state` while `until(rank 0's positions,
@@ -202,54 +196,246 @@ def serve_mixture(paths: dict[str, str], world: int, state: dict | None, options
     return taken, json.loads(json.dumps(loaders[0].state_dict())), started
 
 
-def traced_mixture(paths: dict[str, str], state: dict | None, world: int, steps: list[int],
-                   options: dict) -> tuple[dict[int, np.ndarray], list[Any]]:
+def numbered_lengths(tokens: int, seed: int) -> np.ndarray:
+    """Document lengths of about `tokens` tokens in all (lognormal, median ~250)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(5.5, 1.0, tokens // 150).astype(np.int64) + 2, 2, 20_000)
+    return lengths[np.cumsum(lengths) <= tokens]
+
+
+def numbered_tokenizer(directory: Path, tokens: int) -> Path:
+    """A word-level tokenizer mapping "t<i>" to id i for every token a numbered corpus of
+    each source holds (EOS "<|endoftext|>" is id 0)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = directory / f"numbered-tokenizer-{tokens}.json"
+    if path.exists():
+        return path
+    vocab = {"<|endoftext|>": 0, "<unk>": FIRST_TOKEN["code"] - 1}  # (ids past the largest
+    # make tokenizers' serialization slow: it walks every id up to it)
+    for seed, first in enumerate(FIRST_TOKEN.values()):
+        count = int(numbered_lengths(tokens, seed).sum())
+        vocab.update({f"t{i}": i for i in range(first, first + count)})
+    model = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    model.save(str(path))
+    return path
+
+
+def numbered_corpus(directory: Path, name: str, tokens: int, seed: int, files: int = 4,
+                    units_per_file: int = 5) -> Path:
+    """Parquet files of documents whose texts are their tokens' numbers ("t17 t18 ..."),
+    numbered from FIRST_TOKEN[name] on in file order, cut into `files` x `units_per_file`
+    row groups (a job's units): tokenized with `numbered_tokenizer`, an output whose
+    token ids say which token of which document of which source they are."""
+    corpus = directory / f"numbered-corpus-{name}-{tokens}-seed{seed}"
+    if corpus.exists():
+        return corpus
+    lengths = numbered_lengths(tokens, seed)
+    starts = FIRST_TOKEN[name] + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    texts = [" ".join(f"t{i}" for i in range(start, start + length))
+             for start, length in zip(starts.tolist(), lengths.tolist(), strict=True)]
+    temporary = corpus.with_name(corpus.name + ".partial")
+    temporary.mkdir(parents=True, exist_ok=True)
+    for index, part in enumerate(np.array_split(np.arange(len(texts)), files)):
+        table = pa.table({"text": [texts[i] for i in part.tolist()]})
+        pq.write_table(table, temporary / f"part-{index}.parquet",
+                       row_group_size=max(1, -(-len(part) // units_per_file)))
+    temporary.rename(corpus)
+    return corpus
+
+
+def tokenize_job(corpus: Path, tokenizer: Path, output: Path) -> Any:
+    """The tokenize job over `corpus` into `output` (EOS after each document)."""
+    from raypipe.config import load_config
+    from raypipe.preprocess.job import run_job
+
+    return run_job(load_config(None, inputs=[str(corpus / "part-*.parquet")],
+                               output=str(output), tokenizer=str(tokenizer), bos=False,
+                               eos=True, unit_bytes=1, shard_tokens=1 << 20, overwrite=True),
+                   progress_every=3600)
+
+
+def start_job(corpus: Path, tokenizer: Path, output: Path, unit_seconds: float
+              ) -> tuple[threading.Thread, list[BaseException]]:
+    """`tokenize_job` on a thread, each unit's commit slowed by `unit_seconds` (raypipe's
+    test-only fault hook, as a long job's pace), so training overlaps it; (the thread, the
+    errors it raised)."""
+    os.environ["RAYPIPE_TEST_FAULT"] = json.dumps(
+        {"point": "unit.before_record", "action": "delay", "seconds": unit_seconds,
+         "always": True, "marker": str(output.parent / f"{output.name}.slow-units")})
+    errors: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            tokenize_job(corpus, tokenizer, output)
+        except BaseException as exc:  # noqa: BLE001  (reported by the caller)
+            errors.append(exc)
+
+    thread = threading.Thread(target=job, name="tokenize-job", daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def committed_share(output: Path) -> float:
+    """The share of the running job's units committed (its live status)."""
+    from raypipe.io.live import LiveOutput
+    from raypipe.io.store import Store
+
+    status = LiveOutput(Store(output)).status() if output.exists() else None
+    return status.units_committed / max(status.units_planned, 1) if status else 0.0
+
+
+RANK_WORKER = "--rank-worker"
+
+
+def rank_worker(argv: list[str]) -> int:
+    """One rank of the first run (a process of a gloo group): follow the mixture for the
+    given steps, then write its rows, and (rank 0) the state before every step."""
+    import torch.distributed as dist
+
+    spec = json.loads(argv[0])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}",
+                            rank=spec["rank"], world_size=spec["world"])
+    if spec["rank"] == 0:
+        Path(spec["out"]).with_suffix(".ready").touch()  # the job starts now
+    while spec["rank"] == 0 and committed_share(Path(spec["paths"]["web"])) < 0.1:
+        time.sleep(0.02)  # training starts once 10% of the job's units are committed
+    dist.barrier()
+    loader = MixtureLoader(spec["paths"], follow=True, follow_steps=spec["follow_steps"],
+                           device="cpu", **spec["options"])
+    states, rows = [loader.state_dict()], {}
+    for batch in loader:
+        rows[batch.step] = torch.cat([batch.inputs, batch.targets[:, -1:]], 1).tolist()
+        states.append(loader.state_dict())
+        dist.barrier()  # a training step's all-reduce, a while as the job still runs
+        if loader.followers["web"].active:
+            time.sleep(spec["step_seconds"])
+        if batch.step + 1 >= spec["stop"]:
+            break
+    Path(spec["out"]).write_text(json.dumps({"rows": rows, "states": states}))
+    dist.destroy_process_group()
+    return 0
+
+
+def follow_run(paths: dict[str, str], world: int, stop: int, options: dict,
+               workdir: Path) -> Future:
+    """The first run, started: `world` rank processes that wait for 10% of the job's units,
+    then follow it to step `stop`; its result ({step: rows of every rank}, the state
+    before each step), once they are done."""
+    return ThreadPoolExecutor(1).submit(follow_ranks, paths, world, stop, options, workdir)
+
+
+def follow_ranks(paths: dict[str, str], world: int, stop: int, options: dict,
+                 workdir: Path) -> tuple[dict[int, np.ndarray], list[dict]]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    outs = [workdir / f"follow-rank-{rank}.json" for rank in range(world)]
+    ranks = [subprocess.Popen([sys.executable, __file__, RANK_WORKER, json.dumps(
+        {"port": port, "rank": rank, "world": world, "paths": paths, "stop": stop,
+         "options": {"seed": options["seed"], "seq_len": options["seq_len"],
+                     "weights": options["weights"], "batch_size": options["rows"] // world},
+         "follow_steps": 2, "step_seconds": 0.05, "out": str(outs[rank])})])
+        for rank in range(world)]
+    if any(rank.wait() for rank in ranks):
+        raise RuntimeError("a rank of the following run failed")
+    served = [json.loads(out.read_text()) for out in outs]
+    steps = sorted(int(step) for step in served[0]["rows"])
+    rows = {step: np.concatenate([np.array(rank["rows"][str(step)]) for rank in served])
+            for step in steps}
+    return rows, served[0]["states"]
+
+
+def traced_mixture(paths: dict[str, str], state: dict, world: int, steps: list[int],
+                   options: dict, data: dict[str, tuple[np.ndarray, np.ndarray]]
+                   ) -> tuple[dict[int, np.ndarray], list[Any]]:
     """The rows `raypipe.trace` rebuilds for `steps` (consecutive, from where `state`
-    stands, or from step 0), and its records."""
-    records = list(trace(paths, None if state else steps[0], steps=len(steps), state=state,
-                         world_size=world, batch_size=options["rows"] // world,
-                         seq_len=options["seq_len"], seed=options["seed"],
-                         weights=None if state else options["weights"]))
+    stands) from each source's tokens (`data`: {source: (its tokens, each document's
+    first)} in the run's numbering), and its records."""
+    records = list(trace(paths, state=state, steps=len(steps), world_size=world,
+                         batch_size=options["rows"] // world, seq_len=options["seq_len"],
+                         seed=options["seed"]))
     per_rank = options["rows"] // world
     rows = {step: np.zeros((options["rows"], options["seq_len"] + 1), dtype=np.int64)
             for step in steps}
     for record in records:
-        first = FIRST_TOKEN[record.source] + options["starts"][record.source][record.document]
+        tokens, starts = data[record.source]
+        first = int(starts[record.document])
         rows[record.step][record.rank * per_rank + record.row,
-                          record.col_start:record.col_end] = np.arange(
-            first + record.token_start, first + record.token_end)
+                          record.col_start:record.col_end] = tokens[
+            first + record.token_start:first + record.token_end]
     return rows, records
 
 
+def read_view(output: Path, key: str) -> list[str]:
+    """The units of an output's kept unit order `key`."""
+    from raypipe.io.manifest import read_manifest
+    from raypipe.io.store import Store
+    from raypipe.io.views import read_view as kept
+
+    return kept(Store(output), key, read_manifest(output)) or []
+
+
+def run_data(loader: MixtureLoader) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each source's tokens and each document's first, as the run numbers them."""
+    data = {}
+    for name, source in zip(loader.names, loader.sources, strict=True):
+        lengths = source.dataset.document_lengths()
+        data[name] = (np.concatenate(list(source.dataset.iter_documents())).astype(np.int64),
+                      np.concatenate([[0], np.cumsum(lengths)]))
+    return data
+
+
 def mixture(args: argparse.Namespace, worlds: list[int], stops: list[float]) -> bool:
-    """Scenario 2: a mixture whose sources change on resume, documents excluded too; True
-    where every check held."""
-    paths = {name: numbered_source(args.workdir, name, args.source_tokens, seed)
-             for seed, name in enumerate(FIRST_TOKEN)}
+    """Scenario 2, one run: web is written by a tokenize job that runs while the mixture
+    trains; a source dropped and one added on resume, documents excluded; True where
+    every check held."""
+    tokenizer = numbered_tokenizer(args.workdir, args.source_tokens)
+    corpora = {name: numbered_corpus(args.workdir, name, args.source_tokens, seed)
+               for seed, name in enumerate(FIRST_TOKEN)}
+    web = args.workdir / "live-web"
+    paths = {name: str(args.workdir / f"numbered-{name}") for name in FIRST_TOKEN}
+    paths["web"] = str(web)
+    for name in ("code", "books"):  # tokenized before: only web is written as it trains
+        tokenize_job(corpora[name], tokenizer, Path(paths[name]))
     before = {name: paths[name] for name in ("web", "code")}
     after = {name: paths[name] for name in ("web", "books")}
-    starts = {name: np.concatenate([[0], np.cumsum(TokenDataset(path).document_lengths())])
-              for name, path in paths.items()}
     shape = {"seed": args.seed, "seq_len": args.seq_len, "batch_size": None,
              "batch_schedule": [(0, args.rows)]}
     weights_before, weights_after = {"web": 0.5, "code": 0.5}, {"web": 0.5, "books": 0.5}
-
-    def finished(positions: dict, steps: int) -> bool:  # web and books past epoch 0
-        return all(positions[name].epoch >= 1 for name in after if name in positions)
-
-    epoch_steps = int(starts["web"][-1]) // (args.seq_len + 1) * 2 // args.rows
+    epoch_steps = args.source_tokens // (args.seq_len + 1) * 2 // args.rows
     change, second_stop = (int(fraction * epoch_steps) for fraction in stops)
+    options = {"seed": args.seed, "seq_len": args.seq_len, "rows": args.rows,
+               "weights": weights_before}
+    ranks = follow_run(before, worlds[0], change, options, args.workdir)  # waiting for 10%
+    ready = (args.workdir / "follow-rank-0.json").with_suffix(".ready")
+    ready.unlink(missing_ok=True)
+    while not ready.exists() and ranks.running():
+        time.sleep(0.05)
+    job, errors = start_job(corpora["web"], tokenizer, web, args.unit_seconds)
+    first, states = ranks.result()
+    job.join()
+    share = states[0]["views"] and len(read_view(web, states[0]["views"]["web"])) / 20
+    os.environ.pop("RAYPIPE_TEST_FAULT", None)
+    if errors:
+        raise errors[0]
+    state = states[-1]
+    joins = state["units_added"]["web"]
+    print(f"2. a mixture of numbered sources, one written while it trains: web (a tokenize "
+          f"job over {args.source_tokens:,} numbered tokens in 20 units, "
+          f"{args.unit_seconds} s a unit) and code at 0.5 / 0.5; training began with "
+          f"{share:.0%} of web's units committed, {len(joins)} joins of its units as they "
+          f"committed (steps {[record['step'] for record in joins]}); at step {change} code "
+          "dropped, books added at 0.5 / 0.5")
+    records = []
+    for step in range(change - 1, -1, -1):
+        records += trace(before, state=states[step], steps=1, world_size=worlds[0],
+                         batch_size=args.rows // worlds[0], seq_len=args.seq_len,
+                         seed=args.seed)
+        if len({(record.source, record.document) for record in records}) >= args.exclude:
+            break
     names_file = args.workdir / "excluded-mixture.jsonl"
-    print(f"2. a mixture of numbered sources: web {int(starts['web'][-1]):,} and code "
-          f"{int(starts['code'][-1]):,} tokens at 0.5 / 0.5; at step {change} code dropped, "
-          f"books ({int(starts['books'][-1]):,} tokens) added at 0.5 / 0.5")
-    first, state, _ = serve_mixture(before, worlds[0], None,
-                                    {**shape, "weights": weights_before},
-                                    lambda _, steps: steps >= change)
-    records = [record for step in range(change - 1, -1, -1)
-               for record in trace(before, step, world_size=worlds[0],
-                                   batch_size=args.rows // worlds[0], seq_len=args.seq_len,
-                                   seed=args.seed, weights=weights_before)]
     named: dict[tuple[str, int], str] = {}
     for record in records:
         if len(named) < args.exclude:
@@ -260,63 +446,89 @@ def mixture(args: argparse.Namespace, worlds: list[int], stops: list[float]) -> 
     new = {**shape, "weights": weights_after, "exclude": str(names_file)}
     second, middle, resumed = serve_mixture(after, worlds[1], state, new,
                                             lambda _, steps: steps >= second_stop)
+
+    def finished(positions: dict, steps: int) -> bool:  # web and books past epoch 0
+        return all(positions[name].epoch >= 1 for name in after if name in positions)
+
     third, final, third_start = serve_mixture(after, worlds[2], middle,
                                               {**shape, "weights": weights_after}, finished)
     served = {**first, **second, **third}
-    print(f"run 1: {worlds[0]} ranks, steps 0-{change - 1}; run 2: {worlds[1]} ranks, steps "
-          f"{change}-{second_stop - 1}, code dropped, books added, excluding the "
-          f"{len(named):,} documents trace named ({len(excluded['web']):,} of web, "
-          f"{len(excluded['code']):,} of code) in {names_file}; run 3: {worlds[2]} ranks, "
-          f"steps {second_stop}-{max(served)}, until web and books finished epoch 0")
+    print(f"run 1: {worlds[0]} ranks (processes of one gloo group, following the job), steps "
+          f"0-{change - 1}; run 2: {worlds[1]} ranks, steps {change}-{second_stop - 1}, code "
+          f"dropped, books added, excluding the {len(named):,} documents trace named "
+          f"({len(excluded['web']):,} of web, {len(excluded['code']):,} of code) in "
+          f"{names_file}; run 3: {worlds[2]} ranks, steps {second_stop}-{max(served)}, until "
+          "web and books finished epoch 0")
     reference, _, _ = serve_mixture(after, worlds[0], state, new,
                                     lambda _, steps: steps > max(served))
     same = all(sorted(map(tuple, served[step])) == sorted(map(tuple, reference[step]))
                for step in range(change, max(served) + 1))
-    print(f"every step's rows equal the run that made the changes at step {change} without "
-          f"stopping again: {same}")
+    print(f"every step's rows after the first stop equal the run that made the changes at "
+          f"step {change} without stopping again: {same}")
     change_record = (final.get("changes") or [{}])[0]
     recorded = (change_record.get("step") == change and change_record.get("added") == ["books"]
                 and change_record.get("dropped") == ["code"]
                 and [entry["documents"] for entry in final["exclusions"]["web"]]
-                == [excluded["web"]])
-    print(f"the state records the change (step {change_record.get('step')}, added "
-          f"{change_record.get('added')}, dropped {change_record.get('dropped')}) and web's "
-          f"exclusion of {len(final['exclusions']['web'][0]['documents']):,} documents: "
-          f"{recorded}")
-    options = {**shape, "weights": weights_before, "starts": starts, "rows": args.rows}
+                == [excluded["web"]]
+                and final["units_added"]["web"] == joins
+                and any(record["joins"] for record in joins))
+    print(f"the state records web's units joining ({len(joins)}), the change (step "
+          f"{change_record.get('step')}, added {change_record.get('added')}, dropped "
+          f"{change_record.get('dropped')}) and web's exclusion of "
+          f"{len(final['exclusions']['web'][0]['documents']):,} documents: {recorded}")
+    data = {**run_data(MixtureLoader(before, device="cpu", **shape)),  # (code's)
+            **run_data_of_state(after, final, shape)}  # web as the run numbered it, books
+    stretches = [0] + [step for step in range(1, change)
+                       if states[step]["units_added"] != states[step - 1]["units_added"]]
     held, epoch_zero = True, []
-    for segment, world, start in ((first, worlds[0], None), (second, worlds[1], resumed),
+    for begin, end in zip(stretches, [*stretches[1:], change], strict=True):
+        rows, records = traced_mixture(before, states[begin], worlds[0],
+                                       list(range(begin, end)), options, data)
+        held = held and all(np.array_equal(rows[step], first[step]) for step in rows)
+        epoch_zero += [record for record in records if record.epoch == 0]
+    for segment, world, start in ((second, worlds[1], resumed),
                                   (third, worlds[2], third_start)):
-        rows, records = traced_mixture(before if start is None else after, start, world,
-                                       sorted(segment), options)
+        rows, records = traced_mixture(after, start, world, sorted(segment), options, data)
         held = held and all(np.array_equal(rows[step], segment[step]) for step in segment)
         epoch_zero += [record for record in records if record.epoch == 0]
-    print(f"trace rebuilds every step's rows, from each run's first state: {held}")
+    print(f"trace rebuilds every step's rows, from the state before each stretch whose data "
+          f"held (each join of web's units, the resume): {held}")
     exact = True
     excluded_sets = {name: set(documents) for name, documents in excluded.items()}
-    for name in paths:
-        size = int(starts[name][-1])
-        counts = np.zeros(size, dtype=np.int64)
+    for name, (tokens, starts) in data.items():
+        counts = np.zeros(tokens.size, dtype=np.int64)
         late = 0
         for record in epoch_zero:
             if record.source != name:
                 continue
-            first_token = int(starts[name][record.document])
+            first_token = int(starts[record.document])
             counts[first_token + record.token_start:first_token + record.token_end] += 1
             late += (record.step >= change and (name == "code" or record.document
                                                 in excluded_sets[name]))
-        owner = np.repeat(np.arange(starts[name].size - 1), np.diff(starts[name]))
+        owner = np.repeat(np.arange(starts.size - 1), np.diff(starts))
         kept = ~np.isin(owner, excluded[name])
         whole = name != "code"  # its epoch 0 was cut short by the drop
+        numbered = tokens > 0  # (web's EOS tokens are id 0)
+        ids = np.bincount(tokens[numbered], weights=counts[numbered]) \
+            if numbered.any() else np.zeros(0)
         ok = counts.max(initial=0) <= 1 and late == 0 and (
-            not whole or bool((counts[kept] == 1).all()))
+            not whole or bool((counts[kept] == 1).all())) and ids.max(initial=0) <= 1
         exact = exact and ok
-        print(f"{name}: epoch 0's tokens trained once {int((counts == 1).sum()):,} of {size:,}"
-              f", twice or more {int((counts > 1).sum()):,}, pieces after its change {late}"
-              + (f"; every token of every document not excluded once: "
-                 f"{bool((counts[kept] == 1).all())}" if whole else
-                 " (dropped at the change: nothing after it)"))
+        print(f"{name}: epoch 0's tokens trained once {int((counts == 1).sum()):,} of "
+              f"{tokens.size:,}, twice or more {int((counts > 1).sum()):,}, pieces after its "
+              f"change {late}" + (f"; every token of every document not excluded once: "
+                                  f"{bool((counts[kept] == 1).all())}" if whole else
+                                  " (dropped at the change: nothing after it)"))
     return same and recorded and held and exact
+
+
+def run_data_of_state(paths: dict[str, str], state: dict, shape: dict
+                      ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The sources' data as the run that saved `state` numbers it (its units in its
+    order, those it gained after)."""
+    loader = MixtureLoader(paths, device="cpu", **{**shape, "weights": state["weights"]})
+    loader.load_state_dict(state)
+    return run_data(loader)
 
 
 def main() -> int:
@@ -331,7 +543,11 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=4_000_000)
     parser.add_argument("--source-tokens", type=int, default=2_000_000,
                         help="tokens of each numbered source of the mixture")
+    parser.add_argument("--unit-seconds", type=float, default=0.2,
+                        help="how long each unit of the job training follows takes, at least")
     parser.add_argument("--workdir", type=Path, default=Path("bench_out"))
+    if len(sys.argv) > 2 and sys.argv[1] == RANK_WORKER:
+        return rank_worker(sys.argv[2:])
     args = parser.parse_args()
     worlds = [int(value) for value in args.worlds.split(",")]
     stops = [float(value) for value in args.stops.split(",")]
