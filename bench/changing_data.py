@@ -3,7 +3,7 @@ dropped and one added on resume, documents excluded on resume, at other world si
 surviving token still trained once, counted token by token.
 
     python bench/changing_data.py [DATA] [--exclude 1000] [--stops 0.3,0.65]
-        [--seq-len 512] [--rows 24] [--tokens 4000000] [--source-tokens 2000000]
+        [--seq-len 512] [--rows 24] [--tokens 4000000] [--source-tokens 1000000]
         [--unit-seconds 0.2]
 
 Two runs, each stopped on 2 ranks, resumed on 3 with the change, stopped again and
@@ -309,10 +309,11 @@ def rank_worker(argv: list[str]) -> int:
         rows[batch.step] = torch.cat([batch.inputs, batch.targets[:, -1:]], 1).tolist()
         states.append(loader.state_dict())
         dist.barrier()  # a training step's all-reduce, a while as the job still runs
-        if loader.followers["web"].active:
+        following = loader.followers["web"].active  # (every rank the same: rank 0's)
+        if following:
             time.sleep(spec["step_seconds"])
-        if batch.step + 1 >= spec["stop"]:
-            break
+        if batch.step + 1 >= spec["stop"] and not following:
+            break  # at the stop, once the job finished and its last units joined
     Path(spec["out"]).write_text(json.dumps({"rows": rows, "states": states}))
     dist.destroy_process_group()
     return 0
@@ -321,8 +322,9 @@ def rank_worker(argv: list[str]) -> int:
 def follow_run(paths: dict[str, str], world: int, stop: int, options: dict,
                workdir: Path) -> Future:
     """The first run, started: `world` rank processes that wait for 10% of the job's units,
-    then follow it to step `stop`; its result ({step: rows of every rank}, the state
-    before each step), once they are done."""
+    then follow it to step `stop` (later, until the job finished), each step taking
+    options["step_seconds"] while the job runs; its result ({step: rows of every rank},
+    the state before each step), once they are done."""
     return ThreadPoolExecutor(1).submit(follow_ranks, paths, world, stop, options, workdir)
 
 
@@ -336,7 +338,8 @@ def follow_ranks(paths: dict[str, str], world: int, stop: int, options: dict,
         {"port": port, "rank": rank, "world": world, "paths": paths, "stop": stop,
          "options": {"seed": options["seed"], "seq_len": options["seq_len"],
                      "weights": options["weights"], "batch_size": options["rows"] // world},
-         "follow_steps": 2, "step_seconds": 0.05, "out": str(outs[rank])})])
+         "follow_steps": 2, "step_seconds": options["step_seconds"],
+         "out": str(outs[rank])})])
         for rank in range(world)]
     if any(rank.wait() for rank in ranks):
         raise RuntimeError("a rank of the following run failed")
@@ -405,16 +408,19 @@ def mixture(args: argparse.Namespace, worlds: list[int], stops: list[float]) -> 
              "batch_schedule": [(0, args.rows)]}
     weights_before, weights_after = {"web": 0.5, "code": 0.5}, {"web": 0.5, "books": 0.5}
     epoch_steps = args.source_tokens // (args.seq_len + 1) * 2 // args.rows
-    change, second_stop = (int(fraction * epoch_steps) for fraction in stops)
+    stop_at, second_run = (int(fraction * epoch_steps) for fraction in stops)
     options = {"seed": args.seed, "seq_len": args.seq_len, "rows": args.rows,
-               "weights": weights_before}
-    ranks = follow_run(before, worlds[0], change, options, args.workdir)  # waiting for 10%
+               "weights": weights_before,  # a step's pace: the job ends before the stop
+               "step_seconds": 0.8 * args.unit_seconds * 20 / max(stop_at, 1)}
+    ranks = follow_run(before, worlds[0], stop_at, options, args.workdir)  # waiting for 10%
     ready = (args.workdir / "follow-rank-0.json").with_suffix(".ready")
     ready.unlink(missing_ok=True)
     while not ready.exists() and ranks.running():
         time.sleep(0.05)
     job, errors = start_job(corpora["web"], tokenizer, web, args.unit_seconds)
     first, states = ranks.result()
+    change = len(first)  # the first stop (after the job finished, and the stop asked)
+    second_stop = change + max(1, second_run - stop_at)
     job.join()
     share = states[0]["views"] and len(read_view(web, states[0]["views"]["web"])) / 20
     os.environ.pop("RAYPIPE_TEST_FAULT", None)
@@ -470,7 +476,7 @@ def mixture(args: argparse.Namespace, worlds: list[int], stops: list[float]) -> 
                 and change_record.get("dropped") == ["code"]
                 and [entry["documents"] for entry in final["exclusions"]["web"]]
                 == [excluded["web"]]
-                and final["units_added"]["web"] == joins
+                and final["units_added"]["web"] == joins  # (all joined while following)
                 and any(record["joins"] for record in joins))
     print(f"the state records web's units joining ({len(joins)}), the change (step "
           f"{change_record.get('step')}, added {change_record.get('added')}, dropped "
@@ -541,7 +547,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=24, help="global rows a step")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=4_000_000)
-    parser.add_argument("--source-tokens", type=int, default=2_000_000,
+    parser.add_argument("--source-tokens", type=int, default=1_000_000,
                         help="tokens of each numbered source of the mixture")
     parser.add_argument("--unit-seconds", type=float, default=0.2,
                         help="how long each unit of the job training follows takes, at least")

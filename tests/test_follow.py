@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,6 +115,14 @@ def test_a_loader_follows_a_running_job_and_trains_every_token_of_each_epoch_onc
     assert joins[-1]["documents"] == 600
     assert "its units join this run as they commit" in caplog.text
     assert "the tokenize job finished" in caplog.text
+    saved = tmp_path / "state.json"
+    saved.write_text(json.dumps(state))
+    from raypipe.tools.inspect import inspect_state
+
+    first_join = next(record for record in joins if record["joins"])
+    assert (f"from step {first_join['step']:,}: the output's units added: "
+            f"{first_join['units']} units") in inspect_state(saved)
+    assert f"joining epoch {first_join['epoch'] - 1} here" in inspect_state(saved)
     # every token of every document an epoch held is trained once in it, but its tail
     counts, lengths = traced_tokens(output, loader.dataset, taken, state)
     for epoch, per_document in counts.items():
@@ -177,6 +186,8 @@ from raypipe.loader import TokenLoader
 output, port, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                         world_size=2)
+if rank == 0:
+    open(out + ".ready", "w").close()  # the job starts now: the ranks wait for its units
 loader = TokenLoader(output, 32, 3, seed=5, follow=True, follow_steps=2, device="cpu")
 rows, epochs, tails = {}, {}, {}
 while True:
@@ -216,6 +227,10 @@ def test_two_ranks_following_a_job_add_each_unit_at_the_same_step(corpus, tmp_pa
     ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(output), str(port),
                                str(rank), str(results[rank])], env=environment)
              for rank in range(2)]  # started first: they wait for the job's first units
+    ready = Path(f"{results[0]}.ready")
+    deadline = time.monotonic() + 120
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     job, errors = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.2)
     assert [rank.wait(timeout=300) for rank in ranks] == [0, 0]
     job.join()
@@ -292,6 +307,12 @@ def test_a_mixture_follows_its_running_source_and_trains_each_of_its_tokens_once
     assert not errors and not loader.followers["live"].active
     joins = states[-1]["units_added"]["live"]
     assert any(record["joins"] for record in joins) and joins[-1]["documents"] == 600
+    saved = tmp_path / "mixture-state.json"
+    saved.write_text(json.dumps(states[-1]))
+    from raypipe.tools.inspect import inspect_state
+
+    assert f"from step {joins[0]['step']:,}: source live: the output's units added" in \
+        inspect_state(saved)
     # trace from the state before each stretch of steps whose data held
     changes = [0] + [step for step in range(1, len(rows))
                      if states[step]["units_added"] != states[step - 1]["units_added"]]

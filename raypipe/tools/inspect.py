@@ -19,7 +19,7 @@ from raypipe.formats import document_format
 from raypipe.io.manifest import as_store, read_manifest, unit_record_name
 from raypipe.io.parallel import map_threads
 from raypipe.io.records import Manifest, UnitRecord
-from raypipe.io.states import Exclusion, LoaderState, MixtureState
+from raypipe.io.states import Exclusion, LoaderState, MixtureState, UnitsAdded
 from raypipe.io.store import Store
 from raypipe.preprocess.summary import packing_line
 from raypipe.sampling.mixture import is_mixture_spec, mixture_weights, read_mixture, spec_weights
@@ -86,6 +86,9 @@ def inspect_state(path: str | Path) -> str:
         changes += [(record.step, f"source {name}: " + excluded(record))
                     for name, records in (state.exclusions or {}).items()
                     for record in records]
+        changes += [(record.step, f"source {name}: " + units_added(record))
+                    for name, records in (state.units_added or {}).items()
+                    for record in records]
         return "\n".join(lines + history_lines(changes))
     assert isinstance(state, LoaderState)
     saved = state.saved_with
@@ -95,15 +98,21 @@ def inspect_state(path: str | Path) -> str:
              f"{saved.get('world_size')}, batch size {saved.get('batch_size')})",
              f"  knobs: {state.knobs}"]
     if state.phases:
-        lines.append("  this epoch's phases (seq_len, from position, exclusions in force): "
+        lines.append("  this epoch's phases (seq_len, from position, exclusions in force, "
+                     "joins of units in force): "
                      + ", ".join(str(tuple(row)) for row in state.phases))
     changes = [(entry[0], f"global batch {entry[1]}, seq_len {entry[2]}")
                for entry in state.history or []]
     changes += [(record.step, excluded(record)) for record in state.exclusions or ()]
-    changes += [(record.step, f"the output's units added: {record.units:,} units, "
-                 f"{record.documents:,} documents in all, served from epoch {record.epoch}")
-                for record in state.units_added or ()]
+    changes += [(record.step, units_added(record)) for record in state.units_added or ()]
     return "\n".join(lines + history_lines(changes))
+
+
+def units_added(record: UnitsAdded) -> str:
+    return (f"the output's units added: {record.units:,} units, {record.documents:,} "
+            "documents in all, " + (f"joining epoch {record.epoch - 1} here, then every "
+                                    "epoch" if record.joins else
+                                    f"served from epoch {record.epoch}"))
 
 
 def excluded(record: Exclusion) -> str:
