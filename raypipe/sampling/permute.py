@@ -331,26 +331,21 @@ class AppendedWindows:
         return self.added.window_shard_ids(window - self.base.num_windows) + self.base_shards
 
     def __call__(self, positions: Any) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
-            raise IndexError(f"positions outside [0, {len(self)})")
-        out = np.empty_like(positions)
-        old = positions < self.base_count
-        if old.any():
-            out[old] = self.base(positions[old])
-        if (~old).any():
-            out[~old] = self.added(positions[~old] - self.base_count) + self.base_count
-        return out
+        return self._either(positions, self.base, self.added)
 
     def inverse(self, documents: Any) -> np.ndarray:
-        documents = np.asarray(documents, dtype=np.int64)
-        if documents.size and (documents.min() < 0 or documents.max() >= len(self)):
-            raise IndexError(f"ids outside [0, {len(self)})")
-        out = np.empty_like(documents)
-        old = documents < self.base_count
+        return self._either(documents, self.base.inverse, self.added.inverse)
+
+    def _either(self, values: Any, base: Any, added: Any) -> np.ndarray:
+        """`base` of the values below len(base), `added` of the rest (both ways: positions
+        and documents split at the same count)."""
+        values = np.asarray(values, dtype=np.int64)
+        if values.size and (values.min() < 0 or values.max() >= len(self)):
+            raise IndexError(f"values outside [0, {len(self)})")
+        out = np.empty_like(values)
+        old = values < self.base_count
         if old.any():
-            out[old] = self.base.inverse(documents[old])
+            out[old] = base(values[old])
         if (~old).any():
-            out[~old] = (self.added.inverse(documents[~old] - self.base_count)
-                         + self.base_count)
+            out[~old] = added(values[~old] - self.base_count) + self.base_count
         return out

@@ -133,28 +133,16 @@ class BatchSchedule:
     def with_exclusion(self, step: int) -> BatchSchedule:
         """This schedule with one more exclusion, in force from `step` on (no earlier than
         the last one's)."""
-        if self.exclusion_starts and step < self.exclusion_starts[-1]:
-            raise ConfigError(f"an exclusion from step {step} comes before the last one's, "
-                              f"from step {self.exclusion_starts[-1]}")
-        return replace(self, exclusion_starts=(*self.exclusion_starts, int(step)))
+        return replace(self, exclusion_starts=appended_start(
+            self.exclusion_starts, step, "an exclusion"))
 
     def exclusions_at(self, step: int) -> int:
         """How many of the run's exclusions are in force at step `step`."""
-        return int(np.searchsorted(np.array(self.exclusion_starts, dtype=np.int64), step,
-                                   side="right"))
-
-    def with_join(self, step: int) -> BatchSchedule:
-        """This schedule with units joining the epoch in progress at `step` (no earlier
-        than the last join)."""
-        if self.join_starts and step < self.join_starts[-1]:
-            raise ConfigError(f"units joining at step {step} come before the last join, at "
-                              f"step {self.join_starts[-1]}")
-        return replace(self, join_starts=(*self.join_starts, int(step)))
+        return starts_by(self.exclusion_starts, step)
 
     def joins_at(self, step: int) -> int:
-        """How many of the run's joins are in force at step `step`."""
-        return int(np.searchsorted(np.array(self.join_starts, dtype=np.int64), step,
-                                   side="right"))
+        """How many of the run's joins of units into an epoch are in force at `step`."""
+        return starts_by(self.join_starts, step)
 
     def seq_len_at(self, step: int) -> int | None:
         """The seq_len of step `step` (None: no seq_len stages)."""
@@ -286,6 +274,19 @@ def batch_shape(batch_size: int | None, batch_schedule: Sequence[tuple[int, int]
                           "(global rows by step), not both")
     schedule = BatchSchedule.of(batch_schedule, world_size)
     return schedule, schedule.largest // world_size
+
+
+def appended_start(starts: tuple[int, ...], step: int, what: str) -> tuple[int, ...]:
+    """`starts` with one more change from `step` on (no earlier than the last one's)."""
+    if starts and step < starts[-1]:
+        raise ConfigError(f"{what} from step {step} comes before the last one's, from step "
+                          f"{starts[-1]}")
+    return (*starts, int(step))
+
+
+def starts_by(starts: tuple[int, ...], step: int) -> int:
+    """How many of the changes beginning at `starts` are in force at step `step`."""
+    return int(np.searchsorted(np.array(starts, dtype=np.int64), step, side="right"))
 
 
 def stage_of(starts: tuple[int, ...], step: int) -> int:
