@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="documents to leave out from where the run resumes on, one a "
                         "line (numbers, <input>:<row>, or raypipe trace's JSON records), read "
                         "here and sent to every worker; the loader states record them")
+    parser.add_argument("--follow", action="store_true",
+                        help="train on the output of a tokenize job that is still running: "
+                        "its units join the run as they commit, at a step rank 0 decides "
+                        "for every worker (docs/loader.md, \"When the data changes\")")
+    parser.add_argument("--units-join", choices=("epoch", "next_epoch"), default="epoch",
+                        help="where units the output gained are served: the rest of the "
+                        "epoch in progress (default) or from the next epoch")
     parser.add_argument("--cache-dir", default=None,
                         help="node-local shard cache for URI data (None: "
                         "$RAYPIPE_CACHE_DIR, else ~/.cache/raypipe)")
@@ -149,7 +156,9 @@ def run_config(args: argparse.Namespace) -> dict:
     knobs = plan_knobs(args)
     held_out = knobs.pop("validation_fraction", None)
     where = {"cache_dir": args.cache_dir, "format": args.format,
-             "exclude": document_names(args.exclude) if args.exclude else None}
+             "exclude": document_names(args.exclude) if args.exclude else None,
+             "follow": args.follow or None,
+             "units_join": args.units_join if args.units_join != "epoch" else None}
     return {"data": args.data if "://" in args.data else os.path.abspath(args.data),
             "seq_len": None if args.seq_len_schedule else args.seq_len,
             "batch_size": None if args.batch_schedule else args.batch_size,

@@ -37,22 +37,27 @@ def corpus(tmp_path, corpus_texts):
 
 def run_job_in_background(corpus, output, tokenizer_path, monkeypatch, seconds, fault=None):
     """The tokenize job on a thread, each unit slowed by `seconds` (a test-only delay at
-    its commit), or `fault` instead; (thread, errors it raised)."""
+    its commit), or `fault` instead; (thread, [its summary, or the exception it raised])."""
     spec = fault or {"point": "unit.before_record", "action": "delay", "seconds": seconds,
                      "always": True}
     monkeypatch.setenv("RAYPIPE_TEST_FAULT", json.dumps(
         {"marker": str(output.parent / f"fault-{time.monotonic_ns()}"), **spec}))
-    errors: list[BaseException] = []
+    outcome: list = []  # its summary, or the exception it raised
 
     def job() -> None:
+        from raypipe.config import load_config
+        from raypipe.preprocess.job import run_job
+
         try:
-            tokenize(corpus, output, tokenizer_path)
+            outcome.append(run_job(load_config(
+                None, inputs=[str(corpus)], output=str(output), tokenizer=tokenizer_path,
+                shard_tokens=9_000, unit_bytes=1, bos=True)))
         except BaseException as exc:  # noqa: BLE001  (the test looks at it)
-            errors.append(exc)
+            outcome.append(exc)
 
     thread = threading.Thread(target=job, daemon=True)
     thread.start()
-    return thread, errors
+    return thread, outcome
 
 
 def train(loader, until, slow=lambda: True, step_seconds=0.03):
@@ -98,7 +103,7 @@ def traced_tokens(path, dataset, taken, state, world=1):
 def test_a_loader_follows_a_running_job_and_trains_every_token_of_each_epoch_once(
         corpus, tmp_path, tokenizer_path, monkeypatch, caplog):
     output = tmp_path / "tokens"
-    job, errors = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.15)
+    job, outcome = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.15)
     caplog.set_level(logging.INFO, logger="raypipe")
     loader = TokenLoader(str(output), SEQ_LEN, ROWS, seed=5, follow=True, follow_steps=2,
                          device="cpu")
@@ -106,7 +111,9 @@ def test_a_loader_follows_a_running_job_and_trains_every_token_of_each_epoch_onc
     taken, tails = train(loader, lambda: not job.is_alive() and not loader.follower.active
                          and loader.epoch >= 2, slow=job.is_alive)
     job.join()
-    assert not errors
+    summary = outcome[0]
+    assert summary.live_updates > 1
+    assert f"live       {summary.live_updates} live manifest(s) written" in summary.render()
     state = loader.state_dict()
     joins = state["units_added"]
     # it opened on the first units, and the rest joined epochs in progress, each recorded
@@ -155,11 +162,11 @@ def test_a_failed_job_leaves_its_units_and_a_rerun_s_units_join(corpus, tmp_path
     from raypipe.io.store import Store
 
     output = tmp_path / "tokens"
-    job, errors = run_job_in_background(
+    job, outcome = run_job_in_background(
         corpus, output, tokenizer_path, monkeypatch, 0,
         fault={"point": "unit.before_record", "action": "raise", "unit": "part-1"})
     job.join()
-    assert errors  # the job failed at part-1's first unit
+    assert isinstance(outcome[0], Exception)  # the job failed at part-1's first unit
     status = LiveOutput(Store(output)).status()
     assert status.state == "failed" and "injected fault" in status.error
     caplog.set_level(logging.INFO, logger="raypipe")
@@ -231,10 +238,10 @@ def test_two_ranks_following_a_job_add_each_unit_at_the_same_step(corpus, tmp_pa
     deadline = time.monotonic() + 120
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    job, errors = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.2)
+    job, outcome = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.2)
     assert [rank.wait(timeout=300) for rank in ranks] == [0, 0]
     job.join()
-    assert not errors
+    assert not isinstance(outcome[0], Exception)
     served = [json.loads(path.read_text()) for path in results]
     assert served[0]["state"] == served[1]["state"]
     state = served[0]["state"]
@@ -292,7 +299,7 @@ def test_a_mixture_follows_its_running_source_and_trains_each_of_its_tokens_once
     output = tmp_path / "tokens"
     paths = {"live": str(output), "web": str(token_dataset)}
     options = {"seq_len": SEQ_LEN, "batch_size": ROWS, "seed": 5, "device": "cpu"}
-    job, errors = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.15)
+    job, outcome = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.15)
     loader = MixtureLoader(paths, follow=True, follow_steps=2, **options)
     states = [loader.state_dict()]  # the state before each step
     rows = {}
@@ -304,7 +311,7 @@ def test_a_mixture_follows_its_running_source_and_trains_each_of_its_tokens_once
         if batch.mixture_state["live"].epoch >= 1 and not job.is_alive():
             break
     job.join()
-    assert not errors and not loader.followers["live"].active
+    assert not isinstance(outcome[0], Exception) and not loader.followers["live"].active
     joins = states[-1]["units_added"]["live"]
     assert any(record["joins"] for record in joins) and joins[-1]["documents"] == 600
     saved = tmp_path / "mixture-state.json"
@@ -334,3 +341,15 @@ def test_a_mixture_follows_its_running_source_and_trains_each_of_its_tokens_once
             if piece.epoch == 0:
                 covered[piece.document] += piece.token_end - piece.token_start
     assert np.array_equal(covered, lengths)  # every token once (a mixture drops no tail)
+
+
+def test_jobs_train_sends_follow_and_units_join_to_the_train_loader(token_dataset):
+    import runpy
+
+    job = runpy.run_path(str(Path(__file__).resolve().parents[1] / "jobs" / "train.py"))
+    args = job["build_parser"]().parse_args(["--data", str(token_dataset), "--follow",
+                                             "--units-join", "next_epoch"])
+    options = job["run_config"](args)["options"]
+    assert (options["follow"], options["units_join"]) == (True, "next_epoch")
+    loader = TokenLoader(str(token_dataset), SEQ_LEN, ROWS, device="cpu", **options)
+    assert loader.follower is not None and loader.run.units_join == "next_epoch"
