@@ -42,6 +42,8 @@ def unfinished_output(path: Any) -> str | None:
     """Why an output without a manifest cannot be opened yet, where a job writing it left a
     status (None: no job did)."""
     output = LiveOutput(Store(path))
+    if output.store.exists(MANIFEST_NAME):
+        return None  # (another problem than a job's output in the making)
     status = output.status()
     if status is None:
         return None

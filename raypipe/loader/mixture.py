@@ -69,8 +69,8 @@ class MixtureLoader:
             if follower.active:
                 source = self.sources[self.names.index(name)]
                 following = f"mixture source {name!r}, follow=True: a running job's units join"
-                source.refuse_growth(following, "give mode 'bestfit' or 'documents' and "
-                                     "split 'all'")
+                source.refuse_growth(following, "give a mode whose rows are whole "
+                                     "documents, and split 'all'")
                 source.refuse_joins(following)
         self.exclusions = PendingExclusions(  # excluded where the run starts, or resumes
             options.exclude, lambda: {name: source.planned.document_dataset for name, source

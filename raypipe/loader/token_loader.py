@@ -94,8 +94,8 @@ class TokenLoader:
             raise ConfigError(unfinished) from None
         if self.follower is not None and self.follower.active:
             following = "follow=True: a running job's units join the run"
-            self.run.refuse_growth(following, "give mode 'bestfit' or 'documents' and split "
-                                   "'all'")
+            self.run.refuse_growth(following, "give a mode whose rows are whole "
+                                   "documents, and split 'all'")
             self.run.refuse_joins(following)
         split = self.run.planned.split
         if split is not None and self.rank == 0:
