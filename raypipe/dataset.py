@@ -109,6 +109,22 @@ class ShardSet:
     def num_shards(self) -> int:
         return len(self.shards)
 
+    def share_cache(self, earlier: ShardSet) -> bool:
+        """Read through `earlier`'s cache directory (object storage: another manifest of the
+        same output, a run's data grown by units) where every file the two both list is the
+        same file (path, size, sha256): the files cached for it are this one's, not fetched
+        again. True where it now does; O(files)."""
+        if self.cache is None or earlier.cache is None or earlier.store.uri != self.store.uri:
+            return False
+        files = {entry.path: (entry.bytes, entry.sha256)
+                 for shard in earlier.shards for entry in shard.files}
+        if any(files.get(entry.path, (entry.bytes, entry.sha256)) != (entry.bytes,
+                                                                     entry.sha256)
+               for shard in self.shards for entry in shard.files):
+            return False
+        self.key, self.local_root = earlier.key, earlier.local_root
+        return True
+
     def _check_file_names(self, shard: ShardEntry) -> None:
         """Before any shard opens (they open lazily): every file of the shard is
         `<directory>/<shard name><one of the format's suffixes>`, all in one directory inside

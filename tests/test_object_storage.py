@@ -590,3 +590,38 @@ def test_a_bucket_loader_excludes_documents_named_by_input_and_row_from_trace(
     assert record["step"] == 1 and record["not_found"] == 0 and record["documents"]
     assert record == local.state_dict()["exclusions"][0]
     assert next(iter(resumed)).inputs.tolist() == next(iter(local)).inputs.tolist()
+
+
+def test_a_loader_follows_a_job_writing_to_a_bucket_fetching_each_shard_once(
+        bucket, corpus_dir, tokenizer_path, tmp_path, monkeypatch):
+    """A tokenize job writes to s3:// while a loader follows it (windowed shuffle, one
+    lane): its units join as they commit, their shards read as windows after the epoch's
+    own, and what the cache fetched before a join is used after it, not fetched again."""
+    import threading
+    import time
+
+    from raypipe.loader import TokenLoader
+
+    uri = f"s3://{bucket}/live"
+    monkeypatch.setenv("RAYPIPE_TEST_FAULT", json.dumps(
+        {"point": "unit.before_record", "action": "delay", "seconds": 0.3, "always": True,
+         "marker": str(tmp_path / "slow-units")}))
+    outcome: list = []
+    job = threading.Thread(target=lambda: outcome.append(tokenize_to(
+        uri, corpus_dir, tokenizer_path)), daemon=True)
+    job.start()
+    loader = TokenLoader(uri, 32, 4, seed=2, follow=True, follow_steps=2, lanes=1,
+                         device="cpu", cache_dir=str(tmp_path / "cache"))
+    while True:
+        for _ in loader:
+            if job.is_alive():
+                time.sleep(0.02)
+        if not loader.follower.active:
+            break
+    job.join()
+    assert outcome and outcome[0].units > 2
+    joins = loader.state_dict()["units_added"]
+    assert any(record["joins"] for record in joins)
+    assert loader.dataset.num_documents == outcome[0].documents
+    files = {entry.path for shard in loader.dataset.shards for entry in shard.files}
+    assert loader.stats.cache.downloads <= len(files), "a shard was fetched again"

@@ -77,8 +77,10 @@ class RunData:
             manifest = view_manifest(self.output, names, self.dataset.format_name)
         except FormatError as exc:
             raise StateError(f"{self.dataset.root}: {exc}") from None
-        return open_kind(self.dataset.store, TokenDataset.kind, self.dataset.format_name,
-                         manifest=manifest, cache=self.dataset.cache)
+        dataset = open_kind(self.dataset.store, TokenDataset.kind, self.dataset.format_name,
+                            manifest=manifest, cache=self.dataset.cache)
+        dataset.share_cache(self.dataset)  # (object storage: what was fetched stays used)
+        return dataset
 
     def fresh(self, key: str | None = None) -> list[str]:
         """The units of the output's kept order `key` (None: the output's own) this data
