@@ -7,11 +7,12 @@ of (dataset, seed, e); a global step consumes G = world_size x k consecutive pos
 batch_size rows, or one pre-formed batch; with a batch schedule, the schedule's G at that
 step), position p + i*W + r going to rank r as its i-th observation of the step; every
 observation of an epoch is served once except its drop-last tail (`dropped_tail`), and a
-seq_len change, or documents excluded (`exclude`), begin a phase
-(raypipe.sampling.schedule). The loader keeps placement (this
-rank's rows into pinned host buffers, then the device), prefetch (object storage: the
-shards of the steps described now, and those the shuffle plans next) and tensors. Cost: see
-raypipe.sampling.buffers and raypipe.loader.prefetch; a seq_len change, docs/scale.md.
+seq_len change, documents excluded (`exclude`), or units joining (a grown output, or a
+running job's followed: raypipe.loader.follow) begin a phase (raypipe.sampling.schedule).
+The loader keeps placement (this rank's rows into pinned host buffers, then the device),
+prefetch (object storage: the shards of the steps described now, and those the shuffle
+plans next) and tensors. Cost: see raypipe.sampling.buffers and raypipe.loader.prefetch; a
+seq_len change, docs/scale.md.
 """
 
 from __future__ import annotations

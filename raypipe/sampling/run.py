@@ -2,8 +2,9 @@
 loaders serve a run's steps and `raypipe trace` replays them.
 
 Invariant: a `Run` is the one owner of where one dataset's run stands: the cursor (epoch,
-seq_len phases, position, steps taken), the history of its shape and the documents it
-excludes, each from its step (raypipe.sampling.exclusions). It is the one place
+seq_len phases, position, steps taken), the history of its shape, the documents it
+excludes and the units it gained, each from its step (raypipe.sampling.exclusions,
+raypipe.sampling.growth: on a resume, or while following a running job). It is the one place
 that opens a run, resumes it from a state, walks its steps (every step's epoch, phases,
 seq_len, global rows and the rows of each rank) and counts each epoch's drop-last tail. What
 a resume checks (the fingerprint, the shuffle the state was made with, the knobs, the

@@ -6,11 +6,12 @@ to the next stage's (a ramp is a run of stages, as Megatron's --rampup-batch-siz
 OLMo-core's batch-size scheduler make; a long-context phase is a seq_len stage). An epoch's
 steps take their global batch each, one after another from where the last ended, while a
 whole step fits (drop-last: the tail that does not is left, counted in the epoch's report).
-A seq_len that changes inside an epoch, or documents excluded from a step on (the
-run's exclusions: raypipe.sampling.exclusions), begins a `Phase`: the rest of the epoch
-planned again at the new seq_len, without the excluded documents, from what the phase
-before had not served at that position (the mode's `continue_plan`), so no token is served
-twice and none is skipped but the excluded. The cursor of any
+A seq_len that changes inside an epoch, documents excluded from a step on (the run's
+exclusions: raypipe.sampling.exclusions), or units joining the epoch (raypipe.sampling.
+growth) begin a `Phase`: the rest of the epoch planned again at the new seq_len, without
+the excluded documents, with the joined ones, from what the phase before had not served at
+that position (the mode's `continue_plan`), so no token is served twice and none is
+skipped but the excluded. The cursor of any
 step, (epoch, phases, position, step), is a pure function of (the schedule, the plans'
 sizes, the cursor walked from); a loader state records it. `segments` yields the runs of
 equal global batch and seq_len, which the loader fills and `raypipe trace` replays. Cost:
