@@ -124,11 +124,12 @@ class LiveOutput:
         return LiveStatus.from_json(self.store.read_json(LIVE_STATUS),
                                     self.store.uri_of(LIVE_STATUS))
 
-    def manifest(self, status: LiveStatus) -> Manifest | None:
-        """The newest manifest `status` names: the output's once finished, else the live
-        one (None: no unit committed yet)."""
-        if status.state == "finished" or not status.view:
-            return read_manifest(self.store) if status.state == "finished" else None
+    def manifest(self, state: str) -> Manifest:
+        """The newest manifest of a job in `state` (a status's): the output's once
+        finished, else the live one (it holds every unit of any order a status named before:
+        it only gains units)."""
+        if state == "finished":
+            return read_manifest(self.store)
         try:
             return Manifest.from_json(self.store.read_json(LIVE_MANIFEST),
                                       self.store.uri_of(LIVE_MANIFEST))

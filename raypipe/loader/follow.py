@@ -103,13 +103,6 @@ class JobFollower:
                         self.output.describe(status))
         self.job = status.job
 
-    def _manifest(self, view: str, state: str) -> Manifest:
-        """A manifest holding every unit of order `view` (the newest the job wrote)."""
-        status = LiveStatus("", state, 0, 0, view, 0.0)
-        manifest = self.output.manifest(status)
-        assert manifest is not None
-        return manifest
-
     # ----- the loader's side -------------------------------------------------------------
     def first_manifest(self, format_name: str | None) -> Manifest:
         """The manifest every rank opens, of document format `format_name` (None: the
@@ -133,7 +126,7 @@ class JobFollower:
                 said = True
             time.sleep(POLL_SECONDS)
         self.view, self.active = view, state != "finished"
-        current = self._manifest(view, state)
+        current = self.output.manifest(state)
         names = read_view(self.output.store, view, current)
         if names is None:
             raise ConfigError(f"{self.output.store}: the job's status names unit order "
@@ -154,7 +147,7 @@ class JobFollower:
             self.active = False
         if not view or view == self.view:
             return False
-        record = join(self._manifest(view, state), view)
+        record = join(self.output.manifest(state), view)
         self.view = view
         if record is None:
             return False
