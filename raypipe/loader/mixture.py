@@ -67,11 +67,8 @@ class MixtureLoader:
         self.names, self.sources = self.run.names, self.run.sources
         for name, follower in self.followers.items():
             if follower.active:
-                source = self.sources[self.names.index(name)]
-                following = f"mixture source {name!r}, follow=True: a running job's units join"
-                source.refuse_growth(following, "give a mode whose rows are whole "
-                                     "documents, and split 'all'")
-                source.refuse_joins(following)
+                self.sources[self.names.index(name)].refuse_following(
+                    f"mixture source {name!r}, follow=True: a running job's units join")
         self.exclusions = PendingExclusions(  # excluded where the run starts, or resumes
             options.exclude, lambda: {name: source.planned.document_dataset for name, source
                                       in zip(self.names, self.sources, strict=True)},

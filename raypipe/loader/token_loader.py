@@ -94,10 +94,7 @@ class TokenLoader:
                 raise
             raise ConfigError(unfinished) from None
         if self.follower is not None and self.follower.active:
-            following = "follow=True: a running job's units join the run"
-            self.run.refuse_growth(following, "give a mode whose rows are whole "
-                                   "documents, and split 'all'")
-            self.run.refuse_joins(following)
+            self.run.refuse_following("follow=True: a running job's units join the run")
         split = self.run.planned.split
         if split is not None and self.rank == 0:
             logger.info("%s: split %r holds %s of %s documents (validation_fraction %s)",

@@ -502,6 +502,13 @@ class Run:
                              "draws its documents by the data's fingerprint, which they "
                              f"change; {instead}")
 
+    def refuse_following(self, what: str) -> None:
+        """A loader following a running job (`what`: which): refuse a mode or split that
+        cannot serve added units, or a shuffle that cannot take them into the epoch."""
+        self.refuse_growth(what, "give a mode whose rows are whole documents, and split "
+                           "'all'")
+        self.refuse_joins(what)
+
     def refuse_joins(self, what: str) -> None:
         """Units that join the epoch in progress (units_join "epoch") need a shuffle that
         can take them (raypipe.sampling.plans.continued_order): said now, not at the
