@@ -625,3 +625,36 @@ def test_a_loader_follows_a_job_writing_to_a_bucket_fetching_each_shard_once(
     assert loader.dataset.num_documents == outcome[0].documents
     files = {entry.path for shard in loader.dataset.shards for entry in shard.files}
     assert loader.stats.cache.downloads <= len(files), "a shard was fetched again"
+
+
+def test_a_status_replaced_between_its_head_and_its_get_is_read_again_not_refused(
+        bucket, monkeypatch):
+    """A follower reads `_live/status.json` while the job replaces it: here the job's PUT
+    of a longer status lands after the reader's HEAD and before its GET (made so by the
+    proxy, which puts it straight to the server when the GET arrives). The cut-short read
+    is made again, and the follower sees the new status, not a 'not valid JSON' error."""
+    from raypipe.io.live import LIVE_STATUS, LiveOutput
+    from raypipe.io.records import LiveStatus
+    from raypipe.io.store import Store
+
+    uri = f"s3://{bucket}/racing"
+    direct = Store(uri)
+    short = LiveStatus("job-1", "running", 9, 1, "", 1.0)
+    longer = LiveStatus("job-1", "running", 9, 2, "view-" + "0" * 64, 2.0)
+    direct.write_json(LIVE_STATUS, short.to_json())
+    replaced: list[str] = []
+
+    def put_the_longer_status_first(path: str, asked: int) -> bool:
+        if path.endswith(LIVE_STATUS) and not replaced:
+            direct.write_json(LIVE_STATUS, longer.to_json())
+            replaced.append(path)
+        return False
+
+    proxy = through_a_fault_proxy(monkeypatch, put_the_longer_status_first)
+    try:
+        status = LiveOutput(Store(uri)).status()
+    finally:
+        proxy.stop()
+    assert replaced, "the status was never read through the proxy"
+    assert status == longer
+    assert proxy.gets[f"/{bucket}/racing/{LIVE_STATUS}"] >= 2, "the first read was not cut"

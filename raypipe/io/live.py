@@ -128,8 +128,7 @@ class LiveOutput:
         whose job has not started)."""
         if not self.store.exists(LIVE_STATUS):
             return None
-        return LiveStatus.from_json(self.store.read_json(LIVE_STATUS),
-                                    self.store.uri_of(LIVE_STATUS))
+        return LiveStatus.from_json(self._read(LIVE_STATUS), self.store.uri_of(LIVE_STATUS))
 
     def manifest(self, state: str) -> Manifest:
         """The newest manifest of a job in `state` (a status's): the output's once
@@ -138,12 +137,16 @@ class LiveOutput:
         if state == "finished":
             return read_manifest(self.store)
         try:
-            return Manifest.from_json(self.store.read_json(LIVE_MANIFEST),
+            return Manifest.from_json(self._read(LIVE_MANIFEST),
                                       self.store.uri_of(LIVE_MANIFEST))
         except FileNotFoundError:
             raise FormatError(self.store.uri_of(LIVE_MANIFEST),
                               "the job's status names a live manifest that is missing") \
                 from None
+
+    def _read(self, relative: str) -> dict:
+        """A live file: the job replaces it in place while we read it."""
+        return self.store.read_json(relative, replaced_in_place=True)
 
     def describe(self, status: LiveStatus) -> str:
         """The job's status, in words."""

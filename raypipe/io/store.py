@@ -171,11 +171,21 @@ class Store:
 
         return self.retrying(relative, "read", read)
 
-    def read_json(self, relative: str) -> dict[str, Any]:
-        try:
-            data = json.loads(self.read_bytes(relative))
-        except json.JSONDecodeError as exc:
-            raise FormatError(self.uri_of(relative), f"not valid JSON: {exc}") from exc
+    def read_json(self, relative: str, replaced_in_place: bool = False) -> dict[str, Any]:
+        """A JSON object. `replaced_in_place`: another process rewrites the file while we
+        read it. On object storage a read is a HEAD (the size) and then a ranged GET, so
+        a PUT landing between them yields the first bytes of the new version, cut short;
+        such a read is made again (up to DOWNLOAD_TRIES times) before it counts as bad."""
+        tries = DOWNLOAD_TRIES if replaced_in_place and not self.local else 1
+        for attempt in range(1, tries + 1):
+            try:
+                data = json.loads(self.read_bytes(relative))
+                break
+            except json.JSONDecodeError as exc:
+                if attempt == tries:
+                    raise FormatError(self.uri_of(relative),
+                                      f"not valid JSON: {exc}") from exc
+                time.sleep(RETRY_SECONDS * attempt)
         if not isinstance(data, dict):
             raise FormatError(self.uri_of(relative), "top level is not a JSON object")
         return data
