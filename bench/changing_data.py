@@ -22,24 +22,24 @@ finished on 1 (`--stops`: the fractions of the run's steps where it stops):
    hook, as a long job's pace); code was tokenized before. The first run is 2 processes of
    one torch.distributed (gloo) group that start once 10% of web's units have committed
    and follow the job (`follow=True`), its units joining web's epoch as they commit; at
-   the first stop code is dropped, books added (web and books at 0.5 / 0.5), and
-   --exclude documents that trace named in the steps before the stop are excluded (those
-   of code: nothing left to exclude, counted in the log). The run goes on until web and
+   the first stop code is dropped, books added (web and books at 0.5 / 0.5); at the
+   second, --exclude documents that `raypipe trace --history` of that stop's state named
+   in the steps before it are excluded. The run goes on until web and
    books have each finished their epoch 0.
 
 Checks, each printed, exit status 1 when one fails:
-- each step's rows equal those of a run that made the same changes at the same step
-  without stopping again, at the first run's world size (the mixture: from the first
-  stop, where it no longer follows a job);
+- each step's rows equal those of a run that made the same changes at the same steps
+  at the first run's world size (one dataset: without stopping again; the mixture: from
+  the first stop, where it no longer follows a job);
 - the state records each change (web's units joining, their steps; the documents
   excluded, the sources added and dropped);
 - no excluded document's token, and no dropped source's, is trained from the change on;
 - every token of every surviving document of an epoch is trained exactly once in it (one
   dataset: but the drop-last tail, which the loader reports; a mixture drops nothing);
   nothing twice;
-- `raypipe trace` rebuilds every step's rows (one dataset: from the final state's
-  history; the mixture: from the state before each stretch whose data held, each join
-  and each resume), so a rerun of the history gives the same steps.
+- `raypipe trace --history` of the final state alone rebuilds every step's rows (the
+  mixture's: across its legs, each join of units and each exclusion), so a rerun of the
+  history gives the same steps.
 The tokens are held in memory (a check for datasets up to ~10^8 tokens).
 """
 
@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -350,21 +351,20 @@ def follow_ranks(paths: dict[str, str], world: int, stop: int, options: dict,
     return rows, served[0]["states"]
 
 
-def traced_mixture(paths: dict[str, str], state: dict, world: int, steps: list[int],
+def traced_mixture(paths: dict[str, str], final: dict, steps: int, world_of: Any,
                    options: dict, data: dict[str, tuple[np.ndarray, np.ndarray]]
                    ) -> tuple[dict[int, np.ndarray], list[Any]]:
-    """The rows `raypipe.trace` rebuilds for `steps` (consecutive, from where `state`
-    stands) from each source's tokens (`data`: {source: (its tokens, each document's
-    first)} in the run's numbering), and its records."""
-    records = list(trace(paths, state=state, steps=len(steps), world_size=world,
-                         batch_size=options["rows"] // world, seq_len=options["seq_len"],
-                         seed=options["seed"]))
-    per_rank = options["rows"] // world
+    """The rows `raypipe.trace --history` rebuilds from the `final` state alone for the
+    run's first `steps` steps (`world_of(step)`: the ranks that took it) from each
+    source's tokens (`data`: {source: (its tokens, each document's first)} in the run's
+    numbering), and its records."""
+    records = list(trace(paths, 0, steps=steps, history=final))
     rows = {step: np.zeros((options["rows"], options["seq_len"] + 1), dtype=np.int64)
-            for step in steps}
+            for step in range(steps)}
     for record in records:
         tokens, starts = data[record.source]
         first = int(starts[record.document])
+        per_rank = options["rows"] // world_of(record.step)
         rows[record.step][record.rank * per_rank + record.row,
                           record.col_start:record.col_end] = tokens[
             first + record.token_start:first + record.token_end]
@@ -398,6 +398,7 @@ def mixture(args: argparse.Namespace, worlds: list[int], stops: list[float]) -> 
     corpora = {name: numbered_corpus(args.workdir, name, args.source_tokens, seed)
                for seed, name in enumerate(FIRST_TOKEN)}
     web = args.workdir / "live-web"
+    shutil.rmtree(web, ignore_errors=True)  # written anew each run, while the run trains
     paths = {name: str(args.workdir / f"numbered-{name}") for name in FIRST_TOKEN}
     paths["web"] = str(web)
     for name in ("code", "books"):  # tokenized before: only web is written as it trains
@@ -434,13 +435,14 @@ def mixture(args: argparse.Namespace, worlds: list[int], stops: list[float]) -> 
           f"{share:.0%} of web's units committed, {len(joins)} joins of its units as they "
           f"committed (steps {[record['step'] for record in joins]}); at step {change} code "
           "dropped, books added at 0.5 / 0.5")
-    records = []
-    for step in range(change - 1, -1, -1):
-        records += trace(before, state=states[step], steps=1, world_size=worlds[0],
-                         batch_size=args.rows // worlds[0], seq_len=args.seq_len,
-                         seed=args.seed)
-        if len({(record.source, record.document) for record in records}) >= args.exclude:
-            break
+    kept = {**shape, "weights": weights_after}
+    second, middle, _ = serve_mixture(after, worlds[1], state, kept,
+                                      lambda _, steps: steps >= second_stop)
+    # the documents that trace --history of the second stop's state names in the steps
+    # before it, the latest first (of the sources kept: a dropped one serves nothing more)
+    records = [record for record in trace(after, 0, steps=second_stop, history=middle)
+               if record.source in after]
+    records.sort(key=lambda record: -record.step)
     names_file = args.workdir / "excluded-mixture.jsonl"
     named: dict[tuple[str, int], str] = {}
     for record in records:
@@ -449,56 +451,53 @@ def mixture(args: argparse.Namespace, worlds: list[int], stops: list[float]) -> 
     names_file.write_text("\n".join(named.values()) + "\n")
     excluded = {name: sorted(document for source, document in named if source == name)
                 for name in paths}
-    new = {**shape, "weights": weights_after, "exclude": str(names_file)}
-    second, middle, resumed = serve_mixture(after, worlds[1], state, new,
-                                            lambda _, steps: steps >= second_stop)
+    new = {**kept, "exclude": str(names_file)}
 
     def finished(positions: dict, steps: int) -> bool:  # web and books past epoch 0
         return all(positions[name].epoch >= 1 for name in after if name in positions)
 
-    third, final, third_start = serve_mixture(after, worlds[2], middle,
-                                              {**shape, "weights": weights_after}, finished)
+    third, final, _ = serve_mixture(after, worlds[2], middle, new, finished)
     served = {**first, **second, **third}
     print(f"run 1: {worlds[0]} ranks (processes of one gloo group, following the job), steps "
           f"0-{change - 1}; run 2: {worlds[1]} ranks, steps {change}-{second_stop - 1}, code "
-          f"dropped, books added, excluding the {len(named):,} documents trace named "
-          f"({len(excluded['web']):,} of web, {len(excluded['code']):,} of code) in "
-          f"{names_file}; run 3: {worlds[2]} ranks, steps {second_stop}-{max(served)}, until "
-          "web and books finished epoch 0")
-    reference, _, _ = serve_mixture(after, worlds[0], state, new,
-                                    lambda _, steps: steps > max(served))
+          f"dropped, books added; run 3: {worlds[2]} ranks, steps {second_stop}-"
+          f"{max(served)}, until web and books finished epoch 0, excluding the "
+          f"{len(named):,} documents trace --history named in steps 0-{second_stop - 1} "
+          f"({len(excluded['web']):,} of web, {len(excluded['books']):,} of books; "
+          f"{names_file})")
+    reference, halfway, _ = serve_mixture(after, worlds[0], state, kept,
+                                          lambda _, steps: steps >= second_stop)
+    rest, _, _ = serve_mixture(after, worlds[0], halfway, new,
+                               lambda _, steps: steps > max(served))
+    reference.update(rest)
     same = all(sorted(map(tuple, served[step])) == sorted(map(tuple, reference[step]))
                for step in range(change, max(served) + 1))
-    print(f"every step's rows after the first stop equal the run that made the changes at "
-          f"step {change} without stopping again: {same}")
+    print(f"every step's rows after the first stop equal a run on {worlds[0]} ranks that made "
+          f"the same changes at steps {change} and {second_stop}: {same}")
     change_record = (final.get("changes") or [{}])[0]
     recorded = (change_record.get("step") == change and change_record.get("added") == ["books"]
                 and change_record.get("dropped") == ["code"]
-                and [entry["documents"] for entry in final["exclusions"]["web"]]
-                == [excluded["web"]]
+                and all([entry["documents"] for entry in final["exclusions"][name]]
+                        == [excluded[name]] and final["exclusions"][name][0]["step"]
+                        == second_stop for name in after if excluded[name])
                 and final["units_added"]["web"] == joins  # (all joined while following)
                 and any(record["joins"] for record in joins))
     print(f"the state records web's units joining ({len(joins)}), the change (step "
           f"{change_record.get('step')}, added {change_record.get('added')}, dropped "
-          f"{change_record.get('dropped')}) and web's exclusion of "
-          f"{len(final['exclusions']['web'][0]['documents']):,} documents: {recorded}")
+          f"{change_record.get('dropped')}) and the exclusions at step {second_stop} "
+          f"({', '.join(f'{name}: {len(excluded[name]):,}' for name in after)}): {recorded}")
     data = {**run_data(MixtureLoader(before, device="cpu", **shape)),  # (code's)
             **run_data_of_state(after, final, shape)}  # web as the run numbered it, books
-    stretches = [0] + [step for step in range(1, change)
-                       if states[step]["units_added"] != states[step - 1]["units_added"]]
-    held, epoch_zero = True, []
-    for begin, end in zip(stretches, [*stretches[1:], change], strict=True):
-        rows, records = traced_mixture(before, states[begin], worlds[0],
-                                       list(range(begin, end)), options, data)
-        held = held and all(np.array_equal(rows[step], first[step]) for step in rows)
-        epoch_zero += [record for record in records if record.epoch == 0]
-    for segment, world, start in ((second, worlds[1], resumed),
-                                  (third, worlds[2], third_start)):
-        rows, records = traced_mixture(after, start, world, sorted(segment), options, data)
-        held = held and all(np.array_equal(rows[step], segment[step]) for step in segment)
-        epoch_zero += [record for record in records if record.epoch == 0]
-    print(f"trace rebuilds every step's rows, from the state before each stretch whose data "
-          f"held (each join of web's units, the resume): {held}")
+
+    def world_of(step: int) -> int:
+        return worlds[0] if step < change else worlds[1] if step < second_stop else worlds[2]
+
+    rows, records = traced_mixture(after, final, max(served) + 1, world_of, options, data)
+    held = all(np.array_equal(rows[step], served[step]) for step in served)
+    epoch_zero = [record for record in records if record.epoch == 0]
+    print(f"trace --history of the final state alone rebuilds every step's rows (its "
+          f"{len(final['history'])} legs: {[leg['step'] for leg in final['history']]}; "
+          f"web's joins, code dropped, books added, the exclusions): {held}")
     exact = True
     excluded_sets = {name: set(documents) for name, documents in excluded.items()}
     for name, (tokens, starts) in data.items():
@@ -509,23 +508,27 @@ def mixture(args: argparse.Namespace, worlds: list[int], stops: list[float]) -> 
                 continue
             first_token = int(starts[record.document])
             counts[first_token + record.token_start:first_token + record.token_end] += 1
-            late += (record.step >= change and (name == "code" or record.document
-                                                in excluded_sets[name]))
+            late += (record.step >= change if name == "code" else
+                     record.step >= second_stop and record.document in excluded_sets[name])
         owner = np.repeat(np.arange(starts.size - 1), np.diff(starts))
-        kept = ~np.isin(owner, excluded[name])
+        surviving = ~np.isin(owner, excluded[name])
         whole = name != "code"  # its epoch 0 was cut short by the drop
         numbered = tokens > 0  # (web's EOS tokens are id 0)
         ids = np.bincount(tokens[numbered], weights=counts[numbered]) \
             if numbered.any() else np.zeros(0)
         ok = counts.max(initial=0) <= 1 and late == 0 and (
-            not whole or bool((counts[kept] == 1).all())) and ids.max(initial=0) <= 1
+            not whole or bool((counts[surviving] == 1).all())) and ids.max(initial=0) <= 1
         exact = exact and ok
         print(f"{name}: epoch 0's tokens trained once {int((counts == 1).sum()):,} of "
               f"{tokens.size:,}, twice or more {int((counts > 1).sum()):,}, pieces after its "
               f"change {late}" + (f"; every token of every document not excluded once: "
-                                  f"{bool((counts[kept] == 1).all())}" if whole else
+                                  f"{bool((counts[surviving] == 1).all())}" if whole else
                                   " (dropped at the change: nothing after it)"))
-    return same and recorded and held and exact
+    enough = len(named) == args.exclude
+    if not enough:
+        print(f"trace named {len(named):,} documents before the second stop, not "
+              f"{args.exclude:,}: a later stop names more")
+    return same and recorded and held and exact and enough
 
 
 def run_data_of_state(paths: dict[str, str], state: dict, shape: dict

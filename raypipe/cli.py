@@ -364,8 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_schedule_arguments(trace, "the loader's ")
     trace.add_argument("--history", default=None,
                        help="a loader's state_dict() saved as JSON whose record of changes "
-                       "(global batch and seq_len, declared or on a resume) gives both "
-                       "schedules and its knobs: --step counts from the start of training")
+                       "(global batch and seq_len, declared or on a resume; a mixture's: "
+                       "each leg's sources, weights and world size) gives the run's shape "
+                       "and its knobs: --step counts from the start of training")
     trace.add_argument("--state", default=None,
                        help="a loader's state_dict() saved as JSON: trace the steps after it "
                        "(its knobs are the defaults of the options below)")

@@ -107,8 +107,10 @@ def test_the_changing_data_script_passes_on_a_small_dataset(token_dataset, tmp_p
     assert done.returncode == 0, done.stdout + done.stderr
     assert "CHANGING DATA: PASS" in done.stdout and "more than once 0," in done.stdout
     assert "resumed excluding the 40 documents trace named" in done.stdout
-    assert "code dropped, books added, excluding the 40 documents" in done.stdout
+    assert "code dropped, books added; run 3" in done.stdout
+    assert "excluding the 40 documents trace --history named" in done.stdout
     assert "books: epoch 0's tokens trained once" in done.stdout
+    assert "trace --history of the final state alone rebuilds every step" in done.stdout
     assert "one written while it trains" in done.stdout and "joins of its units" in done.stdout
     for name in ("excluded.jsonl", "excluded-mixture.jsonl"):
         assert len((tmp_path / name).read_text().splitlines()) == 40

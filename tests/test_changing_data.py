@@ -727,3 +727,61 @@ def test_a_unit_rewritten_since_the_checkpoint_is_refused_naming_it(tmp_path, co
     with pytest.raises(StateError, match=f"unit {rewritten} of the run's data was rewritten "
                        "since the checkpoint"):
         serve_epochs(path, 2, state, 1)
+
+
+def test_trace_history_replays_a_mixture_across_sources_weights_worlds_and_exclusions(
+        tmp_path, capsys):
+    """A mixture run on 2 ranks (sources a, b), resumed on 3 with b dropped, c added, new
+    weights and documents of a excluded, then on 1 with other weights and documents of the
+    added c excluded: `trace --history`
+    of the final state alone names, for every step of all three legs and every rank, the
+    tokens each row held (the datasets' tokens are numbered, so a piece's tokens are its
+    ids), and no other; the CLI prints the same pieces, and inspect lists the legs."""
+    from raypipe import trace
+    from raypipe.cli import main
+
+    firsts = {"a": 1, "b": 1_000_000, "c": 2_000_000}
+    paths = {name: str(numbered_dataset(tmp_path / name, 20_000, first=first,
+                                        seed=first % 97)[0])
+             for name, first in firsts.items()}
+    starts = {name: document_starts(paths[name]) - 1 + first
+              for name, first in firsts.items()}
+    legs = [({"a": paths["a"], "b": paths["b"]}, 2, {"a": 0.5, "b": 0.5}, {}),
+            ({"a": paths["a"], "c": paths["c"]}, 3, {"a": 0.3, "c": 0.7},
+             {"exclude": [{"source": "a", "document": d} for d in range(0, 400, 3)]}),
+            ({"a": paths["a"], "c": paths["c"]}, 1, {"a": 0.6, "c": 0.4},
+             {"exclude": [{"source": "c", "document": d} for d in range(0, 300, 2)]})]
+    served, state = {}, None
+    for sources, world, weights, options in legs:
+        taken, state = serve_mixture(sources, world, state, 7, weights=weights, **options)
+        served.update({step: (world, rows) for step, rows in taken.items()})
+    assert [leg["step"] for leg in state["history"]] == [0, 7, 14]
+    assert "b" in state["views"], "the dropped source's data record was not kept"
+    pieces = list(trace(legs[-1][0], 0, steps=len(served), history=state))
+    held: dict[tuple[int, int, int], list[int]] = {}
+    for piece in pieces:
+        first = int(starts[piece.source][piece.document])
+        expected = list(range(first + piece.token_start, first + piece.token_end))
+        world, rows = served[piece.step]
+        row = rows[piece.rank * (ROWS // world) + piece.row]
+        assert row[piece.col_start:piece.col_end].tolist() == expected, piece
+        held.setdefault((piece.step, piece.rank, piece.row), []).extend(expected)
+    for step, (world, rows) in served.items():
+        for index, row in enumerate(rows):
+            where = (step, index // (ROWS // world), index % (ROWS // world))
+            assert sorted(held.get(where, [])) == sorted(row[row > 0].tolist()), where
+    assert {piece.source for piece in pieces if piece.step < 7} == {"a", "b"}
+    assert {piece.source for piece in pieces if piece.step >= 7} == {"a", "c"}
+    with pytest.raises(ConfigError, match="last leg mixes sources"):
+        list(trace({"a": paths["a"], "b": paths["b"]}, 0, history=state))
+    saved, mixture = tmp_path / "state.json", tmp_path / "mixture.yaml"
+    saved.write_text(json.dumps(state))
+    mixture.write_text(json.dumps({"sources": {name: {"path": path}
+                                               for name, path in legs[-1][0].items()}}))
+    assert main(["trace", str(mixture), "--history", str(saved), "--step", "8"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == [piece.to_json() for piece in pieces if piece.step == 8]
+    assert main(["inspect", str(saved)]) == 0
+    report = capsys.readouterr().out
+    assert "from step 7: a leg on 3 rank(s): sources ['a', 'c']" in report
+    assert "from step 14: a leg on 1 rank(s)" in report

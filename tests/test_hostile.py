@@ -6,6 +6,7 @@ planning; special-token literals in text cannot forge a special id."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -364,3 +365,23 @@ def test_the_temp_sweep_touches_only_raypipes_own_temp_names(tmp_path, corpus_di
     stale.write_bytes(b"left by a killed writer")
     run_job(config)
     assert mine.read_text() == "the user's" and not stale.exists()
+
+
+@pytest.mark.parametrize("edit,named", [
+    (lambda s: s["history"][0].update(step=3), "field 'history': legs from steps [3]"),
+    (lambda s: s["history"][0].update(world_size=0), "world size >= 1"),
+    (lambda s: s["history"][0]["stage_weights"][0].pop("code"), "each stage weighing"),
+    (lambda s: s["history"][0].update(batches=[[2, 4, 16]]), "batches begin at step 0"),
+    (lambda s: s.update(views={**s["views"], "gone": "k"}), "'views' names source 'gone'"),
+])
+def test_a_mixture_state_s_legs_and_records_are_checked_naming_the_field(
+        token_dataset, rich_dataset, edit, named):
+    """A mixture state's history of legs, and the sources its records name, are checked
+    on load: a hand-edited one is one StateError naming what is wrong."""
+    from raypipe.loader import MixtureLoader
+
+    paths = {"web": str(token_dataset), "code": str(rich_dataset)}
+    state = MixtureLoader(paths, 16, 2, mode="documents").state_dict()
+    edit(state)
+    with pytest.raises(StateError, match=re.escape(named)):
+        MixtureLoader(paths, 16, 2, mode="documents").load_state_dict(state)

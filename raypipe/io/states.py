@@ -18,6 +18,7 @@ from raypipe.errors import FormatError, StateError
 from raypipe.io.records import JsonRecord
 
 STATE_VERSION = 1
+DROPPED_DATASET = "dataset "  # a SourceChange names a dropped source's data by fingerprint
 MAX_EPOCH = 2**53  # exact in JSON numbers of every language; far beyond any run
 
 State = TypeVar("State", bound=JsonRecord)
@@ -237,10 +238,43 @@ class SourceChange(JsonRecord):
     datasets: dict[str, str]
     weights: dict[str, float]
 
+    def fingerprint_of(self, name: str) -> str:
+        """The dataset fingerprint a dropped source had when it was dropped."""
+        return self.datasets[name].removeprefix(DROPPED_DATASET)
+
     def check(self, where: str) -> None:
         if self.step < 0 or not (self.added or self.dropped):
             raise FormatError(where, "a source change names a step >= 0 and a source added "
                               "or dropped")
+
+
+@dataclass(frozen=True)
+class MixtureLeg(JsonRecord):
+    """A stretch of a mixture's run, from global step `step` to the next leg's (or the
+    state's steps): what its loader was opened with at the start or on a resume, which is
+    what `raypipe trace --history` opens again: `world_size` ranks, the sources
+    (`datasets`: {name: dataset root}), weight stages (`stage_weights[k]`, normalized, from
+    global step `stage_starts[k]`; the first from 0) and the shape by step (`batches`:
+    [[first step, global batch, seq_len], ...], the first from 0)."""
+
+    step: int
+    world_size: int
+    datasets: dict[str, str]
+    stage_starts: list[int]
+    stage_weights: list[dict[str, float]]
+    batches: list[list[int]]
+
+    def check(self, where: str) -> None:
+        if self.step < 0 or self.world_size < 1 or not self.datasets:
+            raise FormatError(where, "a mixture leg names a step >= 0, a world size >= 1 "
+                              "and its sources")
+        check_int_rows(where, "batches", self.batches, (3,))
+        if (not self.stage_starts or self.stage_starts[0] != 0
+                or len(self.stage_starts) != len(self.stage_weights)
+                or any(set(weights) != set(self.datasets) for weights in self.stage_weights)
+                or not self.batches or self.batches[0][0] != 0):
+            raise FormatError(where, "a mixture leg's stages and batches begin at step 0, "
+                              "each stage weighing every source of the leg")
 
 
 @dataclass(frozen=True)
@@ -250,7 +284,9 @@ class MixtureState(JsonRecord):
     sources added and dropped on resumes, in order (None: none); `exclusions`: each
     source's documents left out, as a LoaderState's (None: none); `views` and
     `units_added`: each source's unit order and the units it gained, as a LoaderState's
-    (None: not recorded, or none)."""
+    (None: not recorded, or none), kept for a dropped source too (a replay of its steps
+    before the drop serves its data as it was); `history`: the run's legs, one from its
+    start and one from each resume (None: a state from before they were recorded)."""
 
     weights: dict[str, float]
     knobs: dict[str, Any]
@@ -262,8 +298,14 @@ class MixtureState(JsonRecord):
     exclusions: dict[str, tuple[Exclusion, ...]] | None = None
     views: dict[str, str] | None = None
     units_added: dict[str, tuple[UnitsAdded, ...]] | None = None
+    history: tuple[MixtureLeg, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.history is not None:
+            object.__setattr__(self, "history", tuple(
+                entry if isinstance(entry, MixtureLeg)
+                else MixtureLeg.from_json(entry, f"mixture state leg {index}")
+                for index, entry in enumerate(self.history)))
         if self.units_added is not None:
             object.__setattr__(self, "units_added", {
                 name: tuple(entry if isinstance(entry, UnitsAdded) else UnitsAdded.from_json(
@@ -294,16 +336,29 @@ class MixtureState(JsonRecord):
         if steps != sorted(steps) or any(step > self.steps for step in steps):
             raise FormatError(where, f"field 'changes' at steps {steps}: not in order, or "
                               f"after the state's {self.steps} steps")
+        held = {*self.sources, *self.dropped()}
+        for field_name in ("exclusions", "units_added", "views"):
+            for name in getattr(self, field_name) or {}:
+                if name not in held:
+                    raise FormatError(where, f"field {field_name!r} names source {name!r}, "
+                                      "which the state neither holds nor dropped")
         for name, entries in (self.exclusions or {}).items():
-            if name not in self.sources:
-                raise FormatError(where, f"field 'exclusions' names source {name!r}, which "
-                                  "the state does not hold")
-            check_exclusions(where, entries, self.sources[name].phases)
+            check_exclusions(where, entries, self.phases_of(name))
         for name, entries in (self.units_added or {}).items():
-            if name not in self.sources:
-                raise FormatError(where, f"field 'units_added' names source {name!r}, which "
-                                  "the state does not hold")
-            check_joins(where, entries, self.sources[name].phases)
+            check_joins(where, entries, self.phases_of(name))
+        legs = [leg.step for leg in self.history or ()]
+        if legs and (legs[0] != 0 or legs != sorted(set(legs)) or legs[-1] > self.steps):
+            raise FormatError(where, f"field 'history': legs from steps {legs}, not from 0 "
+                              f"in increasing steps up to the state's {self.steps}")
+
+    def dropped(self) -> set[str]:
+        """The sources dropped on a resume and not held now."""
+        return {name for change in self.changes or () for name in change.dropped
+                } - set(self.sources)
+
+    def phases_of(self, name: str) -> list[list[int]] | None:
+        """Source `name`'s phases rows (None: a source dropped, or one phase)."""
+        return self.sources[name].phases if name in self.sources else None
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
@@ -312,6 +367,8 @@ class MixtureState(JsonRecord):
         for kind in ("exclusions", "units_added"):
             if record[kind] is not None:
                 record[kind] = {name: list(entries) for name, entries in record[kind].items()}
+        if record["history"] is not None:
+            record["history"] = list(record["history"])
         return record
 
     @classmethod

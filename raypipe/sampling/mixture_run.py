@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,13 @@ from typing import Any
 import numpy as np
 
 from raypipe.errors import ConfigError, StateError
-from raypipe.io.states import MixtureState, SourceChange, SourcePosition
+from raypipe.io.states import (
+    DROPPED_DATASET,
+    MixtureLeg,
+    MixtureState,
+    SourceChange,
+    SourcePosition,
+)
 from raypipe.sampling.buffers import DescribedRows
 from raypipe.sampling.epochs import PlanSpec
 from raypipe.sampling.mixture import (
@@ -79,6 +85,10 @@ class MixtureRun:
         self.positions = {name: SourcePosition(source.dataset.fingerprint, 0, 0, 0)
                           for name, source in zip(names, sources, strict=True)}
         self.changes: list[SourceChange] = []  # sources added and dropped on resumes
+        # the run's legs (None: resumed from a state that did not record them), and the
+        # data records of the sources dropped, kept for a replay of the steps before
+        self.history: list[MixtureLeg] | None = [self.leg(0)]
+        self.dropped_records: dict[str, dict[str, Any]] = {}
         self._fillers: dict[tuple[int, int, Phases], BatchFiller] = {}
 
     @classmethod
@@ -113,6 +123,69 @@ class MixtureRun:
                   for name, source in zip(names, sources, strict=True)}
         return cls(names, sources, world_size, batches,
                    WeightStages.of(names, weights, tokens, stages or []), rank)
+
+    @classmethod
+    def of_leg(cls, leg: MixtureLeg, spec: PlanSpec, **source_options: Any) -> MixtureRun:
+        """The run a leg of a mixture's history was opened as (`raypipe trace --history`)."""
+        run = cls.open(dict(leg.datasets), spec, leg.world_size, None,
+                       weights=leg.stage_weights[0],
+                       batch_schedule=[(row[0], row[1]) for row in leg.batches],
+                       seq_len_schedule=[(row[0], row[2]) for row in leg.batches],
+                       **source_options)
+        run.stages = WeightStages(tuple(leg.stage_starts), tuple(  # the very weights
+            np.array([weights[name] for name in run.names], dtype=np.float64)
+            for weights in leg.stage_weights))
+        return run
+
+    def leg(self, step: int) -> MixtureLeg:
+        """This run's shape as a leg of its history from global step `step`."""
+        return MixtureLeg(
+            step, self.world_size,
+            {name: str(source.dataset.root) for name, source in zip(self.names, self.sources,
+                                                                    strict=True)},
+            list(self.stages.starts),
+            [dict(zip(self.names, weights.tolist(), strict=True))
+             for weights in self.stages.weights],
+            [[first, batch, seq_len or self.sources[0].spec.seq_len]
+             for first, batch, seq_len in self.batches.stages()])
+
+    def adopt_history_data(self, final: MixtureState, names: Collection[str]) -> None:
+        """Serve sources `names`' data as the `final` state of a run records it (units
+        added and exclusions each from its own step): in a replay, every source of its
+        first leg, and each source a later leg adds."""
+        dropped = {name: change for change in final.changes or () for name in change.dropped}
+        for name, source in zip(self.names, self.sources, strict=True):
+            if name not in names:
+                continue
+            fingerprint = (final.sources[name].dataset if name in final.sources
+                           else dropped[name].fingerprint_of(name))
+            source.adopt_data_of(fingerprint, (final.views or {}).get(name),
+                                 (final.units_added or {}).get(name, ()), (0, 0, 0),
+                                 grow=False, source=name)
+            source.planned.reset_exclusions()
+            for record in (final.exclusions or {}).get(name, ()):
+                source.planned.adopt_exclusion(record)
+            self.positions[name] = replace(self.positions[name],
+                                           dataset=source.dataset.fingerprint)
+        self._fillers.clear()
+
+    def advance(self, step: int) -> None:
+        """Stand at global step `step` (no earlier than where the run stands), counting the
+        rows of the steps before it alone."""
+        schedule = self.schedule()
+        schedule.skip(step - self.steps)
+        self.positions = dict(zip(self.names, schedule.positions, strict=True))
+        self.steps = schedule.step
+
+    def state_at(self, step: int) -> MixtureState:
+        """The state the run would save at global step `step`, the run left where it
+        stands."""
+        positions, steps = self.positions, self.steps
+        try:
+            self.advance(step)
+            return self.state()
+        finally:
+            self.positions, self.steps = positions, steps
 
     @property
     def seq_len(self) -> int:
@@ -214,12 +287,18 @@ class MixtureRun:
         added = {name: source.data.added
                  for name, source in zip(self.names, self.sources, strict=True)
                  if source.data.added}
+        views = {name: source.data.view
+                 for name, source in zip(self.names, self.sources, strict=True)}
+        for name, records in self.dropped_records.items():
+            for kind, held in (("exclusions", exclusions), ("units_added", added),
+                               ("views", views)):
+                if records.get(kind):
+                    held[name] = records[kind]
         return MixtureState(self.weights_by_name, self.knobs(), self.steps,
                             dict(self.positions), changes=tuple(self.changes) or None,
-                            exclusions=exclusions or None,
-                            views={name: source.data.view for name, source
-                                   in zip(self.names, self.sources, strict=True)},
-                            units_added=added or None)
+                            exclusions=exclusions or None, views=views,
+                            units_added=added or None,
+                            history=None if self.history is None else tuple(self.history))
 
     def exclude(self, by_source: dict[str, tuple[np.ndarray, int, int]]) -> None:
         """Leave documents of each named source out from the next step on: {source:
@@ -268,9 +347,11 @@ class MixtureRun:
                     "seq_len, batch size, world size, weights and sources")
         self.steps = saved.steps
         self.changes = list(saved.changes or ())
+        self.resume_history(saved, dropped)
         for name, source in zip(self.names, self.sources, strict=True):
             source.planned.reset_exclusions()
-            for record in (saved.exclusions or {}).get(name, ()):
+            for record in (saved.exclusions or {}).get(name, ()) if name in saved.sources \
+                    else ():  # (a source added again begins afresh)
                 source.planned.adopt_exclusion(record)
         implied = implied_phases(saved.knobs.get("seq_len", self.seq_len),
                                  self.sources[0].spec.seq_len)
@@ -293,6 +374,17 @@ class MixtureRun:
         self.positions = dict(zip(self.names, positions, strict=True))
         schedule = self.schedule()
         planned_again("mixture state", lambda: self.rephased(schedule))
+
+    def resume_history(self, saved: MixtureState, dropped: list[str]) -> None:
+        """The state's legs and this one from its step (None where the state records
+        none); the data records of the sources it dropped and those dropped now kept, but
+        those of a source added again (it begins afresh)."""
+        self.history = None if saved.history is None else [
+            *(leg for leg in saved.history if leg.step < saved.steps), self.leg(saved.steps)]
+        self.dropped_records = {
+            name: {kind: (getattr(saved, kind) or {}).get(name)
+                   for kind in ("exclusions", "units_added", "views")}
+            for name in {*saved.dropped(), *dropped} - set(self.names)}
 
     def join_units(self, name: str, output: Any, key: str) -> Any:
         """Add the units of source `name`'s kept order `key` it does not hold (`output`: a
@@ -321,7 +413,7 @@ class MixtureRun:
         roots = {name: str(source.dataset.root)
                  for name, source in zip(self.names, self.sources, strict=True)}
         change = SourceChange(saved.steps, added, dropped,
-                              {**{name: f"dataset {saved.sources[name].dataset}"
+                              {**{name: DROPPED_DATASET + saved.sources[name].dataset
                                   for name in dropped},
                                **{name: roots[name] for name in added}},
                               self.weights_by_name)

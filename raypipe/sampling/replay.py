@@ -11,6 +11,7 @@ its own state). Cost: one state read; the run's.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,10 @@ from raypipe.sampling.epochs import PlanSpec
 from raypipe.sampling.mixture import is_mixture_spec, mixture_sources
 from raypipe.sampling.mixture_run import MixtureRun
 from raypipe.sampling.modes import get_mode, plan_knob_names, upgrade_knobs
-from raypipe.sampling.run import Run
+from raypipe.sampling.run import Run, StepRow
 from raypipe.sampling.state_compat import read_state
 
-__all__ = ["replay"]
+__all__ = ["MixtureHistory", "replay"]
 
 
 def replay(data: str | Path | dict[str, str], *,
@@ -35,7 +36,7 @@ def replay(data: str | Path | dict[str, str], *,
            weights: dict[str, float] | None = None,
            stages: list[tuple[int, dict[str, float]]] | None = None,
            format_name: str | None = None, cache_dir: str | Path | None = None,
-           **knobs: Any) -> Run | MixtureRun:
+           **knobs: Any) -> Run | MixtureRun | MixtureHistory:
     """The run of `data` (a dataset, a mixture YAML or {name: path}) under the knobs given,
     resumed where `state` (a state_dict or its JSON file) stands, its knobs, world size
     and global batch taken from it where not given; or, from a `history` state, the run
@@ -45,10 +46,15 @@ def replay(data: str | Path | dict[str, str], *,
             raise ConfigError("trace: give history (a state whose record of changes gives "
                               "the schedules) or state and the schedules, not both")
         recorded = read_state_file(history)
+        if isinstance(recorded, MixtureState) and recorded.history:
+            if world_size is not None or batch_size is not None:
+                raise ConfigError("trace --history: a mixture's legs record their world "
+                                  "size and batch; give neither")
+            return MixtureHistory.replayed(data, recorded, knobs, cache_dir)
         if not isinstance(recorded, LoaderState) or not recorded.history:
             raise ConfigError(f"trace: {history if not isinstance(history, dict) else 'the'}"
-                              " state records no history of changes (a one-dataset loader's "
-                              "state does)")
+                              " state records no history of changes (a loader's state does "
+                              "from this release on)")
         knobs = {**state_knobs(recorded, knobs.get("mode")), **knobs}
         world_size = world_size or recorded.saved_with.get("world_size")
         batch_schedule = [(entry[0], entry[1]) for entry in recorded.history]
@@ -93,6 +99,52 @@ def replay(data: str | Path | dict[str, str], *,
     if saved is not None:  # the data as the state recorded it: none the output gained since
         run.resume(saved, grow=False)  # type: ignore[arg-type]  (each kind checked above)
     return run
+
+
+class MixtureHistory:
+    """A mixture's run replayed across its legs (raypipe.io.states.MixtureLeg): each leg's
+    run opened as its loader was, the first serving every source's data as the final state
+    records it, each later one resumed where the one before stood at its first step (so a
+    source added, dropped or reweighted there is the resume's own doing). Cost: each leg's
+    steps counted once (~17 us a step)."""
+
+    def __init__(self, runs: list[MixtureRun]):
+        self.runs = runs  # each standing at its leg's first step
+
+    @classmethod
+    def replayed(cls, data: str | Path | dict[str, str], final: MixtureState,
+                 knobs: dict[str, Any], cache_dir: str | Path | None) -> MixtureHistory:
+        last = final.history[-1] if final.history else None
+        if last is None or not (isinstance(data, dict) or is_mixture_spec(data)) \
+                or set(mixture_sources(data, None, None)[0]) != set(last.datasets):
+            raise ConfigError(f"trace --history: the state's last leg mixes sources "
+                              f"{sorted(last.datasets) if last else []}; give that mixture "
+                              "(a YAML or {name: path}) as the data")
+        knobs = {**state_knobs(final, knobs.get("mode")), **knobs}
+        spec = PlanSpec.of(seq_len=final.history[0].batches[0][2], **knobs)
+        runs: list[MixtureRun] = []
+        for leg in final.history:
+            run = MixtureRun.of_leg(leg, spec, cache_dir=cache_dir)
+            if runs:
+                run.resume(runs[-1].state_at(leg.step), grow=False)
+            run.adopt_history_data(final, [name for name in run.names
+                                           if not runs or name not in runs[-1].names])
+            runs.append(run)
+        return cls(runs)
+
+    @property
+    def world_size(self) -> int:
+        return max(run.world_size for run in self.runs)
+
+    def step_rows(self, step: int, steps: int, ranks: Any) -> Iterator[StepRow]:
+        """What each row of `ranks` holds in `steps` global steps from global step `step`,
+        each step from the leg it belongs to."""
+        end = step + steps
+        for index, run in enumerate(self.runs):
+            stop = self.runs[index + 1].steps if index + 1 < len(self.runs) else end
+            first, last = max(step, run.steps), min(end, stop)
+            if first < last:
+                yield from run.step_rows(first - run.steps, last - first, ranks)
 
 
 def state_knobs(saved: LoaderState | MixtureState, mode: str | None) -> dict[str, Any]:

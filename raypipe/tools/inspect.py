@@ -83,6 +83,11 @@ def inspect_state(path: str | Path) -> str:
                   for name, where in sorted(state.sources.items())]
         changes = [(change.step, f"sources added {change.added}, dropped {change.dropped}, "
                     f"weights {change.weights}") for change in state.changes or ()]
+        changes += [(leg.step, f"a leg on {leg.world_size} rank(s): sources "
+                     f"{sorted(leg.datasets)}, global batch and seq_len "
+                     + ", ".join(f"{row[1]}x{row[2]} from step {row[0]}" for row in leg.batches)
+                     + f", {len(leg.stage_starts)} weight stage(s)")
+                    for leg in state.history or ()]
         changes += [(record.step, f"source {name}: " + excluded(record))
                     for name, records in (state.exclusions or {}).items()
                     for record in records]
