@@ -49,8 +49,12 @@ def test_the_tokenize_benchmark_runs_at_a_tiny_size(tmp_path):
     accounting = next(line for line in lines if line.startswith("core-seconds"))
     tokenizing = float(accounting.split("s): ")[1].split(" tokenizing")[0])
     assert tokenizing > 0, accounting  # the units' CPU time reached the bench
-    ratio = next(line for line in lines if line.startswith("RATIO units (auto = gigatoken)"))
+    ratio = next(line for line in lines
+                 if line.startswith("RATIO units (auto = gigatoken) / its own bare call"))
     assert float(ratio.split("own bare call = ")[1].split()[0]) > 0, ratio
+    least = next(line for line in lines if line.startswith(
+        "RATIO units (auto = gigatoken) / read + encode + write = "))
+    assert float(least.split("write = ")[1].split()[0]) > 0, least
     parts = lines[lines.index(next(line for line in lines if line.startswith("where auto"))) + 1:]
     assert "encoding" in parts[0] and float(parts[0].split()[0]) > 0, parts[:7]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -45,6 +47,23 @@ def test_clean_texts_counts_each_reason():
     texts, skipped = clean_texts(column, max_document_chars=3)
     assert texts == ["a", "bbb"]
     assert skipped == {"null": 2, "empty": 1, "too_long": 1}
+
+
+@given(st.lists(st.none() | st.text(alphabet="aé€𝄞 ", max_size=8), max_size=12),
+       st.none() | st.integers(0, 9), st.booleans())
+def test_clean_texts_keeps_and_counts_each_row_as_its_characters_say(texts, limit, large):
+    """Every row kept in order or counted once: null, empty, or more than `limit`
+    characters (counted in characters, not bytes: 1-4 bytes each here), whatever the
+    column's string type."""
+    from raypipe.preprocess.texts import clean_texts_with_rows
+
+    column = pa.array(texts, pa.large_string() if large else pa.string())
+    kept, rows, skipped = clean_texts_with_rows(column, limit)
+    reasons = ["null" if text is None else "empty" if not text else "too_long"
+               if limit is not None and len(text) > limit else "kept" for text in texts]
+    assert rows.tolist() == [row for row, reason in enumerate(reasons) if reason == "kept"]
+    assert kept == [texts[row] for row in rows.tolist()]
+    assert skipped == Counter(reason for reason in reasons if reason != "kept")
 
 
 def test_clean_texts_binary_and_non_string():

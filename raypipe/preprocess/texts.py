@@ -6,7 +6,8 @@ reason: `null`, `empty`, `non_string` (the column is not string/binary), `invali
 `blank_line`, and turns a non-string text or one that is not valid Unicode into a null it
 counts as `non_string` / `invalid_utf8` itself (raypipe.preprocess.jsonl).
 rows = kept + sum(skipped).
-Cost: vectorized pyarrow filters for string columns; a per-row decode only for binary ones.
+Cost: vectorized pyarrow filters on the offsets for string columns (a text is measured in
+characters only where its bytes exceed the limit); a per-row decode only for binary ones.
 """
 
 from __future__ import annotations
@@ -91,16 +92,33 @@ def clean_text_array(column: pa.Array | pa.ChunkedArray, max_document_chars: int
         skipped["null"] += column.null_count
         skipped["non_string"] += len(column) - column.null_count
         return pa.array([], pa.large_string()), np.empty(0, np.int64), +skipped
-    valid = pc.is_valid(column)
-    column, rows = column.filter(valid), rows.filter(valid)
-    lengths = pc.utf8_length(column)
-    keep = pc.greater(lengths, 0)
+    if column.null_count:
+        valid = pc.is_valid(column)
+        column, rows = column.filter(valid), rows.filter(valid)
+    sizes = pc.binary_length(column)  # bytes, from the offsets: no pass over the text
+    keep = pc.greater(sizes, 0)  # (no bytes: no characters)
     skipped["empty"] += len(column) - pc.sum(keep).as_py() if len(column) else 0
     if max_document_chars is not None:
-        too_long = pc.greater(lengths, max_document_chars)
+        too_long = too_long_rows(column, sizes, max_document_chars)
         skipped["too_long"] += pc.sum(too_long).as_py() or 0
         keep = pc.and_(keep, pc.invert(too_long))
+    if pc.all(keep).as_py() is not False:  # (all kept, or no row)
+        return column, rows.to_numpy(zero_copy_only=False), +skipped
     return column.filter(keep), rows.filter(keep).to_numpy(zero_copy_only=False), +skipped
+
+
+def too_long_rows(column: pa.Array, sizes: pa.Array, limit: int) -> pa.Array:
+    """Which rows hold more than `limit` characters: a character is at least one byte, so
+    only rows of more than `limit` bytes can, and only those are measured (a column of
+    documents under the limit costs no pass over its text)."""
+    candidates = pc.greater(sizes, limit)
+    if not pc.any(candidates).as_py():
+        return candidates
+    measured = np.flatnonzero(candidates.to_numpy(zero_copy_only=False))
+    over = pc.greater(pc.utf8_length(column.take(pa.array(measured))), limit)
+    too_long = np.zeros(len(column), dtype=bool)
+    too_long[measured[over.to_numpy(zero_copy_only=False)]] = True
+    return pa.array(too_long)
 
 
 def skip_reasons(column: pa.Array | pa.ChunkedArray, rows: np.ndarray,
