@@ -31,7 +31,16 @@ def test_every_option_of_every_subcommand_has_help():
 
 
 @pytest.mark.parametrize("case", ["output is a file", "tokenizer path missing"])
-def test_user_errors_are_one_line(tmp_path, corpus_dir, tokenizer_path, capsys, case):
+def test_user_errors_are_one_line(tmp_path, corpus_dir, tokenizer_path, capsys, case,
+                                  monkeypatch):
+    """A user's error is one line, found before Ray starts (seconds, and Ray's own log
+    lines): the job never asks for Ray."""
+    import raypipe.ray.executor
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("the job started Ray before finding the user's error")
+
+    monkeypatch.setattr(raypipe.ray.executor, "ensure_ray", no_ray)
     output, tokenizer = str(tmp_path / "out"), tokenizer_path
     if case == "output is a file":
         (tmp_path / "out").write_text("not a directory")

@@ -178,19 +178,34 @@ class LeaseRenewal:
         self.thread.join()
 
 
-def _prepare_directory(store: Store) -> None:
+def check_output_location(store: Store) -> None:
+    """Refuse a local output that is a file, or that raypipe could not create or write,
+    creating nothing: a job asks before it starts anything (a local Ray: seconds)."""
     if not store.local:
         return
-    if store.root.exists() and not store.root.is_dir():
+    root = store.root
+    if root.exists() and not root.is_dir():
         raise ConfigError(f"{store}: the output is a file, not a directory")
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{store}: cannot create the output directory: {existing} is a "
+                          "file")
+    if not os.access(existing, os.W_OK | os.X_OK):  # a read-only mount refuses root too
+        raise ConfigError(f"{store}: the output directory is not writable (a read-only file "
+                          "system, or no permission); give one raypipe can write")
+
+
+def _prepare_directory(store: Store) -> None:
+    check_output_location(store)
+    if not store.local:
+        return
     try:
         store.root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"{store}: cannot create the output directory: "
                           f"{exc.strerror or exc}") from exc
-    if not os.access(store.root, os.W_OK):  # a read-only mount refuses root too
-        raise ConfigError(f"{store}: the output directory is not writable (a read-only file "
-                          "system, or no permission); give one raypipe can write")
 
 
 def _take(store: Store, record: LockRecord) -> None:

@@ -40,7 +40,7 @@ from raypipe.formats import get_format, of_kind, write_dataset_indexes
 from raypipe.io.atomic import remove_stale_temps
 from raypipe.io.live import LiveWriter
 from raypipe.io.live import settle as settle_live
-from raypipe.io.lock import output_lock
+from raypipe.io.lock import check_output_location, output_lock
 from raypipe.io.manifest import (
     CONFIG_NAME,
     MANIFEST_NAME,
@@ -57,6 +57,7 @@ from raypipe.preprocess.encoding import token_offsets
 from raypipe.preprocess.encoding.encoder import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
+    check_tokenizer_spec,
     describe_tokenizer,
     load_tokenizer,
 )
@@ -368,6 +369,8 @@ def run_job(config: TokenizeConfig, runner: UnitRunner | None = None,
     and the runner's workers start while the self-check still runs; elsewhere Ray starts
     only once the plan leaves a unit to run."""
     started = time.perf_counter()
+    check_output_location(Store(config.output))  # users' errors, before Ray starts
+    check_tokenizer_spec(config.tokenizer)
     early = runner is not None and not Store(config.output).exists(MANIFEST_NAME)
     with ThreadPoolExecutor(2, thread_name_prefix="raypipe-plan") as pool:
         planned = pool.submit(plan_file_job, config)

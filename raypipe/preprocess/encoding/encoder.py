@@ -55,10 +55,18 @@ def load_tokenizer(spec: str) -> Tokenizer:
         except Exception as exc:  # tokenizers raises a bare Exception for a bad file
             raise ConfigError(f"tokenizer: {spec}: not a readable tokenizer.json: "
                               f"{str(exc)[:200]}") from None
+    check_tokenizer_spec(spec)
+    return load_named(spec)
+
+
+def check_tokenizer_spec(spec: str) -> None:
+    """Refuse a spec shaped as a path (a .json, or from `.`, `/`, `~`) where no file is: a
+    job asks before it starts anything (a local Ray: seconds)."""
+    if Path(spec).is_file():
+        return
     if spec.endswith(".json") or spec.startswith((".", "/", "~")) or Path(spec).exists():
         raise ConfigError(f"tokenizer: {spec}: no such file (a tokenizer.json path, a "
                           "tiktoken encoding name such as cl100k_base, or a hub name)")
-    return load_named(spec)
 
 
 def tokenizer_sha256(tokenizer: Tokenizer) -> str:
