@@ -785,3 +785,19 @@ def test_trace_history_replays_a_mixture_across_sources_weights_worlds_and_exclu
     report = capsys.readouterr().out
     assert "from step 7: a leg on 3 rank(s): sources ['a', 'c']" in report
     assert "from step 14: a leg on 1 rank(s)" in report
+
+
+def test_trace_history_refuses_a_mixture_source_dropped_and_added_again_naming_it(tmp_path):
+    """A source dropped and later added again begins afresh, and the state keeps the data
+    records of its last stretch only: trace --history refuses, naming the source and the
+    steps, instead of replaying its first stretch with the second's data."""
+    from raypipe import trace
+
+    a = str(numbered_dataset(tmp_path / "a", 20_000)[0])
+    b = str(numbered_dataset(tmp_path / "b", 20_000, first=1_000_000, seed=8)[0])
+    _, state = serve_mixture({"a": a, "b": b}, 2, None, 3)
+    _, state = serve_mixture({"a": a}, 2, state, 3)
+    _, state = serve_mixture({"a": a, "b": b}, 2, state, 3)
+    with pytest.raises(ConfigError, match="source 'b' was dropped at step 3 and added again "
+                                          "at step 6"):
+        list(trace({"a": a, "b": b}, 0, history=state))

@@ -114,12 +114,7 @@ class MixtureHistory:
     @classmethod
     def replayed(cls, data: str | Path | dict[str, str], final: MixtureState,
                  knobs: dict[str, Any], cache_dir: str | Path | None) -> MixtureHistory:
-        last = final.history[-1] if final.history else None
-        if last is None or not (isinstance(data, dict) or is_mixture_spec(data)) \
-                or set(mixture_sources(data, None, None)[0]) != set(last.datasets):
-            raise ConfigError(f"trace --history: the state's last leg mixes sources "
-                              f"{sorted(last.datasets) if last else []}; give that mixture "
-                              "(a YAML or {name: path}) as the data")
+        check_replayable(data, final)
         knobs = {**state_knobs(final, knobs.get("mode")), **knobs}
         spec = PlanSpec.of(seq_len=final.history[0].batches[0][2], **knobs)
         runs: list[MixtureRun] = []
@@ -145,6 +140,26 @@ class MixtureHistory:
             first, last = max(step, run.steps), min(end, stop)
             if first < last:
                 yield from run.step_rows(first - run.steps, last - first, ranks)
+
+
+def check_replayable(data: str | Path | dict[str, str], final: MixtureState) -> None:
+    """Refuse a mixture history that `data` (the mixture of its last leg) does not match,
+    or whose legs cannot be replayed from what the state keeps."""
+    last = final.history[-1] if final.history else None
+    if last is None or not (isinstance(data, dict) or is_mixture_spec(data)) \
+            or set(mixture_sources(data, None, None)[0]) != set(last.datasets):
+        raise ConfigError(f"trace --history: the state's last leg mixes sources "
+                          f"{sorted(last.datasets) if last else []}; give that mixture (a "
+                          "YAML or {name: path}) as the data")
+    dropped = {name: change.step for change in final.changes or () for name in change.dropped}
+    again = [(name, dropped[name], change.step) for change in final.changes or ()
+             for name in change.added if dropped.get(name, change.step) < change.step]
+    if again:
+        name, gone, back = again[0]
+        raise ConfigError(f"trace --history: source {name!r} was dropped at step {gone} and "
+                          f"added again at step {back}; the state keeps the data records of "
+                          f"its last stretch only: trace the steps before {back} from a "
+                          "state saved before it (--state)")
 
 
 def state_knobs(saved: LoaderState | MixtureState, mode: str | None) -> dict[str, Any]:
