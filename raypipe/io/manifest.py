@@ -143,7 +143,10 @@ def read_manifest(output: Store | str | Path) -> Manifest:
     if not store.exists(MANIFEST_NAME):
         raise FormatError(store.uri_of(MANIFEST_NAME),
                           "no manifest: the dataset is incomplete or not a raypipe output")
-    return Manifest.from_json(store.read_json(MANIFEST_NAME), store.uri_of(MANIFEST_NAME))
+    # (a rerun of the job replaces it while loaders may read it: a cut-short read is made
+    # again on object storage, raypipe.io.store)
+    return Manifest.from_json(store.read_json(MANIFEST_NAME, replaced_in_place=True),
+                              store.uri_of(MANIFEST_NAME))
 
 
 def shard_table(records: list[UnitRecord], format_name: str) -> tuple[ShardEntry, ...]:
