@@ -428,7 +428,7 @@ def mixture(args: argparse.Namespace, worlds: list[int], stops: list[float]) -> 
     if errors:
         raise errors[0]
     state = states[-1]
-    joins = state["units_added"]["web"]
+    joins = (state.get("units_added") or {}).get("web", [])  # (none: the job ended first)
     print(f"2. a mixture of numbered sources, one written while it trains: web (a tokenize "
           f"job over {args.source_tokens:,} numbered tokens in 20 units, "
           f"{args.unit_seconds} s a unit) and code at 0.5 / 0.5; training began with "
@@ -480,7 +480,8 @@ def mixture(args: argparse.Namespace, worlds: list[int], stops: list[float]) -> 
                 and all([entry["documents"] for entry in final["exclusions"][name]]
                         == [excluded[name]] and final["exclusions"][name][0]["step"]
                         == second_stop for name in after if excluded[name])
-                and final["units_added"]["web"] == joins  # (all joined while following)
+                # (web's units all joined while the first run followed the job)
+                and (final.get("units_added") or {}).get("web", []) == joins
                 and any(record["joins"] for record in joins))
     print(f"the state records web's units joining ({len(joins)}), the change (step "
           f"{change_record.get('step')}, added {change_record.get('added')}, dropped "
