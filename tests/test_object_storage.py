@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -628,7 +629,7 @@ def test_a_loader_follows_a_job_writing_to_a_bucket_fetching_each_shard_once(
 
 
 def test_a_status_replaced_between_its_head_and_its_get_is_read_again_not_refused(
-        bucket, monkeypatch):
+        bucket, monkeypatch, caplog):
     """A follower reads `_live/status.json` while the job replaces it: here the job's PUT
     of a longer status lands after the reader's HEAD and before its GET (made so by the
     proxy, which puts it straight to the server when the GET arrives). The cut-short read
@@ -651,6 +652,7 @@ def test_a_status_replaced_between_its_head_and_its_get_is_read_again_not_refuse
         return False
 
     proxy = through_a_fault_proxy(monkeypatch, put_the_longer_status_first)
+    caplog.set_level(logging.INFO, logger="raypipe")
     try:
         status = LiveOutput(Store(uri)).status()
     finally:
@@ -658,3 +660,4 @@ def test_a_status_replaced_between_its_head_and_its_get_is_read_again_not_refuse
     assert replaced, "the status was never read through the proxy"
     assert status == longer
     assert proxy.gets[f"/{bucket}/racing/{LIVE_STATUS}"] >= 2, "the first read was not cut"
+    assert "cut short while it was replaced" in caplog.text, "the re-read was not logged"

@@ -11,7 +11,8 @@ record -> manifest) then makes a half-written shard invisible: nothing lists it.
 A URI whose scheme pyarrow cannot open is a ConfigError naming the URI, never a local
 directory named after it. Endpoints and credentials come from pyarrow's standard environment
 (`AWS_ENDPOINT_URL`, `AWS_*`, `GOOGLE_APPLICATION_CREDENTIALS`); the root's URI carries none
-and is what manifests and logs print. Cost: one HEAD per `info`, one GET/PUT per small record;
+and is what manifests and logs print. Cost: one HEAD per `info`, one GET/PUT per small record
+(one replaced in place while read: read again when cut short, up to DOWNLOAD_TRIES times);
 an upload streams at the link's speed in 8 MiB parts.
 """
 
@@ -175,7 +176,8 @@ class Store:
         """A JSON object. `replaced_in_place`: another process rewrites the file while we
         read it. On object storage a read is a HEAD (the size) and then a ranged GET, so
         a PUT landing between them yields the first bytes of the new version, cut short;
-        such a read is made again (up to DOWNLOAD_TRIES times) before it counts as bad."""
+        such a read is made again (up to DOWNLOAD_TRIES times, each logged) before it counts
+        as bad."""
         tries = DOWNLOAD_TRIES if replaced_in_place and not self.local else 1
         for attempt in range(1, tries + 1):
             try:
@@ -185,6 +187,8 @@ class Store:
                 if attempt == tries:
                     raise FormatError(self.uri_of(relative),
                                       f"not valid JSON: {exc}") from exc
+                logger.info("%s: cut short while it was replaced (%s); read %d of %d",
+                            self.uri_of(relative), exc, attempt + 1, tries)
                 time.sleep(RETRY_SECONDS * attempt)
         if not isinstance(data, dict):
             raise FormatError(self.uri_of(relative), "top level is not a JSON object")
