@@ -9,8 +9,9 @@ loader trains of chat data at T = 2048 and 8192.
   ChatML template (with generation blocks, so transformers can return its mask).
 - Baseline: the transformers loop in 2 processes (half the conversations each), one
   `apply_chat_template` call per conversation, timed from the first call to the last.
-- raypipe: `raypipe tokenize --chat` in a fresh process (it starts its local Ray with 2
-  CPUs and stops it), timed from launch to exit; and its units' CPU seconds / 2.
+- raypipe: `raypipe tokenize --chat` in a fresh process, timed from launch to exit, as
+  typed (no Ray here: 2 local worker processes) and with `--executor ray` (it starts its
+  local Ray with 2 CPUs and stops it); and its units' CPU seconds / 2.
 - Packing: one epoch of the bestfit loader (packing auto = split for chat data) over the
   output at each T: the share of target positions trained (mask 1), of padding, and how
   many conversations were cut (only those longer than a row may be); and at a short row
@@ -70,11 +71,11 @@ from raypipe.config import load_config
 from raypipe.io.manifest import read_manifest
 from raypipe.io.store import Store
 from raypipe.preprocess.output import unit_records
-from raypipe.ray.executor import run_tokenize
-from raypipe.ray.session import shutdown_local_ray
-corpus, output, tokenizer = sys.argv[1:4]
+from raypipe.ray.launch import run_tokenize, shutdown_local_ray
+corpus, output, tokenizer, executor = sys.argv[1:5]
 summary = run_tokenize(load_config(None, inputs=[corpus], output=output, tokenizer=tokenizer,
-                                   chat=True, num_workers=2, unit_bytes=1 << 20))
+                                   chat=True, num_workers=2, unit_bytes=1 << 20,
+                                   executor=executor))
 print(json.dumps({"documents": summary.documents, "tokens": summary.tokens_run,
                   "trained": read_manifest(Store(output)).totals.trained_tokens,
                   "skipped": summary.skipped, "ray_start": summary.startup_seconds,
@@ -162,13 +163,24 @@ def transformers_loop(corpus: Path, tokenizer: Path, template: Path) -> dict:
             "trained": sum(r["trained"] for r in results)}
 
 
-def raypipe_job(corpus: Path, output: Path, tokenizer: Path) -> dict:
+def raypipe_job(corpus: Path, output: Path, tokenizer: Path, executor: str = "auto") -> dict:
     import shutil
 
     shutil.rmtree(output, ignore_errors=True)
     started = time.perf_counter()
-    result = run_json(JOB, str(corpus), str(output), str(tokenizer))
+    result = run_json(JOB, str(corpus), str(output), str(tokenizer), executor)
     return {**result, "wall": time.perf_counter() - started}
+
+
+def same_shards(first: Path, second: Path) -> bool:
+    """Whether two outputs hold the same shard files, byte for byte (every format's folder)."""
+    from raypipe.formats import FORMATS
+
+    def shards(output: Path) -> dict[str, bytes]:
+        return {str(path.relative_to(output)): path.read_bytes() for name in FORMATS
+                for path in sorted((output / name).glob("[!.]*"))}
+
+    return bool(shards(first)) and shards(first) == shards(second)
 
 
 def conversation_digests(output: Path) -> list[str]:
@@ -255,29 +267,41 @@ def main() -> None:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     corpus, tokenizer, template = prepare(workdir, args.conversations, args.tokenizer)
-    loops, jobs = [], []
+    loops, jobs, ray_jobs = [], [], []
     for _ in range(args.repeats):  # alternated, best of N
         loops.append(transformers_loop(corpus, tokenizer, template))
+        ray_jobs.append(raypipe_job(corpus, workdir / "out-ray", tokenizer, "ray"))
         jobs.append(raypipe_job(corpus, workdir / "out", tokenizer))
     loop, job = min(loops, key=lambda r: r["seconds"]), min(jobs, key=lambda r: r["wall"])
+    on_ray = min(ray_jobs, key=lambda r: r["wall"])
     count = args.conversations
     rows = [("what", "conversations", "tokens", "seconds", "conversations/s"),
             ("transformers apply_chat_template loop, 2 processes", f"{loop['rows']:,}",
              f"{loop['tokens']:,}", f"{loop['seconds']:.2f}",
              f"{loop['rows'] / loop['seconds']:,.0f}"),
-            ("raypipe tokenize --chat, end to end", f"{job['documents']:,}",
-             f"{job['tokens']:,}", f"{job['wall']:.2f}", f"{count / job['wall']:,.0f}"),
+            ("raypipe tokenize --chat, end to end (no Ray here: local processes)",
+             f"{job['documents']:,}", f"{job['tokens']:,}", f"{job['wall']:.2f}",
+             f"{count / job['wall']:,.0f}"),
+            ("raypipe tokenize --chat --executor ray, end to end (a fresh local Ray)",
+             f"{on_ray['documents']:,}", f"{on_ray['tokens']:,}", f"{on_ray['wall']:.2f}",
+             f"{count / on_ray['wall']:,.0f}"),
             ("raypipe units' CPU time / 2", f"{job['documents']:,}", f"{job['tokens']:,}",
              f"{job['unit_cpu'] / 2:.2f}", f"{count / (job['unit_cpu'] / 2):,.0f}")]
     print_table(rows)
     print(f"RATIO raypipe end to end / transformers loop (conversations/s) = "
-          f"{loop['seconds'] / job['wall']:.2f} (Ray start-up {job['ray_start']:.2f} s inside)")
+          f"{loop['seconds'] / job['wall']:.2f} (local worker processes, no Ray; target "
+          f">= 1: {'PASS' if loop['seconds'] >= job['wall'] else 'BELOW TARGET'})")
+    print(f"RATIO raypipe --executor ray end to end / transformers loop = "
+          f"{loop['seconds'] / on_ray['wall']:.2f} (Ray start-up {on_ray['ray_start']:.2f} s "
+          "inside)")
     print(f"RATIO raypipe units / transformers loop (per core) = "
           f"{loop['seconds'] / (job['unit_cpu'] / 2):.2f}")
     print(f"tokens equal: {loop['tokens'] == job['tokens']} (transformers {loop['tokens']:,}, "
           f"raypipe {job['tokens']:,}); trained tokens equal: "
           f"{loop['trained'] == job['trained']} (transformers' assistant mask "
           f"{loop['trained']:,}, raypipe's loss mask {job['trained']:,})")
+    print(f"shards of the local processes and of Ray byte-identical: "
+          f"{same_shards(workdir / 'out', workdir / 'out-ray')}")
     ours = conversation_digests(workdir / "out")
     equal = sum(a == b for a, b in zip(loop["digests"], ours, strict=False))
     every = equal == len(loop["digests"]) == len(ours)

@@ -57,7 +57,7 @@ from raypipe.config import load_config
 from raypipe.io.manifest import read_manifest, unit_record_name
 from raypipe.io.records import UnitRecord
 from raypipe.io.store import Store
-from raypipe.ray.executor import run_tokenize
+from raypipe.ray.executor import run_on_ray as run_tokenize
 
 inputs, output, tokenizer, unit_bytes, address, extra = sys.argv[1:7]
 config = load_config(None, inputs=json.loads(inputs), output=output, tokenizer=tokenizer,

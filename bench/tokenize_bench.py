@@ -174,7 +174,7 @@ def run_ceiling(corpus: Path, workdir: Path, tokenizer: Path, eos: str,
 RAYPIPE_JOB = """
 import json, sys
 from raypipe.config import load_config
-from raypipe.ray.executor import run_tokenize
+from raypipe.ray.executor import run_on_ray as run_tokenize
 from raypipe.ray.session import shutdown_local_ray
 from raypipe.io.store import Store
 from raypipe.preprocess.output import unit_records

@@ -1,7 +1,8 @@
 """raypipe: parquet / JSON-lines corpora or Ray Datasets -> token shards -> training batches.
 
-`raypipe.tokenize(...)` runs the preprocessing job on Ray; `raypipe.TokenLoader` (torch)
-feeds training from one dataset, `raypipe.open_loader` from one dataset or a mixture;
+`raypipe.tokenize(...)` runs the preprocessing job (on Ray Data, or on local processes where
+no Ray is around); `raypipe.TokenLoader` (torch) feeds training from one dataset,
+`raypipe.open_loader` from one dataset or a mixture;
 `raypipe.trace(...)` says which documents and input rows any step held.
 Heavy modules are imported lazily so `import raypipe` stays cheap.
 """
@@ -15,7 +16,8 @@ from raypipe._version import __version__
 
 def tokenize(inputs: Any, output: str, tokenizer: str,
              formats: str | list[str] | None = None, **options: Any):
-    """Tokenize `inputs` into `output` inside the caller's Ray session (or a new local one).
+    """Tokenize `inputs` into `output`: on Ray Data in the caller's Ray session (or a
+    cluster's), else on local worker processes (options' `executor`: raypipe.ray.launch).
 
     `inputs`: parquet / JSON-lines files, directories or globs (a string or a list), or a
     `ray.data.Dataset` with a text column (each block becomes one unit, named by the hash
@@ -24,13 +26,19 @@ def tokenize(inputs: Any, output: str, tokenizer: str,
     Options are TokenizeConfig fields (text_column, bos, eos, shard_tokens, ...). Returns
     the JobSummary."""
     from raypipe.config import load_config
-    from raypipe.ray.executor import describe_dataset, run_tokenize
+    from raypipe.ray.launch import run_tokenize
 
     dataset = inputs if _is_ray_dataset(inputs) else None
-    config = load_config(None, inputs=[describe_dataset(dataset)] if dataset is not None
+    config = load_config(None, inputs=[_describe(dataset)] if dataset is not None
                          else inputs, output=output, tokenizer=tokenizer, formats=formats,
                          **options)
     return run_tokenize(config, dataset)
+
+
+def _describe(dataset: Any) -> str:
+    from raypipe.ray.executor import describe_dataset
+
+    return describe_dataset(dataset)
 
 
 def _is_ray_dataset(inputs: Any) -> bool:

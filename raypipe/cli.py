@@ -145,8 +145,7 @@ def config_from_args(args: argparse.Namespace) -> TokenizeConfig:
 def command_tokenize(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     args.output_location = config.output  # what an interrupt reports on
-    from raypipe.ray.executor import run_tokenize
-    from raypipe.ray.session import shutdown_local_ray
+    from raypipe.ray.launch import run_tokenize, shutdown_local_ray
 
     try:
         summary = run_tokenize(config)

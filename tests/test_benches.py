@@ -70,6 +70,7 @@ def test_the_chat_benchmark_runs_at_a_tiny_size(tmp_path):
     assert "tokens equal: True" in done.stdout, done.stdout
     assert "trained tokens equal: True" in done.stdout, done.stdout
     assert "equal transformers': 300 of 300 (ALL)" in done.stdout, done.stdout
+    assert "shards of the local processes and of Ray byte-identical: True" in done.stdout
     packed = next(line for line in done.stdout.splitlines() if line.startswith("T=256"))
     cut = int(packed.split("conversations cut ")[1].split()[0])
     longer = int(packed.split("longer than a row: ")[1].rstrip(")"))

@@ -105,7 +105,7 @@ def test_round_trip_through_convert(every_format, tmp_path, name):
 @pytest.mark.slow
 def test_every_format_is_the_same_bytes_serial_and_on_ray_workers(ray_session, tmp_path, corpus,
                                                                   tokenizer_path, every_format):
-    from raypipe.ray.executor import run_tokenize
+    from raypipe.ray.executor import run_on_ray as run_tokenize
 
     clean = shard_files(every_format)
     assert {path.split("/")[0] for path in clean} == set(EVERY_FORMAT)

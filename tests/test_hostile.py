@@ -329,12 +329,14 @@ def test_a_document_over_the_worker_memory_budget_is_skipped_as_too_long(tmp_pat
         None, inputs=["x"], output="o", tokenizer="t").output_fields()  # 0.1 fingerprints
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_an_error_inside_a_ray_worker_is_one_line_naming_the_file(ray_session, tmp_path,
-                                                                  tokenizer_path, corpus_texts,
-                                                                  capsys):
+@pytest.mark.parametrize("executor", [
+    pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow]), "local"])
+def test_an_error_inside_a_worker_is_one_line_naming_the_file(request, tmp_path, tokenizer_path,
+                                                              corpus_texts, capsys, executor):
     from raypipe.cli import main
+
+    if executor == "ray":
+        request.getfixturevalue("ray_session")
     from tests.conftest import write_parquet
 
     path = write_parquet(tmp_path / "in" / "bad.parquet", corpus_texts[:200], row_group_rows=50)
@@ -343,7 +345,7 @@ def test_an_error_inside_a_ray_worker_is_one_line_naming_the_file(ray_session, t
     data[middle:middle + 64] = b"\xff" * 64
     path.write_bytes(bytes(data))
     code = main(["tokenize", str(tmp_path / "in"), "--tokenizer", tokenizer_path,
-                 "--output", str(tmp_path / "out"), "--unit-bytes", "1"])
+                 "--output", str(tmp_path / "out"), "--unit-bytes", "1", "--executor", executor])
     error = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert error[-1].startswith("raypipe: error: ") and str(path) in error[-1]

@@ -87,14 +87,16 @@ def session_processes(session: int) -> list[str]:
 
 
 def interrupted_tokenize(corpus: Path, output: Path, tokenizer_path: str, fault: dict,
-                         marker: Path, signum: int, group: bool) -> tuple[int, str, list]:
-    """`raypipe tokenize` in its own session; once a worker pauses at the fault, the signal
-    (to the whole process group, as a terminal's Ctrl-C, or to the driver alone); then its
-    exit status, stderr, and what of its session is left 15 s later."""
+                         marker: Path, signum: int, group: bool, executor: str
+                         ) -> tuple[int, str, list]:
+    """`raypipe tokenize --executor <executor>` in its own session; once a worker pauses at
+    the fault, the signal (to the whole process group, as a terminal's Ctrl-C, or to the
+    driver alone); then its exit status, stderr, and what of its session is left 15 s
+    later."""
     env = {**os.environ, faults.ENVIRONMENT_VARIABLE: json.dumps(fault)}
     process = subprocess.Popen(
         [*RAYPIPE, "tokenize", str(corpus), "--tokenizer", tokenizer_path, "--output",
-         str(output), "--unit-bytes", "1", "--num-workers", "2"],
+         str(output), "--unit-bytes", "1", "--num-workers", "2", "--executor", executor],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         start_new_session=True)
     deadline = time.monotonic() + 120
@@ -109,16 +111,16 @@ def interrupted_tokenize(corpus: Path, output: Path, tokenizer_path: str, fault:
     return process.returncode, stderr, session_processes(process.pid)
 
 
-@pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.parametrize("executor", [pytest.param("ray", marks=pytest.mark.ray), "local"])
 @pytest.mark.parametrize("signum,group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
 def test_an_interrupted_tokenize_exits_cleanly_and_its_rerun_gives_the_clean_bytes(
-        tmp_path, big_corpus, tokenizer_path, signum, group):
+        tmp_path, big_corpus, tokenizer_path, signum, group, executor):
     marker = tmp_path / "paused"
     fault = {"point": "unit.rows", "action": "pause", "in": "worker",
              "marker": str(marker), "unit": "part-3"}
     status, stderr, left = interrupted_tokenize(big_corpus, tmp_path / "out", tokenizer_path,
-                                                fault, marker, signum, group)
+                                                fault, marker, signum, group, executor)
     name = signal.Signals(signum).name
     assert status == 128 + signum, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
@@ -141,8 +143,8 @@ def test_ctrl_c_during_ray_start_up_is_one_line_and_leaves_nothing(tmp_path, big
                                                                    tokenizer_path):
     process = subprocess.Popen(
         [*RAYPIPE, "tokenize", str(big_corpus), "--tokenizer", tokenizer_path, "--output",
-         str(tmp_path / "out"), "--unit-bytes", "1", "--num-workers", "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+         str(tmp_path / "out"), "--unit-bytes", "1", "--num-workers", "2", "--executor",
+         "ray"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         start_new_session=True)
     time.sleep(2.5)  # imports done; Ray starting (3-8 s on 2 busy cores)
     os.killpg(process.pid, signal.SIGINT)

@@ -224,7 +224,7 @@ def test_rerun_of_finished_job_does_not_touch_ray(tmp_path, corpus_dir, tokenize
     code = (f"import sys; sys.path.insert(0, {str(root)!r})\n"
             "import ray\n"
             "from tests.test_job import config_for\n"
-            "from raypipe.ray.executor import run_tokenize\n"
+            "from raypipe.ray.executor import run_on_ray as run_tokenize\n"
             f"summary = run_tokenize(config_for({str(corpus_dir)!r}, {str(tmp_path / 'out')!r}, "
             f"{tokenizer_path!r}))\n"
             "print(summary.units_run, ray.is_initialized())\n"

@@ -440,7 +440,7 @@ def test_bucket_loader_under_auto_resumes_a_global_state_as_global(bucket, token
 def test_ray_workers_upload_the_same_shards_a_local_run_writes(ray_session, bucket,
                                                                corpus_dir, tokenizer_path,
                                                                tmp_path, in_tmp_cwd):
-    from raypipe.ray.executor import run_tokenize
+    from raypipe.ray.executor import run_on_ray as run_tokenize
     from tests.helpers import shard_files
 
     uri = f"s3://{bucket}/tokens"

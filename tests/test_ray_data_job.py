@@ -139,7 +139,7 @@ def test_the_execution_plan_of_the_tokenize_stage_is_in_rays_data_log(ray_sessio
 DRIVER = """
 import sys
 from raypipe.config import load_config
-from raypipe.ray.executor import run_tokenize
+from raypipe.ray.executor import run_on_ray as run_tokenize
 corpus, output, tokenizer = sys.argv[1:4]
 run_tokenize(load_config(None, inputs=[corpus], output=output, tokenizer=tokenizer,
                          unit_bytes=1, num_workers=2, encode_batch_rows=16))
@@ -156,7 +156,7 @@ def test_a_driver_killed_mid_job_then_rerun_gives_the_clean_runs_bytes(
     import tempfile
     import time
 
-    from raypipe.ray.executor import run_tokenize
+    from raypipe.ray.executor import run_on_ray as run_tokenize
     from tests.test_reliability import config_for
 
     clean, output = tmp_path / "clean", tmp_path / "out"

@@ -17,7 +17,7 @@ from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
 from raypipe.errors import ConfigError
 from raypipe.preprocess.job import run_job
-from raypipe.ray.executor import run_tokenize
+from raypipe.ray.executor import run_on_ray as run_tokenize
 from tests.helpers import expected_documents, file_identities, shard_files
 
 pytestmark = pytest.mark.ray

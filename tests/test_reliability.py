@@ -4,6 +4,7 @@ of the run under "raypipe figures")."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -66,15 +67,30 @@ def assert_visible_files_are_clean(output: Path, clean: dict[str, bytes]) -> int
     return len(visible)
 
 
-@pytest.mark.ray
-@pytest.mark.slow
+# every runner a job's units run on, as the harness of the tests on workers that die
+RUNNERS = [pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow]), "local"]
+
+
+def runner_job(runner: str, request: pytest.FixtureRequest):
+    """The function that runs a job's config on `runner` (Ray Data on the test session's
+    Ray, or the local process pool)."""
+    if runner == "ray":
+        request.getfixturevalue("ray_session")
+        from raypipe.ray.executor import run_on_ray
+
+        return run_on_ray
+    from raypipe.ray.launch import run_tokenize
+
+    return lambda config: run_tokenize(dataclasses.replace(config, executor="local"))
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("point,action", [("unit.rows", "kill"), ("megatron.after_bin", "kill"),
                                           ("unit.rows", "pause")])
-def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus_dir,
+def test_killed_worker_job_finishes_byte_identical(request, tmp_path, corpus_dir,
                                                    tokenizer_path, clean_run, figure, point,
-                                                   action, monkeypatch):
-    from raypipe.ray.executor import run_tokenize
-
+                                                   action, monkeypatch, runner):
+    run_tokenize = runner_job(runner, request)
     marker = tmp_path / "fault"
     # the fault fires in workers only (the driver tokenizes nothing itself)
     fault = {"point": point, "unit": "part-0", "action": action, "marker": str(marker),
@@ -96,22 +112,27 @@ def test_killed_worker_job_finishes_byte_identical(ray_session, tmp_path, corpus
     assert shard_files(tmp_path / "out") == clean_run
     assert temp_files(tmp_path / "out") == []
     verify_dataset(tmp_path / "out")
-    figure(f"worker killed ({point}, {action})",
+    figure(f"worker killed ({point}, {action}, {runner})",
            f"pid {marker.read_text()} died; job finished {summary.units} units in "
            f"{time.perf_counter() - began:.1f} s, output byte-identical, 0 temp files")
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.parametrize("per_block", [1, 4], ids=["a unit a block", "4 units a block"])
+@pytest.mark.parametrize("runner,per_block", [
+    pytest.param("ray", 1, marks=[pytest.mark.ray, pytest.mark.slow], id="ray, a unit a block"),
+    pytest.param("ray", 4, marks=[pytest.mark.ray, pytest.mark.slow],
+                 id="ray, 4 units a block"),
+    pytest.param("local", None, id="local")])
 def test_a_unit_that_kills_every_worker_fails_naming_its_file_and_keeps_the_rest(
-        ray_session, tmp_path, corpus_dir, tokenizer_path, clean_run, figure, monkeypatch,
-        per_block):
-    from raypipe.ray import executor
-    from raypipe.ray.executor import UNIT_RETRIES, run_tokenize
+        request, tmp_path, corpus_dir, tokenizer_path, clean_run, figure, monkeypatch,
+        runner, per_block):
+    from raypipe.preprocess.runners import UNIT_RETRIES
 
-    monkeypatch.setattr(executor, "UNITS_PER_BLOCK", per_block)  # the driver cuts blocks
-    monkeypatch.setattr(executor, "BLOCKS_PER_WORKER", 1)
+    run_tokenize = runner_job(runner, request)
+    if runner == "ray":
+        from raypipe.ray import executor
+
+        monkeypatch.setattr(executor, "UNITS_PER_BLOCK", per_block)  # the driver cuts blocks
+        monkeypatch.setattr(executor, "BLOCKS_PER_WORKER", 1)
     output = tmp_path / "out"
     config = config_for(corpus_dir, output, tokenizer_path, num_workers=2)
     unit = plan_units(config.inputs, "text", 1)[0]
@@ -146,8 +167,8 @@ def test_a_unit_that_kills_every_worker_fails_naming_its_file_and_keeps_the_rest
     summary = run_tokenize(config_for(corpus_dir, output, tokenizer_path, num_workers=2))
     assert 1 <= summary.units_run <= summary.units - committed
     assert shard_files(output) == clean_run
-    figure("a unit that kills every worker", f"{message[:160]}...; {committed} units kept, "
-           f"rerun ran {summary.units_run}")
+    figure(f"a unit that kills every worker ({runner})",
+           f"{message[:160]}...; {committed} units kept, rerun ran {summary.units_run}")
 
 
 def test_killed_driver_rerun_keeps_committed_shards(tmp_path, corpus_dir, tokenizer_path,

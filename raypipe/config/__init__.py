@@ -43,8 +43,10 @@ from raypipe.formats import (
 )
 
 # Fields that do not change output bytes: excluded from the fingerprint.
-EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "overwrite",
+EXECUTION_FIELDS = frozenset({"encode_batch_rows", "num_workers", "address", "executor",
+                              "overwrite",
                               "tokenizer_backend", "allow_empty", "skip_bad_files"})
+EXECUTORS = ("auto", "ray", "local")
 TOKENIZER_BACKENDS = ("auto", "gigatoken", "fastokens", "tiktoken", "tokenizers")
 LOCATION_FIELDS = frozenset({"inputs", "output", "tokenizer"})
 NANOGPT_MAX_TOKENS = 2**31 - 1
@@ -237,6 +239,13 @@ class TokenizeConfig:
                                      "also the CPUs of a local Ray raypipe starts")
     address: str | None = option(None, help="Ray cluster address (default: RAY_ADDRESS or "
                                             "a local Ray)")
+    executor: str = option("auto", help="where the units run: ray (Ray Data, on the "
+                                        "caller's Ray session, the --address cluster or a "
+                                        "local Ray raypipe starts), local (processes on this "
+                                        "machine, no Ray: input files only) or auto (ray "
+                                        "for a Dataset, an address, RAY_ADDRESS, a running "
+                                        "Ray session or a cluster `ray start` left here, "
+                                        "else local); the shards are the same bytes")
     overwrite: bool = option(False, help="replace an output made with a different config")
     skip_bad_files: bool = option(False, help="skip an input file that cannot be read (a "
                                               "truncated .gz, a corrupt parquet footer or "
@@ -273,6 +282,8 @@ class TokenizeConfig:
         if self.special_tokens_in_text not in ("text", "special"):
             raise ConfigError(f"special_tokens_in_text: {self.special_tokens_in_text!r} not "
                               "among ['text', 'special']")
+        if self.executor not in EXECUTORS:
+            raise ConfigError(f"executor: {self.executor!r} not among {list(EXECUTORS)}")
         if self.tokenizer_backend not in TOKENIZER_BACKENDS:
             raise ConfigError(f"tokenizer_backend: {self.tokenizer_backend!r} not among "
                               f"{list(TOKENIZER_BACKENDS)}")

@@ -21,7 +21,7 @@ def run_demo(output: Path, num_workers: int | None = None) -> None:
     from raypipe.dataset import TokenDataset
     from raypipe.demo.corpus import gather_docstrings, write_corpus
     from raypipe.formats import DEFAULT_FORMATS
-    from raypipe.ray.executor import run_tokenize
+    from raypipe.ray.executor import run_on_ray
 
     corpus = output / "corpus"
     if not any(corpus.glob("*.parquet")):
@@ -31,7 +31,7 @@ def run_demo(output: Path, num_workers: int | None = None) -> None:
     config = load_config(None, inputs=[str(corpus)], output=str(output / "tokens"),
                          tokenizer=str(SHIPPED), formats=list(DEFAULT_FORMATS),
                          num_workers=num_workers, unit_bytes=256 << 10)
-    summary = run_tokenize(config)
+    summary = run_on_ray(config)  # the demo shows the Ray Data job
     print(summary.render())
     datasets = [TokenDataset(output / "tokens", name) for name in DEFAULT_FORMATS]
     firsts = [content(dataset, dataset.reader(0).document(0)) for dataset in datasets]

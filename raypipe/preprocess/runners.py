@@ -10,6 +10,7 @@ unit.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Any, Protocol
 import pyarrow as pa
 from tokenizers import Tokenizer
 
+from raypipe.errors import InputError, RaypipeError, bad_input
+from raypipe.io.manifest import committed_unit_record
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.encoder import (
     DocumentEncoder,
@@ -25,6 +28,9 @@ from raypipe.preprocess.encoding.encoder import (
     single_threaded_tokenizers,
 )
 from raypipe.preprocess.unit import UnitSettings, tokenize_unit
+
+logger = logging.getLogger("raypipe")
+UNIT_RETRIES = 3  # runs of a unit after its worker died, before the job fails
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,64 @@ def make_encoder(settings: UnitSettings, tokenizer: Tokenizer | None = None
                      else load_tokenizer(settings.tokenizer.spec))
     return DocumentEncoder(tokenizer, *settings.encoder_separators,
                            settings.config.special_tokens_in_text, settings.tokenizer.backend)
+
+
+def too_many_deaths(unit: WorkUnit, attempt: int) -> InputError | None:
+    """The error of a unit about to start its `attempt`-th run, once it has killed its
+    worker more than UNIT_RETRIES times (None: it may run again)."""
+    if attempt <= UNIT_RETRIES + 1:
+        return None
+    return InputError(f"{unit.location}: the worker tokenizing them died {attempt - 1} "
+                      "times (out of memory?)")
+
+
+def check_attempt(unit: WorkUnit, attempt: int) -> None:
+    """A unit started again after its worker died: fails once it has killed its worker
+    more than UNIT_RETRIES times."""
+    error = too_many_deaths(unit, attempt)
+    if error is not None:
+        raise error
+    logger.warning("%s: the worker died; running the unit again (%d of %d)",
+                   unit.location, attempt - 1, UNIT_RETRIES)
+
+
+def unit_outcome(unit: WorkUnit, attempt: int, settings: UnitSettings,
+                 encoder: DocumentEncoder, batches: Iterable[pa.RecordBatch] | None = None,
+                 starting: Callable[[], None] = lambda: None) -> UnitRecord | RaypipeError:
+    """A worker's run of `unit` (its `attempt`-th start): its record, or its RaypipeError as
+    a value (bad input, or a unit that keeps killing its worker), which the driver raises
+    as itself. A unit started again after its worker died is taken as it was committed, if
+    it was. `starting` is called just before the unit is tokenized (a death from then on
+    counts against the unit)."""
+    try:
+        if attempt > 1:  # it ran before, on a worker that died
+            done = committed_unit_record(settings.output, unit, {settings.fingerprint})
+            if done is not None:
+                return done
+            check_attempt(unit, attempt)
+        starting()
+        return tokenize_unit(unit, settings, encoder, batches)
+    except RaypipeError as exc:
+        return exc
+
+
+class Failures:
+    """The driver's side of units that failed: the first stops new units while the ones in
+    flight finish and commit; `raise_first` raises it once they have, with every bad-input
+    error of the units that were in flight named beside it."""
+
+    def __init__(self) -> None:
+        self.errors: list[Exception] = []
+
+    def add(self, error: Exception) -> None:
+        self.errors.append(error)
+
+    def raise_first(self) -> None:
+        inputs = [error for error in self.errors if isinstance(error, InputError)]
+        if inputs and len(inputs) == len(self.errors):
+            raise bad_input(inputs)
+        if self.errors:
+            raise self.errors[0]
 
 
 class SerialRunner:

@@ -5,10 +5,10 @@ Invariant: every row or token the job did not turn into training tokens is a lin
 summary (skipped rows by reason, the first of them named in the unit records and listed by
 `raypipe inspect --rejects`; input files skipped as bad; files of input directories passed
 over; empty input files; batch formats' cropped, padded and dropped tokens), next to what
-ran (units run, retried, already committed) and how long it took, Ray's start-up on a line
-of its own. Cost: built once from the manifest's totals and the records, on the driver;
-`empty_files` walks each record and each group's members once (~1 us a file: ~1 s at 10^6
-files).
+ran (units run, retried, already committed) and how long it took, Ray's start-up (or the
+local workers') on a line of its own. Cost: built once from the manifest's totals and the
+records, on the driver; `empty_files` walks each record and each group's members once (~1 us
+a file: ~1 s at 10^6 files).
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ class JobSummary:
     bytes: int
     wall_seconds: float
     run_seconds: float = 0.0  # Ray up and self-checked -> last unit committed
-    startup_seconds: float = 0.0  # connecting to (or starting) Ray
-    data_startup_seconds: float = 0.0  # Ray Data pipeline launched -> its first record
+    startup_seconds: float = 0.0  # connecting to (or starting) Ray, or the local workers
+    data_startup_seconds: float = 0.0  # the units' run launched -> its first record
+    executor: str = "serial"  # where the units ran: "ray" (Ray Data), "local" (worker
+    # processes), or "serial" (this process: SerialRunner)
     peak_rss_bytes: int = 0
     steady_seconds: float = 0.0
     packing: dict[str, str] = field(default_factory=dict)  # batch format -> its packing line
@@ -128,7 +130,11 @@ class JobSummary:
             f"  shards     {self.shards} per format, {self.bytes / 1e6:,.1f} MB stored",
             f"  wall time  {self.wall_seconds:.2f} s",
         ]
-        if self.startup_seconds or self.data_startup_seconds:
+        if self.executor == "local" and (self.startup_seconds or self.data_startup_seconds):
+            lines.append(f"  start      {self.startup_seconds:.2f} s to launch the local worker "
+                         f"processes (no Ray), then {self.data_startup_seconds:.2f} s to the "
+                         "first record")
+        elif self.startup_seconds or self.data_startup_seconds:
             lines.append(f"  Ray start  {self.startup_seconds:.2f} s to connect or start Ray, "
                          f"then {self.data_startup_seconds:.2f} s to the Ray Data pipeline's "
                          "first record (its actors starting)")

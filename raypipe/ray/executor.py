@@ -51,20 +51,25 @@ import ray
 
 from raypipe import _faults as faults
 from raypipe.config import TokenizeConfig
-from raypipe.errors import InputError, RaypipeError, bad_input
-from raypipe.io.manifest import committed_unit_record
+from raypipe.errors import InputError, RaypipeError
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.encoder import DocumentEncoder
 from raypipe.preprocess.encoding.self_check import first_rows
 from raypipe.preprocess.encoding.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.job import JobSummary, run_dataset_job, run_job
-from raypipe.preprocess.runners import BlockRun, LaterSettings, Settings, make_encoder
-from raypipe.preprocess.unit import UnitSettings, tokenize_unit
+from raypipe.preprocess.runners import (
+    BlockRun,
+    Failures,
+    LaterSettings,
+    Settings,
+    make_encoder,
+    unit_outcome,
+)
+from raypipe.preprocess.unit import UnitSettings
 from raypipe.ray.session import cluster_cpus, ensure_ray, quiet_ray_notices
 from raypipe.ray.stderr_lines import dropping_ray_noise
 
 logger = logging.getLogger("raypipe")
-UNIT_RETRIES = 3  # runs of a unit after its worker died, before the job fails
 
 
 class UnitLedger:
@@ -168,27 +173,9 @@ class MapTokenizer:
 
     def outcome(self, unit: WorkUnit, attempt: int, batches: Any = None
                 ) -> UnitRecord | RaypipeError:
-        try:
-            if attempt > 1:  # its block ran before, on an actor that died
-                done = committed_unit_record(self.settings.output, unit,
-                                             {self.settings.fingerprint})
-                if done is not None:
-                    return done
-                check_attempt(unit, attempt)
-            self.ledger.started.remote(unit.name)  # no wait: a death from here counts
-            return tokenize_unit(unit, self.settings, self.encoder, batches)
-        except RaypipeError as exc:
-            return exc
-
-
-def check_attempt(unit: WorkUnit, attempt: int) -> None:
-    """A unit started again after its worker died: fails once it has killed its worker
-    more than UNIT_RETRIES times."""
-    if attempt > UNIT_RETRIES + 1:
-        raise InputError(f"{unit.location}: the worker tokenizing them died "
-                         f"{attempt - 1} times (out of memory?)")
-    logger.warning("%s: the worker died; running the unit again (%d of %d)",
-                   unit.location, attempt - 1, UNIT_RETRIES)
+        # no wait on the ledger: a death from `starting` on counts
+        return unit_outcome(unit, attempt, self.settings, self.encoder, batches,
+                            starting=lambda: self.ledger.started.remote(unit.name))
 
 
 def _outcomes(outcomes: list[UnitRecord | RaypipeError | None]) -> dict[str, np.ndarray]:
@@ -197,15 +184,13 @@ def _outcomes(outcomes: list[UnitRecord | RaypipeError | None]) -> dict[str, np.
     return {"record": column}
 
 
-class Outcomes:
+class Outcomes(Failures):
     """The driver's side of the map stage's outcomes: records pass, and the first error
-    stops new units (the ledger) while the units in flight finish and commit; `raise_first`
-    raises it once the stage has drained, with every bad-input error of the units that were
-    in flight named beside it."""
+    stops new units (the ledger) while the units in flight finish and commit (Failures)."""
 
     def __init__(self, ledger: Any):
+        super().__init__()
         self.ledger = ledger
-        self.errors: list[RaypipeError] = []
 
     def record(self, outcome: Any) -> UnitRecord | None:
         """A unit's record from the map stage's column (None: no record: not started, or
@@ -213,16 +198,9 @@ class Outcomes:
         if isinstance(outcome, RaypipeError):
             if not self.errors:
                 ray.get(self.ledger.fail.remote())
-            self.errors.append(outcome)
+            self.add(outcome)
             return None
         return outcome if isinstance(outcome, UnitRecord) else None
-
-    def raise_first(self) -> None:
-        inputs = [error for error in self.errors if isinstance(error, InputError)]
-        if inputs and len(inputs) == len(self.errors):
-            raise bad_input(inputs)
-        if self.errors:
-            raise self.errors[0]
 
 
 class TokenizeUnits(MapTokenizer):
@@ -501,7 +479,7 @@ def _with_ray_errors_unwrapped(run: Any) -> JobSummary:
         raise cause from None
 
 
-def run_tokenize(config: TokenizeConfig, dataset: Any = None) -> JobSummary:
+def run_on_ray(config: TokenizeConfig, dataset: Any = None) -> JobSummary:
     """Run the job on Ray Data, inside the caller's Ray session or a new one (left
     running): over `config.inputs`' files, or over `dataset` (a ray.data.Dataset) when
     given. A rerun of a file job with nothing left to do never touches Ray."""
@@ -513,4 +491,4 @@ def run_tokenize(config: TokenizeConfig, dataset: Any = None) -> JobSummary:
             lambda: run_dataset_job(dataset, describe_dataset(dataset), config, runner))
     return dataclasses.replace(summary, startup_seconds=runner.startup_seconds,
                                data_startup_seconds=runner.data_startup_seconds,
-                               unit_retries=runner.retries)
+                               unit_retries=runner.retries, executor="ray")

@@ -19,13 +19,13 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import time
 from typing import Any
 
 import ray
 
 from raypipe import interrupts
+from raypipe.ray.record import cluster_record, ray_address_file, unanswered
 
 logger = logging.getLogger("raypipe")
 _started_here: set[str] = set()  # GCS addresses of the local sessions this process started
@@ -102,33 +102,19 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None,
     return time.perf_counter() - started
 
 
-RECORD_PROBE_SECONDS = 3.0  # how long a recorded cluster's GCS gets to accept a connection
-
-
 def stale_cluster_record() -> str | None:
     """A one-line warning if the cluster `ray start` recorded on this machine (the address
     a plain `ray.init()` would join) does not accept a connection within
     RECORD_PROBE_SECONDS; None where there is no record or it answers. A dead head whose
     record stayed (its processes stopped by pid) would otherwise have `ray.init()` retry
     its address for minutes."""
-    try:
-        from ray._common.utils import get_ray_address_file  # Ray's record, where it looks
-    except ImportError:  # a Ray that keeps it elsewhere: its own retries apply
+    address = cluster_record()
+    failure = None if address is None else unanswered(address)
+    if failure is None:
         return None
-    path = get_ray_address_file(None)
-    try:
-        with open(path) as handle:
-            address = handle.read().strip()
-    except OSError:
-        return None
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=RECORD_PROBE_SECONDS):
-            return None
-    except (OSError, ValueError) as exc:
-        return (f"the Ray cluster recorded in {path} ({address}) does not answer ({exc}); "
-                "starting a local Ray instead: pass --address (or RAY_ADDRESS) to join a "
-                "cluster, or delete that file if the cluster is gone")
+    return (f"the Ray cluster recorded in {ray_address_file()} ({address}) does not answer "
+            f"({failure}); starting a local Ray instead: pass --address (or RAY_ADDRESS) to "
+            "join a cluster, or delete that file if the cluster is gone")
 
 
 def start_or_join_local(num_cpus: int | None, dashboard: bool = False) -> None:
