@@ -140,3 +140,14 @@ def test_the_cluster_record_is_where_ray_itself_looks(monkeypatch, variables):
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     assert ray_address_file() == get_ray_address_file(None)
+
+
+@pytest.mark.parametrize("quota,expected", [("max 100000", None), ("150000 100000", 2),
+                                            ("50000 100000", 1), ("garbage", None)])
+def test_the_default_worker_count_keeps_to_the_cgroup_cpu_quota(tmp_path, quota, expected):
+    from raypipe.preprocess.pool import local_cpus
+
+    cpus = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text(quota + "\n")
+    assert local_cpus(str(tmp_path / "cpu.max")) == min(cpus, expected or cpus)
+    assert local_cpus(str(tmp_path / "absent")) == cpus

@@ -9,13 +9,14 @@ from the settings the driver sends it once (the tokenizer's JSON and the driver'
 conversion), and takes one unit at a time over its stdin, answering over a private copy of
 its stdout with the unit's record, its RaypipeError, or any other exception with its
 traceback (raised as itself): frames of an 8-byte length and a pickle, between processes
-of one job only (nothing read from disk is unpickled). The
-workers start when the runner connects, so their interpreters start while the driver
-plans and self-checks. A worker that dies (killed, out of memory) is replaced and its unit
-run again; a unit that killed its worker UNIT_RETRIES + 1 times fails the job naming its
-file and rows, as on Ray. The first bad unit stops new units; those in flight finish and
-commit before it is raised. Cost on the driver: one frame out and one in per unit (a
-record's pickle, ~1 KB) and one `select` wake-up; per worker, its interpreter's start
+of one job only (nothing read from disk is unpickled). The workers start when the runner
+connects, so their interpreters start while the driver plans and self-checks; their count
+is `num_workers`, else the CPUs this process may use (affinity and cgroup quota). A worker
+that dies (killed, out of memory) is replaced and its unit run again; a unit that killed
+its worker UNIT_RETRIES + 1 times fails the job naming its file and rows, as on Ray. The
+first bad unit stops new units; those in flight finish and commit before it is raised.
+Cost on the driver: one frame out and one in per unit (a record's pickle: ~1.4 KB, ~35 us
+to pickle and unpickle) and one `select` wake-up; per worker, its interpreter's start
 (~0.5 s of imports on 2 cores, overlapping the plan) and the settings' frame (the
 tokenizer's JSON: ~2 MB for a 128k vocabulary). Measured on 2 cores: see
 docs/benchmarks.md ("A job without Ray").
@@ -24,6 +25,7 @@ docs/benchmarks.md ("A job without Ray").
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import selectors
@@ -38,15 +40,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-import pyarrow as pa
-
 from raypipe import _faults as faults
 from raypipe.errors import RaypipeError
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.runners import (
-    BlockRun,
     Failures,
+    FilesOnly,
     Settings,
     make_encoder,
     settings_now,
@@ -92,12 +92,25 @@ class UnitTask:
     attempt: int
 
 
-def local_cpus() -> int:
-    """The CPUs this process may run on (its affinity, where the system has one)."""
+CPU_QUOTA_FILE = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" or "max <period>"
+
+
+def local_cpus(quota_file: str = CPU_QUOTA_FILE) -> int:
+    """The CPUs this process may use: its affinity (where the system has one), no more than
+    its cgroup's CPU quota rounded up (a container or pod limited to 4 CPUs on a 64-core
+    host gets 4 workers, not 64 that the quota throttles)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    try:
+        with open(quota_file) as handle:
+            quota, period = handle.read().split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    if quota == "max":
+        return cpus
+    return max(1, min(cpus, math.ceil(int(quota) / int(period))))
 
 
 class WorkerFailure:
@@ -154,7 +167,7 @@ class Worker:
             self.process.stdout.close()
 
 
-class ProcessPoolRunner:
+class ProcessPoolRunner(FilesOnly):
     """Runs a file job's units on `num_workers` local processes (default: this machine's
     CPUs, no more than there are units). Datasets need Ray."""
 
@@ -266,16 +279,6 @@ class ProcessPoolRunner:
     @staticmethod
     def _watch(selector: selectors.BaseSelector, worker: Worker) -> None:
         selector.register(worker.process.stdout, selectors.EVENT_READ, worker)
-
-    def check_columns(self, dataset: Any, columns: list[str]) -> None:
-        raise TypeError("a ray.data.Dataset input runs on Ray (executor 'ray')")
-
-    def first_rows(self) -> pa.Table | None:
-        raise TypeError("a ray.data.Dataset input runs on Ray (executor 'ray')")
-
-    def run_blocks(self, dataset: Any, settings: Settings, committed: frozenset[str],
-                   label: str, columns: list[str]) -> Iterator[BlockRun]:
-        raise TypeError("a ray.data.Dataset input runs on Ray (executor 'ray')")
 
 
 def serve(inbox: IO[bytes], outbox: IO[bytes]) -> None:

@@ -165,7 +165,23 @@ class Failures:
             raise self.errors[0]
 
 
-class SerialRunner:
+class FilesOnly:
+    """A runner of planned units only: a ray.data.Dataset is refused."""
+
+    REFUSAL = "a ray.data.Dataset input runs on Ray (executor 'ray' or 'auto')"
+
+    def check_columns(self, dataset: Any, columns: list[str]) -> None:
+        raise TypeError(self.REFUSAL)
+
+    def first_rows(self) -> pa.Table | None:
+        raise TypeError(self.REFUSAL)
+
+    def run_blocks(self, dataset: Any, settings: Settings, committed: frozenset[str],
+                   label: str, columns: list[str]) -> Iterator[BlockRun]:
+        raise TypeError(self.REFUSAL)
+
+
+class SerialRunner(FilesOnly):
     """Runs planned units one after another in this process (tests, tiny inputs,
     debugging); the encoder is loaded at the first unit. Datasets need Ray."""
 
@@ -189,12 +205,3 @@ class SerialRunner:
             encoder = encoder or make_encoder(settings, self.tokenizer)
             yield tokenize_unit(unit, settings, encoder)
 
-    def check_columns(self, dataset: Any, columns: list[str]) -> None:
-        raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")
-
-    def first_rows(self) -> pa.Table | None:
-        raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")
-
-    def run_blocks(self, dataset: Any, settings: Settings, committed: frozenset[str],
-                   label: str, columns: list[str]) -> Iterator[BlockRun]:
-        raise TypeError("a ray.data.Dataset input runs on Ray (raypipe.tokenize starts it)")
