@@ -304,6 +304,7 @@ def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, co
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "succeeded" in submit.stdout
     assert "documents" in submit.stdout and "tokens/s" in submit.stdout
+    assert "the units run on Ray Data" in submit.stdout  # a submitted job runs on Ray (auto)
     verify_dataset(tmp_path / "out")
     from raypipe.dataset import TokenDataset
 

@@ -18,7 +18,7 @@ first bad unit stops new units; those in flight finish and commit before it is r
 Cost on the driver: one frame out and one in per unit (a record's pickle: ~1.4 KB, ~35 us
 to pickle and unpickle) and one `select` wake-up; per worker, its interpreter's start
 (~0.5 s of imports on 2 cores, overlapping the plan) and the settings' frame (the
-tokenizer's JSON: ~2 MB for a 128k vocabulary). Measured on 2 cores: see
+tokenizer's JSON: 1-10 MB). Measured on 2 cores: see
 docs/benchmarks.md ("A job without Ray").
 """
 
