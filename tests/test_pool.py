@@ -151,3 +151,21 @@ def test_the_default_worker_count_keeps_to_the_cgroup_cpu_quota(tmp_path, quota,
     (tmp_path / "cpu.max").write_text(quota + "\n")
     assert local_cpus(str(tmp_path / "cpu.max")) == min(cpus, expected or cpus)
     assert local_cpus(str(tmp_path / "absent")) == cpus
+
+
+def test_a_worker_that_died_before_its_first_unit_costs_a_retry_not_the_job(
+        tmp_path, corpus_dir, tokenizer_path):
+    from raypipe.preprocess.pool import ProcessPoolRunner
+
+    class OneWorkerDiesAtOnce(ProcessPoolRunner):
+        def connect(self) -> None:
+            super().connect()
+            doomed = self.workers[0].process
+            doomed.kill()  # gone before the job hands it its settings and first unit
+            doomed.wait()
+
+    serial = run_job(config_for(corpus_dir, tmp_path / "serial", tokenizer_path))
+    runner = OneWorkerDiesAtOnce(2)
+    summary = run_job(config_for(corpus_dir, tmp_path / "pool", tokenizer_path), runner)
+    assert runner.retries == 1 and summary.units_run == serial.units_run
+    assert shard_files(tmp_path / "pool") == shard_files(tmp_path / "serial")

@@ -143,8 +143,11 @@ class Worker:
         self.has_settings = False
 
     def send(self, message: Any) -> None:
+        """Send `message`; to a worker that has died, nothing (its death is found where
+        its stdout ends, and its unit, if it was handed one, is run again)."""
         assert self.process.stdin is not None
-        send_frame(self.process.stdin, message)
+        with contextlib.suppress(BrokenPipeError):
+            send_frame(self.process.stdin, message)
 
     def receive(self) -> Any:
         assert self.process.stdout is not None
