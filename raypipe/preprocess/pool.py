@@ -156,11 +156,19 @@ class Worker:
     def stop(self, kill: bool = False) -> None:
         """Close its stdin (an idle worker exits) and reap it; `kill`: one that may still
         run a unit (the job stops short), or one that does not exit at once."""
+        self.let_go(kill)
+        self.reap()
+
+    def let_go(self, kill: bool = False) -> None:
+        """Tell it to exit (close its stdin), or kill it."""
         if kill:
             self.process.kill()
         with contextlib.suppress(OSError):
             if self.process.stdin is not None:
                 self.process.stdin.close()
+
+    def reap(self) -> None:
+        """Wait for it to exit (killed past 5 s), and close its stdout."""
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -168,6 +176,14 @@ class Worker:
             self.process.wait()
         if self.process.stdout is not None:
             self.process.stdout.close()
+
+
+def stop_all(workers: list[Worker], kill: bool = False) -> None:
+    """Stop `workers` side by side: each is told (or killed) before any is waited for."""
+    for worker in workers:
+        worker.let_go(kill)
+    for worker in workers:
+        worker.reap()
 
 
 class ProcessPoolRunner(FilesOnly):
@@ -202,8 +218,7 @@ class ProcessPoolRunner(FilesOnly):
             yield from self._run(units, settings)
             finished = True
         finally:  # all idle once finished; else (an error, an interrupt) stopped short
-            for worker in self.workers:
-                worker.stop(kill=not finished)
+            stop_all(self.workers, kill=not finished)
             self.workers = []
 
     def _run(self, units: list[WorkUnit], settings: Settings) -> Iterator[UnitRecord]:
@@ -212,8 +227,7 @@ class ProcessPoolRunner(FilesOnly):
         shared = JobSettings(ready, converted(ready.tokenizer.sha256))
         surplus = self.workers[max(1, len(units)):]
         self.workers = self.workers[:max(1, len(units))]
-        for worker in surplus:  # more workers than units: they hold nothing yet
-            worker.stop(kill=True)
+        stop_all(surplus, kill=True)  # more workers than units: they hold nothing yet
         pending = deque(UnitTask(unit, 1) for unit in units)
         failures = Failures()
         with selectors.DefaultSelector() as selector:
