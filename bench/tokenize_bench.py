@@ -28,7 +28,8 @@ alternated --repeats times; the best of each is printed:
   else); the ratios, auto's against the fastest bare call, and where auto's units spend
   their CPU (a profiled run, grouped: encoding, reading, finding bad rows, separators,
   sha256, writing, the rest) (`--units-only`: this alone);
-- raypipe, per backend, end to end in a fresh process, as `raypipe tokenize` runs: the job
+- raypipe, per backend, end to end in a fresh process, as `raypipe tokenize --executor
+  ray` runs (the Megatron race also runs it as typed, on local processes): the job
   starts a local Ray (2 CPUs, loopback, self-check meanwhile), plans, runs one Ray Data
   Dataset (from_items(units) -> map_batches on a 2-actor pool) that reads parquet,
   encodes, writes; commits the manifest (~32 work units), then stops its Ray

@@ -235,8 +235,9 @@ class TokenizeConfig:
                      "tokenizers; the shards are the same bytes either way")
     encode_batch_rows: int = option(1024, help="rows per tokenizer call (bounds worker "
                                                "memory)")
-    num_workers: int | None = option(None, help="tokenizer actors (default: all CPUs); "
-                                     "also the CPUs of a local Ray raypipe starts")
+    num_workers: int | None = option(None, help="tokenizer actors, or local worker "
+                                     "processes (default: all CPUs); also the CPUs of a "
+                                     "local Ray raypipe starts")
     address: str | None = option(None, help="Ray cluster address (default: RAY_ADDRESS or "
                                             "a local Ray)")
     executor: str = option("auto", help="where the units run: ray (Ray Data, on the "

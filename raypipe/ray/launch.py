@@ -25,6 +25,8 @@ from raypipe.preprocess.job import JobSummary, run_job
 from raypipe.ray.record import recorded_cluster
 
 logger = logging.getLogger("raypipe")
+
+
 def ray_session_running() -> bool:
     """Whether this process holds a Ray session (never imports Ray to find out)."""
     ray = sys.modules.get("ray")
