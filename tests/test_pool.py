@@ -169,3 +169,18 @@ def test_a_worker_that_died_before_its_first_unit_costs_a_retry_not_the_job(
     summary = run_job(config_for(corpus_dir, tmp_path / "pool", tokenizer_path), runner)
     assert runner.retries == 1 and summary.units_run == serial.units_run
     assert shard_files(tmp_path / "pool") == shard_files(tmp_path / "serial")
+
+
+def test_a_job_that_fails_before_its_run_leaves_no_worker_process(tmp_path, corpus_dir,
+                                                                  tokenizer_path):
+    import psutil
+
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    config = config_for(corpus_dir, tmp_path / "out", tokenizer_path, num_workers=2,
+                        text_column="no_such_column")
+    with pytest.raises(InputError, match="no_such_column"):
+        run_tokenize(config)  # the workers start before the plan finds the column missing
+    left = [child for child in psutil.Process().children(recursive=True)
+            if child.pid not in before and child.is_running()
+            and child.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [child.cmdline() for child in left]

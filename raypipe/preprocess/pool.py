@@ -205,6 +205,12 @@ class ProcessPoolRunner(FilesOnly):
             self.workers = [Worker() for _ in range(self.num_workers or local_cpus())]
             self.startup_seconds = time.perf_counter() - started
 
+    def close(self) -> None:
+        """Stop the workers a job started but never ran (it failed first); none are left
+        after a run, which stops its own."""
+        stop_all(self.workers, kill=True)
+        self.workers = []
+
     def startup_line(self) -> str | None:
         return (f"{len(self.workers)} local worker processes, no Ray (pass --executor ray "
                 "to run on Ray)")

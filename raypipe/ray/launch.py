@@ -66,7 +66,10 @@ def run_tokenize(config: TokenizeConfig, dataset: Any = None) -> JobSummary:
     from raypipe.preprocess.pool import ProcessPoolRunner
 
     runner = ProcessPoolRunner(config.num_workers)
-    summary = run_job(config, runner)
+    try:
+        summary = run_job(config, runner)
+    finally:  # a job that failed before its run (planning, the self-check) started them
+        runner.close()
     return dataclasses.replace(summary, startup_seconds=runner.startup_seconds,
                                data_startup_seconds=runner.data_startup_seconds,
                                unit_retries=runner.retries, executor="local")
