@@ -6,7 +6,7 @@ on Ray whenever a user has one: a ray.data.Dataset input, an address (`--address
 RAY_ADDRESS), a Ray session this process already holds (a plain `ray.init()` before the
 job), or a cluster `ray start` recorded on this machine that answers (the one a plain
 `ray.init()` would join). Anywhere else, a job on one machine runs on local processes,
-without Ray's start (3-10 s to a Ray Data pipeline's first record on 2 cores, more than a
+without Ray's start (6-16 s to a Ray Data pipeline's first record on 2 cores, more than a
 whole job of a few hundred MB) and without importing Ray. Cost of the choice: an
 environment lookup, a look at `sys.modules`, and where Ray's record exists, one TCP connect
 to its head (raypipe.ray.record).
