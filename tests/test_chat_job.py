@@ -347,6 +347,25 @@ def test_auto_encodes_chat_with_a_fast_backend_and_writes_the_bytes_tokenizers_w
         assert (output / path).read_bytes() == (reference / path).read_bytes(), path
 
 
+def test_a_chat_job_on_local_worker_processes_writes_the_serial_runners_bytes(
+        tmp_path, chat_output, chat_tokenizer_path):
+    """On the local pool the workers build their encoder (and its ChatEncoder) from the
+    backend the self-check most likely picks while it runs, and keep it once the check
+    agrees: the shards are the serial job's bytes, unit for unit."""
+    from raypipe.ray.launch import run_tokenize
+    from tests.helpers import shard_files
+
+    def config(output: str, **options):  # a unit a row group: 5 units
+        return load_config(None, inputs=[str(chat_output[0].parent / "in")],
+                           output=str(tmp_path / output), tokenizer=chat_tokenizer_path,
+                           chat=True, unit_bytes=1, **options)
+
+    serial = run_job(config("serial"))
+    pooled = run_tokenize(config("pool", executor="local", num_workers=2))
+    assert pooled.executor == "local" and pooled.units_run == serial.units_run > 2
+    assert shard_files(tmp_path / "pool") == shard_files(tmp_path / "serial")
+
+
 def test_a_chat_job_on_a_vocabulary_without_byte_level_ids_encodes_with_tokenizers(
         tmp_path, chat_tokenizer_path, chats):
     """A normalizer that moves characters: the ids cannot place the mask, so auto says so

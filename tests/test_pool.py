@@ -184,3 +184,34 @@ def test_a_job_that_fails_before_its_run_leaves_no_worker_process(tmp_path, corp
             if child.pid not in before and child.is_running()
             and child.status() != psutil.STATUS_ZOMBIE]
     assert not left, [child.cmdline() for child in left]
+
+
+def test_a_worker_keeps_its_warmed_up_encoder_only_where_the_check_chose_the_same(
+        tmp_path, corpus_dir, tokenizer_path):
+    """The encoder built from the likely settings is the one a unit gets where the check
+    returns them; where it chose another backend, the worker builds that one."""
+    from raypipe.preprocess.job import likely_settings, resolve
+    from raypipe.preprocess.pool import encoder_for, warmed_up
+
+    pytest.importorskip("gigatoken")
+    resolved = resolve(config_for(corpus_dir, tmp_path / "out", tokenizer_path))
+    likely = likely_settings(resolved)
+    assert likely is not None and likely.tokenizer.backend == "gigatoken"
+    warm = warmed_up(likely)
+    assert warm is not None
+    checked = dataclasses.replace(likely, tokenizer=dataclasses.replace(likely.tokenizer))
+    assert encoder_for(checked, warm) is warm[1]
+    passed_over = dataclasses.replace(
+        likely, tokenizer=dataclasses.replace(likely.tokenizer, backend="tokenizers"))
+    rebuilt = encoder_for(passed_over, warm)
+    assert rebuilt is not warm[1] and rebuilt.backend == "tokenizers"
+
+
+def test_a_guess_the_worker_cannot_build_is_dropped_not_fatal(tmp_path, corpus_dir,
+                                                                tokenizer_path):
+    from raypipe.preprocess.job import likely_settings, resolve
+    from raypipe.preprocess.pool import warmed_up
+
+    likely = likely_settings(resolve(config_for(corpus_dir, tmp_path / "out", tokenizer_path)))
+    assert likely is not None
+    assert warmed_up(dataclasses.replace(likely, tokenizer_json="{not a tokenizer")) is None

@@ -65,6 +65,7 @@ from raypipe.preprocess.encoding.self_check import (
     SAMPLE_CHARS,
     BackendChoice,
     choose_backend,
+    likely_backend,
     sample_texts,
 )
 from raypipe.preprocess.inputs import find_inputs
@@ -141,6 +142,17 @@ def with_backend(resolved: Resolved, sample: pa.Table | None
                                 config.special_tokens_in_text, texts)
     info = dataclasses.replace(resolved.settings.tokenizer, backend=choice.backend)
     return dataclasses.replace(resolved.settings, tokenizer=info), choice
+
+
+def likely_settings(resolved: Resolved) -> UnitSettings | None:
+    """The settings the self-check most likely returns (`likely_backend`), for workers to
+    build their encoder from while it runs; None where that is tiktoken, whose conversion
+    the driver makes once and hands to the workers."""
+    backend = likely_backend(resolved.settings.config.tokenizer_backend)
+    if backend == "tiktoken":
+        return None
+    info = dataclasses.replace(resolved.settings.tokenizer, backend=backend)
+    return dataclasses.replace(resolved.settings, tokenizer=info)
 
 
 def chat_backend(resolved: Resolved, sample: pa.Table | None) -> BackendChoice:
@@ -230,7 +242,8 @@ class Job:
                                   ready=checked.done)
                 launched = time.perf_counter()
                 with check_failure_first(checked), live_failure(live):
-                    for record, now in source.run(self.runner, LaterSettings(checked)):
+                    for record, now in source.run(self.runner, LaterSettings(
+                            checked, likely_settings(self.resolved))):
                         if now:
                             fresh.append(record)
                         progress.update(record)

@@ -10,7 +10,9 @@ conversion), and takes one unit at a time over its stdin, answering over a priva
 its stdout with the unit's record, its RaypipeError, or any other exception with its
 traceback (raised as itself): frames of an 8-byte length and a pickle, between processes
 of one job only (nothing read from disk is unpickled). The workers start when the runner
-connects, so their interpreters start while the driver plans and self-checks; their count
+connects, so their interpreters start while the driver plans and self-checks; while the
+check runs, each builds the encoder of the backend the check most likely picks (its
+Warmup), and keeps it once the check agrees. Their count
 is `num_workers`, else the CPUs this process may use (affinity and cgroup quota). A worker
 that dies (killed, out of memory) is replaced and its unit run again; a unit that killed
 its worker UNIT_RETRIES + 1 times fails the job naming its file and rows, as on Ray. The
@@ -43,12 +45,15 @@ from typing import IO, Any
 from raypipe import _faults as faults
 from raypipe.errors import RaypipeError
 from raypipe.io.records import UnitRecord, WorkUnit
+from raypipe.preprocess.encoding.encoder import DocumentEncoder
 from raypipe.preprocess.encoding.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.runners import (
     Failures,
     FilesOnly,
+    LaterSettings,
     Settings,
     make_encoder,
+    same_encoder,
     settings_now,
     too_many_deaths,
     unit_outcome,
@@ -82,6 +87,15 @@ class JobSettings:
 
     settings: UnitSettings
     conversion: Conversion | None
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """The settings the job's self-check most likely returns, sent while it runs: a worker
+    builds its encoder from them meanwhile, and keeps it if the JobSettings that follow
+    ask for the same encoder."""
+
+    settings: UnitSettings
 
 
 @dataclass(frozen=True)
@@ -229,11 +243,15 @@ class ProcessPoolRunner(FilesOnly):
 
     def _run(self, units: list[WorkUnit], settings: Settings) -> Iterator[UnitRecord]:
         launched = time.perf_counter()
-        ready = settings_now(settings)
-        shared = JobSettings(ready, converted(ready.tokenizer.sha256))
         surplus = self.workers[max(1, len(units)):]
         self.workers = self.workers[:max(1, len(units))]
         stop_all(surplus, kill=True)  # more workers than units: they hold nothing yet
+        guess = settings.guess() if isinstance(settings, LaterSettings) else None
+        if guess is not None:  # the self-check runs: the workers build meanwhile
+            for worker in self.workers:
+                worker.send(Warmup(guess))
+        ready = settings_now(settings)
+        shared = JobSettings(ready, converted(ready.tokenizer.sha256))
         pending = deque(UnitTask(unit, 1) for unit in units)
         failures = Failures()
         with selectors.DefaultSelector() as selector:
@@ -307,16 +325,19 @@ class ProcessPoolRunner(FilesOnly):
 def serve(inbox: IO[bytes], outbox: IO[bytes]) -> None:
     """A worker's life: the job's settings, then units until the driver closes its stdin."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    encoder = settings = None
+    encoder = settings = warm = None
     while True:
         try:
             message = receive_frame(inbox)
         except EOFError:
             return
+        if isinstance(message, Warmup):
+            warm = warmed_up(message.settings)
+            continue
         if isinstance(message, JobSettings):
             if message.conversion is not None:
                 adopt(message.settings.tokenizer.sha256, message.conversion)
-            settings, encoder = message.settings, make_encoder(message.settings)
+            settings, encoder, warm = message.settings, encoder_for(message.settings, warm), None
             continue
         assert settings is not None and encoder is not None, "a unit before the settings"
         try:
@@ -324,6 +345,24 @@ def serve(inbox: IO[bytes], outbox: IO[bytes]) -> None:
         except Exception as exc:  # noqa: BLE001  (a bug, not bad input: the job fails)
             outcome = WorkerFailure(message.unit.location, traceback.format_exc(), exc)
         send_frame(outbox, outcome)
+
+
+def warmed_up(likely: UnitSettings) -> tuple[UnitSettings, DocumentEncoder] | None:
+    """An encoder built from the settings the self-check most likely returns; None where
+    it cannot be built (the check will pass that backend over: the JobSettings say which
+    it chose, and the worker builds that one then)."""
+    try:
+        return likely, make_encoder(likely)
+    except Exception:  # noqa: BLE001  (a guess that failed costs nothing but its time)
+        return None
+
+
+def encoder_for(settings: UnitSettings,
+                warm: tuple[UnitSettings, DocumentEncoder] | None) -> DocumentEncoder:
+    """The encoder `settings` ask for: the one warmed up, if it is that one; else new."""
+    if warm is not None and same_encoder(warm[0], settings):
+        return warm[1]
+    return make_encoder(settings)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from raypipe.preprocess.encoding.encoder import (
     load_tokenizer,
     single_threaded_tokenizers,
 )
-from raypipe.preprocess.unit import UnitSettings, tokenize_unit
+from raypipe.preprocess.unit import UnitSettings, chat_encoder, tokenize_unit
 
 logger = logging.getLogger("raypipe")
 UNIT_RETRIES = 3  # runs of a unit after its worker died, before the job fails
@@ -44,10 +44,19 @@ class BlockRun:
 
 class LaterSettings:
     """A job's settings while its self-check still runs on another thread: a runner may
-    start its workers first and hand them the settings once they are ready."""
+    start its workers first and hand them the settings once they are ready. `likely`: the
+    settings as the check will most likely return them (None: no guess worth acting on);
+    a runner's idle workers may build their encoder from them meanwhile, and keep it where
+    the settings come back the same (`same_encoder`)."""
 
-    def __init__(self, checked: Future[tuple[UnitSettings, Any]]):
+    def __init__(self, checked: Future[tuple[UnitSettings, Any]],
+                 likely: UnitSettings | None = None):
         self.checked = checked
+        self.likely = likely
+
+    def guess(self) -> UnitSettings | None:
+        """`likely` while the check still runs; None once it is over."""
+        return None if self.checked.done() else self.likely
 
     def wait(self) -> UnitSettings:
         return self.checked.result()[0]
@@ -98,13 +107,31 @@ class UnitRunner(Protocol):
 
 def make_encoder(settings: UnitSettings, tokenizer: Tokenizer | None = None
                  ) -> DocumentEncoder:
-    """The encoder a process tokenizes with (the tokenizer loaded here unless given)."""
+    """The encoder a process tokenizes with (the tokenizer loaded here unless given), with
+    a chat job's ChatEncoder built too (~0.7 s for GPT-2's vocabulary: before the first
+    unit, not inside it)."""
     single_threaded_tokenizers()
     if tokenizer is None:
         tokenizer = (Tokenizer.from_str(settings.tokenizer_json) if settings.tokenizer_json
                      else load_tokenizer(settings.tokenizer.spec))
-    return DocumentEncoder(tokenizer, *settings.encoder_separators,
-                           settings.config.special_tokens_in_text, settings.tokenizer.backend)
+    encoder = DocumentEncoder(tokenizer, *settings.encoder_separators,
+                              settings.config.special_tokens_in_text,
+                              settings.tokenizer.backend)
+    if settings.chat_template is not None:
+        chat_encoder(settings, encoder)
+    return encoder
+
+
+def same_encoder(made_for: UnitSettings, wanted: UnitSettings) -> bool:
+    """Whether an encoder `make_encoder(made_for)` encodes as `make_encoder(wanted)` would:
+    the same tokenizer (and backend, and chat template), separators, special-token policy
+    and chat choices."""
+    return (made_for.tokenizer == wanted.tokenizer
+            and made_for.tokenizer_json == wanted.tokenizer_json
+            and made_for.encoder_separators == wanted.encoder_separators
+            and made_for.config.special_tokens_in_text == wanted.config.special_tokens_in_text
+            and made_for.config.chat == wanted.config.chat
+            and made_for.chat_template == wanted.chat_template)
 
 
 def too_many_deaths(unit: WorkUnit, attempt: int) -> InputError | None:

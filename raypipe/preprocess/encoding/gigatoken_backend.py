@@ -53,7 +53,7 @@ def tokenizer_json(tokenizer: Any, special_tokens_in_text: str) -> str:
 def model_for(tokenizer: Any, sha256: str, special_tokens_in_text: str = "special") -> Any:
     """gigatoken's BPETokenizer for a `tokenizers` Tokenizer under one policy, loaded once
     per fingerprint and policy in this process (from a temporary file: its loader reads a
-    path)."""
+    path), its lazy set-up done."""
     key = (sha256, special_tokens_in_text)
     if key not in _MODELS:
         from gigatoken.gigatoken_rs import BPETokenizer
@@ -62,9 +62,13 @@ def model_for(tokenizer: Any, sha256: str, special_tokens_in_text: str = "specia
         try:
             with os.fdopen(handle, "w") as out:
                 out.write(tokenizer_json(tokenizer, special_tokens_in_text))
-            _MODELS[key] = BPETokenizer.from_hf(path)
+            model = BPETokenizer.from_hf(path)
         finally:
             os.unlink(path)
+        # its first batch call imports awkward (0.46 s on 2 cores): here, where a worker
+        # builds its encoder, not inside its first unit
+        model.encode_batch([""], parallel=False)
+        _MODELS[key] = model
     return _MODELS[key]
 
 

@@ -213,6 +213,16 @@ def _first_token_mismatch(expected, got, lengths) -> int:
     return int((lengths.cumsum() > position).nonzero()[0][0])
 
 
+def likely_backend(requested: str) -> str:
+    """The backend `choose_backend` most likely returns, known before its check: the one
+    asked for, or under `auto` the first of AUTO_ORDER that is installed (its check, or
+    what it cannot load, may still pass it over)."""
+    if requested != "auto":
+        return requested
+    return next((name for name in AUTO_ORDER if FAST_BACKENDS[name].installed()),
+                "tokenizers")
+
+
 def choose_backend(requested: str, tokenizer: Tokenizer, policy: str,
                    sample: list[str]) -> BackendChoice:
     """The backend a job encodes with (see the module docstring)."""
