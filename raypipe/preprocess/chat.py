@@ -262,9 +262,10 @@ class ChatEncoder:
         if train_on not in TRAIN_ON:
             raise ValueError(f"train_on {train_on!r} not among {list(TRAIN_ON)}")
         self.template, self.policy, self.train_on = template, policy, train_on
-        self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        serialized = tokenizer.to_str()  # two private copies: their flags differ
+        self.tokenizer = Tokenizer.from_str(serialized)
         self.tokenizer.encode_special_tokens = False
-        self.as_text = Tokenizer.from_str(tokenizer.to_str())
+        self.as_text = Tokenizer.from_str(serialized)
         self.as_text.encode_special_tokens = True  # transformers' split_special_tokens=True
         controls = control_tokens(tokenizer, template)
         longest_first = sorted(controls, key=len, reverse=True)

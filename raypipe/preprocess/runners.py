@@ -107,9 +107,9 @@ class UnitRunner(Protocol):
 
 def make_encoder(settings: UnitSettings, tokenizer: Tokenizer | None = None
                  ) -> DocumentEncoder:
-    """The encoder a process tokenizes with (the tokenizer loaded here unless given), with
-    a chat job's ChatEncoder built too (~0.7 s for GPT-2's vocabulary: before the first
-    unit, not inside it)."""
+    """The encoder a process tokenizes with (the tokenizer loaded here unless given), its
+    backend built (or, for a chat job, its ChatEncoder: ~0.7 s for GPT-2's vocabulary)
+    before the first unit, not inside it."""
     single_threaded_tokenizers()
     if tokenizer is None:
         tokenizer = (Tokenizer.from_str(settings.tokenizer_json) if settings.tokenizer_json
@@ -118,7 +118,9 @@ def make_encoder(settings: UnitSettings, tokenizer: Tokenizer | None = None
                               settings.config.special_tokens_in_text,
                               settings.tokenizer.backend)
     if settings.chat_template is not None:
-        chat_encoder(settings, encoder)
+        chat_encoder(settings, encoder)  # a chat job encodes with it alone
+    else:
+        encoder.prepare()
     return encoder
 
 

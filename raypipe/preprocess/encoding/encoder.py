@@ -190,9 +190,20 @@ class DocumentEncoder:
         self.special_literals = [token.content for token in
                                  tokenizer.get_added_tokens_decoder().values() if token.special]
         self.backend = backend
-        self.fast = (FAST_BACKENDS[backend].make(tokenizer, tokenizer_sha256(tokenizer),
-                                                 special_tokens_in_text)
-                     if backend in FAST_BACKENDS else None)
+
+    @functools.cached_property
+    def fast(self) -> Any | None:
+        """The fast backend under the job's policy (None: `tokenizers` encodes), built at
+        its first use: a chat job's documents never use it (its template tokens need the
+        `special` one), a text job builds it before its first unit (`prepare`)."""
+        if self.backend not in FAST_BACKENDS:
+            return None
+        return FAST_BACKENDS[self.backend].make(self.tokenizer,
+                                                tokenizer_sha256(self.tokenizer), self.policy)
+
+    def prepare(self) -> None:
+        """Build the backend now (it would be built at the first text encoded)."""
+        _ = self.fast
 
     def fast_ids(self, policy: str) -> Any | None:
         """The job's fast backend under `policy` (a chat's template tokens are matched
