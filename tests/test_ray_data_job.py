@@ -266,8 +266,10 @@ def test_a_dataset_whose_columns_are_known_only_by_running_it_is_refused_by_its_
 def test_a_self_check_that_fails_on_the_first_block_s_rows_fails_the_dataset_job_with_its_error(
         ray_session, tmp_path, corpus_texts, tokenizer_path, monkeypatch):
     """The check waits for the rows a map actor offers, fails on them; the actor, waiting
-    for the settings, fails for want of them; the job raises the check's own error and
-    commits no unit."""
+    for the settings, fails for want of them; the job raises the check's own error, commits
+    no unit, and its map actors end with it (their CPUs free for what runs next)."""
+    import time
+
     import ray.data
 
     from raypipe.errors import ConfigError
@@ -285,6 +287,10 @@ def test_a_self_check_that_fails_on_the_first_block_s_rows_fails_the_dataset_job
         raypipe.tokenize(dataset, str(tmp_path / "out"), tokenizer_path, formats="megatron")
     assert offered and offered[0] > 0  # it failed on the Dataset's rows
     assert not list((tmp_path / "out" / "_units").glob("block-*.json"))
+    deadline = time.monotonic() + 20
+    while ray_session.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_session.available_resources().get("CPU", 0) == 2, "a map actor outlived the job"
 
 
 def test_a_dataset_that_yields_no_block_is_refused_and_its_self_check_stops_waiting(
