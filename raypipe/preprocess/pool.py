@@ -12,16 +12,16 @@ traceback (raised as itself): frames of an 8-byte length and a pickle, between p
 of one job only (nothing read from disk is unpickled). The workers start when the runner
 connects, so their interpreters start while the driver plans and self-checks; while the
 check runs, each builds the encoder of the backend the check most likely picks (its
-Warmup), and keeps it once the check agrees. Their count
-is `num_workers`, else the CPUs this process may use (affinity and cgroup quota). A worker
+Warmup), and keeps it once the check agrees. Their count is `num_workers`, else the CPUs
+this process may use (affinity and cgroup quota). A worker
 that dies (killed, out of memory) is replaced and its unit run again; a unit that killed
 its worker UNIT_RETRIES + 1 times fails the job naming its file and rows, as on Ray. The
 first bad unit stops new units; those in flight finish and commit before it is raised.
 Cost on the driver: one frame out and one in per unit (a record's pickle: ~1.4 KB, ~35 us
 to pickle and unpickle) and one `select` wake-up; per worker, its interpreter's start
-(~0.5 s of imports on 2 cores, overlapping the plan) and the settings' frame (the
-tokenizer's JSON: 1-10 MB). Measured on 2 cores: see
-docs/benchmarks.md ("A job without Ray").
+(~0.5 s of imports on 2 cores, overlapping the plan), the settings' frame and, while the
+check runs, a Warmup frame (each holds the tokenizer's JSON: 1-10 MB). Measured on 2
+cores: see docs/benchmarks.md ("A job without Ray").
 """
 
 from __future__ import annotations
