@@ -137,3 +137,18 @@ def test_ray_data_s_finished_notice_is_dropped_only_while_stopping_on_a_signal()
         assert not target.filter(record)
     finally:
         interrupts.reset()
+
+
+def test_the_ledger_s_module_imports_no_arrow_and_nothing_of_the_job():
+    """The job's ledger actor runs in one of the workers a session starts with (`ray`
+    imported): its module adds nothing heavy there, on cores the map actors need."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, ray, raypipe.ray.ledger; "
+             "print(sorted(m for m in ('pyarrow', 'numpy', 'raypipe.preprocess', "
+             "'raypipe.ray.executor', 'ray.data') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

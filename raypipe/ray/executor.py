@@ -22,22 +22,22 @@ repartitioned into 6 blocks, 3 jobs each: 8.4-11.4 s a job with such a first exe
 is about to tokenize, offered to the driver at the ledger (per job: an offer an actor, the
 first kept, each at most 4,096 rows or ~512 KB, and one `ray.put` of the committed block
 names; nothing per unit on the driver). Ray Data restarts a killed actor and runs its block
-again; the job's `UnitLedger` actor counts every unit's attempts, so retries are reported,
-and a unit that killed its worker UNIT_RETRIES + 1 times fails the job naming its file and
-rows instead of restarting forever (committed units stay). Bad input (a RaypipeError) comes
-back as the unit's result and is raised on the driver as itself: Ray Data neither retries
-it nor wraps it. It is raised once the stage drains: the ledger then starts no further
-unit, and the units in flight on other actors finish and commit. A unit whose block runs
-again after its actor died is taken as it was committed, if it was. A job's map actors end
-with it, however it ends (each gives the ledger its handle; a failed Ray Data execution
-would otherwise leave them, and their CPUs, to garbage collection). Every pending unit runs
-here, whatever Ray's start-up costs (there is no driver-side head start), so every job with
-work leaves its execution plan, with the tokenize map stage, in Ray Data's log.
+again; the job's `UnitLedger` actor (raypipe.ray.ledger) counts every unit's attempts, so
+retries are reported, and a unit that killed its worker UNIT_RETRIES + 1 times fails the
+job naming its file and rows instead of restarting forever (committed units stay). Bad
+input (a RaypipeError) comes back as the unit's result and is raised on the driver as
+itself: Ray Data neither retries it nor wraps it. It is raised once the stage drains: the
+ledger then starts no further unit, and the units in flight on other actors finish and
+commit. A unit whose block runs again after its actor died is taken as it was committed,
+if it was. A job's map actors end with it, however it ends (each gives the ledger a
+reference to its handle; a failed Ray Data execution would otherwise leave them, and their
+CPUs, to garbage collection). Every pending unit runs here, whatever Ray's start-up costs
+(there is no driver-side head start), so every job with work leaves its execution plan,
+with the tokenize map stage, in Ray Data's log.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -68,77 +68,11 @@ from raypipe.preprocess.runners import (
     unit_outcome,
 )
 from raypipe.preprocess.unit import UnitSettings
+from raypipe.ray.ledger import UnitLedger
 from raypipe.ray.session import cluster_cpus, ensure_ray, quiet_ray_notices
 from raypipe.ray.stderr_lines import dropping_ray_noise
 
 logger = logging.getLogger("raypipe")
-
-
-class UnitLedger:
-    """A Ray actor (no CPU, async): how often a worker started each unit, whether the job
-    has failed (then units not yet started are not started: the ones in flight finish and
-    commit, and the driver raises the failure once they have), and the job's JobShared,
-    which map actors wait for before their first unit: the driver publishes it once its
-    self-check is done, so the actors' start overlaps the check. In a Dataset job the
-    check's rows come from the run itself: the first block a map actor is about to
-    tokenize offers its first rows here (`offer_sample`), and the driver checks on them."""
-
-    def __init__(self) -> None:
-        self.attempts: dict[str, int] = {}
-        self.map_actors: list[Any] = []  # handles of the job's map actors, as they start
-        self.failed = False
-        self.shared: list[Any] | str | None = None  # [JobShared's ref], or why there is none
-        self.published = asyncio.Event()
-        self.sample: pa.Table | None = None
-        self.sampled = asyncio.Event()
-
-    def joined(self, actor: list[Any]) -> None:
-        """A map actor's own handle (in a list: passed as itself), so the driver can end
-        every map actor of the job when it ends."""
-        self.map_actors.extend(actor)
-
-    def actors(self) -> list[Any]:
-        return self.map_actors
-
-    def offer_sample(self, rows: pa.Table) -> None:
-        """A Dataset job's self-check rows: the first rows of a block a map actor is about
-        to tokenize (the first offer is kept; the driver waits for it)."""
-        if not self.sampled.is_set():
-            self.sample = rows
-            self.sampled.set()
-
-    async def first_sample(self) -> pa.Table | None:
-        await self.sampled.wait()
-        return self.sample
-
-    def publish(self, shared: list[Any] | str) -> None:
-        """The JobShared's reference in a list (a reference inside a list is passed as
-        itself), or the reason the job has none (its self-check failed)."""
-        self.shared = shared
-        self.published.set()
-
-    async def job_shared(self) -> list[Any]:
-        await self.published.wait()
-        if isinstance(self.shared, str):
-            raise RuntimeError(self.shared)
-        assert self.shared is not None
-        return self.shared
-
-    def attempts_before(self, names: list[str]) -> list[int] | None:
-        """How often each unit was started before (0 the first time; more: its actor died
-        while a block held it), or None once the job has failed: start none of them."""
-        if self.failed:
-            return None
-        return [self.attempts.get(name, 0) for name in names]
-
-    def started(self, name: str) -> None:
-        self.attempts[name] = self.attempts.get(name, 0) + 1
-
-    def fail(self) -> None:
-        self.failed = True
-
-    def retries(self) -> int:
-        return sum(count - 1 for count in self.attempts.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +95,8 @@ class MapTokenizer:
 
     def __init__(self, ledger: Any):
         self.ledger = ledger
-        ledger.joined.remote([ray.get_runtime_context().current_actor])
+        # a reference, not the handle: the ledger never deserializes it (raypipe.ray.ledger)
+        ledger.joined.remote([ray.put(ray.get_runtime_context().current_actor)])
 
     def load(self) -> None:
         """Wait for the job's JobShared at the ledger; load the encoder."""
@@ -340,8 +275,8 @@ class RayDataRunner:
         self.run_over.set()
         if self.ledger is not None:
             self.retries = ray.get(self.ledger.retries.remote())
-            for actor in ray.get(self.ledger.actors.remote()):
-                ray.kill(actor)
+            for handle in ray.get(self.ledger.actors.remote()):
+                end_actor(handle)
             ray.kill(self.ledger)
             self.ledger = None
 
@@ -444,6 +379,17 @@ class RayDataRunner:
                 except ray.exceptions.RayActorError:  # the run ended: the ledger is gone
                     return None
         return None
+
+
+def end_actor(handle: Any) -> None:
+    """End the map actor whose handle `handle` refers to; one whose handle is gone with it
+    (it put the handle itself, and died since: Ray restarts it, and the new one joined
+    again) has nothing to end."""
+    try:
+        actor = ray.get(handle)
+    except ray.exceptions.RayError:  # its owner, the actor, died
+        return
+    ray.kill(actor)
 
 
 UNITS_PER_BLOCK = 64  # units one Ray Data block carries at most
