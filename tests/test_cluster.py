@@ -116,6 +116,13 @@ def stop_processes_of(port: int) -> None:
     psutil.wait_procs(victims, timeout=20)
 
 
+# The head's GCS marks a node whose raylet is gone dead after 4 failed health checks 0.5 s
+# apart (Ray's defaults: 5, 3 s apart, ~15 s): a check of a killed raylet fails at once,
+# while a live one answers a check within 2 s even on 2 loaded cores.
+NODE_DEATH_IN_2_S = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "2000",
+                     "RAY_health_check_failure_threshold": "4"}
+
+
 @pytest.fixture(scope="module")
 def real_cluster(tmp_path_factory):
     if not RAY.exists():
@@ -124,7 +131,8 @@ def real_cluster(tmp_path_factory):
     env = cluster_env(tmp_path_factory.mktemp("home"))  # no token there: no authentication
     # as docs/tokenize.md and cluster.yaml start Ray: the venv's bin first on its PATH, so
     # a submitted job's `python` is the venv's
-    started_env = {**env, "PATH": str(RAY.parent) + os.pathsep + env["PATH"]}
+    started_env = {**env, "PATH": str(RAY.parent) + os.pathsep + env["PATH"],
+                   **NODE_DEATH_IN_2_S}
     head = [str(RAY), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
             "--include-dashboard=true", "--num-cpus=1", "--disable-usage-stats",
@@ -242,7 +250,8 @@ def test_elastic_ray_train_grows_then_shrinks_and_trains_every_observation_once(
     env = {**real_cluster["env"], **{name: value for name, value in os.environ.items()
                                      if name.startswith(("AWS_", "RAY_TRAIN_"))},
            # measured: the surviving workers' gloo error reaches Ray Train's controller
-           # before the head has marked the killed node dead, so it asks for 3 workers
+           # before the head has marked the killed node dead (NODE_DEATH_IN_2_S: shrink
+           # 41.8 s -> 37.7 s, one run each), so it asks for 3 workers
            # again and waits out the worker group's start timeout (60 s by default) before
            # it restarts at 2; a start here takes ~6 s, and one that times out is retried
            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
