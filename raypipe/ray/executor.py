@@ -29,8 +29,8 @@ input (a RaypipeError) comes back as the unit's result and is raised on the driv
 itself: Ray Data neither retries it nor wraps it. It is raised once the stage drains: the
 ledger then starts no further unit, and the units in flight on other actors finish and
 commit. A unit whose block runs again after its actor died is taken as it was committed,
-if it was. A job's map actors end with it, however it ends (each gives the ledger a
-reference to its handle; a failed Ray Data execution would otherwise leave them, and their
+if it was. A job's map actors end with it, however it ends (each gives the ledger its
+handle, pickled; a failed Ray Data execution would otherwise leave them, and their
 CPUs, to garbage collection). Every pending unit runs here, whatever Ray's start-up costs
 (there is no driver-side head start), so every job with work leaves its execution plan,
 with the tokenize map stage, in Ray Data's log.
@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Iterator
@@ -95,8 +96,8 @@ class MapTokenizer:
 
     def __init__(self, ledger: Any):
         self.ledger = ledger
-        # a reference, not the handle: the ledger never deserializes it (raypipe.ray.ledger)
-        ledger.joined.remote([ray.put(ray.get_runtime_context().current_actor)])
+        # the handle's pickle: the ledger never deserializes it (raypipe.ray.ledger)
+        ledger.joined.remote(pickle.dumps(ray.get_runtime_context().current_actor))
 
     def load(self) -> None:
         """Wait for the job's JobShared at the ledger; load the encoder."""
@@ -276,7 +277,7 @@ class RayDataRunner:
         if self.ledger is not None:
             self.retries = ray.get(self.ledger.retries.remote())
             for handle in ray.get(self.ledger.actors.remote()):
-                end_actor(handle)
+                ray.kill(pickle.loads(handle))
             ray.kill(self.ledger)
             self.ledger = None
 
@@ -379,17 +380,6 @@ class RayDataRunner:
                 except ray.exceptions.RayActorError:  # the run ended: the ledger is gone
                     return None
         return None
-
-
-def end_actor(handle: Any) -> None:
-    """End the map actor whose handle `handle` refers to; one whose handle is gone with it
-    (it put the handle itself, and died since: Ray restarts it, and the new one joined
-    again) has nothing to end."""
-    try:
-        actor = ray.get(handle)
-    except ray.exceptions.RayError:  # its owner, the actor, died
-        return
-    ray.kill(actor)
 
 
 UNITS_PER_BLOCK = 64  # units one Ray Data block carries at most
