@@ -13,10 +13,10 @@ of one job only (nothing read from disk is unpickled). The workers start when th
 connects, so their interpreters start while the driver plans and self-checks; while the
 check runs, each builds the encoder of the backend the check most likely picks (its
 Warmup), and keeps it once the check agrees. Their count is `num_workers`, else the CPUs
-this process may use (affinity and cgroup quota). A worker
-that dies (killed, out of memory) is replaced and its unit run again; a unit that killed
-its worker UNIT_RETRIES + 1 times fails the job naming its file and rows, as on Ray. The
-first bad unit stops new units; those in flight finish and commit before it is raised.
+this process may use (affinity and cgroup quota). A worker that dies (killed, out of
+memory) is replaced and its unit run again; a unit that killed its worker UNIT_RETRIES + 1
+times fails the job naming its file and rows, as on Ray. The first bad unit stops new
+units; those in flight finish and commit before it is raised.
 Cost on the driver: one frame out and one in per unit (a record's pickle: ~1.4 KB, ~35 us
 to pickle and unpickle) and one `select` wake-up; per worker, its interpreter's start
 (~0.5 s of imports on 2 cores, overlapping the plan), the settings' frame and, while the
