@@ -31,7 +31,7 @@ alternated --repeats times; the best of each is printed:
 - raypipe, per backend, end to end in a fresh process, as `raypipe tokenize --executor
   ray` runs (the Megatron race also runs it as typed, on local processes): the job
   starts a local Ray (2 CPUs, loopback, self-check meanwhile), plans, runs one Ray Data
-  Dataset (from_items(units) -> map_batches on a 2-actor pool) that reads parquet,
+  Dataset (from_items(units) -> map_batches as Ray tasks, 2 at a time) that reads parquet,
   encodes, writes; commits the manifest (~32 work units), then stops its Ray
   (`shutdown_local_ray`); the wall is the process's, from its launch to its exit; also Ray
   Data's start-up, the units' own rate (tokens over the CPU seconds units took, against the

@@ -339,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", default="demo_out", help="where the demo writes its corpus "
                       "and tokens")
     demo.add_argument("--num-workers", type=int, default=None,
-                      help="tokenizer actors (default: all CPUs)")
+                      help="tokenize workers: Ray map tasks at once, or local processes "
+                           "(default: all CPUs)")
     demo.set_defaults(handler=command_demo)
     report = subcommand("pack-report", help="tokens used/cropped/padded per epoch")
     report.add_argument("dataset", help=DATASET_HELP)

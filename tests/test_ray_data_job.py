@@ -133,7 +133,7 @@ def test_the_execution_plan_of_the_tokenize_stage_is_in_rays_data_log(ray_sessio
     logs = Path(global_worker.node.get_session_dir_path()) / "logs" / "ray-data"
     text = "".join(path.read_text() for path in logs.glob("ray-data*.log"))
     assert "Execution plan of Dataset" in text
-    assert "ActorPoolMapOperator[MapBatches(TokenizeUnits)]" in text
+    assert "TaskPoolMapOperator[MapBatches(tokenize_units)]" in text
 
 
 DRIVER = """
@@ -236,7 +236,7 @@ def test_a_dataset_job_runs_the_dataset_once_and_self_checks_on_its_own_rows(
     summary = raypipe.tokenize(dataset, str(tmp_path / "out"), tokenizer_path,
                                formats="megatron")
     plans = ray_data_plans("Execution plan of Dataset") - before
-    assert len(plans) == 1 and plans <= ray_data_plans("MapBatches(TokenizeBlocks)"), plans
+    assert len(plans) == 1 and plans <= ray_data_plans("MapBatches(tokenize_block)"), plans
     assert summary.units_run == summary.units >= 1
     assert len(checked) == 1 and checked[0], "the self-check got no text of the Dataset"
     uppercased = {row["text"] for row in dataset.take_all() if row["text"]}
@@ -265,9 +265,9 @@ def test_a_dataset_whose_columns_are_known_only_by_running_it_is_refused_by_its_
 
 def test_a_self_check_that_fails_on_the_first_block_s_rows_fails_the_dataset_job_with_its_error(
         ray_session, tmp_path, corpus_texts, tokenizer_path, monkeypatch):
-    """The check waits for the rows a map actor offers, fails on them; the actor, waiting
+    """The check waits for the rows a map task offers, fails on them; the task, waiting
     for the settings, fails for want of them; the job raises the check's own error, commits
-    no unit, and its map actors end with it (their CPUs free for what runs next)."""
+    no unit, and no map task of it holds a CPU after it (free for what runs next)."""
     import time
 
     import ray.data
@@ -290,7 +290,7 @@ def test_a_self_check_that_fails_on_the_first_block_s_rows_fails_the_dataset_job
     deadline = time.monotonic() + 20
     while ray_session.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ray_session.available_resources().get("CPU", 0) == 2, "a map actor outlived the job"
+    assert ray_session.available_resources().get("CPU", 0) == 2, "a map task outlived the job"
 
 
 def test_a_dataset_that_yields_no_block_is_refused_and_its_self_check_stops_waiting(

@@ -140,8 +140,8 @@ def test_ray_data_s_finished_notice_is_dropped_only_while_stopping_on_a_signal()
 
 
 def test_the_ledger_s_module_imports_no_arrow_and_nothing_of_the_job():
-    """The job's ledger actor runs in one of the workers a session starts with (`ray`
-    imported): its module adds nothing heavy there, on cores the map actors need."""
+    """The session's ledger actor runs in one of the workers a session starts with (`ray`
+    imported): its module adds nothing heavy there, on cores the map tasks need."""
     import subprocess
     import sys
 

@@ -125,7 +125,7 @@ def test_a_small_job_on_a_loaded_machine_runs_as_a_ray_data_dataset(ray_session,
     Data's log), not on the driver."""
     import subprocess
 
-    before = ray_data_plans("MapBatches(TokenizeUnits)")
+    before = ray_data_plans("MapBatches(tokenize_units)")
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])]
     try:
         summary = run_tokenize(load_config(None, inputs=[str(corpus_dir)],
@@ -136,7 +136,7 @@ def test_a_small_job_on_a_loaded_machine_runs_as_a_ray_data_dataset(ray_session,
             burner.kill()
             burner.wait()
     assert summary.units_run == summary.units == 1
-    assert len(ray_data_plans("MapBatches(TokenizeUnits)") - before) == 1
+    assert len(ray_data_plans("MapBatches(tokenize_units)") - before) == 1
     assert summary.data_startup_seconds > 0 and "Ray start" in summary.render()
 
 
@@ -245,3 +245,47 @@ def test_a_self_check_that_fails_after_the_workers_started_fails_the_job_with_it
     with pytest.raises(ConfigError, match="the check's own words"):
         run_tokenize(config)
     assert not list((tmp_path / "out" / "_units").glob("part-*.json"))
+
+
+def test_a_worker_process_keeps_its_encoder_for_the_session_s_next_job_that_encodes_alike(
+        ray_session, tmp_path, tokenizer_path):
+    """A map worker process loads the tokenizer once a session for the jobs that encode
+    alike: a second job (another output, the same tokenizer and policy) takes the job's own
+    settings and the process's encoder; a job under another special-token policy gets an
+    encoder of its own."""
+    import uuid
+
+    from raypipe.preprocess.job import resolve
+    from raypipe.ray.executor import JobShared, LedgerJob, session_ledger
+
+    ledger = session_ledger()
+    seats = []
+
+    def opened(output: str, policy: str) -> LedgerJob:
+        settings = resolve(load_config(None, inputs=[str(tmp_path)],
+                                       output=str(tmp_path / output), tokenizer=tokenizer_path,
+                                       special_tokens_in_text=policy)).settings
+        seat = LedgerJob(ledger, uuid.uuid4().hex)
+        ray_session.get(ledger.open.remote(seat.job))
+        ledger.publish.remote(seat.job, [ray_session.put(JobShared(settings, None))])
+        seats.append(seat)
+        return seat
+
+    @ray_session.remote(num_cpus=0)
+    class MapWorkerProcess:
+        def load(self, seat: LedgerJob) -> tuple[int, str]:
+            from raypipe.ray.executor import WORKER_JOBS
+
+            job = WORKER_JOBS.load(seat)
+            return id(job.encoder), str(job.settings.config.output)
+
+    process = MapWorkerProcess.remote()
+    try:
+        first, second, other = (ray_session.get(process.load.remote(seat)) for seat in (
+            opened("a", "text"), opened("b", "text"), opened("c", "special")))
+    finally:
+        ray_session.kill(process)
+        for seat in seats:
+            ledger.close.remote(seat.job)
+    assert first[0] == second[0] and first[1] != second[1]  # one encoder, each job's settings
+    assert other[0] != second[0]

@@ -5,7 +5,7 @@ Invariant: progress is computed from the commit records (units done of total, to
 input bytes read), counted as each unit commits (the job reports every unit once), so it
 never runs ahead of what is committed nor behind it. Ray's start-up is a line of its own.
 The ETA is the remaining input bytes at the rate the workers have shown: its window opens
-when the workers' first unit commits (that unit's time was mostly actors starting, so it is
+when the workers' first unit commits (that unit's time was mostly workers starting, so it is
 left out); it says "unknown" until there is a rate. A job whose
 units are not known in advance (a ray.data.Dataset's blocks) reports blocks and tokens
 without a share or ETA. Cost: one format
@@ -50,7 +50,7 @@ class Progress:
         self.started = time.perf_counter()
         self.last_shown = self.started
         self.done_units = self.done_weight = self.tokens = 0
-        self.waiting_for_workers = False  # Ray and its actors starting (`await_workers`)
+        self.waiting_for_workers = False  # Ray and its workers starting (`await_workers`)
         self.window = (self.started, 0)  # (time, done weight) the workers' rate is taken from
         self.lines = 0
         self.quiet_depth = 0  # open `quiet()` sections

@@ -137,7 +137,7 @@ class JobSummary:
         elif self.startup_seconds or self.data_startup_seconds:
             lines.append(f"  Ray start  {self.startup_seconds:.2f} s to connect or start Ray, "
                          f"then {self.data_startup_seconds:.2f} s to the Ray Data pipeline's "
-                         "first record (its actors starting)")
+                         "first record (its workers starting)")
         if self.units_run:
             lines += [
                 f"  throughput {self.tokens_per_second / 1e6:.3f} M tokens/s over the {noun} "

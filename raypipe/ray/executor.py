@@ -4,36 +4,42 @@ Invariant: Ray Data only moves work (WorkUnit dataclasses, or a user Dataset's b
 and small commit records (UnitRecord) out; all reading, tokenizing and writing is
 `raypipe.preprocess.unit.tokenize_unit`, so output is byte-identical to the serial runner
 at any worker count. Planned units run as `from_items(units, up to UNITS_PER_BLOCK a
-block)` -> `map_batches(TokenizeUnits, actor pool)` (the driver pays per block, not per
-unit: `units_per_block`); a user's Dataset runs as `dataset.map_batches(TokenizeBlocks,
-actor pool)`, one unit per block, named by the hash of its rows. Each map actor loads the
-tokenizer once (adopting the tiktoken conversion the driver made for its self-check, both
-read from one object-store copy) and encodes with one thread; token arrays never cross the
-object store. The actors start while the driver's self-check still runs: each waits for the
-job's settings at the ledger, where the driver publishes them (or the check's failure,
-which fails the job with the check's own error) once the check ends; measured on a running
-2-CPU cluster, 20 MB, 5 rounds alternating: the first unit starts 0.15 s sooner (median
-3.89 s against 4.05 s from launch), where the check and the actors share 2 cores (where the
-actors run on other nodes than the driver, the check's ~0.6 s should overlap them whole:
-not measured, one machine here). A user's Dataset runs once, as the job: no `take_batch` or
-schema fetch runs it before (measured on a 2-CPU local Ray, a 900-row parquet Dataset
-repartitioned into 6 blocks, 3 jobs each: 8.4-11.4 s a job with such a first execution,
-5.4-6.9 s without); its self-check rows are the first rows of the first block a map actor
-is about to tokenize, offered to the driver at the ledger (per job: an offer an actor, the
+block)` -> `map_batches(tokenize_units)` (the driver pays per block, not per unit:
+`units_per_block`); a user's Dataset runs as `dataset.map_batches(tokenize_block)`, one
+unit per block, named by the hash of its rows. Both are Ray tasks (1 CPU each, at most
+`num_workers` at once), not an actor pool: a task runs on one of the session's pooled
+worker processes, which keeps its latest job and encoder (WorkerJobs), so a process loads
+the tokenizer once a job, and once a session where the session's jobs encode alike
+(adopting the tiktoken conversion the driver made for its self-check, both read from one
+object-store copy); it encodes with one thread; token arrays never cross the object
+store. Measured on a warm 2-CPU session, 8-block no-op maps: 1.4-2.7 s a job on a 2-actor
+pool (its actors start new worker processes), 0.19-0.30 s on tasks; the tests' Ray Data
+jobs, one session: a rerun of committed blocks 27.0 s -> 6.7 s, the CLI and job script
+test 7.7 s -> 1.4 s. A job's first task in a fresh driver (a `ray job submit`) starts as
+an actor did: measured against a running 2-CPU cluster, 4 fresh drivers each, a no-op map
+to its first record 1.7-1.8 s after `ray.init` on actors, 2.0-2.2 s on tasks; on a fresh
+local Ray, 3 each, 3.0-3.7 s on either. The tasks start while the driver's self-check
+still runs: each waits for the job's settings at the ledger, where the driver publishes
+them (or the check's failure, which fails the job with the check's own error) once the
+check ends. A user's Dataset runs once, as the job: no `take_batch` or schema fetch runs
+it before (measured on a 2-CPU local Ray, a 900-row parquet Dataset repartitioned into 6
+blocks, 3 jobs each: 8.4-11.4 s a job with such a first execution, 5.4-6.9 s without);
+its self-check rows are the first rows of the first block a map task is about to
+tokenize, offered to the driver at the ledger (per job: an offer a worker process, the
 first kept, each at most 4,096 rows or ~512 KB, and one `ray.put` of the committed block
-names; nothing per unit on the driver). Ray Data restarts a killed actor and runs its block
-again; the job's `UnitLedger` actor (raypipe.ray.ledger) counts every unit's attempts, so
-retries are reported, and a unit that killed its worker UNIT_RETRIES + 1 times fails the
-job naming its file and rows instead of restarting forever (committed units stay). Bad
-input (a RaypipeError) comes back as the unit's result and is raised on the driver as
+names; nothing per unit on the driver). Ray runs a task again when its worker died; the
+session's `UnitLedger` actor (raypipe.ray.ledger) counts every unit's attempts, per job,
+so retries are reported, and a unit that killed its worker UNIT_RETRIES + 1 times fails
+the job naming its file and rows instead of restarting forever (committed units stay).
+Bad input (a RaypipeError) comes back as the unit's result and is raised on the driver as
 itself: Ray Data neither retries it nor wraps it. It is raised once the stage drains: the
-ledger then starts no further unit, and the units in flight on other actors finish and
-commit. A unit whose block runs again after its actor died is taken as it was committed,
-if it was. A job's map actors end with it, however it ends (each gives the ledger its
-handle, pickled; a failed Ray Data execution would otherwise leave them, and their
-CPUs, to garbage collection). Every pending unit runs here, whatever Ray's start-up costs
-(there is no driver-side head start), so every job with work leaves its execution plan,
-with the tokenize map stage, in Ray Data's log.
+ledger then starts no further unit of the job, and the units in flight on other workers
+finish and commit. A unit whose block runs again after its worker died is taken as it was
+committed, if it was. A job's tasks hold no CPU after it, however it ends (an actor pool
+of a failed execution kept its actors until their handles were garbage collected). Every
+pending unit runs here, whatever Ray's start-up costs (there is no driver-side head
+start), so every job with work leaves its execution plan, with the tokenize map stage, in
+Ray Data's log.
 """
 
 from __future__ import annotations
@@ -42,10 +48,9 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import pickle
-import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -66,6 +71,7 @@ from raypipe.preprocess.runners import (
     LaterSettings,
     Settings,
     make_encoder,
+    same_encoder,
     unit_outcome,
 )
 from raypipe.preprocess.unit import UnitSettings
@@ -76,54 +82,93 @@ from raypipe.ray.stderr_lines import dropping_ray_noise
 logger = logging.getLogger("raypipe")
 
 
+
 @dataclasses.dataclass(frozen=True)
 class JobShared:
-    """What every map actor of a job reads once, before its first unit: the settings (with
+    """What every map worker process reads once a job, before its first unit: the settings (with
     the tokenizer's JSON) and the tiktoken conversion the driver made."""
 
     settings: UnitSettings
     conversion: Conversion | None
 
 
-class MapTokenizer:
-    """What both map stages share: the encoder loaded once per actor, and the ledger. The
-    job's JobShared comes from the ledger, as an object reference: the constructor's own
-    arguments stay small, so Ray inlines them instead of keeping an object-store copy for
-    actor restarts (which it logs at error level for every actor)."""
+@dataclasses.dataclass(frozen=True)
+class LedgerJob:
+    """One job's seat at the session's ledger: what its map tasks are handed."""
 
+    ledger: Any
+    job: str
+
+    def attempts_before(self, units: list[WorkUnit]) -> list[int] | None:
+        return ray.get(self.ledger.attempts_before.remote(self.job,
+                                                          [unit.name for unit in units]))
+
+    def starting(self, name: str) -> Callable[[], Any]:
+        return lambda: self.ledger.started.remote(self.job, name)
+
+
+@dataclasses.dataclass
+class LoadedJob:
+    """A job as a worker process holds it: its settings and the encoder it loaded."""
+
+    job: str
     settings: UnitSettings
     encoder: DocumentEncoder
 
-    def __init__(self, ledger: Any):
-        self.ledger = ledger
-        # the handle's pickle: the ledger never deserializes it (raypipe.ray.ledger)
-        ledger.joined.remote(pickle.dumps(ray.get_runtime_context().current_actor))
 
-    def load(self) -> None:
-        """Wait for the job's JobShared at the ledger; load the encoder."""
-        job: JobShared = ray.get(ray.get(self.ledger.job_shared.remote())[0])
-        if job.conversion is not None:
-            adopt(job.settings.tokenizer.sha256, job.conversion)
-        self.settings = job.settings
-        self.encoder = make_encoder(job.settings)
+class WorkerJobs:
+    """A map worker process's latest job: loaded at its first block of that job, kept for
+    the job's other blocks; the encoder is kept for the next job too where it encodes alike
+    (`same_encoder`: a session's jobs with one tokenizer load it once a process). One job
+    and one encoder a process at most, so an idle worker holds one encoder until Ray ends
+    it."""
 
-    def outcomes(self, units: list[WorkUnit], batches: Any = None
-                 ) -> list[UnitRecord | RaypipeError | None]:
-        """Each unit's record, a RaypipeError (bad input, or a unit that keeps killing its
-        worker) as a value (Ray Data would retry a raised one and its wrapper loses the
-        original, while the driver raises it as itself), or None: not started, the job
-        has failed. One ledger call for the lot."""
-        before = ray.get(self.ledger.attempts_before.remote([unit.name for unit in units]))
-        if before is None:
-            return [None] * len(units)
-        return [self.outcome(unit, started + 1, batches)
-                for unit, started in zip(units, before, strict=True)]
+    def __init__(self) -> None:
+        self.loaded: LoadedJob | None = None
+        self.committed: tuple[str, frozenset[str]] = ("", frozenset())
 
-    def outcome(self, unit: WorkUnit, attempt: int, batches: Any = None
-                ) -> UnitRecord | RaypipeError:
-        # no wait on the ledger: a death from `starting` on counts
-        return unit_outcome(unit, attempt, self.settings, self.encoder, batches,
-                            starting=lambda: self.ledger.started.remote(unit.name))
+    def has(self, job: str) -> bool:
+        return self.loaded is not None and self.loaded.job == job
+
+    def load(self, seat: LedgerJob) -> LoadedJob:
+        """The job's settings (waiting for them at the ledger) and an encoder for them."""
+        if self.loaded is not None and self.loaded.job == seat.job:
+            return self.loaded
+        shared: JobShared = ray.get(ray.get(seat.ledger.job_shared.remote(seat.job))[0])
+        if shared.conversion is not None:
+            adopt(shared.settings.tokenizer.sha256, shared.conversion)
+        before = self.loaded
+        encoder = (before.encoder if before is not None
+                   and same_encoder(before.settings, shared.settings)
+                   else make_encoder(shared.settings))
+        self.loaded = LoadedJob(seat.job, shared.settings, encoder)
+        return self.loaded
+
+    def committed_units(self, job: str, committed: list[Any]) -> frozenset[str]:
+        """A Dataset job's committed unit names (`committed`: [their reference]), fetched
+        once a process."""
+        if self.committed[0] != job:
+            self.committed = (job, ray.get(committed[0]))
+        return self.committed[1]
+
+
+WORKER_JOBS = WorkerJobs()  # this process's, where it runs map tasks
+
+
+def unit_outcomes(seat: LedgerJob, units: list[WorkUnit], batches: Any = None
+                  ) -> list[UnitRecord | RaypipeError | None]:
+    """Each unit's record, a RaypipeError (bad input, or a unit that keeps killing its
+    worker) as a value (Ray Data would retry a raised one and its wrapper loses the
+    original, while the driver raises it as itself), or None: not started, the job has
+    failed. One ledger call for the lot."""
+    before = seat.attempts_before(units)
+    if before is None:
+        return [None] * len(units)
+    job = WORKER_JOBS.load(seat)
+    # no wait on the ledger: a death from `starting` on counts
+    return [unit_outcome(unit, started + 1, job.settings, job.encoder, batches,
+                         starting=seat.starting(unit.name))
+            for unit, started in zip(units, before, strict=True)]
 
 
 def _outcomes(outcomes: list[UnitRecord | RaypipeError | None]) -> dict[str, np.ndarray]:
@@ -136,31 +181,25 @@ class Outcomes(Failures):
     """The driver's side of the map stage's outcomes: records pass, and the first error
     stops new units (the ledger) while the units in flight finish and commit (Failures)."""
 
-    def __init__(self, ledger: Any):
+    def __init__(self, seat: LedgerJob):
         super().__init__()
-        self.ledger = ledger
+        self.seat = seat
 
     def record(self, outcome: Any) -> UnitRecord | None:
         """A unit's record from the map stage's column (None: no record: not started, or
         the block's unit was committed before; Ray Data turns a block of Nones into NaN)."""
         if isinstance(outcome, RaypipeError):
             if not self.errors:
-                ray.get(self.ledger.fail.remote())
+                ray.get(self.seat.ledger.fail.remote(self.seat.job))
             self.add(outcome)
             return None
         return outcome if isinstance(outcome, UnitRecord) else None
 
 
-class TokenizeUnits(MapTokenizer):
+def tokenize_units(batch: dict[str, np.ndarray], seat: LedgerJob) -> dict[str, np.ndarray]:
     """Map stage over planned units (rows {"unit": WorkUnit}, several a block): an outcome
-    per unit. The actor loads the encoder as it starts."""
-
-    def __init__(self, ledger: Any):
-        super().__init__(ledger)
-        self.load()
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return _outcomes(self.outcomes(list(batch["unit"])))
+    per unit."""
+    return _outcomes(unit_outcomes(seat, list(batch["unit"])))
 
 
 def block_digest(table: pa.Table, columns: list[str]) -> str:
@@ -173,41 +212,34 @@ def block_digest(table: pa.Table, columns: list[str]) -> str:
     return hashlib.sha256(sink.getvalue()).hexdigest()[:20]
 
 
-class TokenizeBlocks(MapTokenizer):
+def tokenize_block(table: pa.Table, seat: LedgerJob, label: str, columns: list[str],
+                   committed: list[Any]) -> dict[str, np.ndarray]:
     """Map stage over a user's Dataset: each block is one unit named by the hash of its
     `columns`' rows; a block whose unit is committed already is not tokenized again. Before
-    its first block to tokenize, the actor offers that block's first rows to the ledger
-    (the driver's self-check, in a Dataset job, runs on the first rows offered) and waits
-    for the job's settings. `committed`: [a reference to the committed units' names]."""
+    its first block of the job to tokenize, a process offers that block's first rows to
+    the ledger (the driver's self-check, in a Dataset job, runs on the first rows offered)
+    and waits for the job's settings. `committed`: [a reference to the committed units'
+    names]."""
+    name, outcome = block_outcome(table, seat, label, columns, committed)
+    return {**_outcomes([outcome]), "name": np.array([name])}
 
-    def __init__(self, ledger: Any, label: str, columns: list[str], committed: list[Any]):
-        super().__init__(ledger)
-        self.label = label
-        self.columns = columns
-        self.committed: frozenset[str] = ray.get(committed[0])
-        self.loaded = False
 
-    def __call__(self, table: pa.Table) -> dict[str, np.ndarray]:
-        name, outcome = self.block_outcome(table)
-        return {**_outcomes([outcome]), "name": np.array([name])}
-
-    def block_outcome(self, table: pa.Table) -> tuple[str, UnitRecord | RaypipeError | None]:
-        columns = self.columns
-        missing = [name for name in columns if name not in table.column_names]
-        if missing:
-            return "", InputError(f"{self.label}: column(s) {missing} not found in a block; "
-                                  f"available columns: {table.column_names}")
-        digest = block_digest(table, columns)
-        unit = WorkUnit(self.label, 0, 1, table.num_rows, f"block-{digest}", 0, digest,
-                        kind="block", size_bytes=int(table.nbytes))
-        if unit.name in self.committed:
-            return unit.name, None
-        if not self.loaded:
-            self.ledger.offer_sample.remote(first_rows(table.select(columns)))
-            self.load()
-            self.loaded = True
-        return unit.name, self.outcomes([unit], table.select(columns).to_batches(
-            max_chunksize=self.settings.config.encode_batch_rows))[0]
+def block_outcome(table: pa.Table, seat: LedgerJob, label: str, columns: list[str],
+                  committed: list[Any]) -> tuple[str, UnitRecord | RaypipeError | None]:
+    missing = [name for name in columns if name not in table.column_names]
+    if missing:
+        return "", InputError(f"{label}: column(s) {missing} not found in a block; "
+                              f"available columns: {table.column_names}")
+    digest = block_digest(table, columns)
+    unit = WorkUnit(label, 0, 1, table.num_rows, f"block-{digest}", 0, digest,
+                    kind="block", size_bytes=int(table.nbytes))
+    if unit.name in WORKER_JOBS.committed_units(seat.job, committed):
+        return unit.name, None
+    if not WORKER_JOBS.has(seat.job):
+        seat.ledger.offer_sample.remote(seat.job, first_rows(table.select(columns)))
+    rows = WORKER_JOBS.load(seat).settings.config.encode_batch_rows
+    return unit.name, unit_outcomes(seat, [unit], table.select(columns).to_batches(
+        max_chunksize=rows))[0]
 
 
 class RayDataRunner:
@@ -220,48 +252,50 @@ class RayDataRunner:
         self.startup_seconds = 0.0
         self.data_startup_seconds = 0.0  # pipeline launched -> first record on the driver
         self.retries = 0
-        self.ledger: Any = None
+        self.seat: LedgerJob | None = None  # the job's, at the session's ledger
         self.joined = False  # a Ray session that was running already
-        self.run_over = threading.Event()  # set once run/run_blocks has ended, either way
 
     def connect(self) -> None:
-        """Connect to (or start) Ray, and start the job's ledger."""
+        """Connect to (or start) Ray, and open the job at the session's ledger."""
         quiet_ray_notices()  # also in a session the caller started
         if not ray.is_initialized():
             self.startup_seconds = ensure_ray(self.address, self.num_workers)
         elif not self.startup_seconds:
             self.joined = True
-        if self.ledger is None:
-            self.ledger = ray.remote(num_cpus=0)(UnitLedger).remote()
+        if self.seat is None:
+            seat = LedgerJob(session_ledger(), uuid.uuid4().hex)
+            seat.ledger.open.remote(seat.job)
+            self.seat = seat
 
     def startup_line(self) -> str | None:
         how = ("joined the running Ray session" if self.joined
                else f"Ray up in {self.startup_seconds:.2f} s")
         return f"{how} ({cluster_cpus()} CPUs); the units run on Ray Data"
 
-    def _map_options(self, workers: int, actor_cpus: float) -> dict[str, Any]:
-        options: dict[str, Any] = {"compute": ray.data.ActorPoolStrategy(size=workers),
-                                   "num_cpus": actor_cpus, "batch_size": 1}
+    def _map_options(self, workers: int) -> dict[str, Any]:
+        options: dict[str, Any] = {"compute": ray.data.TaskPoolStrategy(size=workers),
+                                   "num_cpus": 1, "batch_size": 1}
         if faults.environment():  # tests only: the workers see the same injected fault
             options["runtime_env"] = {"env_vars": faults.environment()}
         return options
 
     def _start(self, settings: Settings) -> None:
-        """The job's ledger running; the job's JobShared published there once the settings
-        are ready (now, or when the self-check ends: the map actors start meanwhile)."""
+        """The job open at the ledger; its JobShared published there once the settings
+        are ready (now, or when the self-check ends: the map tasks start meanwhile)."""
         self.connect()
-        ledger = self.ledger
+        seat = self.seat
+        assert seat is not None
 
         def publish(ready: UnitSettings | BaseException) -> None:
-            """Never raises (the actors would wait for ever): a failure is published."""
+            """Never raises (the tasks would wait for ever): a failure is published."""
             try:
                 if isinstance(ready, BaseException):
                     raise ready
                 conversion = converted(ready.tokenizer.sha256)
                 shared: list[Any] | str = [ray.put(JobShared(ready, conversion))]
-            except BaseException as exc:  # noqa: BLE001  (handed to the actors as words)
+            except BaseException as exc:  # noqa: BLE001  (handed to the tasks as words)
                 shared = f"the job's settings could not be made: {exc}"
-            ledger.publish.remote(shared)
+            seat.ledger.publish.remote(seat.job, shared)
 
         if isinstance(settings, LaterSettings):
             settings.when_ready(publish)
@@ -269,17 +303,11 @@ class RayDataRunner:
             publish(settings)
 
     def _finish(self) -> None:
-        """The job's ledger and map actors ended, however the run ended: Ray Data ends the
-        actors of an execution that failed only once their handles are garbage collected
-        (measured: they sat in reference cycles, holding their CPUs in the caller's
-        session until a `gc.collect()`; a Ray Train run waited 15 minutes for them)."""
-        self.run_over.set()
-        if self.ledger is not None:
-            self.retries = ray.get(self.ledger.retries.remote())
-            for handle in ray.get(self.ledger.actors.remote()):
-                ray.kill(pickle.loads(handle))
-            ray.kill(self.ledger)
-            self.ledger = None
+        """The job closed at the ledger, however the run ended (its retries counted; a map
+        task of it that still asks starts nothing)."""
+        if self.seat is not None:
+            self.retries = ray.get(self.seat.ledger.close.remote(self.seat.job))
+            self.seat = None
 
     def run(self, units: list[WorkUnit], settings: Settings) -> Iterator[UnitRecord]:
         """Records of `units` as they commit; the first failure is raised once the units
@@ -287,20 +315,19 @@ class RayDataRunner:
         self._start(settings)
         workers = max(1, min(self.num_workers or cluster_cpus(), len(units)))
         per_block = units_per_block(len(units), workers)
-        outcomes = Outcomes(self.ledger)
+        outcomes = Outcomes(self.seat)
         try:
             with objects_as_pickles():
                 dataset = ray.data.from_items([{"unit": unit} for unit in units],
                                               override_num_blocks=-(-len(units) // per_block))
-            # no reads compete for CPUs here: a whole CPU per actor cannot starve them
-            mapped = dataset.map_batches(TokenizeUnits, fn_constructor_args=(
-                self.ledger,), batch_format="numpy",
-                **{**self._map_options(workers, 1.0), "batch_size": per_block})
+            mapped = dataset.map_batches(tokenize_units, fn_args=(self.seat,),
+                                         batch_format="numpy", **{
+                                             **self._map_options(workers),
+                                             "batch_size": per_block})
             mapped.context.enable_progress_bars = False  # raypipe's own line has the ETA
             mapped.context.enable_fallback_to_arrow_object_ext_type = True
             launched = time.perf_counter()
-            # dropping_ray_noise: Ray's error line for every actor (ray#57733)
-            with dropping_ray_noise(), closing_batches(mapped) as batches:
+            with closing_batches(mapped) as batches:
                 for batch in batches:
                     self.data_startup_seconds = self.data_startup_seconds or \
                         time.perf_counter() - launched
@@ -317,23 +344,20 @@ class RayDataRunner:
         """(unit name, its new record or None if committed before) per block, in the
         Dataset's block order: the Dataset's one execution."""
         self._start(settings)
-        cpus = cluster_cpus()
-        workers = max(1, self.num_workers or cpus)
-        # leave a CPU to the Dataset's own read and map tasks: an actor pool holding every
-        # CPU starves them (measured on 2 CPUs: the read tasks never got scheduled)
-        actor_cpus = min(1.0, max(cpus - 1, 0.5) / workers)
+        workers = max(1, self.num_workers or cluster_cpus())
         context = dataset.context  # shared with the Dataset derived below: restored after
         saved = (context.execution_options.preserve_order,
                  context.enable_fallback_to_arrow_object_ext_type)
         try:
-            mapped = dataset.map_batches(TokenizeBlocks, fn_constructor_args=(
-                self.ledger, label, columns, [ray.put(committed)]), batch_format="pyarrow",
-                **{**self._map_options(workers, actor_cpus), "batch_size": None})
+            mapped = dataset.map_batches(
+                tokenize_block, fn_args=(self.seat, label, columns, [ray.put(committed)]),
+                batch_format="pyarrow", **{**self._map_options(workers), "batch_size": None})
             context.execution_options.preserve_order = True  # the manifest's order
             context.enable_fallback_to_arrow_object_ext_type = True
             launched = time.perf_counter()
-            outcomes = Outcomes(self.ledger)
-            # dropping_ray_noise: Ray's error line for every actor (ray#57733)
+            outcomes = Outcomes(self.seat)
+            # dropping_ray_noise: Ray's error line for every actor of an actor pool
+            # (ray#57733), which the user's Dataset may have
             with dropping_ray_noise(), closing_batches(mapped) as batches:
                 for batch in batches:
                     self.data_startup_seconds = self.data_startup_seconds or \
@@ -366,30 +390,38 @@ class RayDataRunner:
                              f"available columns: {available}")
 
     def first_rows(self) -> pa.Table | None:
-        """The rows the first map actor about to tokenize a block offered (waits for them
+        """The rows the first map task about to tokenize a block offered (waits for them
         while the run goes on); None once the run has ended without an offer (every block
         committed before, or none)."""
-        ledger = self.ledger
-        if ledger is None:  # the run has ended already
+        seat = self.seat
+        if seat is None:  # the run has ended already
             return None
-        offered = ledger.first_sample.remote()
-        while not self.run_over.is_set():
-            if ray.wait([offered], timeout=0.1)[0]:
-                try:
-                    return ray.get(offered)
-                except ray.exceptions.RayActorError:  # the run ended: the ledger is gone
-                    return None
-        return None
+        return ray.get(seat.ledger.first_sample.remote(seat.job))
+
+
+_SESSION_LEDGER: dict[tuple[str, str], Any] = {}  # (node, Ray job) -> the ledger's handle
+
+
+def session_ledger() -> Any:
+    """The driver's ledger in this Ray session, made at its first job and held here (Ray
+    ends an actor once its owner holds no handle to it); keyed by the driver's node and Ray
+    job ids, so a new session has its own. It dies with the driver."""
+    context = ray.get_runtime_context()
+    key = (context.get_node_id(), context.get_job_id())
+    if key not in _SESSION_LEDGER:
+        _SESSION_LEDGER.clear()  # an earlier session's, ended
+        _SESSION_LEDGER[key] = ray.remote(num_cpus=0)(UnitLedger).remote()
+    return _SESSION_LEDGER[key]
 
 
 UNITS_PER_BLOCK = 64  # units one Ray Data block carries at most
-BLOCKS_PER_WORKER = 4  # blocks each actor gets at least, for balance at the job's end
+BLOCKS_PER_WORKER = 4  # blocks each worker gets at least, for balance at the job's end
 
 
 def units_per_block(units: int, workers: int) -> int:
     """How many units one Ray Data block carries: the driver pays ~10 ms of CPU per block
     (its executor, the block's object), so at 10^4 units several share a block, while every
-    actor still gets BLOCKS_PER_WORKER blocks or more."""
+    worker still gets BLOCKS_PER_WORKER blocks or more."""
     return max(1, min(UNITS_PER_BLOCK, units // (workers * BLOCKS_PER_WORKER)))
 
 

@@ -134,7 +134,8 @@ def start_or_join_local(num_cpus: int | None, dashboard: bool = False) -> None:
             raise
         ray.init(include_dashboard=dashboard, log_to_driver=True)
         logger.info("joined the Ray cluster `ray start` left on this machine (its own "
-                    "%d CPUs; num_workers %d still caps the actors)", cluster_cpus(), num_cpus)
+                    "%d CPUs; num_workers %d still caps the map tasks)", cluster_cpus(),
+                    num_cpus)
 
 
 def node_processes() -> dict[str, list[Any]]:

@@ -1,5 +1,5 @@
 """Ray's C++ lines that nobody running raypipe can act on, dropped from the driver's stderr
-while a Ray Data job or a Ray Train run (jobs/train.py) runs.
+while a Ray Data job over a user's Dataset or a Ray Train run (jobs/train.py) runs.
 
 Invariant: inside `dropping_ray_noise()` file descriptor 2 is a pipe whose reader thread
 forwards every chunk to the real stderr at once, in order, except the lines matching
