@@ -152,3 +152,32 @@ def test_the_ledger_s_module_imports_no_arrow_and_nothing_of_the_job():
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_the_ledger_keeps_a_job_from_its_first_call_and_a_closed_job_starts_nothing():
+    """Ray orders one caller's calls only: a map task's call may reach the session's ledger
+    before the driver's `open`, and must find the job (not start nothing); once the job is
+    closed, a late call changes nothing, and a task waiting for the settings is told."""
+    import asyncio
+
+    from raypipe.ray.ledger import ENDED, UnitLedger
+
+    ledger = UnitLedger()
+    assert ledger.attempts_before("job", ["a"]) == [0]  # before the driver's open
+    ledger.started("job", "a")
+    ledger.open("job")  # arriving late, it keeps what the job has
+    ledger.started("job", "a")
+    assert ledger.attempts_before("job", ["a", "b"]) == [2, 0]
+    assert ledger.close("job") == 1  # one start again after a worker died
+    ledger.started("job", "a")
+    assert ledger.attempts_before("job", ["a"]) is None
+    assert asyncio.run(ledger.first_sample("job")) is None
+
+    async def waiting_when_closed() -> None:
+        waiting = asyncio.ensure_future(ledger.job_shared("other"))
+        await asyncio.sleep(0)
+        ledger.close("other")
+        with pytest.raises(RuntimeError, match=ENDED):
+            await waiting
+
+    asyncio.run(waiting_when_closed())
