@@ -143,7 +143,7 @@ def test_a_small_job_on_a_loaded_machine_runs_as_a_ray_data_dataset(ray_session,
 def test_a_run_prints_no_ray_line_at_error_level_and_no_progress_bar_notice(
         ray_session, tmp_path, corpus_dir, tokenizer_path, capfd):
     """What reaches the terminal (fd 2, where Ray's C++ core worker writes): raypipe's lines
-    and Ray Data's plan, not Ray's error line for every map actor (ray-project/ray#57733)
+    and Ray Data's plan, not Ray's error line for an actor pool's actors (ray-project/ray#57733)
     nor its "Progress bars disabled" notice."""
     code = main(["tokenize", str(corpus_dir), "--tokenizer", tokenizer_path, "--output",
                  str(tmp_path / "out"), "--unit-bytes", "1", "--num-workers", "2"])

@@ -132,7 +132,7 @@ class WorkerJobs:
 
     def load(self, seat: LedgerJob) -> LoadedJob:
         """The job's settings (waiting for them at the ledger) and an encoder for them."""
-        if self.loaded is not None and self.loaded.job == seat.job:
+        if self.loaded is not None and self.has(seat.job):
             return self.loaded
         shared: JobShared = ray.get(ray.get(seat.ledger.job_shared.remote(seat.job))[0])
         if shared.conversion is not None:
