@@ -660,6 +660,60 @@ def test_a_mixture_source_s_added_units_join_its_epoch_and_every_token_once(grow
     assert (covered[before:] > 0).all()
 
 
+def test_units_joining_a_mixture_source_that_served_no_row_since_a_join_join_its_epoch(
+        tmp_path, corpus_texts, tokenizer_path, token_dataset):
+    """Units that join a mixture source standing at the start of the phase an earlier join
+    began (a light source can take no row in a step) join the rest of its epoch too: its
+    epoch is under way, so they are not served from its start again; every token of its
+    first epoch is served once, as trace of each resumed state names the rows served."""
+    from raypipe import trace
+
+    corpus, output = tmp_path / "corpus", tmp_path / "tokens"
+    write_parquet(corpus / "part-0.parquet", corpus_texts[0:600:3], row_group_rows=50)
+    tokenize(corpus, output, tokenizer_path)
+    paths = {"grow": str(output), "web": str(token_dataset)}
+    weights = {"grow": 0.1, "web": 0.9}
+    options = {"weights": weights, "seed": 3, "block_documents": 64}  # serve_mixture's
+    light = next(batch.step for batch in MixtureLoader(paths, SEQ_LEN, ROWS, **options)
+                 if batch.step >= 5 and not (batch.source_ids == 0).any())  # grow: none
+    taken, state = serve_mixture(paths, 1, None, light, weights=weights)
+    resumed = [(0, None)]  # (first step, the state trace replays it from)
+    for index in (1, 2):  # two files added, each joining on a resume
+        write_parquet(corpus / f"part-{index}.parquet", corpus_texts[index:600:3],
+                      row_group_rows=50)
+        tokenize(corpus, output, tokenizer_path)
+        loader = MixtureLoader(paths, SEQ_LEN, ROWS, **options)
+        loader.load_state_dict(state)
+        resumed.append((loader.run.steps, loader.state_dict()))
+        for batch in loader:
+            taken[batch.step] = torch.cat([batch.inputs, batch.targets[:, -1:]], 1).numpy()
+            where = batch.mixture_state["grow"]
+            if index == 1 and where.position == 0 and len(where.phases or ()) > 1:
+                break  # at the start of the join's phase, no row served since
+            if where.epoch >= 1:
+                break
+        else:
+            raise AssertionError("unreachable: a loader serves without end")
+        state = loader.state_dict()
+    joins = state["units_added"]["grow"]
+    assert [record["joins"] for record in joins] == [True, True]
+    assert joins[1]["step"] == resumed[2][0] and joins[1]["epoch"] == 1
+    grown = loader.sources[loader.names.index("grow")].dataset
+    lengths = grown.document_lengths()
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.concatenate(list(grown.iter_documents()))
+    covered = np.zeros(lengths.size, dtype=np.int64)
+    for piece in trace(paths, 0, steps=max(taken) + 1, history=state):
+        if piece.source != "grow" or piece.epoch != 0:
+            continue
+        row = taken[piece.step][piece.row]
+        at = int(starts[piece.document])
+        assert row[piece.col_start:piece.col_end].tolist() == tokens[
+            at + piece.token_start:at + piece.token_end].tolist(), piece.step
+        covered[piece.document] += piece.token_end - piece.token_start
+    assert np.array_equal(covered, lengths)  # every token once (a mixture drops no tail)
+
+
 def trace_step(path, step, history):
     from raypipe import trace
 

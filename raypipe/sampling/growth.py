@@ -7,9 +7,10 @@ keeps its number, the added are numbered after, and the run's data is a pure fun
 what the state records and the output's kept orders. A unit the run held that the output
 no longer holds is refused naming it, and so is one rewritten (its files differ from the
 digests kept with the order). Added units are served from the epoch after the one the
-run stands in (from that one where it stands at its start); under units_join "epoch" (the
-default) they also join the rest of the epoch in progress, shuffled in among what it had
-not served (a phase: raypipe.sampling.plans.continued_order). Cost: one manifest's units
+run stands in (from that one where it has served none of it yet: `Cursor.begun`, which a
+phase begun by an earlier join counts as under way); under units_join "epoch" (the default)
+they also join the rest of the epoch in progress, shuffled in among what it had not served
+(a phase: raypipe.sampling.plans.continued_order). Cost: one manifest's units
 and shards, reordered, once per loader; one small read per kept order the state names.
 Measured at 10^5 units: a view 4.2 us a unit; the digests that name a rewritten unit 8.7
 us a unit, computed only when a resume's fingerprint differs.

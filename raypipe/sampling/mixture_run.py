@@ -51,7 +51,13 @@ from raypipe.sampling.run import (
     check_knobs,
     planned_again,
 )
-from raypipe.sampling.schedule import BatchSchedule, Phases, batch_shape
+from raypipe.sampling.schedule import (
+    BatchSchedule,
+    Cursor,
+    Phases,
+    batch_shape,
+    phases_of_rows,
+)
 from raypipe.sampling.state_compat import implied_phases, upgraded
 
 logger = logging.getLogger("raypipe")
@@ -160,7 +166,7 @@ class MixtureRun:
             fingerprint = (final.sources[name].dataset if name in final.sources
                            else dropped[name].fingerprint_of(name))
             source.adopt_data_of(fingerprint, (final.views or {}).get(name),
-                                 (final.units_added or {}).get(name, ()), (0, 0, 0),
+                                 (final.units_added or {}).get(name, ()), Cursor(0, 0, 0, ()),
                                  grow=False, source=name)
             source.planned.reset_exclusions()
             for record in (final.exclusions or {}).get(name, ()):
@@ -339,7 +345,7 @@ class MixtureRun:
                 where = saved.sources[name]
                 source.adopt_data_of(where.dataset, (saved.views or {}).get(name),
                                      (saved.units_added or {}).get(name, ()),
-                                     (saved.steps, where.epoch, where.position), grow,
+                                     self.cursor_of(where, saved.steps), grow,
                                      source=name)
             source.adopt_shuffle(saved.knobs)
         self._fillers.clear()
@@ -392,11 +398,16 @@ class MixtureRun:
         the source stands (Run.join_units); every source's rest planned again now. The
         record, or None where none was added."""
         source, where = self.sources[self.names.index(name)], self.positions[name]
-        record = source.join_units(output, key, (self.steps, where.epoch, where.position),
+        record = source.join_units(output, key, self.cursor_of(where, self.steps),
                                    lambda: self.rephased(self.schedule()))
         self._fillers.clear()
         self.positions[name] = replace(where, dataset=source.dataset.fingerprint)
         return record
+
+    def cursor_of(self, where: SourcePosition, step: int) -> Cursor:
+        """Where a source standing at `where` is before global step `step`."""
+        return Cursor(where.epoch, where.position, step,
+                      phases_of_rows(where.phases, self.seq_len))
 
     def rephased(self, schedule: MixtureSchedule) -> None:
         """Plan every source's rest of its epoch under the phases of the schedule's next

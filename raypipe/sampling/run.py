@@ -397,17 +397,17 @@ class Run:
     def adopt_data(self, saved: LoaderState, grow: bool = True) -> None:
         """Serve the data as `saved` had it (raypipe.sampling.growth), refusing data that
         changed; with `grow`, the units the output gained since are added (`adopt_data_of`)."""
+        phases = phases_of_rows(saved.phases, saved.knobs.get("seq_len", self.spec.seq_len))
         self.adopt_data_of(saved.dataset, saved.view, saved.units_added or (),
-                           (saved.steps or 0, saved.epoch, saved.position), grow)
+                           Cursor(saved.epoch, saved.position, saved.steps or 0, phases), grow)
 
     def adopt_data_of(self, fingerprint: str, view: str | None,
-                      added: tuple[UnitsAdded, ...], at: tuple[int, int, int],
+                      added: tuple[UnitsAdded, ...], at: Cursor,
                       grow: bool = True, source: str | None = None) -> None:
         """Serve the data a state had (its dataset `fingerprint`, unit order `view` and
         units `added`: its units in its order), refusing data that changed; with `grow`,
         the units the output gained since are added where `units_join` says (`grown`), at
-        `at`: (global step, epoch, position) of the run (a mixture's: of source
-        `source`)."""
+        `at`: where the run stands (a mixture's: source `source`)."""
         if (view in (None, self.data.view) and not added) or \
                 not self.spec.loader_mode.excludes:  # (whole documents only: below)
             if view not in (None, self.data.view) and fingerprint != self.dataset.fingerprint:
@@ -417,21 +417,22 @@ class Run:
         data = self.data.as_saved(view, added)
         check_data(fingerprint, view, data, source)
         if grow:
-            data = self.grown(data, *at) or data
+            data = self.grown(data, at) or data
         if data is not self.data:
             self.use_data(data)
 
-    def grown(self, data: RunData, step: int, epoch: int, position: int,
-              key: str | None = None) -> RunData | None:
+    def grown(self, data: RunData, at: Cursor, key: str | None = None) -> RunData | None:
         """`data` with the units of the output's order `key` (None: its own) it does not
-        hold added at step `step`, where the run stands at `position` of epoch `epoch`:
-        served from the next epoch, or (at an epoch's start, or under units_join "epoch")
-        from this one, joining the rest of it; None where none was added."""
+        hold added at the step of `at`, where the run stands: served from the next epoch,
+        and under units_join "epoch" joining the rest of this one; from this one where it
+        has served nothing yet (`Cursor.begun`: a phase a join began counts as begun); None
+        where none was added."""
         if not data.fresh(key):
             return None
         self.refuse_growth()
-        joins = self.units_join == "epoch" and position > 0
-        grown = data.grown(step, epoch + (position > 0), joins, key)
+        step, epoch = at.step, at.epoch
+        joins = self.units_join == "epoch" and at.begun
+        grown = data.grown(step, epoch + at.begun, joins, key)
         if grown is not None and self.rank == 0:
             record = grown.added[-1]
             how = ("their shards read as windows after the epoch's own"
@@ -459,16 +460,15 @@ class Run:
         if before.dataset is not data.dataset:
             before.dataset.close()  # its open shards, and fetches in flight
 
-    def join_units(self, output: Any, key: str, at: tuple[int, int, int] | None = None,
+    def join_units(self, output: Any, key: str, at: Cursor | None = None,
                    check: Callable[[], None] | None = None) -> UnitsAdded | None:
         """Add the units of the output's kept order `key` the run does not hold (`output`:
         a manifest of the run's output holding them: a running job's, raypipe.io.live),
-        from the next step on (`grown`; `at`: (step, epoch, position), default where the run
-        stands); the rest of the epoch is planned again now (`check`: how, default this
-        run's), and a refusal leaves the run as it was. The record, or None where none
-        was added."""
+        from the next step on (`grown`; `at`: where the run stands, default its cursor);
+        the rest of the epoch is planned again now (`check`: how, default this run's), and
+        a refusal leaves the run as it was. The record, or None where none was added."""
         data = self.data.with_output(output)
-        grown = self.grown(data, *(at or (self.steps, self.epoch, self.position)), key=key)
+        grown = self.grown(data, at or self.cursor(), key=key)
         if grown is None:
             self.data = data
             return None

@@ -77,6 +77,13 @@ class Cursor:
     step: int
     phases: Phases
 
+    @property
+    def begun(self) -> bool:
+        """Whether its epoch has served rows: a position past the start, or a phase begun
+        inside the epoch (a later phase numbers its observations from 0 again, so its
+        position 0 is not the epoch's start)."""
+        return self.position > 0 or len(self.phases) > 1
+
 
 @dataclass(frozen=True)
 class Segment:
