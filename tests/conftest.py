@@ -4,6 +4,7 @@ integration tests that ask for it."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -122,10 +124,40 @@ def corpus_dir(tmp_path, corpus_texts) -> Path:
 @pytest.fixture(scope="session")
 def ray_session():
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    with agent_port_left_free():
+        ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1",
+                 include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def agent_port_left_free() -> Iterator[None]:
+    """A `ray.init` that starts a local Ray whose node's dashboard agent listens on a free
+    port, not Ray's default (52365; `ray.init` takes no argument for it): a second Ray on
+    this machine (a test's fresh local Ray, in another process) retries binding the default
+    for ~3.5 s before its raylet registers while another Ray holds it (measured: a fresh
+    `ray.init(num_cpus=2)` 7.6-8.7 s with the port held, 5.9-6.0 s with it free)."""
+    from ray._private.parameter import RayParams
+
+    original = RayParams.__init__
+
+    def with_a_free_port(self, *args, **kwargs):
+        kwargs["dashboard_agent_listen_port"] = (kwargs.get("dashboard_agent_listen_port")
+                                                 or free_port())
+        original(self, *args, **kwargs)
+
+    RayParams.__init__ = with_a_free_port
+    try:
+        yield
+    finally:
+        RayParams.__init__ = original
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

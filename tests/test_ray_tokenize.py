@@ -247,6 +247,33 @@ def test_a_self_check_that_fails_after_the_workers_started_fails_the_job_with_it
     assert not list((tmp_path / "out" / "_units").glob("part-*.json"))
 
 
+def test_a_job_that_fails_in_planning_after_ray_connected_closes_its_seat_at_the_ledger(
+        ray_session, tmp_path, tokenizer_path, monkeypatch):
+    """A new output connects Ray while the job plans; a plan that fails then (an input that
+    is not parquet) still closes the job at the session's ledger: nothing of it is left
+    open there."""
+    import ray
+
+    from raypipe.errors import InputError
+    from raypipe.ray import executor
+
+    seats = []
+
+    class Runner(executor.RayDataRunner):
+        def connect(self) -> None:
+            super().connect()
+            seats.append(self.seat)
+
+    monkeypatch.setattr(executor, "RayDataRunner", Runner)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "bad.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(InputError, match="bad.parquet"):
+        run_tokenize(load_config(None, inputs=[str(tmp_path / "in")],
+                                 output=str(tmp_path / "out"), tokenizer=tokenizer_path))
+    [seat] = seats
+    assert ray.get(seat.ledger.attempts_before.remote(seat.job, ["a unit"])) is None
+
+
 def test_a_worker_process_keeps_its_encoder_for_the_session_s_next_job_that_encodes_alike(
         ray_session, tmp_path, tokenizer_path):
     """A map worker process loads the tokenizer once a session for the jobs that encode

@@ -157,6 +157,23 @@ def test_the_fixed_sets_verdict_is_reused_by_later_jobs_per_policy(encoded_sets,
     assert len(list((tmp_path / "cache" / "self-check").iterdir())) == 2
 
 
+def test_a_cached_verdict_builds_no_fixed_text_and_the_set_holds_what_it_counts(
+        encoded_sets, monkeypatch, tokenizer_path):
+    """The verdict's key hashes what makes the fixed set (a job with the verdict cached
+    builds none of its texts: the Unicode scan alone took 0.12-0.17 s), and the count a
+    choice reports is the set's own."""
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    built = []
+    real = self_check.adversarial_texts
+    monkeypatch.setattr(self_check, "adversarial_texts",
+                        lambda literals: built.append(literals) or real(literals))
+    choices = [choose_backend("tiktoken", tokenizer, "text", ["hello world"])
+               for _ in range(2)]
+    assert len(built) == 1  # the first job's, to encode; none for the second
+    assert len(real(built[0])) == self_check.ADVERSARIAL_TEXTS
+    assert choices[1].checked_texts == 1 + self_check.ADVERSARIAL_TEXTS
+
+
 def test_a_cached_failing_verdict_falls_back_and_a_corrupt_entry_is_recomputed(
         encoded_sets, tmp_path):
     tokenizer = tiny_bpe([("a", "b"), ("b", "c"), ("a", "bc")])  # "abc" encodes differently

@@ -302,6 +302,12 @@ class RayDataRunner:
         else:
             publish(settings)
 
+    def close(self) -> None:
+        """The job closed at the ledger if it is still open there (it failed after the
+        runner connected, before its run)."""
+        if self.seat is not None and ray.is_initialized():
+            self._finish()
+
     def _finish(self) -> None:
         """The job closed at the ledger, however the run ended (its retries counted; a map
         task of it that still asks starts nothing)."""
@@ -484,11 +490,14 @@ def run_on_ray(config: TokenizeConfig, dataset: Any = None) -> JobSummary:
     running): over `config.inputs`' files, or over `dataset` (a ray.data.Dataset) when
     given. A rerun of a file job with nothing left to do never touches Ray."""
     runner = RayDataRunner(config.num_workers, config.address)
-    if dataset is None:
-        summary = _with_ray_errors_unwrapped(lambda: run_job(config, runner))
-    else:
-        summary = _with_ray_errors_unwrapped(
-            lambda: run_dataset_job(dataset, describe_dataset(dataset), config, runner))
+    try:
+        if dataset is None:
+            summary = _with_ray_errors_unwrapped(lambda: run_job(config, runner))
+        else:
+            summary = _with_ray_errors_unwrapped(
+                lambda: run_dataset_job(dataset, describe_dataset(dataset), config, runner))
+    finally:  # a job that failed before its run (planning, the self-check) opened its seat
+        runner.close()
     return dataclasses.replace(summary, startup_seconds=runner.startup_seconds,
                                data_startup_seconds=runner.data_startup_seconds,
                                unit_retries=runner.retries, executor="ray")

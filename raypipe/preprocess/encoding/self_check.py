@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import sys
 import unicodedata
 from dataclasses import dataclass
 from functools import cache
@@ -76,7 +77,13 @@ def unicode_categories_text() -> str:
     return " ".join("".join(chars) for _, chars in sorted(found.items()))
 
 
+ADVERSARIAL_TEXTS = 13  # how many texts `adversarial_texts` gives
+
+
 def adversarial_texts(special_literals: list[str]) -> list[str]:
+    """The fixed set (ADVERSARIAL_TEXTS texts), for the tokenizer's special literals: a
+    function of them, of this module's source and of Python's Unicode database alone (what
+    `verdict_key` hashes in their place)."""
     literals = special_literals + ["<|endoftext|>", "<s>", "</s>", "<|im_start|>"]
     return [
         " ".join(literals), "".join(literals), f"a{literals[0]}b {literals[0]}\n{literals[0]}",
@@ -157,19 +164,19 @@ class CachedVerdict:
     texts: int
 
 
-def verdict_key(sha256: str, policy: str, texts: list[str],
+def verdict_key(sha256: str, policy: str, special_literals: list[str],
                 backend: FastBackend = FAST_BACKENDS["tiktoken"]) -> str:
     """What the fixed set's verdict depends on: the backend, the tokenizer, the policy, the
-    texts, both libraries and raypipe's encoding code (the source of the modules that
-    encode)."""
+    texts (hashed as what makes them: the special literals, this module's source and the
+    Unicode database's version, so a cached verdict costs no text built: the Unicode scan
+    alone took 0.12-0.17 s), both libraries and raypipe's encoding code (the source of the
+    modules that encode)."""
     digest = hashlib.sha256()
     for part in (backend.name, sha256, policy, backend.version(), tokenizers.__version__,
-                 _version.__version__):
-        digest.update(part.encode() + b"\0")
-    for module in (encoder, backend.module):
+                 _version.__version__, unicodedata.unidata_version, *special_literals):
+        digest.update(part.encode("utf-8", "surrogatepass") + b"\0")
+    for module in (encoder, backend.module, sys.modules[__name__]):
         digest.update(Path(module.__file__).read_bytes() + b"\0")
-    for text in texts:
-        digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
     return digest.hexdigest()
 
 
@@ -187,18 +194,20 @@ def read_verdict(key: str) -> CachedVerdict | None:
 
 
 def adversarial_difference(tokenizer: Tokenizer, sha256: str, policy: str,
-                           texts: list[str],
+                           special_literals: list[str],
                            backend: FastBackend = FAST_BACKENDS["tiktoken"]) -> str | None:
     """`first_difference` over the fixed set, cached per `verdict_key` (see the module
     docstring); a cache that cannot be written is logged and skipped."""
     try:
-        key = verdict_key(sha256, policy, texts, backend)
+        key = verdict_key(sha256, policy, special_literals, backend)
     except OSError as exc:  # raypipe's source not readable as files (a zip import)
         logger.info("self-check verdict not cached (%s)", exc)
-        return first_difference(tokenizer, policy, texts, "adversarial text", backend.name)
+        return first_difference(tokenizer, policy, adversarial_texts(special_literals),
+                                "adversarial text", backend.name)
     cached = read_verdict(key)
     if cached is not None:
         return cached.difference
+    texts = adversarial_texts(special_literals)
     difference = first_difference(tokenizer, policy, texts, "adversarial text", backend.name)
     try:
         write_json_atomic(verdict_path(key),
@@ -230,7 +239,6 @@ def choose_backend(requested: str, tokenizer: Tokenizer, policy: str,
         return BackendChoice("tokenizers", "asked for")
     sha256 = tokenizer_sha256(tokenizer)
     literals = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
-    fixed = adversarial_texts(literals)
     passed_over: list[str] = []
     checked = 0
     for name in AUTO_ORDER if requested == "auto" else (requested,):
@@ -241,9 +249,9 @@ def choose_backend(requested: str, tokenizer: Tokenizer, policy: str,
                 raise ConfigError(f"tokenizer_backend: {reason}")
             passed_over.append(reason)
             continue
-        checked = len(sample) + len(fixed)
+        checked = len(sample) + ADVERSARIAL_TEXTS
         difference = (first_difference(tokenizer, policy, sample, "sample text", name)
-                      or adversarial_difference(tokenizer, sha256, policy, fixed, backend))
+                      or adversarial_difference(tokenizer, sha256, policy, literals, backend))
         if difference is None:
             return BackendChoice(name, "; ".join(["self-check passed", *passed_over]),
                                  checked)
