@@ -71,7 +71,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -79,7 +79,7 @@ def _free_port() -> int:
 
 # Object storage: a moto S3 server on loopback (started by the `s3_server` fixture). Set
 # before any Ray worker starts so workers inherit it; never a real endpoint or credential.
-S3_PORT = _free_port()
+S3_PORT = free_port()
 os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{S3_PORT}", AWS_ACCESS_KEY_ID="testing",
                   AWS_SECRET_ACCESS_KEY="rp-secret-7f3a9c", AWS_DEFAULT_REGION="us-east-1",
                   AWS_EC2_METADATA_DISABLED="true")
@@ -152,12 +152,6 @@ def agent_port_left_free() -> Iterator[None]:
         yield
     finally:
         RayParams.__init__ = original
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 from raypipe.tools.verify import verify_dataset
+from tests.conftest import free_port
 from tests.helpers import expected_documents
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,12 +53,6 @@ def _plain(text: str) -> str:
     import re
 
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def without_venv_on_path(env: dict[str, str]) -> dict[str, str]:
