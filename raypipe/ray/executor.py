@@ -82,7 +82,6 @@ from raypipe.ray.stderr_lines import dropping_ray_noise
 logger = logging.getLogger("raypipe")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class JobShared:
     """What every map worker process reads once a job, before its first unit: the settings (with
@@ -132,7 +131,7 @@ class WorkerJobs:
 
     def load(self, seat: LedgerJob) -> LoadedJob:
         """The job's settings (waiting for them at the ledger) and an encoder for them."""
-        if self.loaded is not None and self.has(seat.job):
+        if self.loaded is not None and self.loaded.job == seat.job:
             return self.loaded
         shared: JobShared = ray.get(ray.get(seat.ledger.job_shared.remote(seat.job))[0])
         if shared.conversion is not None:
@@ -303,15 +302,10 @@ class RayDataRunner:
             publish(settings)
 
     def close(self) -> None:
-        """The job closed at the ledger if it is still open there (it failed after the
-        runner connected, before its run)."""
+        """The job closed at the ledger if it is open there, however it ended: after its
+        run, or failed after the runner connected, before its run (its retries counted; a
+        map task of it that still asks starts nothing)."""
         if self.seat is not None and ray.is_initialized():
-            self._finish()
-
-    def _finish(self) -> None:
-        """The job closed at the ledger, however the run ended (its retries counted; a map
-        task of it that still asks starts nothing)."""
-        if self.seat is not None:
             self.retries = ray.get(self.seat.ledger.close.remote(self.seat.job))
             self.seat = None
 
@@ -343,7 +337,7 @@ class RayDataRunner:
                             yield record
             outcomes.raise_first()
         finally:
-            self._finish()
+            self.close()
 
     def run_blocks(self, dataset: Any, settings: Settings, committed: frozenset[str],
                    label: str, columns: list[str]) -> Iterator[BlockRun]:
@@ -377,7 +371,7 @@ class RayDataRunner:
         finally:
             (context.execution_options.preserve_order,
              context.enable_fallback_to_arrow_object_ext_type) = saved
-            self._finish()
+            self.close()
 
     def check_columns(self, dataset: Any, columns: list[str]) -> None:
         """Refuse a Dataset without one of `columns`, naming its columns, where Ray Data
