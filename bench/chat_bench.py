@@ -71,7 +71,7 @@ from raypipe.config import load_config
 from raypipe.io.manifest import read_manifest
 from raypipe.io.store import Store
 from raypipe.preprocess.output import unit_records
-from raypipe.ray.launch import run_tokenize, shutdown_local_ray
+from raypipe.ray.launch import leave_ray, run_tokenize
 corpus, output, tokenizer, executor = sys.argv[1:5]
 summary = run_tokenize(load_config(None, inputs=[corpus], output=output, tokenizer=tokenizer,
                                    chat=True, num_workers=2, unit_bytes=1 << 20,
@@ -80,7 +80,7 @@ print(json.dumps({"documents": summary.documents, "tokens": summary.tokens_run,
                   "trained": read_manifest(Store(output)).totals.trained_tokens,
                   "skipped": summary.skipped, "ray_start": summary.startup_seconds,
                   "unit_cpu": sum(r.cpu_seconds for _, r in unit_records(Store(output)))}))
-shutdown_local_ray()
+leave_ray()
 """
 
 

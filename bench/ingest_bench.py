@@ -58,6 +58,7 @@ from raypipe.io.manifest import read_manifest, unit_record_name
 from raypipe.io.records import UnitRecord
 from raypipe.io.store import Store
 from raypipe.ray.executor import run_on_ray as run_tokenize
+from raypipe.ray.session import leave_ray
 
 inputs, output, tokenizer, unit_bytes, address, extra = sys.argv[1:7]
 config = load_config(None, inputs=json.loads(inputs), output=output, tokenizer=tokenizer,
@@ -74,7 +75,8 @@ print(json.dumps({"units": summary.units, "units_run": summary.units_run,
                   "driver_cpu": driver_cpu, "driver_rss": usage.ru_maxrss * 1024,
                   "unit_cpu": sum(r.cpu_seconds for r in records),
                   "unit_rss": max((r.peak_rss_bytes for r in records), default=0),
-                  "rejects": sum(len(r.rejects) for r in records)}))
+                  "rejects": sum(len(r.rejects) for r in records)}), flush=True)
+leave_ray()  # as `raypipe tokenize` does once its summary is printed
 """
 
 

@@ -32,9 +32,9 @@ alternated --repeats times; the best of each is printed:
   ray` runs (the Megatron race also runs it as typed, on local processes): the job
   starts a local Ray (2 CPUs, loopback, self-check meanwhile), plans, runs one Ray Data
   Dataset (from_items(units) -> map_batches as Ray tasks, 2 at a time) that reads parquet,
-  encodes, writes; commits the manifest (~32 work units), then stops its Ray
-  (`shutdown_local_ray`); the wall is the process's, from its launch to its exit; also Ray
-  Data's start-up, the units' own rate (tokens over the CPU seconds units took, against the
+  encodes, writes; commits the manifest (~32 work units), then stops its Ray (`leave_ray`;
+  on a cluster it disconnects); the wall is the process's, from its launch to its exit; also
+  Ray Data's start-up, the units' own rate (tokens over the CPU seconds units took, against the
   ceiling's per-process rate) and where the run's core-seconds went: tokenizing units,
   everything else (Ray's and Ray Data's processes, the driver outside units: sampled from
   /proc over the job's process tree), and idle;
@@ -176,7 +176,7 @@ RAYPIPE_JOB = """
 import json, sys
 from raypipe.config import load_config
 from raypipe.ray.executor import run_on_ray as run_tokenize
-from raypipe.ray.session import shutdown_local_ray
+from raypipe.ray.session import leave_ray
 from raypipe.io.store import Store
 from raypipe.preprocess.output import unit_records
 corpus, output, tokenizer, backend, batch, unit_bytes, address = sys.argv[1:8]
@@ -190,7 +190,7 @@ print(json.dumps({"ray_start": summary.startup_seconds, "tokens": summary.tokens
                   "units": summary.units,
                   "unit_cpu": sum(r.cpu_seconds for _, r in unit_records(Store(output))),
                   "backend": summary.backend, "rss": summary.peak_rss_bytes}), flush=True)
-shutdown_local_ray()  # as `raypipe tokenize` does once its summary is printed
+leave_ray()  # as `raypipe tokenize` does once its summary is printed
 """
 
 UNIT_RATE_JOB = """

@@ -314,6 +314,33 @@ def submit_job(cluster: dict, working_dir: str, *entrypoint: str,
     return submit
 
 
+LEAVES_A_RUNNING_CLUSTER = """
+import json, sys, ray
+from raypipe.ray.session import ensure_ray, leave_ray, started_here
+ensure_ray(sys.argv[1])
+report = {"started_here": started_here(), "cpus": ray.cluster_resources().get("CPU")}
+leave_ray()
+report["left"] = not ray.is_initialized()
+ensure_ray(sys.argv[1])  # the cluster runs on: this process joins it again
+report["cpus_again"] = ray.cluster_resources().get("CPU")
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.ray
+def test_leave_ray_disconnects_from_the_cluster_raypipe_connected_to_and_it_runs_on(
+        real_cluster):
+    """The CLI leaves a running cluster once its summary is printed (rather than through
+    Ray's exit hook, which sleeps 0.5 s first): this process disconnects, the cluster stays."""
+    done = subprocess.run([sys.executable, "-c", LEAVES_A_RUNNING_CLUSTER, real_cluster["gcs"]],
+                          env={**real_cluster["env"], "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not report["started_here"] and report["left"]
+    assert report["cpus"] == report["cpus_again"] == 2
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, corpus_dir,

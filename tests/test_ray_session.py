@@ -54,11 +54,13 @@ def test_the_local_session_raypipe_started_stops_monitor_first_and_leaves_no_pro
 
 
 def test_a_session_raypipe_did_not_start_is_left_running(ray_session):
-    from raypipe.ray.session import ensure_ray, shutdown_local_ray, started_here
+    from raypipe.ray.session import ensure_ray, leave_ray, shutdown_local_ray, started_here
 
     assert ensure_ray(None, 2) == 0.0  # the caller's session: joined, nothing started
     assert not started_here()
     shutdown_local_ray()
+    assert ray_session.is_initialized()
+    leave_ray()  # nor does raypipe disconnect from it
     assert ray_session.is_initialized()
 
 

@@ -75,9 +75,10 @@ def run_tokenize(config: TokenizeConfig, dataset: Any = None) -> JobSummary:
                                unit_retries=runner.retries, executor="local")
 
 
-def shutdown_local_ray() -> None:
-    """Stop the local Ray this process started, if it started one (imports nothing new)."""
+def leave_ray() -> None:
+    """Stop the local Ray this process started, or disconnect from the cluster it connected
+    to (`raypipe.ray.session.leave_ray`; imports nothing new)."""
     if "raypipe.ray.session" in sys.modules:
-        from raypipe.ray.session import shutdown_local_ray as shutdown
+        from raypipe.ray.session import leave_ray as leave
 
-        shutdown()
+        leave()

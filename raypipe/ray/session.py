@@ -6,12 +6,16 @@ starts itself has no dashboard (it costs 1 core-second and 1-2 s of start-up on 
 `ray.init()` would join a cluster `ray start` left on this machine instead, and so does this,
 unless that cluster's record is stale: a head that does not accept a connection within
 RECORD_PROBE_SECONDS is named in one warning and a local session starts instead).
-`shutdown_local_ray` stops such a session (the CLI calls it once the summary is printed); an
-exiting interpreter stops it through Ray's own exit hook. Cost, measured with ray 2.60 on 2
-cores: starting a local session is 3-5 s (reported separately as start-up in summaries);
-stopping it 0.3 s, where a plain `ray.shutdown()` takes 1.35 s and an interpreter exit 2 s
-(see `stop_autoscaler_monitor`); probing a `ray start` record: one TCP connect per job
-(refused at once on loopback, at most RECORD_PROBE_SECONDS where the address drops packets).
+`leave_ray` stops such a session, or disconnects from the cluster raypipe connected this
+process to (the CLI calls it once the summary is printed); an exiting interpreter does
+either through Ray's own exit hook. Cost, measured with ray 2.60 on 2 cores: starting a
+local session is 3-5 s (reported separately as start-up in summaries); stopping it 0.3 s,
+where a plain `ray.shutdown()` takes 1.35 s and an interpreter exit 2 s (see
+`stop_autoscaler_monitor`); leaving a running cluster: the CLI exited 1.35-1.5 s after its
+summary through Ray's exit hook (it sleeps 0.5 s first, for late log lines), 0.86-1.0 s
+with `leave_ray` (100 MB, GPT-2, 2-CPU cluster); probing a `ray start` record: one TCP
+connect per job (refused at once on loopback, at most RECORD_PROBE_SECONDS where the
+address drops packets).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from raypipe.ray.record import cluster_record, ray_address_file, unanswered
 
 logger = logging.getLogger("raypipe")
 _started_here: set[str] = set()  # GCS addresses of the local sessions this process started
+_connected_here: set[str] = set()  # ... of the running clusters this process connected to
 
 # Ray's notices that nobody running raypipe can act on, dropped from its logs: logger ->
 # message starts (a local Ray's auth token, made once per machine and used on loopback;
@@ -89,12 +94,15 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None,
         with interrupts.deferred():  # Ray's start-up unwound halfway crashed (exit 139)
             if address:
                 ray.init(address=address, log_to_driver=True)
+                _connected_here.add(current_gcs_address())
             else:
                 start_or_join_local(num_cpus, dashboard)
                 if node_processes():  # started here, not a `ray start` cluster joined
                     _started_here.add(current_gcs_address())
                     atexit.unregister(stop_autoscaler_monitor)  # once, however many
                     atexit.register(stop_autoscaler_monitor)  # before Ray's hook (LIFO)
+                else:
+                    _connected_here.add(current_gcs_address())
             interrupts.reinstall()  # ray.init set its own SIGTERM handler
     except interrupts.Interrupted:
         shutdown_local_ray()  # what started here stops here
@@ -164,6 +172,20 @@ def shutdown_local_ray() -> None:
     stop_autoscaler_monitor()
     _started_here.discard(current_gcs_address())
     ray.shutdown()
+
+
+def leave_ray() -> None:
+    """Leave the Ray session raypipe brought this process into: stop the local one it
+    started (`shutdown_local_ray`), or disconnect from the running cluster it connected to
+    (`ray.shutdown()` there only disconnects; the cluster, its detached actors and other
+    drivers run on). A session the caller started is left alone. Log lines a worker writes
+    after the job's last record may not reach this process (Ray's exit hook waits 0.5 s for
+    them): the units report through their records, not their logs."""
+    if started_here():
+        shutdown_local_ray()
+    elif ray.is_initialized() and current_gcs_address() in _connected_here:
+        _connected_here.discard(current_gcs_address())
+        ray.shutdown()
 
 
 def stop_autoscaler_monitor() -> None:
