@@ -155,30 +155,31 @@ ray.init(address=address, runtime_env={"env_vars": {n: os.environ[n] for n in pa
 from raypipe.examples.gpt_train import fit
 
 
-def refresh_the_coordinators_node_view():
+def refresh_the_coordinators_node_view(stop):
     # Ray Train's elastic policy sizes each start from the nodes Ray's AutoscalingCoordinator
     # actor last saw, and that actor looks at the cluster every 20 s (its TICK_INTERVAL_S, no
     # setting): a node's arrival waits up to 20 s for it, and after the kill each retry asks
     # for 3 workers until it looks again. Asked to look every 0.25 s, it shows Ray Train the
     # node's arrival and death within a second.
-    import threading, time
-
-    def refresh():
-        while True:
-            try:
-                coordinator = ray.get_actor("AutoscalingCoordinator",
-                                            namespace="AutoscalingCoordinator")
-                ray.get(coordinator.get_reserved_resources.remote("test-refresh",
-                                                                  recompute=True))
-            except Exception:  # not created yet (Ray Train makes it), or a Ray without it
-                pass
-            time.sleep(0.25)
-
-    threading.Thread(target=refresh, daemon=True).start()
+    while not stop.wait(0.25):
+        try:
+            coordinator = ray.get_actor("AutoscalingCoordinator",
+                                        namespace="AutoscalingCoordinator")
+            ray.get(coordinator.get_reserved_resources.remote("test-refresh", recompute=True),
+                    timeout=5)
+        except Exception:  # not created yet (Ray Train makes it), or a Ray without it
+            pass
 
 
-refresh_the_coordinators_node_view()
-result = fit(config, (1, 3), storage, "elastic", max_failures=4, resize_seconds=2)
+import threading
+stop = threading.Event()
+refresher = threading.Thread(target=refresh_the_coordinators_node_view, args=(stop,))
+refresher.start()
+try:
+    result = fit(config, (1, 3), storage, "elastic", max_failures=4, resize_seconds=2)
+finally:
+    stop.set()
+    refresher.join()
 print("finished at step", result.metrics["step"])
 """
 
