@@ -49,7 +49,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -62,7 +61,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from common import synthetic_token_dataset
+from common import free_port, synthetic_token_dataset
 from every_token_once import Rows, run, traced_steps
 
 from raypipe.dataset import TokenDataset
@@ -331,9 +330,7 @@ def follow_run(paths: dict[str, str], world: int, stop: int, options: dict,
 
 def follow_ranks(paths: dict[str, str], world: int, stop: int, options: dict,
                  workdir: Path) -> tuple[dict[int, np.ndarray], list[dict]]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     outs = [workdir / f"follow-rank-{rank}.json" for rank in range(world)]
     ranks = [subprocess.Popen([sys.executable, __file__, RANK_WORKER, json.dumps(
         {"port": port, "rank": rank, "world": world, "paths": paths, "stop": stop,

@@ -1,8 +1,10 @@
-"""Shared benchmark helpers: the real-text corpus, peak-RSS reading, table printing."""
+"""Shared benchmark helpers: the real-text corpus, peak-RSS reading, table printing, a free
+loopback port."""
 
 from __future__ import annotations
 
 import site
+import socket
 import sys
 from pathlib import Path
 
@@ -128,6 +130,13 @@ def corpus_texts(corpus: Path) -> list[list[str]]:
     """Texts per parquet file, in file order."""
     return [pq.read_table(p, columns=["text"]).column(0).to_pylist()
             for p in sorted(corpus.glob("*.parquet"))]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def print_table(rows: list[tuple[str, ...]]) -> None:

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import print_table, synthetic_token_dataset
+from common import free_port, print_table, synthetic_token_dataset
 
 from raypipe.io.manifest import read_manifest
 from raypipe.io.store import Store
@@ -36,9 +36,7 @@ SEQ, BATCH = 2048, 8
 def start_moto() -> subprocess.Popen | None:
     if os.environ.get("AWS_ENDPOINT_URL"):
         return None
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
                       AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",

@@ -69,6 +69,7 @@ import numpy as np
 from common import (
     corpus_texts,
     docstring_corpus,
+    free_port,
     print_table,
     shuffled_corpus,
     unique_corpus,
@@ -368,15 +369,6 @@ def run_raypipe(corpus: Path, output: Path, tokenizer: Path, backend: str,
         raise RuntimeError(f"the raypipe job failed ({process.returncode}): {stderr[-2000:]}")
     return {**json.loads(stdout.strip().splitlines()[-1]), "wall": wall,
             "core_seconds": core_seconds}
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Cluster:
