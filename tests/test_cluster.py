@@ -342,6 +342,34 @@ def test_leave_ray_disconnects_from_the_cluster_raypipe_connected_to_and_it_runs
     assert report["cpus"] == report["cpus_again"] == 2
 
 
+ONE_LEDGER_FOR_TWO_DRIVERS = """
+import json, sys, ray
+from raypipe.ray.executor import session_ledger
+from raypipe.ray.session import ensure_ray, leave_ray
+ids = []
+for driver in range(2):  # two Ray jobs: the second connects after the first has left
+    ensure_ray(sys.argv[1])
+    ledger = session_ledger()
+    ray.get(ledger.open.remote(f"job-{driver}"))
+    ids.append(ledger._actor_id.hex())
+    leave_ray()
+print(json.dumps(ids))
+"""
+
+
+@pytest.mark.ray
+def test_drivers_on_one_cluster_share_its_ledger_which_outlives_them(real_cluster):
+    """The cluster's ledger is one detached actor: a driver's job opens in the one an
+    earlier driver made, after that driver has left (no process started for a new one)."""
+    done = subprocess.run([sys.executable, "-c", ONE_LEDGER_FOR_TWO_DRIVERS,
+                           real_cluster["gcs"]],
+                          env={**real_cluster["env"], "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = json.loads(done.stdout.strip().splitlines()[-1])
+    assert first == second
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_tokenize_job_submitted_to_a_two_node_cluster(real_cluster, tmp_path, corpus_dir,

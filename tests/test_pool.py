@@ -191,7 +191,7 @@ def test_a_worker_keeps_its_warmed_up_encoder_only_where_the_check_chose_the_sam
     """The encoder built from the likely settings is the one a unit gets where the check
     returns them; where it chose another backend, the worker builds that one."""
     from raypipe.preprocess.job import likely_settings, resolve
-    from raypipe.preprocess.pool import encoder_for, warmed_up
+    from raypipe.preprocess.runners import encoder_for, warmed_up
 
     pytest.importorskip("gigatoken")
     resolved = resolve(config_for(corpus_dir, tmp_path / "out", tokenizer_path))
@@ -210,7 +210,7 @@ def test_a_worker_keeps_its_warmed_up_encoder_only_where_the_check_chose_the_sam
 def test_a_guess_the_worker_cannot_build_is_dropped_not_fatal(tmp_path, corpus_dir,
                                                                 tokenizer_path):
     from raypipe.preprocess.job import likely_settings, resolve
-    from raypipe.preprocess.pool import warmed_up
+    from raypipe.preprocess.runners import warmed_up
 
     likely = likely_settings(resolve(config_for(corpus_dir, tmp_path / "out", tokenizer_path)))
     assert likely is not None

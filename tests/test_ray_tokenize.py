@@ -274,6 +274,67 @@ def test_a_job_that_fails_in_planning_after_ray_connected_closes_its_seat_at_the
     assert ray.get(seat.ledger.attempts_before.remote(seat.job, ["a unit"])) is None
 
 
+def test_a_head_start_builds_the_guessed_encoder_that_the_job_keeps_where_its_settings_agree(
+        ray_session, tmp_path, tokenizer_path):
+    """A head start (in a fresh worker process) waits for the driver's guess at the ledger
+    and builds its encoder: the job's first block takes it where the job's settings encode
+    alike, and builds another where the self-check chose otherwise; no guess (or a job that
+    ended) builds nothing and does not wait."""
+    import uuid
+
+    from raypipe.preprocess.job import likely_settings, resolve
+    from raypipe.ray.executor import JobShared, LedgerJob, session_ledger
+
+    pytest.importorskip("gigatoken")
+    ledger = session_ledger()
+
+    def likely(policy: str):
+        return likely_settings(resolve(load_config(
+            None, inputs=[str(tmp_path)], output=str(tmp_path / "out"),
+            tokenizer=tokenizer_path, special_tokens_in_text=policy)))
+
+    @ray_session.remote(num_cpus=0)
+    class MapWorkerProcess:
+        def warm_up(self, seat: LedgerJob) -> int | None:
+            from raypipe.ray.executor import WORKER_JOBS, warm_up_worker
+
+            warm_up_worker(seat)
+            return None if WORKER_JOBS.loaded is None else id(WORKER_JOBS.loaded.encoder)
+
+        def load(self, seat: LedgerJob) -> int:
+            from raypipe.ray.executor import WORKER_JOBS
+
+            return id(WORKER_JOBS.load(seat).encoder)
+
+    def job(guess, checked) -> tuple[int | None, int]:
+        """(the head start's encoder, the first block's) in a new process."""
+        seat = LedgerJob(ledger, uuid.uuid4().hex)
+        process = MapWorkerProcess.remote()
+        try:
+            warmed = process.warm_up.remote(seat)  # waits for the guess
+            ledger.guess.remote(seat.job, None if guess is None else [ray_session.put(guess)])
+            ledger.publish.remote(seat.job, [ray_session.put(JobShared(checked, None))])
+            return ray_session.get(warmed), ray_session.get(process.load.remote(seat))
+        finally:
+            ledger.close.remote(seat.job)
+            ray_session.kill(process)
+
+    text, special = likely("text"), likely("special")
+    assert text is not None and text.tokenizer.backend == "gigatoken"
+    warmed, used = job(text, text)
+    assert warmed is not None and used == warmed  # built ahead, kept
+    warmed, used = job(text, special)
+    assert warmed is not None and used != warmed  # the check's choice differs: built anew
+    assert job(None, text)[0] is None  # no guess: nothing built ahead
+    ended = LedgerJob(ledger, uuid.uuid4().hex)
+    ray_session.get(ledger.close.remote(ended.job))
+    lone = MapWorkerProcess.remote()
+    try:  # a job that has ended: its head start returns at once, building nothing
+        assert ray_session.get(lone.warm_up.remote(ended), timeout=60) is None
+    finally:
+        ray_session.kill(lone)
+
+
 def test_a_worker_process_keeps_its_encoder_for_the_session_s_next_job_that_encodes_alike(
         ray_session, tmp_path, tokenizer_path):
     """A map worker process loads the tokenizer once a session for the jobs that encode

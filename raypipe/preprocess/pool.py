@@ -45,18 +45,17 @@ from typing import IO, Any
 from raypipe import _faults as faults
 from raypipe.errors import RaypipeError
 from raypipe.io.records import UnitRecord, WorkUnit
-from raypipe.preprocess.encoding.encoder import DocumentEncoder
 from raypipe.preprocess.encoding.tiktoken_backend import Conversion, adopt, converted
 from raypipe.preprocess.runners import (
     Failures,
     FilesOnly,
     LaterSettings,
     Settings,
-    make_encoder,
-    same_encoder,
+    encoder_for,
     settings_now,
     too_many_deaths,
     unit_outcome,
+    warmed_up,
 )
 from raypipe.preprocess.unit import UnitSettings
 
@@ -345,24 +344,6 @@ def serve(inbox: IO[bytes], outbox: IO[bytes]) -> None:
         except Exception as exc:  # noqa: BLE001  (a bug, not bad input: the job fails)
             outcome = WorkerFailure(message.unit.location, traceback.format_exc(), exc)
         send_frame(outbox, outcome)
-
-
-def warmed_up(likely: UnitSettings) -> tuple[UnitSettings, DocumentEncoder] | None:
-    """An encoder built from the settings the self-check most likely returns; None where
-    it cannot be built (the check will pass that backend over: the JobSettings say which
-    it chose, and the worker builds that one then)."""
-    try:
-        return likely, make_encoder(likely)
-    except Exception:  # noqa: BLE001  (a guess that failed costs nothing but its time)
-        return None
-
-
-def encoder_for(settings: UnitSettings,
-                warm: tuple[UnitSettings, DocumentEncoder] | None) -> DocumentEncoder:
-    """The encoder `settings` ask for: the one warmed up, if it is that one; else new."""
-    if warm is not None and same_encoder(warm[0], settings):
-        return warm[1]
-    return make_encoder(settings)
 
 
 def main() -> None:

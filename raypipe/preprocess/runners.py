@@ -136,6 +136,24 @@ def same_encoder(made_for: UnitSettings, wanted: UnitSettings) -> bool:
             and made_for.chat_template == wanted.chat_template)
 
 
+def warmed_up(likely: UnitSettings) -> tuple[UnitSettings, DocumentEncoder] | None:
+    """An encoder built from the settings the self-check most likely returns; None where
+    it cannot be built (the check will pass that backend over: the settings it returns
+    say which it chose, and the worker builds that one then)."""
+    try:
+        return likely, make_encoder(likely)
+    except Exception:  # noqa: BLE001  (a guess that failed costs nothing but its time)
+        return None
+
+
+def encoder_for(settings: UnitSettings,
+                warm: tuple[UnitSettings, DocumentEncoder] | None) -> DocumentEncoder:
+    """The encoder `settings` ask for: the one warmed up, if it is that one; else new."""
+    if warm is not None and same_encoder(warm[0], settings):
+        return warm[1]
+    return make_encoder(settings)
+
+
 def too_many_deaths(unit: WorkUnit, attempt: int) -> InputError | None:
     """The error of a unit about to start its `attempt`-th run, once it has killed its
     worker more than UNIT_RETRIES times (None: it may run again)."""

@@ -1,27 +1,31 @@
-"""The session's ledger: one Ray actor (no CPU, async) per driver's Ray session, that the map
-tasks of every tokenize job of that driver and the driver itself share.
+"""The cluster's ledger: one Ray actor (no CPU, async, detached and named) per cluster, that
+the map tasks of every tokenize job on the cluster and their drivers share.
 
 Invariant: per job (a token the driver opens and closes), it counts how often a worker
 started each unit (a unit whose worker died runs again: its count says so), says whether
-the job has failed (units not started yet then are not started), hands the map tasks the
-job's JobShared once the driver publishes it (after its self-check: the tasks start
-meanwhile), and takes a Dataset job's self-check rows from the first map task about to
-tokenize a block. A job opens at its first call, whoever makes it (Ray orders the calls
-of one caller only: a map task's may arrive before the driver's `open`); a call about a
-job that has closed changes nothing: a unit of it is not started, and its settings are an
-error.
+the job has failed (units not started yet then are not started), hands the job's
+head-start task the settings the job most likely has (published as the job starts, before
+its self-check), hands the map tasks the job's JobShared once the driver publishes it
+(after its self-check: the tasks start meanwhile), and takes a Dataset job's self-check
+rows from the first map task about to tokenize a block. A job opens at its first call,
+whoever makes it (Ray orders the calls of one caller only: a map task's may arrive before
+the driver's `open`); a call about a job that has closed changes nothing: a unit of it is
+not started, its guess is none, and its settings are an error.
 
-One actor for the session, not one a job: a new actor takes a worker process of its own,
-whose place in the pool Ray then refills by starting another (measured on a warm 2-CPU
-session, 8-block no-op map jobs: 0.19-0.22 s a job on tasks alone, 0.89-0.94 s with an
-actor created and killed per job). It dies with the driver that made it.
+One actor for the cluster, not one a job or a driver: a new actor takes a worker process
+of its own, whose place in the pool Ray then refills by starting another (measured on a
+warm 2-CPU session, 8-block no-op map jobs: 0.19-0.22 s a job on tasks alone, 0.89-0.94 s
+with an actor created and killed per job), and a new driver on a running cluster would
+start one more process while its first worker starts (~1 CPU-second on a 2-CPU cluster).
+The first job's driver makes it (`raypipe.ray.executor.session_ledger`); it outlives that
+driver, and a driver killed before closing its job leaves that job's counts in it (a few
+bytes a unit).
 
-Cost: this module imports nothing of raypipe and no Arrow: the ledger's worker (one of the
-workers Ray starts with a session, `ray` imported already) imports it in ~2 ms, where the
-executor's module took ~0.4 CPU-seconds on a machine whose two cores were starting the map
-workers (only a Dataset job's sample rows, an Arrow table, bring pyarrow in, once they
-arrive). Every call is O(1) or O(units asked about); a closed job's state is dropped, but for its
-token (32 bytes a job).
+Cost: this module imports nothing of raypipe and no Arrow: the ledger's worker imports it
+in ~2 ms, where the executor's module took ~0.4 CPU-seconds on a machine whose two cores
+were starting the map workers (only a Dataset job's sample rows, an Arrow table, bring
+pyarrow in, once they arrive). Every call is O(1) or O(units asked about); a closed job's
+state is dropped, but for its token (32 bytes a job).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class JobEntries:
         self.failed = False
         self.shared: list[Any] | str | None = None  # [JobShared's ref], or why there is none
         self.published = asyncio.Event()
+        self.likely: list[Any] | None = None  # [the likely settings' ref], or no guess
+        self.guessed = asyncio.Event()
         self.sample: Any = None  # a pyarrow Table, kept as Ray gave it
         self.sampled = asyncio.Event()
 
@@ -73,6 +79,7 @@ class UnitLedger:
             entries.shared = ENDED
             entries.published.set()
         entries.sampled.set()
+        entries.guessed.set()
         return sum(count - 1 for count in entries.attempts.values())
 
     def offer_sample(self, job: str, rows: Any) -> None:
@@ -108,6 +115,22 @@ class UnitLedger:
             raise RuntimeError(entries.shared)
         assert entries.shared is not None
         return entries.shared
+
+    def guess(self, job: str, likely: list[Any] | None) -> None:
+        """The settings the job most likely has (their reference in a list), or None: no
+        guess; published as the job starts, before its settings."""
+        entries = self.entries(job)
+        if entries is not None:
+            entries.likely = likely
+            entries.guessed.set()
+
+    async def likely(self, job: str) -> list[Any] | None:
+        """The guess once the driver made it; None if there is none, or the job ended."""
+        entries = self.entries(job)
+        if entries is None:
+            return None
+        await entries.guessed.wait()
+        return entries.likely
 
     def attempts_before(self, job: str, names: list[str]) -> list[int] | None:
         """How often each unit was started before (0 the first time; more: its worker died
