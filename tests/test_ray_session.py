@@ -142,7 +142,7 @@ def test_ray_data_s_finished_notice_is_dropped_only_while_stopping_on_a_signal()
 
 
 def test_the_ledger_s_module_imports_no_arrow_and_nothing_of_the_job():
-    """The session's ledger actor runs in one of the workers a session starts with (`ray`
+    """The cluster's ledger actor runs in one of the workers a session starts with (`ray`
     imported): its module adds nothing heavy there, on cores the map tasks need."""
     import subprocess
     import sys
@@ -183,3 +183,26 @@ def test_the_ledger_keeps_a_job_from_its_first_call_and_a_closed_job_starts_noth
             await waiting
 
     asyncio.run(waiting_when_closed())
+    assert ledger.guess("job", ["late"]) is None  # a closed job's guess is dropped
+    assert asyncio.run(ledger.likely("job")) is None  # and a head start does not wait
+
+
+def test_the_ledger_s_name_is_its_code_s_the_same_in_every_process_and_not_another_s(
+        monkeypatch):
+    """Drivers find the cluster's ledger by name: the same code gives the same name in any
+    process (no address or id in it), and a ledger whose code differs gets another."""
+    import subprocess
+    import sys
+
+    from raypipe.ray import ledger as ledger_module
+
+    probe = "from raypipe.ray.ledger import ledger_name; print(ledger_name())"
+    names = {subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120).stdout.strip() for _ in range(2)}
+    assert names == {ledger_module.ledger_name()}
+
+    def fail(self, job: str) -> None:  # another version's `fail`
+        self.jobs.pop(job, None)
+
+    monkeypatch.setattr(ledger_module.UnitLedger, "fail", fail)
+    assert ledger_module.ledger_name() not in names

@@ -58,7 +58,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -84,8 +83,7 @@ from raypipe.preprocess.runners import (
     warmed_up,
 )
 from raypipe.preprocess.unit import UnitSettings
-from raypipe.ray import ledger as ledger_module
-from raypipe.ray.ledger import UnitLedger
+from raypipe.ray.ledger import UnitLedger, ledger_name
 from raypipe.ray.session import cluster_cpus, ensure_ray, quiet_ray_notices
 from raypipe.ray.stderr_lines import dropping_ray_noise
 
@@ -473,13 +471,6 @@ class RayDataRunner:
 
 
 _SESSION_LEDGER: dict[tuple[str, str], Any] = {}  # (node, Ray job) -> the ledger's handle
-
-
-def ledger_name() -> str:
-    """The cluster's ledger actor's name: one per version of the ledger's code (a driver
-    of another raypipe whose ledger differs gets its own)."""
-    source = Path(ledger_module.__file__).read_bytes()
-    return f"raypipe-ledger-{hashlib.sha256(source).hexdigest()[:12]}"
 
 
 def session_ledger() -> Any:

@@ -31,6 +31,7 @@ state is dropped, but for its token (32 bytes a job).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
 
@@ -149,3 +150,28 @@ class UnitLedger:
         entries = self.entries(job)
         if entries is not None:
             entries.failed = True
+
+
+def ledger_name() -> str:
+    """The cluster's ledger actor's name, from its code: a driver whose ledger code differs
+    (another raypipe) gets its own. Made from the methods' bytecode, constants and names,
+    not from the source file, which a job's working directory may no longer hold."""
+    digest = hashlib.sha256()
+    for cls in (JobEntries, UnitLedger):
+        for name, member in sorted(vars(cls).items()):
+            if hasattr(member, "__code__"):
+                digest.update(f"{cls.__name__}.{name}".encode())
+                add_code(digest, member.__code__)
+    return f"raypipe-ledger-{digest.hexdigest()[:12]}"
+
+
+def add_code(digest: Any, code: Any) -> None:
+    """A code object's bytecode, constants and names into `digest`, nested code included
+    (a code object's repr holds its address, so it is walked, not printed)."""
+    digest.update(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            add_code(digest, const)
+        else:
+            digest.update(repr(const).encode())
