@@ -298,6 +298,7 @@ def test_a_head_start_builds_the_guessed_encoder_that_the_job_keeps_where_its_se
         def warm_up(self, seat: LedgerJob) -> int | None:
             from raypipe.ray.executor import WORKER_JOBS, warm_up_worker
 
+            WORKER_JOBS.loaded = None  # as in a new process
             warm_up_worker(seat)
             return None if WORKER_JOBS.loaded is None else id(WORKER_JOBS.loaded.encoder)
 
@@ -306,10 +307,11 @@ def test_a_head_start_builds_the_guessed_encoder_that_the_job_keeps_where_its_se
 
             return id(WORKER_JOBS.load(seat).encoder)
 
+    process = MapWorkerProcess.remote()
+
     def job(guess, checked) -> tuple[int | None, int]:
-        """(the head start's encoder, the first block's) in a new process."""
+        """(the head start's encoder, the first block's)."""
         seat = LedgerJob(ledger, uuid.uuid4().hex)
-        process = MapWorkerProcess.remote()
         try:
             warmed = process.warm_up.remote(seat)  # waits for the guess
             ledger.guess.remote(seat.job, None if guess is None else [ray_session.put(guess)])
@@ -317,22 +319,21 @@ def test_a_head_start_builds_the_guessed_encoder_that_the_job_keeps_where_its_se
             return ray_session.get(warmed), ray_session.get(process.load.remote(seat))
         finally:
             ledger.close.remote(seat.job)
-            ray_session.kill(process)
 
     text, special = likely("text"), likely("special")
     assert text is not None and text.tokenizer.backend == "gigatoken"
-    warmed, used = job(text, text)
-    assert warmed is not None and used == warmed  # built ahead, kept
-    warmed, used = job(text, special)
-    assert warmed is not None and used != warmed  # the check's choice differs: built anew
-    assert job(None, text)[0] is None  # no guess: nothing built ahead
-    ended = LedgerJob(ledger, uuid.uuid4().hex)
-    ray_session.get(ledger.close.remote(ended.job))
-    lone = MapWorkerProcess.remote()
-    try:  # a job that has ended: its head start returns at once, building nothing
-        assert ray_session.get(lone.warm_up.remote(ended), timeout=60) is None
+    try:
+        warmed, used = job(text, text)
+        assert warmed is not None and used == warmed  # built ahead, kept
+        warmed, used = job(text, special)
+        assert warmed is not None and used != warmed  # the check's choice differs: built anew
+        assert job(None, text)[0] is None  # no guess: nothing built ahead
+        ended = LedgerJob(ledger, uuid.uuid4().hex)
+        ray_session.get(ledger.close.remote(ended.job))
+        # a job that has ended: its head start returns at once, building nothing
+        assert ray_session.get(process.warm_up.remote(ended), timeout=60) is None
     finally:
-        ray_session.kill(lone)
+        ray_session.kill(process)
 
 
 def test_a_worker_process_keeps_its_encoder_for_the_session_s_next_job_that_encodes_alike(
