@@ -157,7 +157,7 @@ def test_the_ledger_s_module_imports_no_arrow_and_nothing_of_the_job():
 
 
 def test_the_ledger_keeps_a_job_from_its_first_call_and_a_closed_job_starts_nothing():
-    """Ray orders one caller's calls only: a map task's call may reach the session's ledger
+    """Ray orders one caller's calls only: a map task's call may reach the cluster's ledger
     before the driver's `open`, and must find the job (not start nothing); once the job is
     closed, a late call changes nothing, and a task waiting for the settings is told."""
     import asyncio

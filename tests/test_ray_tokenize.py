@@ -250,7 +250,7 @@ def test_a_self_check_that_fails_after_the_workers_started_fails_the_job_with_it
 def test_a_job_that_fails_in_planning_after_ray_connected_closes_its_seat_at_the_ledger(
         ray_session, tmp_path, tokenizer_path, monkeypatch):
     """A new output connects Ray while the job plans; a plan that fails then (an input that
-    is not parquet) still closes the job at the session's ledger: nothing of it is left
+    is not parquet) still closes the job at the cluster's ledger: nothing of it is left
     open there."""
     import ray
 

@@ -44,8 +44,8 @@ the stage drains: the ledger then starts no further unit of the job, and the uni
 flight on other workers finish and commit. A unit whose block runs again after its worker
 died is taken as it was committed, if it was. A job's tasks hold no CPU after it, however
 it ends (an actor pool of a failed execution kept its actors until their handles were
-garbage collected). Every pending unit runs here, whatever Ray's start-up costs (there is
-no driver-side head start), so every job with work leaves its execution plan, with the
+garbage collected). Every pending unit runs here, whatever Ray's start-up costs (no unit
+runs on the driver), so every job with work leaves its execution plan, with the
 tokenize map stage, in Ray Data's log.
 """
 
@@ -101,7 +101,7 @@ class JobShared:
 
 @dataclasses.dataclass(frozen=True)
 class LedgerJob:
-    """One job's seat at the session's ledger: what its map tasks are handed."""
+    """One job's seat at the cluster's ledger: what its map tasks are handed."""
 
     ledger: Any
     job: str
@@ -300,7 +300,8 @@ class RayDataRunner:
         self.joined = False  # a Ray session that was running already
 
     def connect(self) -> None:
-        """Connect to (or start) Ray, and open the job at the session's ledger."""
+        """Connect to (or start) Ray, open the job at the cluster's ledger, and submit its
+        head start (`warm_up_worker`)."""
         quiet_ray_notices()  # also in a session the caller started
         if not ray.is_initialized():
             self.startup_seconds = ensure_ray(self.address, self.num_workers)
@@ -368,7 +369,8 @@ class RayDataRunner:
         """Wait (at most HEAD_START_WAIT_S) for the job's head start to end, so that its
         first map task takes that process: launched while it still ran, Ray gave the map
         tasks other processes, still importing (measured on a 2-CPU cluster)."""
-        ray.wait(self.head_start, timeout=HEAD_START_WAIT_S)
+        if self.head_start:
+            ray.wait(self.head_start, timeout=HEAD_START_WAIT_S)
 
     def close(self) -> None:
         """The job closed at the ledger if it is open there, however it ended: after its
