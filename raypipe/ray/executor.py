@@ -25,28 +25,29 @@ at the ledger once the job is planned), and the Dataset launches once it is done
 HEAD_START_WAIT_S), so the first map task takes that process ready; it came up while the
 driver planned, imported Ray Data and self-checked (measured on a running 2-CPU cluster,
 GPT-2 on 100 MB, 8 rounds alternating: the first unit 5.86 s -> 4.79 s after the process's
-start, Ray's floor ~4.0 s; the second worker starts later, ~0.3 s of that job's wall). The
-tasks start while the driver's self-check still runs: each waits for the job's settings at
-the ledger, where the driver publishes them (or the check's failure, which fails the job
-with the check's own error) once the check ends. A user's Dataset runs once, as the job: no
-`take_batch` or schema fetch runs it before (measured on a 2-CPU local Ray, a 900-row
-parquet Dataset repartitioned into 6 blocks, 3 jobs each: 8.4-11.4 s a job with such a
-first execution, 5.4-6.9 s without); its self-check rows are the first rows of the first
-block a map task is about to tokenize, offered to the driver at the ledger (per job: an
-offer a worker process, the first kept, each at most 4,096 rows or ~512 KB, and one
-`ray.put` of the committed block names; nothing per unit on the driver). Ray runs a task
-again when its worker died; the cluster's `UnitLedger` actor (raypipe.ray.ledger) counts
-every unit's attempts, per job, so retries are reported, and a unit that killed its worker
-UNIT_RETRIES + 1 times fails the job naming its file and rows instead of restarting forever
-(committed units stay). Bad input (a RaypipeError) comes back as the unit's result and is
-raised on the driver as itself: Ray Data neither retries it nor wraps it. It is raised once
-the stage drains: the ledger then starts no further unit of the job, and the units in
-flight on other workers finish and commit. A unit whose block runs again after its worker
-died is taken as it was committed, if it was. A job's tasks hold no CPU after it, however
-it ends (an actor pool of a failed execution kept its actors until their handles were
-garbage collected). Every pending unit runs here, whatever Ray's start-up costs (no unit
-runs on the driver), so every job with work leaves its execution plan, with the
-tokenize map stage, in Ray Data's log.
+start, Ray's floor ~4.0 s; the second worker starts later, ~0.3 s of that job's wall; its
+cost on the driver is per job: one task, one `ray.put` of the likely settings, two ledger
+calls, nothing per unit). The tasks start while the driver's self-check still runs: each
+waits for the job's settings at the ledger, where the driver publishes them (or the check's
+failure, which fails the job with the check's own error) once the check ends. A user's
+Dataset runs once, as the job: no `take_batch` or schema fetch runs it before (measured on
+a 2-CPU local Ray, a 900-row parquet Dataset repartitioned into 6 blocks, 3 jobs each:
+8.4-11.4 s a job with such a first execution, 5.4-6.9 s without); its self-check rows are
+the first rows of the first block a map task is about to tokenize, offered to the driver at
+the ledger (per job: an offer a worker process, the first kept, each at most 4,096 rows or
+~512 KB, and one `ray.put` of the committed block names; nothing per unit on the driver).
+Ray runs a task again when its worker died; the cluster's `UnitLedger` actor
+(raypipe.ray.ledger) counts every unit's attempts, per job, so retries are reported, and a
+unit that killed its worker UNIT_RETRIES + 1 times fails the job naming its file and rows
+instead of restarting forever (committed units stay). Bad input (a RaypipeError) comes back
+as the unit's result and is raised on the driver as itself: Ray Data neither retries it nor
+wraps it. It is raised once the stage drains: the ledger then starts no further unit of the
+job, and the units in flight on other workers finish and commit. A unit whose block runs
+again after its worker died is taken as it was committed, if it was. A job's tasks hold no
+CPU after it, however it ends (an actor pool of a failed execution kept its actors until
+their handles were garbage collected). Every pending unit runs here, whatever Ray's
+start-up costs (no unit runs on the driver), so every job with work leaves its execution
+plan, with the tokenize map stage, in Ray Data's log.
 """
 
 from __future__ import annotations
