@@ -32,6 +32,7 @@ Megatron's at 200 MB and <= 0.7 at >= 1 GB; start to first unit <= floor + 1 s.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -81,11 +82,12 @@ print(up, time.time(), flush=True)
 @dataclass(frozen=True)
 class Timed:
     """One fresh process: its wall (launch to exit) and the moments it reported, in
-    seconds after its launch."""
+    seconds after its launch (at `launched_at`, epoch seconds)."""
 
     wall: float
     marks: tuple[float, ...] = ()
     peak_rss: int = 0
+    launched_at: float = 0.0
 
 
 def run_timed(command: list[str], env: dict[str, str], cwd: Path | None = None) -> tuple[
@@ -106,7 +108,7 @@ def run_timed(command: list[str], env: dict[str, str], cwd: Path | None = None) 
         marks = tuple(float(each) - launched for each in last.split())
     except ValueError:
         marks = ()
-    return Timed(wall, marks, usage.ru_maxrss * 1024), stdout
+    return Timed(wall, marks, usage.ru_maxrss * 1024, launched), stdout
 
 
 def floor(env: dict[str, str], address: str = "") -> Timed:
@@ -126,11 +128,10 @@ def raypipe_job(corpus: Path, output: Path, tokenizer: Path, env: dict[str, str]
                "megatron", "--no-bos", "--eos", "--special-tokens-in-text", "special",
                "--num-workers", str(THREADS), "--executor", executor,
                *(["--address", address] if address else [])]
-    launched = time.time()
     timed, _ = run_timed(command, env)
     starts = [json.loads(path.read_text())["started_at"]
               for path in (output / "_units").glob("*.json") if path.name != "_job.json"]
-    return Timed(timed.wall, (min(starts) - launched,), timed.peak_rss)
+    return dataclasses.replace(timed, marks=(min(starts) - timed.launched_at,))
 
 
 def jsonl_copy(corpus: Path, workdir: Path) -> Path:
