@@ -12,11 +12,14 @@ Set-up, once (nothing of Megatron is committed here):
   torch transformers gigatoken==0.10.0 awkward`.
 If either is missing the bench says so and still prints raypipe's side and the floor.
 
-Each round runs, in fresh processes (launch to exit, the process tree's wall):
+Each round runs, in fresh processes (launch to exit, the process tree's wall; each after
+SETTLE_SECONDS at rest):
 - the floor: `ray.init` as raypipe starts a local Ray (2 CPUs, loopback, no dashboard), then
   a Ray Data actor-pool map (2 actors, a CPU each, over `from_items`: no read task waits
   for a CPU, as in raypipe's job) of a function that does nothing, to its first record;
-  with --cluster, the same against a running cluster (`ray.init(address=...)`);
+  with --cluster, the same against a running cluster (`ray.init(address=...)`) that has run
+  one untimed floor and one untimed raypipe job first (what a cluster makes once: Ray Data's
+  detached actors, raypipe's ledger);
 - raypipe: `raypipe tokenize` as a user types it (parquet in, Megatron out, BOS off, EOS on,
   `--special-tokens-in-text special`, `--num-workers 2`, the unit size left to raypipe):
   with no Ray here, on local worker processes; then the same with `--executor ray` (a
@@ -27,7 +30,9 @@ Each round runs, in fresh processes (launch to exit, the process tree's wall):
   `--append-eod --tokenizer-hf-no-include-special-tokens`; its peak RSS.
 Then the two outputs are compared token for token (every document's tokens, in order), and
 byte for byte where raypipe wrote one shard. Targets (issue 55): raypipe's wall <= 0.5 of
-Megatron's at 200 MB and <= 0.7 at >= 1 GB; start to first unit <= floor + 1 s.
+Megatron's at 200 MB and <= 0.7 at >= 1 GB; start to first unit <= floor + 1 s (the
+median over the rounds of each round's difference: a round's floor and raypipe run back to
+back, so a drift of the machine's speed between rounds cancels).
 """
 
 from __future__ import annotations
@@ -220,6 +225,12 @@ def race(corpus: Path, workdir: Path, tokenizer: Path, repo: Path | None,
     jsonl = folder = None
     if missing is None:
         jsonl, folder = jsonl_copy(corpus, workdir), hf_folder(tokenizer, workdir)
+    if cluster is not None:  # what the cluster makes once, for every later job, made here
+        # untimed (Ray Data's detached actors, raypipe's ledger): a running cluster has run
+        # jobs before, and the first round's floor would pay it alone
+        floor(cluster.env, cluster.address)
+        raypipe_job(corpus, workdir / "race-raypipe-cluster", tokenizer, cluster.env,
+                    cluster.address)
     runs: dict[str, list[Timed]] = {"floor": [], "raypipe, fresh Ray": [], "raypipe": [],
                                     "megatron": [], "floor, cluster": [],
                                     "raypipe, cluster": []}
