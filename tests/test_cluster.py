@@ -344,12 +344,12 @@ def test_leave_ray_disconnects_from_the_cluster_raypipe_connected_to_and_it_runs
 
 ONE_LEDGER_FOR_TWO_DRIVERS = """
 import json, sys, ray
-from raypipe.ray.executor import session_ledger
+from raypipe.ray.executor import cluster_ledger
 from raypipe.ray.session import ensure_ray, leave_ray
 ids = []
 for driver in range(2):  # two Ray jobs: the second connects after the first has left
     ensure_ray(sys.argv[1])
-    ledger = session_ledger()
+    ledger = cluster_ledger()
     ray.get(ledger.open.remote(f"job-{driver}"))
     ids.append(ledger._actor_id.hex())
     leave_ray()

@@ -283,10 +283,10 @@ def test_a_head_start_builds_the_guessed_encoder_that_the_job_keeps_where_its_se
     import uuid
 
     from raypipe.preprocess.job import likely_settings, resolve
-    from raypipe.ray.executor import JobShared, LedgerJob, session_ledger
+    from raypipe.ray.executor import JobShared, LedgerJob, cluster_ledger
 
     pytest.importorskip("gigatoken")
-    ledger = session_ledger()
+    ledger = cluster_ledger()
 
     def likely(policy: str):
         return likely_settings(resolve(load_config(
@@ -345,9 +345,9 @@ def test_a_worker_process_keeps_its_encoder_for_the_session_s_next_job_that_enco
     import uuid
 
     from raypipe.preprocess.job import resolve
-    from raypipe.ray.executor import JobShared, LedgerJob, session_ledger
+    from raypipe.ray.executor import JobShared, LedgerJob, cluster_ledger
 
-    ledger = session_ledger()
+    ledger = cluster_ledger()
     seats = []
 
     def opened(output: str, policy: str) -> LedgerJob:

@@ -309,7 +309,7 @@ class RayDataRunner:
         elif not self.startup_seconds:
             self.joined = True
         if self.seat is None:
-            seat = LedgerJob(session_ledger(), uuid.uuid4().hex)
+            seat = LedgerJob(cluster_ledger(), uuid.uuid4().hex)
             seat.ledger.open.remote(seat.job)
             self.seat = seat
             self.head_start = [ray.remote(max_retries=0)(warm_up_worker).options(
@@ -473,10 +473,10 @@ class RayDataRunner:
         return ray.get(seat.ledger.first_sample.remote(seat.job))
 
 
-_SESSION_LEDGER: dict[tuple[str, str], Any] = {}  # (node, Ray job) -> the ledger's handle
+_LEDGER_HANDLES: dict[tuple[str, str], Any] = {}  # (node, Ray job) -> the ledger's handle
 
 
-def session_ledger() -> Any:
+def cluster_ledger() -> Any:
     """The cluster's ledger, shared by every raypipe driver on it: a detached named actor
     (no CPU), made by the first job and found by the next, so a job on a running cluster
     starts no process for it (measured on a 2-CPU cluster: that process took ~1 CPU-second
@@ -484,12 +484,12 @@ def session_ledger() -> Any:
     close; a driver killed before closing leaves its job's counts (a few bytes a unit)."""
     context = ray.get_runtime_context()
     key = (context.get_node_id(), context.get_job_id())
-    if key not in _SESSION_LEDGER:
-        _SESSION_LEDGER.clear()  # an earlier session's, ended
-        _SESSION_LEDGER[key] = ray.remote(num_cpus=0)(UnitLedger).options(
+    if key not in _LEDGER_HANDLES:
+        _LEDGER_HANDLES.clear()  # an earlier session's, ended
+        _LEDGER_HANDLES[key] = ray.remote(num_cpus=0)(UnitLedger).options(
             name=ledger_name(), namespace=LEDGER_NAMESPACE, lifetime="detached",
             get_if_exists=True).remote()
-    return _SESSION_LEDGER[key]
+    return _LEDGER_HANDLES[key]
 
 
 LEDGER_NAMESPACE = "raypipe"

@@ -17,7 +17,7 @@ of its own, whose place in the pool Ray then refills by starting another (measur
 warm 2-CPU session, 8-block no-op map jobs: 0.19-0.22 s a job on tasks alone, 0.89-0.94 s
 with an actor created and killed per job), and a new driver on a running cluster would
 start one more process while its first worker starts (~1 CPU-second on a 2-CPU cluster).
-The first job's driver makes it (`raypipe.ray.executor.session_ledger`); it outlives that
+The first job's driver makes it (`raypipe.ray.executor.cluster_ledger`); it outlives that
 driver, and a driver killed before closing its job leaves that job's counts in it (a few
 bytes a unit).
 
