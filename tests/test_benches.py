@@ -150,3 +150,21 @@ def test_the_megatron_race_tells_identical_documents_from_a_changed_token(
     tokens[len(tokens) // 2] += 1
     write_theirs(tokens)
     assert compare_outputs(tmp_path / "ours", prefix).startswith("DIFFERENT")
+
+
+def test_the_megatron_race_judges_the_fixed_cost_round_by_round(tmp_path, capsys):
+    """The verdict is the median of each round's difference (raypipe's first unit minus
+    that round's floor): a machine whose speed drifts between rounds (every mark of round
+    two is 3 s later) moves both of a round's runs, not the verdict."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from megatron_race import Timed, report
+
+    (tmp_path / "part.parquet").write_bytes(b"x" * 1000)
+    floors = [Timed(5.0, (1.0, 3.0)), Timed(8.0, (4.0, 6.0)), Timed(5.0, (1.0, 3.2))]
+    jobs = [Timed(9.0, (3.5,)), Timed(12.0, (6.6,)), Timed(9.0, (3.9,))]
+    report({"floor": [], "raypipe, fresh Ray": [], "raypipe": [], "megatron": [],
+            "floor, cluster": floors, "raypipe, cluster": jobs}, tmp_path, 100)
+    verdict = next(line for line in capsys.readouterr().out.splitlines()
+                   if line.startswith("RAYPIPE, CLUSTER"))
+    assert "+0.60 s above the floor" in verdict and "(+0.50, +0.60, +0.70;" in verdict
+    assert "of the medians +0.70" in verdict and verdict.endswith("PASS")
