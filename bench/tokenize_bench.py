@@ -64,6 +64,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from queue import Empty
 
 import numpy as np
 from common import (
@@ -86,6 +87,7 @@ CORES = 2  # Ray's CPUs in every run, and the ceiling's processes
 JOB_BACKEND = {"tokenizers": "tokenizers", "tiktoken": "tiktoken", "fastokens": "fastokens",
                "gigatoken": "auto"}
 BACKENDS = tuple(JOB_BACKEND)
+READY = "ready"  # what a ceiling process says once its texts and tokenizer are loaded
 EOS = {"gpt2": "<|endoftext|>", "shipped": "<|eos|>", "llama3-style": "<|eos|>"}
 
 
@@ -96,6 +98,7 @@ def ceiling_worker(texts: list[list[str]], tokenizer_path: str, eos: str, backen
 
     tokenizer = Tokenizer.from_file(tokenizer_path)
     encoder = DocumentEncoder(tokenizer, None, tokenizer.token_to_id(eos), "text", backend)
+    queue.put(READY)
     start.wait()
     began = time.perf_counter()
     tokens_total = 0
@@ -145,6 +148,7 @@ def loop_worker(texts: list[list[str]], tokenizer_path: str, eos: str, library: 
 
         def encode(text: str) -> int:
             return len(model.encode_ordinary(text).ids)
+    queue.put(READY)
     start.wait()
     began = time.perf_counter()
     tokens_total = sum(encode(text) for file_texts in texts for text in file_texts)
@@ -163,7 +167,7 @@ def run_ceiling(corpus: Path, workdir: Path, tokenizer: Path, eos: str,
              for i, half in enumerate(halves)]
     for proc in procs:
         proc.start()
-    time.sleep(3)  # both processes loaded their texts and tokenizer
+    wait_until_ready(procs, queue)
     wall_start = time.perf_counter()
     start.set()
     results = [queue.get() for _ in procs]
@@ -171,6 +175,23 @@ def run_ceiling(corpus: Path, workdir: Path, tokenizer: Path, eos: str,
     for proc in procs:
         proc.join()
     return wall, sum(tokens for _, tokens in results)
+
+
+def wait_until_ready(procs: list, queue: mp.Queue) -> None:
+    """Return once every process has loaded its texts and tokenizer (the clock starts
+    then, whatever the machine's load); raise if one died first."""
+    ready = 0
+    while ready < len(procs):
+        try:
+            said = queue.get(timeout=1)
+        except Empty:
+            dead = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a ceiling process died loading (exit codes {dead})") from None
+            continue
+        if said != READY:
+            raise RuntimeError(f"a ceiling process reported {said!r} before it was ready")
+        ready += 1
 
 
 RAYPIPE_JOB = """
@@ -371,13 +392,14 @@ def run_raypipe(corpus: Path, output: Path, tokenizer: Path, backend: str,
             "core_seconds": core_seconds}
 
 
+STARTED = "Ray runtime started."  # what `ray start` prints once its node is registered
+
+
 class Cluster:
     """A running Ray cluster on loopback (`ray start --head --block`, 2 CPUs), stopped by
     its own process (never `ray stop`, which would end every Ray on the machine)."""
 
     def __init__(self, workdir: Path):
-        import socket
-
         port = free_port()
         self.env = fresh_env(workdir)
         self.address = f"127.0.0.1:{port}"
@@ -388,21 +410,19 @@ class Cluster:
                   f"--dashboard-agent-grpc-port={free_port()}",
                   f"--runtime-env-agent-port={free_port()}",
                   f"--metrics-export-port={free_port()}"]
-        self.process = subprocess.Popen(
-            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-             "--include-dashboard=false", *agents], env=self.env, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
+        log = Path(self.env["RAY_TMPDIR"]) / "ray-start.log"
+        with open(log, "w") as output:
+            self.process = subprocess.Popen(
+                [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+                 "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                 "--include-dashboard=false", *agents], env=self.env, stdout=output,
+                stderr=subprocess.STDOUT)
+        # `ray start` says so once its raylet has registered at the GCS (it waits for that)
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("ray start --head did not come up") from None
-                time.sleep(0.2)
-        time.sleep(2)  # its raylet registers after the GCS port opens
+        while STARTED not in log.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start --head did not come up: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         """Kill the cluster's processes at once. Measured: `ray start --block` given SIGTERM

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from raypipe.ray.session import ensure_ray
 
     ensure_ray(args.address, dashboard=True)  # Ray Train's controller polls its State API
-    from raypipe.ray.train import missing_worker_resources
+    from raypipe.ray.train import missing_worker_resources, watch_for_preemption_only_on_a_cluster
 
     fewest = args.workers[0] if isinstance(args.workers, tuple) else args.workers
     missing = missing_worker_resources(fewest, args.use_gpu)
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raypipe: error: {missing}; pass fewer --workers, or --wait-for-resources "
               "on a cluster that autoscales", file=sys.stderr)
         return 2
+    watch_for_preemption_only_on_a_cluster()
     config = {**run_config(args), "max_steps": args.max_steps,
               "checkpoint_every": args.checkpoint_every}
     from raypipe.ray.stderr_lines import dropping_ray_noise

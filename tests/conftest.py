@@ -69,6 +69,15 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 # Ray Train's controller polls its workers every 2 s by default, and a run ends on a poll:
 # the tests' runs of a few steps end within 0.5 s of their last step instead.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# The tests' Rays report no usage to Ray's servers (this machine reaches none): Ray Data
+# then starts no usage-collection actor, a detached actor whose worker process took ~2.1
+# CPU-seconds on each cluster that ran a Dataset (measured in the ingest bench's run).
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# No test's node is ever preempted (drained by a cloud): Ray Train then starts no
+# PreemptionWatcher actor at each worker group's start (one worker process more, ~2.4
+# CPU-seconds while the group's workers start; jobs/train.py turns it off itself on a local
+# Ray it started, which its test checks with the variable unset).
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 
 def free_port() -> int:

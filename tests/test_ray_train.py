@@ -129,12 +129,14 @@ def test_ray_data_datasource_reads_the_loader_windows(ray_session, token_dataset
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_jobs_train_follows_its_schedules_prints_no_ray_noise_and_says_where_it_resumed(
+def test_jobs_train_follows_its_schedules_prints_no_ray_noise_watches_no_preemption_and_says_where_it_resumed(  # noqa: E501
         token_dataset, tmp_path):
     """jobs/train.py starts its local Ray with the dashboard, whose State API Ray Train's
     placement-group cleaner polls: without it the cleaner warned every few seconds. Its
     workers follow a batch ramp and a seq_len change (at step 3, before the checkpoint of
-    step 4). Run again with more steps, it says the step and checkpoint it resumed from."""
+    step 4). On the local Ray it started, Ray Train starts no PreemptionWatcher actor (Ray's
+    worker logs name every actor a worker process ran). Run again with more steps, it says
+    the step and checkpoint it resumed from."""
     import os
     import subprocess
     import sys
@@ -143,6 +145,7 @@ def test_jobs_train_follows_its_schedules_prints_no_ray_noise_and_says_where_it_
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="t-", dir=os.environ["RAY_TMPDIR"])}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)  # the tests' setting: the job's own
     done = subprocess.run([sys.executable, "jobs/train.py", "--data", str(token_dataset),
                            "--workers", "2", "--max-steps", "4", "--checkpoint-every", "2",
                            "--seq-len-schedule", "0:32,3:64", "--batch-schedule", "0:2,2:4",
@@ -160,6 +163,10 @@ def test_jobs_train_follows_its_schedules_prints_no_ray_noise_and_says_where_it_
     output = again.stdout + again.stderr
     assert again.returncode == 0, output[-3000:]
     assert "resumed at step 4 from " in output and "finished: {'step': 6" in output
+    actors = [line for log in Path(env["RAY_TMPDIR"]).glob("ray/session_[0-9]*/logs/worker-*.out")
+              for line in log.read_text().splitlines() if line.startswith(":actor_name:")]
+    assert actors.count(":actor_name:TrainController") == 2, actors  # one a run, both seen
+    assert ":actor_name:PreemptionWatcher" not in actors, actors
 
 
 @pytest.mark.ray
