@@ -147,6 +147,21 @@ def test_a_gigatoken_difference_is_caught_and_auto_falls_back_to_fastokens(
     assert choice.backend == "fastokens" and "gigatoken self-check failed" in choice.reason
 
 
+@pytest.mark.parametrize("policy", ["text", "special"])
+def test_the_gigatoken_self_check_loads_the_job_policy_s_model_alone(tokenizer_path, policy,
+                                                                        monkeypatch):
+    """Whether gigatoken loads the tokenizer is learnt by loading the model of the job's
+    policy, the one its check then encodes with: one model on the driver, not two."""
+    pytest.importorskip("gigatoken")
+    from raypipe.preprocess.encoding import gigatoken_backend
+
+    monkeypatch.setattr(gigatoken_backend, "_MODELS", {})
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    choice = choose_backend("gigatoken", tokenizer, policy, ["a horse", "a zebra"])
+    assert choice.backend == "gigatoken"
+    assert list(gigatoken_backend._MODELS) == [(tokenizer_sha256(tokenizer), policy)]
+
+
 ENCODES_ALONE = """
 import json, sys, time
 from tokenizers import Tokenizer

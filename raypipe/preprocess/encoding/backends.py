@@ -31,7 +31,7 @@ class FastBackend:
     library: str  # the import name
     install: str  # how to get it, for the one-line error
     make: Callable[[Any, str, str], Any]  # (tokenizer, sha256, policy) -> encoder
-    why_not: Callable[[Any, str], str | None]
+    why_not: Callable[[Any, str, str], str | None]  # (tokenizer, sha256, policy) -> reason
     module: ModuleType  # whose source the cached self-check verdict depends on
     threads: str | None = None  # the name prefix of the library's own worker threads
 

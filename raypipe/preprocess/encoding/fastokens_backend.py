@@ -41,8 +41,10 @@ def model_for(tokenizer: Any, sha256: str) -> Any:
     return _MODELS[sha256]
 
 
-def why_not(tokenizer: Any, sha256: str) -> str | None:
-    """None if fastokens loads this tokenizer.json, else why not."""
+def why_not(tokenizer: Any, sha256: str, special_tokens_in_text: str = "special"
+            ) -> str | None:
+    """None if fastokens loads this tokenizer.json, else why not (one model serves every
+    special-token policy)."""
     return cannot_load("fastokens", lambda: model_for(tokenizer, sha256))
 
 

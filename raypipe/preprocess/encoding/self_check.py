@@ -243,7 +243,7 @@ def choose_backend(requested: str, tokenizer: Tokenizer, policy: str,
     checked = 0
     for name in AUTO_ORDER if requested == "auto" else (requested,):
         backend = FAST_BACKENDS[name]
-        reason = unusable(backend, tokenizer, sha256)
+        reason = unusable(backend, tokenizer, sha256, policy)
         if reason is not None:
             if requested == name:
                 raise ConfigError(f"tokenizer_backend: {reason}")
@@ -262,12 +262,13 @@ def choose_backend(requested: str, tokenizer: Tokenizer, policy: str,
     return BackendChoice("tokenizers", "; ".join(passed_over), checked)
 
 
-def unusable(backend: FastBackend, tokenizer: Tokenizer, sha256: str) -> str | None:
-    """Why `backend` cannot encode with this tokenizer (None: it can; its ids are checked
-    next)."""
+def unusable(backend: FastBackend, tokenizer: Tokenizer, sha256: str, policy: str
+             ) -> str | None:
+    """Why `backend` cannot encode with this tokenizer under `policy` (None: it can; its
+    ids are checked next, with what it loaded here)."""
     if not backend.installed():
         return f"{backend.name} is not installed ({backend.install})"
-    reason = backend.why_not(tokenizer, sha256)
+    reason = backend.why_not(tokenizer, sha256, policy)
     if reason is not None:
         return f"{backend.name} cannot reproduce this tokenizer: {reason}"
     return None

@@ -240,9 +240,11 @@ class TiktokenIds:
         return self.rank_to_id[ranks].astype(np.uint32)
 
 
-def why_not(tokenizer: Any, sha256: str) -> str | None:
+def why_not(tokenizer: Any, sha256: str, special_tokens_in_text: str = "special"
+            ) -> str | None:
     """None if tiktoken represents this `tokenizers` Tokenizer exactly, else the reason (the
-    conversion is kept for the encoders that follow)."""
+    conversion is kept for the encoders that follow; it serves every special-token
+    policy)."""
     try:
         encoding_for(tokenizer, sha256)
     except NotRepresentable as exc:
