@@ -76,7 +76,7 @@ def why_not(tokenizer: Any, sha256: str, special_tokens_in_text: str = "special"
             ) -> str | None:
     """None if gigatoken loads this tokenizer.json as a BPE, else why not; it loads the
     policy's model, which the job's check and encoder then take from this process's cache
-    (asked under `special` while the job is `text`, a driver built two models: 0.2-0.3 of
+    (asked under `special` while the job is `text`, a driver built two models: ~0.25 of
     a self-check's ~0.9 CPU-seconds, GPT-2's vocabulary)."""
     return cannot_load("gigatoken", lambda: model_for(tokenizer, sha256,
                                                       special_tokens_in_text))
