@@ -293,3 +293,40 @@ def test_a_tokenizer_no_fast_backend_runs_is_one_summary_line_naming_each_backen
                          line), name
     assert "Caused by" not in line and "raypipe-gigatoken-" not in line
     assert not re.search(r"\.rs:\d+", line)
+
+
+@pytest.mark.parametrize("backend", ["fastokens", "gigatoken", "tiktoken", "tokenizers"])
+@pytest.mark.parametrize("policy", ["text", "special"])
+def test_a_worker_s_encoder_parses_the_tokenizer_json_only_for_tokenizers(
+        tmp_path, tokenizer_path, corpus_texts, backend, policy):
+    """A worker builds its encoder from the settings' tokenizer.json text: a fast backend
+    builds its model from that text, so `tokenizers`' Tokenizer is never parsed there
+    (GPT-2: ~0.1 s of a worker's way to its first unit); the `tokenizers` backend parses it
+    before the first unit (`prepare`). Either way the ids, and the count of documents
+    holding a special token's literal, are `tokenizers`' own."""
+    import dataclasses
+
+    from raypipe.config import TokenizeConfig
+    from raypipe.preprocess.encoding.encoder import TokenizerText
+    from raypipe.preprocess.job import resolve
+    from raypipe.preprocess.runners import make_encoder
+
+    pytest.importorskip(backend)
+    settings = resolve(TokenizeConfig(inputs=("unused",), output=str(tmp_path / "out"),
+                                      tokenizer=tokenizer_path,
+                                      special_tokens_in_text=policy)).settings
+    settings = dataclasses.replace(settings, tokenizer=dataclasses.replace(
+        settings.tokenizer, backend=backend))
+    encoder = make_encoder(settings)
+    assert isinstance(encoder.source, TokenizerText)
+    assert ("parsed" in vars(encoder.source)) == (backend == "tokenizers")
+    reference = DocumentEncoder(Tokenizer.from_file(tokenizer_path), None, None, policy)
+    texts = [*corpus_texts[:200], f"a {reference.special_literals[0]} inside"]
+    tokens, lengths = encoder.encode(texts)
+    expected_tokens, expected_lengths = reference.encode(texts)
+    assert np.array_equal(tokens, expected_tokens) and np.array_equal(lengths,
+                                                                      expected_lengths)
+    assert encoder.special_literals == reference.special_literals != []
+    assert (encoder.count_special_literals(texts) == reference.count_special_literals(texts)
+            >= 1)
+    assert ("parsed" in vars(encoder.source)) == (backend == "tokenizers")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import threading
 
 import pyarrow as pa
@@ -317,6 +319,57 @@ def test_a_runner_connects_while_the_encoder_self_checks(tmp_path, corpus_dir, t
     assert overlapped == [True]
     assert summary.units_run == summary.units and summary.backend != "tokenizers"
     assert shard_files(tmp_path / "out")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="niceness per thread is Linux's")
+def test_the_self_check_runs_at_its_runner_s_worker_niceness_on_a_thread_of_its_own(
+        tmp_path, corpus_dir, tokenizer_path, monkeypatch):
+    """A runner whose workers run niced (Ray's, at 15) has the driver's self-check thread
+    take their niceness, so the check shares the cores with the starting workers; the
+    driver's main thread keeps its own."""
+    from raypipe.preprocess import job
+
+    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+    real_with_backend = job.with_backend
+
+    def with_backend(*args):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_with_backend(*args)
+
+    class NicedWorkersRunner(SerialRunner):
+        check_niceness = min(19, main_before + 3)
+
+    monkeypatch.setattr(job, "with_backend", with_backend)
+    summary = run_job(config_for(corpus_dir, tmp_path / "out", tokenizer_path),
+                      NicedWorkersRunner())
+    assert seen == [NicedWorkersRunner.check_niceness]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
+    assert summary.units_run == summary.units > 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="niceness per thread is Linux's")
+def test_a_thread_takes_a_niceness_only_upwards_and_the_main_thread_never():
+    from raypipe.preprocess.job import at_niceness
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = niceness()
+    at_niceness(min(19, before + 2))
+    assert niceness() == before  # the main thread: never raised (it could not come back)
+    seen = {}
+
+    def worker():
+        at_niceness(min(19, before + 2))
+        seen["raised"] = niceness()
+        at_niceness(before)  # lower: left as it is
+        seen["after lower"] = niceness()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == {"raised": min(19, before + 2), "after lower": min(19, before + 2)}
 
 
 def test_every_pending_unit_runs_on_the_runner_however_slowly_it_starts(

@@ -7,6 +7,7 @@ tests/test_reliability.py)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import socket
@@ -214,4 +215,7 @@ def test_a_guess_the_worker_cannot_build_is_dropped_not_fatal(tmp_path, corpus_d
 
     likely = likely_settings(resolve(config_for(corpus_dir, tmp_path / "out", tokenizer_path)))
     assert likely is not None
-    assert warmed_up(dataclasses.replace(likely, tokenizer_json="{not a tokenizer")) is None
+    broken = "{not a tokenizer"  # with its own fingerprint, as the driver would give it
+    assert warmed_up(dataclasses.replace(likely, tokenizer_json=broken, tokenizer=(
+        dataclasses.replace(likely.tokenizer, sha256=hashlib.sha256(
+            broken.encode()).hexdigest())))) is None

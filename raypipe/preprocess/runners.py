@@ -24,6 +24,7 @@ from raypipe.io.manifest import committed_unit_record
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.encoding.encoder import (
     DocumentEncoder,
+    TokenizerText,
     load_tokenizer,
     single_threaded_tokenizers,
 )
@@ -82,6 +83,10 @@ class UnitRunner(Protocol):
     startup_seconds: float  # spent connecting to (or starting) what it runs on
     data_startup_seconds: float  # run launched -> its first record (workers starting)
     retries: int  # unit runs lost to a dead worker and run again
+    # the niceness the driver's self-check thread takes while the workers start: theirs,
+    # where they run niced (Ray's), so the check shares the cores with them instead of
+    # taking one; None: the driver's own (workers as urgent as the driver)
+    check_niceness: int | None
 
     def connect(self) -> None:
         """Connect to what the units run on (seconds for a local Ray: the job's self-check
@@ -111,10 +116,12 @@ def make_encoder(settings: UnitSettings, tokenizer: Tokenizer | None = None
     backend built (or, for a chat job, its ChatEncoder: ~0.7 s for GPT-2's vocabulary)
     before the first unit, not inside it."""
     single_threaded_tokenizers()
-    if tokenizer is None:
-        tokenizer = (Tokenizer.from_str(settings.tokenizer_json) if settings.tokenizer_json
-                     else load_tokenizer(settings.tokenizer.spec))
-    encoder = DocumentEncoder(tokenizer, *settings.encoder_separators,
+    source: Tokenizer | TokenizerText | None = tokenizer
+    if source is None:
+        source = (TokenizerText(settings.tokenizer_json, settings.tokenizer.sha256,
+                                settings.special_literals) if settings.tokenizer_json
+                  else load_tokenizer(settings.tokenizer.spec))
+    encoder = DocumentEncoder(source, *settings.encoder_separators,
                               settings.config.special_tokens_in_text,
                               settings.tokenizer.backend)
     if settings.chat_template is not None:
@@ -216,6 +223,7 @@ class FilesOnly:
     """A runner of planned units only: a ray.data.Dataset is refused."""
 
     REFUSAL = "a ray.data.Dataset input runs on Ray (executor 'ray' or 'auto')"
+    check_niceness: int | None = None  # its workers run at the driver's niceness
 
     def check_columns(self, dataset: Any, columns: list[str]) -> None:
         raise TypeError(self.REFUSAL)

@@ -62,6 +62,8 @@ class UnitSettings:
     # another node, or started in another working directory, never resolves the driver's path
     tokenizer_json: str = ""
     chat_template: TemplateSource | None = None  # chat data: the template, resolved once
+    special_literals: tuple[str, ...] = ()  # its special tokens' text (a worker's encoder
+    # counts the documents holding one without parsing the tokenizer.json: TokenizerText)
 
     @property
     def formats(self) -> tuple[str, ...]:

@@ -85,7 +85,7 @@ from raypipe.preprocess.runners import (
 )
 from raypipe.preprocess.unit import UnitSettings
 from raypipe.ray.ledger import UnitLedger, ledger_name
-from raypipe.ray.session import cluster_cpus, ensure_ray, quiet_ray_notices
+from raypipe.ray.session import cluster_cpus, ensure_ray, quiet_ray_notices, worker_niceness
 from raypipe.ray.stderr_lines import dropping_ray_noise
 
 logger = logging.getLogger("raypipe")
@@ -299,6 +299,7 @@ class RayDataRunner:
         self.seat: LedgerJob | None = None  # the job's, at the cluster's ledger
         self.head_start: list[Any] = []  # the job's warm-up task (warm_up_worker)
         self.joined = False  # a Ray session that was running already
+        self.check_niceness = worker_niceness()  # Ray's workers'
 
     def connect(self) -> None:
         """Connect to (or start) Ray, open the job at the cluster's ledger, and submit its

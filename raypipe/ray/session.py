@@ -208,3 +208,16 @@ def stop_autoscaler_monitor() -> None:
 
 def cluster_cpus() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+WORKER_NICENESS = 15  # Ray's default niceness for its worker processes (`worker_niceness`)
+RAY_NICENESS_VARIABLE = "RAY_worker_niceness"  # Ray's spelling of that setting's variable
+
+
+def worker_niceness() -> int:
+    """The niceness Ray runs its workers at: its `worker_niceness` setting, as Ray reads it
+    from the environment (RAY_worker_niceness), else Ray's default."""
+    try:
+        return int(os.environ.get(RAY_NICENESS_VARIABLE, WORKER_NICENESS))
+    except ValueError:
+        return WORKER_NICENESS

@@ -73,6 +73,33 @@ def tokenizer_sha256(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
 
 
+def special_literals(tokenizer: Tokenizer) -> tuple[str, ...]:
+    """The text of each of the tokenizer's special added tokens (`<|endoftext|>`, ...)."""
+    return tuple(token.content for token in tokenizer.get_added_tokens_decoder().values()
+                 if token.special)
+
+
+class TokenizerText:
+    """A tokenizer.json's text as a worker receives it, with what the driver found in it
+    (its fingerprint, its special tokens' literals), parsed into `tokenizers`' Tokenizer
+    only where something needs more than the text (`parsed`): every fast backend builds
+    its own model from the text (`to_str`), so a worker encoding with one never parses it
+    (GPT-2's vocabulary: `Tokenizer.from_str` 0.06 s, its `to_str` and fingerprint 0.03 s
+    more, each worker paid on its way to its first unit)."""
+
+    def __init__(self, text: str, sha256: str, literals: Sequence[str]):
+        self.text = text
+        self.sha256 = sha256
+        self.special_literals = tuple(literals)
+
+    def to_str(self) -> str:
+        return self.text
+
+    @functools.cached_property
+    def parsed(self) -> Tokenizer:
+        return Tokenizer.from_str(self.text)
+
+
 def largest_token_id(tokenizer: Tokenizer) -> int:
     return max(tokenizer.get_vocab(with_added_tokens=True).values())
 
@@ -177,19 +204,36 @@ class DocumentEncoder:
     tiktoken's `encode_ordinary`), so no document can forge a BOS/EOS or other special id;
     `special` turns it into the special id (tokenizers' default)."""
 
-    def __init__(self, tokenizer: Tokenizer, bos_id: int | None, eos_id: int | None,
-                 special_tokens_in_text: str = "text", backend: str = "tokenizers"):
+    def __init__(self, tokenizer: Tokenizer | TokenizerText, bos_id: int | None,
+                 eos_id: int | None, special_tokens_in_text: str = "text",
+                 backend: str = "tokenizers"):
         if special_tokens_in_text not in SPECIAL_TOKEN_POLICIES:
             raise ConfigError(f"special_tokens_in_text: {special_tokens_in_text!r} not among "
                               f"{list(SPECIAL_TOKEN_POLICIES)}")
-        self.tokenizer = tokenizer
-        self.tokenizer.encode_special_tokens = special_tokens_in_text == "text"
+        self.source = tokenizer  # what the fast backends build their model from
         self.policy = special_tokens_in_text
         self.bos_id = bos_id
         self.eos_id = eos_id
-        self.special_literals = [token.content for token in
-                                 tokenizer.get_added_tokens_decoder().values() if token.special]
         self.backend = backend
+        if isinstance(tokenizer, TokenizerText):
+            self.special_literals = list(tokenizer.special_literals)
+        else:
+            _ = self.tokenizer  # the caller's Tokenizer takes the policy now
+            self.special_literals = list(special_literals(tokenizer))
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """`tokenizers`' Tokenizer under the job's policy (a TokenizerText's parsed here, at
+        the first use: `tokenizers` encodes, a chat job, offsets)."""
+        tokenizer = (self.source.parsed if isinstance(self.source, TokenizerText)
+                     else self.source)
+        tokenizer.encode_special_tokens = self.policy == "text"
+        return tokenizer
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        return (self.source.sha256 if isinstance(self.source, TokenizerText)
+                else tokenizer_sha256(self.source))
 
     @functools.cached_property
     def fast(self) -> Any | None:
@@ -198,12 +242,12 @@ class DocumentEncoder:
         `special` one), a text job builds it before its first unit (`prepare`)."""
         if self.backend not in FAST_BACKENDS:
             return None
-        return FAST_BACKENDS[self.backend].make(self.tokenizer,
-                                                tokenizer_sha256(self.tokenizer), self.policy)
+        return FAST_BACKENDS[self.backend].make(self.source, self.sha256, self.policy)
 
     def prepare(self) -> None:
-        """Build the backend now (it would be built at the first text encoded)."""
-        _ = self.fast
+        """Build the backend now (it would be built at the first text encoded): the fast
+        one, or `tokenizers`' Tokenizer."""
+        _ = self.fast if self.backend in FAST_BACKENDS else self.tokenizer
 
     def fast_ids(self, policy: str) -> Any | None:
         """The job's fast backend under `policy` (a chat's template tokens are matched
@@ -212,8 +256,7 @@ class DocumentEncoder:
             return None
         if policy == self.policy:
             return self.fast
-        return FAST_BACKENDS[self.backend].make(self.tokenizer,
-                                                tokenizer_sha256(self.tokenizer), policy)
+        return FAST_BACKENDS[self.backend].make(self.source, self.sha256, policy)
 
     def cpu_seconds(self) -> float:
         """The calling thread's CPU time plus that of the backend's own worker threads

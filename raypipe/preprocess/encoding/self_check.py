@@ -47,7 +47,11 @@ from raypipe.io.cache import default_cache_dir
 from raypipe.io.records import WorkUnit
 from raypipe.preprocess.encoding import encoder
 from raypipe.preprocess.encoding.backends import AUTO_ORDER, FAST_BACKENDS, FastBackend
-from raypipe.preprocess.encoding.encoder import DocumentEncoder, tokenizer_sha256
+from raypipe.preprocess.encoding.encoder import (
+    DocumentEncoder,
+    special_literals,
+    tokenizer_sha256,
+)
 from raypipe.preprocess.inputs import unit_batches
 from raypipe.preprocess.texts import clean_texts_with_rows
 
@@ -238,7 +242,7 @@ def choose_backend(requested: str, tokenizer: Tokenizer, policy: str,
     if requested == "tokenizers":
         return BackendChoice("tokenizers", "asked for")
     sha256 = tokenizer_sha256(tokenizer)
-    literals = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+    literals = list(special_literals(tokenizer))
     passed_over: list[str] = []
     checked = 0
     for name in AUTO_ORDER if requested == "auto" else (requested,):
