@@ -283,7 +283,8 @@ def test_a_head_start_builds_the_guessed_encoder_that_the_job_keeps_where_its_se
     import uuid
 
     from raypipe.preprocess.job import likely_settings, resolve
-    from raypipe.ray.executor import JobShared, LedgerJob, cluster_ledger
+    from raypipe.ray.executor import cluster_ledger
+    from raypipe.ray.unit_tasks import JobShared, LedgerJob
 
     pytest.importorskip("gigatoken")
     ledger = cluster_ledger()
@@ -296,14 +297,14 @@ def test_a_head_start_builds_the_guessed_encoder_that_the_job_keeps_where_its_se
     @ray_session.remote(num_cpus=0)
     class MapWorkerProcess:
         def warm_up(self, seat: LedgerJob) -> int | None:
-            from raypipe.ray.executor import WORKER_JOBS, warm_up_worker
+            from raypipe.ray.unit_tasks import WORKER_JOBS, warm_up_worker
 
             WORKER_JOBS.loaded = None  # as in a new process
             warm_up_worker(seat)
             return None if WORKER_JOBS.loaded is None else id(WORKER_JOBS.loaded.encoder)
 
         def load(self, seat: LedgerJob) -> int:
-            from raypipe.ray.executor import WORKER_JOBS
+            from raypipe.ray.unit_tasks import WORKER_JOBS
 
             return id(WORKER_JOBS.load(seat).encoder)
 
@@ -345,7 +346,8 @@ def test_a_worker_process_keeps_its_encoder_for_the_session_s_next_job_that_enco
     import uuid
 
     from raypipe.preprocess.job import resolve
-    from raypipe.ray.executor import JobShared, LedgerJob, cluster_ledger
+    from raypipe.ray.executor import cluster_ledger
+    from raypipe.ray.unit_tasks import JobShared, LedgerJob
 
     ledger = cluster_ledger()
     seats = []
@@ -363,7 +365,7 @@ def test_a_worker_process_keeps_its_encoder_for_the_session_s_next_job_that_enco
     @ray_session.remote(num_cpus=0)
     class MapWorkerProcess:
         def load(self, seat: LedgerJob) -> tuple[int, str]:
-            from raypipe.ray.executor import WORKER_JOBS
+            from raypipe.ray.unit_tasks import WORKER_JOBS
 
             job = WORKER_JOBS.load(seat)
             return id(job.encoder), str(job.settings.config.output)
