@@ -546,3 +546,24 @@ def test_ray_job_stop_ends_the_job_with_143_and_leaves_the_output_resumable(
                         tokenizer=tokenizer_path, unit_bytes=1)
     run_job(clean)
     assert shard_files(tmp_path / "out") == shard_files(tmp_path / "clean")
+
+
+EXECUTION_MODULES_AHEAD = """
+import json, sys
+import ray.data
+from raypipe.ray.executor import RAY_DATA_EXECUTION_MODULES, import_execution_modules
+before = [name in sys.modules for name in RAY_DATA_EXECUTION_MODULES]
+import_execution_modules()
+print(json.dumps([before, [name in sys.modules for name in RAY_DATA_EXECUTION_MODULES]]))
+"""
+
+
+def test_ray_data_s_execution_modules_exist_and_the_driver_imports_them_ahead():
+    """What Ray Data imports at a Dataset's first execution, the driver imports while its
+    head start runs: every name is one this Ray has (a rename would pass silently, the
+    import skipped), none of them imported by `import ray.data` alone."""
+    done = subprocess.run([sys.executable, "-c", EXECUTION_MODULES_AHEAD],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not any(before) and all(after)
