@@ -5,11 +5,14 @@ exact, says why it did not take the others, and a missing library is one line. N
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from raypipe.cli import main
@@ -330,3 +333,35 @@ def test_a_worker_s_encoder_parses_the_tokenizer_json_only_for_tokenizers(
     assert (encoder.count_special_literals(texts) == reference.count_special_literals(texts)
             >= 1)
     assert ("parsed" in vars(encoder.source)) == (backend == "tokenizers")
+
+
+ADDED_TOKEN = st.fixed_dictionaries({
+    "id": st.integers(0, 10**6),
+    "content": st.lists(st.sampled_from(['"', "\\", "{", "}", "[", "]", ":", ",", "a", "é",
+                                         "<", "|", '"added_tokens":']),
+                        min_size=1, max_size=8).map("".join),
+    "special": st.booleans()})
+OTHER_VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["added_tokens", "type", "vocab", '"added_tokens":']), inner,
+        max_size=3), max_leaves=8)
+
+
+@given(tokens=st.lists(ADDED_TOKEN, max_size=6),
+       before=st.dictionaries(st.sampled_from(["version", "truncation", "padding"]),
+                              OTHER_VALUE, max_size=3),
+       after=st.dictionaries(st.sampled_from(["normalizer", "model", "decoder"]), OTHER_VALUE,
+                             max_size=3),
+       indent=st.sampled_from([None, 2]))
+def test_special_added_tokens_are_dropped_from_the_json_exactly_as_a_full_parse_would(
+        tokens, before, after, indent):
+    """gigatoken's `text`-policy tokenizer.json: the special added tokens dropped where the
+    list stands (no decoding of the whole JSON), the same document as decoding it whole,
+    whatever the strings hold and however the JSON is laid out."""
+    from raypipe.preprocess.encoding.gigatoken_backend import without_special_added_tokens
+
+    document = {**before, "added_tokens": tokens, **after}
+    text = json.dumps(document, indent=indent, ensure_ascii=False)
+    expected = {**document, "added_tokens": [t for t in tokens if not t["special"]]}
+    assert json.loads(without_special_added_tokens(text)) == expected
