@@ -96,6 +96,7 @@ def head_start_settings(settings: Settings) -> UnitSettings | None:
     likely = settings.guess() if isinstance(settings, LaterSettings) else settings
     return None if likely is None or likely.tokenizer.backend == "tiktoken" else likely
 
+
 class Outcomes(Failures):
     """The driver's side of the map stage's outcomes: records pass, and the first error
     stops new units (the ledger) while the units in flight finish and commit (Failures)."""
@@ -113,6 +114,7 @@ class Outcomes(Failures):
             self.add(outcome)
             return None
         return outcome if isinstance(outcome, UnitRecord) else None
+
 
 class RayDataRunner:
     """Runs a job's units (or a Dataset's blocks) as one Ray Data Dataset; connects to (or

@@ -3,7 +3,7 @@ units and blocks, and each worker process's latest job and encoder.
 
 Invariant: a worker process imports this module and what a unit needs (the encoder, the
 unit's reading and writing), never the driver's side of a job (its planning, summary,
-progress, manifest, the loaders' sampling): Ray unpickles a task's function by importing
+progress, the loaders' sampling): Ray unpickles a task's function by importing
 its module, and every module it imports is CPU on the worker's way to its first unit
 (measured: raypipe.ray.executor pulled in 27 driver modules more, ~0.06-0.09 s a worker
 process). The driver's side (the runner, the ledger's seat, the Dataset) is
@@ -128,6 +128,7 @@ def warm_up_worker(seat: LedgerJob) -> None:
 
     WORKER_JOBS.warm_up(seat)
 
+
 def unit_outcomes(seat: LedgerJob, units: list[WorkUnit], batches: Any = None
                   ) -> list[UnitRecord | RaypipeError | None]:
     """Each unit's record, a RaypipeError (bad input, or a unit that keeps killing its
@@ -148,6 +149,7 @@ def _outcomes(outcomes: list[UnitRecord | RaypipeError | None]) -> dict[str, np.
     column = np.empty(len(outcomes), dtype=object)
     column[:] = outcomes
     return {"record": column}
+
 
 def tokenize_units(batch: dict[str, np.ndarray], seat: LedgerJob) -> dict[str, np.ndarray]:
     """Map stage over planned units (rows {"unit": WorkUnit}, several a block): an outcome
