@@ -558,7 +558,7 @@ print(json.dumps([before, [name in sys.modules for name in RAY_DATA_EXECUTION_MO
 """
 
 
-def test_ray_data_s_execution_modules_exist_and_the_driver_imports_them_ahead():
+def test_the_execution_modules_imported_ahead_exist_in_this_ray_and_ray_data_defers_them():
     """What Ray Data imports at a Dataset's first execution, the driver imports while its
     head start runs: every name is one this Ray has (a rename would pass silently, the
     import skipped), none of them imported by `import ray.data` alone."""

@@ -7,7 +7,9 @@ progress, the loaders' sampling): Ray unpickles a task's function by importing
 its module, and every module it imports is CPU on the worker's way to its first unit
 (measured: raypipe.ray.executor pulled in 27 driver modules more, ~0.06-0.09 s a worker
 process). The driver's side (the runner, the ledger's seat, the Dataset) is
-raypipe.ray.executor.
+raypipe.ray.executor. Cost: nothing on the driver (this runs on the workers); a worker
+makes one ledger call a block (the attempts of its units) and sends one a unit as it
+starts, and loads a job's settings and encoder once a process.
 """
 
 from __future__ import annotations
