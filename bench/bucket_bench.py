@@ -41,7 +41,7 @@ from object_storage_bench import start_moto, upload
 from raypipe.io.manifest import read_manifest
 from raypipe.loader import TokenLoader
 from raypipe.sampling.permute import FeistelPermutation, WindowedPermutation
-from raypipe.sampling.plans import LaneOrder, lane_bounds, window_shards_for
+from raypipe.sampling.plans import LaneOrder, lane_bounds, window_blocks_for
 
 SEQ, BATCH, SEED, STEP_S, RESUME_AT = 2048, 4, 7, 0.005, 20
 
@@ -138,7 +138,7 @@ def quality(shard_documents: np.ndarray, lanes: int, step_documents: int) -> lis
     total = int(shard_documents.sum())
     shard_of = np.repeat(np.arange(shard_documents.size), shard_documents)
     every = np.arange(total, dtype=np.int64)
-    window = window_shards_for(shard_documents.size, 0, lanes)
+    window = window_blocks_for(shard_documents.size, 0, lanes)
     windowed = WindowedPermutation(shard_documents, window, SEED)
     lane_order = LaneOrder(lane_bounds(windowed.window_starts, lanes, lambda starts: starts))
     held = int(total * 2 * window * lanes / shard_documents.size)  # what a node holds
@@ -171,7 +171,7 @@ def projection(shards: int = 10_000, dataset_tb: float = 4.0, nodes: int = 125,
     shuffle with a lane per rank: what each node fetches and holds."""
     dataset = dataset_tb * 1e12
     shard_bytes = dataset / shards
-    window = window_shards_for(shards, 0, ranks)
+    window = window_blocks_for(shards, 0, ranks)
     lane_shards = shards / ranks
     per_rank = ranks // nodes
     epoch_s = dataset / 2 / step_tokens * step_s

@@ -31,9 +31,10 @@ import numpy as np
 
 from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, ShardReader, batch_formats, document_formats, get_format
-from raypipe.formats.base import shard_prefix
+from raypipe.formats.base import MASK_SIDECAR, shard_prefix
 from raypipe.io.cache import ShardCache
 from raypipe.io.manifest import MANIFEST_NAME, as_store, file_problem, read_manifest
+from raypipe.io.ranged import BlockTokens
 from raypipe.io.records import FileEntry, Manifest, ShardEntry
 from raypipe.io.store import Store, dataset_key
 
@@ -56,6 +57,57 @@ class StreamWindow:
 
 
 OPEN_TRIES = 5  # fetches of a shard other processes keep evicting before it opens
+TOKEN_STARTS_KEPT = 64  # ranged shards whose document token offsets a process keeps
+
+
+@dataclass(frozen=True)
+class ShardBlocks:
+    """The blocks a dataset is fetched in: block b is global documents [starts[b],
+    stops[b]) of shard shards[b]; a shard's blocks are consecutive and cover it whole."""
+
+    shards: np.ndarray
+    starts: np.ndarray
+    stops: np.ndarray
+
+    @classmethod
+    def of(cls, shards: np.ndarray, starts: np.ndarray,
+           document_offsets: np.ndarray) -> ShardBlocks:
+        """From each block's shard and first document (a shard's first block snapped to
+        the shard's first document: a split's blocks skip held-out ones)."""
+        shards = np.asarray(shards, dtype=np.int64)
+        starts = np.asarray(starts, dtype=np.int64).copy()
+        firsts = np.ones(len(shards), dtype=bool)
+        firsts[1:] = shards[1:] != shards[:-1]
+        starts[firsts] = document_offsets[shards[firsts]]
+        stops = np.append(starts[1:], 0)
+        lasts = np.append(firsts[1:], True)
+        stops[lasts] = document_offsets[shards[lasts] + 1]
+        return cls(shards, starts, stops)
+
+    def in_shard(self, shard: int) -> np.ndarray:
+        """The blocks of shard `shard`."""
+        first, stop = np.searchsorted(self.shards, [shard, shard + 1])
+        return np.arange(first, stop, dtype=np.int64)
+
+    def of_documents(self, ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.starts, ids, side="right") - 1
+
+
+class RangedShard(ShardReader):
+    """A shard read a block at a time: its documents' token offsets from its index, its
+    tokens `BlockTokens` (raypipe.io.ranged); `units`: its blocks' numbers."""
+
+    loss_mask = None
+
+    def __init__(self, tokens: BlockTokens, document_starts: np.ndarray, units: np.ndarray):
+        self.tokens = tokens  # type: ignore[assignment]
+        self.document_starts = document_starts
+        self.units = units
+
+    @classmethod
+    def from_manifest(cls, root: Path, shard: ShardEntry, section: Any,
+                      tokenizer: Any) -> RangedShard:
+        raise NotImplementedError("a ranged shard opens through its dataset")
 
 
 class ShardSet:
@@ -101,6 +153,13 @@ class ShardSet:
             self.local_root = self.cache.dataset_dir(self.key)
         self._fetching: dict[int, Future] = {}
         self._opening: int | None = None  # the shard a reader waits for (object storage)
+        # object storage: the blocks a loader reads this dataset in (None: whole shards),
+        # the blocks fetched or on their way (pinned paths, or the fetch), and the one a
+        # reader waits for
+        self.blocks: ShardBlocks | None = None
+        self._held_blocks: dict[int, list[Path] | Future] = {}
+        self._waited_block: int | None = None
+        self._starts_kept: OrderedDict[int, np.ndarray] = OrderedDict()
         self.closes = 0  # shards closed so far: holders of shard arrays drop theirs on change
         self._pinned: dict[int, list[Path]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -167,22 +226,172 @@ class ShardSet:
             raise
         return paths
 
-    def prefetch(self, indices: Iterable[int]) -> None:
-        """Start fetching these shards into the cache (object storage; no-op locally), while
-        open and pending shards hold at most PREFETCH_SHARE of the cache's budget (a
-        windowed shuffle holds the window it reads and the next)."""
+    # ----- object storage: blocks ---------------------------------------------------------
+    def use_blocks(self, shards: np.ndarray, starts: np.ndarray) -> None:
+        """Read this dataset in blocks from now on (object storage): block b begins at
+        global document `starts[b]` of shard `shards[b]` (raypipe.sampling.blocks). A shard
+        of several blocks whose format finds a block's bytes from its index
+        (`DocumentFormat.tokens_at`) is fetched a block at a time with ranged reads; the
+        others whole. `prefetch`, `close_except` and `units_of_documents` then count in
+        blocks."""
         if self.cache is None:
             return
-        held = sum(self._shard_bytes(i) for i in (*self._readers, *self._fetching))
+        self.close()
+        self.blocks = ShardBlocks.of(shards, starts, self.document_offsets)
+
+    def units_of_documents(self, ids: np.ndarray) -> np.ndarray:
+        """The units of fetch that hold these global documents: blocks (`use_blocks`), or
+        shards."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.blocks is not None:
+            return np.unique(self.blocks.of_documents(ids))
+        return np.unique(np.searchsorted(self.document_offsets, ids, side="right") - 1)
+
+    def ranged(self, shard: int) -> bool:
+        """Shard `shard` is fetched a block at a time (object storage, blocks in use, the
+        format ranged, no loss mask sidecar, more than one block)."""
+        blocks = self.blocks
+        return (blocks is not None and getattr(self.format, "tokens_at", None) is not None
+                and len(blocks.in_shard(shard)) > 1
+                and not any(entry.path.endswith(MASK_SIDECAR)
+                            for entry in self.shards[shard].files))
+
+    def _prefetch_blocks(self, units: list[int]) -> None:
+        """Fetch ahead: the whole shards of blocks that are whole shards, and each ranged
+        shard's blocks in one ranged read (a task a shard), within PREFETCH_SHARE."""
+        assert self.blocks is not None
+        whole: list[int] = []
+        ranged: dict[int, list[int]] = {}
+        held = self._held_bytes()
+        for unit in units:
+            shard = int(self.blocks.shards[unit])
+            if not self.ranged(shard):
+                whole.append(shard)
+                continue
+            if unit in self._held_blocks:
+                continue
+            held += self._block_bytes(unit)
+            if held > self.held_bytes(PREFETCH_SHARE):
+                break
+            ranged.setdefault(shard, []).append(unit)
+        for shard, blocks in ranged.items():
+            future = self._pool_submit(self._fetch_blocks, shard, blocks,
+                                       [self._block_range(unit) for unit in blocks])
+            for unit in blocks:
+                self._held_blocks[unit] = future
+        self._prefetch_shards(dict.fromkeys(whole))
+
+    def _fetch_blocks(self, shard: int, units: list[int], ranges: list[tuple[int, int]]
+                      ) -> dict[int, list[Path]]:
+        """Fetch blocks of one shard (pinned) by ranged reads of its token file (`ranges`:
+        their bytes, found by the caller's thread, which alone reads the index)."""
+        assert self.cache is not None
+        entry = self.shards[shard].files[0]
+        paths = self.cache.fetch_ranges(self.store, self.key, entry, ranges, pin=True)
+        return {unit: [path] for unit, path in zip(units, paths, strict=True)}
+
+    def _block_range(self, unit: int) -> tuple[int, int]:
+        """Block `unit`'s bytes in its shard's token file."""
+        assert self.blocks is not None
+        shard = int(self.blocks.shards[unit])
+        starts = self._token_starts(shard)
+        base = self.document_offsets[shard]
+        first = int(starts[int(self.blocks.starts[unit] - base)])
+        stop = int(starts[int(self.blocks.stops[unit] - base)])
+        itemsize = np.dtype(self.section.dtype).itemsize
+        at = int(self.format.tokens_at)
+        return at + first * itemsize, at + stop * itemsize
+
+    def _block_bytes(self, unit: int) -> int:
+        """About block `unit`'s bytes (its tokens' share of its shard's token file)."""
+        assert self.blocks is not None
+        shard = int(self.blocks.shards[unit])
+        documents = int(self.blocks.stops[unit] - self.blocks.starts[unit])
+        whole = self.shards[shard]
+        return (whole.files[0].bytes * documents) // max(whole.documents, 1)
+
+    def _token_starts(self, shard: int) -> np.ndarray:
+        """int64[D + 1] token offsets of a ranged shard's documents (from its index; the
+        latest TOKEN_STARTS_KEPT shards' kept)."""
+        starts = self._starts_kept.get(shard)
+        if starts is None:
+            lengths = self.shard_document_lengths(shard)
+            starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=starts[1:])
+            if len(self._starts_kept) >= TOKEN_STARTS_KEPT:
+                self._starts_kept.pop(next(iter(self._starts_kept)))
+            self._starts_kept[shard] = starts
+        return starts
+
+    def _block_path(self, unit: int) -> Path:
+        """The local file of block `unit` (a reader needs it now): the prefetch's, else
+        fetched here (the training thread waits: `fetching_now` names it)."""
+        held = self._held_blocks.get(unit)
+        self._waited_block = unit
+        try:
+            if isinstance(held, Future):
+                done = held.result()
+                for block, paths in done.items():
+                    if isinstance(self._held_blocks.get(block), Future):
+                        self._held_blocks[block] = paths
+                held = self._held_blocks[unit]
+            if held is None:
+                shard = int(self.blocks.shards[unit])  # type: ignore[union-attr]
+                held = self._held_blocks[unit] = self._fetch_blocks(
+                    shard, [unit], [self._block_range(unit)])[unit]
+        finally:
+            self._waited_block = None
+        assert not isinstance(held, Future)
+        return held[0]
+
+    def _release_blocks(self, keep: set[int]) -> None:
+        """Unpin the blocks outside `keep` (done fetching), and unmap them."""
+        assert self.cache is not None
+        for unit in [unit for unit, held in self._held_blocks.items()
+                     if unit not in keep and not (isinstance(held, Future)
+                                                  and not held.done())]:
+            held = self._held_blocks.pop(unit)
+            if isinstance(held, Future):
+                if held.cancelled() or held.exception() is not None:
+                    continue
+                held = held.result()[unit]
+            self.cache.unpin(held)
+        for reader in self._readers.values():
+            if isinstance(reader, RangedShard):
+                reader.tokens.forget(keep)
+
+    def _held_bytes(self) -> int:
+        """Bytes this process holds or fetches: open and pending whole shards (a ranged
+        shard's index files), and held blocks."""
+        return (sum(self._open_bytes(i) for i in (*self._readers, *self._fetching))
+                + sum(self._block_bytes(unit) for unit in self._held_blocks))
+
+    def prefetch(self, indices: Iterable[int]) -> None:
+        """Start fetching these units (shards, or blocks once `use_blocks` was called) into
+        the cache (object storage; no-op locally), while open and pending ones hold at
+        most PREFETCH_SHARE of the cache's budget (a windowed shuffle holds the window it
+        reads and the next)."""
+        if self.cache is None:
+            return
+        if self.blocks is not None:
+            self._prefetch_blocks([int(unit) for unit in indices])
+            return
+        self._prefetch_shards(indices)
+
+    def _pool_submit(self, task: Any, *args: Any) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(PREFETCH_THREADS, "raypipe-fetch")
+        return self._pool.submit(task, *args)
+
+    def _prefetch_shards(self, indices: Iterable[int]) -> None:
+        held = self._held_bytes()
         for index in indices:
             if index in self._readers or index in self._fetching:
                 continue
-            held += self._shard_bytes(index)
+            held += self._open_bytes(index)
             if held > self.held_bytes(PREFETCH_SHARE):
                 break
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(PREFETCH_THREADS, "raypipe-fetch")
-            self._fetching[index] = self._pool.submit(self._fetch, self.shards[index].files)
+            self._fetching[index] = self._pool_submit(self._fetch, self._files_to_open(index))
 
     def held_bytes(self, share: float) -> int:
         """`share` of the cache budget: what this process may hold open or pending (a
@@ -196,7 +405,16 @@ class ShardSet:
         first, then those fetched ahead and not done."""
         ahead = [index for index, future in list(self._fetching.items()) if not future.done()]
         waited = [] if self._opening is None else [self._opening]
-        return [self.shards[index].name for index in dict.fromkeys([*waited, *ahead])]
+        names = [self.shards[index].name for index in dict.fromkeys([*waited, *ahead])]
+        blocks = [] if self._waited_block is None else [self._waited_block]
+        blocks += [unit for unit, held in list(self._held_blocks.items())
+                   if isinstance(held, Future) and not held.done()]
+        return names + [self._block_name(unit) for unit in dict.fromkeys(blocks)]
+
+    def _block_name(self, unit: int) -> str:
+        assert self.blocks is not None
+        shard = int(self.blocks.shards[unit])
+        return f"{self.shards[shard].name} block {unit - int(self.blocks.in_shard(shard)[0])}"
 
     def close(self) -> None:
         """Stop background fetches and close every open shard."""
@@ -207,6 +425,8 @@ class ShardSet:
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.cache.unpin(future.result())
         self._fetching.clear()
+        if self.cache is not None:
+            self._release_blocks(set())
         while self._readers:
             self._close_oldest()
 
@@ -220,16 +440,30 @@ class ShardSet:
             self.cache.unpin(self._pinned.pop(index, []))
 
     def close_except(self, keep: Iterable[int]) -> None:
-        """Close every open shard outside `keep` (object storage: a windowed shuffle's
-        shards of windows already read), so the node's cache may evict them."""
+        """Close every open unit outside `keep` (object storage: a windowed shuffle's
+        shards, or blocks, of windows already read), so the node's cache may evict them."""
         if self.cache is None:
             return
         kept = set(keep)
+        if self.blocks is not None:
+            self._release_blocks(kept)
+            kept = {int(self.blocks.shards[unit]) for unit in kept}
         for index in [index for index in self._readers if index not in kept]:
             self._close(index)
 
     def _shard_bytes(self, index: int) -> int:
         return sum(entry.bytes for entry in self.shards[index].files)
+
+    def _files_to_open(self, index: int) -> tuple[FileEntry, ...]:
+        """The files a shard's reader needs fetched: all, or a ranged shard's index."""
+        files = self.shards[index].files
+        if not self.ranged(index):
+            return files
+        return tuple(entry for entry in files if entry.path.endswith(self.format.index_suffixes))
+
+    def _open_bytes(self, index: int) -> int:
+        """Bytes a shard holds open or pending: its files, or a ranged shard's index."""
+        return sum(entry.bytes for entry in self._files_to_open(index))
 
     def reader(self, index: int, refresh: bool = False) -> Any:
         """The shard's reader; with `refresh`, a shard not open yet is fetched from object
@@ -269,11 +503,13 @@ class ShardSet:
         if future is not None and refresh:  # an earlier fetch: fetched again below
             self.cache.unpin(future.result())
             future = None
-        paths = future.result() if future is not None else self._fetch(shard.files, refresh)
+        paths = (future.result() if future is not None
+                 else self._fetch(self._files_to_open(index), refresh))
         for attempt in range(OPEN_TRIES):
             try:
-                reader = self.format.reader.from_manifest(self.local_root, shard,
-                                                          self.section, self.tokenizer)
+                reader = (self._ranged_reader(index) if self.ranged(index) else
+                          self.format.reader.from_manifest(self.local_root, shard,
+                                                           self.section, self.tokenizer))
             except (FormatError, FileNotFoundError):
                 lost = self.cache.note_lost(paths)
                 self.cache.unpin(paths)
@@ -285,11 +521,27 @@ class ShardSet:
             return reader
         raise AssertionError("unreachable")
 
+    def _ranged_reader(self, index: int) -> RangedShard:
+        """A ranged shard's reader: its index, and its tokens a block at a time."""
+        assert self.blocks is not None
+        starts = self._token_starts(index)
+        units = self.blocks.in_shard(index)
+        base = self.document_offsets[index]
+        cuts = np.append(starts[self.blocks.starts[units] - base], starts[-1])
+        tokens = BlockTokens(cuts, np.dtype(self.section.dtype),
+                             lambda block: self._block_path(int(units[block])))
+        entry = self.shards[index].files[0]
+        expected = int(self.format.tokens_at) + int(starts[-1]) * tokens.dtype.itemsize
+        if entry.bytes != expected:
+            raise FormatError(self.store.uri_of(entry.path), "token file size implied by "
+                              "the index differs from the manifest's", entry.bytes, expected)
+        return RangedShard(tokens, starts, units)
+
     def _close_over_budget(self) -> None:
         assert self.cache is not None
-        open_bytes = sum(self._shard_bytes(index) for index in self._readers)
+        open_bytes = sum(self._open_bytes(index) for index in self._readers)
         while len(self._readers) > 1 and open_bytes > self.held_bytes(OPEN_SHARE):
-            open_bytes -= self._shard_bytes(next(iter(self._readers)))
+            open_bytes -= self._open_bytes(next(iter(self._readers)))
             self._close_oldest()
 
     def check_reader(self, reader: Any, shard: ShardEntry) -> None:

@@ -276,6 +276,7 @@ def test_any_chain_of_joins_and_exclusions_serves_every_token_of_the_epoch_once(
     joined (and some excluded), again: every token of every document that joined and was
     not excluded is served once (crop: at most once; documents: its first row's worth);
     under a windowed shuffle (shards of 5 documents, windows of 2 shards) too."""
+    from raypipe.sampling.blocks import whole_shards
     from raypipe.sampling.lengths import DocumentLengths
     from raypipe.sampling.modes import get_mode
     from raypipe.sampling.modes.base import PlanInputs, PlanSpec
@@ -292,7 +293,7 @@ def test_any_chain_of_joins_and_exclusions_serves_every_token_of_the_epoch_once(
     def inputs(count, excluded):
         shards = np.diff(np.append(np.arange(0, count, 5), count))  # of 5 documents
         return PlanInputs(Dataset(), lambda: DocumentLengths.of(lengths[:count]),
-                          groups=ShardWindows(shards, 2) if windowed else None,
+                          groups=ShardWindows(whole_shards(shards), 2) if windowed else None,
                           excluded=np.array(sorted(excluded), dtype=np.int64))
 
     def serve(plan, positions):
@@ -559,7 +560,7 @@ def test_units_added_on_resume_join_the_rest_of_the_epoch_and_every_token_once(g
     path, add_a_file = growing
     knobs = {"mode": "documents"} if mode == "documents" else {"block_documents": 1}
     if mode == "windowed":  # the added units' shards: windows after the epoch's own
-        knobs.update(shuffle="windowed", window_shards=2, lanes=1)
+        knobs.update(shuffle="windowed", window_blocks=2, lanes=1)
     whole, _, _ = serve_epochs(path, 2, None, 10**6, **knobs)  # (blocks of ~170 documents)
     first, state, _ = serve_epochs(path, 2, None, 20, **knobs)
     before = TokenDataset(path).num_documents

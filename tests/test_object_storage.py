@@ -384,21 +384,21 @@ def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_d
            f"{downloaded['shard_local'] / data_bytes:.2f}x (cache of 2 of {len(shards)} shards)")
 
 
-def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_shard_once_per_epoch(
+def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_block_once_per_epoch(
         bucket, token_dataset, tmp_path):
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
     shards = read_manifest(uri).formats["megatron"].shards
     data_bytes = sum(f.bytes for shard in shards for f in shard.files)
     largest = max(sum(f.bytes for f in shard.files) for shard in shards)
-    loader = TokenLoader(uri, 32, 4, seed=5, window_shards=1, cache_dir=tmp_path / "c",
+    loader = TokenLoader(uri, 32, 4, seed=5, window_blocks=1, cache_dir=tmp_path / "c",
                          cache_bytes=3 * largest)
     assert loader.spec.shuffle == "windowed" and len(shards) >= 5
     served = [batch.inputs.numpy().tobytes() for batch in loader]
     fetched = loader.cache_stats.downloaded_bytes
     state = loader.state_dict()
     loader.close()
-    # every shard once, though the cache holds 3 of them; the index files are read twice
+    # every block once, though the cache holds 3 shards; the index files are read twice
     # at most (once for the lengths when the loader opens)
     index_bytes = sum(f.bytes for shard in shards for f in shard.files
                       if f.path.endswith(".idx"))
@@ -407,8 +407,12 @@ def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_shard_once_per
     metrics = loader.stats.metrics()
     assert metrics["fetched_bytes"] == fetched and metrics["cache_budget_bytes"] == 3 * largest
     assert 0 < metrics["cache_used_bytes"] <= 3 * largest and "data_wait_p99_ms" in metrics
-    local = TokenLoader(token_dataset, 32, 4, seed=5, shuffle="windowed", window_shards=1)
+    assert loader.cache_stats.ranged_reads > 0  # blocks smaller than a shard: ranges
+    # the local copy under the same budget cuts the same blocks: the same batches
+    local = TokenLoader(token_dataset, 32, 4, seed=5, shuffle="windowed", window_blocks=1,
+                        cache_bytes=3 * largest)
     assert local.spec.shuffle == "windowed"
+    assert local.spec.block_bytes == loader.spec.block_bytes
     assert [batch.inputs.numpy().tobytes() for batch in local] == served
     assert TokenLoader(token_dataset, 32, 4).spec.shuffle == "global"  # auto, locally
 

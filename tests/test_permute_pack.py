@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.nanochat_reference import nanochat_bestfit_crop
+from raypipe.sampling.blocks import whole_shards
 from raypipe.sampling.modes import waste_hints
 from raypipe.sampling.modes.bestfit import BestFitPlan
 from raypipe.sampling.modes.windows import WindowPlan
@@ -23,7 +24,7 @@ from raypipe.sampling.plans import (
     PackingReport,
     ShardGroups,
     ShardWindows,
-    next_window_shards,
+    next_window_blocks,
 )
 
 SIZES = [1, 2, 3, 7, 2**8, 2**8 - 1, 2**8 + 1, 2**16, 2**16 - 1, 2**16 + 1, 97, 65521, 131071,
@@ -369,11 +370,11 @@ def test_windowed_permutation_is_a_bijection_reading_one_window_of_shards_at_a_t
     shard_of = np.searchsorted(starts, ids, side="right") - 1
     for number in range(order.num_windows):  # window w's positions read window w's shards
         first, stop = order.window_starts[number], order.window_starts[number + 1]
-        assert set(shard_of[first:stop].tolist()) <= set(order.window_shard_ids(number).tolist())
-        ahead = next_window_shards(order, int(first)) if stop > first else None
+        assert set(shard_of[first:stop].tolist()) <= set(order.window_block_ids(number).tolist())
+        ahead = next_window_blocks(order, int(first)) if stop > first else None
         if ahead is not None and number + 1 < order.num_windows:
-            assert ahead.tolist() == order.window_shard_ids(number + 1).tolist()
-    assert sorted(order.shard_order.tolist()) == list(range(len(sizes)))
+            assert ahead.tolist() == order.window_block_ids(number + 1).tolist()
+    assert sorted(order.block_order.tolist()) == list(range(len(sizes)))
 
 
 @settings(max_examples=80, deadline=None)
@@ -395,11 +396,11 @@ def test_windowed_bestfit_ranks_read_only_their_lanes_shards_before_the_leftover
     rng = np.random.default_rng(4)
     shard_documents = np.full(16, 40)
     lengths = rng.integers(5, 60, int(shard_documents.sum()))
-    windows = ShardWindows(shard_documents, 2, 2)
+    windows = ShardWindows(whole_shards(shard_documents), 2, 2)
     plan = BestFitPlan(lengths, 31, seed=1, epoch=0, block_documents=8, groups=windows)
     order = plan.document_order
     starts = np.concatenate([[0], np.cumsum(shard_documents)])
-    halves = [set(order.shard_order[:8].tolist()), set(order.shard_order[8:].tolist())]
+    halves = [set(order.block_order[:8].tolist()), set(order.block_order[8:].tolist())]
     world = 4
     for rank in range(world):
         positions = np.arange(rank, plan.lanes.even, world)
@@ -419,7 +420,7 @@ def test_windowed_shard_order_draws_every_shard_into_every_window_alike():
     for seed in range(seeds):
         order = WindowedPermutation(np.ones(shards, dtype=np.int64), window, seed)
         windows = np.empty(shards, dtype=np.int64)
-        windows[order.shard_order] = np.arange(shards) // window
+        windows[order.block_order] = np.arange(shards) // window
         hits[np.arange(shards), windows] += 1
         together += int(windows[0] == windows[1])
     expected = seeds / (shards // window)

@@ -24,8 +24,8 @@ MODES = {name: {"mode": name} for name in mode_names()} | {
     "bestfit-shard-local": {"mode": "bestfit", "shuffle": "shard_local", "group_shards": 2},
     "documents-shard-local": {"mode": "documents", "shuffle": "shard_local",
                               "group_shards": 3},
-    "bestfit-windowed": {"mode": "bestfit", "shuffle": "windowed", "window_shards": 1},
-    "bestfit-windowed-2-lanes": {"mode": "bestfit", "shuffle": "windowed", "window_shards": 1,
+    "bestfit-windowed": {"mode": "bestfit", "shuffle": "windowed", "window_blocks": 1},
+    "bestfit-windowed-2-lanes": {"mode": "bestfit", "shuffle": "windowed", "window_blocks": 1,
                                  "lanes": 2},
     "documents-windowed-3-lanes": {"mode": "documents", "shuffle": "windowed", "lanes": 3},
     "bestfit-windowed-train-split": {"mode": "bestfit", "shuffle": "windowed", "lanes": 2,
@@ -93,7 +93,7 @@ def check_resume_1_2_3(path, mode: str, first_stop: int, reference_path=None) ->
     options = MODES[mode]
     first, state = run_segment(path, options, 1, None, steps=first_stop)
     # the reference runs under the shuffle the run resolved (auto: windowed on a bucket)
-    resolved = {name: state["knobs"][name] for name in ("shuffle", "window_shards")
+    resolved = {name: state["knobs"][name] for name in ("shuffle", "window_blocks")
                 if name in state.get("knobs", {})}
     whole, end_state = run_segment(reference_path or path, {**options, **resolved}, 1, None)
     reference = dict(whole)

@@ -72,7 +72,7 @@ def test_trace_of_a_bestfit_step_on_two_ranks_names_the_source_rows_of_every_pie
                                          ("bestfit", {"packing": "split"}),
                                          ("bestfit", {"packing": "crop"}),
                                          ("bestfit", {"shuffle": "windowed", "lanes": 2,
-                                                      "window_shards": 1}),
+                                                      "window_blocks": 1}),
                                          ("documents", {"shuffle": "windowed", "lanes": 3})])
 def test_trace_names_the_source_rows_of_every_mode(gapped, tokenizer_path, mode, knobs):
     tokenizer = Tokenizer.from_file(tokenizer_path)
@@ -86,7 +86,7 @@ def test_trace_names_the_source_rows_of_every_mode(gapped, tokenizer_path, mode,
             break
 
 
-@pytest.mark.parametrize("knobs", [{}, {"shuffle": "windowed", "window_shards": 1}],
+@pytest.mark.parametrize("knobs", [{}, {"shuffle": "windowed", "window_blocks": 1}],
                          ids=["global", "windowed"])
 def test_trace_from_a_saved_state_covers_the_steps_after_it(gapped, tokenizer_path,
                                                             tmp_path, knobs):

@@ -384,6 +384,10 @@ class DocumentFormat(Format):
 
     read_order: int = 100  # which document format a reader opens when several exist
     index_suffixes: tuple[str, ...] = ()  # files enough for document lengths (no tokens)
+    # where its token file (the first suffix's) holds the tokens, back to back in document
+    # order from this byte on, so a run of documents is a byte range of it found from the
+    # index alone (a loader fetches blocks of it: raypipe.dataset); None: read whole
+    tokens_at: int | None = None
     wants_metadata: Callable[[Any], bool] = _no_metadata
     window_metadata: bool = False  # windows of its token stream carry metadata records
     # the document separator its ecosystem writes by default: Megatron's --append-eod and

@@ -213,6 +213,6 @@ def data_path_prefix(shard: ShardEntry) -> str:
 
 MEGATRON = register(DocumentFormat("megatron", (".bin", ".idx", MASK_SIDECAR), MegatronWriter,
                                    MegatronReader, megatron_dtype, read_order=0,
-                                   index_suffixes=(".idx",),
+                                   index_suffixes=(".idx",), tokens_at=0,
                                    separator="eos", trainer_prefix=data_path_prefix,
                                    holds_loss_mask=True))

@@ -3,7 +3,9 @@
 Invariant: a file appears under its cache name only after it was downloaded whole and its
 size and sha256 equal the manifest's (written to a hidden temp name, checked, renamed); a
 copy that differs is downloaded once more, and an object that differs again is refused
-with a FormatError naming its URI, nothing cached. A
+with a FormatError naming its URI, nothing cached. A byte range of a file (a block of a
+shard: `fetch_ranges`) is a file of its own, `<file>.range-<start>-<stop>`, that appears
+only whole and of its length (the manifest has no checksum for it). A
 dataset version has a directory of its own (`<cache>/<key>/`, key = hash of the URI and the
 manifest's bytes) laid out as the dataset is, so format readers open cached shards exactly as
 local ones. Every process and thread of a node may share one cache: a download holds a file
@@ -48,6 +50,7 @@ logger = logging.getLogger("raypipe")
 DEFAULT_BUDGET = 64 << 30
 LOCK_STRIPES = 64
 LOCKS_DIR = ".locks"
+RANGE_MARK = ".range-"  # a cached byte range: <file>.range-<start>-<stop>
 PLANS_DIR = "plans"
 
 
@@ -65,11 +68,22 @@ class CacheStats:
     evicted_bytes: int = 0
     lost_before_open: int = 0
     retries: int = 0  # requests made again after a failure a retry can mend
+    ranged_reads: int = 0  # of the downloads, GETs of byte ranges (blocks of a shard)
 
 
 def default_cache_dir() -> Path:
     configured = os.environ.get("RAYPIPE_CACHE_DIR")
     return Path(configured) if configured else Path.home() / ".cache" / "raypipe"
+
+
+def configured_budget(budget_bytes: int | str | None = None) -> int:
+    """A node cache's budget: `budget_bytes`, else $RAYPIPE_CACHE_BYTES, else 64 GiB."""
+    budget = budget_bytes if budget_bytes is not None else os.environ.get(
+        "RAYPIPE_CACHE_BYTES", DEFAULT_BUDGET)
+    parsed = parse_bytes(budget)
+    if parsed <= 0:
+        raise ConfigError(f"cache budget {budget!r} must be positive")
+    return parsed
 
 
 def parse_bytes(text: str | int) -> int:
@@ -107,11 +121,7 @@ class ShardCache:
 
     def __init__(self, directory: str | Path | None = None, budget_bytes: int | str | None = None):
         self.directory = Path(directory) if directory is not None else default_cache_dir()
-        budget = budget_bytes if budget_bytes is not None else os.environ.get(
-            "RAYPIPE_CACHE_BYTES", DEFAULT_BUDGET)
-        self.budget_bytes = parse_bytes(budget)
-        if self.budget_bytes <= 0:
-            raise ConfigError(f"cache budget {budget!r} must be positive")
+        self.budget_bytes = configured_budget(budget_bytes)
         (self.directory / LOCKS_DIR).mkdir(parents=True, exist_ok=True)
         self.stats = CacheStats()
         self._pinned: Counter[Path] = Counter()
@@ -193,6 +203,82 @@ class ShardCache:
         with self._mutex:
             self.stats.downloads += 1
             self.stats.downloaded_bytes += size
+
+    def range_path(self, key: str, entry: FileEntry, start: int, stop: int) -> Path:
+        """Where bytes [start, stop) of `entry` are cached (a file of their own)."""
+        return self.dataset_dir(key) / f"{entry.path}{RANGE_MARK}{start}-{stop}"
+
+    def fetch_ranges(self, store: Store, key: str, entry: FileEntry,
+                     ranges: list[tuple[int, int]], pin: bool = False) -> list[Path]:
+        """The local paths of byte ranges of `entry` (each cached as a file of its own,
+        `range_path`), the missing ones read in one `Store.read_ranges` with adjacent
+        ranges coalesced into one GET, each checked to hold its length (a range has no
+        checksum of its own in the manifest: docs/guarantees.md). `pin` as `fetch`."""
+        store.path(entry.path)  # refuses paths that would leave the dataset
+        for start, stop in ranges:
+            if not 0 <= start < stop <= entry.bytes:
+                raise FormatError(store.uri_of(entry.path), f"byte range [{start}, {stop}) "
+                                  f"outside the file's {entry.bytes:,} bytes")
+        finals = [self.range_path(key, entry, start, stop) for start, stop in ranges]
+        if pin:
+            self.pin(finals)
+        try:
+            wanted = [(span, final) for span, final in zip(ranges, finals, strict=True)
+                      if not self._touch_if_sized(final, span[1] - span[0])]
+            if wanted:
+                finals[0].parent.mkdir(parents=True, exist_ok=True)
+                with _file_lock(self._lock_for(wanted[0][1])):
+                    wanted = [(span, final) for span, final in wanted
+                              if not self._touch_if_sized(final, span[1] - span[0])]
+                    if wanted:
+                        self._download_ranges(store, entry, wanted)
+        except BaseException:
+            if pin:
+                self.unpin(finals)
+            raise
+        self.evict()
+        return finals
+
+    def _touch_if_sized(self, final: Path, size: int) -> bool:
+        try:
+            if os.stat(final).st_size != size:
+                return False
+            os.utime(final)
+        except FileNotFoundError:
+            return False
+        with self._mutex:
+            self.stats.hits += 1
+        return True
+
+    def _download_ranges(self, store: Store, entry: FileEntry,
+                         wanted: list[tuple[tuple[int, int], Path]]) -> None:
+        """Read the ranges (adjacent ones in one GET) and write each to its file."""
+        wanted = sorted(wanted)
+        spans: list[list[int]] = []
+        for (start, stop), _ in wanted:
+            if spans and spans[-1][1] == start:
+                spans[-1][1] = stop
+            else:
+                spans.append([start, stop])
+        parts = store.read_ranges(entry.path, [(a, b) for a, b in spans], self._count_retry)
+        data = dict(zip((a for a, _ in spans), parts, strict=True))
+        span_of = iter(spans)
+        span = next(span_of)
+        for (start, stop), final in wanted:
+            while start >= span[1]:
+                span = next(span_of)
+            piece = memoryview(data[span[0]])[start - span[0]:stop - span[0]]
+            temp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}"
+                                   ".raypipe.tmp")
+            try:
+                temp.write_bytes(piece)
+                os.replace(temp, final)
+            finally:
+                temp.unlink(missing_ok=True)
+        with self._mutex:
+            self.stats.downloads += len(spans)
+            self.stats.downloaded_bytes += sum(stop - start for start, stop in spans)
+            self.stats.ranged_reads += len(spans)
 
     def _count_retry(self, error: Exception) -> None:
         with self._mutex:

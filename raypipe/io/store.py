@@ -12,8 +12,9 @@ A URI whose scheme pyarrow cannot open is a ConfigError naming the URI, never a 
 directory named after it. Endpoints and credentials come from pyarrow's standard environment
 (`AWS_ENDPOINT_URL`, `AWS_*`, `GOOGLE_APPLICATION_CREDENTIALS`); the root's URI carries none
 and is what manifests and logs print. Cost: one HEAD per `info`, one GET/PUT per small record
-(one replaced in place while read: read again when cut short, up to DOWNLOAD_TRIES times);
-an upload streams at the link's speed in 8 MiB parts.
+(one replaced in place while read: read again when cut short, up to DOWNLOAD_TRIES times),
+one GET a byte range (`read_ranges`: after one HEAD for the ranges of a file read
+together); an upload streams at the link's speed in 8 MiB parts.
 """
 
 from __future__ import annotations
@@ -210,6 +211,30 @@ class Store:
         (size, sha256) of what arrived; its requests retried as `retrying` says."""
         return self.retrying(relative, "download",
                              lambda: self._download_once(relative, target), on_retry)
+
+    def read_ranges(self, relative: str, ranges: list[tuple[int, int]],
+                    on_retry: Callable[[TransientError], None] | None = None) -> list[bytes]:
+        """The bytes [start, stop) of a file for each range: one open of the file (on
+        object storage a HEAD: pyarrow's S3 file learns its size) and one ranged GET a
+        range; a range that comes back short is a TransientError, and the whole read is
+        retried as `retrying` says."""
+        uri = self.uri_of(relative)
+
+        def read() -> list[bytes]:
+            with remote_errors(uri, "read a range of"):
+                handle = self.fs.open_input_file(self.path(relative))
+            with handle:
+                parts = []
+                for start, stop in ranges:
+                    with remote_errors(uri, "read a range of"):
+                        data = handle.read_at(stop - start, start)
+                    if len(data) != stop - start:
+                        raise TransientError(f"{uri}: bytes [{start}, {stop}) came back "
+                                             f"{len(data)} bytes long")
+                    parts.append(data)
+                return parts
+
+        return self.retrying(relative, "read a range of", read, on_retry)
 
     def retrying(self, relative: str, doing: str, attempt: Callable[[], Any],
                  on_retry: Callable[[TransientError], None] | None = None) -> Any:

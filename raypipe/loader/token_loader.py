@@ -60,7 +60,7 @@ class TokenLoader:
         holding at most `cache_bytes`, default $RAYPIPE_CACHE_BYTES or 64 GiB). `shuffle`:
         "auto" (the default: "global" for a local dataset, "windowed" on object storage),
         "global" (every observation anywhere), "windowed" (the documents of windows of
-        `window_shards` shards drawn from the whole corpus, a window at a time) or
+        `window_blocks` shards drawn from the whole corpus, a window at a time) or
         "shard_local" (groups of `group_shards` consecutive shards, one group at a time):
         see raypipe.sampling.plans. `split`: "all", "train" or "validation": documents are
         held out for validation by a hash of (dataset fingerprint, document index) with
@@ -213,14 +213,14 @@ class TokenLoader:
         the next chunk of steps; the shards of windows already read are closed)."""
         for positions, following in self.run.rank_chunks(segment):
             if self.dataset.cache is not None:
-                needed = filler.shards(positions).tolist()
+                needed = filler.fetch_units(positions).tolist()
                 self.dataset.prefetch(needed)
-                ahead = filler.shards_ahead(int(positions[0, 0]))
+                ahead = filler.units_ahead(int(positions[0, 0]))
                 if ahead is not None:
                     self.dataset.close_except([*needed, *ahead.tolist()])
                     self.dataset.prefetch(ahead.tolist())
                 elif following is not None:
-                    self.dataset.prefetch(filler.shards(following).tolist())
+                    self.dataset.prefetch(filler.fetch_units(following).tolist())
             yield from filler.describe(positions)
 
     def _serve(self, filler: BatchFiller, segment: Segment) -> Iterator[Batch]:

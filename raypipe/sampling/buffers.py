@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from raypipe.dataset import TokenDataset
+from raypipe.io.ranged import BlockTokens
 from raypipe.sampling.pack import RowPieces
 
 RowT = TypeVar("RowT")
@@ -100,8 +101,12 @@ def joined(parts: list[RowPieces]) -> RowPieces:
 
 def shard_array(dataset: TokenDataset, shard: int, attribute: str) -> np.ndarray:
     """One array of a shard's reader as a plain ndarray view (slicing a np.memmap subclass
-    costs ~1 us more per slice)."""
-    return np.asarray(getattr(dataset.reader(shard), attribute)).view(np.ndarray)
+    costs ~1 us more per slice); a shard read a block at a time gives its BlockTokens
+    (raypipe.io.ranged: sliced the same way)."""
+    array = getattr(dataset.reader(shard), attribute)
+    if isinstance(array, BlockTokens):
+        return array  # type: ignore[return-value]
+    return np.asarray(array).view(np.ndarray)
 
 
 class ShardArrays:
@@ -156,10 +161,10 @@ class TokenSource:
             return doc_ids
         return np.where(doc_ids >= 0, self.document_ids[np.maximum(doc_ids, 0)], -1)
 
-    def shards_of_documents(self, doc_ids: np.ndarray) -> np.ndarray:
+    def units_of_documents(self, doc_ids: np.ndarray) -> np.ndarray:
+        """The dataset's units of fetch (shards, or blocks) that hold these documents."""
         ids = self.global_documents(doc_ids)
-        ids = ids[ids >= 0]
-        return np.unique(np.searchsorted(self.document_offsets, ids, side="right") - 1)
+        return self.dataset.units_of_documents(ids[ids >= 0])
 
     def restrict_stream(self, document_starts: np.ndarray, lengths: np.ndarray) -> None:
         """Windows over a split: the stream becomes the concatenation of the split's

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import cached_property
@@ -23,15 +24,22 @@ import numpy as np
 
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError, StateError
-from raypipe.io.cache import ShardCache, node_cached_array
+from raypipe.io.cache import ShardCache, configured_budget, node_cached_array
 from raypipe.io.records import Manifest
 from raypipe.io.store import Store
+from raypipe.sampling.blocks import (
+    WHOLE_SHARDS,
+    Blocks,
+    WindowBudget,
+    cut_blocks,
+    whole_shards,
+)
 from raypipe.sampling.buffers import TokenSource
 from raypipe.sampling.exclusions import Exclusion, RunExclusions
 from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
 from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec, document_split
-from raypipe.sampling.plans import ShardGroups, ShardWindows, SumsMemo, window_shards_for
+from raypipe.sampling.plans import ShardGroups, ShardWindows, SumsMemo, window_blocks_for
 from raypipe.sampling.schedule import (
     BatchSchedule,
     Cursor,
@@ -71,6 +79,7 @@ class EpochPlans:
         self.spec = spec.for_storage(dataset.cache is None)
         self.dataset = dataset
         self.shard_documents = shard_documents  # None: every document of each shard
+        self._lengths, self._memo = lengths, memo
         self.inputs = PlanInputs(dataset, lengths, stream_tokens, step_observations,
                                  batch_size, memo, self.groups())
         self.exclusions = exclusions  # the run's (None: none can be made)
@@ -87,11 +96,31 @@ class EpochPlans:
                                   spec.group_shards)
         if spec.shuffle != "windowed":
             return None
-        counts = (self.dataset.shard_document_counts if self.shard_documents is None
-                  else self.shard_documents)[:shards]
+        blocks = self.blocks()
+        if shards is not None:
+            kept = blocks.in_shards(shards)
+            blocks = Blocks(blocks.starts[:kept + 1], blocks.shards[:kept])
         lanes = max(spec.lanes, 1)
-        return ShardWindows(counts, window_shards_for(len(counts), spec.window_shards, lanes),
+        return ShardWindows(blocks, window_blocks_for(len(blocks), spec.window_blocks, lanes),
                             lanes)
+
+    def blocks(self) -> Blocks:
+        """The windowed shuffle's blocks of the documents the plans number (one a shard
+        under block_bytes WHOLE_SHARDS; else cut from the lengths, once per node)."""
+        counts = (self.dataset.shard_document_counts if self.shard_documents is None
+                  else self.shard_documents)
+        block_bytes = self.spec.block_bytes or WHOLE_SHARDS
+        if block_bytes >= WHOLE_SHARDS:
+            return whole_shards(counts)
+        itemsize = np.dtype(self.dataset.section.dtype).itemsize
+
+        def cut() -> np.ndarray:
+            return cut_blocks(self._lengths(), counts, itemsize, block_bytes).starts
+
+        starts = (cut() if self._memo is None
+                  else self._memo(("blocks", block_bytes, itemsize), cut))
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return Blocks(starts, np.searchsorted(offsets, starts[:-1], side="right") - 1)
 
     def build(self, epoch: int, phases: Phases = ()) -> Any:
         """Epoch `epoch`'s plan under `phases` (none: at the spec's seq_len), built afresh
@@ -163,6 +192,24 @@ class EpochPlans:
         return self._kept[key]
 
 
+def window_budget(dataset: TokenDataset | BatchDataset,
+                  budget_bytes: int | str | None = None) -> WindowBudget:
+    """What sizes a windowed shuffle's windows for `dataset`: the node cache's budget (its
+    cache's, else as configured), the node's ranks (LOCAL_WORLD_SIZE, as torchrun and Ray
+    Train set it) and the bytes of its index files (every rank reads them all)."""
+    suffixes = tuple(getattr(dataset.format, "index_suffixes", ()))
+    index = sum(entry.bytes for shard in dataset.shards for entry in shard.files
+                if suffixes and entry.path.endswith(suffixes))
+    budget = (dataset.cache.budget_bytes if dataset.cache is not None
+              else configured_budget(budget_bytes))
+    return WindowBudget(budget, node_ranks(), index)
+
+
+def node_ranks() -> int:
+    """The training ranks of this node that share its cache (LOCAL_WORLD_SIZE; 1)."""
+    return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+
+
 class PlannedDataset:
     """One dataset opened under a spec for one world size: the documents its plans number
     (a split's, or all), the token source rows are read from, its epoch plans, and the
@@ -173,16 +220,20 @@ class PlannedDataset:
                  world_size: int, batch_size: int, cache_dir: str | Path | None = None,
                  memo: SumsMemo | None = None, schedule: BatchSchedule | None = None,
                  served_from: tuple[tuple[int, int], ...] = (),
-                 joins: tuple[tuple[int, int], ...] = ()):
+                 joins: tuple[tuple[int, int], ...] = (),
+                 budget_bytes: int | str | None = None):
         """`memo`: where plan arrays are kept (default: once per node, `node_memo`);
         `schedule`: the global batch of each step (default: W x `batch_size` every step);
         `served_from`: ((first epoch, documents it and the later ones serve), ...) of a
         run whose data gained units (none: every epoch serves every document); `joins`:
         ((step, documents served from it), ...) where added units joined the epoch in
-        progress (each begins a phase: raypipe.sampling.schedule)."""
+        progress (each begins a phase: raypipe.sampling.schedule); `budget_bytes`: the
+        node cache's, which sizes a windowed shuffle's blocks (a local dataset's too, so a
+        local copy cuts the blocks a bucket run does; default as the cache's)."""
         self.dataset = dataset
         self.served_from, self.joins = served_from, joins
-        self.spec = spec = spec.for_storage(dataset.cache is None).for_world(world_size)
+        self.spec = spec = spec.for_storage(dataset.cache is None).for_world(
+            world_size).for_budget(window_budget(dataset, budget_bytes))
         self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
         schedule = replace(schedule or BatchSchedule.constant(self.global_batch),
                            join_starts=tuple(step for step, _ in joins))
@@ -201,6 +252,19 @@ class PlannedDataset:
                                 None if self.source is None else self.stream_tokens(),
                                 self.global_batch, memo or self.node_memo, batch_size,
                                 self.shard_documents(), self.exclusions, self.served_in)
+        self.fetch_blocks()
+
+    def fetch_blocks(self) -> None:
+        """On object storage under a windowed shuffle of blocks, the dataset fetches the
+        plans' blocks (raypipe.dataset.ShardSet.use_blocks), not whole shards."""
+        spec = self.spec
+        if (spec.shuffle != "windowed" or spec.block_bytes >= WHOLE_SHARDS
+                or getattr(self.dataset, "cache", None) is None):
+            return
+        blocks = self.plans.blocks()
+        starts = blocks.starts[:-1]
+        self.dataset.use_blocks(blocks.shards, starts if self.split is None
+                                else self.split.ids[starts])
 
     def served_in(self, epoch: int, joined: int = 0) -> int | None:
         """How many of the documents (the first) epoch `epoch` serves under the run's
@@ -262,7 +326,8 @@ class PlannedDataset:
         if seq_len_schedule:
             schedule = (schedule or BatchSchedule.constant(world_size * batch_size)
                         ).with_seq_lens(seq_len_schedule)
-        return cls(dataset, spec, world_size, batch_size, cache_dir, memo, schedule)
+        return cls(dataset, spec, world_size, batch_size, cache_dir, memo, schedule,
+                   budget_bytes=cache_bytes)
 
     @property
     def seq_len(self) -> int:

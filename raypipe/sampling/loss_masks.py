@@ -86,11 +86,11 @@ class LossMaskedFiller(BatchFiller[Any]):
     def describe(self, positions: np.ndarray) -> list[DescribedRows[Any]]:
         return self.inner.describe(positions)
 
-    def shards(self, positions: np.ndarray) -> np.ndarray:
-        return self.inner.shards(positions)
+    def fetch_units(self, positions: np.ndarray) -> np.ndarray:
+        return self.inner.fetch_units(positions)
 
-    def shards_ahead(self, position: int) -> np.ndarray | None:
-        return self.inner.shards_ahead(position)
+    def units_ahead(self, position: int) -> np.ndarray | None:
+        return self.inner.units_ahead(position)
 
     def fill(self, plan: DescribedRows[Any], buffers: BatchBuffers) -> Filled:
         filled = self.inner.fill(plan, buffers)

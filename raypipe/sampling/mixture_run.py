@@ -119,8 +119,11 @@ class MixtureRun:
                    for name in names]  # (each logs on the mixture's rank 0 alone)
         if spec.shuffle == "auto" and len({source.spec.shuffle for source in sources}) > 1:
             for source in sources:  # one shuffle for all: a state records one set of knobs
-                source.use_shuffle("windowed", spec.window_shards, spec.lanes,
+                source.use_shuffle("windowed", source.shuffle_layout,
                                    "as another source of the mixture is on object storage")
+        for source in sources[1:]:  # ... and one layout: the first source's
+            source.use_shuffle(source.spec.shuffle, sources[0].shuffle_layout,
+                               "as the mixture's first source resolved it")
         check_tokenizers(names, sources)
         batches = (scheduled or BatchSchedule.constant(world_size * sources[0].batch_size)
                    ).with_seq_lens(list(seq_len_schedule or [])

@@ -155,49 +155,50 @@ class GroupedPermutation:
 
 
 class WindowedPermutation:
-    """A permutation of documents [0, sum(shard_documents)) read a window of shards at a
-    time: the shards in a Feistel order, cut into windows of `window_shards` consecutive
-    shards of that order; windows visited in order, the documents of each window in a
-    Feistel order of their own. Position p's document lies in window p's shards, so a
-    reader holds one window (and the next, fetched ahead) while every shard of the corpus
-    is equally likely to be in any window. Exact inverse. Memory O(shards); cost one
-    Feistel call per window touched by a call, plus two binary searches a position."""
+    """A permutation of documents [0, sum(block_documents)) read a window of blocks at a
+    time (a block: consecutive documents of one shard, raypipe.sampling.blocks): the blocks
+    in a Feistel order, cut into windows of `window_blocks` consecutive blocks of that
+    order; windows visited in order, the documents of each window in a Feistel order of
+    their own. Position p's document lies in window p's blocks, so a reader holds one
+    window (and the next, fetched ahead) while every block of the corpus is equally likely
+    to be in any window. Exact inverse. Memory O(blocks); cost one Feistel call per window
+    touched by a call, plus two binary searches a position."""
 
-    def __init__(self, shard_documents: np.ndarray, window_shards: int, seed: int,
+    def __init__(self, block_documents: np.ndarray, window_blocks: int, seed: int,
                  epoch: int = 0, salt: int = 0):
-        if window_shards < 1:
-            raise ValueError(f"window_shards must be >= 1, got {window_shards}")
-        counts = np.asarray(shard_documents, dtype=np.int64)
-        shards = len(counts)
+        if window_blocks < 1:
+            raise ValueError(f"window_blocks must be >= 1, got {window_blocks}")
+        counts = np.asarray(block_documents, dtype=np.int64)
+        blocks = len(counts)
         self.seed, self.epoch, self.salt = seed, epoch, salt
-        self.window_shards = window_shards
-        self.shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        # the shard order: virtual shard k is shard shard_order[k]
-        self.shard_order = FeistelPermutation(shards, seed, epoch, salt * 7919 + 1)(
-            np.arange(shards, dtype=np.int64))
-        self.virtual_of = np.empty(shards, dtype=np.int64)
-        self.virtual_of[self.shard_order] = np.arange(shards, dtype=np.int64)
-        self.virtual_starts = np.concatenate([[0], np.cumsum(counts[self.shard_order])]
+        self.window_blocks = window_blocks
+        self.block_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        # the block order: virtual block k is block block_order[k]
+        self.block_order = FeistelPermutation(blocks, seed, epoch, salt * 7919 + 1)(
+            np.arange(blocks, dtype=np.int64))
+        self.virtual_of = np.empty(blocks, dtype=np.int64)
+        self.virtual_of[self.block_order] = np.arange(blocks, dtype=np.int64)
+        self.virtual_starts = np.concatenate([[0], np.cumsum(counts[self.block_order])]
                                              ).astype(np.int64)
-        bounds = np.append(np.arange(0, shards, window_shards), shards)
+        bounds = np.append(np.arange(0, blocks, window_blocks), blocks)
         self.window_starts = self.virtual_starts[bounds]
         self._inner: dict[int, FeistelPermutation] = {}
 
     def __len__(self) -> int:
-        return int(self.shard_starts[-1])
+        return int(self.block_starts[-1])
 
     @property
     def num_windows(self) -> int:
         return len(self.window_starts) - 1
 
     @property
-    def num_shards(self) -> int:
-        return len(self.shard_order)
+    def num_blocks(self) -> int:
+        return len(self.block_order)
 
-    def window_shard_ids(self, window: int) -> np.ndarray:
-        """The shards of window `window`."""
-        first = window * self.window_shards
-        return self.shard_order[first:first + self.window_shards]
+    def window_block_ids(self, window: int) -> np.ndarray:
+        """The blocks of window `window`."""
+        first = window * self.window_blocks
+        return self.block_order[first:first + self.window_blocks]
 
     def _within(self, window: int) -> FeistelPermutation:
         if window not in self._inner:
@@ -229,14 +230,14 @@ class WindowedPermutation:
         virtual = self.window_starts[windows] + self._each_window(
             windows, positions - self.window_starts[windows], inverse=False)
         slots = np.searchsorted(self.virtual_starts, virtual, side="right") - 1
-        return self.shard_starts[self.shard_order[slots]] + virtual - self.virtual_starts[slots]
+        return self.block_starts[self.block_order[slots]] + virtual - self.virtual_starts[slots]
 
     def inverse(self, documents: Any) -> np.ndarray:
         documents = self._checked(documents)
-        shards = np.searchsorted(self.shard_starts, documents, side="right") - 1
-        slots = self.virtual_of[shards]
-        virtual = self.virtual_starts[slots] + documents - self.shard_starts[shards]
-        windows = slots // self.window_shards
+        blocks = np.searchsorted(self.block_starts, documents, side="right") - 1
+        slots = self.virtual_of[blocks]
+        virtual = self.virtual_starts[slots] + documents - self.block_starts[blocks]
+        windows = slots // self.window_blocks
         return self.window_starts[windows] + self._each_window(
             windows, virtual - self.window_starts[windows], inverse=True)
 
@@ -300,13 +301,13 @@ class JoinedOrder:
 class AppendedWindows:
     """A windowed order after units joined it: `base`'s windows as they were (what it had
     not served keeps its places), then the joined documents [len(base), len(base) +
-    len(added)) in `added`'s windows (a WindowedPermutation over the joined units' shards,
-    numbered after base's `base_shards`). A reader still holds one window at a time, which
+    len(added)) in `added`'s windows (a WindowedPermutation over the joined units' blocks,
+    numbered after base's `base_blocks`). A reader still holds one window at a time, which
     a shuffle of the joined documents among base's unserved ones would break. Memory
-    O(shards); exact inverse. `key` names it in memo keys."""
+    O(blocks); exact inverse. `key` names it in memo keys."""
 
-    def __init__(self, base: Any, added: WindowedPermutation, base_shards: int, salt: int):
-        self.base, self.added, self.base_shards = base, added, int(base_shards)
+    def __init__(self, base: Any, added: WindowedPermutation, base_blocks: int, salt: int):
+        self.base, self.added, self.base_blocks = base, added, int(base_blocks)
         self.base_count = len(base)
         self.window_starts = np.concatenate([base.window_starts,
                                              added.window_starts[1:] + self.base_count])
@@ -321,14 +322,14 @@ class AppendedWindows:
         return len(self.window_starts) - 1
 
     @property
-    def num_shards(self) -> int:
-        return self.base_shards + len(self.added.shard_order)
+    def num_blocks(self) -> int:
+        return self.base_blocks + len(self.added.block_order)
 
-    def window_shard_ids(self, window: int) -> np.ndarray:
-        """The shards of window `window` (the joined ones numbered after base's)."""
+    def window_block_ids(self, window: int) -> np.ndarray:
+        """The blocks of window `window` (the joined ones numbered after base's)."""
         if window < self.base.num_windows:
-            return self.base.window_shard_ids(window)
-        return self.added.window_shard_ids(window - self.base.num_windows) + self.base_shards
+            return self.base.window_block_ids(window)
+        return self.added.window_block_ids(window - self.base.num_windows) + self.base_blocks
 
     def __call__(self, positions: Any) -> np.ndarray:
         return self._either(positions, self.base, self.added)

@@ -5,13 +5,15 @@ Invariant: observation g of an epoch is the same on every rank and machine (each
 plan, raypipe.sampling.modes, is a pure function of (dataset, seed, epoch)); ranks never
 communicate. Shuffles:
 - `global` touches every shard in every stretch of the epoch.
-- `windowed` (ShardWindows; raypipe.sampling.permute.WindowedPermutation) puts the shards
-  in a Feistel order and cuts it into windows of `window_shards`; the documents of a window
-  are permuted among themselves (bestfit's blocks end where windows do), and the windows,
-  split into `lanes` lanes (LaneOrder), are read a lane a rank. A rank holds the window it
-  reads and the next while every shard is equally likely in any window: a node fetches
-  each shard of its ranks' lanes once per epoch (about its share of the dataset), and a
-  step mixes documents of lanes x window_shards shards drawn from the whole corpus.
+- `windowed` (ShardWindows; raypipe.sampling.permute.WindowedPermutation) cuts the shards
+  into blocks of whole documents of about `block_bytes` (raypipe.sampling.blocks), puts
+  the blocks in a Feistel order and cuts it into windows of `window_blocks`, sized from
+  the node cache's budget; the documents of a window are permuted among themselves
+  (bestfit's packing blocks end where windows do), and the windows, split into `lanes`
+  lanes (LaneOrder), are read a lane a rank. A rank holds the window it reads and the next
+  while every block is equally likely in any window: a node fetches each block of its
+  ranks' lanes once per epoch (about its share of the dataset), and a step mixes
+  documents of lanes x window_blocks blocks drawn from the whole corpus.
 - `shard_local` (ShardGroups) cuts the shards into groups of consecutive shards; the
   observations of a group are contiguous positions (groups in a Feistel order,
   observations inside a group in another). Its statistical cost: a batch mixes documents
@@ -37,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.errors import ConfigError
+from raypipe.sampling.blocks import Blocks
 from raypipe.sampling.pack import continued_pieces
 from raypipe.sampling.permute import (
     AppendedWindows,
@@ -179,23 +182,31 @@ class PackingReport:
 
 
 SHUFFLES = ("auto", "global", "windowed", "shard_local")
-WINDOWS_PER_EPOCH = 32  # windowed, window_shards 0: 1/32 of a lane's shards a window
+WINDOWS_PER_EPOCH = 32  # windowed, window_blocks 0: 1/32 of a lane's blocks a window
 AUTO_SHUFFLE = {True: "global", False: "windowed"}  # auto, by: the dataset is local
 
 
-def window_shards_for(shards: int, window_shards: int, lanes: int = 1) -> int:
-    """Shards a window holds: `window_shards`, or (0) about 1/WINDOWS_PER_EPOCH of a lane's
-    shards, at least one."""
-    return window_shards or max(1, shards // (WINDOWS_PER_EPOCH * max(lanes, 1)))
+def window_blocks_for(blocks: int, window_blocks: int, lanes: int = 1) -> int:
+    """Blocks a window holds: `window_blocks` (a lane's blocks at most), or (0: a state of
+    the releases that windowed whole shards) about 1/WINDOWS_PER_EPOCH of a lane's blocks;
+    at least one."""
+    lane = max(1, blocks // max(lanes, 1))
+    return min(window_blocks, lane) if window_blocks else max(
+        1, blocks // (WINDOWS_PER_EPOCH * max(lanes, 1)))
 
 
 @dataclass(frozen=True)
 class ShardWindows:
-    """The windowed shuffle's layout: documents per shard, shards per window, and lanes."""
+    """The windowed shuffle's layout: its blocks (raypipe.sampling.blocks), blocks per
+    window, and lanes."""
 
-    shard_documents: np.ndarray
-    window_shards: int
+    blocks: Blocks
+    window_blocks: int
     lanes: int = 1
+
+    @property
+    def block_documents(self) -> np.ndarray:
+        return self.blocks.documents
 
 
 class LaneOrder:
@@ -273,13 +284,13 @@ DocumentOrder = (FeistelPermutation | GroupedPermutation | WindowedPermutation |
 JOIN_SALT = 4096  # the Feistel salts of joined orders: this plus the documents after the join
 
 
-def next_window_shards(order: Any, order_position: int, lanes: LaneOrder | None = None,
+def next_window_blocks(order: Any, order_position: int, lanes: LaneOrder | None = None,
                        observation: int = 0) -> np.ndarray | None:
-    """The shards of the window after the one holding position `order_position` of a
+    """The blocks of the window after the one holding position `order_position` of a
     windowed document order (what a reader fetches while it reads this window), within the
     lane of `observation` (None: one lane); empty at a lane's or the epoch's last window and
     past the end; None for an order without windows."""
-    if not hasattr(order, "window_shard_ids"):  # (windowed, or windows appended to one)
+    if not hasattr(order, "window_block_ids"):  # (windowed, or windows appended to one)
         return None
     if not 0 <= order_position < len(order):
         return np.empty(0, dtype=np.int64)
@@ -290,7 +301,7 @@ def next_window_shards(order: Any, order_position: int, lanes: LaneOrder | None 
         last = int((lane + 1) * order.num_windows // lanes.lanes)
     if window + 1 >= last:
         return np.empty(0, dtype=np.int64)
-    return order.window_shard_ids(window + 1)
+    return order.window_block_ids(window + 1)
 
 
 def document_permutation(count: int, seed: int, epoch: int, salt: int,
@@ -299,7 +310,7 @@ def document_permutation(count: int, seed: int, epoch: int, salt: int,
     if groups is None:
         return FeistelPermutation(count, seed, epoch, salt=salt)
     if isinstance(groups, ShardWindows):
-        return WindowedPermutation(groups.shard_documents, groups.window_shards, seed, epoch,
+        return WindowedPermutation(groups.block_documents, groups.window_blocks, seed, epoch,
                                    salt=salt)
     return GroupedPermutation(groups.document_counts, seed, epoch, salt=salt)
 
@@ -310,8 +321,8 @@ def continued_order(before: DocumentOrder, first: int, count: int, seed: int, ep
     `before`'s, or, where documents [len(before), count) joined the epoch (units added to
     the output: raypipe.sampling.growth), those and before's unserved ones shuffled
     together (permute.JoinedOrder, salted by `count`, which grows with every join). A
-    windowed shuffle reads a window of shards at a time, which a document joined anywhere
-    would break: the joined units' shards are windows of their own after before's
+    windowed shuffle reads a window of blocks at a time, which a document joined anywhere
+    would break: the joined units' blocks are windows of their own after before's
     (permute.AppendedWindows). A shard-local shuffle's groups are refused, naming the way
     out."""
     if count == len(before):
@@ -322,10 +333,10 @@ def continued_order(before: DocumentOrder, first: int, count: int, seed: int, ep
             raise ConfigError(f"units joining the epoch in progress under a windowed "
                               f"shuffle of {groups.lanes} lanes (the rows served are no "
                               "prefix of the plan): give lanes=1, or units_join='next_epoch'")
-        shards = before.num_shards
+        blocks = before.num_blocks
         return AppendedWindows(before, WindowedPermutation(
-            groups.shard_documents[shards:], groups.window_shards, seed, epoch, salt),
-            shards, salt)
+            groups.block_documents[blocks:], groups.window_blocks, seed, epoch, salt),
+            blocks, salt)
     if groups is not None:
         raise ConfigError("units joining the epoch in progress under shuffle 'shard_local': "
                           "give units_join='next_epoch' (served from the next epoch), or "

@@ -19,7 +19,6 @@ O(stages + epochs + phases) to walk any number of steps.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -35,7 +34,8 @@ from raypipe.io.states import (
     LoaderState,
     UnitsAdded,
 )
-from raypipe.sampling.epochs import PlannedDataset, PlanSpec
+from raypipe.sampling.blocks import WHOLE_SHARDS, WINDOWS_HELD
+from raypipe.sampling.epochs import PlannedDataset, PlanSpec, window_budget
 from raypipe.sampling.exclusions import Exclusion
 from raypipe.sampling.growth import RunData
 from raypipe.sampling.modes import (
@@ -46,7 +46,7 @@ from raypipe.sampling.modes import (
     waste_hints,
 )
 from raypipe.sampling.pack import RowPieces
-from raypipe.sampling.plans import WASTE_WARNING, PackingReport, window_shards_for
+from raypipe.sampling.plans import WASTE_WARNING, PackingReport, window_blocks_for
 from raypipe.sampling.schedule import (
     Cursor,
     Phase,
@@ -59,6 +59,7 @@ from raypipe.sampling.schedule import (
 from raypipe.sampling.state_compat import steps_taken, upgraded
 
 logger = logging.getLogger("raypipe")
+SHUFFLE_LAYOUT = ("block_bytes", "window_blocks", "lanes")  # a windowed shuffle's knobs
 DESCRIBE_STEPS = 64  # steps described together: one vectorized plan call per chunk
 
 __all__ = ["DESCRIBE_STEPS", "Run", "StepRow"]
@@ -529,39 +530,46 @@ class Run:
 
     def adopt_shuffle(self, saved_knobs: dict[str, Any]) -> None:
         """A run asked for shuffle "auto" resumes under the shuffle its state was made with
-        (a state from before the knob: global), and one asked for window_shards or lanes 0
-        under the state's; a value given must match instead (checked with the knobs)."""
+        (a state from before the knob: global), and one asked for block_bytes,
+        window_blocks or lanes 0 under the state's (`SHUFFLE_LAYOUT`); a value given must
+        match instead (checked with the knobs)."""
         knobs, asked = upgrade_knobs(saved_knobs), self.asked
+        layout = {name: knobs.get(name, 0) if getattr(asked, name) == 0
+                  else getattr(self.spec, name) for name in SHUFFLE_LAYOUT}
         self.use_shuffle(knobs["shuffle"] if asked.shuffle == "auto" else self.spec.shuffle,
-                         knobs.get("window_shards", 0) if asked.window_shards == 0
-                         else self.spec.window_shards,
-                         knobs.get("lanes", 0) if asked.lanes == 0 else self.spec.lanes,
-                         "as the loader state was made")
+                         layout, "as the loader state was made")
 
-    def use_shuffle(self, shuffle: str, window_shards: int, lanes: int, why: str) -> None:
-        """Plan under `shuffle` (its window and lanes) instead of what "auto" resolved to."""
+    def use_shuffle(self, shuffle: str, layout: dict[str, int], why: str) -> None:
+        """Plan under `shuffle` and its `layout` (block_bytes, window_blocks, lanes)
+        instead of what "auto" and the 0 knobs resolved to."""
         spec = self.spec
-        if (shuffle, window_shards, lanes) == (spec.shuffle, spec.window_shards, spec.lanes):
+        wanted = replace(spec, shuffle=shuffle, **layout)
+        if wanted == spec:
             return
-        resolved = describe_shuffle(spec, self.dataset.num_shards)
+        resolved = describe_shuffle(spec)
         before = self.planned
         self.planned = PlannedDataset(
-            self.dataset, replace(spec, shuffle=shuffle, window_shards=window_shards,
-                                  lanes=lanes), self.world_size, self.batch_size,
+            self.dataset, wanted, self.world_size, self.batch_size,
             before.cache_dir, schedule=before.schedule, served_from=before.served_from,
             joins=before.joins)
         for record in before.exclusions.records:  # (their steps are in the schedule)
             self.planned.exclusions.adopt(record)
         if self.rank == 0:
             logger.info("%s: shuffle %s, %s (auto resolved it to %s)", self.dataset.root,
-                        describe_shuffle(self.spec, self.dataset.num_shards), why, resolved)
+                        describe_shuffle(self.spec), why, resolved)
+
+    @property
+    def shuffle_layout(self) -> dict[str, int]:
+        """The resolved layout knobs of the run's shuffle (`SHUFFLE_LAYOUT`)."""
+        return {name: getattr(self.spec, name) for name in SHUFFLE_LAYOUT}
 
     def note_shuffle(self) -> None:
         """Say which shuffle reads the bucket, and warn when the node cache is smaller than
         what it holds: the windows of this node's ranks (LOCAL_WORLD_SIZE, as torchrun and
-        Ray Train set it; two a rank: the one read and the next) and every index file."""
+        Ray Train set it; two a rank: the one read and the next) and every index file
+        (a window sized from the budget fits it; one given, or a state's, may not)."""
         dataset, spec = self.dataset, self.spec
-        logger.info("%s: shuffle %s", dataset.root, describe_shuffle(spec, dataset.num_shards))
+        logger.info("%s: shuffle %s", dataset.root, describe_shuffle(spec))
         shard_bytes = [sum(entry.bytes for entry in shard.files) for shard in dataset.shards]
         budget = dataset.cache.budget_bytes
         if spec.shuffle != "windowed" or not shard_bytes:
@@ -572,14 +580,16 @@ class Run:
                                "fetched many times; shuffle='auto' (windowed) fetches each "
                                "once", dataset.root)
             return
-        window = window_shards_for(dataset.num_shards, spec.window_shards, max(spec.lanes, 1))
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        index = sum(entry.bytes for shard in dataset.shards for entry in shard.files
-                    if entry.path.endswith(tuple(dataset.format.index_suffixes)))
-        needed = ranks * 2 * window * max(shard_bytes) + index
+        blocks = len(self.planned.plans.blocks())
+        window = window_blocks_for(blocks, spec.window_blocks, max(spec.lanes, 1))
+        fits = window_budget(dataset)
+        unit = (max(shard_bytes) if spec.block_bytes >= WHOLE_SHARDS else spec.block_bytes)
+        needed = fits.node_ranks * WINDOWS_HELD * window * unit + fits.index_bytes
         if needed > budget:
             logger.warning("%s: the node cache (%s bytes) is smaller than what the windowed "
-                           "shuffle holds (%s bytes: %d rank(s) x 2 windows of %d shard(s), "
-                           "and the index files), so shards will be fetched again; raise "
-                           "cache_bytes or give a smaller window_shards (docs/cluster.md)",
-                           dataset.root, f"{budget:,}", f"{needed:,}", ranks, window)
+                           "shuffle holds (%s bytes: %d rank(s) x %d windows of %d block(s) "
+                           "of up to %s bytes, and the index files), so blocks will be "
+                           "fetched again; raise cache_bytes, or give window_blocks and "
+                           "block_bytes 0 (sized from the budget: docs/cluster.md)",
+                           dataset.root, f"{budget:,}", f"{needed:,}", fits.node_ranks,
+                           WINDOWS_HELD, window, f"{unit:,}")

@@ -6,8 +6,10 @@ here and read here as today's shape, so a resume continues at the very batch it 
 before (tests/test_golden.py resumes every 0.6 state):
 - a knob a state leaves out holds the value it had before the knob existed (`KNOBS_BEFORE`,
   and each mode's own `LoaderMode.knobs_before`): `shuffle` global before 0.3 (with no
-  `group_shards`), `split` all before 0.4 (no `validation_fraction`), `window_shards` and
-  `lanes` 0 before 0.7; bestfit's `packing` crop before 0.2 (no `pieces`), `pieces` edges
+  `group_shards`), `split` all before 0.4 (no `validation_fraction`), `window_blocks` and
+  `lanes` 0 before 0.7, `block_bytes` whole shards (`WHOLE_SHARDS`) in a state saved
+  before windows were made of blocks, which saved `window_blocks` as `window_shards`
+  (`KNOB_RENAMES`); bestfit's `packing` crop before 0.2 (no `pieces`), `pieces` edges
   before 0.5, `overlong` cut before 0.6. Today's states leave out a knob at that value too
   (`compact_knobs`), so a state of today loads in the release that added the knob;
 - a mode saved by its name before 0.7 (`MODE_RENAMES`: `llmbatch` now serves any batch
@@ -25,17 +27,20 @@ from collections.abc import Callable
 from typing import Any
 
 from raypipe.io.states import LoaderState, MixtureState, read_any_state
+from raypipe.sampling.blocks import WHOLE_SHARDS
 
 logger = logging.getLogger("raypipe")
 
 # knob -> (its value before it existed, the knobs left out with it)
 KnobsBefore = dict[str, tuple[Any, tuple[str, ...]]]
 KNOBS_BEFORE: KnobsBefore = {
-    "shuffle": ("global", ("group_shards", "window_shards", "lanes")),  # before 0.3
-    "window_shards": (0, ()),  # before 0.7: no windowed shuffle
+    "shuffle": ("global", ("group_shards", "block_bytes", "window_blocks", "lanes")),  # 0.3
+    "window_blocks": (0, ()),  # before 0.7: no windowed shuffle
     "lanes": (0, ()),
+    "block_bytes": (WHOLE_SHARDS, ()),  # windows of whole shards
     "split": ("all", ("validation_fraction",)),  # before 0.4: no validation split
 }
+KNOB_RENAMES = {"window_shards": "window_blocks"}  # knobs renamed: old -> today's
 MODE_RENAMES = {"llmbatch": "batches"}  # loader modes renamed: old name -> today's (0.7)
 _warned: set[str] = set()
 
@@ -55,7 +60,8 @@ def upgrade_knobs(knobs: dict[str, Any], mode_table: KnobsBefore) -> dict[str, A
     """A saved state's knobs with each one it leaves out at its value from before it
     existed (what an earlier release ran with; companions keep their defaults)."""
     table = {**KNOBS_BEFORE, **mode_table}
-    return {**{knob: before for knob, (before, _) in table.items()}, **knobs}
+    renamed = {KNOB_RENAMES.get(name, name): value for name, value in knobs.items()}
+    return {**{knob: before for knob, (before, _) in table.items()}, **renamed}
 
 
 def current_mode_name(name: str) -> str:

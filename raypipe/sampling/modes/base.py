@@ -32,6 +32,7 @@ from raypipe.io.records import Manifest
 from raypipe.io.store import Store
 from raypipe.knobs import applies, knob
 from raypipe.sampling import state_compat
+from raypipe.sampling.blocks import WHOLE_SHARDS, WindowBudget
 from raypipe.sampling.buffers import (
     BatchBuffers,
     DescribedRows,
@@ -47,7 +48,7 @@ from raypipe.sampling.plans import (
     ShardGroups,
     ShardWindows,
     SumsMemo,
-    window_shards_for,
+    window_blocks_for,
 )
 from raypipe.sampling.split import SPLITS, DocumentSplit
 
@@ -63,8 +64,10 @@ class BatchFiller(ABC, Generic[RowT]):
         """`positions` [steps, k] -> one DescribedRows per step (vectorized across steps)."""
 
     @abstractmethod
-    def shards(self, positions: np.ndarray) -> np.ndarray:
-        """The shards the observations at `positions` read (fetched ahead)."""
+    def fetch_units(self, positions: np.ndarray) -> np.ndarray:
+        """The units of fetch (the dataset's shards, or its blocks under a windowed
+        shuffle: raypipe.dataset.ShardSet.use_blocks) the observations at `positions` read
+        (fetched ahead)."""
 
     @abstractmethod
     def fill(self, plan: DescribedRows[RowT], buffers: BatchBuffers) -> Filled:
@@ -77,9 +80,9 @@ class BatchFiller(ABC, Generic[RowT]):
 
     boundaries: bool = True
 
-    def shards_ahead(self, position: int) -> np.ndarray | None:
-        """The shards to fetch while observation `position` is read, planned by the shuffle:
-        under a windowed one, the next window's of its lane (empty at a lane's end); None
+    def units_ahead(self, position: int) -> np.ndarray | None:
+        """The units to fetch while observation `position` is read, planned by the shuffle:
+        under a windowed one, the next window's blocks in its lane (empty at a lane's end); None
         where the shuffle plans no windows (the loader fetches the next steps' instead)."""
         return None
 
@@ -144,8 +147,12 @@ class PlanSpec:
                         "reads each shard once per epoch)", SHUFFLES)
     group_shards: int = knob(4, "shuffle shard_local: consecutive shards per group",
                              applies=("shuffle", "shard_local"))
-    window_shards: int = knob(0, "shuffle windowed: shards per window (0: 1/32 of a "
-                              "lane's shards, at least 1)", applies=("shuffle", "windowed"))
+    block_bytes: int = knob(0, "shuffle windowed: bytes of whole documents a block holds, "
+                            "the unit fetched and shuffled (0: about 1/16 of a window, "
+                            "16 KiB to 4 MiB)", applies=("shuffle", "windowed"))
+    window_blocks: int = knob(0, "shuffle windowed: blocks per window (0: as many as the "
+                              "node cache holds, two windows a rank of the node)",
+                              applies=("shuffle", "windowed"))
     lanes: int = knob(0, "shuffle windowed: lanes of windows read side by side, rank r "
                       "reading lane r mod lanes (0: the world size the run starts at)",
                       applies=("shuffle", "windowed"))
@@ -192,7 +199,7 @@ class PlanSpec:
             raise ConfigError(f"shuffle='shard_local' needs a mode that reads documents "
                               f"(not {self.mode!r}, which already reads blocks of "
                               "consecutive batches) and group_shards >= 1")
-        for name in ("window_shards", "lanes"):
+        for name in ("block_bytes", "window_blocks", "lanes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be >= 0 (0: chosen "
                                   "for the data and the world size)")
@@ -226,7 +233,7 @@ class PlanSpec:
         """The spec with shuffle "auto" resolved for a dataset that is local or on object
         storage (raypipe.sampling.plans): global locally, else windowed where the mode
         allows it and the documents are shuffled (not a validation split, served in order);
-        window_shards and lanes 0 are resolved per dataset and world size."""
+        window_blocks and lanes 0 are resolved per dataset and world size."""
         if self.shuffle != "auto":
             return self
         return replace(self, shuffle=AUTO_SHUFFLE[local or not self.loader_mode.windowed
@@ -238,6 +245,22 @@ class PlanSpec:
         if self.shuffle != "windowed" or self.lanes:
             return self
         return replace(self, lanes=world_size)
+
+    def for_budget(self, budget: WindowBudget) -> PlanSpec:
+        """The spec with a windowed shuffle's blocks and window resolved from the node
+        cache's `budget` (raypipe.sampling.blocks): block_bytes 0 is about 1/16 of a
+        window, window_blocks 0 as many blocks as the window holds (a state records both,
+        so a resume cuts the same blocks on any node); a budget whose window holds no
+        block is refused, naming the least one."""
+        if self.shuffle != "windowed":
+            return self
+        if self.block_bytes >= WHOLE_SHARDS:  # a state's layout of whole shards
+            return self
+        block_bytes = budget.block_bytes(self.block_bytes)
+        if self.window_blocks and self.block_bytes:
+            return self
+        return replace(self, block_bytes=block_bytes,
+                       window_blocks=self.window_blocks or budget.window_blocks(block_bytes))
 
     def for_data(self, chat: bool) -> PlanSpec:
         """The spec with what the data decides resolved (the mode's knobs' "auto")."""
@@ -499,14 +522,19 @@ def waste_hints(mode: str, packing: str | None, chat: bool = False) -> Callable[
 _MODES: dict[str, LoaderMode] = {}
 
 
-def describe_shuffle(spec: PlanSpec, shards: int) -> str:
-    """A resolved spec's shuffle in words, for logs and reports."""
+def describe_shuffle(spec: PlanSpec, blocks: int | None = None) -> str:
+    """A resolved spec's shuffle in words, for logs and reports (`blocks`: how many the
+    data holds, where known)."""
     if spec.shuffle == "windowed":
         lanes = max(spec.lanes, 1)
-        window = window_shards_for(shards, spec.window_shards, lanes)
-        return (f"windowed (windows of {window} of {shards} shards in {lanes} lane(s): a "
-                f"step mixes the documents of {window * lanes} shard(s) drawn from the "
-                "whole corpus)")
+        whole = spec.block_bytes >= WHOLE_SHARDS
+        unit = "shard" if whole else f"block of ~{spec.block_bytes:,} bytes"
+        window = (window_blocks_for(blocks, spec.window_blocks, lanes) if blocks is not None
+                  else spec.window_blocks)
+        of = "" if blocks is None else f" of {blocks:,}"
+        return (f"windowed (windows of {window:,}{of} {unit}s in {lanes} lane(s): a step "
+                f"mixes the documents of {window * lanes:,} {unit.split(' ')[0]}(s) drawn "
+                "from the whole corpus)")
     if spec.shuffle == "shard_local":
         return f"shard_local (groups of {spec.group_shards} consecutive shards)"
     return spec.shuffle

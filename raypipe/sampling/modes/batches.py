@@ -112,7 +112,7 @@ class BatchesFiller(BatchFiller[int]):
         self.pad_id = pad_id
         self.padded = dataset.padded_tokens > 0
 
-    def shards(self, positions: np.ndarray) -> np.ndarray:
+    def fetch_units(self, positions: np.ndarray) -> np.ndarray:
         ids = self.plan.batches(positions.reshape(-1))
         return np.unique(np.searchsorted(self.dataset.batch_offsets, ids, side="right") - 1)
 

@@ -74,7 +74,7 @@ from raypipe.sampling.plans import (
     continued_order,
     document_permutation,
     lane_bounds,
-    next_window_shards,
+    next_window_blocks,
 )
 
 MIN_ROWS_PER_BLOCK = 256
@@ -315,14 +315,14 @@ class BestFitPlan:
         """Tokens the report counts for the rows at `positions` (their pieces)."""
         return sum(int(row.take.sum()) for _, row in self.rows(positions))
 
-    def shards_ahead(self, position: int) -> np.ndarray | None:
-        """The next window's shards in the lane of position `position` (windowed; None for
+    def units_ahead(self, position: int) -> np.ndarray | None:
+        """The next window's blocks in the lane of position `position` (windowed; None for
         another order)."""
         if self.uniform or not self.num_blocks or position >= self.size:
             return None if self.uniform else np.empty(0, dtype=np.int64)
         row = int(self.observations(np.array([position], dtype=np.int64))[0])
         block = int(np.searchsorted(self.row_offsets, row, side="right")) - 1
-        return next_window_shards(self.document_order, int(self.block_starts[block]),
+        return next_window_blocks(self.document_order, int(self.block_starts[block]),
                                   self.lanes, row)
 
     def repeated_tokens(self, positions: np.ndarray) -> int:
@@ -573,14 +573,14 @@ class BestFitFiller(BatchFiller[list[Piece]]):
         return [[(piece.shard, piece.first, piece.count) for piece in row]
                 for row in plan.rows]
 
-    def shards_ahead(self, position: int) -> np.ndarray | None:
+    def units_ahead(self, position: int) -> np.ndarray | None:
         plan, head = self.plan, getattr(self.plan, "head_rows", 0)
         plan = getattr(plan, "tail", plan)  # a continued plan: the blocks after its head
-        return plan.shards_ahead(max(position - head, 0))
+        return plan.units_ahead(max(position - head, 0))
 
-    def shards(self, positions: np.ndarray) -> np.ndarray:
+    def fetch_units(self, positions: np.ndarray) -> np.ndarray:
         doc_ids = [row.documents for _, row in self.plan.rows(positions.reshape(-1))]
-        return self.source.shards_of_documents(np.concatenate(doc_ids) if doc_ids
+        return self.source.units_of_documents(np.concatenate(doc_ids) if doc_ids
                                                else np.empty(0, np.int64))
 
     def fill(self, plan: DescribedRows[list[Piece]], buffers: BatchBuffers) -> Filled:

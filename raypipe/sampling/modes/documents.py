@@ -39,7 +39,7 @@ from raypipe.sampling.plans import (
     continued_order,
     document_permutation,
     lane_bounds,
-    next_window_shards,
+    next_window_blocks,
 )
 
 REPORT_CHUNK = 1 << 20  # documents a continued plan's report reads at a time
@@ -144,14 +144,14 @@ class DocumentsFiller(BatchFiller[DocumentRow]):
         return [DescribedRows(positions[i], ids[i], rows[i * batch:(i + 1) * batch])
                 for i in range(len(positions))]
 
-    def shards(self, positions: np.ndarray) -> np.ndarray:
-        return self.source.shards_of_documents(self.plan.documents(positions.reshape(-1)))
+    def fetch_units(self, positions: np.ndarray) -> np.ndarray:
+        return self.source.units_of_documents(self.plan.documents(positions.reshape(-1)))
 
-    def shards_ahead(self, position: int) -> np.ndarray | None:
+    def units_ahead(self, position: int) -> np.ndarray | None:
         plan = self.plan
         order = (position if plan.lanes is None or position >= plan.count
                  else int(plan.lanes(np.array([position]))[0]))
-        return next_window_shards(plan.permutation, order, plan.lanes, order)
+        return next_window_blocks(plan.permutation, order, plan.lanes, order)
 
     def fill(self, plan: DescribedRows[DocumentRow], buffers: BatchBuffers) -> Filled:
         """A document per row; its padded tail is pad_id, masked, a sequence of its own."""

@@ -85,7 +85,7 @@ class WindowsFiller(BatchFiller[int]):
         ids, rows = ids.reshape(positions.shape), offsets.reshape(positions.shape).tolist()
         return [DescribedRows(positions[i], ids[i], rows[i]) for i in range(len(positions))]
 
-    def shards(self, positions: np.ndarray) -> np.ndarray:
+    def fetch_units(self, positions: np.ndarray) -> np.ndarray:
         return self.source.shards_of_tokens(self.plan.window_starts(positions.reshape(-1))[1],
                                             self.seq_len + 1)
 

@@ -1,0 +1,85 @@
+"""A shard's tokens read a block at a time: each block a byte range of its token file,
+cached as a file of its own (raypipe.io.cache.ShardCache.fetch_ranges).
+
+Invariant: `BlockTokens[a:b]` is exactly the shard's tokens [a, b), read from the maps of
+the blocks that hold them (fetched first where absent); a slice inside one block is a view
+of its map, one across blocks a copy. A block is mapped on its first read and unmapped when
+`forget` drops it, so a rank maps only the blocks of its windows. Cost of a slice inside a
+block: one binary search over the shard's blocks and a dict lookup (~1 us).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from raypipe.io.mapping import map_file
+
+
+class BlockTokens:
+    """The 1-D tokens of one shard, block by block: block k holds tokens [cuts[k],
+    cuts[k + 1]); `block_path(k)` gives the local file of its bytes (fetched if need be)."""
+
+    def __init__(self, cuts: np.ndarray, dtype: np.dtype, block_path: Callable[[int], Path]):
+        self.cuts = np.asarray(cuts, dtype=np.int64)
+        self.dtype = np.dtype(dtype)
+        self.size = int(self.cuts[-1])
+        self.shape = (self.size,)
+        self.ndim = 1
+        self._block_path = block_path
+        self._maps: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def block(self, index: int) -> np.ndarray:
+        """Block `index`'s tokens (mapped on first use)."""
+        mapped = self._maps.get(index)
+        if mapped is None:
+            count = int(self.cuts[index + 1] - self.cuts[index])
+            mapped = self._maps[index] = map_file(self._block_path(index), self.dtype, 0, count)
+        return mapped
+
+    def forget(self, keep: set[int]) -> None:
+        """Unmap every block but those of `keep`."""
+        for index in [index for index in self._maps if index not in keep]:
+            del self._maps[index]
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.size)
+            if step != 1:
+                raise IndexError("block tokens take slices of step 1")
+            return self._span(start, stop)
+        positions = np.asarray(key, dtype=np.int64)
+        if positions.ndim == 0:
+            return self._span(int(positions), int(positions) + 1)[0]
+        flat = positions.reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.size):
+            raise IndexError(f"token index outside [0, {self.size})")
+        blocks = np.searchsorted(self.cuts, flat, side="right") - 1
+        out = np.empty(flat.size, dtype=self.dtype)
+        for index in np.unique(blocks).tolist():
+            chosen = blocks == index
+            out[chosen] = self.block(index)[flat[chosen] - self.cuts[index]]
+        return out.reshape(positions.shape)
+
+    def _span(self, start: int, stop: int) -> np.ndarray:
+        if stop <= start:
+            return np.empty(0, dtype=self.dtype)
+        if start < 0 or stop > self.size:
+            raise IndexError(f"tokens [{start}, {stop}) outside [0, {self.size})")
+        first = int(np.searchsorted(self.cuts, start, side="right")) - 1
+        if stop <= self.cuts[first + 1]:
+            base = int(self.cuts[first])
+            return self.block(first)[start - base:stop - base]
+        parts, at = [], start
+        while at < stop:
+            index = int(np.searchsorted(self.cuts, at, side="right")) - 1
+            end = min(stop, int(self.cuts[index + 1]))
+            parts.append(self.block(index)[at - int(self.cuts[index]):end - int(self.cuts[index])])
+            at = end
+        return np.concatenate(parts)

@@ -1,0 +1,130 @@
+"""Blocks: the windowed shuffle's unit of fetch and order, a run of whole documents of one
+shard about `block_bytes` long, and the window sized from the node cache's budget.
+
+Invariant: blocks partition the documents a plan numbers, in storage order; a block never
+spans two shards and never cuts a document (a document starts block k of its shard when
+its first token's byte offset in the shard lies in [k x block_bytes, (k + 1) x
+block_bytes)); so a shard smaller than `block_bytes` is one block, and a document longer
+than a block is a block of its own. The cut is a pure function of (lengths, documents per
+shard, token size, block_bytes): every rank and a resumed run cut the same blocks.
+`block_bytes` of WHOLE_SHARDS makes every shard one block (empty shards included): the
+layout of the releases that windowed whole shards, kept for their states. Cost: one
+vectorized pass over each shard's lengths (~10 ns a document), once per node (the plan
+cache); O(blocks) memory after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from raypipe.errors import ConfigError
+from raypipe.sampling.lengths import DocumentLengths
+
+WHOLE_SHARDS = 1 << 62  # block_bytes that cuts no shard: one block a shard
+WINDOWS_HELD = 2  # windows a rank holds: the one it reads and the next, fetched ahead
+WINDOW_SHARE = 0.5  # of the node cache's budget, the windows of the node's ranks together
+BLOCKS_PER_WINDOW = 16  # block_bytes 0: blocks of about 1/16 of a window ...
+BLOCK_BYTES_RANGE = (16 << 10, 4 << 20)  # ... within these bounds (GET cost vs mixing)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Blocks of whole documents: `starts[b]` is block b's first document (in the plan's
+    numbering) and `starts[-1]` the count; `shards[b]` the shard it lies in."""
+
+    starts: np.ndarray
+    shards: np.ndarray
+
+    @property
+    def documents(self) -> np.ndarray:
+        """Documents each block holds."""
+        return np.diff(self.starts)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def in_shards(self, shards: int) -> int:
+        """How many blocks the first `shards` shards hold (they come first)."""
+        return int(np.searchsorted(self.shards, shards, side="left"))
+
+    def of_documents(self, documents: np.ndarray) -> np.ndarray:
+        """The block of each document (plan numbering)."""
+        return np.searchsorted(self.starts, np.asarray(documents, dtype=np.int64),
+                               side="right") - 1
+
+
+def whole_shards(shard_documents: np.ndarray) -> Blocks:
+    """One block a shard (empty ones included)."""
+    counts = np.asarray(shard_documents, dtype=np.int64)
+    return Blocks(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                  np.arange(len(counts), dtype=np.int64))
+
+
+def cut_blocks(lengths: DocumentLengths, shard_documents: np.ndarray, itemsize: int,
+               block_bytes: int) -> Blocks:
+    """The blocks of about `block_bytes` of whole documents of each shard (`lengths`:
+    tokens of each document the plan numbers; `shard_documents`: how many of them each
+    shard holds; `itemsize`: bytes a token)."""
+    if block_bytes < 1:
+        raise ConfigError(f"block_bytes: {block_bytes} must be >= 1")
+    if block_bytes >= WHOLE_SHARDS:
+        return whole_shards(shard_documents)
+    offsets = np.concatenate([[0], np.cumsum(shard_documents)]).astype(np.int64)
+    starts: list[np.ndarray] = []
+    shards: list[np.ndarray] = []
+    for shard in range(len(offsets) - 1):
+        first, stop = int(offsets[shard]), int(offsets[shard + 1])
+        if first == stop:
+            continue
+        sizes = lengths[np.arange(first, stop, dtype=np.int64)] * itemsize
+        before = np.cumsum(sizes) - sizes  # bytes of the shard's documents before each
+        block = before // block_bytes
+        heads = np.concatenate([[0], np.flatnonzero(np.diff(block)) + 1]) + first
+        starts.append(heads)
+        shards.append(np.full(heads.size, shard, dtype=np.int64))
+    if not starts:
+        return Blocks(np.zeros(1, dtype=np.int64), np.empty(0, dtype=np.int64))
+    return Blocks(np.concatenate([*starts, [int(offsets[-1])]]).astype(np.int64),
+                  np.concatenate(shards))
+
+
+@dataclass(frozen=True)
+class WindowBudget:
+    """What sizes a window from the node cache: its budget, the ranks that share it (each
+    holds WINDOWS_HELD windows), and the bytes the index files keep there."""
+
+    budget_bytes: int
+    node_ranks: int = 1
+    index_bytes: int = 0
+
+    @property
+    def window_bytes(self) -> int:
+        """The bytes one window may hold."""
+        usable = self.budget_bytes * WINDOW_SHARE - self.index_bytes
+        return max(int(usable // (self.node_ranks * WINDOWS_HELD)), 0)
+
+    def least_budget(self, block_bytes: int) -> int:
+        """The least budget whose windows hold one block of `block_bytes`."""
+        return int(np.ceil((block_bytes * self.node_ranks * WINDOWS_HELD + self.index_bytes)
+                           / WINDOW_SHARE))
+
+    def block_bytes(self, asked: int) -> int:
+        """`asked`, or (0) about 1/BLOCKS_PER_WINDOW of a window within BLOCK_BYTES_RANGE;
+        a budget whose window holds no block is refused, naming the least budget."""
+        low, high = BLOCK_BYTES_RANGE
+        chosen = asked or int(min(max(self.window_bytes // BLOCKS_PER_WINDOW, low), high))
+        if self.window_bytes < chosen:
+            raise ConfigError(
+                f"cache_bytes {self.budget_bytes:,} holds no block of {chosen:,} bytes for "
+                f"each of the node's {self.node_ranks} rank(s) (two windows a rank in "
+                f"{WINDOW_SHARE:.0%} of the budget, besides {self.index_bytes:,} bytes of "
+                f"index files): give cache_bytes >= {self.least_budget(chosen):,}, or a "
+                "smaller block_bytes")
+        return chosen
+
+    def window_blocks(self, block_bytes: int) -> int:
+        """The most blocks of `block_bytes` a window holds (at least one; a lane's blocks
+        cap it where the plan is made: raypipe.sampling.plans.window_blocks_for)."""
+        return int(max(1, self.window_bytes // block_bytes))
