@@ -665,3 +665,39 @@ def test_a_status_replaced_between_its_head_and_its_get_is_read_again_not_refuse
     assert status == longer
     assert proxy.gets[f"/{bucket}/racing/{LIVE_STATUS}"] >= 2, "the first read was not cut"
     assert "cut short while it was replaced" in caplog.text, "the re-read was not logged"
+
+
+def test_bucket_blocks_are_ranged_reads_that_survive_503s_and_equal_the_local_copy(
+        bucket, token_dataset, tmp_path, monkeypatch):
+    """Blocks smaller than a shard come by ranged GETs (each range checked for its length),
+    a 503 SlowDown on each object's first GET is retried, and the batches are the local
+    copy's under the same knobs and budget."""
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    knobs = {"seed": 4, "block_bytes": 1024, "cache_bytes": 1 << 20}
+    proxy = through_a_fault_proxy(monkeypatch, lambda path, asked: asked == 0)
+    try:
+        loader = TokenLoader(uri, 32, 4, cache_dir=tmp_path / "c", **knobs)
+        served = [batch.inputs.numpy().tobytes() for batch in loader]
+        stats = loader.cache_stats
+        loader.close()
+    finally:
+        proxy.stop()
+    assert loader.spec.shuffle == "windowed" and stats.ranged_reads > 0
+    assert stats.retries > 0
+    local = TokenLoader(token_dataset, 32, 4, shuffle="windowed", **knobs)
+    assert [batch.inputs.numpy().tobytes() for batch in local] == served
+
+
+def test_a_bucket_budget_below_one_block_a_rank_is_refused_naming_the_least_budget(
+        bucket, token_dataset, tmp_path, monkeypatch):
+    from raypipe.errors import ConfigError
+
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError) as refused:
+        TokenLoader(uri, 32, 4, cache_dir=tmp_path / "c", cache_bytes=100_000,
+                    block_bytes=64 << 10)
+    message = str(refused.value)
+    assert "cache_bytes >= " in message and "4 rank(s)" in message and "\n" not in message

@@ -1,0 +1,195 @@
+"""Blocks: the windowed shuffle's unit of fetch and order (raypipe.sampling.blocks), the
+window sized from the node cache's budget, a shard's tokens read a block at a time
+(raypipe.io.ranged) and ranged reads of the cache (raypipe.io.cache.fetch_ranges)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raypipe.errors import ConfigError
+from raypipe.io.cache import ShardCache
+from raypipe.io.ranged import BlockTokens
+from raypipe.io.records import FileEntry
+from raypipe.io.store import Store
+from raypipe.sampling.blocks import (
+    WHOLE_SHARDS,
+    WindowBudget,
+    cut_blocks,
+    whole_shards,
+)
+from raypipe.sampling.lengths import DocumentLengths
+from raypipe.sampling.permute import WindowedPermutation
+
+shard_lengths = st.lists(st.lists(st.integers(0, 300), min_size=0, max_size=25),
+                         min_size=1, max_size=8)
+
+
+def lengths_of(shards: list[list[int]]) -> tuple[DocumentLengths, np.ndarray]:
+    counts = np.array([len(shard) for shard in shards], dtype=np.int64)
+    flat = np.array([n for shard in shards for n in shard], dtype=np.int64)
+    return DocumentLengths(counts, lambda s: flat[sum(counts[:s]):sum(counts[:s + 1])]), counts
+
+
+@settings(max_examples=150, deadline=None)
+@given(shard_lengths, st.integers(1, 2000), st.sampled_from([1, 2, 4]))
+def test_blocks_cut_whole_documents_of_one_shard_each_about_block_bytes(
+        shards, block_bytes, itemsize):
+    lengths, counts = lengths_of(shards)
+    blocks = cut_blocks(lengths, counts, itemsize, block_bytes)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    # a partition of every document, in storage order, no block empty
+    assert blocks.starts[0] == 0 and blocks.starts[-1] == counts.sum()
+    assert (np.diff(blocks.starts) > 0).all()
+    for block in range(len(blocks)):
+        shard = int(blocks.shards[block])
+        first, stop = int(blocks.starts[block]), int(blocks.starts[block + 1])
+        assert offsets[shard] <= first < stop <= offsets[shard + 1]  # never spans shards
+        sizes = np.array(shards[shard], dtype=np.int64) * itemsize
+        before = np.cumsum(sizes) - sizes  # byte offset of each document in its shard
+        local = slice(first - offsets[shard], stop - offsets[shard])
+        # the documents of a block start in one block_bytes stretch of the shard
+        assert len(set((before[local] // block_bytes).tolist())) == 1
+    # and a shard's consecutive blocks start in different stretches
+    for block in range(1, len(blocks)):
+        if blocks.shards[block] == blocks.shards[block - 1]:
+            shard = int(blocks.shards[block])
+            sizes = np.array(shards[shard], dtype=np.int64) * itemsize
+            before = np.cumsum(sizes) - sizes
+            ahead = before[int(blocks.starts[block] - offsets[shard])] // block_bytes
+            behind = before[int(blocks.starts[block] - 1 - offsets[shard])] // block_bytes
+            assert ahead > behind
+
+
+def test_block_bytes_of_whole_shards_is_the_layout_of_one_block_a_shard_empty_ones_too():
+    lengths, counts = lengths_of([[5, 6], [], [7]])
+    blocks = cut_blocks(lengths, counts, 2, WHOLE_SHARDS)
+    assert blocks.starts.tolist() == [0, 2, 2, 3] and blocks.shards.tolist() == [0, 1, 2]
+    assert blocks.starts.tolist() == whole_shards(counts).starts.tolist()
+
+
+def test_a_windowed_order_of_whole_shard_blocks_is_the_windowed_order_of_shards():
+    """States saved before blocks windowed whole shards: the same order under WHOLE_SHARDS."""
+    counts = np.array([30, 0, 12, 41, 7, 19])
+    blocks = whole_shards(counts)
+    assert np.array_equal(WindowedPermutation(blocks.documents, 2, 9, 1)(np.arange(109)),
+                          WindowedPermutation(counts, 2, 9, 1)(np.arange(109)))
+
+
+def test_a_window_holds_the_budget_share_of_the_nodes_ranks():
+    budget = WindowBudget(64 << 20, node_ranks=4, index_bytes=2 << 20)
+    window = budget.window_bytes  # (32 MiB - 2 MiB) / (4 ranks x 2 windows)
+    assert window == (30 << 20) // 8
+    block = budget.block_bytes(0)
+    assert block == window // 16
+    assert budget.window_blocks(block) * block <= window
+    assert budget.node_ranks * 2 * budget.window_blocks(block) * block + (2 << 20) <= 64 << 20
+
+
+def test_a_budget_below_one_block_a_rank_is_refused_in_one_line_naming_the_least_budget():
+    small = WindowBudget(1 << 20, node_ranks=8, index_bytes=1000)
+    with pytest.raises(ConfigError) as refused:
+        small.block_bytes(256 << 10)
+    message = str(refused.value)
+    least = small.least_budget(256 << 10)
+    assert f"cache_bytes >= {least:,}" in message and "\n" not in message
+    WindowBudget(least, node_ranks=8, index_bytes=1000).block_bytes(256 << 10)  # enough
+    with pytest.raises(ConfigError):
+        WindowBudget(least - 1, node_ranks=8, index_bytes=1000).block_bytes(256 << 10)
+
+
+def test_automatic_blocks_stay_within_their_bounds():
+    assert WindowBudget(64 << 40).block_bytes(0) == 4 << 20  # a huge cache: the largest
+    assert WindowBudget(1 << 20).block_bytes(0) == 16 << 10  # a small one: the smallest
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12), data=st.data())
+def test_block_tokens_slice_and_index_like_the_shard_array(sizes, data, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("blocks")
+    cuts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    tokens = np.arange(int(cuts[-1]), dtype=np.uint16) * 7 + 3
+    paths = []
+    for block in range(len(sizes)):
+        path = folder / f"b{block}"
+        path.write_bytes(tokens[cuts[block]:cuts[block + 1]].tobytes())
+        paths.append(path)
+    opened: list[int] = []
+
+    def block_path(block: int) -> Path:
+        opened.append(block)
+        return paths[block]
+
+    view = BlockTokens(cuts, np.dtype(np.uint16), block_path)
+    assert view.size == tokens.size and len(view) == tokens.size
+    start = data.draw(st.integers(0, tokens.size))
+    stop = data.draw(st.integers(start, tokens.size))
+    assert np.array_equal(view[start:stop], tokens[start:stop])
+    picks = np.array(data.draw(st.lists(st.integers(0, tokens.size - 1), max_size=10)),
+                     dtype=np.int64)
+    assert np.array_equal(view[picks], tokens[picks])
+    assert len(opened) == len(set(opened))  # each block mapped once
+    view.forget(set())
+    assert np.array_equal(view[0:tokens.size], tokens)
+
+
+def test_ranges_of_a_file_are_cached_each_in_a_file_adjacent_ones_read_together(tmp_path):
+    data = bytes(range(256)) * 40
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "t.bin").write_bytes(data)
+    store = Store(str(tmp_path / "root"))
+    entry = FileEntry("t.bin", len(data), "unused")
+    cache = ShardCache(tmp_path / "cache", 1 << 20)
+    ranges = [(0, 100), (100, 250), (4000, 5000)]
+    paths = cache.fetch_ranges(store, "key", entry, ranges)
+    assert [path.read_bytes() for path in paths] == [data[a:b] for a, b in ranges]
+    assert cache.stats.ranged_reads == 2  # [0, 250) in one read, [4000, 5000) in another
+    assert cache.stats.downloaded_bytes == 250 + 1000
+    again = cache.fetch_ranges(store, "key", entry, ranges[:2])
+    assert again == paths[:2] and cache.stats.ranged_reads == 2 and cache.stats.hits == 2
+    with pytest.raises(Exception, match="outside the file"):
+        cache.fetch_ranges(store, "key", entry, [(10_000, 10_300)])
+
+
+def test_a_state_that_windowed_whole_shards_resumes_at_the_same_batches(token_dataset):
+    """A state saved before blocks (its window counted in shards, `window_shards`, and no
+    block_bytes) resumes under the whole-shard windows it was made with, not blocks."""
+    from raypipe.loader import TokenLoader
+
+    def loader():
+        return TokenLoader(token_dataset, 32, 4, seed=3, shuffle="windowed")
+
+    before = TokenLoader(token_dataset, 32, 4, seed=3, shuffle="windowed",
+                         block_bytes=WHOLE_SHARDS, window_blocks=2)
+    batches = iter(before)
+    next(batches)
+    state = before.state_dict()
+    expected = [batch.inputs.numpy().tobytes() for batch in batches]
+    knobs = dict(state["knobs"])
+    assert "block_bytes" not in knobs  # at its value from before blocks: left out
+    knobs["window_shards"] = knobs.pop("window_blocks")
+    resumed = loader()
+    resumed.load_state_dict({**state, "knobs": knobs})
+    assert resumed.spec.block_bytes == WHOLE_SHARDS and resumed.spec.window_blocks == 2
+    assert [batch.inputs.numpy().tobytes() for batch in resumed] == expected
+    fresh = loader()
+    assert fresh.spec.block_bytes < WHOLE_SHARDS  # a new run windows blocks
+    assert fresh.state_dict()["knobs"]["block_bytes"] == fresh.spec.block_bytes
+
+
+def test_a_new_windowed_run_mixes_blocks_of_many_shards_in_each_window(token_dataset):
+    """Blocks smaller than a shard: a window of the same bytes draws from more shards."""
+    from raypipe.loader import TokenLoader
+
+    loader = TokenLoader(token_dataset, 32, 4, seed=3, shuffle="windowed", block_bytes=512,
+                         window_blocks=4)
+    blocks = loader.run.planned.plans.blocks()
+    assert len(blocks) > 2 * loader.dataset.num_shards
+    order = loader.run.planned.plans.groups()
+    permutation = WindowedPermutation(order.block_documents, order.window_blocks, 3)
+    shards = {int(blocks.shards[b]) for b in permutation.window_block_ids(0)}
+    assert len(shards) > 1
