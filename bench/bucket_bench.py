@@ -1,23 +1,27 @@
-"""Bucket bench: training straight from a bucket through a node cache of 10% of the data,
-under the windowed shuffle that `shuffle="auto"` picks on object storage, behind a proxy that
-adds latency and faults to every request.
+"""Bucket bench: training straight from a bucket, over a grid of shapes, each cell through a
+proxy that adds latency and faults to every request.
 
-    python bench/bucket_bench.py [--tokens 64_000_000] [--shard-tokens 1_000_000]
+    python bench/bucket_bench.py [--grid quick|full] [--delay-ms 20]
 
-It starts a moto S3 server on 127.0.0.1 and, in front of it, bench/latency_proxy.py: 50 ms a
-request, 5% of the GETs answered `503 SlowDown`, 1% reset. One epoch, bestfit, T=2048, each
-rank a process of its own with a consumer step of 5 ms, and prints:
-- one node of 2 ranks sharing one cache: bytes fetched / dataset, GETs per object (counted
-  by the proxy), retries, the training thread's wait per step (p50, p99, max after the first
-  batch) and the first batch; whether every batch equals the same run over a local copy;
-- a resume at 3 ranks on a fresh node (empty cache) from a state at step 20: its batches
-  against the local copy resumed from the same state;
-- two nodes of 2 ranks, each with its own cache: bytes fetched over both nodes;
-- the shuffle's quality: the global shuffle, the windowed one, and MosaicML streaming's
-  `py1e` (its own function) at the same budget;
-- a projection to 1,000 ranks on 125 nodes over 4 TB.
-Targets (issue 53): bytes <= 1.2x the dataset, GETs <= 1.2x the objects, p99 wait <= 50 ms,
-max <= 500 ms, first batch <= 5 s, batches identical to the local copy's.
+It starts a moto S3 server on 127.0.0.1 and, in front of it, bench/latency_proxy.py: 20 ms
+a request, 5% of the GETs answered `503 SlowDown`, 1% reset. A cell is a dataset of
+Megatron shards (small: ~0.15 MB each, large: ~5 MB), a number of shards per rank (at 2
+ranks), a node cache of 5, 10 or 25% of the data, and 1 node x 2 ranks or 2 nodes x 2 ranks
+(a cache each). One epoch of bestfit T=2048, 4 rows a rank, each rank a process of its own
+with a consumer step of 5 ms, `shuffle="auto"` (windowed: blocks sized from the budget).
+Per cell it prints:
+- bytes fetched an epoch / the dataset (all nodes), GETs / (blocks + index objects), the
+  training thread's wait after the first batch (p99, max; worst rank) and the first batch;
+- whether every batch equals the same run over a local copy given the knobs the bucket run
+  resolved (block_bytes, window_blocks, lanes), and (1 node) whether a 2 -> 3 resume from an
+  empty cache at step 20 equals the local copy resumed from the same state;
+- the shuffle's quality on the documents' order, beside global, shard_local and MosaicML
+  streaming's `get_shuffle_py1e` at the same budget: P(a rank's next document comes from
+  the same shard) over uniform, distinct shards in a rank's batch and in a global step, and
+  the share of shards a global order touches within 1% of the epoch.
+Targets (issue 75): bytes <= 1.15x, GETs <= 1.2x the blocks, p99 wait <= 50 ms and max <=
+300 ms, first batch <= 3 s + one window's fetch, batches identical, P(same shard) within 2x
+of uniform at a 10% cache. Shards of 400 MB are projected (`projection`), not run.
 """
 
 from __future__ import annotations
@@ -34,16 +38,28 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
-from common import print_table, synthetic_token_dataset
+from common import print_table, write_synthetic_dataset
 from latency_proxy import LatencyProxy
 from object_storage_bench import start_moto, upload
 
 from raypipe.io.manifest import read_manifest
 from raypipe.loader import TokenLoader
-from raypipe.sampling.permute import FeistelPermutation, WindowedPermutation
-from raypipe.sampling.plans import LaneOrder, lane_bounds, window_blocks_for
+from raypipe.sampling.blocks import WINDOWS_HELD, WindowBudget, cut_blocks
+from raypipe.sampling.lengths import DocumentLengths
+from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation, WindowedPermutation
+from raypipe.sampling.plans import LaneOrder, lane_bounds
 
 SEQ, BATCH, SEED, STEP_S, RESUME_AT = 2048, 4, 7, 0.005, 20
+SHARD_TOKENS = {"small": 75_000, "large": 2_500_000}  # ~0.15 MB and ~5 MB of uint16
+GRIDS = {  # (shard size, shards per rank at 2 ranks, cache share, nodes of 2 ranks)
+    "quick": [("small", 20, 0.10, 1), ("small", 200, 0.10, 1), ("small", 2, 0.10, 1),
+              ("small", 20, 0.05, 1), ("small", 20, 0.25, 1), ("small", 20, 0.10, 2),
+              ("large", 2, 0.10, 1)],
+    "full": [(size, per_rank, share, nodes)
+             for size in ("small", "large") for per_rank in (0.5, 2, 20, 200)
+             for share in (0.05, 0.10, 0.25) for nodes in (1, 2)
+             if not (size == "large" and per_rank == 200)],  # 2 GB: projected
+}
 
 
 def digest(batch) -> str:
@@ -82,16 +98,24 @@ def run_ranks(orders: list[dict], endpoint: str) -> list[dict]:
                 for order in orders}
     processes = [subprocess.Popen(
         [sys.executable, script, "--rank", json.dumps(order)], stdout=subprocess.PIPE,
-        text=True, env={**os.environ, "AWS_ENDPOINT_URL": endpoint,
-                        "LOCAL_WORLD_SIZE": str(per_node[order["cache"]])})
+        stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "AWS_ENDPOINT_URL": endpoint,
+             "LOCAL_WORLD_SIZE": str(per_node[order["cache"]])})
         for order in orders]
-    results = []
+    results, failed = [], None
     for process in processes:
-        out, _ = process.communicate(timeout=1800)
+        out, err = process.communicate(timeout=1800)
         if process.returncode:
-            raise RuntimeError(f"a rank failed (exit {process.returncode})")
+            failed = failed or (err.strip().splitlines() or ["?"])[-1]
+            continue
         results.append(json.loads(out.strip().splitlines()[-1]))
+    if failed:
+        raise RankFailed(failed)
     return results
+
+
+class RankFailed(RuntimeError):
+    """A rank's process failed: its last line (a refusal names the least budget)."""
 
 
 def local_steps(path: Path, world: int, knobs: dict, state: dict | None = None
@@ -117,93 +141,220 @@ def served(results: list[dict]) -> dict[tuple[int, int], str]:
             for step, value in result["steps"].items()}
 
 
-def waits_row(name: str, results: list[dict]) -> tuple:
-    worst = {key: max(result["waits"][key] for result in results)
-             for key in results[0]["waits"]}
-    return (name, f"{worst['data_wait_p50_ms']:.0f}", f"{worst['data_wait_p99_ms']:.0f}",
-            f"{worst['data_wait_max_ms']:.0f}", f"{worst['data_wait_first_batch_s']:.2f}")
+def synthetic_shards(directory: Path, shards: float, shard_tokens: int, seed: int = 3) -> Path:
+    """A Megatron dataset of about `shards` x `shard_tokens` random uint16 tokens (BOS 0 at
+    each document start, lognormal lengths with median ~400), cut into shards of
+    `shard_tokens`; built once in `directory`."""
+    total = int(shards * shard_tokens)
+    output = directory / f"shards-{total}-{shard_tokens}-seed{seed}"
+    if (output / "manifest.json").exists():
+        return output
+
+    def batches():
+        rng = np.random.default_rng(seed)
+        written = 0
+        while written < total:
+            lengths = np.clip(rng.lognormal(6.0, 1.0, 2_000).astype(np.int64) + 2, 2, 100_000)
+            lengths = lengths[np.cumsum(lengths) <= total - written + lengths.max()]
+            tokens = rng.integers(1, 32768, int(lengths.sum()), dtype=np.uint32)
+            tokens[np.cumsum(lengths) - lengths] = 0
+            yield tokens, lengths, None
+            written += tokens.size
+
+    return write_synthetic_dataset(output, "megatron", batches(), f"grid-{seed}",
+                                   shard_tokens)
 
 
-def quality(shard_documents: np.ndarray, lanes: int, step_documents: int) -> list[tuple]:
-    """How global each order is: the share of document pairs of one step from one shard
-    (lower is better; the global shuffle's is ~ the chance two random documents share a
-    shard), and the spread of each shard's documents over the epoch (the std of their
-    positions / the epoch; 0.289 is uniform). Documents in order, as mode documents serves
-    them (bestfit's rows draw from the same blocks)."""
+def rank_streams(order: np.ndarray, ranks: int) -> list[np.ndarray]:
+    """The documents each rank reads, in order: positions r, r + W, ... of `order`."""
+    return [order[rank::ranks] for rank in range(ranks)]
+
+
+def quality_row(name: str, order: np.ndarray, shard_of: np.ndarray, ranks: int,
+                per_rank_step: int, uniform: float) -> tuple[str, ...]:
+    """P(a rank's next document is from the same shard) over uniform, mean distinct shards
+    in a rank's batch and in a global step, share of shards touched in 1% of the epoch."""
+    shards = shard_of[order]
+    same = np.mean([np.mean(stream[1:] == stream[:-1])
+                    for stream in rank_streams(shards, ranks) if stream.size > 1])
+    step = per_rank_step * ranks
+    steps = shards[: shards.size // step * step].reshape(-1, step)
+    in_step = np.mean([np.unique(row).size for row in steps]) if steps.size else 0.0
+    in_batch = np.mean([np.unique(row[rank::ranks]).size for row in steps
+                        for rank in range(ranks)]) if steps.size else 0.0
+    early = np.unique(shards[: max(1, shards.size // 100)]).size / max(1, shard_of.max() + 1)
+    return (name, f"{same:.3f} ({same / uniform:.1f}x)", f"{in_batch:.1f}", f"{in_step:.1f}",
+            f"{early:.2f}")
+
+
+def quality(lengths: np.ndarray, counts: np.ndarray, knobs: dict, ranks: int,
+            budget: int, index_bytes: int) -> list[tuple[str, ...]]:
+    """The shuffle's quality on the documents' order (bestfit's rows draw from the same
+    blocks in the same order), ours beside the others at the same budget."""
     from raypipe.loader.mosaic_streaming import import_streaming
 
     import_streaming()
     from streaming.base.shuffle.py1e import get_shuffle_py1e
 
-    total = int(shard_documents.sum())
-    shard_of = np.repeat(np.arange(shard_documents.size), shard_documents)
+    total = int(counts.sum())
+    shard_of = np.repeat(np.arange(counts.size), counts)
+    uniform = float(((counts / total) ** 2).sum())
     every = np.arange(total, dtype=np.int64)
-    window = window_blocks_for(shard_documents.size, 0, lanes)
-    windowed = WindowedPermutation(shard_documents, window, SEED)
+    mean_tokens = lengths.mean()
+    per_rank_step = max(1, int(BATCH * (SEQ + 1) / mean_tokens))
+    doc_lengths = DocumentLengths(counts, lambda s: lengths[counts[:s].sum():
+                                                            counts[:s + 1].sum()])
+    blocks = cut_blocks(doc_lengths, counts, 2, int(knobs["block_bytes"]))
+    lanes = int(knobs.get("lanes", ranks))
+    windowed = WindowedPermutation(blocks.documents, int(knobs["window_blocks"]), SEED)
     lane_order = LaneOrder(lane_bounds(windowed.window_starts, lanes, lambda starts: starts))
-    held = int(total * 2 * window * lanes / shard_documents.size)  # what a node holds
+    window_bytes = WindowBudget(budget, ranks, index_bytes).window_bytes
+    held_docs = max(1, int(window_bytes * WINDOWS_HELD * ranks / (2 * mean_tokens)))
+    shard_bytes = counts.mean() * mean_tokens * 2
+    group = max(1, int(window_bytes / shard_bytes))
     orders = {
-        "global (Feistel over every document)": FeistelPermutation(total, SEED)(every),
-        f"windowed, {lanes} lane(s) of {window}-shard windows": windowed(lane_order(every)),
-        # mosaic's py1e, one canonical node, blocks of the documents our node holds
-        f"mosaic py1e (block {held:,} samples)": get_shuffle_py1e(
-            shard_documents.astype(np.int64), 1, SEED, 0, held),
+        "global": FeistelPermutation(total, SEED)(every),
+        f"shard_local ({group} shard(s) a group)": GroupedPermutation(
+            np.add.reduceat(counts, np.arange(0, counts.size, group)), SEED)(every),
+        f"py1e (block {held_docs:,} samples)": get_shuffle_py1e(
+            counts.astype(np.int64), 1, SEED, 0, held_docs),
+        f"raypipe windowed ({len(blocks):,} blocks)": windowed(lane_order(every)),
     }
-    rows = [("order", "same-shard pairs in a step", "shard spread (0.289 uniform)")]
-    for name, order in orders.items():
-        shards = shard_of[order]
-        steps = shards[: total // step_documents * step_documents].reshape(-1, step_documents)
-        counts = np.stack([np.bincount(row, minlength=shard_documents.size) for row in steps])
-        pairs = (counts * (counts - 1)).sum(axis=1) / (step_documents * (step_documents - 1))
-        positions = np.empty(total, dtype=np.float64)
-        positions[order] = np.arange(total) / total  # position of each document
-        spread = np.mean([positions[shard_of == shard].std()
-                          for shard in range(shard_documents.size) if shard_documents[shard]])
-        rows.append((name, f"{pairs.mean():.4f}", f"{spread:.3f}"))
-    return rows
+    return [quality_row(name, order, shard_of, ranks, per_rank_step, uniform)
+            for name, order in orders.items()]
 
 
-def projection(shards: int = 10_000, dataset_tb: float = 4.0, nodes: int = 125,
-               ranks: int = 1000, step_tokens: float = 4e6, step_s: float = 1.0,
-               document_tokens: float = 1000) -> list[tuple]:
-    """1,000 ranks on 125 nodes over 4 TB of uint16 tokens in 10^4 shards (a .bin and an
-    .idx each), documents of ~1,000 tokens, steps of 4 M tokens a second; auto's windowed
-    shuffle with a lane per rank: what each node fetches and holds."""
-    dataset = dataset_tb * 1e12
-    shard_bytes = dataset / shards
-    window = window_blocks_for(shards, 0, ranks)
-    lane_shards = shards / ranks
-    per_rank = ranks // nodes
-    epoch_s = dataset / 2 / step_tokens * step_s
+def projection(shard_mb: float = 400, shards: int = 10_000, nodes: int = 125,
+               ranks: int = 1000, share: float = 0.10, step_tokens: float = 4e6,
+               document_tokens: float = 1000) -> list[tuple[str, str]]:
+    """10^4 shards of 400 MB (4 TB of uint16) on 125 nodes of 8 ranks with a node cache of
+    `share` of the data a node trains: the blocks and windows raypipe picks, and what a
+    node fetches and holds."""
+    dataset = shards * shard_mb * 1e6
+    per_node = ranks // nodes
+    budget = dataset / nodes * share
     documents = dataset / 2 / document_tokens
-    index_bytes = documents * (12 + 8) + 4 * documents  # Megatron .idx, the lengths file
-    fetched = per_rank * lane_shards * shard_bytes  # the node's lanes (+ leftovers' tail)
+    index = documents * 20  # every shard's Megatron .idx: what every node keeps
+    fit = WindowBudget(int(budget + index), per_node, int(index))
+    block = fit.block_bytes(0)
+    window = fit.window_blocks(block)
     return [("figure", "value"),
-            ("lanes / shards per lane / window", f"{ranks} / {lane_shards:.0f} / {window} "
-             "shard(s)"),
-            ("a step mixes documents of", f"{ranks * window:,} shards"),
-            ("bytes per node per epoch", f"{fetched / 1e9:,.0f} GB (goal: "
-             f"{dataset / nodes / 1e9:.0f} GB)"),
-            ("disk per node: windows held (2 a rank)",
-             f"{per_rank * 2 * window * shard_bytes / 1e9:,.1f} GB"),
-            ("disk per node: every .idx + the lengths file",
-             f"{index_bytes / 1e9:,.0f} GB (read once when the loader opens)"),
-            ("GETs per second against the bucket",
-             f"{nodes * per_rank * lane_shards * 2 / epoch_s:.2f} (epoch of "
-             f"{epoch_s / 3600:.0f} h)"),
-            ("fetch rate per node", f"{fetched / epoch_s / 1e6:.1f} MB/s")]
+            ("node cache (its share + every .idx)", f"{(budget + index) / 1e9:,.0f} GB"),
+            ("block / window", f"{block / 1e6:.1f} MB / {window:,} blocks"),
+            ("blocks in the corpus", f"{dataset / block:,.0f}"),
+            ("a rank's window draws from", f"{window:,} blocks of the whole corpus "
+             f"(a shard holds {shard_mb * 1e6 / block:,.0f})"),
+            ("a step mixes documents of", f"{ranks * window:,} blocks"),
+            ("bytes per node per epoch", f"{dataset / nodes / 1e9:,.0f} GB"),
+            ("GETs per node per epoch", f"{dataset / nodes / block:,.0f}"),
+            ("epoch at 4 M tokens a step, 1 step/s", f"{dataset / 2 / step_tokens / 3600:,.0f}"
+             " h")]
+
+
+def chosen(share: float, salt: str):
+    """A GET picked with probability `share`, by a hash of (path, try, salt): the same
+    faults on every run, a retry drawn afresh."""
+    def pick(path: str, asked: int) -> bool:
+        value = hashlib.sha256(f"{salt}/{path}/{asked}".encode()).digest()
+        return int.from_bytes(value[:4], "little") < share * 2**32
+    return pick
+
+
+def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, share: float,
+         nodes: int) -> tuple[list[str], list[tuple[str, ...]]]:
+    """One cell of the grid: its row of figures, and its shuffle-quality rows."""
+    local = synthetic_shards(workdir, per_rank * 2, SHARD_TOKENS[size])
+    uri = f"s3://raypipe-bench/{local.name}"
+    dataset = upload(local, uri)
+    shards = read_manifest(uri).formats["megatron"].shards
+    budget = int(dataset * share)
+    proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, args.delay_ms,
+                         chosen(args.slow_down, "503"), chosen(args.resets, "reset")).start()
+    ranks = 2 * nodes
+
+    def node(node_ranks: range, world: int, cache: str, state: dict | None = None,
+             save_at: int | None = None) -> list[dict]:
+        shutil.rmtree(workdir / cache, ignore_errors=True)
+        return [{"path": uri, "rank": rank, "world": world, "cache": str(workdir / cache),
+                 "budget": budget, "state": state, "save_at": save_at}
+                for rank in node_ranks]
+
+    try:
+        orders = [order for index in range(nodes)
+                  for order in node(range(2 * index, 2 * index + 2), ranks, f"cache-{index}",
+                                    save_at=RESUME_AT)]
+        run = run_ranks(orders, proxy.url)
+        gets = sum(proxy.gets.values())
+        knobs = {name: run[0]["knobs"][name] for name in ("block_bytes", "window_blocks",
+                                                          "lanes")}
+        reference, _ = local_steps(local, ranks, {"shuffle": "windowed", **knobs})
+        same = served(run) == reference
+        resumed = "-"
+        state = run[0]["state"]
+        if nodes == 1 and state is not None:
+            expected, _ = local_steps(local, 3, {"shuffle": "windowed", **knobs}, state)
+            three = run_ranks(node(range(3), 3, "cache-three", state), proxy.url)
+            resumed = str(served(three) == expected)
+    finally:
+        proxy.stop()
+    lengths = np.concatenate([np.frombuffer(
+        (local / next(f.path for f in shard.files if f.path.endswith(".idx"))).read_bytes(),
+        "<i4", shard.documents, 34) for shard in shards]).astype(np.int64)
+    counts = np.array([shard.documents for shard in shards], dtype=np.int64)
+    index_bytes = sum(f.bytes for shard in shards for f in shard.files
+                      if f.path.endswith(".idx"))
+    blocks = len(cut_blocks(DocumentLengths(counts, lambda s: lengths[
+        counts[:s].sum():counts[:s + 1].sum()]), counts, 2, int(knobs["block_bytes"])))
+    worst = {key: max(result["waits"][key] for result in run) for key in run[0]["waits"]}
+    row = [f"{size} {dataset / len(shards) / 1e6:.2f} MB", f"{per_rank:g}", f"{share:.0%}",
+           f"{nodes}x2", f"{len(shards)}", f"{int(knobs['block_bytes']) / 1e3:,.0f} KB x "
+           f"{knobs['window_blocks']}", f"{sum(r['fetched'] for r in run) / dataset:.2f}",
+           f"{gets / (blocks + len(shards) * nodes):.2f}",
+           f"{worst['data_wait_p99_ms']:.0f}", f"{worst['data_wait_max_ms']:.0f}",
+           f"{worst['data_wait_first_batch_s']:.2f}", str(same), resumed]
+    return row, quality(lengths, counts, knobs, ranks, budget, index_bytes)
+
+
+HEADER = ("shards", "per rank", "cache", "nodes", "count", "block x window",
+          "bytes/data", "GETs/blocks", "p99 ms", "max ms", "first s", "= local", "2->3")
+
+
+def bench(args: argparse.Namespace, workdir: Path) -> None:
+    print(f"proxy {args.delay_ms:.0f} ms a request, {args.slow_down:.0%} 503 SlowDown, "
+          f"{args.resets:.0%} resets; one epoch, bestfit T={SEQ}, {BATCH} rows a rank, "
+          f"consumer step {STEP_S * 1000:.0f} ms; grid {args.grid!r}")
+    rows, qualities = [HEADER], []
+    for shape in GRIDS[args.grid]:
+        began = time.perf_counter()
+        try:
+            row, quality_rows = cell(args, workdir, *shape)
+        except RankFailed as failed:
+            size, per_rank, share, nodes = shape
+            row = [size, f"{per_rank:g}", f"{share:.0%}", f"{nodes}x2", "refused:",
+                   str(failed)[:120], *[""] * (len(HEADER) - 6)]
+            quality_rows = []
+        rows.append(tuple(row))
+        if quality_rows:
+            qualities.append((shape, quality_rows))
+        print(f"  {' | '.join(row)}  ({time.perf_counter() - began:.0f} s)", flush=True)
+    print()
+    print_table(rows)
+    for (size, per_rank, share, nodes), quality_rows in qualities:
+        print(f"\nshuffle quality: {size} shards, {per_rank:g} a rank, cache {share:.0%}, "
+              f"{nodes}x2 ranks")
+        print_table([("order", "P(next same shard) / uniform", "shards a rank batch",
+                      "shards a step", "shards in 1% of epoch"), *quality_rows])
+    print("\nprojection: 10^4 shards of 400 MB on 125 nodes x 8 ranks, a 10% cache")
+    print_table(projection())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank", help=argparse.SUPPRESS)
-    parser.add_argument("--tokens", type=int, default=64_000_000)
-    parser.add_argument("--shard-tokens", type=int, default=1_000_000)
-    parser.add_argument("--delay-ms", type=float, default=50)
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="quick")
+    parser.add_argument("--delay-ms", type=float, default=20)
     parser.add_argument("--slow-down", type=float, default=0.05)
     parser.add_argument("--resets", type=float, default=0.01)
-    parser.add_argument("--cache-share", type=float, default=0.10)
-    parser.add_argument("--two-nodes", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--workdir", default="bench_out")
     args = parser.parse_args()
     if args.rank:
@@ -217,92 +368,6 @@ def main() -> None:
     finally:
         if server is not None:
             server.terminate()
-
-
-def chosen(share: float, salt: str):
-    """A GET picked with probability `share`, by a hash of (path, try, salt): the same
-    faults on every run, a retry drawn afresh."""
-    def pick(path: str, asked: int) -> bool:
-        value = hashlib.sha256(f"{salt}/{path}/{asked}".encode()).digest()
-        return int.from_bytes(value[:4], "little") < share * 2**32
-    return pick
-
-
-def bench(args: argparse.Namespace, workdir: Path) -> None:
-    local = synthetic_token_dataset(workdir, args.tokens, seed=3,
-                                    shard_tokens=args.shard_tokens)
-    uri = f"s3://raypipe-bench/bucket-{args.tokens}-{args.shard_tokens}"
-    size = upload(local, uri)
-    shards = read_manifest(uri).formats["megatron"].shards
-    objects = sum(len(shard.files) for shard in shards)
-    budget = int(size * args.cache_share)
-    proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, args.delay_ms,
-                         chosen(args.slow_down, "503"), chosen(args.resets, "reset")).start()
-    knobs = {"shuffle": "windowed"}  # what auto resolves to on the bucket, for the copy
-    print(f"{len(shards)} shards, {objects} objects, {size / 1e6:.1f} MB; cache "
-          f"{budget / 1e6:.1f} MB ({args.cache_share:.0%}); proxy {args.delay_ms:.0f} ms a "
-          f"request, {args.slow_down:.0%} 503 SlowDown, {args.resets:.0%} resets")
-    try:
-        reference, state = local_steps(local, 2, knobs)
-
-        def node(ranks: range, world: int, cache: str, state: dict | None = None,
-                 save_at: int | None = None) -> list[dict]:
-            shutil.rmtree(workdir / cache, ignore_errors=True)
-            return [{"path": uri, "rank": rank, "world": world, "cache": str(workdir / cache),
-                     "budget": budget, "state": state, "save_at": save_at}
-                    for rank in ranks]
-
-        gets_before = sum(proxy.gets.values())
-        assert not proxy.gets, "the proxy counts this run's GETs alone"
-        began = time.perf_counter()
-        one = run_ranks(node(range(2), 2, "cache-one"), proxy.url)
-        seconds = time.perf_counter() - began
-        gets = sum(proxy.gets.values()) - gets_before
-        by_kind = {suffix: sum(count for path, count in proxy.gets.items()
-                               if path.endswith(suffix)) / len(shards)
-                   for suffix in (".bin", ".idx")}
-        assert one[0]["knobs"].get("shuffle") == "windowed", one[0]["knobs"]
-        same = served(one) == reference
-        fetched = sum(result["fetched"] for result in one)
-        rows = [("run", "bytes / dataset", "GETs / object", "retries", "identical to local")]
-        rows.append(("1 node x 2 ranks", f"{fetched / size:.2f}", f"{gets / objects:.2f}",
-                     str(sum(r["retries"] for r in one)), str(same)))
-        resumed_reference, _ = local_steps(local, 3, knobs, state)
-        three = run_ranks(node(range(3), 3, "cache-three", state), proxy.url)
-        rows.append(("resume at 3 ranks, empty cache",
-                     f"{sum(r['fetched'] for r in three) / size:.2f}", "", str(
-                         sum(r["retries"] for r in three)),
-                     str(served(three) == resumed_reference)))
-        if args.two_nodes:
-            two = run_ranks(node(range(0, 2), 4, "cache-node-a")
-                            + node(range(2, 4), 4, "cache-node-b"), proxy.url)
-            rows.append(("2 nodes x 2 ranks, a cache each",
-                         f"{sum(r['fetched'] for r in two) / size:.2f}", "",
-                         str(sum(r["retries"] for r in two)), "-"))
-        print(f"\none epoch, bestfit T={SEQ}, {BATCH} rows a rank, consumer step "
-              f"{STEP_S * 1000:.0f} ms; 1 node x 2 ranks took {seconds:.1f} s, GETs per "
-              f".bin {by_kind['.bin']:.2f}, per .idx {by_kind['.idx']:.2f} (each .idx is "
-              "read when the loader opens, for the lengths, and again when its shard opens "
-              f"if the cache let it go); faults injected over all runs: {proxy.injected} x "
-              f"503 SlowDown, {proxy.reset} resets (retried by the S3 client and raypipe)")
-        print_table(rows)
-        print("\nthe training thread's wait per step, worst rank (ms; first batch in s)")
-        print_table([("run", "p50", "p99", "max", "first batch s"), waits_row("1 node x 2", one),
-                     waits_row("resume at 3", three)])
-    finally:
-        proxy.stop()
-    counts = np.array([shard.documents for shard in shards], dtype=np.int64)
-    mean_tokens = sum(shard.tokens for shard in shards) / counts.sum()
-    step_documents = max(2, int(2 * BATCH * (SEQ + 1) / mean_tokens))
-    print(f"\nshuffle quality, {counts.sum():,} documents, a step of 2 ranks x {BATCH} rows "
-          f"(~{step_documents} documents)")
-    print_table(quality(counts, 2, step_documents))
-    print("\nthe same at the projection's shape: 1,000 ranks (lanes) over 10^4 shards of 100 "
-          "documents, a step of 8,000 documents")
-    print_table(quality(np.full(10_000, 100, dtype=np.int64), 1000, 8000))
-    print("\nprojection: 1,000 ranks on 125 nodes, 4 TB in 10^4 shards, a step of 4 M tokens "
-          "a second")
-    print_table(projection())
 
 
 if __name__ == "__main__":

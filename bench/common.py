@@ -176,7 +176,8 @@ def synthetic_token_dataset(directory: Path, total_tokens: int, seed: int = 0,
     `directory`."""
     import numpy as np
 
-    output = directory / f"tokens-{total_tokens // 1_000_000}M-seed{seed}"
+    output = directory / (f"tokens-{total_tokens // 1_000_000}M-seed{seed}"
+                          + ("" if shard_tokens == 1 << 28 else f"-shards{shard_tokens}"))
     if (output / "manifest.json").exists():
         return output
 

@@ -38,7 +38,7 @@ from raypipe.io.ranged import BlockTokens
 from raypipe.io.records import FileEntry, Manifest, ShardEntry
 from raypipe.io.store import Store, dataset_key
 
-PREFETCH_THREADS = 4
+PREFETCH_THREADS = 16  # fetches in flight a process (a small block costs a round trip)
 PREFETCH_SHARE = 0.75  # of the cache budget, open and pending shards together
 OPEN_SHARE = 0.5  # ... open shards alone (past it the least recently used are closed)
 
@@ -58,6 +58,16 @@ class StreamWindow:
 
 OPEN_TRIES = 5  # fetches of a shard other processes keep evicting before it opens
 TOKEN_STARTS_KEPT = 64  # ranged shards whose document token offsets a process keeps
+
+
+@dataclass
+class HeldBlock:
+    """A block this process holds (pinned in the node cache): its file, its bytes, and its
+    fetch while under way (None: fetched here)."""
+
+    path: Path
+    bytes: int
+    fetch: Future | None = None
 
 
 @dataclass(frozen=True)
@@ -157,7 +167,8 @@ class ShardSet:
         # the blocks fetched or on their way (pinned paths, or the fetch), and the one a
         # reader waits for
         self.blocks: ShardBlocks | None = None
-        self._held_blocks: dict[int, list[Path] | Future] = {}
+        self.hold_bytes = 0  # under blocks: what this process holds and fetches at most
+        self._held_blocks: dict[int, HeldBlock] = {}
         self._waited_block: int | None = None
         self._starts_kept: OrderedDict[int, np.ndarray] = OrderedDict()
         self.closes = 0  # shards closed so far: holders of shard arrays drop theirs on change
@@ -227,25 +238,31 @@ class ShardSet:
         return paths
 
     # ----- object storage: blocks ---------------------------------------------------------
-    def use_blocks(self, shards: np.ndarray, starts: np.ndarray) -> None:
+    def use_blocks(self, shards: np.ndarray, starts: np.ndarray, hold_bytes: int) -> None:
         """Read this dataset in blocks from now on (object storage): block b begins at
         global document `starts[b]` of shard `shards[b]` (raypipe.sampling.blocks). A shard
         of several blocks whose format finds a block's bytes from its index
         (`DocumentFormat.tokens_at`) is fetched a block at a time with ranged reads; the
         others whole. `prefetch`, `close_except` and `units_of_documents` then count in
-        blocks."""
+        blocks, and this process holds at most `hold_bytes` of them (its share of the node
+        cache: fetched ahead within it)."""
         if self.cache is None:
             return
         self.close()
         self.blocks = ShardBlocks.of(shards, starts, self.document_offsets)
+        self.hold_bytes = hold_bytes
 
-    def units_of_documents(self, ids: np.ndarray) -> np.ndarray:
-        """The units of fetch that hold these global documents: blocks (`use_blocks`), or
-        shards."""
+    def unit_of_each(self, ids: np.ndarray) -> np.ndarray:
+        """The unit of fetch that holds each of these global documents: its block
+        (`use_blocks`), or its shard."""
         ids = np.asarray(ids, dtype=np.int64)
         if self.blocks is not None:
-            return np.unique(self.blocks.of_documents(ids))
-        return np.unique(np.searchsorted(self.document_offsets, ids, side="right") - 1)
+            return self.blocks.of_documents(ids)
+        return np.searchsorted(self.document_offsets, ids, side="right") - 1
+
+    def units_of_documents(self, ids: np.ndarray) -> np.ndarray:
+        """The units of fetch that hold these global documents (each once)."""
+        return np.unique(self.unit_of_each(ids))
 
     def ranged(self, shard: int) -> bool:
         """Shard `shard` is fetched a block at a time (object storage, blocks in use, the
@@ -257,38 +274,49 @@ class ShardSet:
                             for entry in self.shards[shard].files))
 
     def _prefetch_blocks(self, units: list[int]) -> None:
-        """Fetch ahead: the whole shards of blocks that are whole shards, and each ranged
-        shard's blocks in one ranged read (a task a shard), within PREFETCH_SHARE."""
-        assert self.blocks is not None
-        whole: list[int] = []
-        ranged: dict[int, list[int]] = {}
+        """Fetch ahead, in the order given, while this process holds at most `hold_bytes`
+        (`use_blocks`): the whole shards of blocks that are whole shards, and each ranged
+        shard's blocks in one ranged read (a task a shard), pinned here, all at once."""
+        assert self.blocks is not None and self.cache is not None
+        ranged: dict[int, list[tuple[int, tuple[int, int]]]] = {}
         held = self._held_bytes()
         for unit in units:
             shard = int(self.blocks.shards[unit])
             if not self.ranged(shard):
-                whole.append(shard)
+                if shard in self._readers or shard in self._fetching:
+                    continue
+                held += self._open_bytes(shard)
+                if held > self.hold_bytes:
+                    break
+                self._fetching[shard] = self._pool_submit(self._fetch,
+                                                          self._files_to_open(shard))
                 continue
             if unit in self._held_blocks:
                 continue
-            held += self._block_bytes(unit)
-            if held > self.held_bytes(PREFETCH_SHARE):
+            span = self._block_range(unit)
+            held += span[1] - span[0]
+            if held > self.hold_bytes:
                 break
-            ranged.setdefault(shard, []).append(unit)
-        for shard, blocks in ranged.items():
-            future = self._pool_submit(self._fetch_blocks, shard, blocks,
-                                       [self._block_range(unit) for unit in blocks])
-            for unit in blocks:
-                self._held_blocks[unit] = future
-        self._prefetch_shards(dict.fromkeys(whole))
+            ranged.setdefault(shard, []).append((unit, span))
+        if not ranged:
+            return
+        for shard, wanted in ranged.items():
+            entry = self.shards[shard].files[0]
+            for unit, span in wanted:
+                self._held_blocks[unit] = HeldBlock(
+                    self.cache.range_path(self.key, entry, *span), span[1] - span[0])
+        self.cache.pin([self._held_blocks[unit].path for wanted in ranged.values()
+                        for unit, _ in wanted])
+        for shard, wanted in ranged.items():
+            fetch = self._pool_submit(self._fetch_ranges, shard, [span for _, span in wanted])
+            for unit, _ in wanted:
+                self._held_blocks[unit].fetch = fetch
 
-    def _fetch_blocks(self, shard: int, units: list[int], ranges: list[tuple[int, int]]
-                      ) -> dict[int, list[Path]]:
-        """Fetch blocks of one shard (pinned) by ranged reads of its token file (`ranges`:
-        their bytes, found by the caller's thread, which alone reads the index)."""
+    def _fetch_ranges(self, shard: int, ranges: list[tuple[int, int]]) -> list[Path]:
+        """Fetch byte ranges of a shard's token file (pinned by the caller)."""
         assert self.cache is not None
-        entry = self.shards[shard].files[0]
-        paths = self.cache.fetch_ranges(self.store, self.key, entry, ranges, pin=True)
-        return {unit: [path] for unit, path in zip(units, paths, strict=True)}
+        return self.cache.fetch_ranges(self.store, self.key, self.shards[shard].files[0],
+                                       ranges)
 
     def _block_range(self, unit: int) -> tuple[int, int]:
         """Block `unit`'s bytes in its shard's token file."""
@@ -301,14 +329,6 @@ class ShardSet:
         itemsize = np.dtype(self.section.dtype).itemsize
         at = int(self.format.tokens_at)
         return at + first * itemsize, at + stop * itemsize
-
-    def _block_bytes(self, unit: int) -> int:
-        """About block `unit`'s bytes (its tokens' share of its shard's token file)."""
-        assert self.blocks is not None
-        shard = int(self.blocks.shards[unit])
-        documents = int(self.blocks.stops[unit] - self.blocks.starts[unit])
-        whole = self.shards[shard]
-        return (whole.files[0].bytes * documents) // max(whole.documents, 1)
 
     def _token_starts(self, shard: int) -> np.ndarray:
         """int64[D + 1] token offsets of a ranged shard's documents (from its index; the
@@ -326,36 +346,30 @@ class ShardSet:
     def _block_path(self, unit: int) -> Path:
         """The local file of block `unit` (a reader needs it now): the prefetch's, else
         fetched here (the training thread waits: `fetching_now` names it)."""
+        assert self.blocks is not None and self.cache is not None
         held = self._held_blocks.get(unit)
         self._waited_block = unit
         try:
-            if isinstance(held, Future):
-                done = held.result()
-                for block, paths in done.items():
-                    if isinstance(self._held_blocks.get(block), Future):
-                        self._held_blocks[block] = paths
-                held = self._held_blocks[unit]
             if held is None:
-                shard = int(self.blocks.shards[unit])  # type: ignore[union-attr]
-                held = self._held_blocks[unit] = self._fetch_blocks(
-                    shard, [unit], [self._block_range(unit)])[unit]
+                shard = int(self.blocks.shards[unit])
+                span = self._block_range(unit)
+                path = self.cache.range_path(self.key, self.shards[shard].files[0], *span)
+                self.cache.pin([path])
+                held = self._held_blocks[unit] = HeldBlock(path, span[1] - span[0])
+                self._fetch_ranges(shard, [span])
+            elif held.fetch is not None:
+                held.fetch.result()
         finally:
             self._waited_block = None
-        assert not isinstance(held, Future)
-        return held[0]
+        return held.path
 
     def _release_blocks(self, keep: set[int]) -> None:
-        """Unpin the blocks outside `keep` (done fetching), and unmap them."""
+        """Unpin the blocks outside `keep` whose fetch ended, and unmap them."""
         assert self.cache is not None
-        for unit in [unit for unit, held in self._held_blocks.items()
-                     if unit not in keep and not (isinstance(held, Future)
-                                                  and not held.done())]:
-            held = self._held_blocks.pop(unit)
-            if isinstance(held, Future):
-                if held.cancelled() or held.exception() is not None:
-                    continue
-                held = held.result()[unit]
-            self.cache.unpin(held)
+        gone = [unit for unit, held in self._held_blocks.items()
+                if unit not in keep and (held.fetch is None or held.fetch.done())]
+        if gone:
+            self.cache.unpin([self._held_blocks.pop(unit).path for unit in gone])
         for reader in self._readers.values():
             if isinstance(reader, RangedShard):
                 reader.tokens.forget(keep)
@@ -364,7 +378,7 @@ class ShardSet:
         """Bytes this process holds or fetches: open and pending whole shards (a ranged
         shard's index files), and held blocks."""
         return (sum(self._open_bytes(i) for i in (*self._readers, *self._fetching))
-                + sum(self._block_bytes(unit) for unit in self._held_blocks))
+                + sum(held.bytes for held in self._held_blocks.values()))
 
     def prefetch(self, indices: Iterable[int]) -> None:
         """Start fetching these units (shards, or blocks once `use_blocks` was called) into
@@ -408,7 +422,7 @@ class ShardSet:
         names = [self.shards[index].name for index in dict.fromkeys([*waited, *ahead])]
         blocks = [] if self._waited_block is None else [self._waited_block]
         blocks += [unit for unit, held in list(self._held_blocks.items())
-                   if isinstance(held, Future) and not held.done()]
+                   if held.fetch is not None and not held.fetch.done()]
         return names + [self._block_name(unit) for unit in dict.fromkeys(blocks)]
 
     def _block_name(self, unit: int) -> str:

@@ -82,8 +82,8 @@ def test_a_windowed_order_of_whole_shard_blocks_is_the_windowed_order_of_shards(
 
 def test_a_window_holds_the_budget_share_of_the_nodes_ranks():
     budget = WindowBudget(64 << 20, node_ranks=4, index_bytes=2 << 20)
-    window = budget.window_bytes  # (32 MiB - 2 MiB) / (4 ranks x 2 windows)
-    assert window == (30 << 20) // 8
+    window = budget.window_bytes  # (64 MiB - 2 MiB) / 2 / (4 ranks x 2 windows)
+    assert window == (31 << 20) // 8
     block = budget.block_bytes(0)
     assert block == window // 16
     assert budget.window_blocks(block) * block <= window

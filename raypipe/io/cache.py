@@ -5,7 +5,9 @@ size and sha256 equal the manifest's (written to a hidden temp name, checked, re
 copy that differs is downloaded once more, and an object that differs again is refused
 with a FormatError naming its URI, nothing cached. A byte range of a file (a block of a
 shard: `fetch_ranges`) is a file of its own, `<file>.range-<start>-<stop>`, that appears
-only whole and of its length (the manifest has no checksum for it). A
+only whole and of its length (the manifest has no checksum for it); a process evicts after
+every EVICT_SHARE of the budget it downloads in ranges, so the cache may pass its budget by
+that much a process. A
 dataset version has a directory of its own (`<cache>/<key>/`, key = hash of the URI and the
 manifest's bytes) laid out as the dataset is, so format readers open cached shards exactly as
 local ones. Every process and thread of a node may share one cache: a download holds a file
@@ -51,6 +53,7 @@ DEFAULT_BUDGET = 64 << 30
 LOCK_STRIPES = 64
 LOCKS_DIR = ".locks"
 RANGE_MARK = ".range-"  # a cached byte range: <file>.range-<start>-<stop>
+EVICT_SHARE = 1 / 32  # ranges downloaded between two evictions, of the budget
 PLANS_DIR = "plans"
 
 
@@ -127,6 +130,7 @@ class ShardCache:
         self._pinned: Counter[Path] = Counter()
         self._mutex = threading.Lock()
         self._warned = False
+        self._since_evict = 0  # bytes of ranges downloaded since this process last evicted
         # suffixes of index files (a dataset's, set when it opens): evicted after the rest
         self.kept_suffixes: tuple[str, ...] = ()
 
@@ -222,6 +226,7 @@ class ShardCache:
         finals = [self.range_path(key, entry, start, stop) for start, stop in ranges]
         if pin:
             self.pin(finals)
+        fetched = 0
         try:
             wanted = [(span, final) for span, final in zip(ranges, finals, strict=True)
                       if not self._touch_if_sized(final, span[1] - span[0])]
@@ -231,13 +236,25 @@ class ShardCache:
                     wanted = [(span, final) for span, final in wanted
                               if not self._touch_if_sized(final, span[1] - span[0])]
                     if wanted:
-                        self._download_ranges(store, entry, wanted)
+                        fetched = self._download_ranges(store, entry, wanted)
         except BaseException:
             if pin:
                 self.unpin(finals)
             raise
-        self.evict()
+        if fetched:
+            self._evict_after(fetched)
         return finals
+
+    def _evict_after(self, fetched: int) -> None:
+        """Evict once this process has downloaded EVICT_SHARE of the budget since its last
+        eviction (a walk of the cache each small block would cost more than the block)."""
+        with self._mutex:
+            self._since_evict += fetched
+            due = self._since_evict >= self.budget_bytes * EVICT_SHARE
+            if due:
+                self._since_evict = 0
+        if due:
+            self.evict()
 
     def _touch_if_sized(self, final: Path, size: int) -> bool:
         try:
@@ -251,8 +268,9 @@ class ShardCache:
         return True
 
     def _download_ranges(self, store: Store, entry: FileEntry,
-                         wanted: list[tuple[tuple[int, int], Path]]) -> None:
-        """Read the ranges (adjacent ones in one GET) and write each to its file."""
+                         wanted: list[tuple[tuple[int, int], Path]]) -> int:
+        """Read the ranges (adjacent ones in one GET) and write each to its file; the bytes
+        read."""
         wanted = sorted(wanted)
         spans: list[list[int]] = []
         for (start, stop), _ in wanted:
@@ -275,10 +293,12 @@ class ShardCache:
                 os.replace(temp, final)
             finally:
                 temp.unlink(missing_ok=True)
+        read = sum(stop - start for start, stop in spans)
         with self._mutex:
             self.stats.downloads += len(spans)
-            self.stats.downloaded_bytes += sum(stop - start for start, stop in spans)
+            self.stats.downloaded_bytes += read
             self.stats.ranged_reads += len(spans)
+        return read
 
     def _count_retry(self, error: Exception) -> None:
         with self._mutex:
@@ -300,11 +320,11 @@ class ShardCache:
     def _publish_pins(self) -> None:
         """Write this process's pins where the node's other processes read them before
         they evict (under the eviction lock, so no eviction runs on an older list)."""
-        with self._mutex:
-            listing = "\n".join(sorted(str(path) for path in self._pinned))
         final = self._pins_file(os.getpid())
-        temporary = final.with_name(f".{final.name}.tmp")
+        temporary = final.with_name(f".{final.name}.{threading.get_ident()}.tmp")
         with _file_lock(self.directory / LOCKS_DIR / "evict.lock"):
+            with self._mutex:  # taken under the lock: no thread writes an older list later
+                listing = "\n".join(sorted(str(path) for path in self._pinned))
             temporary.write_text(listing)
             os.replace(temporary, final)
 

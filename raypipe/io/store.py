@@ -26,7 +26,9 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path, PurePosixPath
@@ -39,6 +41,7 @@ from raypipe.errors import ConfigError, FormatError, StorageError
 from raypipe.io.atomic import file_sha256, write_bytes_atomic
 
 CHUNK = 8 << 20
+RANGED_HANDLES = 64  # files a Store keeps open for ranged reads (object storage: no fd)
 DOWNLOAD_TRIES = 6  # requests for one object before its download fails the run
 RETRY_SECONDS = 0.2  # the first backoff; doubled each try, with jitter (x0.5-1.5)
 logger = logging.getLogger("raypipe")
@@ -122,6 +125,8 @@ class Store:
             self.fs, self.base = pafs.LocalFileSystem(), os.path.abspath(location)
             self.uri = self.base
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
+        self._handles: OrderedDict[str, Any] = OrderedDict()  # ranged reads' open files
+        self._handles_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Store({self.uri!r})"
@@ -221,9 +226,8 @@ class Store:
         uri = self.uri_of(relative)
 
         def read() -> list[bytes]:
-            with remote_errors(uri, "read a range of"):
-                handle = self.fs.open_input_file(self.path(relative))
-            with handle:
+            handle = self._ranged_handle(relative)
+            try:
                 parts = []
                 for start, stop in ranges:
                     with remote_errors(uri, "read a range of"):
@@ -233,8 +237,40 @@ class Store:
                                              f"{len(data)} bytes long")
                     parts.append(data)
                 return parts
+            except BaseException:
+                self._forget_handle(relative)
+                raise
+            finally:
+                if isinstance(handle, _Closing):
+                    handle.close()
 
         return self.retrying(relative, "read a range of", read, on_retry)
+
+    def _ranged_handle(self, relative: str) -> Any:
+        """An open input file of `relative` for ranged reads, kept for the next ranges on
+        object storage (the latest RANGED_HANDLES: one opened file is one HEAD, holds no
+        descriptor, and its reads at an offset are safe from several threads); a local
+        file is opened for each read (no descriptor is kept)."""
+        with self._handles_lock:
+            handle = self._handles.get(relative)
+            if handle is not None:
+                self._handles.move_to_end(relative)
+                return handle
+        with remote_errors(self.uri_of(relative), "read a range of"):
+            handle = self.fs.open_input_file(self.path(relative))
+        if self.local:
+            return _Closing(handle)
+        with self._handles_lock:
+            self._handles[relative] = handle
+            while len(self._handles) > RANGED_HANDLES:
+                self._handles.pop(next(iter(self._handles))).close()
+        return handle
+
+    def _forget_handle(self, relative: str) -> None:
+        with self._handles_lock:
+            handle = self._handles.pop(relative, None)
+        if handle is not None:
+            handle.close()
 
     def retrying(self, relative: str, doing: str, attempt: Callable[[], Any],
                  on_retry: Callable[[TransientError], None] | None = None) -> Any:
@@ -348,6 +384,19 @@ class Store:
             return
         for name in self.list_files(relative):
             self.delete(name)
+
+
+class _Closing:
+    """A local file opened for one ranged read, closed after it."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+
+    def read_at(self, size: int, offset: int) -> bytes:
+        return self.handle.read_at(size, offset)
+
+    def close(self) -> None:
+        self.handle.close()
 
 
 def dataset_key(uri: str, manifest_bytes: bytes) -> str:

@@ -18,11 +18,13 @@ seq_len change, docs/scale.md.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from raypipe.errors import ConfigError, FormatError
@@ -43,6 +45,7 @@ from raypipe.sampling.schedule import Phases, Segment
 
 logger = logging.getLogger("raypipe")
 FETCHES_NAMED = 3  # shards a slow-wait line names
+READ_AHEAD_STEPS = 64  # a dataset read in blocks: steps described ahead of the one served
 
 __all__ = ["Batch", "TokenLoader"]
 
@@ -210,7 +213,11 @@ class TokenLoader:
     def _jobs(self, filler: BatchFiller, segment: Segment) -> Iterator[DescribedRows]:
         """This rank's described steps of the segment (object storage: their shards
         fetched ahead, then those the shuffle plans next or, where it plans none, those of
-        the next chunk of steps; the shards of windows already read are closed)."""
+        the next chunk of steps; the shards of windows already read are closed; a dataset
+        read in blocks: `_read_ahead`)."""
+        if getattr(self.dataset, "blocks", None) is not None:
+            yield from self._read_ahead(filler, segment)
+            return
         for positions, following in self.run.rank_chunks(segment):
             if self.dataset.cache is not None:
                 needed = filler.fetch_units(positions).tolist()
@@ -222,6 +229,30 @@ class TokenLoader:
                 elif following is not None:
                     self.dataset.prefetch(filler.fetch_units(following).tolist())
             yield from filler.describe(positions)
+
+    def _read_ahead(self, filler: BatchFiller, segment: Segment) -> Iterator[DescribedRows]:
+        """The segment's described steps (a dataset read in blocks), the blocks each step
+        reads fetched ahead in the order the steps read them, as far as the rank's share
+        of the node cache holds, over the next READ_AHEAD_STEPS steps and more (the next
+        chunk is described while READ_AHEAD_STEPS remain), and the blocks of steps already
+        served let go: before each step, every read the next steps need is in flight."""
+        chunks = self.run.rank_chunks(segment)
+        pending: deque[tuple[DescribedRows, np.ndarray]] = deque()
+        more = True
+        while more or pending:
+            while more and len(pending) <= READ_AHEAD_STEPS:
+                chunk = next(chunks, None)
+                more = chunk is not None
+                if chunk is not None:
+                    pending.extend((job, filler.job_units(job))
+                                   for job in filler.describe(chunk[0]))
+            if not pending:
+                return
+            upcoming = list(dict.fromkeys(int(unit) for _, units in pending
+                                          for unit in units.tolist()))
+            self.dataset.close_except(upcoming)
+            self.dataset.prefetch(upcoming)
+            yield pending.popleft()[0]
 
     def _serve(self, filler: BatchFiller, segment: Segment) -> Iterator[Batch]:
         """The segment's batches, the run advancing as each is taken."""

@@ -24,7 +24,8 @@ from raypipe.sampling.lengths import DocumentLengths
 
 WHOLE_SHARDS = 1 << 62  # block_bytes that cuts no shard: one block a shard
 WINDOWS_HELD = 2  # windows a rank holds: the one it reads and the next, fetched ahead
-WINDOW_SHARE = 0.5  # of the node cache's budget, the windows of the node's ranks together
+WINDOW_SHARE = 0.5  # of the node cache's budget less the index files: the node's windows
+HOLD_SHARE = 0.8  # ... and what the node's ranks hold and fetch ahead, all together
 BLOCKS_PER_WINDOW = 16  # block_bytes 0: blocks of about 1/16 of a window ...
 BLOCK_BYTES_RANGE = (16 << 10, 4 << 20)  # ... within these bounds (GET cost vs mixing)
 
@@ -102,13 +103,21 @@ class WindowBudget:
     @property
     def window_bytes(self) -> int:
         """The bytes one window may hold."""
-        usable = self.budget_bytes * WINDOW_SHARE - self.index_bytes
+        usable = (self.budget_bytes - self.index_bytes) * WINDOW_SHARE
         return max(int(usable // (self.node_ranks * WINDOWS_HELD)), 0)
+
+    @property
+    def hold_bytes(self) -> int:
+        """What one rank holds and fetches ahead at most: its share of HOLD_SHARE of what
+        the index files leave (the windows are half; reading ahead may reach into later
+        windows while the link's latency needs it)."""
+        return max(int((self.budget_bytes - self.index_bytes) * HOLD_SHARE
+                       // self.node_ranks), 0)
 
     def least_budget(self, block_bytes: int) -> int:
         """The least budget whose windows hold one block of `block_bytes`."""
-        return int(np.ceil((block_bytes * self.node_ranks * WINDOWS_HELD + self.index_bytes)
-                           / WINDOW_SHARE))
+        return self.index_bytes + int(np.ceil(block_bytes * self.node_ranks * WINDOWS_HELD
+                                              / WINDOW_SHARE))
 
     def block_bytes(self, asked: int) -> int:
         """`asked`, or (0) about 1/BLOCKS_PER_WINDOW of a window within BLOCK_BYTES_RANGE;
@@ -119,9 +128,9 @@ class WindowBudget:
             raise ConfigError(
                 f"cache_bytes {self.budget_bytes:,} holds no block of {chosen:,} bytes for "
                 f"each of the node's {self.node_ranks} rank(s) (two windows a rank in "
-                f"{WINDOW_SHARE:.0%} of the budget, besides {self.index_bytes:,} bytes of "
-                f"index files): give cache_bytes >= {self.least_budget(chosen):,}, or a "
-                "smaller block_bytes")
+                f"{WINDOW_SHARE:.0%} of what {self.index_bytes:,} bytes of index files "
+                f"leave): give cache_bytes >= {self.least_budget(chosen):,}, or a smaller "
+                "block_bytes")
         return chosen
 
     def window_blocks(self, block_bytes: int) -> int:

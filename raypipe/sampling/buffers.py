@@ -75,6 +75,9 @@ class DescribedRows(Generic[RowT]):
     positions: np.ndarray
     observation_ids: np.ndarray
     rows: list[RowT]
+    # the dataset's units of fetch its rows read, where the mode found them while it
+    # described the rows (None: ask the filler's `fetch_units`)
+    units: np.ndarray | None = None
 
 
 def segments_in(bounds: np.ndarray, first_document: int, start: int, stop: int
@@ -163,8 +166,19 @@ class TokenSource:
 
     def units_of_documents(self, doc_ids: np.ndarray) -> np.ndarray:
         """The dataset's units of fetch (shards, or blocks) that hold these documents."""
+        return np.unique(self.unit_of_each(doc_ids))
+
+    def unit_of_each(self, doc_ids: np.ndarray) -> np.ndarray:
+        """The unit of fetch of each document (-1, an empty observation, left out)."""
         ids = self.global_documents(doc_ids)
-        return self.dataset.units_of_documents(ids[ids >= 0])
+        return self.dataset.unit_of_each(ids[ids >= 0])
+
+    def units_by_step(self, doc_ids: np.ndarray, per_step: list[int]) -> list[np.ndarray]:
+        """The units of fetch of each step's documents (`per_step`: how many of
+        `doc_ids`, in order, each step reads)."""
+        units = self.unit_of_each(doc_ids)
+        bounds = np.concatenate([[0], np.cumsum(per_step)]).astype(np.int64)
+        return [np.unique(units[bounds[i]:bounds[i + 1]]) for i in range(len(per_step))]
 
     def restrict_stream(self, document_starts: np.ndarray, lengths: np.ndarray) -> None:
         """Windows over a split: the stream becomes the concatenation of the split's

@@ -69,6 +69,13 @@ class BatchFiller(ABC, Generic[RowT]):
         shuffle: raypipe.dataset.ShardSet.use_blocks) the observations at `positions` read
         (fetched ahead)."""
 
+    def job_units(self, job: DescribedRows[RowT]) -> np.ndarray:
+        """The units of fetch a described step reads (found while describing, else
+        `fetch_units` of its positions)."""
+        if job.units is not None:
+            return job.units
+        return self.fetch_units(job.positions[None, :])
+
     @abstractmethod
     def fill(self, plan: DescribedRows[RowT], buffers: BatchBuffers) -> Filled:
         """Write the batch into a `prepare`d buffer."""

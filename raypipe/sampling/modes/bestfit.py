@@ -554,8 +554,8 @@ class BestFitFiller(BatchFiller[list[Piece]]):
         steps, batch = positions.shape
         rows_of = self.plan.rows(positions.reshape(-1))
         pieces = [row for _, row in rows_of]
-        shards, firsts, _ = self.source.locate_documents(
-            np.concatenate([row.documents for row in pieces]))
+        documents = np.concatenate([row.documents for row in pieces])
+        shards, firsts, _ = self.source.locate_documents(documents)
         starts = np.concatenate([row.starts for row in pieces])
         located = [Piece(*piece) for piece in zip(
             shards.tolist(), (firsts + starts).tolist(),
@@ -566,7 +566,10 @@ class BestFitFiller(BatchFiller[list[Piece]]):
             rows.append(located[at:at + len(row.take)])
             at += len(row.take)
         ids = np.array([row_id for row_id, _ in rows_of], dtype=np.int64).reshape(steps, batch)
-        return [DescribedRows(positions[i], ids[i], rows[i * batch:(i + 1) * batch])
+        units = self.source.units_by_step(documents, [
+            sum(len(row.take) for row in pieces[i * batch:(i + 1) * batch])
+            for i in range(steps)])
+        return [DescribedRows(positions[i], ids[i], rows[i * batch:(i + 1) * batch], units[i])
                 for i in range(steps)]
 
     def token_ranges(self, plan: DescribedRows[list[Piece]]) -> list[list[tuple[int, int, int]]]:

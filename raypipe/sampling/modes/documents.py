@@ -141,7 +141,8 @@ class DocumentsFiller(BatchFiller[DocumentRow]):
         rows = [DocumentRow(*row) for row in zip(shards.tolist(), firsts.tolist(),
                                                  counts.tolist(), strict=True)]
         batch = positions.shape[1]
-        return [DescribedRows(positions[i], ids[i], rows[i * batch:(i + 1) * batch])
+        units = self.source.units_by_step(local_ids, [batch] * len(positions))
+        return [DescribedRows(positions[i], ids[i], rows[i * batch:(i + 1) * batch], units[i])
                 for i in range(len(positions))]
 
     def fetch_units(self, positions: np.ndarray) -> np.ndarray:
