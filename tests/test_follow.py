@@ -353,3 +353,33 @@ def test_jobs_train_sends_follow_and_units_join_to_the_train_loader(token_datase
     assert (options["follow"], options["units_join"]) == (True, "next_epoch")
     loader = TokenLoader(str(token_dataset), SEQ_LEN, ROWS, device="cpu", **options)
     assert loader.follower is not None and loader.run.units_join == "next_epoch"
+
+
+@pytest.mark.slow
+def test_a_fast_loop_following_a_slow_job_ends_no_epoch_before_the_job_does(
+        corpus, tmp_path, tokenizer_path, monkeypatch, caplog):
+    """The user's case: a training loop much faster than the job, two epochs. Each epoch
+    waits (visibly) for the job's units rather than ending on what was committed, so both
+    epochs train every token of the finished job once, but their drop-last tails."""
+    output = tmp_path / "tokens"
+    job, _ = run_job_in_background(corpus, output, tokenizer_path, monkeypatch, 0.15)
+    caplog.set_level(logging.INFO, logger="raypipe")
+    loader = TokenLoader(str(output), SEQ_LEN, ROWS, seed=5, follow=True, follow_steps=2,
+                         device="cpu")
+    assert loader.dataset.num_documents < 600  # it opened while the job ran
+    taken, tails = {}, {}
+    for epoch in range(2):
+        for batch in loader:  # no training step: as fast as the loader goes
+            taken[batch.step] = (batch.epoch, __import__("torch").cat(
+                [batch.inputs, batch.targets[:, -1:]], 1).numpy().copy())
+        tails[epoch] = loader.dropped_tail[2]
+        if epoch == 0:
+            assert not job.is_alive() and not loader.follower.active  # it ended with the job
+    job.join()
+    assert "waiting for its next units, which join this epoch" in caplog.text
+    state = loader.state_dict()
+    counts, lengths = traced_tokens(output, loader.dataset, taken, state)
+    assert sorted(counts) == [0, 1]
+    for epoch, per_document in counts.items():
+        assert (per_document <= lengths).all(), epoch
+        assert int((lengths - per_document).sum()) == tails[epoch], epoch

@@ -33,6 +33,7 @@ from raypipe.io.views import read_view, view_manifest
 
 FIRST_UNITS_SECONDS = 3600.0  # how long an opening loader waits for a job's first units
 POLL_SECONDS = 1.0
+WAIT_LOG_SECONDS = 60.0  # a wait for a running job's units is logged at most this often
 logger = logging.getLogger("raypipe")
 
 __all__ = ["JobFollower", "unfinished_output"]
@@ -78,6 +79,7 @@ class JobFollower:
         self.job = ""  # the job run whose status was seen last (rank 0)
         self.failed_job = ""  # the last job run seen failed (rank 0)
         self.joins = 0
+        self.state = ""  # the job's state as rank 0 read it last, agreed
 
     # ----- rank 0's reading, every rank's agreeing -----------------------------------------
     def _pick(self) -> tuple[str, str]:
@@ -88,7 +90,8 @@ class JobFollower:
             if status is not None:
                 self._note(status)
                 picked = (status.view, status.state)
-        return tuple(agreed(picked, self.rank, self.world_size))
+        view, self.state = agreed(picked, self.rank, self.world_size)
+        return view, self.state
 
     def _note(self, status: LiveStatus) -> None:
         """Log a job run's start and failure once each (rank 0)."""
@@ -133,6 +136,45 @@ class JobFollower:
                               f"{view}, which the output does not keep")
         return view_manifest(current, names, choose_document_format(
             self.output.store, current, format_name))
+
+    def job_in_words(self) -> str:
+        """The job's status in words, as rank 0 reads it now (another rank: '')."""
+        status = self.output.status() if self.rank == 0 else None
+        return "" if status is None else self.output.describe(status)
+
+    def wait_for_units(self, join: Callable[[Manifest, str], Any], epoch: int,
+                       documents: int) -> bool:
+        """An epoch whose plan is served while the job still runs waits for the job's next
+        units instead of ending (every rank the same: each poll is agreed): True once some
+        joined (the epoch goes on with them), False once the job finished with nothing
+        more or failed (the epoch ends: said in one line). The wait is logged (rank 0:
+        a warning when it begins, then at most once a minute)."""
+        began = said = time.monotonic()
+        if self.rank == 0:
+            logger.warning("%s: epoch %d has served the %s documents committed so far and "
+                           "the job still runs: waiting for its next units, which join this "
+                           "epoch (under units_join='epoch' an epoch lasts until the job "
+                           "ends; %s)", self.output.store, epoch, f"{documents:,}",
+                           self.job_in_words())
+        while self.active:
+            if self.check(join):
+                if self.rank == 0:
+                    logger.info("%s: units joined epoch %d after a wait of %.1f s",
+                                self.output.store, epoch, time.monotonic() - began)
+                return True
+            if self.state == "failed":
+                if self.rank == 0:
+                    logger.warning("%s: epoch %d ends with the %s documents committed: the "
+                                   "job failed (a rerun's units join a later epoch)",
+                                   self.output.store, epoch, f"{documents:,}")
+                return False
+            if self.rank == 0 and time.monotonic() - said > WAIT_LOG_SECONDS:
+                said = time.monotonic()
+                logger.warning("%s: epoch %d still waiting for the job's next units after "
+                               "%.0f s (%s)", self.output.store, epoch, said - began,
+                               self.job_in_words())
+            time.sleep(POLL_SECONDS)
+        return False
 
     def due(self, steps: int) -> bool:
         return self.active and steps % self.every_steps == 0

@@ -196,7 +196,10 @@ class TokenLoader:
     def _serve_epoch(self) -> Iterator[Batch]:
         """The rest of the current epoch's batches; returns True where units joined the
         run after one of them (the epoch is not over). The join is made before that batch
-        is given, so a state saved after it records the join (at the next step)."""
+        is given, so a state saved after it records the join (at the next step). Following
+        a running job under units_join "epoch", an epoch whose plan is served waits for the
+        job's next units instead of ending (JobFollower.wait_for_units): an epoch ends when
+        the job does, so no epoch leaves out a unit the job commits."""
         run, fillers, follower = self.run, {}, self.follower
         for segment in run.epoch_segments():
             if segment.phases not in fillers:
@@ -208,6 +211,9 @@ class TokenLoader:
                     yield batch
                     if joined:
                         return True
+        if follower is not None and follower.active and run.units_join == "epoch":
+            return follower.wait_for_units(run.join_units, run.epoch,
+                                           self.dataset.num_documents)
         return False
 
     def _jobs(self, filler: BatchFiller, segment: Segment) -> Iterator[DescribedRows]:
