@@ -38,7 +38,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
-from common import print_table, write_synthetic_dataset
+from common import print_table, synthetic_token_dataset
 from latency_proxy import LatencyProxy
 from object_storage_bench import start_moto, upload
 
@@ -141,30 +141,6 @@ def served(results: list[dict]) -> dict[tuple[int, int], str]:
             for step, value in result["steps"].items()}
 
 
-def synthetic_shards(directory: Path, shards: float, shard_tokens: int, seed: int = 3) -> Path:
-    """A Megatron dataset of about `shards` x `shard_tokens` random uint16 tokens (BOS 0 at
-    each document start, lognormal lengths with median ~400), cut into shards of
-    `shard_tokens`; built once in `directory`."""
-    total = int(shards * shard_tokens)
-    output = directory / f"shards-{total}-{shard_tokens}-seed{seed}"
-    if (output / "manifest.json").exists():
-        return output
-
-    def batches():
-        rng = np.random.default_rng(seed)
-        written = 0
-        while written < total:
-            lengths = np.clip(rng.lognormal(6.0, 1.0, 2_000).astype(np.int64) + 2, 2, 100_000)
-            lengths = lengths[np.cumsum(lengths) <= total - written + lengths.max()]
-            tokens = rng.integers(1, 32768, int(lengths.sum()), dtype=np.uint32)
-            tokens[np.cumsum(lengths) - lengths] = 0
-            yield tokens, lengths, None
-            written += tokens.size
-
-    return write_synthetic_dataset(output, "megatron", batches(), f"grid-{seed}",
-                                   shard_tokens)
-
-
 def rank_streams(order: np.ndarray, ranks: int) -> list[np.ndarray]:
     """The documents each rank reads, in order: positions r, r + W, ... of `order`."""
     return [order[rank::ranks] for rank in range(ranks)]
@@ -263,7 +239,8 @@ def chosen(share: float, salt: str):
 def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, share: float,
          nodes: int) -> tuple[list[str], list[tuple[str, ...]]]:
     """One cell of the grid: its row of figures, and its shuffle-quality rows."""
-    local = synthetic_shards(workdir, per_rank * 2, SHARD_TOKENS[size])
+    local = synthetic_token_dataset(workdir, int(per_rank * 2 * SHARD_TOKENS[size]), 3,
+                                    SHARD_TOKENS[size])
     uri = f"s3://raypipe-bench/{local.name}"
     dataset = upload(local, uri)
     shards = read_manifest(uri).formats["megatron"].shards

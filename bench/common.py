@@ -171,12 +171,14 @@ def write_synthetic_dataset(output: Path, format_name: str, batches, fingerprint
 
 def synthetic_token_dataset(directory: Path, total_tokens: int, seed: int = 0,
                             shard_tokens: int = 1 << 28) -> Path:
-    """A Megatron-format raypipe dataset of random uint16 tokens (BOS = 0 at every document
-    start, lognormal document lengths with median ~400); built once and cached in
-    `directory`."""
+    """A Megatron-format raypipe dataset of about `total_tokens` random uint16 tokens (BOS =
+    0 at every document start, lognormal document lengths with median ~400), in shards of
+    `shard_tokens`; built once and cached in `directory`."""
     import numpy as np
 
-    output = directory / (f"tokens-{total_tokens // 1_000_000}M-seed{seed}"
+    count = (f"{total_tokens // 1_000_000}M" if total_tokens % 1_000_000 == 0
+             else str(total_tokens))
+    output = directory / (f"tokens-{count}-seed{seed}"
                           + ("" if shard_tokens == 1 << 28 else f"-shards{shard_tokens}"))
     if (output / "manifest.json").exists():
         return output
@@ -186,6 +188,7 @@ def synthetic_token_dataset(directory: Path, total_tokens: int, seed: int = 0,
         written = 0
         while written < total_tokens:
             lengths = np.clip(rng.lognormal(6.0, 1.0, 20_000).astype(np.int64) + 2, 2, 100_000)
+            lengths = lengths[np.cumsum(lengths) - lengths < total_tokens - written]
             tokens = rng.integers(1, 32768, int(lengths.sum()), dtype=np.uint32)
             tokens[np.cumsum(lengths) - lengths] = 0
             yield tokens, lengths, None

@@ -171,15 +171,7 @@ class ShardCache:
         return final
 
     def _touch_if_present(self, final: Path, entry: FileEntry) -> bool:
-        try:
-            if os.stat(final).st_size != entry.bytes:
-                return False
-            os.utime(final)
-        except FileNotFoundError:
-            return False
-        with self._mutex:
-            self.stats.hits += 1
-        return True
+        return self._touch_if_sized(final, entry.bytes)
 
     def _download(self, store: Store, entry: FileEntry, final: Path) -> None:
         """Download `entry` to `final`, checked: a copy whose size or sha256 differs from
@@ -257,6 +249,7 @@ class ShardCache:
             self.evict()
 
     def _touch_if_sized(self, final: Path, size: int) -> bool:
+        """A hit: `final` is cached with `size` bytes (its last use set to now)."""
         try:
             if os.stat(final).st_size != size:
                 return False

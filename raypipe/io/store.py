@@ -260,17 +260,17 @@ class Store:
             handle = self.fs.open_input_file(self.path(relative))
         if self.local:
             return _Closing(handle)
-        with self._handles_lock:
+        with self._handles_lock:  # one let go is closed when its last reader drops it
             self._handles[relative] = handle
             while len(self._handles) > RANGED_HANDLES:
-                self._handles.pop(next(iter(self._handles))).close()
+                self._handles.pop(next(iter(self._handles)))
         return handle
 
     def _forget_handle(self, relative: str) -> None:
+        """Open the file afresh for the next read (another thread may still read this one:
+        it closes when dropped)."""
         with self._handles_lock:
-            handle = self._handles.pop(relative, None)
-        if handle is not None:
-            handle.close()
+            self._handles.pop(relative, None)
 
     def retrying(self, relative: str, doing: str, attempt: Callable[[], Any],
                  on_retry: Callable[[TransientError], None] | None = None) -> Any:
