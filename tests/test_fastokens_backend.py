@@ -11,7 +11,7 @@ import logging
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
@@ -348,6 +348,8 @@ OTHER_VALUE = st.recursive(
         max_size=3), max_leaves=8)
 
 
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+          deadline=None)  # nested JSON values: slow to draw on a loaded 2-core machine
 @given(tokens=st.lists(ADDED_TOKEN, max_size=6),
        before=st.dictionaries(st.sampled_from(["version", "truncation", "padding"]),
                               OTHER_VALUE, max_size=3),
