@@ -183,7 +183,7 @@ def build_llmbatch(directory: Path, documents: int, shards: int) -> Path:
         entries.append(ShardEntry(path.stem, (FileEntry(f"llmbatch/{path.name}", stat.st_size,
                                                          digest, stat.st_mtime_ns),),
                                   first_batch=first, batches=count))
-    options = {"seq_len": record, "batch_size": batch, "packing": "fill", "seed": 0,
+    options = {"record_len": record, "batch_size": batch, "packing": "fill", "seed": 0,
                "total_records": total_batches * batch, "num_batches": total_batches,
                "source_format": "megatron", "used_tokens": total_batches * batch * record,
                "cropped_tokens": 0, "padded_tokens": 0, "dropped_tokens": 0}

@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     subcommand = functools.partial(commands.add_parser,
                                    formatter_class=HelpFormatter)
-    tokenize = commands.add_parser("tokenize", help="tokenize parquet into token shards")
+    tokenize = commands.add_parser("tokenize", help="tokenize parquet or JSON-lines files into "
+                                   "token shards")
     add_config_arguments(tokenize)
     tokenize.set_defaults(handler=command_tokenize)
     demo = subcommand("demo", help="run the whole pipeline on the embedded corpus")

@@ -111,10 +111,10 @@ def test_bad_span_names_file_row_and_column(tmp_path, tokenizer_path):
 @pytest.mark.parametrize("packing", ["bestfit", "crop", "concat", "split", "fill"])
 def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, tokenizer_path,
                                                       packing):
-    seq_len, batch = 64, 3
-    summary = run(corpus_dir, tmp_path / "out", tokenizer_path, formats=["llmbatch"],
-                  seq_len=seq_len, batch_size=batch, seed=77, packing=packing,
-                  batches_per_shard=10)
+    record_len, batch = 64, 3
+    summary = run(corpus_dir, tmp_path / "out", tokenizer_path, formats={"llmbatch": {
+        "record_len": record_len, "batch_size": batch, "seed": 77, "packing": packing,
+        "batches_per_shard": 10}})
     assert summary.documents > 0
     import json
 
@@ -141,15 +141,15 @@ def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, toke
         data = path.read_bytes()
         magic, version, b, t, n, dtype, seed, total_records = struct.unpack_from(
             "<8sIIIQIII", data)
-        assert (magic, version, b, t, n, dtype, seed) == (b"LLMBATCH", 1, batch, seq_len,
+        assert (magic, version, b, t, n, dtype, seed) == (b"LLMBATCH", 1, batch, record_len,
                                                           shard["batches"], 0, 77)
         assert total_records == section["total_records"]
         assert not any(data[40:4096])
-        padded = -(-batch * seq_len * 4 // 4096) * 4096
+        padded = -(-batch * record_len * 4 // 4096) * 4096
         assert len(data) == 4096 + n * padded
         reader = LLMBatchReader(path, lengths_path, pieces_path)
         lengths = np.frombuffer(lengths_path.read_bytes(), "<u4")
-        assert lengths.size == n * batch and lengths.max() <= seq_len
+        assert lengths.size == n * batch and lengths.max() <= record_len
         pieces = pieces_path.read_bytes()  # (records + 1) u64 offsets, then u32 words
         offsets = np.frombuffer(pieces, "<u8", n * batch + 1).astype(np.int64)
         words = np.frombuffer(pieces, "<u4", offset=8 * (n * batch + 1))
@@ -161,8 +161,8 @@ def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, toke
         seen_lengths.extend(lengths.tolist())
         for i in range(n):
             slot = data[4096 + i * padded: 4096 + (i + 1) * padded]
-            assert not any(slot[batch * seq_len * 4:])  # slot padding is zero
-            records = np.frombuffer(slot, "<u4", batch * seq_len).reshape(batch, seq_len)
+            assert not any(slot[batch * record_len * 4:])  # slot padding is zero
+            records = np.frombuffer(slot, "<u4", batch * record_len).reshape(batch, record_len)
             assert np.array_equal(records, reader.batch(i))
             seen_records.extend(map(tuple, records.tolist()))
     assert len(seen_records) == section["num_batches"] * batch
@@ -171,29 +171,30 @@ def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, toke
         if packing in ("bestfit", "crop"):
             assert record[0] == 0  # every record starts with BOS
         elif packing == "concat":  # a window of the concatenated stream
-            assert _is_window(stream, record, seq_len - 1)
+            assert _is_window(stream, record, record_len - 1)
     counts = {k: section[f"{k}_tokens"] for k in ("used", "cropped", "padded", "dropped")}
     assert counts["used"] + counts["cropped"] + counts["dropped"] == len(stream) or \
         packing == "concat"  # windows share a token: their counts are per window
     records = np.array(seen_records, dtype=np.int64)
     assert records.max() <= manifest["tokenizer"]["largest_id"]  # every id a real token
-    padding = np.arange(seq_len)[None, :] >= np.array(seen_lengths)[:, None]
+    padding = np.arange(record_len)[None, :] >= np.array(seen_lengths)[:, None]
     assert (records[padding] == pad_id).all()  # padding is the record's tail of pad tokens
     if packing in ("split", "fill"):  # every token in a record at most once
         assert int(padding.sum()) == counts["padded"]
         assert counts["cropped"] == 0
         assert counts["used"] == int((~padding).sum())
         assert counts["used"] + counts["dropped"] == len(stream)
-        assert counts["used"] >= 0.99 * len(stream) - batch * seq_len
+        assert counts["used"] >= 0.99 * len(stream) - batch * record_len
 
 
 def test_split_llmbatch_holds_every_document_piece_once_and_the_loader_masks_padding(
         tmp_path, corpus_dir, tokenizer_path):
     from raypipe.loader import TokenLoader
 
-    seq_len, batch = 65, 2
-    summary = run(corpus_dir, tmp_path / "out", tokenizer_path, formats=["llmbatch"],
-                  seq_len=seq_len, batch_size=batch, batches_per_shard=7, packing="split")
+    record_len, batch = 65, 2
+    summary = run(corpus_dir, tmp_path / "out", tokenizer_path, formats={"llmbatch": {
+        "record_len": record_len, "batch_size": batch, "batches_per_shard": 7,
+        "packing": "split"}})
     assert "llmbatch   split packing: trained 99." in summary.render()
     assert "(cropped 0.00%" in summary.render()
     documents = [tuple(d) for d in expected_documents(corpus_dir, tokenizer_path)]
@@ -207,20 +208,20 @@ def test_split_llmbatch_holds_every_document_piece_once_and_the_loader_masks_pad
     section = dataset.section.options
     assert len(flat_records) == section["used_tokens"]
     assert section["used_tokens"] + section["dropped_tokens"] == sum(corpus_tokens.values())
-    assert section["dropped_tokens"] < batch * seq_len  # only the last partial batch
+    assert section["dropped_tokens"] < batch * record_len  # only the last partial batch
     loader = TokenLoader(tmp_path / "out", mode="batches", pad_id=5)
     masked = 0
     for b in loader:
         index = int(b.observation_ids[0])
         lengths = np.array([len(record) for record in dataset.records(index)])
-        padding = np.arange(seq_len)[None, :] >= lengths[:, None]
+        padding = np.arange(record_len)[None, :] >= lengths[:, None]
         expected = ~padding[:, 1:]
         pieces = dataset.pieces(index)  # the target into a piece of another document: 0
         false = pieces.false_joins
         expected[pieces.records[false], pieces.columns[false] - 1] = False
         assert np.array_equal(b.mask.numpy(), expected)
-        starts = pieces.records * (seq_len - 1) + pieces.columns
-        starts = starts[pieces.columns < seq_len - 1].tolist()
+        starts = pieces.records * (record_len - 1) + pieces.columns
+        starts = starts[pieces.columns < record_len - 1].tolist()
         assert set(starts) <= set(b.cu_seqlens[:-1].tolist())  # every piece a sequence
         assert (b.inputs.numpy()[padding[:, :-1]] == 5).all()
         masked += int(padding[:, 1:].sum())
@@ -242,8 +243,8 @@ def test_tokenize_summary_inspect_and_pack_report_agree_on_llmbatch_waste(
     from raypipe.tools.inspect import inspect_dataset
 
     out = tmp_path / "out"
-    summary = run(corpus_dir, out, tokenizer_path, formats=["llmbatch"], seq_len=65,
-                  batch_size=2, packing="split")
+    summary = run(corpus_dir, out, tokenizer_path, formats={"llmbatch": {
+        "record_len": 65, "batch_size": 2, "packing": "split"}})
     report = PackingReport.from_options(BatchDataset(out).section.options)
     assert report.padded_tokens > 0 and report.dropped_tokens > 0  # all three lines matter
     line = f"split packing: {report.summary_line()}"
@@ -294,8 +295,8 @@ def test_llmbatch_ids_are_all_real_tokens_and_a_legacy_sentinel_file_still_reads
         tmp_path, corpus_dir, tokenizer_path):
     from raypipe.loader import TokenLoader
 
-    run(corpus_dir, tmp_path / "out", tokenizer_path, formats=["llmbatch"], seq_len=65,
-        batch_size=2, batches_per_shard=7, packing="split")
+    run(corpus_dir, tmp_path / "out", tokenizer_path, formats={"llmbatch": {
+        "record_len": 65, "batch_size": 2, "batches_per_shard": 7, "packing": "split"}})
     dataset = BatchDataset(tmp_path / "out")
     vocabulary = dataset.manifest.tokenizer.largest_id + 1
     ids = np.stack([dataset.batch(i) for i in range(dataset.num_batches)])
@@ -335,8 +336,8 @@ def split_at_separators(record: np.ndarray, bos_id: int | None, eos_id: int | No
 @pytest.mark.parametrize("packing", ["fill", "split"])
 def test_a_spec_reader_splitting_llmbatch_records_at_separators_sees_slices_of_single_documents(
         tmp_path, corpus_dir, tokenizer_path, record_len, bos, eos, packing):
-    run(corpus_dir, tmp_path / "out", tokenizer_path, formats=["llmbatch"],
-        seq_len=record_len, batch_size=2, packing=packing, bos=bos, eos=eos)
+    run(corpus_dir, tmp_path / "out", tokenizer_path, formats={"llmbatch": {
+        "record_len": record_len, "batch_size": 2, "packing": packing}}, bos=bos, eos=eos)
     documents = [np.array(d, dtype=np.uint32).tobytes() for d in
                  expected_documents(corpus_dir, tokenizer_path, bos=bos, eos=eos)]
     dataset = BatchDataset(tmp_path / "out")

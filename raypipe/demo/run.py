@@ -24,6 +24,8 @@ def run_demo(output: Path, num_workers: int | None = None) -> None:
     from raypipe.ray.executor import run_on_ray
 
     corpus = output / "corpus"
+    print(f"raypipe demo: writing its corpus, token shards and loader state under "
+          f"{output.resolve()} (--output sets where)", flush=True)
     if not any(corpus.glob("*.parquet")):
         documents = gather_docstrings()
         write_corpus(documents, corpus, files=4, row_group_rows=500)

@@ -160,8 +160,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     step = _restore(model, optimizer, checkpoint)
     if step and rank == 0:
         where = ", ".join(f"{name} {value}" for name, value in position_metrics(loader).items())
-        print(f"resumed at step {step} from {checkpoint.path} (loader {where}, "
-              f"{loader.world_size} ranks)", flush=True)
+        ranks = "1 rank" if loader.world_size == 1 else f"{loader.world_size} ranks"
+        print(f"resumed at step {step} from {checkpoint.path} (loader {where}, {ranks})",
+              flush=True)
     if config.get("log_dir"):  # what this attempt resumed from: model step vs loader position
         resumed = {"step": step, **position_metrics(loader), "world_size": loader.world_size,
                    "validation": None if validation is None else validation.state_dict()}

@@ -274,8 +274,9 @@ def _parse(line: bytes, where: Any, number: int) -> dict[str, Any] | None:
         value = json.loads(line)
     except UnicodeDecodeError:
         return None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{where(number)}: not valid JSON ({exc.msg} at column "
+    except json.JSONDecodeError as exc:  # a msg may end in "at" ("... starting at")
+        at = "" if exc.msg.endswith(" at") else " at"
+        raise InputError(f"{where(number)}: not valid JSON ({exc.msg}{at} column "
                          f"{exc.colno})") from None
     if not isinstance(value, dict):
         raise InputError(f"{where(number)}: not a JSON object (a JSON-lines corpus holds one "

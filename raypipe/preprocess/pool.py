@@ -225,8 +225,9 @@ class ProcessPoolRunner(FilesOnly):
         self.workers = []
 
     def startup_line(self) -> str | None:
-        return (f"{len(self.workers)} local worker processes, no Ray (pass --executor ray "
-                "to run on Ray)")
+        count = len(self.workers)
+        return (f"{count} local worker process{'' if count == 1 else 'es'}, no Ray (pass "
+                "--executor ray to run on Ray)")
 
     def run(self, units: list[WorkUnit], settings: Settings) -> Iterator[UnitRecord]:
         """Records of `units` as they commit; the first failure is raised once the units

@@ -145,6 +145,7 @@ class Run:
         # the last epoch that ended: (epoch, observations, tokens) its drop-last tail left
         self.dropped_tail: tuple[int, int, int] | None = None
         self._warned = False
+        self._told_tail = False  # rank 0 warned of a drop-last tail once (later: INFO)
 
     @classmethod
     def open(cls, path: str | Path, spec: PlanSpec, world_size: int,
@@ -292,14 +293,18 @@ class Run:
         self.steps, self.phases = step + 1, segment.phases
 
     def end_epoch(self) -> None:
-        """The epoch ended: count (rank 0: log) its drop-last tail, then stand at the next
-        epoch's start, at the seq_len the last phase had."""
+        """The epoch ended: count (rank 0: log; a warning the first time and past
+        WASTE_WARNING) its drop-last tail, then stand at the next epoch's start, at the
+        seq_len the last phase had."""
         rows, tokens = self.planned.left_at(self.epoch, self.phases, self.position)
         self.dropped_tail = (self.epoch, rows, tokens)
         if rows and self.rank == 0:
             total = self.planned.epoch_tokens() if tokens else 0
             share = tokens / total if total else 0.0
-            log = logger.warning if share > WASTE_WARNING else logger.info
+            # seen by default: the run's first tail, and any past the waste threshold
+            log = (logger.warning if share > WASTE_WARNING or not self._told_tail
+                   else logger.info)
+            self._told_tail = True
             log("%s: epoch %d ends with %d observations (%d tokens, %.1f%% of the epoch's) "
                 "under one global step left untrained (drop-last)%s", self.dataset.root,
                 self.epoch, rows, tokens, 100 * share, "; hint: a smaller global batch, or a "
