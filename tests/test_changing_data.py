@@ -856,3 +856,19 @@ def test_trace_history_refuses_a_mixture_source_dropped_and_added_again_naming_i
     with pytest.raises(ConfigError, match="source 'b' was dropped at step 3 and added again "
                                           "at step 6"):
         list(trace({"a": a, "b": b}, 0, history=state))
+
+
+def test_a_state_of_another_dataset_is_refused_as_such_naming_both(
+        numbered, token_dataset):
+    """A state made on one output, loaded on another: one line that says it is another
+    dataset's state and names both fingerprints (not "does not keep the unit order")."""
+    path, _ = numbered
+    other = TokenLoader(str(token_dataset), 32, 4, seed=1)
+    next(iter(other))
+    state = other.state_dict()
+    loader = TokenLoader(str(path), 32, 4, seed=1)
+    with pytest.raises(StateError) as refused:
+        loader.load_state_dict(state)
+    message = str(refused.value)
+    assert "the state is another dataset's" in message and "\n" not in message
+    assert state["dataset"] in message and loader.dataset.fingerprint in message

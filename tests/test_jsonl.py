@@ -97,6 +97,7 @@ def test_a_malformed_line_names_the_file_and_its_line_and_keeps_committed_units(
     with pytest.raises(InputError) as error:
         tokenize(tmp_path / "in", tmp_path / "out", tokenizer_path, unit_bytes=2000)
     assert str(error.value).startswith(f"{bad}: line 78: not valid JSON")
+    assert "(Unterminated string starting at column 10)" in str(error.value)  # one "at"
     committed = sorted(p.name for p in (tmp_path / "out" / "_units").glob("a-*.json"))
     assert committed, "the good file's units were committed before the bad line"
     before = file_identities(tmp_path / "out" / "megatron")

@@ -195,6 +195,8 @@ class JobFollower:
             return False
         self.joins += 1
         if self.rank == 0 and state == "finished":
-            logger.info("%s: the tokenize job finished; its last units joined at step %d, "
-                        "and the loader stops following", self.output.store, record.step)
+            logger.warning("%s: the tokenize job finished; its last units joined at step %d "
+                           "(%d join(s) while following, %s documents in all), and the "
+                           "loader stops following", self.output.store, record.step,
+                           self.joins, f"{record.documents:,}")
         return True

@@ -64,6 +64,10 @@ class RunData:
             held.update(fresh)
         return names
 
+    def keeps(self, key: str) -> bool:
+        """The output keeps unit order `key` (a run of it may have begun with it)."""
+        return read_view(self.dataset.store, key, self.output) is not None
+
     def kept(self, key: str, what: str) -> list[str]:
         names = read_view(self.dataset.store, key, self.output)
         if names is None:

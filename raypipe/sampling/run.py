@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,6 +61,7 @@ from raypipe.sampling.state_compat import steps_taken, upgraded
 
 logger = logging.getLogger("raypipe")
 SHUFFLE_LAYOUT = ("block_bytes", "window_blocks", "lanes")  # a windowed shuffle's knobs
+JOIN_LINE_SECONDS = 60.0  # units joining are a warning at most this often (else INFO)
 DESCRIBE_STEPS = 64  # steps described together: one vectorized plan call per chunk
 
 __all__ = ["DESCRIBE_STEPS", "Run", "StepRow"]
@@ -146,6 +148,7 @@ class Run:
         self.dropped_tail: tuple[int, int, int] | None = None
         self._warned = False
         self._told_tail = False  # rank 0 warned of a drop-last tail once (later: INFO)
+        self._joins_said = -JOIN_LINE_SECONDS  # when rank 0 last warned of units joining
 
     @classmethod
     def open(cls, path: str | Path, spec: PlanSpec, world_size: int,
@@ -420,7 +423,17 @@ class Run:
                 self.refuse_growth()  # the output changed, and the mode cannot follow
             check_data(fingerprint, view, self.data, source)
             return  # the output as the run had it
-        data = self.data.as_saved(view, added)
+        try:
+            data = self.data.as_saved(view, added)
+        except StateError:
+            if fingerprint == self.dataset.fingerprint or self.data.keeps(view):
+                raise
+            named = f"mixture source {source!r} ({self.dataset.root})" if source else \
+                self.dataset.root
+            raise StateError(f"{named}: the state is another dataset's: it was made for "
+                             f"dataset {fingerprint!r} (unit order {view}), and this output, "
+                             f"dataset {self.dataset.fingerprint!r}, never kept that order"
+                             ) from None
         check_data(fingerprint, view, data, source)
         if grow:
             data = self.grown(data, at) or data
@@ -441,10 +454,11 @@ class Run:
         grown = data.grown(step, epoch + at.begun, joins, key)
         if grown is not None and self.rank == 0:
             record = grown.added[-1]
-            how = ("their shards read as windows after the epoch's own"
+            how = ("their blocks read as windows after the epoch's own"
                    if self.spec.shuffle == "windowed" else
                    "shuffled in among what it had not served")
-            logger.warning("%s: the output gained %d unit(s); their %s documents are "
+            log = self._join_line()
+            log("%s: the output gained %d unit(s); their %s documents are "
                            "numbered after the run's %s and %s", self.dataset.root,
                            record.units - len(data.names()),
                            f"{record.documents - data.dataset.num_documents:,}",
@@ -453,6 +467,15 @@ class Run:
                            if joins else f"are served from epoch {record.epoch} on "
                            f"(units_join {self.units_join!r})")
         return grown
+
+    def _join_line(self) -> Callable[..., None]:
+        """How to log units joining: a warning at most once a JOIN_LINE_SECONDS (a
+        followed job's units join often), INFO between."""
+        now = time.monotonic()
+        if now - self._joins_said <= JOIN_LINE_SECONDS:
+            return logger.info
+        self._joins_said = now
+        return logger.warning
 
     def use_data(self, data: RunData) -> None:
         """Plan `data` from now on, under the run's schedule and exclusions."""
