@@ -588,11 +588,11 @@ def test_units_added_on_resume_join_the_rest_of_the_epoch_and_every_token_once(g
     tokens = np.concatenate(list(loader.dataset.iter_documents()))
     for step in (19, 20, 21, max(epoch_0)):
         rows = epoch_0[step]
-        world = 2 if step < 20 else 3  # trace splits each step between the state's 3 ranks
+        world = 2 if step < 20 else 3  # trace names the ranks of the world that took it
         for piece in traced[step]:
             first_token = int(starts[piece.document])
-            position = piece.row * 3 + piece.rank  # of the step's rows
-            row = rows[position % world * (ROWS // world) + position // world]
+            assert piece.rank < world
+            row = rows[piece.rank * (ROWS // world) + piece.row]
             assert row[piece.col_start:piece.col_end].tolist() == tokens[
                 first_token + piece.token_start:first_token + piece.token_end].tolist(), step
     # every token of every document, old and added, is trained once in epoch 0 (documents

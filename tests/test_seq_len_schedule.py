@@ -85,7 +85,10 @@ def test_a_declared_long_context_phase_after_a_ramp_trains_every_token_once_acro
     third, state, _ = run(path, 1, state, 10**6, seq_len_schedule=schedule)
     assert_same_steps({**first, **second, **third}, whole)
     assert state["epoch"] == 1 and state["phases"] is None
-    assert state["history"][-1] == [change, 96, LONG] or [change, 96, LONG] in state["history"]
+    # each row: [first step, global batch, seq_len, the world size that took it]
+    assert [change, 96, LONG, 3] in state["history"]
+    assert [row[3] for row in state["history"]] == sorted(
+        (row[3] for row in state["history"]), key=[2, 3, 1].index)
 
 
 @pytest.mark.parametrize("knobs", [{"packing": "fill"}, {"packing": "split"},

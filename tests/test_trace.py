@@ -348,3 +348,47 @@ def test_trace_of_a_state_at_another_world_size_splits_the_runs_global_batch(
     records = list(trace(gapped, state=state, rank=3, world_size=4))
     assert sorted({r.row for r in records}) == list(range(B)) == list(range(len(batch.inputs)))
     assert_records_hold_the_batch(records, batch, tokenizer)
+
+
+def test_trace_history_after_a_resize_names_each_steps_ranks_as_its_world_took_them(
+        token_dataset, tmp_path):
+    """A run of 2 ranks resumed on 3 (global batch 8, then 12): `trace --history` of the
+    final state, with no world size given, replays both legs and names each step's rows
+    by the rank and row that served them."""
+    def ranks(world, state=None):
+        loaders = [TokenLoader(str(token_dataset), 16, 4, rank=rank, world_size=world,
+                               seed=2) for rank in range(world)]
+        for loader in loaders:
+            if state:
+                loader.load_state_dict(state)
+        return loaders
+
+    served = {}
+
+    def serve(loaders, steps):
+        for _, batches in zip(range(steps), zip(*loaders, strict=True), strict=False):
+            for rank, batch in enumerate(batches):
+                served[(batch.step, rank)] = torch.cat(
+                    [batch.inputs, batch.targets[:, -1:]], 1).numpy()
+        return loaders[0].state_dict()
+
+    state = serve(ranks(2), 5)
+    state = serve(ranks(3, state), 4)
+    saved = tmp_path / "state.json"
+    saved.write_text(json.dumps(state))
+    from raypipe.dataset import TokenDataset
+
+    dataset = TokenDataset(str(token_dataset))
+    starts = np.concatenate([[0], np.cumsum(dataset.document_lengths())])
+    tokens = np.concatenate(list(dataset.iter_documents()))
+    for step, world in ((1, 2), (4, 2), (5, 3), (8, 3)):
+        pieces = list(trace(str(token_dataset), step, history=str(saved)))
+        assert {piece.rank for piece in pieces} == set(range(world)), step
+        for piece in pieces:
+            row = served[(step, piece.rank)][piece.row]
+            first = int(starts[piece.document])
+            assert row[piece.col_start:piece.col_end].tolist() == tokens[
+                first + piece.token_start:first + piece.token_end].tolist(), step
+    from raypipe.cli import main
+
+    assert main(["trace", str(token_dataset), "--history", str(saved), "--step", "6"]) == 0

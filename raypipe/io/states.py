@@ -70,8 +70,9 @@ class LoaderState(JsonRecord):
     # the epoch's seq_len phases, [[seq_len, begins], ...] (raypipe.sampling.schedule.Phase:
     # the position is in the last one's plan); None: one, at the knobs' seq_len
     phases: list[list[int]] | None = None
-    # the run's shape so far, [[first step, global batch, seq_len], ...] at every step where
-    # either changed, declared or on a resume (what `raypipe trace --history` replays)
+    # the run's shape so far, [[first step, global batch, seq_len, world size], ...] at every
+    # step where one changed, declared or on a resume (what `raypipe trace --history`
+    # replays; rows of states before the world size have three columns)
     history: list[list[int]] | None = None
     # the documents left out of the run, each set from its step on, in the order given
     # (raypipe.sampling.exclusions); None: none
@@ -97,7 +98,7 @@ class LoaderState(JsonRecord):
         if self.steps is not None and self.steps < 0:
             raise FormatError(where, f"field 'steps' {self.steps} is negative")
         check_int_rows(where, "phases", self.phases, (2, 3, 4))
-        check_int_rows(where, "history", self.history, (3,))
+        check_int_rows(where, "history", self.history, (3, 4))
         check_exclusions(where, self.exclusions or (), self.phases)
         check_joins(where, self.units_added or (), self.phases)
 

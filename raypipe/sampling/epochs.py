@@ -424,13 +424,15 @@ class PlannedDataset:
             return LossMaskedFiller(filler, LossMasks(self.source))
         return filler
 
-    def rank_positions(self, step_start: int, rank: int, global_batch: int | None = None
-                       ) -> np.ndarray:
+    def rank_positions(self, step_start: int, rank: int, global_batch: int | None = None,
+                       world_size: int | None = None) -> np.ndarray:
         """[1, k]: the positions rank `rank` takes in the step that starts at `step_start`
-        (`global_batch`: that step's, by default every step's)."""
+        (`global_batch`: that step's, by default every step's; `world_size`: of the world
+        that took it, by default this one: a replay across resizes)."""
+        world = world_size or self.world_size
         per_rank = (self.observations_per_step if global_batch is None
-                    else global_batch // self.world_size)
-        offsets = np.arange(per_rank, dtype=np.int64) * self.world_size
+                    else global_batch // world)
+        offsets = np.arange(per_rank, dtype=np.int64) * world
         return (step_start + offsets + rank)[None, :]
 
     def left_at(self, epoch: int, phases: Phases, position: int) -> tuple[int, int]:

@@ -10,8 +10,10 @@ its own state). Cost: one state read; the run's.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from raypipe.sampling.modes import get_mode, plan_knob_names, upgrade_knobs
 from raypipe.sampling.run import Run, StepRow
 from raypipe.sampling.state_compat import read_state
 
-__all__ = ["MixtureHistory", "replay"]
+__all__ = ["HistoryWorlds", "MixtureHistory", "replay"]
 
 
 def replay(data: str | Path | dict[str, str], *,
@@ -56,7 +58,7 @@ def replay(data: str | Path | dict[str, str], *,
                               " state records no history of changes (a loader's state does "
                               "from this release on)")
         knobs = {**state_knobs(recorded, knobs.get("mode")), **knobs}
-        world_size = world_size or recorded.saved_with.get("world_size")
+        world_size = world_size or 1  # each leg's ranks: trace names them (history_worlds)
         batch_schedule = [(entry[0], entry[1]) for entry in recorded.history]
         seq_len_schedule = [(entry[0], entry[2]) for entry in recorded.history]
     saved = read_state_file(state)
@@ -99,6 +101,34 @@ def replay(data: str | Path | dict[str, str], *,
     if saved is not None:  # the data as the state recorded it: none the output gained since
         run.resume(saved, grow=False)  # type: ignore[arg-type]  (each kind checked above)
     return run
+
+
+@dataclass(frozen=True)
+class HistoryWorlds:
+    """The world size that took each step of a single dataset's history (its rows' fourth
+    column; a row of a state before it: the state's own world size where it divides the
+    row's global batch, else 1, naming the step's global rows as one rank's)."""
+
+    starts: tuple[int, ...]
+    worlds: tuple[int, ...]
+
+    @classmethod
+    def of(cls, history: dict[str, Any] | str | Path) -> HistoryWorlds:
+        recorded = read_state_file(history)
+        saved = int(recorded.saved_with.get("world_size") or 1)
+        starts, worlds = [], []
+        for row in recorded.history or [[0, saved, 0]]:
+            starts.append(int(row[0]))
+            worlds.append(int(row[3]) if len(row) > 3 else
+                          saved if int(row[1]) % saved == 0 else 1)
+        return cls(tuple(starts), tuple(worlds))
+
+    def __call__(self, step: int) -> int:
+        return self.worlds[max(bisect.bisect_right(self.starts, step) - 1, 0)]
+
+    @property
+    def most(self) -> int:
+        return max(self.worlds)
 
 
 class MixtureHistory:

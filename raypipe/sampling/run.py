@@ -259,7 +259,7 @@ class Run:
         """The rest of the current epoch's steps, as runs of one global batch and seq_len,
         each recorded in the history where the shape changes."""
         for segment in list(self.planned.segments(self.cursor(), one_epoch=True)):
-            shape = [segment.global_batch, segment.seq_len]
+            shape = [segment.global_batch, segment.seq_len, self.world_size]
             if not self.history or self.history[-1][1:] != shape:
                 self.history.append([segment.step, *shape])
             yield segment
@@ -315,9 +315,12 @@ class Run:
         self.epoch, self.position = self.epoch + 1, 0
         self.phases = next_epoch_phases(self.phases)
 
-    def step_rows(self, step: int, steps: int, ranks: Any) -> Iterator[StepRow]:
+    def step_rows(self, step: int, steps: int, ranks: Any,
+                  world_at: Callable[[int], int] | None = None) -> Iterator[StepRow]:
         """What each row of `ranks` holds in `steps` steps from `step` steps after where
-        the run stands (`raypipe trace`)."""
+        the run stands (`raypipe trace`); `world_at(step)`: the world size that took each
+        step (a history across resizes, replayed at world size 1), whose ranks of `ranks`
+        (None: every one) are named."""
         cursor = self.planned.schedule.walk(self.planned.plan_size, self.cursor(), step)
         taken = 0
         for segment in self.planned.segments(cursor):
@@ -325,9 +328,11 @@ class Run:
             for index in range(segment.steps):
                 if taken == steps:
                     return
-                for rank in ranks:
+                world = None if world_at is None else world_at(segment.step + index)
+                for rank in (ranks if world is None else
+                             [r for r in ranks or range(world) if r < world]):
                     positions = self.planned.rank_positions(segment.step_start(index), rank,
-                                                            segment.global_batch)
+                                                            segment.global_batch, world)
                     for row, pieces in enumerate(filler.segments(positions)):
                         yield StepRow(segment.step + index, rank, row, segment.epoch, pieces,
                                       self.planned.document_dataset)

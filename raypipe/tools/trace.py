@@ -31,8 +31,8 @@ from raypipe.io.manifest import unit_record_name
 from raypipe.io.parallel import map_threads
 from raypipe.io.records import UnitRecord, WorkUnit
 from raypipe.preprocess.unit import file_first_row
-from raypipe.sampling.replay import replay
-from raypipe.sampling.run import StepRow
+from raypipe.sampling.replay import HistoryWorlds, replay
+from raypipe.sampling.run import Run, StepRow
 
 
 @dataclass(frozen=True)
@@ -221,6 +221,15 @@ def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: 
     decode each piece (`tokenizer`: a tokenizer.json where the manifest's path no longer
     holds it)."""
     run = replay(data, state=state, world_size=world_size, **options)
+    history = options.get("history")
+    if history is not None and world_size is None and isinstance(run, Run):
+        worlds = HistoryWorlds.of(history)  # each step's ranks as the world that took it
+        if rank is not None and not 0 <= rank < worlds.most:
+            raise ConfigError(f"rank {rank} not in [0, {worlds.most}): the largest world "
+                              "size the history records")
+        yield from _records(run.step_rows(step or 0, steps, None if rank is None else [rank],
+                                          worlds), text, tokenizer)
+        return
     if rank is not None and not 0 <= rank < run.world_size:
         raise ConfigError(f"rank {rank} not in [0, world_size={run.world_size})")
     ranks = range(run.world_size) if rank is None else [rank]
