@@ -44,6 +44,9 @@ CHUNK = 8 << 20
 RANGED_HANDLES = 64  # files a Store keeps open for ranged reads (object storage: no fd)
 DOWNLOAD_TRIES = 6  # requests for one object before its download fails the run
 RETRY_SECONDS = 0.2  # the first backoff; doubled each try, with jitter (x0.5-1.5)
+# ... a ranged read's (a block a training step waits on: 0.02, 0.04, ... 0.32 s, the six
+# tries within about a second, as the S3 client's own retries back off first)
+RANGE_RETRY_SECONDS = 0.02
 logger = logging.getLogger("raypipe")
 # "s3:/bucket" (one slash) is a URI with a typo; as a local path it would make a dir "s3:"
 _SCHEME_TYPO = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/(?!/)")
@@ -244,7 +247,8 @@ class Store:
                 if isinstance(handle, _Closing):
                     handle.close()
 
-        return self.retrying(relative, "read a range of", read, on_retry)
+        return self.retrying(relative, "read a range of", read, on_retry,
+                             RANGE_RETRY_SECONDS)
 
     def _ranged_handle(self, relative: str) -> Any:
         """An open input file of `relative` for ranged reads, kept for the next ranges on
@@ -273,7 +277,8 @@ class Store:
             self._handles.pop(relative, None)
 
     def retrying(self, relative: str, doing: str, attempt: Callable[[], Any],
-                 on_retry: Callable[[TransientError], None] | None = None) -> Any:
+                 on_retry: Callable[[TransientError], None] | None = None,
+                 backoff: float | None = None) -> Any:
         """`attempt()`, made again from the start when a request fails in a way a retry
         can mend (TransientError), up to DOWNLOAD_TRIES times with exponential backoff and
         jitter (`on_retry` hears each): one that keeps failing fails naming the object and
@@ -291,7 +296,8 @@ class Store:
                 if on_retry is not None:
                     on_retry(exc)
                 logger.info("%s; try %d of %d", exc, tries + 1, DOWNLOAD_TRIES)
-                time.sleep(RETRY_SECONDS * 2 ** (tries - 1) * (0.5 + random.random()))
+                first = RETRY_SECONDS if backoff is None else backoff
+                time.sleep(first * 2 ** (tries - 1) * (0.5 + random.random()))
         raise AssertionError("unreachable")
 
     def _download_once(self, relative: str, target: Path) -> tuple[int, str]:

@@ -46,6 +46,7 @@ from raypipe.sampling.schedule import Phases, Segment
 logger = logging.getLogger("raypipe")
 FETCHES_NAMED = 3  # shards a slow-wait line names
 READ_AHEAD_STEPS = 64  # a dataset read in blocks: steps described ahead of the one served
+DESCRIBED_TOGETHER = 8  # ... described a few at a time, before each step served
 
 __all__ = ["Batch", "TokenLoader"]
 
@@ -239,19 +240,23 @@ class TokenLoader:
     def _read_ahead(self, filler: BatchFiller, segment: Segment) -> Iterator[DescribedRows]:
         """The segment's described steps (a dataset read in blocks), the blocks each step
         reads fetched ahead in the order the steps read them, as far as the rank's share
-        of the node cache holds, over the next READ_AHEAD_STEPS steps and more (the next
-        chunk is described while READ_AHEAD_STEPS remain), and the blocks of steps already
-        served let go: before each step, every read the next steps need is in flight."""
+        of the node cache holds, over the next READ_AHEAD_STEPS steps (described
+        DESCRIBED_TOGETHER at a time, one such call before each step served, so no step
+        waits behind a long description), and the blocks of steps already served let go:
+        before each step, every read the next steps need is in flight."""
         chunks = self.run.rank_chunks(segment)
+        undescribed: deque[np.ndarray] = deque()  # steps' positions, one row a step
         pending: deque[tuple[DescribedRows, np.ndarray]] = deque()
-        more = True
-        while more or pending:
-            while more and len(pending) <= READ_AHEAD_STEPS:
-                chunk = next(chunks, None)
-                more = chunk is not None
-                if chunk is not None:
+        while True:
+            if len(pending) < READ_AHEAD_STEPS:  # a few steps described before each step
+                if not undescribed:             # served, so no step waits for many
+                    chunk = next(chunks, None)
+                    undescribed.extend(() if chunk is None else chunk[0])
+                few = [undescribed.popleft()
+                       for _ in range(min(DESCRIBED_TOGETHER, len(undescribed)))]
+                if few:
                     pending.extend((job, filler.job_units(job))
-                                   for job in filler.describe(chunk[0]))
+                                   for job in filler.describe(np.stack(few)))
             if not pending:
                 return
             upcoming = list(dict.fromkeys(int(unit) for _, units in pending

@@ -25,6 +25,9 @@ import numpy as np
 from raypipe.dataset import TokenDataset
 from raypipe.io.cache import node_cached_file
 from raypipe.io.mapping import map_file
+from raypipe.io.parallel import map_threads
+
+INDEX_BATCH = 256  # shards whose index files are read together (a map each, meanwhile)
 
 
 class DocumentLengths:
@@ -118,9 +121,11 @@ def dataset_lengths(dataset: TokenDataset, cache_dir: str | Path | None = None,
     total = int(dataset.shard_token_counts.sum())
     key = hashlib.sha256(f"{dataset.fingerprint}/{dataset.format_name}".encode()).hexdigest()
 
-    def write(handle: BinaryIO) -> None:
-        for index in range(dataset.num_shards):
-            handle.write(np.asarray(dataset.shard_document_lengths(index), dtype="<i4").data)
+    def write(handle: BinaryIO) -> None:  # index files read side by side (a bucket's: 32
+        for first in range(0, dataset.num_shards, INDEX_BATCH):  # requests in flight)
+            shards = list(range(first, min(first + INDEX_BATCH, dataset.num_shards)))
+            for lengths in map_threads(dataset.shard_document_lengths, shards):
+                handle.write(np.asarray(lengths, dtype="<i4").data)
 
     def complete(path: Path) -> object:
         return path if path.stat().st_size == 4 * dataset.num_documents else None
