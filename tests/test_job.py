@@ -503,6 +503,32 @@ def test_a_directory_of_parquet_and_json_lines_reads_both_and_records_what_it_pa
     assert rerun.units_run == 0 and stats in rerun.render()
 
 
+def test_a_listed_json_that_is_not_json_lines_is_passed_over_and_named_a_named_one_fails(
+        tmp_path, corpus_texts, tokenizer_path):
+    """A stats or notes `.json` beside JSON-lines data (one JSON document, or records
+    without the text field) is passed over and named, as a README is; named on its own,
+    it fails the job naming it."""
+    from raypipe.errors import InputError
+    from raypipe.io.manifest import read_manifest
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "part.json").write_text("".join(json.dumps({"text": t}) + "\n"
+                                            for t in corpus_texts[:40] if t))
+    (data / "notes.json").write_text(json.dumps({"about": "x", "rows": 40}, indent=2))
+    (data / "stats.json").write_text(json.dumps({"rows": 40}) + "\n")
+    summary = run_job(config_for(data, tmp_path / "out", tokenizer_path))
+    assert summary.documents == sum(1 for t in corpus_texts[:40] if t)
+    passed = {m.uri.rsplit("/", 1)[-1]: m.reason
+              for m in read_manifest(str(tmp_path / "out")).passed_over}
+    assert set(passed) == {"notes.json", "stats.json"}
+    assert "not valid JSON" in passed["notes.json"]
+    assert "'text' not found" in passed["stats.json"]
+    assert "notes.json" in summary.render() and "stats.json" in summary.render()
+    with pytest.raises(InputError, match="stats.json"):
+        run_job(config_for(data / "stats.json", tmp_path / "out2", tokenizer_path))
+
+
 @pytest.mark.parametrize("stray", ["notes.txt", "megatron/mine.bin"])
 def test_a_non_empty_directory_that_is_not_a_raypipe_output_is_refused(
         tmp_path, corpus_dir, tokenizer_path, stray):

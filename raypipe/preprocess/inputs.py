@@ -100,6 +100,8 @@ class InputFiles:
     files: list[str]
     passed_over: list[PassedOver]
     stats: dict[str, FileStat] = field(default_factory=dict)
+    # the files a directory's or a glob's listing found (not named as they are)
+    listed: frozenset[str] = frozenset()
 
     @property
     def passed_over_share(self) -> float:
@@ -112,6 +114,8 @@ PASSED_OVER_WARN_SHARE = 0.01  # of the listed bytes: past it, passed-over files
 # names data tools write beside data, never read from a directory (naming one reads it)
 METADATA_NAMES = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
 HIDDEN_PREFIXES = (".", "_")  # pyarrow.dataset's ignore_prefixes: _SUCCESS, .DS_Store, ...
+# a suffix JSON lines share with one JSON document: a listed one is read only as JSON lines
+JSON_DOCUMENT_SUFFIXES = tuple(f".json{zipped}" for zipped in ("", ".gz", ".zst"))
 
 
 def expand_input(spec: str) -> list[str]:
@@ -178,8 +182,10 @@ def find_input(spec: str) -> InputFiles:
     stats = {uri_of(p, spec): stat for p, stat in listed.items()}
     passed = {uri_of(os.path.realpath(m.uri) if isinstance(filesystem, pafs.LocalFileSystem)
                      else m.uri, spec): m for m in passed_over}
+    named = info.type == pafs.FileType.File if not GLOB_CHARS.search(path) else False
     return InputFiles(sorted(stats), [PassedOver(uri, m.reason, m.bytes)
-                                      for uri, m in sorted(passed.items())], stats)
+                                      for uri, m in sorted(passed.items())], stats,
+                      frozenset() if named else frozenset(stats))
 
 
 def _stat_of(info: pafs.FileInfo) -> FileStat:
@@ -239,7 +245,9 @@ def find_inputs(specs: tuple[str, ...] | list[str]) -> InputFiles:
                          f"({', '.join(INPUT_SUFFIXES)}) matches"
                          + (f" ({len(passed)} other file(s) passed over, such as "
                             f"{next(iter(passed))})" if passed else ""))
-    inputs = InputFiles(unique, [passed[uri] for uri in sorted(passed)], stats)
+    named = {path for each in found for path in each.files if path not in each.listed}
+    listed = frozenset(path for each in found for path in each.listed) - named
+    inputs = InputFiles(unique, [passed[uri] for uri in sorted(passed)], stats, listed)
     if inputs.passed_over:
         level = (logging.WARNING if inputs.passed_over_share > PASSED_OVER_WARN_SHARE
                  else logging.INFO)
@@ -249,6 +257,42 @@ def find_inputs(specs: tuple[str, ...] | list[str]) -> InputFiles:
                    "; ".join(f"{m.uri} ({m.reason})" for m in inputs.passed_over[:5])
                    + (" ..." if len(inputs.passed_over) > 5 else ""))
     return inputs
+
+
+def pass_over_json_documents(found: InputFiles, columns: list[str]) -> InputFiles:
+    """The inputs less the `.json` files a listing found whose first line is no JSON object
+    holding `columns` (a notes or stats file beside the data: one JSON document, or
+    records of something else), each passed over and named, as a README is; a `.json`
+    named on its own is read (a bad one fails, naming it). One small read per listed
+    `.json`, 32 at a time."""
+    candidates = [uri for uri in found.files
+                  if uri in found.listed and uri.endswith(JSON_DOCUMENT_SUFFIXES)]
+
+    def why(uri: str) -> str | None:
+        try:
+            check_jsonl_fields(uri, columns)
+        except InputError as exc:
+            return (f"a .json that is not JSON lines holding {columns[0]!r}: "
+                    f"{str(exc).removeprefix(uri + ': ')}")
+        return None
+
+    reasons = {uri: reason for uri, reason in zip(candidates, map_threads(why, candidates),
+                                                  strict=True) if reason is not None}
+    if not reasons:
+        return found
+    passed = [PassedOver(uri, reason, found.stats[uri].size) for uri, reason in
+              reasons.items()]
+    logger.warning("%d .json file(s) of the input directories passed over (name a file to "
+                   "read it): %s", len(passed), "; ".join(f"{m.uri} ({m.reason})"
+                                                          for m in passed[:5])
+                   + (" ..." if len(passed) > 5 else ""))
+    files = [uri for uri in found.files if uri not in reasons]
+    if not files:
+        raise InputError(f"inputs: no JSON-lines or parquet file left: {len(passed)} .json "
+                         f"file(s) hold no JSON object with {columns[0]!r} in their first "
+                         f"line, such as {passed[0].uri} ({passed[0].reason})")
+    return InputFiles(files, sorted([*found.passed_over, *passed], key=lambda m: m.uri),
+                      {uri: found.stats[uri] for uri in files}, found.listed)
 
 
 def open_parquet(uri: str, data: bytes | None = None) -> pq.ParquetFile:

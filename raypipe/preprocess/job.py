@@ -71,7 +71,7 @@ from raypipe.preprocess.encoding.self_check import (
     likely_backend,
     sample_texts,
 )
-from raypipe.preprocess.inputs import find_inputs
+from raypipe.preprocess.inputs import find_inputs, pass_over_json_documents
 from raypipe.preprocess.output import (
     accepted_fingerprints,
     prepare_output,
@@ -385,6 +385,7 @@ def plan_file_job(config: TokenizeConfig) -> FileJob:
     sizes = {uri: found.stats[uri].size for uri in found.files}
     config = with_unit_bytes(config, sum(sizes.values()))
     resolved = resolve(config)
+    found = pass_over_json_documents(found, resolved.settings.columns)
     plan = plan_inputs(found, resolved.settings.columns, config.unit_bytes,
                        text_first=not config.chat, skip_bad_files=config.skip_bad_files)
     units = plan.units
