@@ -206,3 +206,34 @@ def test_the_ledger_s_name_is_its_code_s_the_same_in_every_process_and_not_anoth
 
     monkeypatch.setattr(ledger_module.UnitLedger, "fail", fail)
     assert ledger_module.ledger_name() not in names
+
+
+def test_a_recorded_cluster_listening_on_loopback_alone_is_found_and_a_missing_one_named(
+        tmp_path, monkeypatch):
+    """Ray records the machine's address for a head started with --node-ip-address
+    127.0.0.1, which listens on loopback alone: the record's port on 127.0.0.1 is tried
+    (here the record names 127.0.0.2, where nothing listens). With no record, the line
+    says what was looked for and where. No Ray started: probes alone."""
+    import socket
+
+    from raypipe.config import load_config
+    from raypipe.ray.launch import executor_for
+    from raypipe.ray.record import no_cluster_here, recorded_cluster
+    from raypipe.ray.session import stale_cluster_record
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = load_config(None, inputs=[str(tmp_path)], output=str(tmp_path / "out"),
+                         tokenizer="unused.json")
+    where, why = executor_for(config)
+    assert where == "local" and str(tmp_path / "ray" / "ray_current_cluster") in why
+    assert why == no_cluster_here() and "\n" not in why
+    with socket.socket() as head:
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        port = head.getsockname()[1]
+        dead_record(tmp_path, f"127.0.0.2:{port}")
+        assert recorded_cluster() == f"127.0.0.1:{port}"
+        assert stale_cluster_record() is None
+        where, why = executor_for(config)
+        assert where == "ray" and f"127.0.0.1:{port}" in why

@@ -22,7 +22,7 @@ from typing import Any
 
 from raypipe.config import TokenizeConfig
 from raypipe.preprocess.job import JobSummary, run_job
-from raypipe.ray.record import recorded_cluster
+from raypipe.ray.record import no_cluster_here, recorded_cluster
 
 logger = logging.getLogger("raypipe")
 
@@ -51,7 +51,7 @@ def executor_for(config: TokenizeConfig, dataset: Any = None) -> tuple[str, str]
     recorded = recorded_cluster()
     if recorded is not None:
         return "ray", f"the cluster `ray start` left here answers ({recorded})"
-    return "local", "no Ray session, address or running cluster here"
+    return "local", no_cluster_here()
 
 
 def run_tokenize(config: TokenizeConfig, dataset: Any = None) -> JobSummary:

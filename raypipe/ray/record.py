@@ -47,6 +47,30 @@ def unanswered(address: str) -> OSError | ValueError | None:
 
 
 def recorded_cluster() -> str | None:
-    """The recorded cluster's address, if its head answers."""
+    """The recorded cluster's address, if its head answers: as recorded, or on loopback
+    (`answering`)."""
     address = cluster_record()
-    return address if address is not None and unanswered(address) is None else None
+    return None if address is None else answering(address)
+
+
+def answering(address: str) -> str | None:
+    """`address`, or the same port on 127.0.0.1, whichever head accepts a connection (Ray
+    records the machine's address even for a head started with --node-ip-address
+    127.0.0.1, which listens on loopback alone); None where neither does."""
+    if unanswered(address) is None:
+        return address
+    loopback = f"127.0.0.1:{address.rpartition(':')[2]}"
+    if loopback != address and unanswered(loopback) is None:
+        return loopback
+    return None
+
+
+def no_cluster_here() -> str:
+    """Why no recorded cluster is used, naming what was looked for and where."""
+    address = cluster_record()
+    if address is None:
+        return (f"no Ray session, no address (--address, RAY_ADDRESS) and no cluster "
+                f"recorded at {ray_address_file()} (`ray start` writes it there under this "
+                "RAY_TMPDIR)")
+    return (f"no Ray session or address, and the cluster recorded at {ray_address_file()} "
+            f"({address}) does not answer ({unanswered(address)})")

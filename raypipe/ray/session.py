@@ -29,7 +29,7 @@ from typing import Any
 import ray
 
 from raypipe import interrupts
-from raypipe.ray.record import cluster_record, ray_address_file, unanswered
+from raypipe.ray.record import answering, cluster_record, ray_address_file, unanswered
 
 logger = logging.getLogger("raypipe")
 _started_here: set[str] = set()  # GCS addresses of the local sessions this process started
@@ -117,9 +117,9 @@ def stale_cluster_record() -> str | None:
     record stayed (its processes stopped by pid) would otherwise have `ray.init()` retry
     its address for minutes."""
     address = cluster_record()
-    failure = None if address is None else unanswered(address)
-    if failure is None:
+    if address is None or answering(address) is not None:
         return None
+    failure = unanswered(address)
     return (f"the Ray cluster recorded in {ray_address_file()} ({address}) does not answer "
             f"({failure}); starting a local Ray instead: pass --address (or RAY_ADDRESS) to "
             "join a cluster, or delete that file if the cluster is gone")
@@ -131,6 +131,13 @@ def start_or_join_local(num_cpus: int | None, dashboard: bool = False) -> None:
         logger.warning("%s", stale)
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard,
                  log_to_driver=True)
+        return
+    recorded = cluster_record()
+    reached = None if recorded is None else answering(recorded)
+    if reached is not None and reached != recorded:  # a loopback head (--node-ip-address
+        ray.init(address=reached, log_to_driver=True)  # 127.0.0.1) Ray recorded by the
+        logger.info("joined the Ray cluster `ray start` recorded at %s, on %s", recorded,
+                    reached)  # machine's address, which it does not listen on
         return
     if num_cpus is None:
         ray.init(include_dashboard=dashboard, log_to_driver=True)
