@@ -128,7 +128,10 @@ class ShardSet:
     node-local `cache` (size and sha256 checked on arrival) before its reader opens them;
     `prefetch` fetches shards ahead on background threads while open and pending shards hold
     under PREFETCH_SHARE of the budget, and the least recently used open shards are closed
-    past OPEN_SHARE, so eviction can reclaim their space."""
+    past OPEN_SHARE, so eviction can reclaim their space. Given a loader's blocks
+    (`use_blocks`: the windowed shuffle's), the units fetched are blocks: a shard of several
+    blocks is read a block at a time by ranged reads (`RangedShard`), within the process's
+    `hold_bytes`."""
 
     kind: ClassVar[str] = ""  # the kind of format it opens (raypipe.formats: Format.kind)
     # what a converter reading it as documents should be told (None: nothing)
@@ -164,8 +167,8 @@ class ShardSet:
         self._fetching: dict[int, Future] = {}
         self._opening: int | None = None  # the shard a reader waits for (object storage)
         # object storage: the blocks a loader reads this dataset in (None: whole shards),
-        # the blocks fetched or on their way (pinned paths, or the fetch), and the one a
-        # reader waits for
+        # the blocks this process holds (fetched or on their way), and the one a reader
+        # waits for
         self.blocks: ShardBlocks | None = None
         self.hold_bytes = 0  # under blocks: what this process holds and fetches at most
         self._held_blocks: dict[int, HeldBlock] = {}

@@ -76,7 +76,7 @@ class EpochPlans:
         """`served(epoch, joined)`: how many of the documents (the first) epoch `epoch`
         serves once the run's first `joined` joins of units are in force (None: all; fewer
         where the run's data gained units it serves from later)."""
-        self.spec = spec.for_storage(dataset.cache is None)
+        self.spec = spec.for_storage(dataset.cache is None).for_budget(window_budget(dataset))
         self.dataset = dataset
         self.shard_documents = shard_documents  # None: every document of each shard
         self._lengths, self._memo = lengths, memo
