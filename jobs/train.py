@@ -32,7 +32,7 @@ from raypipe.cli import (  # noqa: E402
     plan_knobs,
 )
 from raypipe.errors import RaypipeError, StateError  # noqa: E402
-from raypipe.examples.gpt_train import fit, open_loaders  # noqa: E402
+from raypipe.examples.gpt_train import fit, newest_checkpoint, open_loaders  # noqa: E402
 from raypipe.io.paths import check_lasting_location  # noqa: E402
 from raypipe.tools.trace import document_names  # noqa: E402
 
@@ -172,7 +172,7 @@ def check_loader_states(run: Path, config: dict) -> None:
     """Load the newest checkpoint's loader states into loaders of this run's settings, on
     the driver: a state made for another dataset or other knobs is refused here, once,
     instead of failing every worker and every Ray Train retry."""
-    newest = newest_checkpoint(run)
+    newest = newest_checkpoint(run, loaders=None)
     if newest is None:
         return
     from raypipe.loader import open_loader
@@ -192,20 +192,9 @@ def check_loader_states(run: Path, config: dict) -> None:
     open_loaders(config, resumed)
 
 
-def newest_checkpoint(run: Path) -> tuple[int, Path] | None:
-    """(step, directory) of the newest checkpoint of a local run directory, or None."""
-    found = []
-    for record in run.glob("checkpoint_*/trainer.json"):
-        try:
-            found.append((int(json.loads(record.read_text())["step"]), record.parent))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return max(found) if found else None
-
-
 def last_checkpoint_step(run: Path) -> int | None:
     """The step of the newest checkpoint of a local run directory (None: no checkpoint)."""
-    newest = newest_checkpoint(run)
+    newest = newest_checkpoint(run, loaders=None)
     return None if newest is None else newest[0]
 
 

@@ -183,3 +183,41 @@ def test_jobs_train_with_more_workers_than_the_cluster_has_cpus_fails_in_one_lin
     assert code == 2 and len(error) == 1
     assert error[0].startswith("raypipe: error: 3 Ray Train worker(s) need 3 CPUs "
                                "(the cluster has 2)")
+
+
+def test_a_complete_checkpoint_newer_than_ray_trains_record_is_resumed_from(
+        token_dataset, tmp_path):
+    """A stop during a report leaves a complete step-110 checkpoint Ray Train never
+    registered (its record ends at step 100): the run resumes from step 110, and a
+    checkpoint cut short (step 120, its model file truncated) is passed over. No Ray
+    started: the checkpoints are real files of a model, its optimizer and a loader."""
+    import torch
+    from ray.train import Checkpoint
+
+    from raypipe.examples.gpt_train import TinyGPT, newest_checkpoint, resume_point
+    from raypipe.ray.train import save_loader_state
+
+    run = tmp_path / "run"
+    loader = TokenLoader(token_dataset, 16, 2, seed=1)
+    batches = iter(loader)
+    model = TinyGPT(loader.tokenizer.largest_id + 1, 16, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def checkpoint(step: int) -> Path:
+        next(batches)
+        directory = run / f"checkpoint_{step}"
+        directory.mkdir(parents=True)
+        torch.save(model.state_dict(), directory / "model.pt")
+        torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+        (directory / "trainer.json").write_text(json.dumps({"step": step}))
+        save_loader_state(loader, directory, "train")
+        return directory
+
+    registered = Checkpoint.from_directory(str(checkpoint(100)))
+    newer = checkpoint(110)
+    cut = checkpoint(120)
+    (cut / "model.pt").write_bytes((cut / "model.pt").read_bytes()[:100])
+    assert newest_checkpoint(run) == (110, newer)
+    assert Path(resume_point(registered, str(run)).path) == newer
+    assert resume_point(registered, None) is registered  # storage not local: Ray's own
+    assert resume_point(Checkpoint.from_directory(str(newer)), str(run)).path == str(newer)

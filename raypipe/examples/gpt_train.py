@@ -120,6 +120,52 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Any
         return json.loads((Path(directory) / "trainer.json").read_text())["step"]
 
 
+CHECKPOINT_FILES = ("model.pt", "optimizer.pt", "trainer.json")  # beside the loader states
+
+
+def newest_checkpoint(run: Path, loaders: tuple[str, ...] | None = ("train",)
+                      ) -> tuple[int, Path] | None:
+    """(step, directory) of the newest complete checkpoint of a local run directory: its
+    files all there and readable (the model's and optimizer's, the step, the named loaders'
+    states), so one cut short by a stop is passed over; `loaders` None: any that records
+    its step (a driver's quick look). None where there is none."""
+    from raypipe.ray.train import state_file_name
+
+    found = []
+    for record in run.glob("checkpoint_*/trainer.json"):
+        directory = record.parent
+        try:
+            step = int(json.loads(record.read_text())["step"])
+            for name in loaders or ():
+                json.loads((directory / state_file_name(name)).read_text())
+            for name in CHECKPOINT_FILES[:2] if loaders is not None else ():
+                torch.load(directory / name, map_location="cpu")
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError):
+            continue
+        found.append((step, directory))
+    return max(found) if found else None
+
+
+def resume_point(registered: Any, run_dir: str | None, loaders: tuple[str, ...] = ("train",)
+                 ) -> Any:
+    """The checkpoint to resume from: Ray Train's latest registered one, or, where the run's
+    storage is a local directory, a newer complete one in it (written before a stop that
+    came before Ray Train registered it: a SIGINT during the report), so no step that was
+    checkpointed is trained again."""
+    if not run_dir or "://" in run_dir:
+        return registered
+    newest = newest_checkpoint(Path(run_dir), loaders)
+    if newest is None:
+        return registered
+    if registered is not None:
+        with registered.as_directory() as directory:
+            if json.loads((Path(directory) / "trainer.json").read_text())["step"] >= newest[0]:
+                return registered
+    import ray.train
+
+    return ray.train.Checkpoint.from_directory(str(newest[1]))
+
+
 def open_loaders(config: dict[str, Any], opener: Callable[..., Any]) -> tuple[Any, Any]:
     """The run's loaders, opened by `opener` (raypipe.ray.train.worker_loader in a worker;
     a driver's check opens them as they resume): "train" with the run's `options` (the
@@ -148,7 +194,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     from raypipe.ray.train import save_loader_state, worker_loader
 
-    loader, validation = open_loaders(config, worker_loader)
+    names = ("train", "validation") if config.get("validation_fraction") else ("train",)
+    checkpoint = resume_point(ray.train.get_checkpoint(), config.get("run_dir"), names)
+    loader, validation = open_loaders(config, lambda *args, **options: worker_loader(
+        *args, checkpoint=checkpoint, **options))
     seq_lens = [length for _, length in config.get("seq_len_schedule") or []]
     longest = max(seq_lens or [config["seq_len"]])  # the model's positions: every phase's
     rank = ray.train.get_context().get_world_rank()
@@ -156,7 +205,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.manual_seed(config.get("options", {}).get("seed", 0))
     model = TinyGPT(vocab, longest, config.get("width", 64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.get("lr", 3e-3))
-    checkpoint = ray.train.get_checkpoint()
     step = _restore(model, optimizer, checkpoint)
     if step and rank == 0:
         where = ", ".join(f"{name} {value}" for name, value in position_metrics(loader).items())
@@ -262,6 +310,8 @@ def fit(config: dict[str, Any], workers: int | tuple[int, int], storage: str, na
 
     elastic = ({"elastic_resize_monitor_interval_s": resize_seconds}
                if isinstance(workers, tuple) else {})
+    if "://" not in storage:  # where a checkpoint cut off from Ray Train's record is found
+        config = {**config, "run_dir": str(Path(storage).resolve() / name)}
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, **elastic),
