@@ -11,6 +11,7 @@ redone) let tests check that. Cost: a tiny model (2 layers, d=64) runs ~20 steps
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import tempfile
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger("raypipe")
 
 
 class Block(nn.Module):
@@ -209,8 +212,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if step and rank == 0:
         where = ", ".join(f"{name} {value}" for name, value in position_metrics(loader).items())
         ranks = "1 rank" if loader.world_size == 1 else f"{loader.world_size} ranks"
-        print(f"resumed at step {step} from {checkpoint.path} (loader {where}, {ranks})",
-              flush=True)
+        # the raypipe logger, not print: Ray Train forwarded a worker's print twice
+        logger.info("resumed at step %d from %s (loader %s, %s)", step, checkpoint.path, where,
+                    ranks)
     if config.get("log_dir"):  # what this attempt resumed from: model step vs loader position
         resumed = {"step": step, **position_metrics(loader), "world_size": loader.world_size,
                    "validation": None if validation is None else validation.state_dict()}
