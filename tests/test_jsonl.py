@@ -289,3 +289,23 @@ def test_an_empty_gzip_file_of_zero_bytes_reads_as_no_line(tmp_path):
 
     (tmp_path / "empty.jsonl.gz").write_bytes(b"")
     assert list(_lines(str(tmp_path / "empty.jsonl.gz"), 0, None)) == []
+
+
+def test_a_skipped_truncated_gzip_names_its_path_once_in_each_line(tmp_path, corpus_texts,
+                                                                   tokenizer_path, caplog):
+    """Under skip_bad_files, a truncated .jsonl.gz is named once in the warning and in the
+    summary's line, its reason beside it (the reason repeated the path before)."""
+    data = tmp_path / "in"
+    data.mkdir()
+    (data / "good.jsonl").write_bytes(jsonl_bytes(corpus_texts[:200]))
+    packed = gzip.compress(jsonl_bytes(corpus_texts[200:800]))
+    bad = data / "cut.jsonl.gz"
+    bad.write_bytes(packed[:len(packed) // 2])
+    summary = run_job(load_config(None, inputs=[str(data)], output=str(tmp_path / "out"),
+                                  tokenizer=tokenizer_path, skip_bad_files=True))
+    reason = summary.bad_files[0].reason
+    assert str(bad) not in reason and "truncated gzip stream" in reason
+    warned = [r.getMessage() for r in caplog.records if "bad input file" in r.getMessage()]
+    line = next(line for line in summary.render().splitlines() if "bad files" in line)
+    for text in (*warned, line):
+        assert text.count(str(bad)) == 1, text

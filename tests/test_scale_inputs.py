@@ -200,7 +200,7 @@ def test_skip_bad_files_completes_and_names_the_file_in_summary_and_manifest(
     kept = skipped.rows_read  # the file's first lines: at least what Python's gzip decodes
     assert kept >= len(complete_lines_before_the_damage(bad)) > 100
     assert summary.documents == 90 + sum(1 for text in corpus_texts[200:200 + kept] if text)
-    assert skipped.uri == str(bad) and f"{bad}: line {kept + 1}: " in skipped.reason
+    assert skipped.uri == str(bad) and skipped.reason.startswith(f"line {kept + 1}: ")
     assert [b.uri for b in read_manifest(tmp_path / "out").bad_files] == [str(bad)]
     assert str(bad) in summary.render() and "bad file" in list_rejects(tmp_path / "out")
     rerun = tokenize([str(tmp_path / "in")], tmp_path / "out", tokenizer_path,

@@ -338,6 +338,12 @@ class BadFile(JsonRecord):
     bytes: int = 0
     rows_read: int = 0
 
+    @classmethod
+    def of_error(cls, uri: str, error: Exception, size: int, rows_read: int = 0) -> BadFile:
+        """The file skipped for `error`, its reason without the path the message begins
+        with (lines name the file beside the reason: it was printed twice)."""
+        return cls(uri, str(error).removeprefix(f"{uri}: "), size, rows_read)
+
 
 @dataclass(frozen=True)
 class PassedOver(JsonRecord):

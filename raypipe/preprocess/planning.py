@@ -133,7 +133,7 @@ def plan_inputs(found: InputFiles, columns: list[str], unit_bytes: int,
             return plan(uris[0], columns, unit_bytes, text_first)
         except InputError as exc:
             if skip_bad_files and len(uris) == 1:
-                return BadFile(uris[0], str(exc), stats[uris[0]].size)
+                return BadFile.of_error(uris[0], exc, stats[uris[0]].size)
             if skip_bad_files:  # the worker reading the group names and skips it
                 return [group_unit(uris, stats)]
             return exc

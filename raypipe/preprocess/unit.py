@@ -453,7 +453,7 @@ def skip_bad_file(settings: UnitSettings, member: WorkUnit, error: InputError, r
     where it is named in `tally.bad_files` (a Dataset's block is never skipped)."""
     if not settings.config.skip_bad_files or member.kind == "block":
         raise error
-    tally.bad_files.append(BadFile(member.uri, str(error), member.size_bytes, read))
+    tally.bad_files.append(BadFile.of_error(member.uri, error, member.size_bytes, read))
 
 
 def tokenize_group(unit: WorkUnit, settings: UnitSettings, encoder: DocumentEncoder,
