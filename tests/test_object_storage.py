@@ -480,14 +480,21 @@ def test_inspect_pack_report_and_convert_take_uris(bucket, token_dataset, tmp_pa
     assert got == [d.tolist() for d in TokenDataset(token_dataset).iter_documents()]
 
 
-def test_a_missing_bucket_is_one_line_naming_the_uri(s3_server, tmp_path, corpus_dir,
-                                                      tokenizer_path, capsys):
+def test_a_missing_bucket_is_one_line_naming_the_uri_and_the_bucket(
+        s3_server, tmp_path, corpus_dir, tokenizer_path, capsys):
+    """Writing to, or reading from, a bucket that does not exist: one line naming the URI
+    and the bucket, not the SDK's whole error with its request id."""
     from raypipe.cli import main
 
     code = main(["tokenize", str(corpus_dir), "--tokenizer", tokenizer_path, "--output",
                  "s3://no-such-bucket-rp/out", "--num-workers", "1"])
     error = capsys.readouterr().err
     assert code == 2 and "s3://no-such-bucket-rp/out" in error
+    assert "bucket 'no-such-bucket-rp' does not exist" in error and "Request ID" not in error
+    assert len(error.strip().splitlines()) == 1
+    assert main(["inspect", "s3://no-such-bucket-rp/out"]) == 2
+    error = capsys.readouterr().err
+    assert "bucket 'no-such-bucket-rp' does not exist" in error
     assert len(error.strip().splitlines()) == 1
 
 

@@ -141,8 +141,10 @@ def committed_unit_record(output: Store, unit: WorkUnit, fingerprints: Collectio
 def read_manifest(output: Store | str | Path) -> Manifest:
     store = as_store(output)
     if not store.exists(MANIFEST_NAME):
-        raise FormatError(store.uri_of(MANIFEST_NAME),
-                          "no manifest: the dataset is incomplete or not a raypipe output")
+        bucket = store.missing_bucket()
+        raise FormatError(store.uri_of(MANIFEST_NAME), f"no manifest: bucket {bucket!r} "
+                          "does not exist" if bucket else "no manifest: the dataset is "
+                          "incomplete or not a raypipe output")
     # (a rerun of the job replaces it while loaders may read it: a cut-short read is made
     # again on object storage, raypipe.io.store)
     return Manifest.from_json(store.read_json(MANIFEST_NAME, replaced_in_place=True),

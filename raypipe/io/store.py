@@ -74,7 +74,22 @@ def storage_errors(uri: str, doing: str) -> Iterator[None]:
     except FileNotFoundError:
         raise
     except OSError as exc:
+        bucket = missing_bucket_named(uri, exc)
+        if bucket is not None:
+            raise StorageError(f"{uri}: cannot {doing}: bucket {bucket!r} does not exist"
+                               ) from exc
         raise StorageError(f"{uri}: cannot {doing}: {exc}") from exc
+
+
+NO_BUCKET_MARKERS = ("NO_SUCH_BUCKET", "NoSuchBucket", "The specified bucket does not exist")
+
+
+def missing_bucket_named(uri: str, error: BaseException) -> str | None:
+    """The bucket of `uri` where `error` says it does not exist (the SDK's whole message,
+    request id included, is no help to a reader), else None."""
+    if not any(marker in str(error) for marker in NO_BUCKET_MARKERS) or "://" not in uri:
+        return None
+    return uri.split("://", 1)[1].split("/", 1)[0]
 
 
 class TransientError(StorageError):
@@ -167,6 +182,18 @@ class Store:
 
     def exists(self, relative: str) -> bool:
         return self.info(relative) is not None
+
+    def missing_bucket(self) -> str | None:
+        """The bucket of an object-storage root where it does not exist (None: it does,
+        or the root is local)."""
+        if self.local:
+            return None
+        bucket = self.base.split("/", 1)[0]
+        try:
+            missing = self.fs.get_file_info(bucket).type == pafs.FileType.NotFound
+        except OSError as exc:
+            return missing_bucket_named(self.uri, exc)
+        return bucket if missing else None
 
     def read_bytes(self, relative: str) -> bytes:
         return self.read_head(relative, -1)
