@@ -261,6 +261,10 @@ def test_tokenize_help_names_every_kind_of_input(capsys):
     from raypipe.cli import main
 
     with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "tokenize parquet or JSON-lines files" in " ".join(capsys.readouterr().out.split())
+
+    with pytest.raises(SystemExit):
         main(["tokenize", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for kind in ("parquet", "JSON-lines", ".jsonl.zst", "directories", "globs", "s3://",

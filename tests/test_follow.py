@@ -377,6 +377,9 @@ def test_a_fast_loop_following_a_slow_job_ends_no_epoch_before_the_job_does(
             assert not job.is_alive() and not loader.follower.active  # it ended with the job
     job.join()
     assert "waiting for its next units, which join this epoch" in caplog.text
+    gained = [r.levelname for r in caplog.records if "the output gained" in r.getMessage()]
+    assert gained.count("WARNING") == 1  # however many joins: a warning a minute at most
+    assert "join(s) while following" in caplog.text  # and how many, when the job ends
     state = loader.state_dict()
     counts, lengths = traced_tokens(output, loader.dataset, taken, state)
     assert sorted(counts) == [0, 1]

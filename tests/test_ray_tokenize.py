@@ -92,6 +92,10 @@ def test_demo_runs_end_to_end(ray_session, tmp_path, capsys):
 
     run_demo(tmp_path / "demo")
     printed = capsys.readouterr().out
+    # its first line says where it writes (a demo_out/ in the current directory, unasked)
+    assert printed.splitlines()[0].startswith(
+        f"raypipe demo: writing its corpus, token shards and loader state under "
+        f"{(tmp_path / 'demo').resolve()}")
     for needle in ("docstrings of Python's standard library", "documents", "tokens/s",
                    "first document of", "checkpointed loader state", "resumed rank 1/2"):
         assert needle in printed, needle
