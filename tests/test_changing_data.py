@@ -165,11 +165,14 @@ def test_a_document_named_by_input_and_row_is_the_one_trace_names(tmp_path, corp
     names_file = tmp_path / "bad.txt"  # as trace prints them, and as "input:row"
     names_file.write_text("\n".join([json.dumps(records[0].to_json()), *named[1:],
                                      f"{records[0].input}:99999", ""]))
-    resumed = TokenLoader(str(output), 64, 2, seed=1, exclude=str(names_file))
-    resumed.load_state_dict(state)
-    record = resumed.state_dict()["exclusions"][0]
-    assert record["documents"] == sorted({record.document for record in records})
-    assert record["not_found"] == 1 and record["named"] == len(records) + 1
+    # the same names in a list, in the same forms (trace's JSON line taken as it prints)
+    as_list = names_file.read_text().splitlines()
+    for exclude in (str(names_file), as_list):
+        resumed = TokenLoader(str(output), 64, 2, seed=1, exclude=exclude)
+        resumed.load_state_dict(state)
+        record = resumed.state_dict()["exclusions"][0]
+        assert record["documents"] == sorted({record.document for record in records})
+        assert record["not_found"] == 1 and record["named"] == len(records) + 1
 
 
 def test_a_state_lists_its_exclusions_and_inspect_shows_every_change(numbered, tmp_path,
@@ -214,6 +217,11 @@ def test_windows_mode_refuses_an_exclusion_naming_the_mode_and_a_mixture_the_sou
                                exclude=[{"source": "c", "document": 1}])
         assert loader.state_dict()["exclusions"] is None
     assert "1 name(s) of sources this mixture does not have (c: 1)" in caplog.text
+    # a trace record's JSON line in a list names its source, as in a file
+    mixture = MixtureLoader({"a": str(path), "b": str(path)}, SEQ_LEN, 2,
+                            exclude=['{"source": "a", "document": 1}'])
+    next(iter(mixture))
+    assert mixture.state_dict()["exclusions"]["a"][0]["documents"] == [1]
 
 
 @settings(max_examples=60, deadline=None)

@@ -184,26 +184,32 @@ class DocumentsByName:
 
 
 def document_names(names: Any) -> list[DocumentName]:
-    """The names given: a list as is, or a file of one per line (a number, "<input>:<row>",
-    or a JSON trace record, as `raypipe trace` prints them; blank lines skipped)."""
+    """The names given, in a list or a file of one per line, each in the same forms: a
+    number, "<input>:<row>", or a trace record (a JSON line as `raypipe trace` prints it, or
+    its dict); blank lines skipped."""
     if not isinstance(names, str | Path):
-        return list(names)
+        return [parsed for index, name in enumerate(names)
+                if (parsed := document_name(name, f"exclude[{index}]")) is not None]
     try:
         lines = Path(names).read_text().splitlines()
     except OSError as exc:
         raise ConfigError(f"exclude: cannot read the documents to exclude from {names}: "
                           f"{exc}") from exc
-    parsed: list[DocumentName] = []
-    for number, line in enumerate(lines, 1):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                parsed.append(json.loads(line))
-            except ValueError as exc:
-                raise ConfigError(f"{names}:{number}: not a JSON trace record: {exc}") from None
-        elif line:
-            parsed.append(line)
-    return parsed
+    return [parsed for number, line in enumerate(lines, 1)
+            if (parsed := document_name(line, f"{names}:{number}")) is not None]
+
+
+def document_name(name: Any, where: str) -> DocumentName | None:
+    """One name as given (None: a blank line): a JSON trace record's text parsed."""
+    if not isinstance(name, str):
+        return name
+    text = name.strip()
+    if not text.startswith("{"):
+        return text or None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not a JSON trace record: {exc}") from None
 
 
 def trace(data: str | Path | dict[str, str], step: int | None = None, *, steps: int = 1,
