@@ -174,6 +174,7 @@ class ShardSet:
         self._held_blocks: dict[int, HeldBlock] = {}
         self._waited_block: int | None = None
         self._starts_kept: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._ranged: dict[int, bool] = {}  # shard -> read a block at a time (`ranged`)
         self.closes = 0  # shards closed so far: holders of shard arrays drop theirs on change
         self._pinned: dict[int, list[Path]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -254,6 +255,7 @@ class ShardSet:
         self.close()
         self.blocks = ShardBlocks.of(shards, starts, self.document_offsets)
         self.hold_bytes = hold_bytes
+        self._ranged.clear()
 
     def unit_of_each(self, ids: np.ndarray) -> np.ndarray:
         """The unit of fetch that holds each of these global documents: its block
@@ -269,12 +271,17 @@ class ShardSet:
 
     def ranged(self, shard: int) -> bool:
         """Shard `shard` is fetched a block at a time (object storage, blocks in use, the
-        format ranged, no loss mask sidecar, more than one block)."""
-        blocks = self.blocks
-        return (blocks is not None and getattr(self.format, "tokens_at", None) is not None
+        format ranged, no loss mask sidecar, more than one block); found once a shard
+        (asked for every unit the next steps read)."""
+        found = self._ranged.get(shard)
+        if found is None:
+            blocks = self.blocks
+            found = self._ranged[shard] = (
+                blocks is not None and getattr(self.format, "tokens_at", None) is not None
                 and len(blocks.in_shard(shard)) > 1
                 and not any(entry.path.endswith(MASK_SIDECAR)
                             for entry in self.shards[shard].files))
+        return found
 
     def _prefetch_blocks(self, units: list[int]) -> None:
         """Fetch ahead, in the order given, while this process holds at most `hold_bytes`

@@ -205,34 +205,28 @@ class ShardCache:
         return self.dataset_dir(key) / f"{entry.path}{RANGE_MARK}{start}-{stop}"
 
     def fetch_ranges(self, store: Store, key: str, entry: FileEntry,
-                     ranges: list[tuple[int, int]], pin: bool = False) -> list[Path]:
+                     ranges: list[tuple[int, int]]) -> list[Path]:
         """The local paths of byte ranges of `entry` (each cached as a file of its own,
         `range_path`), the missing ones read in one `Store.read_ranges` with adjacent
         ranges coalesced into one GET, each checked to hold its length (a range has no
-        checksum of its own in the manifest: docs/guarantees.md). `pin` as `fetch`."""
+        checksum of its own in the manifest: docs/guarantees.md). The caller pins the
+        paths first (`range_path`, `pin`), so no eviction takes one before it is read."""
         store.path(entry.path)  # refuses paths that would leave the dataset
         for start, stop in ranges:
             if not 0 <= start < stop <= entry.bytes:
                 raise FormatError(store.uri_of(entry.path), f"byte range [{start}, {stop}) "
                                   f"outside the file's {entry.bytes:,} bytes")
         finals = [self.range_path(key, entry, start, stop) for start, stop in ranges]
-        if pin:
-            self.pin(finals)
         fetched = 0
-        try:
-            wanted = [(span, final) for span, final in zip(ranges, finals, strict=True)
-                      if not self._touch_if_sized(final, span[1] - span[0])]
-            if wanted:
-                finals[0].parent.mkdir(parents=True, exist_ok=True)
-                with _file_lock(self._lock_for(wanted[0][1])):
-                    wanted = [(span, final) for span, final in wanted
-                              if not self._touch_if_sized(final, span[1] - span[0])]
-                    if wanted:
-                        fetched = self._download_ranges(store, entry, wanted)
-        except BaseException:
-            if pin:
-                self.unpin(finals)
-            raise
+        wanted = [(span, final) for span, final in zip(ranges, finals, strict=True)
+                  if not self._touch_if_sized(final, span[1] - span[0])]
+        if wanted:
+            finals[0].parent.mkdir(parents=True, exist_ok=True)
+            with _file_lock(self._lock_for(wanted[0][1])):
+                wanted = [(span, final) for span, final in wanted
+                          if not self._touch_if_sized(final, span[1] - span[0])]
+                if wanted:
+                    fetched = self._download_ranges(store, entry, wanted)
         if fetched:
             self._evict_after(fetched)
         return finals

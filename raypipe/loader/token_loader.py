@@ -64,7 +64,8 @@ class TokenLoader:
         holding at most `cache_bytes`, default $RAYPIPE_CACHE_BYTES or 64 GiB). `shuffle`:
         "auto" (the default: "global" for a local dataset, "windowed" on object storage),
         "global" (every observation anywhere), "windowed" (the documents of windows of
-        `window_blocks` shards drawn from the whole corpus, a window at a time) or
+        `window_blocks` blocks of whole documents drawn from the whole corpus, a window at a
+        time, sized from `cache_bytes`) or
         "shard_local" (groups of `group_shards` consecutive shards, one group at a time):
         see raypipe.sampling.plans. `split`: "all", "train" or "validation": documents are
         held out for validation by a hash of (dataset fingerprint, document index) with

@@ -7,14 +7,15 @@ the same at any worker count or batch size. Inputs are a glob, a directory (ever
 and JSON-lines file below it, each kind with its own reader; any other file is passed over,
 and so are names data tools leave beside data: `.`/`_`-prefixed ones as pyarrow's dataset
 discovery skips them, and Hugging Face's `dataset_info.json`, `state.json`,
-`dataset_dict.json`; each passed-over file is named in the summary and the manifest, and a
+`dataset_dict.json`, and a listed `.json` whose first line is no JSON object holding the
+text field, a notes or stats file; each passed-over file is named in the summary and the manifest, and a
 warning past PASSED_OVER_WARN_SHARE of the bytes) or a list of those, on any filesystem
 pyarrow understands
 (local, s3://, gs://, ...). Parquet files are cut at row groups, JSON-lines files as
 `raypipe.preprocess.jsonl` says. Planning reads only parquet footers and the first line of
 each JSON-lines file: the text column is checked in every file before any task starts.
 Cost: one footer read per parquet file (~1 ms locally), two to three small reads per JSON-lines
-file plus one per cut.
+file plus one per cut (a listed `.json` one more, its first line: 32 in flight).
 """
 
 from __future__ import annotations
