@@ -193,3 +193,20 @@ def test_a_new_windowed_run_mixes_blocks_of_many_shards_in_each_window(token_dat
     permutation = WindowedPermutation(order.block_documents, order.window_blocks, 3)
     shards = {int(blocks.shards[b]) for b in permutation.window_block_ids(0)}
     assert len(shards) > 1
+
+
+def test_shards_that_cannot_be_read_a_block_at_a_time_window_whole_shards(tmp_path,
+                                                                          corpus_dir,
+                                                                          tokenizer_path):
+    """NanoGPT finds no block's bytes from an index: `block_bytes=0` resolves to whole
+    shards there (fetching a whole shard for each small block would refetch it a window
+    after another), and to blocks for Megatron, of the same output, locally as on a bucket."""
+    from raypipe.loader import TokenLoader
+    from tests.helpers import tokenize
+
+    output = tokenize(corpus_dir, tmp_path / "out", tokenizer_path,
+                      formats=["megatron", "nanogpt"])
+    nanogpt = TokenLoader(str(output), 32, 4, shuffle="windowed", format="nanogpt")
+    megatron = TokenLoader(str(output), 32, 4, shuffle="windowed", format="megatron")
+    assert nanogpt.spec.block_bytes == WHOLE_SHARDS
+    assert megatron.spec.block_bytes < WHOLE_SHARDS

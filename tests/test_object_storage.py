@@ -498,13 +498,14 @@ def test_a_missing_bucket_is_one_line_naming_the_uri_and_the_bucket(
     assert len(error.strip().splitlines()) == 1
 
 
-def through_a_fault_proxy(monkeypatch, fails):
+def through_a_fault_proxy(monkeypatch, fails, resets=None):
     """AWS_ENDPOINT_URL pointed at the bench's loopback proxy in front of the test server,
-    answering the GETs `fails` picks with 503 SlowDown (a Store made after this call opens
-    its filesystem there)."""
+    answering the GETs `fails` picks with 503 SlowDown and resetting those `resets` picks
+    (a Store made after this call opens its filesystem there)."""
     from raypipe.io import store as store_module
 
-    proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, 0, fails).start()
+    proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, 0, fails,
+                         resets).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     monkeypatch.setattr(store_module, "RETRY_SECONDS", 0.01)
     return proxy
@@ -676,13 +677,15 @@ def test_a_status_replaced_between_its_head_and_its_get_is_read_again_not_refuse
 
 def test_bucket_blocks_are_ranged_reads_that_survive_503s_and_equal_the_local_copy(
         bucket, token_dataset, tmp_path, monkeypatch):
-    """Blocks smaller than a shard come by ranged GETs (each range checked for its length),
-    a 503 SlowDown on each object's first GET is retried, and the batches are the local
-    copy's under the same knobs and budget."""
+    """Blocks smaller than a shard (and than a 503's body) come by ranged GETs (each range
+    checked for its length); a 503 SlowDown on each object's first GET and a reset of its
+    third are retried and counted, and the batches are the local copy's under the same
+    knobs and budget."""
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
     knobs = {"seed": 4, "block_bytes": 1024, "cache_bytes": 1 << 20}
-    proxy = through_a_fault_proxy(monkeypatch, lambda path, asked: asked == 0)
+    proxy = through_a_fault_proxy(monkeypatch, lambda path, asked: asked == 0,
+                                  lambda path, asked: asked == 2 and path.endswith(".bin"))
     try:
         loader = TokenLoader(uri, 32, 4, cache_dir=tmp_path / "c", **knobs)
         served = [batch.inputs.numpy().tobytes() for batch in loader]
@@ -691,7 +694,7 @@ def test_bucket_blocks_are_ranged_reads_that_survive_503s_and_equal_the_local_co
     finally:
         proxy.stop()
     assert loader.spec.shuffle == "windowed" and stats.ranged_reads > 0
-    assert stats.retries > 0
+    assert stats.retries > 0 and proxy.injected > 0 and proxy.reset > 0
     local = TokenLoader(token_dataset, 32, 4, shuffle="windowed", **knobs)
     assert [batch.inputs.numpy().tobytes() for batch in local] == served
 

@@ -350,14 +350,16 @@ def test_trace_of_a_state_at_another_world_size_splits_the_runs_global_batch(
     assert_records_hold_the_batch(records, batch, tokenizer)
 
 
+@pytest.mark.parametrize("knobs", [{}, {"shuffle": "windowed", "block_bytes": 512,
+                                         "window_blocks": 4}])
 def test_trace_history_after_a_resize_names_each_steps_ranks_as_its_world_took_them(
-        token_dataset, tmp_path):
-    """A run of 2 ranks resumed on 3 (global batch 8, then 12): `trace --history` of the
-    final state, with no world size given, replays both legs and names each step's rows
-    by the rank and row that served them."""
+        token_dataset, tmp_path, knobs):
+    """A run of 2 ranks resumed on 3 (global batch 8, then 12), global or windowed over
+    blocks: `trace --history` of the final state, with no world size or knob given,
+    replays both legs and names each step's rows by the rank and row that served them."""
     def ranks(world, state=None):
         loaders = [TokenLoader(str(token_dataset), 16, 4, rank=rank, world_size=world,
-                               seed=2) for rank in range(world)]
+                               seed=2, **knobs) for rank in range(world)]
         for loader in loaders:
             if state:
                 loader.load_state_dict(state)

@@ -8,8 +8,9 @@ and JSON-lines file below it, each kind with its own reader; any other file is p
 and so are names data tools leave beside data: `.`/`_`-prefixed ones as pyarrow's dataset
 discovery skips them, and Hugging Face's `dataset_info.json`, `state.json`,
 `dataset_dict.json`, and a listed `.json` whose first line is no JSON object holding the
-text field, a notes or stats file; each passed-over file is named in the summary and the manifest, and a
-warning past PASSED_OVER_WARN_SHARE of the bytes) or a list of those, on any filesystem
+text field, a notes or stats file; each passed-over file is named in the summary and the
+manifest, and a warning past PASSED_OVER_WARN_SHARE of the bytes) or a list of those, on
+any filesystem
 pyarrow understands
 (local, s3://, gs://, ...). Parquet files are cut at row groups, JSON-lines files as
 `raypipe.preprocess.jsonl` says. Planning reads only parquet footers and the first line of

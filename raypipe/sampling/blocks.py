@@ -94,11 +94,15 @@ def cut_blocks(lengths: DocumentLengths, shard_documents: np.ndarray, itemsize: 
 @dataclass(frozen=True)
 class WindowBudget:
     """What sizes a window from the node cache: its budget, the ranks that share it (each
-    holds WINDOWS_HELD windows), and the bytes the index files keep there."""
+    holds WINDOWS_HELD windows), the bytes the index files keep there, and whether the
+    shards can be read a block at a time."""
 
     budget_bytes: int
     node_ranks: int = 1
     index_bytes: int = 0
+    # the data's shards can be read a block at a time (its format finds a block's bytes
+    # from its index, and it has no loss-mask sidecar); else block_bytes 0 is whole shards
+    ranged: bool = True
 
     @property
     def window_bytes(self) -> int:

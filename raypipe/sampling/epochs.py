@@ -196,13 +196,17 @@ def window_budget(dataset: TokenDataset | BatchDataset,
                   budget_bytes: int | str | None = None) -> WindowBudget:
     """What sizes a windowed shuffle's windows for `dataset`: the node cache's budget (its
     cache's, else as configured), the node's ranks (LOCAL_WORLD_SIZE, as torchrun and Ray
-    Train set it) and the bytes of its index files (every rank reads them all)."""
+    Train set it), the bytes of its index files (every rank reads them all), and whether
+    a block of a shard can be read alone (the same on local disk as on a bucket, so a
+    local copy resolves the blocks a bucket run does)."""
     suffixes = tuple(getattr(dataset.format, "index_suffixes", ()))
     index = sum(entry.bytes for shard in dataset.shards for entry in shard.files
                 if suffixes and entry.path.endswith(suffixes))
     budget = (dataset.cache.budget_bytes if dataset.cache is not None
               else configured_budget(budget_bytes))
-    return WindowBudget(budget, node_ranks(), index)
+    ranged = (getattr(dataset.format, "tokens_at", None) is not None
+              and not getattr(dataset, "has_loss_mask", False))
+    return WindowBudget(budget, node_ranks(), index, ranged)
 
 
 def node_ranks() -> int:

@@ -257,12 +257,15 @@ class PlanSpec:
         """The spec with a windowed shuffle's blocks and window resolved from the node
         cache's `budget` (raypipe.sampling.blocks): block_bytes 0 is about 1/16 of a
         window, window_blocks 0 as many blocks as the window holds (a state records both,
-        so a resume cuts the same blocks on any node); a budget whose window holds no
-        block is refused, naming the least one."""
+        so a resume cuts the same blocks on any node), or, for data whose shards cannot be
+        read a block at a time (`WindowBudget.ranged`), whole shards; a budget whose
+        window holds no block is refused, naming the least one."""
         if self.shuffle != "windowed":
             return self
         if self.block_bytes >= WHOLE_SHARDS:  # a state's layout of whole shards
             return self
+        if not self.block_bytes and not budget.ranged:  # blocks its shards cannot serve
+            return replace(self, block_bytes=WHOLE_SHARDS)
         block_bytes = budget.block_bytes(self.block_bytes)
         if self.window_blocks and self.block_bytes:
             return self
