@@ -33,6 +33,7 @@ from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, ShardReader, batch_formats, document_formats, get_format
 from raypipe.formats.base import MASK_SIDECAR, shard_prefix
 from raypipe.io.cache import ShardCache
+from raypipe.io.checksums import SUMS_SUFFIX, CheckedTokens, StreamChecksums
 from raypipe.io.manifest import MANIFEST_NAME, as_store, file_problem, read_manifest
 from raypipe.io.ranged import BlockTokens
 from raypipe.io.records import FileEntry, Manifest, ShardEntry
@@ -174,6 +175,7 @@ class ShardSet:
         self._held_blocks: dict[int, HeldBlock] = {}
         self._waited_block: int | None = None
         self._starts_kept: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._sums_kept: dict[int, StreamChecksums] = {}  # ranged shards' (latest kept)
         self._ranged: dict[int, bool] = {}  # shard -> read a block at a time (`ranged`)
         self.closes = 0  # shards closed so far: holders of shard arrays drop theirs on change
         self._pinned: dict[int, list[Path]] = {}
@@ -323,10 +325,26 @@ class ShardSet:
                 self._held_blocks[unit].fetch = fetch
 
     def _fetch_ranges(self, shard: int, ranges: list[tuple[int, int]]) -> list[Path]:
-        """Fetch byte ranges of a shard's token file (pinned by the caller)."""
+        """Fetch byte ranges of a shard's token file (pinned by the caller), each checked
+        on arrival against the shard's `.sums` where it has one."""
         assert self.cache is not None
         return self.cache.fetch_ranges(self.store, self.key, self.shards[shard].files[0],
-                                       ranges)
+                                       ranges, self._range_check(shard))
+
+    def _range_check(self, shard: int) -> Any:
+        """What checks a fetched byte range of the shard's token file (None: its length
+        alone, an output without `.sums`)."""
+        if self._sums_entry(shard) is None:
+            return None
+        sums = self._sums_kept.get(shard)
+        if sums is None:
+            itemsize = np.dtype(self.section.dtype).itemsize
+            sums = self._stream_checksums(shard, self._token_starts(shard) * itemsize)
+            if len(self._sums_kept) >= TOKEN_STARTS_KEPT:
+                self._sums_kept.pop(next(iter(self._sums_kept)), None)
+            self._sums_kept[shard] = sums
+        at = int(self.format.tokens_at)
+        return lambda data, first: sums.problem(data, first - at)
 
     def _block_range(self, unit: int) -> tuple[int, int]:
         """Block `unit`'s bytes in its shard's token file."""
@@ -512,10 +530,39 @@ class ShardSet:
             finally:
                 self._opening = None
         self.check_reader(reader, shard)
+        if not isinstance(reader, RangedShard):
+            self._check_reads(index, reader)
         self._readers[index] = reader
         if self.cache is not None:
             self._close_over_budget()
         return reader
+
+    def _sums_entry(self, index: int) -> FileEntry | None:
+        """The shard's `.sums` file (its token file's checksums), where the format finds a
+        document's bytes from its index and the shard has one (older outputs do not)."""
+        if getattr(self.format, "tokens_at", None) is None:
+            return None
+        return next((entry for entry in self.shards[index].files
+                     if entry.path.endswith(SUMS_SUFFIX)), None)
+
+    def _stream_checksums(self, index: int, document_bytes: np.ndarray) -> StreamChecksums:
+        entry = self._sums_entry(index)
+        assert entry is not None
+        path = (self.local_root / entry.path if self.cache is None
+                else self.cache.fetch(self.store, self.key, entry))
+        return StreamChecksums(path, document_bytes,
+                               self.store.uri_of(self.shards[index].files[0].path))
+
+    def _check_reads(self, index: int, reader: Any) -> None:
+        """Check every token the reader serves against the shard's `.sums`, each checksum
+        unit on its first read (raypipe.io.checksums): an altered byte is refused, naming
+        the file, before it is served. A shard without one keeps its open's checks."""
+        if self._sums_entry(index) is None:
+            return
+        starts = np.zeros(reader.num_documents + 1, dtype=np.int64)
+        np.cumsum(reader.document_lengths, out=starts[1:])
+        sums = self._stream_checksums(index, starts * np.dtype(reader.tokens.dtype).itemsize)
+        reader.tokens = CheckedTokens(reader.tokens, sums)
 
     def _open_cached(self, index: int, refresh: bool) -> Any:
         """The reader of a shard fetched into the cache. Pins are this process's own, so a

@@ -185,7 +185,7 @@ def test_a_new_windowed_run_mixes_blocks_of_many_shards_in_each_window(token_dat
     """Blocks smaller than a shard: a window of the same bytes draws from more shards."""
     from raypipe.loader import TokenLoader
 
-    loader = TokenLoader(token_dataset, 32, 4, seed=3, shuffle="windowed", block_bytes=512,
+    loader = TokenLoader(token_dataset, 32, 4, seed=3, shuffle="windowed", block_bytes=4096,
                          window_blocks=4)
     blocks = loader.run.planned.plans.blocks()
     assert len(blocks) > 2 * loader.dataset.num_shards

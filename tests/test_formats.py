@@ -5,6 +5,7 @@ trips and corrupt files that fail naming the file."""
 from __future__ import annotations
 
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +69,8 @@ SIDECAR = {"megatron": "shard.bin", "nanogpt": "shard.bos.idx", "stream": "shard
 
 def test_megatron_layout_is_byte_exact(tmp_path):
     docs = [np.array([0, 5, 6], np.uint32), np.array([0, 7], np.uint32)]
-    assert write_shard("megatron", tmp_path, docs, np.uint16) == ["shard.bin", "shard.idx"]
+    assert write_shard("megatron", tmp_path, docs, np.uint16) == ["shard.bin", "shard.idx",
+                                                                  "shard.sums"]
     idx = (tmp_path / "shard.idx").read_bytes()
     assert idx[:9] == b"MMIDIDX\x00\x00"
     assert struct.unpack_from("<QBQQ", idx, 9) == (1, 8, 2, 3)
@@ -77,6 +79,9 @@ def test_megatron_layout_is_byte_exact(tmp_path):
     assert np.frombuffer(idx, "<i8", 2, 42).tolist() == [0, 6]  # byte offsets
     assert np.frombuffer(idx, "<i8", 3, 58).tolist() == [0, 1, 2]
     assert (tmp_path / "shard.bin").read_bytes() == np.array([0, 5, 6, 0, 7], "<u2").tobytes()
+    sums = (tmp_path / "shard.sums").read_bytes()  # one 4 KiB unit holds both documents
+    assert sums[:8] == b"RPSUMS\x00\x01" and struct.unpack_from("<QI", sums, 8) == (
+        4096, zlib.crc32((tmp_path / "shard.bin").read_bytes())) and len(sums) == 20
 
 
 def test_nanogpt_layout_is_byte_exact(tmp_path):

@@ -230,6 +230,46 @@ def test_a_byte_flipped_in_a_committed_shard_is_caught_by_the_rerun_and_the_load
     TokenLoader(tmp_path / "out", 16, 2, mode="windows").load_state_dict(state)
 
 
+def served_until_refused(loader) -> tuple[list[bytes], FormatError | None]:
+    """The batches a loader serves, and the refusal that stopped it (None: the epoch)."""
+    served: list[bytes] = []
+    try:
+        for batch in loader:
+            served.append(batch.inputs.numpy().tobytes())
+    except FormatError as refused:
+        return served, refused
+    finally:
+        loader.close()
+    return served, None
+
+
+@pytest.mark.parametrize("change", ["flipped", "appended"])
+def test_a_token_file_changed_in_place_is_refused_before_an_altered_token_is_served(
+        token_dataset, tmp_path, change):
+    """A byte flipped in a Megatron .bin with its modification time put back (bit rot, a
+    copy that kept times), or bytes appended: the loader refuses the file, naming it, and
+    every batch it served before is the unchanged output's."""
+    import os
+
+    copy = tmp_path / "copy"
+    shutil.copytree(token_dataset, copy)  # times kept
+    knobs = {"mode": "windows", "seed": 5}
+    clean, _ = served_until_refused(TokenLoader(copy, 16, 2, **knobs))
+    victim = sorted((copy / "megatron").glob("*.bin"))[1]
+    before = victim.stat()
+    data = bytearray(victim.read_bytes())
+    if change == "flipped":
+        data[len(data) // 2] ^= 0x5A
+    else:
+        data += bytes(8)
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    served, refused = served_until_refused(TokenLoader(copy, 16, 2, **knobs))
+    assert refused is not None and str(victim) in str(refused)
+    assert "\n" not in str(refused)
+    assert served == clean[:len(served)] and len(served) < len(clean)
+
+
 def test_a_copy_that_did_not_keep_modification_times_still_opens(token_dataset, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(token_dataset, copy, copy_function=shutil.copy)  # new mtimes

@@ -683,7 +683,7 @@ def test_bucket_blocks_are_ranged_reads_that_survive_503s_and_equal_the_local_co
     knobs and budget."""
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
-    knobs = {"seed": 4, "block_bytes": 1024, "cache_bytes": 1 << 20}
+    knobs = {"seed": 4, "block_bytes": 4096, "cache_bytes": 1 << 20}
     proxy = through_a_fault_proxy(monkeypatch, lambda path, asked: asked == 0,
                                   lambda path, asked: asked == 2 and path.endswith(".bin"))
     try:
@@ -711,3 +711,31 @@ def test_a_bucket_budget_below_one_block_a_rank_is_refused_naming_the_least_budg
                     block_bytes=64 << 10)
     message = str(refused.value)
     assert "cache_bytes >= " in message and "4 rank(s)" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("change", ["flipped", "appended"])
+def test_a_token_object_changed_on_the_bucket_is_refused_before_an_altered_block_is_served(
+        bucket, token_dataset, tmp_path, change):
+    """A byte flipped in a Megatron .bin on the bucket (read a block at a time: each block
+    checked against the shard's .sums as it arrives), or bytes appended (the object's size
+    is checked at its open): the loader refuses the object, naming it, and every batch it
+    served before is the local copy's."""
+    from tests.test_hostile import served_until_refused
+
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    knobs = {"seed": 4, "block_bytes": 4096, "cache_bytes": 1 << 20, "shuffle": "windowed"}
+    clean, _ = served_until_refused(TokenLoader(token_dataset, 32, 4, **knobs))
+    store = Store(uri)
+    victim = read_manifest(uri).formats["megatron"].shards[1].files[0].path
+    data = bytearray(store.read_bytes(victim))
+    if change == "flipped":
+        data[len(data) // 2] ^= 0x5A
+    else:
+        data += bytes(8)
+    store.write_bytes(victim, bytes(data))
+    loader = TokenLoader(uri, 32, 4, cache_dir=tmp_path / "c", **knobs)
+    served, refused = served_until_refused(loader)
+    assert refused is not None and store.uri_of(victim) in str(refused)
+    assert "\n" not in str(refused) and loader.cache_stats.ranged_reads > 0
+    assert served == clean[:len(served)] and len(served) < len(clean)

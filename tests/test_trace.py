@@ -350,7 +350,7 @@ def test_trace_of_a_state_at_another_world_size_splits_the_runs_global_batch(
     assert_records_hold_the_batch(records, batch, tokenizer)
 
 
-@pytest.mark.parametrize("knobs", [{}, {"shuffle": "windowed", "block_bytes": 512,
+@pytest.mark.parametrize("knobs", [{}, {"shuffle": "windowed", "block_bytes": 4096,
                                          "window_blocks": 4}])
 def test_trace_history_after_a_resize_names_each_steps_ranks_as_its_world_took_them(
         token_dataset, tmp_path, knobs):

@@ -32,6 +32,7 @@ from raypipe.formats.base import (
     require_size,
     shard_prefix,
 )
+from raypipe.io.checksums import SUMS_SUFFIX, ChecksumWriter, sums_file_bytes
 from raypipe.io.mapping import map_file
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 
@@ -65,10 +66,13 @@ class MegatronWriter(ShardWriter):
         super().__init__(directory, name, token_dtype, bos_id)
         self.bin_file = self.open_file(".bin")
         self.lengths: list[np.ndarray] = []
+        self.sums = ChecksumWriter()
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
         check_token_range(tokens, self.token_dtype, str(self.bin_file.final))
-        self.bin_file.write(tokens.astype(self.token_dtype, copy=False).data)
+        data = tokens.astype(self.token_dtype, copy=False).data
+        self.bin_file.write(data)
+        self.sums.add(data, lengths.astype(np.int64) * self.token_dtype.itemsize)
         self.lengths.append(lengths.astype(np.int32))
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
@@ -83,6 +87,9 @@ class MegatronWriter(ShardWriter):
         entries = [self.commit_file(".bin"), *self.commit_mask_sidecar()]
         faults.point("megatron.after_bin", self.name)
         entries.append(self.commit_file(".idx"))
+        sums_file = self.open_file(SUMS_SUFFIX)
+        sums_file.write(self.sums.encoded())
+        entries.append(self.commit_file(SUMS_SUFFIX))
         return entries
 
 
@@ -92,8 +99,8 @@ class MegatronReader(ShardReader):
     @classmethod
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> MegatronReader:
-        return cls(shard_prefix(root, shard),
-                   loss_mask=lists_mask_sidecar(shard))
+        return cls(shard_prefix(root, shard), loss_mask=lists_mask_sidecar(shard),
+                   sums=any(entry.path.endswith(SUMS_SUFFIX) for entry in shard.files))
 
     @classmethod
     def index_document_lengths(cls, root: Path, shard: ShardEntry,
@@ -109,7 +116,7 @@ class MegatronReader(ShardReader):
         offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         return np.diff(offsets[index.document_indices])
 
-    def __init__(self, prefix: str | Path, loss_mask: bool = False):
+    def __init__(self, prefix: str | Path, loss_mask: bool = False, sums: bool = False):
         prefix = Path(prefix)
         self.idx_path = prefix.with_name(prefix.name + ".idx")
         self.bin_path = prefix.with_name(prefix.name + ".bin")
@@ -123,6 +130,10 @@ class MegatronReader(ShardReader):
         self._check_consistency(bin_size, index.sequence_lengths.size)
         index.check_documents(index.sequence_lengths.size)
         self.tokens = map_file(self.bin_path, self.dtype, 0, bin_size // self.dtype.itemsize)
+        if sums:  # read by the dataset that checks reads (raypipe.io.checksums); sized here
+            sums_path = prefix.with_name(prefix.name + SUMS_SUFFIX)
+            require_size(sums_path, sums_file_bytes(bin_size), require_file(sums_path),
+                         "size of the .sums for the .bin's size")
         if loss_mask:
             self.loss_mask = map_mask_sidecar(prefix, self.tokens.size)
 
@@ -211,8 +222,9 @@ def data_path_prefix(shard: ShardEntry) -> str:
     return shard.files[0].path.removesuffix(".bin")
 
 
-MEGATRON = register(DocumentFormat("megatron", (".bin", ".idx", MASK_SIDECAR), MegatronWriter,
-                                   MegatronReader, megatron_dtype, read_order=0,
-                                   index_suffixes=(".idx",), tokens_at=0,
+MEGATRON = register(DocumentFormat("megatron", (".bin", ".idx", MASK_SIDECAR, SUMS_SUFFIX),
+                                   MegatronWriter, MegatronReader, megatron_dtype,
+                                   read_order=0, index_suffixes=(".idx", SUMS_SUFFIX),
+                                   tokens_at=0,
                                    separator="eos", trainer_prefix=data_path_prefix,
                                    holds_loss_mask=True))

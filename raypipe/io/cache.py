@@ -205,12 +205,15 @@ class ShardCache:
         return self.dataset_dir(key) / f"{entry.path}{RANGE_MARK}{start}-{stop}"
 
     def fetch_ranges(self, store: Store, key: str, entry: FileEntry,
-                     ranges: list[tuple[int, int]]) -> list[Path]:
+                     ranges: list[tuple[int, int]],
+                     check: RangeCheck | None = None) -> list[Path]:
         """The local paths of byte ranges of `entry` (each cached as a file of its own,
         `range_path`), the missing ones read in one `Store.read_ranges` with adjacent
-        ranges coalesced into one GET, each checked to hold its length (a range has no
-        checksum of its own in the manifest: docs/guarantees.md). The caller pins the
-        paths first (`range_path`, `pin`), so no eviction takes one before it is read."""
+        ranges coalesced into one GET, from an object of the manifest's size, each checked
+        to hold its length and by `check` (a `.sums` file's: raypipe.io.checksums); a range
+        that arrives wrong is read once more, and refused, naming the object, if it stays
+        wrong. The caller pins the paths first (`range_path`, `pin`), so no eviction takes
+        one before it is read."""
         store.path(entry.path)  # refuses paths that would leave the dataset
         for start, stop in ranges:
             if not 0 <= start < stop <= entry.bytes:
@@ -226,7 +229,7 @@ class ShardCache:
                 wanted = [(span, final) for span, final in wanted
                           if not self._touch_if_sized(final, span[1] - span[0])]
                 if wanted:
-                    fetched = self._download_ranges(store, entry, wanted)
+                    fetched = self._download_ranges(store, entry, wanted, check)
         if fetched:
             self._evict_after(fetched)
         return finals
@@ -255,9 +258,10 @@ class ShardCache:
         return True
 
     def _download_ranges(self, store: Store, entry: FileEntry,
-                         wanted: list[tuple[tuple[int, int], Path]]) -> int:
-        """Read the ranges (adjacent ones in one GET) and write each to its file; the bytes
-        read."""
+                         wanted: list[tuple[tuple[int, int], Path]],
+                         check: RangeCheck | None) -> int:
+        """Read the ranges (adjacent ones in one GET), check them, and write each to its
+        file; the bytes read."""
         wanted = sorted(wanted)
         spans: list[list[int]] = []
         for (start, stop), _ in wanted:
@@ -265,7 +269,23 @@ class ShardCache:
                 spans[-1][1] = stop
             else:
                 spans.append([start, stop])
-        parts = store.read_ranges(entry.path, [(a, b) for a, b in spans], self._count_retry)
+        read = sum(stop - start for start, stop in spans)
+        for attempt in range(CHECKED_TRIES):
+            parts = store.read_ranges(entry.path, [(a, b) for a, b in spans],
+                                      self._count_retry, entry.bytes)
+            with self._mutex:
+                self.stats.downloads += len(spans)
+                self.stats.downloaded_bytes += read
+                self.stats.ranged_reads += len(spans)
+            problem = next((found for found in (check(part, start) for part, (start, _) in
+                                                zip(parts, spans, strict=True))
+                            if found is not None), None) if check is not None else None
+            if problem is None:
+                break
+            refused = FormatError(store.uri_of(entry.path), problem)
+            if attempt + 1 == CHECKED_TRIES:
+                raise refused
+            self._count_retry(refused)
         data = dict(zip((a for a, _ in spans), parts, strict=True))
         span_of = iter(spans)
         span = next(span_of)
@@ -280,11 +300,6 @@ class ShardCache:
                 os.replace(temp, final)
             finally:
                 temp.unlink(missing_ok=True)
-        read = sum(stop - start for start, stop in spans)
-        with self._mutex:
-            self.stats.downloads += len(spans)
-            self.stats.downloaded_bytes += read
-            self.stats.ranged_reads += len(spans)
         return read
 
     def _count_retry(self, error: Exception) -> None:
@@ -395,7 +410,9 @@ class ShardCache:
                            "docs/cluster.md sizes it)", self, f"{total:,}")
 
 
-CHECKED_TRIES = 2  # downloads of one object whose copy must match the manifest
+CHECKED_TRIES = 2  # downloads of one object (or range) whose copy must match the manifest
+# checks a range's bytes (data, first byte in the file) -> why they are wrong, or None
+RangeCheck = Callable[[bytes, int], "str | None"]
 
 
 def _mismatch(entry: FileEntry, size: int, digest: str) -> tuple[str, object, object] | None:

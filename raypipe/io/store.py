@@ -248,16 +248,21 @@ class Store:
                              lambda: self._download_once(relative, target), on_retry)
 
     def read_ranges(self, relative: str, ranges: list[tuple[int, int]],
-                    on_retry: Callable[[TransientError], None] | None = None) -> list[bytes]:
+                    on_retry: Callable[[TransientError], None] | None = None,
+                    expected_size: int | None = None) -> list[bytes]:
         """The bytes [start, stop) of a file for each range: one open of the file (on
         object storage a HEAD: pyarrow's S3 file learns its size) and one ranged GET a
         range; a range that comes back short is a TransientError, and the whole read is
-        retried as `retrying` says."""
+        retried as `retrying` says. A file whose size is not `expected_size` (the
+        manifest's) is refused (FormatError naming it): bytes appended or cut."""
         uri = self.uri_of(relative)
 
         def read() -> list[bytes]:
             handle = self._ranged_handle(relative)
             try:
+                if expected_size is not None and handle.size() != expected_size:
+                    raise FormatError(uri, "size differs from the manifest", expected_size,
+                                      handle.size())
                 parts = []
                 for start, stop in ranges:
                     with remote_errors(uri, "read a range of"):
@@ -427,6 +432,9 @@ class _Closing:
 
     def read_at(self, size: int, offset: int) -> bytes:
         return self.handle.read_at(size, offset)
+
+    def size(self) -> int:
+        return self.handle.size()
 
     def close(self) -> None:
         self.handle.close()

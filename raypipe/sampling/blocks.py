@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from raypipe.errors import ConfigError
+from raypipe.io.checksums import UNIT_BYTES
 from raypipe.sampling.lengths import DocumentLengths
 
 WHOLE_SHARDS = 1 << 62  # block_bytes that cuts no shard: one block a shard
@@ -28,6 +29,18 @@ WINDOW_SHARE = 0.5  # of the node cache's budget less the index files: the node'
 HOLD_SHARE = 0.8  # ... and what the node's ranks hold and fetch ahead, all together
 BLOCKS_PER_WINDOW = 16  # block_bytes 0: blocks of about 1/16 of a window ...
 BLOCK_BYTES_RANGE = (16 << 10, 4 << 20)  # ... within these bounds (GET cost vs mixing)
+# block_bytes is a multiple of a shard's checksum unit, so a block is a run of whole units
+# checked as it arrives (raypipe.io.checksums)
+BLOCK_ALIGN = UNIT_BYTES
+
+
+def check_block_bytes(block_bytes: int) -> None:
+    """Refuse a block size that is not a multiple of BLOCK_ALIGN, naming the nearest."""
+    if block_bytes % BLOCK_ALIGN and block_bytes < WHOLE_SHARDS:
+        below = max(block_bytes // BLOCK_ALIGN * BLOCK_ALIGN, BLOCK_ALIGN)
+        raise ConfigError(f"block_bytes: {block_bytes:,} must be a multiple of "
+                          f"{BLOCK_ALIGN:,} (a block is a run of whole checksum units of a "
+                          f"shard's .sums): e.g. {below:,} or {below + BLOCK_ALIGN:,}")
 
 
 @dataclass(frozen=True)
@@ -127,7 +140,8 @@ class WindowBudget:
         """`asked`, or (0) about 1/BLOCKS_PER_WINDOW of a window within BLOCK_BYTES_RANGE;
         a budget whose window holds no block is refused, naming the least budget."""
         low, high = BLOCK_BYTES_RANGE
-        chosen = asked or int(min(max(self.window_bytes // BLOCKS_PER_WINDOW, low), high))
+        fitted = min(max(self.window_bytes // BLOCKS_PER_WINDOW, low), high)
+        chosen = asked or int(fitted // BLOCK_ALIGN * BLOCK_ALIGN)
         if self.window_bytes < chosen:
             raise ConfigError(
                 f"cache_bytes {self.budget_bytes:,} holds no block of {chosen:,} bytes for "

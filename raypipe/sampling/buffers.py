@@ -20,7 +20,6 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from raypipe.dataset import TokenDataset
-from raypipe.io.ranged import BlockTokens
 from raypipe.sampling.pack import RowPieces
 
 RowT = TypeVar("RowT")
@@ -104,10 +103,11 @@ def joined(parts: list[RowPieces]) -> RowPieces:
 
 def shard_array(dataset: TokenDataset, shard: int, attribute: str) -> np.ndarray:
     """One array of a shard's reader as a plain ndarray view (slicing a np.memmap subclass
-    costs ~1 us more per slice); a shard read a block at a time gives its BlockTokens
-    (raypipe.io.ranged: sliced the same way)."""
+    costs ~1 us more per slice); tokens read a block at a time (raypipe.io.ranged) or
+    checked as they are read (raypipe.io.checksums) come as they are, sliced the same way
+    (never copied whole: that would read, and check, every token)."""
     array = getattr(dataset.reader(shard), attribute)
-    if isinstance(array, BlockTokens):
+    if not isinstance(array, np.ndarray):
         return array  # type: ignore[return-value]
     return np.asarray(array).view(np.ndarray)
 

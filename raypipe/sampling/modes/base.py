@@ -32,7 +32,7 @@ from raypipe.io.records import Manifest
 from raypipe.io.store import Store
 from raypipe.knobs import applies, knob
 from raypipe.sampling import state_compat
-from raypipe.sampling.blocks import WHOLE_SHARDS, WindowBudget
+from raypipe.sampling.blocks import WHOLE_SHARDS, WindowBudget, check_block_bytes
 from raypipe.sampling.buffers import (
     BatchBuffers,
     DescribedRows,
@@ -156,7 +156,8 @@ class PlanSpec:
                              applies=("shuffle", "shard_local"))
     block_bytes: int = knob(0, "shuffle windowed: bytes of whole documents a block holds, "
                             "the unit fetched and shuffled (0: about 1/16 of a window, "
-                            "16 KiB to 4 MiB)", applies=("shuffle", "windowed"))
+                            "16 KiB to 4 MiB; a multiple of 4 KiB)",
+                            applies=("shuffle", "windowed"))
     window_blocks: int = knob(0, "shuffle windowed: blocks per window (0: as many as the "
                               "node cache holds, two windows a rank of the node)",
                               applies=("shuffle", "windowed"))
@@ -210,6 +211,7 @@ class PlanSpec:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be >= 0 (0: chosen "
                                   "for the data and the world size)")
+        check_block_bytes(self.block_bytes)
         if self.shuffle == "windowed" and not self.loader_mode.windowed:
             raise ConfigError(f"shuffle='windowed' needs a mode whose rows are documents "
                               f"({', '.join(windowed_modes())}), not {self.mode!r}")
