@@ -562,7 +562,7 @@ class ShardSet:
         starts = np.zeros(reader.num_documents + 1, dtype=np.int64)
         np.cumsum(reader.document_lengths, out=starts[1:])
         sums = self._stream_checksums(index, starts * np.dtype(reader.tokens.dtype).itemsize)
-        reader.tokens = CheckedTokens(reader.tokens, sums)
+        reader.tokens = CheckedTokens(np.asarray(reader.tokens).view(np.ndarray), sums)
 
     def _open_cached(self, index: int, refresh: bool) -> Any:
         """The reader of a shard fetched into the cache. Pins are this process's own, so a

@@ -118,8 +118,12 @@ class StreamChecksums:
         if len(self.bounds) - 1 != len(self.crcs):
             raise FormatError(sums_path, "checksum units for the token file's size",
                               len(self.bounds) - 1, len(self.crcs))
-        self.checked = np.zeros(len(self.crcs), dtype=bool)
-        self.unchecked = len(self.crcs)  # units not checked yet (0: reads go straight)
+        empty = self.bounds[1:] == self.bounds[:-1]  # no document starts in them
+        if self.crcs[empty].any():
+            raise FormatError(sums_path, "an empty checksum unit's CRC-32 is 0", 0,
+                              int(self.crcs[empty][self.crcs[empty] != 0][0]))
+        self.checked = empty.copy()
+        self.unchecked = int((~empty).sum())  # units not checked yet (0: reads go straight)
 
     def units_of(self, first: int, stop: int) -> range:
         """The units whose bytes overlap [first, stop) of the stream."""
@@ -137,25 +141,28 @@ class StreamChecksums:
             if low < first or high > stop:
                 return f"bytes [{first}, {stop}) are not a run of whole checksum units"
             if zlib.crc32(view[low - first:high - first]) != int(self.crcs[unit]):
-                return (f"bytes [{low}, {high}) differ from what the job wrote (CRC-32 of "
-                        f"checksum unit {unit} differs from the .sums file)")
+                return self._differs(unit)
         return None
 
-    def check_span(self, stream: Any, first: int, stop: int) -> None:
+    def _differs(self, unit: int) -> str:
+        return (f"bytes [{int(self.bounds[unit])}, {int(self.bounds[unit + 1])}) differ "
+                f"from what the job wrote (CRC-32 of checksum unit {unit} differs from the "
+                ".sums file)")
+
+    def check_span(self, stream: np.ndarray, first: int, stop: int) -> None:
         """Check each unit overlapping bytes [first, stop) not checked yet, reading it from
-        `stream` (the stream's bytes: a map); refuse the first that differs, naming the
-        file."""
+        `stream` (the stream's bytes, a uint8 map); refuse the first that differs, naming
+        the file."""
         self.check_units(stream, self.units_of(first, stop))
 
-    def check_units(self, stream: Any, units: Any) -> None:
+    def check_units(self, stream: np.ndarray, units: Any) -> None:
         """Check these units not checked yet (`check_span`)."""
         for unit in units:
             if self.checked[unit]:
                 continue
             low, high = int(self.bounds[unit]), int(self.bounds[unit + 1])
-            problem = self.problem(stream[low:high], low)
-            if problem is not None:
-                raise FormatError(self.label, problem)
+            if zlib.crc32(stream[low:high]) != int(self.crcs[unit]):
+                raise FormatError(self.label, self._differs(unit))
             self.checked[unit] = True
             self.unchecked -= 1
 
