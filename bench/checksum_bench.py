@@ -3,7 +3,7 @@ writer's time with and without its checksum units, and a loader's reads of docum
 a checked token map against the plain map, first reads (every unit checked) and repeats.
 
 Printed as ratios against the baseline measured in the same run. Usage:
-    python bench/checksum_bench.py [--tokens 50000000] [--repeats 3]
+    python bench/checksum_bench.py [--tokens 50000000] [--repeats 3] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -66,10 +66,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=50_000_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", default=None, help="where the shard is written "
+                        "(default: a temporary directory)")
     args = parser.parse_args()
     lengths = corpus(args.tokens)
     tokens = np.random.default_rng(1).integers(0, 50_000, int(lengths.sum()), dtype=np.uint32)
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         root = Path(workdir)
         total = best(lambda: write_shard(root / "w", tokens, lengths), args.repeats)
         alone = best(lambda: sums_alone(tokens, lengths), args.repeats)

@@ -168,3 +168,13 @@ def test_the_megatron_race_judges_the_fixed_cost_round_by_round(tmp_path, capsys
                    if line.startswith("RAYPIPE, CLUSTER"))
     assert "+0.60 s above the floor" in verdict and "(+0.50, +0.60, +0.70;" in verdict
     assert "of the medians +0.70" in verdict and verdict.endswith("PASS")
+
+
+def test_the_checksum_benchmark_runs_at_a_tiny_size(tmp_path):
+    done = subprocess.run([sys.executable, "bench/checksum_bench.py", "--tokens", "200000",
+                           "--repeats", "1", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[1].startswith("writer:") and "x the writer without them" in lines[1]
+    assert [line.split(":")[0] for line in lines[2:]] == ["reads in order", "reads shuffled"]
