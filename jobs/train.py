@@ -34,7 +34,7 @@ from raypipe.cli import (  # noqa: E402
 from raypipe.errors import RaypipeError, StateError  # noqa: E402
 from raypipe.examples.gpt_train import fit, newest_checkpoint, open_loaders  # noqa: E402
 from raypipe.io.paths import check_lasting_location  # noqa: E402
-from raypipe.tools.trace import document_names  # noqa: E402
+from raypipe.provenance.rows import document_names  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -153,3 +153,19 @@ def test_the_training_job_takes_every_loader_knob_from_the_generated_flags():
     assert not missing, missing
     text = (ROOT / "jobs/train.py").read_text()
     assert not re.search(r"add_argument\(\s*\"--(?:mode|seed|shuffle|split)\"", text)
+
+
+def test_importing_the_loader_loads_no_module_of_the_tokenize_side_or_the_tools():
+    """The two wings are joined only by files: a training process that imports the loader
+    imports nothing of preprocess/ or tools/ (import-linter checks the imports; this, what
+    a fresh interpreter actually loads)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, raypipe.loader; "
+            "print(*sorted(m for m in sys.modules if m.startswith('raypipe')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, cwd=ROOT).stdout.split()
+    assert "raypipe.loader.token_loader" in loaded
+    assert [m for m in loaded if m.startswith(("raypipe.preprocess", "raypipe.tools"))] == []
+

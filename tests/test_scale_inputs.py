@@ -23,8 +23,8 @@ from raypipe.io.store import Store
 from raypipe.preprocess.inputs import find_inputs
 from raypipe.preprocess.job import run_job
 from raypipe.preprocess.planning import GROUP_FILES, file_groups, plan_inputs
+from raypipe.provenance.rows import InputRows
 from raypipe.tools.inspect import list_rejects
-from raypipe.tools.trace import InputRows
 from tests.conftest import write_parquet
 
 UNIT_BYTES = 16 << 10

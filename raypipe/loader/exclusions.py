@@ -8,7 +8,7 @@ on an output that gained units numbers its documents as it did: raypipe.sampling
 from the step the run stands at when it first serves a batch or gives its state, or at the
 step a state resumes (the run records each exclusion: raypipe.sampling.exclusions), so a
 loader resumed with the same names excludes nothing twice. Cost: the resolution's
-(raypipe.tools.trace.DocumentsByName), once per resume.
+(raypipe.provenance.rows.DocumentsByName), once per resume.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.errors import ConfigError
-from raypipe.tools.trace import DocumentName, DocumentsByName, document_names
+from raypipe.provenance.rows import DocumentName, DocumentsByName, document_names
 
 logger = logging.getLogger("raypipe")
 Resolved = dict[str | None, tuple[np.ndarray, int, int]]  # source -> (documents, named, none)

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from raypipe.errors import ConfigError
+from raypipe.provenance.rows import DocumentName
 from raypipe.sampling.modes import PlanSpec, metadata_modes
-from raypipe.tools.trace import DocumentName
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class LoaderOptions:
     seq_len by step (instead of seq_len; by tokens trained:
     raypipe.sampling.schedule.seq_len_stages_by_tokens). `exclude`: documents left out
     from where the loader starts or resumes on (numbers, "<input>:<row>" or `raypipe
-    trace` records, or a file of them, one a line: raypipe.tools.trace.DocumentsByName),
+    trace` records, or a file of them, one a line: raypipe.provenance.rows.DocumentsByName),
     recorded in its state (raypipe.sampling.exclusions). `units_join`: where units the
     output gained (found on a resume, or while following a running job) are served:
     "epoch" (the default: shuffled into the rest of the epoch in progress) or "next_epoch"

@@ -33,6 +33,7 @@ import pyarrow as pa
 
 from raypipe.errors import InputError
 from raypipe.io.filesystem import filesystem_and_path
+from raypipe.io.lines import lines_before
 from raypipe.io.records import WorkUnit
 
 COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd"}
@@ -249,22 +250,6 @@ def _read(stream: Any, size: int, uri: str, offset: int) -> bytes:
     except (OSError, EOFError, pa.ArrowException) as exc:
         at = "decompressed byte" if compression_of(uri) else "byte"
         raise InputError(f"{uri}: cannot be read past {at} {offset}: {exc}") from None
-
-
-def lines_before(uri: str, offset: int) -> int:
-    """How many lines of the file start before byte `offset` (0 for a whole-file unit)."""
-    if offset == 0:
-        return 0
-    count = 0
-    with _open_stream(uri) as stream:
-        remaining = offset
-        while remaining > 0:
-            chunk = stream.read(min(READ_BYTES, remaining))
-            if not chunk:
-                break
-            count += chunk.count(b"\n")
-            remaining -= len(chunk)
-    return count
 
 
 def _parse(line: bytes, where: Any, number: int) -> dict[str, Any] | None:

@@ -32,6 +32,7 @@ from raypipe import _faults as faults
 from raypipe.config import BUILT_IN_METADATA_FIELDS, TokenizeConfig
 from raypipe.errors import InputError, bad_input
 from raypipe.formats import DocumentMetadata, document_format
+from raypipe.io.lines import file_first_row
 from raypipe.io.manifest import write_unit_record
 from raypipe.io.records import BadFile, Reject, TokenizerInfo, UnitRecord, WorkUnit
 from raypipe.io.staging import Staging
@@ -338,12 +339,6 @@ class UnitRejects:
         base = self.file_rows[member.name] + first_row
         self.named += [Reject(member.uri, base + row, reason)
                        for row, reason in zip(gone.tolist(), reasons(gone), strict=True)]
-
-
-def file_first_row(unit: WorkUnit) -> int:
-    """The row of its file a file unit starts at (a JSON-lines byte range: its lines
-    before, counted by one read of the file's prefix)."""
-    return unit.first_row if unit.first_row >= 0 else LineLocator(unit).first_row()
 
 
 @dataclass
