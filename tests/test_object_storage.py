@@ -739,3 +739,46 @@ def test_a_token_object_changed_on_the_bucket_is_refused_before_an_altered_block
     assert refused is not None and store.uri_of(victim) in str(refused)
     assert "\n" not in str(refused) and loader.cache_stats.ranged_reads > 0
     assert served == clean[:len(served)] and len(served) < len(clean)
+
+
+def test_a_mixture_with_one_source_on_a_bucket_sizes_its_blocks_for_the_bucket_cache(
+        bucket, token_dataset, rich_dataset, tmp_path):
+    """One source on a bucket, one local, a small cache: `auto` windows both, over blocks
+    sized for the bucket source's cache (the local source's budget sized them for 64 GiB
+    before, and the bucket source refused them); the batches are those of the same
+    mixture over a local copy under the same knobs, and the cache holds within budget."""
+    import itertools
+
+    from raypipe.loader import open_loader
+
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    knobs = {"weights": {"web": 0.6, "code": 0.4}, "mode": "bestfit", "seed": 3,
+             "cache_bytes": 1 << 20}
+    loader = open_loader({"web": uri, "code": str(rich_dataset)}, 32, 4,
+                         cache_dir=tmp_path / "c", **knobs)
+    served = [batch.inputs.numpy().tobytes() for batch in itertools.islice(loader, 80)]
+    resolved = loader.state_dict()["knobs"]
+    stats = loader.stats
+    local = open_loader({"web": str(token_dataset), "code": str(rich_dataset)}, 32, 4,
+                        shuffle="windowed", **knobs)
+    assert [batch.inputs.numpy().tobytes() for batch in itertools.islice(local, 80)] == served
+    assert resolved["shuffle"] == "windowed" and resolved["block_bytes"] <= 64 << 10
+    assert stats.cache.ranged_reads > 0 and stats.used_bytes <= stats.budget_bytes
+
+
+def test_two_mixture_sources_on_buckets_share_the_node_cache_in_equal_parts(
+        bucket, token_dataset, tmp_path):
+    """Two sources on object storage, one node cache: each source's windows are sized for
+    half of it (their windows are read side by side), so one source alone resolves windows
+    twice as long as the mixture's."""
+    from raypipe.loader import open_loader
+
+    upload_tree(token_dataset, f"s3://{bucket}/a")
+    upload_tree(token_dataset, f"s3://{bucket}/b")
+    knobs = {"mode": "bestfit", "cache_bytes": 2 << 20, "cache_dir": tmp_path / "c",
+             "block_bytes": 4096}
+    alone = TokenLoader(f"s3://{bucket}/a", 32, 4, **knobs).state_dict()["knobs"]
+    both = open_loader({"a": f"s3://{bucket}/a", "b": f"s3://{bucket}/b"}, 32, 4,
+                       **knobs).state_dict()["knobs"]
+    assert both["window_blocks"] * 2 <= alone["window_blocks"] + 1

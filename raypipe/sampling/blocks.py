@@ -116,12 +116,20 @@ class WindowBudget:
     # the data's shards can be read a block at a time (its format finds a block's bytes
     # from its index, and it has no loss-mask sidecar); else block_bytes 0 is whole shards
     ranged: bool = True
+    # datasets whose windows share the node cache (a mixture's sources on object storage):
+    # each has an equal part of it
+    sources: int = 1
+
+    @property
+    def readers(self) -> int:
+        """Windowed readers sharing the cache: each rank of the node, for each source."""
+        return self.node_ranks * self.sources
 
     @property
     def window_bytes(self) -> int:
         """The bytes one window may hold."""
         usable = (self.budget_bytes - self.index_bytes) * WINDOW_SHARE
-        return max(int(usable // (self.node_ranks * WINDOWS_HELD)), 0)
+        return max(int(usable // (self.readers * WINDOWS_HELD)), 0)
 
     @property
     def hold_bytes(self) -> int:
@@ -129,11 +137,11 @@ class WindowBudget:
         the index files leave (the windows are half; reading ahead may reach into later
         windows while the link's latency needs it)."""
         return max(int((self.budget_bytes - self.index_bytes) * HOLD_SHARE
-                       // self.node_ranks), 0)
+                       // self.readers), 0)
 
     def least_budget(self, block_bytes: int) -> int:
         """The least budget whose windows hold one block of `block_bytes`."""
-        return self.index_bytes + int(np.ceil(block_bytes * self.node_ranks * WINDOWS_HELD
+        return self.index_bytes + int(np.ceil(block_bytes * self.readers * WINDOWS_HELD
                                               / WINDOW_SHARE))
 
     def block_bytes(self, asked: int) -> int:
@@ -145,11 +153,15 @@ class WindowBudget:
         if self.window_bytes < chosen:
             raise ConfigError(
                 f"cache_bytes {self.budget_bytes:,} holds no block of {chosen:,} bytes for "
-                f"each of the node's {self.node_ranks} rank(s) (two windows a rank in "
+                f"each of the node's {self.node_ranks} rank(s){self._of_sources()} (two "
+                "windows a rank in "
                 f"{WINDOW_SHARE:.0%} of what {self.index_bytes:,} bytes of index files "
                 f"leave): give cache_bytes >= {self.least_budget(chosen):,}, or a smaller "
                 "block_bytes")
         return chosen
+
+    def _of_sources(self) -> str:
+        return "" if self.sources == 1 else f" and {self.sources} sources on object storage"
 
     def window_blocks(self, block_bytes: int) -> int:
         """The most blocks of `block_bytes` a window holds (at least one; a lane's blocks

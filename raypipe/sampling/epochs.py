@@ -193,12 +193,13 @@ class EpochPlans:
 
 
 def window_budget(dataset: TokenDataset | BatchDataset,
-                  budget_bytes: int | str | None = None) -> WindowBudget:
+                  budget_bytes: int | str | None = None, sources: int = 1) -> WindowBudget:
     """What sizes a windowed shuffle's windows for `dataset`: the node cache's budget (its
     cache's, else as configured), the node's ranks (LOCAL_WORLD_SIZE, as torchrun and Ray
     Train set it), the bytes of its index files (every rank reads them all), and whether
     a block of a shard can be read alone (the same on local disk as on a bucket, so a
-    local copy resolves the blocks a bucket run does)."""
+    local copy resolves the blocks a bucket run does); `sources`: the datasets on object
+    storage whose windows share the cache (a mixture's)."""
     suffixes = tuple(getattr(dataset.format, "index_suffixes", ()))
     index = sum(entry.bytes for shard in dataset.shards for entry in shard.files
                 if suffixes and entry.path.endswith(suffixes))
@@ -206,7 +207,7 @@ def window_budget(dataset: TokenDataset | BatchDataset,
               else configured_budget(budget_bytes))
     ranged = (getattr(dataset.format, "tokens_at", None) is not None
               and not getattr(dataset, "has_loss_mask", False))
-    return WindowBudget(budget, node_ranks(), index, ranged)
+    return WindowBudget(budget, node_ranks(), index, ranged, sources)
 
 
 def node_ranks() -> int:
@@ -225,7 +226,7 @@ class PlannedDataset:
                  memo: SumsMemo | None = None, schedule: BatchSchedule | None = None,
                  served_from: tuple[tuple[int, int], ...] = (),
                  joins: tuple[tuple[int, int], ...] = (),
-                 budget_bytes: int | str | None = None):
+                 budget_bytes: int | str | None = None, budget_sources: int = 1):
         """`memo`: where plan arrays are kept (default: once per node, `node_memo`);
         `schedule`: the global batch of each step (default: W x `batch_size` every step);
         `served_from`: ((first epoch, documents it and the later ones serve), ...) of a
@@ -233,11 +234,13 @@ class PlannedDataset:
         ((step, documents served from it), ...) where added units joined the epoch in
         progress (each begins a phase: raypipe.sampling.schedule); `budget_bytes`: the
         node cache's, which sizes a windowed shuffle's blocks (a local dataset's too, so a
-        local copy cuts the blocks a bucket run does; default as the cache's)."""
+        local copy cuts the blocks a bucket run does; default as the cache's), shared by
+        `budget_sources` datasets on object storage (a mixture's)."""
         self.dataset = dataset
+        self.budget_bytes, self.budget_sources = budget_bytes, budget_sources
         self.served_from, self.joins = served_from, joins
         self.spec = spec = spec.for_storage(dataset.cache is None).for_world(
-            world_size).for_budget(window_budget(dataset, budget_bytes))
+            world_size).for_budget(window_budget(dataset, budget_bytes, budget_sources))
         self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
         schedule = replace(schedule or BatchSchedule.constant(self.global_batch),
                            join_starts=tuple(step for step, _ in joins))
@@ -257,6 +260,22 @@ class PlannedDataset:
                                 self.global_batch, memo or self.node_memo, batch_size,
                                 self.shard_documents(), self.exclusions, self.served_in)
         self.fetch_blocks()
+
+    def replanned(self, spec: PlanSpec, data: Any = None) -> PlannedDataset:
+        """This run's planned data under `spec` (a shuffle adopted), or its `data` changed
+        (a RunData: units joined, a manifest grown): the same world, schedule, cache and
+        budget; the exclusions made so far carried over."""
+        dataset = self.dataset if data is None else data.dataset
+        served_from = self.served_from if data is None else data.served_from
+        joins = self.joins if data is None else data.joins
+        planned = PlannedDataset(dataset, spec, self.world_size, self.batch_size,
+                                 self.cache_dir, schedule=self.schedule,
+                                 served_from=served_from, joins=joins,
+                                 budget_bytes=self.budget_bytes,
+                                 budget_sources=self.budget_sources)
+        for record in self.exclusions.records:  # (their steps are in the schedule)
+            planned.exclusions.adopt(record)
+        return planned
 
     def fetch_blocks(self) -> None:
         """On object storage under a windowed shuffle of blocks, the dataset fetches the
@@ -308,13 +327,14 @@ class PlannedDataset:
              cache_bytes: int | str | None = None, memo: SumsMemo | None = None,
              batch_schedule: list[tuple[int, int]] | None = None,
              seq_len_schedule: list[tuple[int, int]] | None = None,
-             manifest: Manifest | None = None) -> PlannedDataset:
+             manifest: Manifest | None = None, budget_sources: int = 1) -> PlannedDataset:
         """Open `path` (a directory or URI: shards through the node cache) for `spec`; a
         pre-formed dataset fixes seq_len and batch_size (0 / None take its own).
         `batch_schedule`: [(first step, global batch), ...] instead of `batch_size` (rows
         per rank: its largest stage's, for the buffers); `seq_len_schedule`: [(first step,
         seq_len), ...] (the spec's seq_len: its first stage's); `manifest`: the output's to
-        open (default: its manifest.json; a running job's: raypipe.io.live)."""
+        open (default: its manifest.json; a running job's: raypipe.io.live);
+        `budget_sources`: datasets on object storage sharing the node cache (a mixture's)."""
         if seq_len_schedule:
             spec = replace(spec, seq_len=int(seq_len_schedule[0][1]))
         if batch_schedule and spec.split == "validation":
@@ -332,7 +352,7 @@ class PlannedDataset:
             schedule = (schedule or BatchSchedule.constant(world_size * batch_size)
                         ).with_seq_lens(seq_len_schedule)
         return cls(dataset, spec, world_size, batch_size, cache_dir, memo, schedule,
-                   budget_bytes=cache_bytes)
+                   budget_bytes=cache_bytes, budget_sources=budget_sources)
 
     @property
     def seq_len(self) -> int:

@@ -35,6 +35,7 @@ from raypipe.io.states import (
     SourceChange,
     SourcePosition,
 )
+from raypipe.io.store import Store
 from raypipe.sampling.buffers import DescribedRows
 from raypipe.sampling.epochs import PlanSpec
 from raypipe.sampling.mixture import (
@@ -114,16 +115,21 @@ class MixtureRun:
                               f"{spec.mode!r} (pre-formed batches) cannot be mixed")
         scheduled, batch_size = batch_shape(batch_size, batch_schedule, world_size)
         names = sorted(paths)
+        remote = [not Store(paths[name]).local for name in names]
         sources = [Run.open(paths[name], spec, 1, batch_size, rank=rank,
-                            manifest=(manifests or {}).get(name), **source_options)
+                            manifest=(manifests or {}).get(name),
+                            budget_sources=max(sum(remote), 1), **source_options)
                    for name in names]  # (each logs on the mixture's rank 0 alone)
         if spec.shuffle == "auto" and len({source.spec.shuffle for source in sources}) > 1:
             for source in sources:  # one shuffle for all: a state records one set of knobs
                 source.use_shuffle("windowed", source.shuffle_layout,
                                    "as another source of the mixture is on object storage")
-        for source in sources[1:]:  # ... and one layout: the first source's
-            source.use_shuffle(source.spec.shuffle, sources[0].shuffle_layout,
-                               "as the mixture's first source resolved it")
+        # ... and one layout: the first source on object storage resolved it for its part
+        # of the node cache (else the first source)
+        first = sources[remote.index(True) if any(remote) else 0]
+        for source in sources:
+            source.use_shuffle(source.spec.shuffle, first.shuffle_layout,
+                               f"as the mixture's source {first.dataset.root} resolved it")
         check_tokenizers(names, sources)
         batches = (scheduled or BatchSchedule.constant(world_size * sources[0].batch_size)
                    ).with_seq_lens(list(seq_len_schedule or [])

@@ -156,12 +156,12 @@ class Run:
              cache_dir: str | Path | None = None, cache_bytes: int | str | None = None,
              batch_schedule: Any = None, seq_len_schedule: Any = None, pad_id: int = 0,
              boundaries: bool | None = None, units_join: str = "epoch",
-             manifest: Any = None) -> Run:
+             manifest: Any = None, budget_sources: int = 1) -> Run:
         planned = PlannedDataset.open(path, spec, world_size, batch_size, format_name,
                                       cache_dir, cache_bytes,
                                       batch_schedule=list(batch_schedule or []),
                                       seq_len_schedule=list(seq_len_schedule or []),
-                                      manifest=manifest)
+                                      manifest=manifest, budget_sources=budget_sources)
         return cls(planned, spec, rank, pad_id, boundaries, units_join)
 
     @property
@@ -485,12 +485,7 @@ class Run:
     def use_data(self, data: RunData) -> None:
         """Plan `data` from now on, under the run's schedule and exclusions."""
         before, self.data = self.planned, data
-        self.planned = PlannedDataset(data.dataset, before.spec, self.world_size,
-                                      self.batch_size, before.cache_dir,
-                                      schedule=before.schedule, served_from=data.served_from,
-                                      joins=data.joins)
-        for record in before.exclusions.records:  # (their steps are in the schedule)
-            self.planned.exclusions.adopt(record)
+        self.planned = before.replanned(before.spec, data)
         if before.dataset is not data.dataset:
             before.dataset.close()  # its open shards, and fetches in flight
 
@@ -580,13 +575,7 @@ class Run:
         if wanted == spec:
             return
         resolved = describe_shuffle(spec)
-        before = self.planned
-        self.planned = PlannedDataset(
-            self.dataset, wanted, self.world_size, self.batch_size,
-            before.cache_dir, schedule=before.schedule, served_from=before.served_from,
-            joins=before.joins)
-        for record in before.exclusions.records:  # (their steps are in the schedule)
-            self.planned.exclusions.adopt(record)
+        self.planned = self.planned.replanned(wanted)
         if self.rank == 0:
             logger.info("%s: shuffle %s, %s (auto resolved it to %s)", self.dataset.root,
                         describe_shuffle(self.spec), why, resolved)
