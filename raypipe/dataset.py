@@ -8,8 +8,8 @@ manifest (and checks each shard's file names, ~1 us a file), and any number of o
 fits under a small open-file limit. The root may be a local directory or a URI
 (raypipe.io.store): over object storage a shard opens from the node-local cache
 (raypipe.io.cache) once its files arrived checked, and document lengths come from index files
-alone where the format has them. Cost of `document_lengths()`: one pass over each shard's
-index (Megatron .idx / NanoGPT .bos.idx), ~1 ms per million documents, plus on object
+alone where the format has them. Cost of `document_lengths()`: one pass over each shard's index
+(Megatron .idx / NanoGPT .bos.idx), plus on object
 storage one download of each index (~1% of the shard's bytes for Megatron). The dataset
 opener (`open_format`, `open_kind`, `open_source`) picks the dataset class by the kind of
 format (`DATASET_KINDS`: one dict lookup) and reads the manifest once when not given it.

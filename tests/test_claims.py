@@ -169,3 +169,22 @@ def test_importing_the_loader_loads_no_module_of_the_tokenize_side_or_the_tools(
     assert "raypipe.loader.token_loader" in loaded
     assert [m for m in loaded if m.startswith(("raypipe.preprocess", "raypipe.tools"))] == []
 
+
+MEASURED = re.compile(r"(?<![\w.])~?\d[\d,]*(?:\.\d+)?(?:\s?(?:ms|us|µs|ns|s|GB/s|MB/s|GiB/s"
+                      r"|M tokens/s|M/s)|x)(?![\w/])")
+
+
+def test_no_docstring_holds_more_than_one_measured_figure():
+    """A docstring says what and why with one cost figure at most; measurements belong in
+    docs/benchmarks.md (a figure: a number with a unit of time, of rate, or a ratio)."""
+    crowded = []
+    for path in sorted((ROOT / "raypipe").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef |
+                          ast.ClassDef):
+                figures = MEASURED.findall(ast.get_docstring(node, clean=False) or "")
+                if len(figures) > 1:
+                    crowded.append(f"{path.relative_to(ROOT)}:{getattr(node, 'name', '')} "
+                                   f"{figures}")
+    assert crowded == []
+

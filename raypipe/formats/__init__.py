@@ -6,8 +6,7 @@ package but `base` is a format and is imported here (as the loader modes are), s
 format is one new file. A format of another package is a plugin: its distribution names the
 module that registers it under the entry-point group `raypipe.formats`
 (`[project.entry-points."raypipe.formats"] mine = "my_package.my_format"`), imported here
-after the built-in ones (the scan, once per process: 4-7 ms measured warm in a venv of 164
-distributions, ~76 ms cold)."""
+after the built-in ones (the scan, once per process: 4-7 ms warm in a venv of 164 distributions)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ leaves either nothing or a hidden temp file under the final name's directory, wh
 `.x.tmp` is never touched). `HashedTempFile` computes a file's size and sha256 while it is
 written, so committing a shard never reads it back. Cost: one fsync per file and per
 directory (a few ms each on local disk), negligible against shard sizes of MBs to GBs;
-sha256 on the write path runs at ~1 GB/s, far above the tokenizer's ~10 MB/s.
+sha256 on the write path runs at ~1 GB/s, far above any tokenizer's rate.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ size and sha256 equal the manifest's (written to a hidden temp name, checked, re
 copy that differs is downloaded once more, and an object that differs again is refused
 with a FormatError naming its URI, nothing cached. A byte range of a file (a block of a
 shard: `fetch_ranges`) is a file of its own, `<file>.range-<start>-<stop>`, that appears
-only whole and of its length (the manifest has no checksum for it); a process evicts after
+only whole, of its length and, where the shard has a `.sums`, with every checksum unit it
+holds checked (raypipe.io.checksums); a process evicts after
 every EVICT_SHARE of the budget it downloads in ranges, so the cache may pass its budget by
 that much a process. A
 dataset version has a directory of its own (`<cache>/<key>/`, key = hash of the URI and the
@@ -22,10 +23,9 @@ file still go (a process that pinned it after the list was read, or one in anoth
 namespace), one fetched and not yet opened is fetched again when it opens
 (`lost_before_open` counts them), and one mapped stays readable (POSIX keeps its data until
 it is unmapped). Cost: a hit is one stat and one utime (~5 us); a miss one download plus a
-sha256 pass (~1 GB/s) and one directory walk for eviction (~1 ms per 1,000 cached files)
-plus a read of each live process's pin list (~30 us for one of 40 files); a change of this
-process's pins (a shard fetched, opened or closed: never per batch) one small file written
-under the eviction lock (~0.3 ms measured).
+sha256 pass, one directory walk for eviction and a read of each live process's pin list; a
+change of this process's pins (a shard fetched, opened or closed: never per batch) one
+small file written under the eviction lock (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Invariant: `map_threads` returns `work`'s results in the order of `items`, and raises the
 first error in that order, so a caller behaves as its serial loop did. Requests to object
-storage spend their 20-50 ms waiting, not computing: THREADS of them in flight make 2,000
-footer reads or record reads take about 2,000 x 30 ms / 32 = 2 s instead of a minute.
-Cost: a thread pool per call (~1 ms), nothing for one item.
+storage spend their time waiting, not computing, so THREADS of them in flight divide a
+serial loop's time by about THREADS. Cost: a thread pool per call (~1 ms), nothing for one
+item.
 """
 
 from __future__ import annotations

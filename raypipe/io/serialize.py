@@ -2,8 +2,8 @@
 
 Invariant: `loads(dumps(record)) == record` for JSON-compatible records; values JSON cannot
 hold (dates, decimals, bytes) are stored as their `str()`; `loads_many` parses a window's
-consecutive records in one call. Cost (measured, small records): JSON ~4 us per record one by
-one, ~1 us each through `loads_many`; msgpack (when installed) less.
+consecutive records in one call. Cost (measured, small records): JSON ~1 us a record through
+`loads_many` (a few times that one by one); msgpack (when installed) less.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ them): `view_manifest` is the manifest of the output's units in that order, shar
 totals with them, so every earlier document keeps its number and every file is checked as
 the manifest's own; a unit whose files differ from the kept digests is named as rewritten.
 Cost, on the driver when a job writes its manifest: one small JSON file (~40 bytes a unit,
-and 19 a unit per format for its digest), 8.7 us a unit per format to digest (measured at
-10^5 units: ~9 s per format at 10^6), plus a read of the manifest a rerun replaces; a view
-is O(units + shards) in memory, 4.2 us a unit, built once per loader that needs it.
+and 19 a unit per format for its digest), 8.7 us a unit per format to digest, plus a read
+of the manifest a rerun replaces; a view is O(units + shards) in memory, built once per
+loader that needs it.
 """
 
 from __future__ import annotations

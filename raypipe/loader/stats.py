@@ -6,7 +6,7 @@ training thread was blocked taking it from the prefetch queue (a handoff of seve
 batches counts its wait on its first batch, 0 on the others), so the waits add up to
 the time training stood still for data. The first batch (the cold start: opening shards,
 planning the epoch) is kept apart. Waits are counted in a log-spaced histogram (4 bins an
-octave from 1 us to ~4,600 s), so a quantile is within 19% of the true value and the
+octave, 64 bins from a microsecond up), so a quantile is within 19% of the true value and the
 memory is fixed (64 counters) however long the run. A wait past SLOW_WAIT_SECONDS is
 logged (at most once a minute) with what the loader's cache was doing. Cost: two clock
 reads and one histogram increment per batch (~1 us).

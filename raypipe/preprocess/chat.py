@@ -25,7 +25,8 @@ trimmed offsets included); a literal typed in a message (`text` policy) is encod
 Cost: one render and one encode call per conversation (`text`: one per piece between
 marked tokens). Measured (bench/chat_bench.py, 20,000 conversations, GPT-2 + ChatML, one
 core): gigatoken 2.9x a transformers `apply_chat_template(..., return_assistant_tokens_mask
-=True)` loop, every conversation's ids and mask equal; `tokenizers` with offsets: 0.76x.
+=True)` loop, every conversation's ids and mask equal (`tokenizers` with offsets:
+docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -449,7 +449,7 @@ def unreadable_members(unit: WorkUnit, columns: list[str], text_first: bool = Tr
     work, so a garbage file fails the unit before its good files are tokenized (and a rerun
     reads nothing twice), naming every such member at once. A damaged page behind a sound
     footer is found only when read. Cost: locally ~50 us a small parquet file, one after
-    another (32 threads cost ~2x that in hand-offs); on object storage a footer read a file,
+    another (32 threads cost more in hand-offs); on object storage a footer read a file,
     32 in flight."""
     def problem(member: WorkUnit) -> InputError | None:
         try:

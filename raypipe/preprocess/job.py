@@ -10,8 +10,8 @@ unless `overwrite` (raypipe.preprocess.output), (5) runs every unit without a va
 record on its `UnitRunner` (Ray Data in raypipe.ray, always: the driver tokenizes nothing
 itself), while the encoder's self-check (~1 s) overlaps the runner's start-up (a file job
 whose output has no manifest, so work whatever the plan, plans on another thread while Ray
-starts; measured on 2 cores, where Ray's start is CPU-bound, this gains nothing, 4.0-4.2 s
-to Ray up either way: it pays where planning waits on a bucket's listing and footers), (6)
+starts: on 2 cores, where Ray's start is CPU-bound, this gains nothing; it pays where planning
+waits on a bucket's listing and footers), (6)
 writes `manifest.json` last. Rerunning a finished file job launches nothing, starts no Ray
 and rewrites nothing. Units of an earlier run that the source no longer yields are removed
 once the manifest is written (counted in the summary). Cost: the source's commit checks,

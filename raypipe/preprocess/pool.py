@@ -18,8 +18,8 @@ memory) is replaced and its unit run again; a unit that killed its worker UNIT_R
 times fails the job naming its file and rows, as on Ray. The first bad unit stops new
 units; those in flight finish and commit before it is raised.
 Cost on the driver: one frame out and one in per unit (a record's pickle: ~1.4 KB, ~35 us
-to pickle and unpickle) and one `select` wake-up; per worker, its interpreter's start
-(~0.5 s of imports on 2 cores, overlapping the plan), the settings' frame and, while the
+to pickle and unpickle) and one `select` wake-up; per worker, its interpreter's start (its
+imports overlap the plan), the settings' frame and, while the
 check runs, a Warmup frame (each holds the tokenizer's JSON: 1-10 MB). Measured on 2
 cores: see docs/benchmarks.md ("A job without Ray").
 """

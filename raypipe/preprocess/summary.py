@@ -7,8 +7,8 @@ summary (skipped rows by reason, the first of them named in the unit records and
 over; empty input files; batch formats' cropped, padded and dropped tokens), next to what
 ran (units run, retried, already committed) and how long it took, Ray's start-up (or the
 local workers') on a line of its own. Cost: built once from the manifest's totals and the
-records, on the driver; `empty_files` walks each record and each group's members once (~1 us
-a file: ~1 s at 10^6 files).
+records, on the driver; `empty_files` walks each record and each group's members once (~1 us a
+file).
 """
 
 from __future__ import annotations

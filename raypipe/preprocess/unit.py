@@ -9,8 +9,8 @@ For the stream format each document carries a metadata record (source file, row,
 chosen columns) and each character span of `span_column` a record of its own, mapped to
 the tokens whose characters overlap it. A group unit reads its files in order, read ahead
 on threads (at most 32 files and 64 MB held: raypipe.preprocess.inputs.prefetched); plain
-text of consecutive parquet files fills one encode call (~0.4 ms a file besides
-tokenizing, against ~2.3 ms file by file). Every skipped row is counted by reason, and the
+text of consecutive parquet files fills one encode call (~0.4 ms a file besides tokenizing,
+several times less than an encode call a file). Every skipped row is counted by reason, and the
 first REJECTS_KEPT of a unit are named in its record (file, row, reason). Nothing here runs
 on the driver: its cost per unit is the record it receives.
 """

@@ -13,30 +13,24 @@ raypipe.ray.unit_tasks: what the tasks run, without the driver's modules), so a 
 the tokenizer once a job, and once a session where the session's jobs encode alike
 (adopting the tiktoken conversion the driver made for its self-check, both read from one
 object-store copy); it encodes with one thread; token arrays never cross the object store.
-Measured on a warm 2-CPU session, 8-block no-op maps: 1.4-2.7 s a job on a 2-actor pool
-(its actors start new worker processes), 0.19-0.30 s on tasks; the tests' Ray Data jobs,
-one session: a rerun of committed blocks 27.0 s -> 6.7 s, the CLI and job script test 7.7 s
--> 1.4 s. A job's first task in a fresh driver (a `ray job submit`) starts as an actor did:
-measured against a running 2-CPU cluster, 4 fresh drivers each, a no-op map to its first
-record 1.7-1.8 s after `ray.init` on actors, 2.0-2.2 s on tasks; on a fresh local Ray, 3
-each, 3.0-3.7 s on either. A job's head start: as the runner connects, one task
-(`warm_up_worker`, with a map task's resources) starts a worker process that imports Ray
-Data and builds the encoder of the settings the self-check most likely returns (published
-at the ledger once the job is planned), and the Dataset launches once it is done (at most
-HEAD_START_WAIT_S), so the first map task takes that process ready; it came up while the
-driver planned, imported Ray Data and self-checked (measured on a running 2-CPU cluster,
-GPT-2 on 100 MB, 8 rounds alternating: the first unit 5.86 s -> 4.79 s after the process's
-start, Ray's floor ~4.0 s; the second worker starts later, ~0.3 s of that job's wall; its
-cost on the driver is per job: one task, one `ray.put` of the likely settings, two ledger
-calls, nothing per unit). The tasks start while the driver's self-check still runs: each
-waits for the job's settings at the ledger, where the driver publishes them (or the check's
-failure, which fails the job with the check's own error) once the check ends. A user's
-Dataset runs once, as the job: no `take_batch` or schema fetch runs it before (measured on
-a 2-CPU local Ray, a 900-row parquet Dataset repartitioned into 6 blocks, 3 jobs each:
-8.4-11.4 s a job with such a first execution, 5.4-6.9 s without); its self-check rows are
-the first rows of the first block a map task is about to tokenize, offered to the driver at
-the ledger (per job: an offer a worker process, the first kept, each at most 4,096 rows or
-~512 KB, and one `ray.put` of the committed block names; nothing per unit on the driver).
+Tasks, not actors, because a pool's actors start new worker processes each job (a job's
+fixed cost on tasks: 0.19-0.30 s, several times less; docs/benchmarks.md, "Measurements
+from the code's docstrings").
+
+A job's head start: as the runner connects, one task (`warm_up_worker`, with a map task's
+resources) starts a worker process that imports Ray Data and builds the encoder of the
+settings the self-check most likely returns (published at the ledger once the job is
+planned), and the Dataset launches once it is done (at most HEAD_START_WAIT_S), so the
+first map task takes that process ready; its cost on the driver is per job: one task, one
+`ray.put` of the likely settings, two ledger calls, nothing per unit. The tasks start while
+the driver's self-check still runs: each waits for the job's settings at the ledger, where
+the driver publishes them (or the check's failure, which fails the job with the check's own
+error) once the check ends. A user's Dataset runs once, as the job: no `take_batch` or
+schema fetch runs it before; its self-check rows are the first rows of the first block a
+map task is about to tokenize, offered to the driver at the ledger (per job: an offer a
+worker process, the first kept, each at most 4,096 rows or ~512 KB, and one `ray.put` of
+the committed block names; nothing per unit on the driver).
+
 Ray runs a task again when its worker died; the cluster's `UnitLedger` actor
 (raypipe.ray.ledger) counts every unit's attempts, per job, so retries are reported, and a
 unit that killed its worker UNIT_RETRIES + 1 times fails the job naming its file and rows

@@ -13,17 +13,16 @@ the driver's `open`); a call about a job that has closed changes nothing: a unit
 not started, its guess is none, and its settings are an error.
 
 One actor for the cluster, not one a job or a driver: a new actor takes a worker process
-of its own, whose place in the pool Ray then refills by starting another (measured on a
-warm 2-CPU session, 8-block no-op map jobs: 0.19-0.22 s a job on tasks alone, 0.89-0.94 s
-with an actor created and killed per job), and a new driver on a running cluster would
-start one more process while its first worker starts (~1 CPU-second on a 2-CPU cluster).
+of its own, whose place in the pool Ray then refills by starting another (several times a
+job's fixed cost on tasks: docs/benchmarks.md), and a new driver on a running cluster would
+start one more process while its first worker starts.
 The first job's driver makes it (`raypipe.ray.executor.cluster_ledger`); it outlives that
 driver, and a driver killed before closing its job leaves that job's counts in it (a few
 bytes a unit).
 
 Cost: this module imports nothing of raypipe and no Arrow: the ledger's worker imports it
-in ~2 ms, where the executor's module took ~0.4 CPU-seconds on a machine whose two cores
-were starting the map workers (only a Dataset job's sample rows, an Arrow table, bring
+in ~2 ms, while the machine's cores are starting the map workers (only a Dataset job's sample
+rows, an Arrow table, bring
 pyarrow in, once they arrive). Every call is O(1) or O(units asked about); a closed job's
 state is dropped, but for its token (32 bytes a job).
 """

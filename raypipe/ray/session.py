@@ -1,21 +1,18 @@
 """Connect to Ray: the caller's session, a cluster (`address` / RAY_ADDRESS), or a local one.
 
 Invariant: raypipe never shuts down a session it did not start. A local session raypipe
-starts itself has no dashboard (it costs 1 core-second and 1-2 s of start-up on 2 cores;
-`ray start --head` first to have one) and `num_cpus` CPUs (all cores when None; a plain
+starts itself has no dashboard (a core-second of start-up; `ray start --head` first to
+have one) and `num_cpus` CPUs (all cores when None; a plain
 `ray.init()` would join a cluster `ray start` left on this machine instead, and so does this,
 unless that cluster's record is stale: a head that does not accept a connection within
 RECORD_PROBE_SECONDS is named in one warning and a local session starts instead).
 `leave_ray` stops such a session, or disconnects from the cluster raypipe connected this
 process to (the CLI calls it once the summary is printed); an exiting interpreter does
-either through Ray's own exit hook. Cost, measured with ray 2.60 on 2 cores: starting a
-local session is 3-5 s (reported separately as start-up in summaries); stopping it 0.3 s,
-where a plain `ray.shutdown()` takes 1.35 s and an interpreter exit 2 s (see
-`stop_autoscaler_monitor`); leaving a running cluster: the CLI exited 1.35-1.5 s after its
-summary through Ray's exit hook (it sleeps 0.5 s first, for late log lines), 0.86-1.0 s
-with `leave_ray` (100 MB, GPT-2, 2-CPU cluster); probing a `ray start` record: one TCP
-connect per job (refused at once on loopback, at most RECORD_PROBE_SECONDS where the
-address drops packets).
+either through Ray's own exit hook, which is slower (`stop_autoscaler_monitor`). Probing a
+`ray start` record is one TCP connect per job (refused at once on loopback, at most
+RECORD_PROBE_SECONDS where the address drops packets). Cost: starting a local session is
+3-5 s on 2 cores (reported separately as start-up in summaries); the stop and leave
+figures are in docs/benchmarks.md.
 """
 
 from __future__ import annotations

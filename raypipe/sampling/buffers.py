@@ -7,8 +7,7 @@ restart at 0 at every sequence start and `cu_seqlens` lists the sequence starts 
 flattened [B, T] inputs (flash-attention varlen style), so attention can stay inside
 pieces of documents. `RowPieces` is what a row holds in the dataset's terms (document,
 token range, columns), the record `raypipe trace` prints. The modes themselves
-(raypipe.sampling.modes) describe and fill; measured on 2 cores, B=8, T=2048: ~35 us per
-batch for windows, ~70 us for bestfit (see bench/loader_bench.py).
+(raypipe.sampling.modes) describe and fill (bench/loader_bench.py times them).
 """
 
 from __future__ import annotations
@@ -196,8 +195,7 @@ class TokenSource:
     def copy_windows(self, starts: list[int], out: np.ndarray) -> None:
         """out[i] = stream tokens [starts[i], starts[i] + out.shape[1]): one shard lookup
         for all rows, then a slice copy per row (a row crossing shards, or a split's stream,
-        goes the long way). ~3 us a row (2049 tokens widened to int64, and the loop): ~23 us
-        for a batch of 8, where a copy per row with its own shard lookup took ~30 us."""
+        goes the long way): ~3 us a row of 2049 tokens."""
         if self.stream_offsets is not None:
             for row, start in enumerate(starts):
                 self.copy_split_span(start, out[row])

@@ -12,8 +12,8 @@ phase begun by an earlier join counts as under way); under units_join "epoch" (t
 they also join the rest of the epoch in progress, shuffled in among what it had not served
 (a phase: raypipe.sampling.plans.continued_order). Cost: one manifest's units
 and shards, reordered, once per loader; one small read per kept order the state names.
-Measured at 10^5 units: a view 4.2 us a unit; the digests that name a rewritten unit 8.7
-us a unit, computed only when a resume's fingerprint differs.
+The digests that name a rewritten unit are computed only when a resume's fingerprint
+differs (8.7 us a unit).
 """
 
 from __future__ import annotations

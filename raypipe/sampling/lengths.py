@@ -6,9 +6,9 @@ file-backed arrays shared by every process on the node through the page cache, s
 holds no per-document array of its own: the loader maps one int32 file per node and
 dataset (`dataset_lengths`, written once from the index files); tools take each shard's
 lengths on demand (views of the `.idx` map for Megatron shards). Cost: a gather of k ids
-from one map is one fancy index (~10 ns an id); over s shard arrays, one argsort of k plus s
-slices (~4 ms for a block of 4,096 documents over 4,096 shards); writing the node file
-~210 us a shard (opening its index) + ~4 ns a document, once per node.
+from one map is one fancy index; over s shard arrays, one argsort of k plus s slices (~4 ms
+for a block of 4,096 documents over 4,096 shards); the node file is written once per node,
+one index file read a shard (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -45,10 +45,9 @@ their document's end: a target that crosses from a piece into the next one is tr
 when the first ends its document and the next starts its own (the loader masks the rest).
 Every piece is a sequence of its own to the loader (position_ids, cu_seqlens), and it
 starts a document when its start is 0. All are pure functions of (ids, lengths, capacity,
-separator). Cost, measured on 2 cores per
-document: split ~0.3-0.7 us (one bisect, pop and insort on a sorted list of open rows per
-piece, full-row pieces vectorized), fill ~0.6-1.7 us (split, plus one bisect per piece it
-moves), crop ~1.4 us; memory O(block).
+separator). Cost: about a microsecond a document (split: one bisect, pop and insort on a
+sorted list of open rows per piece, full-row pieces vectorized; fill: one bisect more per
+piece it moves; docs/benchmarks.md); memory O(block).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 log-scale ticks, labels, title), else a dependency-free PNG of bars (numpy + zlib).
 
 Invariant: writes a valid PNG atomically either way; the plain one is an 8-bit grayscale
-PNG (signature, IHDR, one IDAT, IEND with CRCs) without text, and says so. Cost: ~0.2 s
-with matplotlib (its import); O(width x height), ~1 ms, for the plain one.
+PNG (signature, IHDR, one IDAT, IEND with CRCs) without text, and says so. Cost: seconds of
+import with matplotlib; O(width x height), ~1 ms, for the plain one.
 """
 
 from __future__ import annotations

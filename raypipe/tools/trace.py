@@ -11,8 +11,8 @@ those). A record's columns index the row's T + 1 tokens (`inputs` then the last 
 col_end exclusive; token_start..token_end (exclusive) index the document's stored tokens,
 its BOS/EOS included; `step` counts global steps from the start of training (at this world
 size). Cost: one epoch plan per epoch crossed (bestfit fill: one vectorized pass over the
-document lengths, ~70 ns a document), then O(rows) per step, plus one unit record read per
-unit printed; a mixture counts rows alone up to the first step traced (~17 us a step).
+document lengths), then O(rows) per step, plus one unit record read per unit printed; a
+mixture counts rows alone up to the first step traced (~17 us a step).
 """
 
 from __future__ import annotations

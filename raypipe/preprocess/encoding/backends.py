@@ -6,9 +6,8 @@ gives `tokenizers`' exact ids; each backend here says whether its library is ins
 it cannot run a tokenizer.json (None: it can), how to install it, and makes the encoder
 (`encode_flat(texts) -> (uint32 ids, int64 lengths)`; `encode_one(text) -> uint32 ids`,
 which chat uses per piece). `AUTO_ORDER` is fastest first, as measured on one core:
-gigatoken 83-115 MB/s against fastokens' 49-94 on the shipped 8k vocabulary (the `text`
-and `special` policies), fastokens 5-7x a tiktoken loop on GPT-2
-(bench/tokenize_bench.py).
+gigatoken 83-115 MB/s on the shipped 8k vocabulary, then fastokens, then tiktoken
+(bench/tokenize_bench.py; docs/benchmarks.md).
 Cost: a dict lookup; installed() is one import-spec lookup.
 """
 

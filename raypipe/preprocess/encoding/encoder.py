@@ -84,8 +84,8 @@ class TokenizerText:
     (its fingerprint, its special tokens' literals), parsed into `tokenizers`' Tokenizer
     only where something needs more than the text (`parsed`): every fast backend builds
     its own model from the text (`to_str`), so a worker encoding with one never parses it
-    (GPT-2's vocabulary: `Tokenizer.from_str` 0.06 s, its `to_str` and fingerprint 0.03 s
-    more, each worker paid on its way to its first unit)."""
+    (GPT-2's vocabulary: `Tokenizer.from_str` 0.06 s, which each worker paid on its way to its
+    first unit)."""
 
     def __init__(self, text: str, sha256: str, literals: Sequence[str]):
         self.text = text
@@ -172,8 +172,8 @@ def with_separators(content: np.ndarray, content_lengths: np.ndarray, bos_id: in
                     eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Flat content ids and their lengths -> (flat uint32 tokens with BOS/EOS, int64
     document lengths). One pass: the content fills every position that is not a
-    separator's, through a byte mask (~1.3 ns a token; the index arrays it replaced, two
-    np.repeat and an arange of int64 per token, cost 7-35 ns)."""
+    separator's, through a byte mask (~1.3 ns a token, where index arrays, two np.repeat and an
+    arange of int64 per token, cost several times that)."""
     extra = int(bos_id is not None) + int(eos_id is not None)
     if extra == 0:
         return content, content_lengths

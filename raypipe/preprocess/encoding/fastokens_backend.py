@@ -9,12 +9,11 @@ difference falls back with one log line. The `text` policy is fastokens'
 `split_special_tokens=True` (a special token's literal in a document stays text; the rest
 of the added vocabulary still matches), as `tokenizers`' `encode_special_tokens=True`.
 A batch is one `encode_batch_flat` call: two buffers back (ids, offsets), no Python object
-per token; it is 1.2x (texts over 4 KB) to 6.7x (under 256 B) a loop of one-text calls in
-process CPU (bench/encode_paths_bench.py). fastokens' own threads are held to one
+per token, and faster than a loop of one-text calls at every length (docs/benchmarks.md).
+fastokens' own threads are held to one
 (`RAYON_NUM_THREADS=1` before its first call) because a Ray actor owns one CPU. Offsets
 (stream spans) are `tokenizers`' job (DocumentEncoder.encode_with_offsets). Cost, GPT-2
-vocabulary on one core: 5-7x a tiktoken `encode_ordinary` loop (bench/tokenize_bench.py);
-loading a 50k vocabulary ~0.1 s a process.
+vocabulary on one core: 5-7x a tiktoken `encode_ordinary` loop (bench/tokenize_bench.py).
 """
 
 from __future__ import annotations

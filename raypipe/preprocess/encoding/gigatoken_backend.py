@@ -11,13 +11,11 @@ is a model built from the tokenizer.json without its special added tokens; the n
 ones still match, as in `tokenizers`. A batch is one `encode_batch(texts, parallel=False)`
 call on the calling thread (no thread pool: a Ray actor owns one CPU), two buffers back
 (content and offsets of an awkward list array), no Python object per token. Which texts it
-is given is measured (bench/encode_paths_bench.py, one thread, deduplicated docstrings and
-text files): `encode_batch` beats a loop of per-text `encode` at every length, by 1.2-1.5x
-on short texts, and of its two inputs, the batch's Python strings (`to_pylist` counted) are
-faster while a text averages under ARROW_MIN_MEAN_BYTES (1.1-1.3x), the Arrow array's own
-buffers (an awkward view, no Python string per text) above it (1.05-1.15x); `encode_arrow`
-picks by the batch's mean. Cost, the shipped 8k vocabulary on one core: ~270-300 MB/s of
-text on that corpus; loading a vocabulary ~0.1 s a process and policy.
+is given is measured (bench/encode_paths_bench.py; docs/benchmarks.md): `encode_batch`
+beats a loop of per-text `encode` at every length, and of its two inputs, the batch's Python
+strings are faster while a text averages under ARROW_MIN_MEAN_BYTES, the Arrow array's own
+buffers (an awkward view, no Python string per text) above it; `encode_arrow` picks by the
+batch's mean. Cost, the shipped 8k vocabulary on one core: ~270-300 MB/s of text.
 """
 
 from __future__ import annotations
@@ -54,9 +52,9 @@ JSON_SPACE = re.compile(r"[ \t\n\r]*")
 def without_special_added_tokens(text: str) -> str:
     """A tokenizer.json's text without its special added tokens, all else as it was. The
     `added_tokens` list is decoded and rewritten where it stands, found as a key of the
-    top-level object (tokenizers' `to_str` writes it fourth, before the vocabulary):
-    GPT-2's tokenizer.json (1.5 MB) 0.055 s -> 0.5 ms, a 12.8 MB one (GPT-2's vocabulary six
-    times over) 0.51 s -> 8 ms, against decoding and encoding the whole JSON, on every
+    top-level object (tokenizers' `to_str` writes it fourth, before the vocabulary), not by
+    decoding and encoding the whole JSON (GPT-2's: 0.5 ms instead of about a hundred times
+    that), on every
     worker's way to its first unit and in the driver's self-check, under the default policy.
     A text laid out otherwise is decoded whole."""
     start = top_level_key(text, ADDED_TOKENS_KEY)
@@ -132,7 +130,7 @@ class GigatokenIds:
         self.model = model_for(tokenizer, sha256, special_tokens_in_text)
 
     def encode_one(self, text: str) -> np.ndarray:
-        """One text's ids (~20 us a call: `encode_batch` of one text costs ~10x that)."""
+        """One text's ids (~20 us a call: `encode_batch` of one text costs several times that)."""
         try:
             return self.model.encode(text)
         except Exception:

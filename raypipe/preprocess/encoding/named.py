@@ -2,15 +2,15 @@
 
 Invariant: a name resolves without waiting on a network that is not there. A hub name is
 taken from the local Hugging Face cache if it is there; else, with `HF_HUB_OFFLINE` set or
-the hub's host refusing a TCP connection within 3 s, it is one clear error (instead of
-~25 s of the hub client's retries). A tiktoken encoding name (`cl100k_base`, `o200k_base`,
+the hub's host refusing a TCP connection within 3 s, it is one clear error (instead of the
+hub client's retries). A tiktoken encoding name (`cl100k_base`, `o200k_base`,
 `gpt2`, ...) becomes an exact `tokenizers` BPE: its vocabulary is tiktoken's ranks as
 byte-level strings, its merges every split of a token into two tokens, ordered by the
 merged token's rank (BPE by merge priority then merges the pair of lowest rank, as tiktoken
 does), its pre-tokenizer tiktoken's own pattern, its special tokens tiktoken's. tiktoken's
 file is read from its cache; it is downloaded only when its host answers. `gpt2` is both: the
 hub's tokenizer when the hub's copy can be had, else tiktoken's. Cost: one TCP connect (or
-none when cached); converting cl100k_base takes ~1 s.
+none when cached), and a conversion once a process.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ tokenizer, the policy, the set itself, both libraries' versions and raypipe's en
 code, so it is cached under that key (`<RAYPIPE_CACHE_DIR or
 ~/.cache/raypipe>/self-check/`): the first job on a machine encodes it, later ones reuse
 the verdict (the job's own sample is always encoded). Cost, GPT-2 vocabulary on one core:
-the sample 0.05 s, the set 0.66 s under tiktoken (its 1 MB run without whitespace), a
-cached verdict 0.01 s; nothing on a rerun with no unit left to run.
+the set 0.66 s under tiktoken (its 1 MB run without whitespace) the first time on a
+machine, the sample and a cached verdict far less; nothing on a rerun with no unit left to
+run.
 """
 
 from __future__ import annotations

@@ -9,11 +9,10 @@ single_word). tiktoken merges the adjacent pair whose concatenation has the lowe
 `tokenizers` the pair whose merge rule comes first; ranks are therefore the merge order
 (the 256 bytes first), and a table maps ranks back to the tokenizer's ids. The two agree for
 a vocabulary that BPE training produced; the job's self-check (raypipe.preprocess.encoding.encoder)
-confirms it on its own texts before any unit runs. Pathological input stays bounded in both
-backends (measured on a 10 MB document without whitespace, 8k vocabulary: one repeated
-letter tiktoken 1.9 s / tokenizers 3.1 s, random letters 3.3 s / 5.6 s, one repeated
-two-byte character 0.4 s / 3.4 s; linear from 100 kB to 10 MB: tiktoken >= 0.13 merges long
-pieces with a heap). A conversion is cached per tokenizer fingerprint in the process. Cost:
+confirms it on its own texts before any unit runs. Pathological input (a long document
+without whitespace) stays linear in both backends: tiktoken >= 0.13 merges long pieces with
+a heap (docs/benchmarks.md). A conversion is cached per tokenizer fingerprint in the
+process. Cost:
 conversion ~0.1 s for a 50k vocabulary; encoding several times faster than `tokenizers`
 `encode_batch_fast` on one thread (bench/tokenize_bench.py).
 """

@@ -13,8 +13,8 @@ the one space `add_prefix_space` added), which is applied here the same way. `of
 returns None when the ids do not add up to the text's bytes (then the caller asks
 `tokenizers`); tests/test_token_offsets.py compares every span with `tokenizers'` on the
 adversarial texts, chats and random Unicode, for trimming and non-trimming vocabularies.
-Cost: building the tables is one pass over the vocabulary, once a process (0.14 s at
-GPT-2's 50k tokens on 2 loaded cores, 0.1 s of it reading the tokenizer's JSON); a text
+Cost: building the tables is one pass over the vocabulary, once a process (0.14 s at GPT-2's 50k
+tokens on 2 loaded cores, most of it reading the tokenizer's JSON); a text
 costs a few numpy operations over its tokens (ASCII text: no per-byte work).
 """
 

@@ -6,8 +6,8 @@ Invariant: documents in Feistel order are cut into blocks of K; each block is pa
 visited in order and the rows of block j in a Feistel order salted by j. Row counts per
 block are computed once per epoch: for `fill`, ceil(block tokens / (T + 1)) from one
 vectorized pass over the lengths in storage order (each document's block from the
-inverse permutation; no block packed; ~70 ns a document / threads, and the loader keeps
-the sums once per node: docs/scale.md); for the others by packing every block (O(N) in
+inverse permutation; no block packed, and the loader keeps the sums once per node:
+docs/scale.md); for the others by packing every block (O(N) in
 Python). A block's rows are packed on demand; the last 8 packed stay cached. A row's pieces
 are sequences of their own (position_ids restart, cu_seqlens); the target that crosses into
 a piece is masked unless the piece before ends its document and this one starts its own, so
@@ -16,13 +16,13 @@ a reader sees at every other join: raypipe.sampling.pack). A seq_len change insi
 continues the plan (`ContinuedPlan`): the unserved rows of the block at the position, taken
 apart into token ranges and packed again at the new seq_len, then the later documents in
 new blocks, so every token the plan had not served is served once; cost O(one block) plus
-the later blocks' sums (a slice of the node's when the block size holds, else one pass):
-1.1 s to the first batch after a 2048 -> 8192 change at 10^8 documents (docs/scale.md).
+the later blocks' sums (a slice of the node's when the block size holds, else one pass;
+docs/scale.md measures it at 10^8 documents).
 Documents excluded from a step on (raypipe.sampling.exclusions) continue the plan the same
 way, the remainder's ranges of excluded documents dropped; a plan under exclusions packs
 each block without them and takes their tokens off the block sums, O(excluded). Cost: see
 bench/packing_bench.py for planner documents per second, then O(1) per row; ~70 us to fill
-a batch of 8 x 2049 (bench/loader_bench.py).
+a batch of 8 x 2049.
 """
 
 from __future__ import annotations

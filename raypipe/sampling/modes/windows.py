@@ -5,8 +5,8 @@ Feistel order of (seed, epoch) (shard-local: a group's windows together), so not
 padded and every token is trained but the stream's last < T + 1; a row boundary cuts a
 document every T tokens. Every join inside a row is a true one (one document's end, the
 next one's start, with its BOS or after its EOS). Boundaries (position_ids, cu_seqlens)
-are off by default and come from a BOS/EOS scan when asked. Cost: ~70 ns per observation
-to permute; ~35 us to fill a batch of 8 x 2049 (bench/loader_bench.py).
+are off by default and come from a BOS/EOS scan when asked. Cost: ~35 us to fill a batch of
+8 x 2049 (bench/loader_bench.py).
 """
 
 from __future__ import annotations
