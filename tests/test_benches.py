@@ -178,3 +178,14 @@ def test_the_checksum_benchmark_runs_at_a_tiny_size(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[1].startswith("writer:") and "x the writer without them" in lines[1]
     assert [line.split(":")[0] for line in lines[2:]] == ["reads in order", "reads shuffled"]
+
+
+def test_the_balance_benchmark_runs_at_a_tiny_size():
+    done = subprocess.run([sys.executable, "bench/balance_bench.py", "--steps", "32",
+                           "--windows", "1,16"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()[2:-1]]
+    # two distributions x two shapes x two world sizes, each none then a row per window
+    assert len(rows) == 2 * 2 * 2 * 3, done.stdout
+    assert [row[-5] for row in rows[:3]] == ["none", "attention", "attention"]

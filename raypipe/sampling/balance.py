@@ -1,0 +1,93 @@
+"""Balance: the rows of a step spread over its ranks by what they cost, and rows grouped
+over a window of steps so each step's rows cost about the same; computed alike on every
+rank from the rows alone, with no collective.
+
+Invariant: `assign_rows` is a permutation of a step's world x B rows that gives every rank
+exactly B of them (tensor shapes never change) and `group_steps` a permutation of a window's
+rows that moves rows only among the window's steps; both are pure functions of the rows'
+costs (ties broken by position), so every rank computes the same one, and every row is
+still served once. The cost of a row under document-masked attention (varlen kernels,
+`cu_seqlens`) is about `linear x T + sum of s^2` over its pieces s: `linear` is 6 x the
+model's hidden size (a token's linear layers against one query-key pair, forward and
+backward, per layer). Cost: O(W log W) a step of W rows.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+BALANCES = ("none", "attention")  # none: rows go to ranks in the plan's order
+
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """A row's compute under document-masked attention: `linear` x its tokens plus the
+    squares of its pieces' lengths (each piece attends only within itself)."""
+
+    linear: float  # 6 x hidden size
+
+    @classmethod
+    def of_model(cls, hidden_size: int) -> AttentionCost:
+        return cls(6.0 * hidden_size)
+
+    def row_costs(self, row_offsets: np.ndarray, take: np.ndarray,
+                  seq_len: int) -> np.ndarray:
+        """float64[rows] for rows in CSR form (row r is pieces row_offsets[r]:[r + 1] of
+        `take` tokens each: raypipe.sampling.pack.PackedBlock); every row is `seq_len`
+        tokens for the linear term (padding runs through the layers too)."""
+        offsets = np.asarray(row_offsets, dtype=np.int64)
+        squares = np.concatenate([[0.0], np.cumsum(np.asarray(take, np.float64) ** 2)])
+        return self.linear * seq_len + squares[offsets[1:]] - squares[offsets[:-1]]
+
+
+def assign_rows(costs: np.ndarray, ranks: int) -> np.ndarray:
+    """The step's rows for each rank: `order[i * ranks + r]` is the row (an index into
+    `costs`, the step's rows in the plan's order) rank r takes as its row i. The most
+    costly row first, each to the least loaded rank with room (B = rows / ranks each), ties
+    to the lower rank and the earlier row."""
+    costs = np.asarray(costs, dtype=np.float64)
+    rows = len(costs)
+    if ranks < 1 or rows % ranks:
+        raise ValueError(f"{rows} rows do not split evenly over {ranks} ranks")
+    per_rank = rows // ranks
+    taken: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [(0.0, rank) for rank in range(ranks)]  # a heap of ranks with room
+    for row in np.argsort(-costs, kind="stable").tolist():
+        load, rank = heapq.heappop(loads)
+        taken[rank].append(row)
+        if len(taken[rank]) < per_rank:
+            heapq.heappush(loads, (load + float(costs[row]), rank))
+    order = np.empty(rows, dtype=np.int64)
+    for rank, chosen in enumerate(taken):
+        order[np.arange(per_rank) * ranks + rank] = sorted(chosen)  # plan order in a rank
+    return order
+
+
+def group_steps(costs: np.ndarray, steps: int, step_order: np.ndarray | None = None
+                ) -> np.ndarray:
+    """A window's rows regrouped into its `steps` steps by cost, so the rows of a step cost
+    about the same: `order[k * W + j]` is the row (an index into `costs`, the window's rows
+    in the plan's order) step k takes as its j-th, W = rows / steps. The rows sorted by cost
+    are cut into `steps` groups; `step_order` (a permutation of the steps, e.g. the seed's)
+    says which step takes which group (default: cheapest first)."""
+    costs = np.asarray(costs, dtype=np.float64)
+    if steps < 1 or len(costs) % steps:
+        raise ValueError(f"{len(costs)} rows do not split evenly over {steps} steps")
+    width = len(costs) // steps
+    groups = np.argsort(costs, kind="stable").reshape(steps, width)
+    if step_order is not None:
+        groups = groups[np.argsort(np.asarray(step_order, dtype=np.int64), kind="stable")]
+    return np.sort(groups, axis=1).reshape(-1)
+
+
+def rank_loads(costs: np.ndarray, order: np.ndarray | None, ranks: int) -> np.ndarray:
+    """float64[ranks]: what each rank computes in a step whose rows (in the plan's order)
+    cost `costs`, taken as `order` says (None: the plan's order, row i*ranks + r on rank
+    r)."""
+    taken = np.asarray(costs, dtype=np.float64)
+    if order is not None:
+        taken = taken[order]
+    return taken.reshape(-1, ranks).sum(axis=0)
