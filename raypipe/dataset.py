@@ -32,7 +32,7 @@ import numpy as np
 from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, ShardReader, batch_formats, document_formats, get_format
 from raypipe.formats.base import MASK_SIDECAR, shard_prefix
-from raypipe.io.cache import ShardCache
+from raypipe.io.cache import RangeCheck, ShardCache
 from raypipe.io.checksums import SUMS_SUFFIX, CheckedTokens, StreamChecksums
 from raypipe.io.manifest import MANIFEST_NAME, as_store, file_problem, read_manifest
 from raypipe.io.ranged import BlockTokens
@@ -320,18 +320,21 @@ class ShardSet:
         self.cache.pin([self._held_blocks[unit].path for wanted in ranged.values()
                         for unit, _ in wanted])
         for shard, wanted in ranged.items():
-            fetch = self._pool_submit(self._fetch_ranges, shard, [span for _, span in wanted])
+            check = self._range_check(shard)  # made here: the pool's threads share no state
+            fetch = self._pool_submit(self._fetch_ranges, shard,
+                                      [span for _, span in wanted], check)
             for unit, _ in wanted:
                 self._held_blocks[unit].fetch = fetch
 
-    def _fetch_ranges(self, shard: int, ranges: list[tuple[int, int]]) -> list[Path]:
+    def _fetch_ranges(self, shard: int, ranges: list[tuple[int, int]],
+                      check: RangeCheck | None) -> list[Path]:
         """Fetch byte ranges of a shard's token file (pinned by the caller), each checked
-        on arrival against the shard's `.sums` where it has one."""
+        on arrival by `check` (`_range_check`: the shard's `.sums`, where it has one)."""
         assert self.cache is not None
         return self.cache.fetch_ranges(self.store, self.key, self.shards[shard].files[0],
-                                       ranges, self._range_check(shard))
+                                       ranges, check)
 
-    def _range_check(self, shard: int) -> Any:
+    def _range_check(self, shard: int) -> RangeCheck | None:
         """What checks a fetched byte range of the shard's token file (None: its length
         alone, an output without `.sums`)."""
         if self._sums_entry(shard) is None:
@@ -384,7 +387,7 @@ class ShardSet:
                 path = self.cache.range_path(self.key, self.shards[shard].files[0], *span)
                 self.cache.pin([path])
                 held = self._held_blocks[unit] = HeldBlock(path, span[1] - span[0])
-                self._fetch_ranges(shard, [span])
+                self._fetch_ranges(shard, [span], self._range_check(shard))
             elif held.fetch is not None:
                 held.fetch.result()
         finally:
