@@ -10,7 +10,8 @@ ranks), a node cache of 5, 10 or 25% of the data, and 1 node x 2 ranks or 2 node
 (a cache each). One epoch of bestfit T=2048, 4 rows a rank, each rank a process of its own
 with a consumer step of 5 ms, `shuffle="auto"` (windowed: blocks sized from the budget).
 Per cell it prints:
-- bytes fetched an epoch / the dataset (all nodes), GETs / (blocks + index objects), the
+- bytes fetched an epoch / the dataset (all nodes), GETs / (blocks + index objects: each
+  shard's .idx and .sums on every node), the
   training thread's wait after the first batch (p99, max; worst rank) and the first batch;
 - whether every batch equals the same run over a local copy given the knobs the bucket run
   resolved (block_bytes, window_blocks, lanes), and (1 node) whether a 2 -> 3 resume from an
@@ -280,13 +281,16 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
     counts = np.array([shard.documents for shard in shards], dtype=np.int64)
     index_bytes = sum(f.bytes for shard in shards for f in shard.files
                       if f.path.endswith(".idx"))
+    # the objects every node reads whole at open: each shard's .idx, and its .sums
+    index_objects = sum(f.path.endswith((".idx", ".sums")) for shard in shards
+                        for f in shard.files)
     blocks = len(cut_blocks(DocumentLengths(counts, lambda s: lengths[
         counts[:s].sum():counts[:s + 1].sum()]), counts, 2, int(knobs["block_bytes"])))
     worst = {key: max(result["waits"][key] for result in run) for key in run[0]["waits"]}
     row = [f"{size} {dataset / len(shards) / 1e6:.2f} MB", f"{per_rank:g}", f"{share:.0%}",
            f"{nodes}x2", f"{len(shards)}", f"{int(knobs['block_bytes']) / 1e3:,.0f} KB x "
            f"{knobs['window_blocks']}", f"{sum(r['fetched'] for r in run) / dataset:.2f}",
-           f"{gets / (blocks + len(shards) * nodes):.2f}",
+           f"{gets / (blocks + index_objects * nodes):.2f}",
            f"{worst['data_wait_p99_ms']:.0f}", f"{worst['data_wait_max_ms']:.0f}",
            f"{worst['data_wait_first_batch_s']:.2f}", str(same), resumed]
     return row, quality(lengths, counts, knobs, ranks, budget, index_bytes)

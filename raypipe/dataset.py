@@ -551,10 +551,15 @@ class ShardSet:
     def _stream_checksums(self, index: int, document_bytes: np.ndarray) -> StreamChecksums:
         entry = self._sums_entry(index)
         assert entry is not None
-        path = (self.local_root / entry.path if self.cache is None
-                else self.cache.fetch(self.store, self.key, entry))
-        return StreamChecksums(path, document_bytes,
-                               self.store.uri_of(self.shards[index].files[0].path))
+        label = self.store.uri_of(self.shards[index].files[0].path)
+        if self.cache is None:
+            return StreamChecksums(self.local_root / entry.path, document_bytes, label)
+        try:  # an index file, evicted last; one another process evicted is fetched again
+            return StreamChecksums(self.cache.fetch(self.store, self.key, entry),
+                                   document_bytes, label)
+        except FileNotFoundError:
+            return StreamChecksums(self.cache.fetch(self.store, self.key, entry, refresh=True),
+                                   document_bytes, label)
 
     def _check_reads(self, index: int, reader: Any) -> None:
         """Check every token the reader serves against the shard's `.sums`, each checksum

@@ -1,10 +1,13 @@
-"""Megatron-LM indexed dataset: `<name>.bin` (tokens) + `<name>.idx` (docs/formats.md).
+"""Megatron-LM indexed dataset: `<name>.bin` (tokens) + `<name>.idx` (docs/formats.md), and
+raypipe's `<name>.sums` beside them (CRC-32 of the `.bin` in units of whole documents:
+raypipe.io.checksums; megatron-core never opens it).
 
 Invariant: byte-exact to megatron-core's `IndexedDataset` (version 1, one sequence per
 document, document_indices = [0..N]). dtype uint16 (code 8) when the largest id < 65500,
 else int32 (code 4). The reader checks magic, version, dtype code, the idx size implied by
 its counts (34 + 12S + 8D, before touching any array), pointer/length consistency and the
-.bin size. Cost: the writer keeps 4 bytes per document in memory until commit; reading
+.bin size (and the .sums size, where the shard lists one). Cost: the writer keeps 4 bytes
+per document (and 4 a checksum unit) in memory until commit; reading
 opens two maps (no file descriptor held) and does O(S) vectorized checks (~1 ms per
 million documents).
 """
