@@ -93,14 +93,15 @@ def test_the_ingest_benchmark_runs_at_a_tiny_size(tmp_path):
     assert "skipped {'too_long': 1}, 1 named" in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("change", [[], ["--on-resume"]])
+@pytest.mark.parametrize("change", [[], ["--on-resume"],
+                                    ["--balance", "attention", "--worlds", "1,2,3"]])
 def test_the_every_token_once_script_passes_on_a_small_dataset(token_dataset, change):
     done = subprocess.run([sys.executable, "bench/every_token_once.py", str(token_dataset),
                            "--seq-lens", "16,64", "--ramp", "6,24,6,4", *change],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "EVERY TOKEN ONCE: PASS" in done.stdout and "more than once 0," in done.stdout
-    assert "run 3: 1 ranks" in done.stdout
+    assert f"run 3: {3 if '--balance' in change else 1} ranks" in done.stdout
 
 
 @pytest.mark.slow

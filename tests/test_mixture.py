@@ -87,9 +87,14 @@ def test_a_schedule_skipped_ahead_serves_the_rows_of_one_walked_step_by_step(
     assert jumped.next_step() == walked.next_step()
 
 
-@pytest.mark.parametrize("mode", ["bestfit", "documents", "windows"])
-def test_a_mixture_resumes_exactly_from_1_to_2_to_3_ranks(sources, mode):
-    options = {"mode": mode, "weights": {"web": 0.6, "code": 0.4}}
+@pytest.mark.parametrize("knobs", [{"mode": "bestfit"}, {"mode": "documents"},
+                                   {"mode": "windows"},
+                                   {"mode": "bestfit", "balance": "attention",
+                                    "balance_hidden": 1}],
+                         ids=["bestfit", "documents", "windows", "bestfit-balanced"])
+def test_a_mixture_resumes_exactly_from_1_to_2_to_3_ranks(sources, knobs):
+    mode = knobs["mode"]
+    options = {**knobs, "weights": {"web": 0.6, "code": 0.4}}
     reference, _ = harness.run_segment(sources, options, 1, None, steps=40)
     reference = dict(reference)
     first, state = harness.run_segment(sources, options, 1, None, steps=3)

@@ -34,6 +34,11 @@ MODES = {name: {"mode": name} for name in mode_names()} | {
     "windows-train-split": {"mode": "windows", "split": "train", "validation_fraction": 0.2},
     "documents-validation-split": {"mode": "documents", "split": "validation",
                                    "validation_fraction": 0.3},
+    "bestfit-balanced": {"mode": "bestfit", "balance": "attention", "balance_hidden": 1},
+    "documents-balanced": {"mode": "documents", "balance": "attention"},
+    "windows-balanced": {"mode": "windows", "balance": "attention", "balance_hidden": 2},
+    "bestfit-windowed-balanced": {"mode": "bestfit", "shuffle": "windowed", "lanes": 2,
+                                  "balance": "attention", "balance_hidden": 1},
 }
 
 

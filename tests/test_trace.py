@@ -4,7 +4,9 @@ the loader's batch holds at its columns; and, through trace, every target the lo
 
 from __future__ import annotations
 
+import itertools
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -84,6 +86,32 @@ def test_trace_names_the_source_rows_of_every_mode(gapped, tokenizer_path, mode,
             assert_records_hold_the_batch(records, batch, tokenizer)
         if step == 7:
             break
+
+
+def kept(loader, steps: int) -> list[SimpleNamespace]:
+    """The first `steps` batches' inputs and targets, copied out of the loader's ring."""
+    return [SimpleNamespace(inputs=batch.inputs.clone(), targets=batch.targets.clone())
+            for batch in itertools.islice(loader, steps)]
+
+
+def test_trace_names_the_rank_a_balanced_row_went_to(gapped, tokenizer_path):
+    """Under balance="attention" a row goes to the rank its cost picks, not the plan
+    order's; trace, from the knobs alone, names that rank and row."""
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    world, knobs = 3, {"mode": "bestfit", "seed": 2, "balance": "attention",
+                       "balance_hidden": 1}
+    served = [kept(TokenLoader(gapped, T, B, rank=rank, world_size=world, **knobs), 6)
+              for rank in range(world)]
+    plain = [kept(TokenLoader(gapped, T, B, rank=rank, world_size=world, mode="bestfit",
+                              seed=2), 6) for rank in range(world)]
+    moved = [(step, rank) for step in range(6) for rank in range(world)
+             if not torch.equal(served[rank][step].inputs, plain[rank][step].inputs)]
+    assert moved, "balance moved no row in 6 steps: the test would not tell"
+    for step, rank in moved[:3]:
+        records = list(trace(gapped, step, rank=rank, world_size=world, seq_len=T,
+                             batch_size=B, **knobs))
+        assert {r.rank for r in records} == {rank}
+        assert_records_hold_the_batch(records, served[rank][step], tokenizer)
 
 
 @pytest.mark.parametrize("knobs", [{}, {"shuffle": "windowed", "window_blocks": 1}],

@@ -276,8 +276,7 @@ class TokenLoader:
 
         def finish(views: BatchBuffers, meta: tuple) -> Batch:
             job, filled, metadata = meta
-            index = (int(job.positions[0]) - self.rank - segment.position) // \
-                segment.global_batch
+            index = (int(job.positions[0]) - segment.position) // segment.global_batch
             return Batch.of(views, filled, observation_ids=job.observation_ids,
                             positions=job.positions, epoch=segment.epoch,
                             step=segment.step + index, metadata=metadata)

@@ -2,7 +2,11 @@
 over a window of steps so each step's rows cost about the same; computed alike on every
 rank from the rows alone, with no collective.
 
-Invariant: `assign_rows` is a permutation of a step's world x B rows that gives every rank
+Invariant: a cost model is a name in `COST_MODELS` (the `balance` knob; a plugin adds one
+with `register_cost_model`); `rank_rows` gives a rank its rows of each step from the costs
+of all of the step's rows, so a step holds the same rows under any balance and only which
+rank takes which changes (a resume, a world size change and the drop-last tail are as
+without it). `assign_rows` is a permutation of a step's world x B rows that gives every rank
 exactly B of them (tensor shapes never change) and `group_steps` a permutation of a window's
 rows that moves rows only among the window's steps; both are pure functions of the rows'
 costs (ties broken by position), so every rank computes the same one, and every row is
@@ -15,11 +19,23 @@ backward, per layer). Cost: O(W log W) a step of W rows.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-BALANCES = ("none", "attention")  # none: rows go to ranks in the plan's order
+from raypipe.errors import ConfigError
+from raypipe.sampling.pack import RowPieces
+
+NO_BALANCE = "none"  # rows go to ranks in the plan's order: row i * world + r on rank r
+
+
+class RowCostModel(Protocol):
+    """What a row costs to train, from what it holds (no token read)."""
+
+    def costs(self, rows: Sequence[RowPieces], seq_len: int) -> np.ndarray:
+        """float64[len(rows)]: the cost of each row of `seq_len` tokens."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,46 @@ class AttentionCost:
         offsets = np.asarray(row_offsets, dtype=np.int64)
         squares = np.concatenate([[0.0], np.cumsum(np.asarray(take, np.float64) ** 2)])
         return self.linear * seq_len + squares[offsets[1:]] - squares[offsets[:-1]]
+
+    def costs(self, rows: Sequence[RowPieces], seq_len: int) -> np.ndarray:
+        counts = np.fromiter((len(row.take) for row in rows), np.int64, len(rows))
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        take = (np.concatenate([row.take for row in rows]) if rows
+                else np.empty(0, np.int64))
+        return self.row_costs(offsets, take, seq_len)
+
+
+# balance name -> the cost model of a model of that hidden size
+COST_MODELS: dict[str, Callable[[int], RowCostModel]] = {"attention": AttentionCost.of_model}
+
+
+def register_cost_model(name: str, of_model: Callable[[int], RowCostModel]) -> None:
+    """Make `balance=name` cost rows with `of_model(hidden_size)` (a plugin's model)."""
+    if name == NO_BALANCE:
+        raise ConfigError(f"balance {NO_BALANCE!r} is taken: rows in the plan's order")
+    COST_MODELS[name] = of_model
+
+
+def balance_names() -> tuple[str, ...]:
+    """The values of the `balance` knob: none, then every cost model's name."""
+    return (NO_BALANCE, *COST_MODELS)
+
+
+def cost_model(balance: str, hidden_size: int) -> RowCostModel | None:
+    """The cost model `balance` names, for a model of `hidden_size` (None: no balance)."""
+    if balance == NO_BALANCE:
+        return None
+    if balance not in COST_MODELS:
+        raise ConfigError(f"balance: {balance!r} not among {list(balance_names())}")
+    return COST_MODELS[balance](hidden_size)
+
+
+def rank_rows(costs: np.ndarray, ranks: int, rank: int) -> np.ndarray:
+    """int64[steps, B]: the rows (indexes into each step's rows) rank `rank` takes in
+    each step whose rows cost `costs` [steps, ranks x B] (`assign_rows`, step by step)."""
+    costs = np.asarray(costs, dtype=np.float64)
+    return np.stack([assign_rows(step, ranks)[rank::ranks] for step in costs]).reshape(
+        len(costs), costs.shape[1] // ranks)
 
 
 def assign_rows(costs: np.ndarray, ranks: int) -> np.ndarray:

@@ -27,6 +27,7 @@ from raypipe.errors import ConfigError, StateError
 from raypipe.io.cache import ShardCache, configured_budget, node_cached_array
 from raypipe.io.records import Manifest
 from raypipe.io.store import Store
+from raypipe.sampling.balance import RowCostModel, cost_model, rank_rows
 from raypipe.sampling.blocks import (
     WHOLE_SHARDS,
     Blocks,
@@ -448,16 +449,28 @@ class PlannedDataset:
             return LossMaskedFiller(filler, LossMasks(self.source))
         return filler
 
-    def rank_positions(self, step_start: int, rank: int, global_batch: int | None = None,
-                       world_size: int | None = None) -> np.ndarray:
-        """[1, k]: the positions rank `rank` takes in the step that starts at `step_start`
-        (`global_batch`: that step's, by default every step's; `world_size`: of the world
-        that took it, by default this one: a replay across resizes)."""
+    def rank_steps(self, segment: Segment, first: int, stop: int, rank: int,
+                   world_size: int | None = None) -> np.ndarray:
+        """[stop - first, k]: the positions rank `rank` takes in steps [first, stop) of
+        `segment` (`world_size`: of the world that took them, by default this one: a replay
+        across resizes). A step is `global_batch` consecutive positions whatever the
+        balance; without one, rank r takes its i-th row at i x world + r, with one, as
+        the rows' costs spread them (raypipe.sampling.balance.rank_rows)."""
         world = world_size or self.world_size
-        per_rank = (self.observations_per_step if global_batch is None
-                    else global_batch // world)
-        offsets = np.arange(per_rank, dtype=np.int64) * world
-        return (step_start + offsets + rank)[None, :]
+        starts = segment.step_start(first) + segment.global_batch * np.arange(
+            max(stop - first, 0), dtype=np.int64)[:, None]
+        if self.cost_model is None:
+            return starts + rank + world * np.arange(segment.global_batch // world,
+                                                     dtype=np.int64)
+        steps = starts + np.arange(segment.global_batch, dtype=np.int64)
+        rows = self.filler(segment.epoch, phases=segment.phases).segments(steps)
+        costs = self.cost_model.costs(rows, segment.seq_len).reshape(steps.shape)
+        return starts + rank_rows(costs, world, rank)
+
+    @cached_property
+    def cost_model(self) -> RowCostModel | None:
+        """What a row costs under the `balance` knob (None: rows in the plan's order)."""
+        return cost_model(self.spec.balance, self.spec.balance_hidden)
 
     def left_at(self, epoch: int, phases: Phases, position: int) -> tuple[int, int]:
         """(observations, tokens) of epoch `epoch`'s plan under `phases` from `position`

@@ -36,10 +36,12 @@ from raypipe.io.states import (
     SourcePosition,
 )
 from raypipe.io.store import Store
+from raypipe.sampling.balance import assign_rows
 from raypipe.sampling.buffers import DescribedRows
 from raypipe.sampling.epochs import PlanSpec
 from raypipe.sampling.mixture import (
     MixtureSchedule,
+    ScheduledRow,
     WeightStages,
     restage,
     resumed_positions,
@@ -243,7 +245,8 @@ class MixtureRun:
         def steps() -> Iterator[MixtureStep]:
             while until is None or schedule.step < until:
                 step = schedule.step
-                slots = [slot for slot in schedule.next_step() if slot.rank == self.rank]
+                slots = [slot for slot in self._next_slots(schedule)
+                         if slot.rank == self.rank]
                 yield MixtureStep(step, [(slot.source, slot.epoch, slot.position)
                                          for slot in slots],
                                   dict(zip(self.names, schedule.positions, strict=True)),
@@ -253,6 +256,25 @@ class MixtureRun:
         while chunk := list(itertools.islice(walk, DESCRIBE_STEPS)):
             self._describe(chunk)
             yield from chunk
+
+    def _next_slots(self, schedule: MixtureSchedule) -> list[ScheduledRow]:
+        """The schedule's next global step, rank-major (slot i x world + r is row i of
+        rank r), its rows spread over the ranks by what they cost under `balance`: the
+        step holds the same rows either way."""
+        slots = schedule.next_step()
+        model = self.sources[0].planned.cost_model
+        if model is None:
+            return slots
+        costs = np.empty(len(slots), dtype=np.float64)
+        by_plan: dict[tuple[int, int, Phases], list[int]] = {}
+        for at, slot in enumerate(slots):
+            by_plan.setdefault((slot.source, slot.epoch, slot.phases), []).append(at)
+        for key, ats in by_plan.items():
+            positions = np.array([[slots[at].position for at in ats]], dtype=np.int64)
+            costs[ats] = model.costs(self.filler(*key).segments(positions), self.seq_len)
+        order = assign_rows(costs, self.world_size).tolist()
+        return [replace(slots[at], rank=index % self.world_size,
+                        row=index // self.world_size) for index, at in enumerate(order)]
 
     def _describe(self, chunk: list[MixtureStep]) -> None:
         wanted: dict[tuple[int, int, Phases], list[tuple[int, int, int]]] = {}
@@ -282,7 +304,7 @@ class MixtureRun:
         schedule.skip(step)
         for _ in range(steps):
             number = schedule.step
-            for slot in schedule.next_step():
+            for slot in self._next_slots(schedule):
                 if slot.rank in ranks:
                     pieces = self.filler(slot.source, slot.epoch, slot.phases).segments(
                         np.array([[slot.position]]))[0]

@@ -274,21 +274,23 @@ class Run:
         chunk (the first chunk one step, so the first batch waits for one step's
         description), each with the next chunk's (None after the last); halfway through the
         epoch, the next epoch's plan starts building in the background."""
-        offsets = self.planned.rank_positions(0, self.rank, segment.global_batch)[0]
         steps = segment.steps
         half = self.planned.plan_size(segment.epoch, segment.phases) // 2
         bounds = sorted({0, min(1, steps), *range(DESCRIBE_STEPS, steps, DESCRIBE_STEPS),
                          steps})
 
         def chunk(index: int) -> np.ndarray:
-            steps_here = np.arange(bounds[index], bounds[index + 1], dtype=np.int64)
-            return segment.position + steps_here[:, None] * segment.global_batch + offsets
+            return self.planned.rank_steps(segment, bounds[index], bounds[index + 1],
+                                           self.rank)
 
+        following = chunk(0) if len(bounds) > 1 else None
         for index in range(len(bounds) - 1):
             if (segment.step_start(bounds[index]) <= half < segment.step_start(bounds[index + 1])
                     and self.spec.loader_mode.prepares_next_epoch(self.spec)):
                 self.prepare_epoch(segment.epoch + 1)
-            yield chunk(index), chunk(index + 1) if index + 2 < len(bounds) else None
+            current, following = following, (chunk(index + 1) if index + 2 < len(bounds)
+                                             else None)
+            yield current, following
 
     def took(self, segment: Segment, step: int) -> None:
         """Global step `step` of `segment` was served: the run stands after it."""
@@ -331,8 +333,8 @@ class Run:
                 world = None if world_at is None else world_at(segment.step + index)
                 for rank in (ranks if world is None else
                              [r for r in ranks or range(world) if r < world]):
-                    positions = self.planned.rank_positions(segment.step_start(index), rank,
-                                                            segment.global_batch, world)
+                    positions = self.planned.rank_steps(segment, index, index + 1, rank,
+                                                        world)
                     for row, pieces in enumerate(filler.segments(positions)):
                         yield StepRow(segment.step + index, rank, row, segment.epoch, pieces,
                                       self.planned.document_dataset)

@@ -7,11 +7,12 @@ before (tests/test_golden.py resumes every 0.6 state):
 - a knob a state leaves out holds the value it had before the knob existed (`KNOBS_BEFORE`,
   and each mode's own `LoaderMode.knobs_before`): `shuffle` global before 0.3 (with no
   `group_shards`), `split` all before 0.4 (no `validation_fraction`), `window_blocks` and
-  `lanes` 0 before 0.7, `block_bytes` whole shards (`WHOLE_SHARDS`) in a state saved
-  before windows were made of blocks, which saved `window_blocks` as `window_shards`
-  (`KNOB_RENAMES`); bestfit's `packing` crop before 0.2 (no `pieces`), `pieces` edges
-  before 0.5, `overlong` cut before 0.6. Today's states leave out a knob at that value too
-  (`compact_knobs`), so a state of today loads in the release that added the knob;
+  `lanes` 0 before 0.7, `balance` none before 0.7 (no `balance_hidden`), `block_bytes`
+  whole shards (`WHOLE_SHARDS`) in a state saved before windows were made of blocks, which
+  saved `window_blocks` as `window_shards` (`KNOB_RENAMES`); bestfit's `packing` crop
+  before 0.2 (no `pieces`), `pieces` edges before 0.5, `overlong` cut before 0.6. Today's
+  states leave out a knob at that value too (`compact_knobs`), so a state of today loads
+  in the release that added the knob;
 - a mode saved by its name before 0.7 (`MODE_RENAMES`: `llmbatch` now serves any batch
   format, as `batches`), which also still selects the mode (one deprecation line);
 - a state without `steps` (before 0.7) counts them from its position (`steps_taken`);
@@ -39,6 +40,7 @@ KNOBS_BEFORE: KnobsBefore = {
     "lanes": (0, ()),
     "block_bytes": (WHOLE_SHARDS, ()),  # windows of whole shards
     "split": ("all", ("validation_fraction",)),  # before 0.4: no validation split
+    "balance": ("none", ("balance_hidden",)),  # before 0.7: rows in the plan's order
 }
 KNOB_RENAMES = {"window_shards": "window_blocks"}  # knobs renamed: old -> today's
 MODE_RENAMES = {"llmbatch": "batches"}  # loader modes renamed: old name -> today's (0.7)

@@ -32,6 +32,7 @@ from raypipe.io.records import Manifest
 from raypipe.io.store import Store
 from raypipe.knobs import applies, knob
 from raypipe.sampling import state_compat
+from raypipe.sampling.balance import NO_BALANCE, balance_names, cost_model
 from raypipe.sampling.blocks import WHOLE_SHARDS, WindowBudget, check_block_bytes
 from raypipe.sampling.buffers import (
     BatchBuffers,
@@ -168,6 +169,13 @@ class PlanSpec:
                       SPLITS)
     validation_fraction: float = knob(0.001, "the share of documents the validation "
                                       "split holds")
+    balance: str = knob(NO_BALANCE, "which rank takes which of a step's rows: none (the "
+                        "plan's order), or rows spread by what they cost, every rank still "
+                        "taking its count (attention: 6 x balance_hidden x T plus the "
+                        "squares of a row's pieces, under document-masked attention)",
+                        lambda: balance_names())
+    balance_hidden: int = knob(4096, "balance: the model's hidden size, which weighs a "
+                               "row's linear layers against its attention")
     knobs: ModeKnobs | None = None
 
     @classmethod
@@ -212,10 +220,20 @@ class PlanSpec:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be >= 0 (0: chosen "
                                   "for the data and the world size)")
         check_block_bytes(self.block_bytes)
+        self._check_balance()
         if self.shuffle == "windowed" and not self.loader_mode.windowed:
             raise ConfigError(f"shuffle='windowed' needs a mode whose rows are documents "
                               f"({', '.join(windowed_modes())}), not {self.mode!r}")
         self._check_split()
+
+    def _check_balance(self) -> None:
+        cost_model(self.balance, self.balance_hidden)  # refuses an unknown name
+        if self.balance_hidden < 1:
+            raise ConfigError(f"balance_hidden: {self.balance_hidden} must be >= 1")
+        if self.balance != NO_BALANCE and not self.loader_mode.balances:
+            raise ConfigError(f"balance={self.balance!r} needs a mode whose observations "
+                              f"are rows ({', '.join(balanced_modes())}); {self.mode!r} "
+                              "gives each rank one pre-formed batch a step")
 
     def _check_split(self) -> None:
         if self.split == "all":
@@ -426,6 +444,7 @@ class LoaderMode(ABC):
     continues_plans: ClassVar[bool] = False  # seq_len may change inside an epoch
     excludes: ClassVar[bool] = False  # documents may be excluded from a step on
     schedules: ClassVar[bool] = True  # takes batch and seq_len schedules (rows, not batches)
+    balances: ClassVar[bool] = True  # its observations are rows, spread by cost (balance=)
     Knobs: ClassVar[type[ModeKnobs]] = ModeKnobs  # its own knobs (none by default)
     # its own knobs' values from before they existed (raypipe.sampling.state_compat)
     knobs_before: ClassVar[dict[str, tuple[Any, tuple[str, ...]]]] = {}
@@ -555,6 +574,11 @@ def describe_shuffle(spec: PlanSpec, blocks: int | None = None) -> str:
 def windowed_modes() -> list[str]:
     """The modes that serve the windowed shuffle."""
     return [name for name, mode in _MODES.items() if mode.windowed]
+
+
+def balanced_modes() -> list[str]:
+    """The modes whose rows can be spread over ranks by cost (`balance`)."""
+    return [name for name, mode in _MODES.items() if mode.balances]
 
 
 def metadata_modes() -> list[str]:

@@ -205,6 +205,7 @@ class BatchesMode(LoaderMode):
     name = "batches"
     serves = "batches"
     schedules = False
+    balances = False
     mixes = False  # a batch's rows are fixed: a mixture cannot split a step between sources
     splits = ("all",)
     shard_local = False
