@@ -1,6 +1,7 @@
 """Balance by attention cost (raypipe.sampling.balance): a step's rows go to ranks B at a
-time, every row once, by a pure function of their costs; grouping moves rows only among
-the steps of a window; a row's cost is its model's."""
+time, every row once, by a pure function of their costs; a block's rows ordered by cost;
+a row's cost is its model's; the loaders (one dataset, a mixture) serve each step's rows
+under a balance, moved between ranks only."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from raypipe.sampling.balance import (
     AttentionCost,
     assign_rows,
     balance_names,
-    group_steps,
+    cost_order,
+    costs_of,
     rank_loads,
     register_cost_model,
 )
@@ -42,17 +44,21 @@ def test_assigned_rows_even_out_a_step_the_plan_order_leaves_uneven():
 
 
 @settings(max_examples=60, deadline=None)
-@given(steps=st.integers(1, 8), width=st.integers(1, 8), seed=st.integers(0, 1000))
-def test_grouping_moves_rows_only_within_the_window_and_sorts_them_into_steps(
-        steps, width, seed):
+@given(rows=st.integers(1, 60), levels=st.integers(1, 6), seed=st.integers(0, 1000),
+       descending=st.booleans())
+def test_a_block_by_cost_is_a_permutation_sorted_by_cost_with_ties_in_the_seeded_order(
+        rows, levels, seed, descending):
     rng = np.random.default_rng(seed)
-    costs = rng.lognormal(0, 2, steps * width)
-    order = group_steps(costs, steps, rng.permutation(steps))
-    assert sorted(order.tolist()) == list(range(steps * width))
-    grouped = costs[order].reshape(steps, width)
-    lows, highs = grouped.min(axis=1), grouped.max(axis=1)
-    ranked = np.argsort(lows, kind="stable")
-    assert (highs[ranked][:-1] <= lows[ranked][1:]).all()  # each step a run of sorted costs
+    costs = rng.integers(0, levels, rows).astype(np.float64)  # many ties
+    ties = rng.permutation(rows)
+    order = cost_order(costs, ties, descending)
+    assert sorted(order.tolist()) == list(range(rows))
+    placed = costs[order]
+    assert (np.diff(placed) <= 0).all() if descending else (np.diff(placed) >= 0).all()
+    rank_in_ties = np.argsort(ties)
+    for level in np.unique(costs):
+        equal = rank_in_ties[order[placed == level]]
+        assert (np.diff(equal) < 0).all() if descending else (np.diff(equal) > 0).all()
 
 
 def test_a_rows_attention_cost_is_linear_in_its_tokens_plus_the_squares_of_its_pieces():
@@ -116,8 +122,8 @@ def test_a_balance_the_mode_cannot_serve_or_nobody_registered_is_refused_naming_
 
 def test_a_registered_cost_model_is_a_balance_the_loader_takes(token_dataset):
     class Tokens:
-        def costs(self, rows, seq_len):
-            return np.array([float(row.take.sum()) for row in rows])
+        def row_costs(self, row_offsets, take, seq_len):
+            return np.add.reduceat(np.append(take, 0), row_offsets[:-1]).astype(float)
 
     register_cost_model("tokens", lambda hidden: Tokens())
     try:
@@ -135,3 +141,60 @@ def test_a_state_saved_under_one_balance_is_refused_under_another(token_dataset)
     state = loader.state_dict()
     with pytest.raises(StateError, match="balance"):
         open_loader(token_dataset, T, B).load_state_dict(state)
+
+
+def test_a_block_ordered_by_cost_evens_out_steps_of_one_row_a_rank(token_dataset):
+    """One row a rank: nothing to move within a step; a block's rows in order of cost
+    make a step's rows alike, so the slowest rank waits less."""
+    def spread(knobs):
+        loaders = [open_loader(token_dataset, T, 1, rank=rank, world_size=WORLD, seed=3,
+                               block_documents=200, **knobs) for rank in range(WORLD)]
+        loads = np.array([[sequence_squares(batch) for batch in itertools.islice(loader, 24)]
+                          for loader in loaders])  # [rank, step]
+        return float((loads.max(axis=0) / loads.mean(axis=0)).mean())
+
+    assert spread({**BALANCED, "block_order": "by_cost"}) < spread(BALANCED)
+
+
+@pytest.mark.parametrize("knobs", [{"mode": "bestfit"}, {"mode": "bestfit", "packing": "split"},
+                                   {"mode": "documents"}, {"mode": "windows"},
+                                   {"mode": "windows", "split": "train",
+                                    "validation_fraction": 0.2},
+                                   {"mode": "bestfit", "block_order": "by_cost",
+                                    "block_documents": 40}],
+                         ids=["bestfit", "bestfit-split", "documents", "windows",
+                              "windows-train-split", "bestfit-by-cost"])
+def test_a_modes_row_costs_from_its_plan_equal_the_costs_of_what_its_rows_hold(
+        rich_dataset, knobs):
+    """The fast path each mode answers costs by (its plan, no RowPieces) says what costing
+    `segments` (what trace shows) says, for rows anywhere in the epoch, a stream's
+    windows across shards and documents included."""
+    loader = open_loader(rich_dataset, 48, 2, seed=4, balance="attention", **knobs)
+    filler = loader.run.planned.filler(0)
+    model = AttentionCost.of_model(8)
+    size = loader.plan(0).size
+    positions = np.random.default_rng(1).permutation(size)[:min(size, 300)][None, :]
+    fast = filler.row_costs(positions, model, 48)
+    assert np.array_equal(fast, costs_of(model, filler.segments(positions), 48))
+
+
+def test_row_costs_of_the_rest_of_an_epoch_planned_again_equal_those_of_its_rows(
+        rich_dataset):
+    """After an exclusion mid-epoch the plan is a head of leftover pieces packed again and
+    a tail: costs from it match costing its rows."""
+    loader = open_loader(rich_dataset, 48, 2, seed=4, balance="attention",
+                         exclude=[3, 5, 8])
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    batches.close()
+    fresh = open_loader(rich_dataset, 48, 2, seed=4, balance="attention", exclude=[11, 12])
+    fresh.load_state_dict(loader.state_dict())
+    cursor = fresh.run.planned.schedule.phases_at(fresh.run.cursor())
+    assert len(cursor.phases) > 1  # the exclusion began a phase: a continued plan
+    filler = fresh.run.planned.filler(cursor.epoch, phases=cursor.phases)
+    assert getattr(filler.plan, "head_rows", 0) > 0
+    model = AttentionCost.of_model(8)
+    positions = np.arange(min(filler.plan.size, 200))[None, :]
+    assert np.array_equal(filler.row_costs(positions, model, 48),
+                          costs_of(model, filler.segments(positions), 48))

@@ -94,7 +94,8 @@ def test_the_ingest_benchmark_runs_at_a_tiny_size(tmp_path):
 
 
 @pytest.mark.parametrize("change", [[], ["--on-resume"],
-                                    ["--balance", "attention", "--worlds", "1,2,3"]])
+                                    ["--balance", "attention", "--block-order", "by_cost",
+                                     "--worlds", "1,2,3"]])
 def test_the_every_token_once_script_passes_on_a_small_dataset(token_dataset, change):
     done = subprocess.run([sys.executable, "bench/every_token_once.py", str(token_dataset),
                            "--seq-lens", "16,64", "--ramp", "6,24,6,4", *change],
@@ -181,12 +182,22 @@ def test_the_checksum_benchmark_runs_at_a_tiny_size(tmp_path):
     assert [line.split(":")[0] for line in lines[2:]] == ["reads in order", "reads shuffled"]
 
 
-def test_the_balance_benchmark_runs_at_a_tiny_size():
+def test_the_balance_benchmark_runs_at_a_tiny_size(tmp_path):
     done = subprocess.run([sys.executable, "bench/balance_bench.py", "--steps", "32",
-                           "--windows", "1,16"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+                           "--block-documents", "4096,16384", "--loader-tokens", "3000000",
+                           "--loader-seq-len", "64", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines()[2:-1]]
-    # two distributions x two shapes x two world sizes, each none then a row per window
-    assert len(rows) == 2 * 2 * 2 * 3, done.stdout
-    assert [row[-5] for row in rows[:3]] == ["none", "attention", "attention"]
+    lines = done.stdout.splitlines()
+    split = lines.index("")
+    rows = [line.split() for line in lines[2:split]]
+    # two distributions x two shapes x two world sizes, each none, attention, then a row
+    # per block size ordered by cost
+    assert len(rows) == 2 * 2 * 2 * 4, done.stdout
+    assert [(row[-6], row[-5]) for row in rows[:4]] == [
+        ("none", "shuffled"), ("attention", "shuffled"), ("attention", "by_cost"),
+        ("attention", "by_cost")]
+    described = [line.split() for line in lines[split + 3:-1]]
+    assert [row[:2] for row in described] == [[mode, ranks] for mode in
+                                              ("bestfit", "documents", "windows")
+                                              for ranks in ("64", "512")], done.stdout

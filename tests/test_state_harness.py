@@ -39,6 +39,8 @@ MODES = {name: {"mode": name} for name in mode_names()} | {
     "windows-balanced": {"mode": "windows", "balance": "attention", "balance_hidden": 2},
     "bestfit-windowed-balanced": {"mode": "bestfit", "shuffle": "windowed", "lanes": 2,
                                   "balance": "attention", "balance_hidden": 1},
+    "bestfit-by-cost": {"mode": "bestfit", "balance": "attention", "balance_hidden": 1,
+                        "block_order": "by_cost", "block_documents": 40},
 }
 
 

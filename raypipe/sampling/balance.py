@@ -1,5 +1,5 @@
-"""Balance: the rows of a step spread over its ranks by what they cost, and rows grouped
-over a window of steps so each step's rows cost about the same; computed alike on every
+"""Balance: the rows of a step spread over its ranks by what they cost, and a packing
+block's rows ordered by cost so a step's rows cost about the same; computed alike on every
 rank from the rows alone, with no collective.
 
 Invariant: a cost model is a name in `COST_MODELS` (the `balance` knob; a plugin adds one
@@ -7,18 +7,17 @@ with `register_cost_model`); `rank_rows` gives a rank its rows of each step from
 of all of the step's rows, so a step holds the same rows under any balance and only which
 rank takes which changes (a resume, a world size change and the drop-last tail are as
 without it). `assign_rows` is a permutation of a step's world x B rows that gives every rank
-exactly B of them (tensor shapes never change) and `group_steps` a permutation of a window's
-rows that moves rows only among the window's steps; both are pure functions of the rows'
-costs (ties broken by position), so every rank computes the same one, and every row is
-still served once. The cost of a row under document-masked attention (varlen kernels,
-`cu_seqlens`) is about `linear x T + sum of s^2` over its pieces s: `linear` is 6 x the
-model's hidden size (a token's linear layers against one query-key pair, forward and
-backward, per layer). Cost: O(W log W) a step of W rows.
+exactly B of them (tensor shapes never change), `cost_order` a permutation of one block's
+rows (the plan's own order, so a resume, an exclusion or a join mid-epoch serves what is
+left as under any order); both are pure functions of the rows' costs and the seed, so every
+rank computes the same one, and every row is still served once. The cost of a row under
+document-masked attention (varlen kernels, `cu_seqlens`) is about `linear x T + sum of s^2`
+over its pieces s: `linear` is 6 x the model's hidden size (a token's linear layers against
+one query-key pair, forward and backward, per layer). Cost: O(W log W) a step of W rows.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -34,8 +33,10 @@ NO_BALANCE = "none"  # rows go to ranks in the plan's order: row i * world + r o
 class RowCostModel(Protocol):
     """What a row costs to train, from what it holds (no token read)."""
 
-    def costs(self, rows: Sequence[RowPieces], seq_len: int) -> np.ndarray:
-        """float64[len(rows)]: the cost of each row of `seq_len` tokens."""
+    def row_costs(self, row_offsets: np.ndarray, take: np.ndarray, seq_len: int
+                  ) -> np.ndarray:
+        """float64[rows]: the cost of each row of `seq_len` tokens, for rows in CSR form
+        (row r is pieces row_offsets[r]:[r + 1] of `take` tokens each)."""
 
 
 @dataclass(frozen=True)
@@ -51,19 +52,19 @@ class AttentionCost:
 
     def row_costs(self, row_offsets: np.ndarray, take: np.ndarray,
                   seq_len: int) -> np.ndarray:
-        """float64[rows] for rows in CSR form (row r is pieces row_offsets[r]:[r + 1] of
-        `take` tokens each: raypipe.sampling.pack.PackedBlock); every row is `seq_len`
-        tokens for the linear term (padding runs through the layers too)."""
+        """Every row is `seq_len` tokens for the linear term (padding runs through the
+        layers too)."""
         offsets = np.asarray(row_offsets, dtype=np.int64)
         squares = np.concatenate([[0.0], np.cumsum(np.asarray(take, np.float64) ** 2)])
         return self.linear * seq_len + squares[offsets[1:]] - squares[offsets[:-1]]
 
-    def costs(self, rows: Sequence[RowPieces], seq_len: int) -> np.ndarray:
-        counts = np.fromiter((len(row.take) for row in rows), np.int64, len(rows))
-        offsets = np.concatenate([[0], np.cumsum(counts)])
-        take = (np.concatenate([row.take for row in rows]) if rows
-                else np.empty(0, np.int64))
-        return self.row_costs(offsets, take, seq_len)
+
+def costs_of(model: RowCostModel, rows: Sequence[RowPieces], seq_len: int) -> np.ndarray:
+    """float64[len(rows)]: what each row costs under `model`."""
+    counts = np.fromiter((len(row.take) for row in rows), np.int64, len(rows))
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    take = np.concatenate([row.take for row in rows]) if rows else np.empty(0, np.int64)
+    return model.row_costs(offsets, take, seq_len)
 
 
 # balance name -> the cost model of a model of that hidden size
@@ -101,42 +102,34 @@ def rank_rows(costs: np.ndarray, ranks: int, rank: int) -> np.ndarray:
 
 def assign_rows(costs: np.ndarray, ranks: int) -> np.ndarray:
     """The step's rows for each rank: `order[i * ranks + r]` is the row (an index into
-    `costs`, the step's rows in the plan's order) rank r takes as its row i. The most
-    costly row first, each to the least loaded rank with room (B = rows / ranks each), ties
-    to the lower rank and the earlier row."""
+    `costs`, the step's rows in the plan's order) rank r takes as its row i. The rows taken
+    costliest first, `ranks` at a time, the costliest of each round to the least loaded
+    rank (ties to the lower rank, the earlier row): every rank gets one row a round, so
+    B = rows / ranks each. Vectorized per round: B sorts of `ranks` loads."""
     costs = np.asarray(costs, dtype=np.float64)
     rows = len(costs)
     if ranks < 1 or rows % ranks:
         raise ValueError(f"{rows} rows do not split evenly over {ranks} ranks")
     per_rank = rows // ranks
-    taken: list[list[int]] = [[] for _ in range(ranks)]
-    loads = [(0.0, rank) for rank in range(ranks)]  # a heap of ranks with room
-    for row in np.argsort(-costs, kind="stable").tolist():
-        load, rank = heapq.heappop(loads)
-        taken[rank].append(row)
-        if len(taken[rank]) < per_rank:
-            heapq.heappush(loads, (load + float(costs[row]), rank))
-    order = np.empty(rows, dtype=np.int64)
-    for rank, chosen in enumerate(taken):
-        order[np.arange(per_rank) * ranks + rank] = sorted(chosen)  # plan order in a rank
-    return order
+    costliest = np.argsort(-costs, kind="stable").reshape(per_rank, ranks)
+    loads = np.zeros(ranks, dtype=np.float64)
+    taken = np.empty((ranks, per_rank), dtype=np.int64)
+    for round_rows in range(per_rank):
+        least_loaded = np.argsort(loads, kind="stable")
+        taken[least_loaded, round_rows] = costliest[round_rows]
+        loads[least_loaded] += costs[costliest[round_rows]]
+    taken.sort(axis=1)  # a rank's rows in the plan's order
+    return taken.T.reshape(-1)
 
 
-def group_steps(costs: np.ndarray, steps: int, step_order: np.ndarray | None = None
-                ) -> np.ndarray:
-    """A window's rows regrouped into its `steps` steps by cost, so the rows of a step cost
-    about the same: `order[k * W + j]` is the row (an index into `costs`, the window's rows
-    in the plan's order) step k takes as its j-th, W = rows / steps. The rows sorted by cost
-    are cut into `steps` groups; `step_order` (a permutation of the steps, e.g. the seed's)
-    says which step takes which group (default: cheapest first)."""
-    costs = np.asarray(costs, dtype=np.float64)
-    if steps < 1 or len(costs) % steps:
-        raise ValueError(f"{len(costs)} rows do not split evenly over {steps} steps")
-    width = len(costs) // steps
-    groups = np.argsort(costs, kind="stable").reshape(steps, width)
-    if step_order is not None:
-        groups = groups[np.argsort(np.asarray(step_order, dtype=np.int64), kind="stable")]
-    return np.sort(groups, axis=1).reshape(-1)
+def cost_order(costs: np.ndarray, ties: np.ndarray, descending: bool = False) -> np.ndarray:
+    """A block's rows in order of cost: `order[i]` is the row at place i, rows of equal
+    cost in the order `ties` gives (a seeded permutation of the rows), the costliest first
+    where `descending`. Blocks ordered up and down by turns keep the G consecutive rows of
+    a step alike in cost across a block's edge too."""
+    ties = np.asarray(ties, dtype=np.int64)
+    ranked = ties[np.argsort(np.asarray(costs, dtype=np.float64)[ties], kind="stable")]
+    return ranked[::-1].copy() if descending else ranked
 
 
 def rank_loads(costs: np.ndarray, order: np.ndarray | None, ranks: int) -> np.ndarray:

@@ -92,6 +92,21 @@ def segments_in(bounds: np.ndarray, first_document: int, start: int, stop: int
                        ends <= stop)
 
 
+def takes_in(bounds: np.ndarray, starts: np.ndarray, stops: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """`segments_in` for many spans [starts[i], stops[i]) at once, token counts only:
+    (pieces per span, every piece's token count, span by span)."""
+    first = np.maximum(np.searchsorted(bounds, starts, side="right") - 1, 0)
+    last = np.minimum(np.searchsorted(bounds, stops, side="left"), bounds.size - 1)
+    counts = np.maximum(last - first, 0)
+    ends = np.cumsum(counts)
+    documents = np.repeat(first - (ends - counts), counts) + np.arange(ends[-1] if ends.size
+                                                                       else 0)
+    take = (np.minimum(bounds[documents + 1], np.repeat(stops, counts))
+            - np.maximum(bounds[documents], np.repeat(starts, counts)))
+    return counts, take.astype(np.int64)
+
+
 def joined(parts: list[RowPieces]) -> RowPieces:
     """One row's segments from consecutive parts."""
     if len(parts) == 1:
@@ -257,6 +272,34 @@ class TokenSource:
                                      int(self.document_offsets[shard]), start, stop))
             shard += 1
         return joined(parts)
+
+    def span_takes(self, starts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """What `span_segments` says of each span [start, start + width), its pieces'
+        token counts only, for all spans at once: (row_offsets, take) in CSR form (span i
+        is pieces row_offsets[i]:[i + 1]), a shard's document starts read once for all."""
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        stops = starts + width
+        if self.stream_offsets is not None:
+            counts, take = takes_in(self.stream_offsets, starts, stops)
+            return np.concatenate([[0], np.cumsum(counts)]), take
+        first = self.token_offsets.searchsorted(starts, side="right") - 1
+        last = self.token_offsets.searchsorted(stops - 1, side="right") - 1
+        spans, takes = [], []
+        for shard in range(int(first.min(initial=0)), int(last.max(initial=-1)) + 1):
+            inside = np.flatnonzero((first <= shard) & (last >= shard))
+            if not inside.size:
+                continue
+            low, high = self.token_offsets[shard], self.token_offsets[shard + 1]
+            counts, take = takes_in(self._document_bounds(shard),
+                                    np.maximum(starts[inside], low),
+                                    np.minimum(stops[inside], high))
+            spans.append(np.repeat(inside, counts))
+            takes.append(take)
+        span = np.concatenate(spans) if spans else np.empty(0, np.int64)
+        order = np.argsort(span, kind="stable")  # a span's pieces in shard order
+        counts = np.bincount(span, minlength=starts.size)
+        take = np.concatenate(takes)[order] if takes else np.empty(0, np.int64)
+        return np.concatenate([[0], np.cumsum(counts)]), take
 
     def _document_bounds(self, shard: int) -> np.ndarray:
         """Global token offsets of a shard's documents' starts (+ its end), from its index;

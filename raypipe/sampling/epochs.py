@@ -463,8 +463,8 @@ class PlannedDataset:
             return starts + rank + world * np.arange(segment.global_batch // world,
                                                      dtype=np.int64)
         steps = starts + np.arange(segment.global_batch, dtype=np.int64)
-        rows = self.filler(segment.epoch, phases=segment.phases).segments(steps)
-        costs = self.cost_model.costs(rows, segment.seq_len).reshape(steps.shape)
+        costs = self.filler(segment.epoch, phases=segment.phases).row_costs(
+            steps, self.cost_model, segment.seq_len).reshape(steps.shape)
         return starts + rank_rows(costs, world, rank)
 
     @cached_property

@@ -104,6 +104,9 @@ class LossMaskedFiller(BatchFiller[Any]):
     def segments(self, positions: np.ndarray) -> list[RowPieces]:
         return self.inner.segments(positions)
 
+    def row_costs(self, positions: np.ndarray, model: Any, seq_len: int) -> np.ndarray:
+        return self.inner.row_costs(positions, model, seq_len)
+
     def prepare(self, buffers: BatchBuffers) -> None:
         self.inner.prepare(buffers)
 

@@ -271,7 +271,7 @@ class MixtureRun:
             by_plan.setdefault((slot.source, slot.epoch, slot.phases), []).append(at)
         for key, ats in by_plan.items():
             positions = np.array([[slots[at].position for at in ats]], dtype=np.int64)
-            costs[ats] = model.costs(self.filler(*key).segments(positions), self.seq_len)
+            costs[ats] = self.filler(*key).row_costs(positions, model, self.seq_len)
         order = assign_rows(costs, self.world_size).tolist()
         return [replace(slots[at], rank=index % self.world_size,
                         row=index // self.world_size) for index, at in enumerate(order)]

@@ -10,9 +10,9 @@ before (tests/test_golden.py resumes every 0.6 state):
   `lanes` 0 before 0.7, `balance` none before 0.7 (no `balance_hidden`), `block_bytes`
   whole shards (`WHOLE_SHARDS`) in a state saved before windows were made of blocks, which
   saved `window_blocks` as `window_shards` (`KNOB_RENAMES`); bestfit's `packing` crop
-  before 0.2 (no `pieces`), `pieces` edges before 0.5, `overlong` cut before 0.6. Today's
-  states leave out a knob at that value too (`compact_knobs`), so a state of today loads
-  in the release that added the knob;
+  before 0.2 (no `pieces`), `pieces` edges before 0.5, `overlong` cut before 0.6,
+  `block_order` shuffled before 0.7. Today's states leave out a knob at that value too
+  (`compact_knobs`), so a state of today loads in the release that added the knob;
 - a mode saved by its name before 0.7 (`MODE_RENAMES`: `llmbatch` now serves any batch
   format, as `batches`), which also still selects the mode (one deprecation line);
 - a state without `steps` (before 0.7) counts them from its position (`steps_taken`);

@@ -32,7 +32,13 @@ from raypipe.io.records import Manifest
 from raypipe.io.store import Store
 from raypipe.knobs import applies, knob
 from raypipe.sampling import state_compat
-from raypipe.sampling.balance import NO_BALANCE, balance_names, cost_model
+from raypipe.sampling.balance import (
+    NO_BALANCE,
+    RowCostModel,
+    balance_names,
+    cost_model,
+    costs_of,
+)
 from raypipe.sampling.blocks import WHOLE_SHARDS, WindowBudget, check_block_bytes
 from raypipe.sampling.buffers import (
     BatchBuffers,
@@ -87,6 +93,12 @@ class BatchFiller(ABC, Generic[RowT]):
         without reading any token."""
 
     boundaries: bool = True
+
+    def row_costs(self, positions: np.ndarray, model: RowCostModel, seq_len: int
+                  ) -> np.ndarray:
+        """float64[positions.size]: what the row of each observation at `positions` costs
+        under `model` (from `segments`; a mode may answer from its plan directly)."""
+        return costs_of(model, self.segments(positions), seq_len)
 
     def units_ahead(self, position: int) -> np.ndarray | None:
         """The units to fetch while observation `position` is read, planned by the shuffle:
@@ -221,6 +233,7 @@ class PlanSpec:
                                   "for the data and the world size)")
         check_block_bytes(self.block_bytes)
         self._check_balance()
+        self.loader_mode.check_spec(self)
         if self.shuffle == "windowed" and not self.loader_mode.windowed:
             raise ConfigError(f"shuffle='windowed' needs a mode whose rows are documents "
                               f"({', '.join(windowed_modes())}), not {self.mode!r}")
@@ -505,6 +518,11 @@ class LoaderMode(ABC):
         holding every token `before` had not served and no other (only where
         `continues_plans`)."""
         raise NotImplementedError(f"mode {self.name!r} does not continue plans")
+
+    def check_spec(self, spec: Any) -> None:
+        """Refuse knobs of this mode that the spec's shared knobs rule out (one
+        ConfigError naming both); by default none."""
+        return None
 
     def refuse_a_seq_len_change(self, what: str) -> None:
         """The one refusal of a seq_len change inside an epoch by a mode that cannot plan

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -39,6 +40,7 @@ import numpy as np
 
 from raypipe.errors import ConfigError
 from raypipe.formats import PACKING_BY_DATA, packing_for_data
+from raypipe.sampling.balance import NO_BALANCE, RowCostModel, cost_model, cost_order
 from raypipe.sampling.buffers import (
     BatchBuffers,
     DescribedRows,
@@ -82,6 +84,8 @@ SUM_CHUNK_DOCUMENTS = 1 << 18  # documents permuted per numpy call when summing 
 SUM_THREADS = max(1, min(8, os.cpu_count() or 1))  # threads of the block-sum pass
 CACHED_BLOCKS = 8  # packed blocks a plan keeps (a step's rows span a few blocks)
 PIECES_RULE = "separated"  # the cut rule of raypipe.sampling.pack (states record it)
+SHUFFLED_ROWS, BY_COST = "shuffled", "by_cost"
+BLOCK_ORDERS = (SHUFFLED_ROWS, BY_COST)  # a packing block's rows: shuffled, or by cost
 
 
 class BestFitPlan:
@@ -93,7 +97,7 @@ class BestFitPlan:
                  memo: SumsMemo | None = None,
                  separator: str = "bos", overlong: str = "cut", first_document: int = 0,
                  excluded: np.ndarray | None = None, excluded_key: str = "",
-                 order: DocumentOrder | None = None):
+                 order: DocumentOrder | None = None, row_cost: RowCostModel | None = None):
         """`memo(key, compute)`: returns compute() or what it returned before for `key`
         (a node-local cache of the block token sums, shared by the node's ranks);
         `separator`: which side of a document carries BOS/EOS (raypipe.sampling.pack);
@@ -102,7 +106,9 @@ class BestFitPlan:
         `excluded`: documents left out (ascending; raypipe.sampling.exclusions), named in
         memo keys by `excluded_key`: each block packs its other documents, and the block
         sums lose their tokens, O(excluded); `order`: the epoch's document order (default:
-        its Feistel order; the rest of an epoch that units joined: plans.continued_order)."""
+        its Feistel order; the rest of an epoch that units joined: plans.continued_order);
+        `row_cost`: a block's rows in order of this model's cost (`block_order` by_cost),
+        up in even blocks and down in odd ones, else shuffled."""
         lengths = DocumentLengths.of(lengths)
         self.first_document = first_document
         self.excluded = (np.zeros(0, dtype=np.int64) if excluded is None
@@ -115,6 +121,7 @@ class BestFitPlan:
         self.overlong = overlong
         self.capacity = seq_len + 1
         self.seed, self.epoch = seed, epoch
+        self.row_cost = row_cost
         self.block_documents = block_size(lengths, self.capacity, block_documents, packing)
         self.document_order = order if order is not None else document_permutation(
             len(lengths), seed, epoch, 3, groups)
@@ -125,7 +132,8 @@ class BestFitPlan:
         # where each block begins in the document order (blocks end where windows do)
         self._cut_blocks(first_document)
         self._cached: OrderedDict[int, PackedBlock] = OrderedDict()
-        self._row_orders: dict[int, FeistelPermutation] = {}
+        self._row_orders: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
+        self._block_costs: dict[tuple[int, int, int], np.ndarray] = {}
 
     def _cut_blocks(self, first_document: int) -> None:
         """Where each block begins and ends in the document order (from `first_document`);
@@ -268,11 +276,41 @@ class BestFitPlan:
     def report(self) -> PackingReport:
         return self._summary[1]
 
-    def _row_order(self, block: int) -> FeistelPermutation:
+    def block_costs(self, block: int, model: RowCostModel, seq_len: int) -> np.ndarray:
+        """float64[rows of block `block`]: each row's cost under `model` (the last few
+        blocks' kept)."""
+        key = (block, id(model), seq_len)
+        if key not in self._block_costs:
+            if len(self._block_costs) >= CACHED_BLOCKS:
+                self._block_costs.pop(next(iter(self._block_costs)))
+            packed = self.pack(block)
+            self._block_costs[key] = model.row_costs(packed.row_offsets, packed.take, seq_len)
+        return self._block_costs[key]
+
+    def row_costs(self, positions: np.ndarray, model: RowCostModel, seq_len: int
+                  ) -> np.ndarray:
+        """float64[positions.size]: the cost of the row at each position."""
+        blocks, local = self.row_ids(positions)
+        costs = np.empty(local.size, dtype=np.float64)
+        for block in np.unique(blocks).tolist():
+            chosen = blocks == block
+            costs[chosen] = self.block_costs(block, model, seq_len)[local[chosen]]
+        return costs
+
+    def _row_order(self, block: int) -> Callable[[np.ndarray], np.ndarray]:
+        """Place in the block -> row of the block: shuffled (a Feistel permutation), or by
+        cost (ties shuffled)."""
         if block not in self._row_orders:
+            if len(self._row_orders) >= CACHED_BLOCKS:
+                self._row_orders.pop(next(iter(self._row_orders)))
             count = int(self.row_offsets[block + 1] - self.row_offsets[block])
-            self._row_orders = {block: FeistelPermutation(count, self.seed, self.epoch,
-                                                          salt=1000 + block)}
+            shuffled = FeistelPermutation(count, self.seed, self.epoch, salt=1000 + block)
+            self._row_orders[block] = shuffled
+            if self.row_cost is not None:
+                costs = self.block_costs(block, self.row_cost, self.capacity - 1)
+                ranked = cost_order(costs, shuffled(np.arange(count, dtype=np.int64)),
+                                    descending=block % 2 == 1)
+                self._row_orders[block] = ranked.__getitem__
         return self._row_orders[block]
 
     @cached_property
@@ -474,6 +512,20 @@ class ContinuedPlan:
     def counted_tokens(self, positions: np.ndarray) -> int:
         return sum(int(row.take.sum()) for _, row in self.rows(positions))
 
+    def row_costs(self, positions: np.ndarray, model: RowCostModel, seq_len: int
+                  ) -> np.ndarray:
+        """float64[positions.size]: the cost of the row at each position (head or tail)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        in_head = positions < self.head_rows
+        costs = np.empty(positions.size, dtype=np.float64)
+        if in_head.any():
+            head = model.row_costs(self.head.row_offsets, self.head.take, seq_len)
+            costs[in_head] = head[self.head_order(positions[in_head])]
+        if not in_head.all():
+            costs[~in_head] = self.tail.row_costs(positions[~in_head] - self.head_rows, model,
+                                                  seq_len)
+        return costs
+
     def repeated_tokens(self, positions: np.ndarray) -> int:
         """Tokens placed a second time in the rows at `positions` (overlong `split`)."""
         if self.tail.overlong != "split":
@@ -500,7 +552,7 @@ def replace_first(plan: BestFitPlan, first_document: int) -> BestFitPlan:
     other = copy.copy(plan)
     other.first_document = first_document
     other._cut_blocks(first_document)
-    other._cached, other._row_orders = OrderedDict(), {}
+    other._cached, other._row_orders, other._block_costs = OrderedDict(), {}, {}
     other.__dict__.pop("_summary", None)
     return other
 
@@ -619,6 +671,11 @@ class BestFitFiller(BatchFiller[list[Piece]]):
                             row.ends_document)
                 for _, row in self.plan.rows(positions.reshape(-1))]
 
+    def row_costs(self, positions: np.ndarray, model: RowCostModel, seq_len: int
+                  ) -> np.ndarray:
+        """From the packed blocks' rows, a block's costs computed once."""
+        return self.plan.row_costs(positions.reshape(-1), model, seq_len)
+
 
 @dataclass(frozen=True)
 class BestFitKnobs(ModeKnobs):
@@ -635,8 +692,16 @@ class BestFitKnobs(ModeKnobs):
                          "once), cut (pieces edge to edge), truncate (its first row), drop; "
                          "auto: split for chat data, cut for text",
                          (*OVERLONGS, PACKING_BY_DATA))
+    block_order: str = knob(SHUFFLED_ROWS, "bestfit: the order of a packing block's rows: "
+                            "shuffled, or by_cost (needs a balance: up and down by turns, "
+                            "so a step's rows cost about the same, for one row a rank at "
+                            "long context; a block of more documents groups more steps)",
+                            BLOCK_ORDERS)
 
     def __post_init__(self) -> None:
+        if self.block_order not in BLOCK_ORDERS:
+            raise ConfigError(f"block_order: {self.block_order!r} not among "
+                              f"{list(BLOCK_ORDERS)}")
         for name, allowed in (("packing", PACKINGS), ("overlong", OVERLONGS)):
             if getattr(self, name) not in (*allowed, PACKING_BY_DATA):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} not among "
@@ -671,20 +736,29 @@ class BestFitMode(LoaderMode):
         "packing": ("crop", ("pieces",)),  # crop packing only (no pieces)
         "pieces": ("edges", ()),  # pieces cut edge to edge, another rule
         "overlong": ("cut", ()),  # a document over a row cut edge to edge
+        "block_order": (SHUFFLED_ROWS, ()),  # a block's rows shuffled
     }
 
     def knobs(self, spec: Any) -> dict[str, Any]:
         return {"block_documents": spec.knobs.block_documents, "packing": spec.packing,
-                "pieces": PIECES_RULE, "overlong": spec.resolved_overlong}
+                "pieces": PIECES_RULE, "overlong": spec.resolved_overlong,
+                "block_order": spec.knobs.block_order}
+
+    def check_spec(self, spec: Any) -> None:
+        if spec.knobs.block_order == BY_COST and spec.balance == NO_BALANCE:
+            raise ConfigError("block_order='by_cost' orders rows by a cost model: give "
+                              "balance (e.g. 'attention')")
 
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int, first_document: int = 0,
              order: DocumentOrder | None = None) -> BestFitPlan:
         dataset = inputs.dataset
+        row_cost = (cost_model(spec.balance, spec.balance_hidden)
+                    if spec.knobs.block_order == BY_COST else None)
         return BestFitPlan(inputs.lengths(), spec.seq_len, spec.seed, epoch,
                            spec.knobs.block_documents, spec.packing, inputs.groups,
                            inputs.memo, separator_of(dataset.bos_id, dataset.eos_id),
                            spec.resolved_overlong, first_document, inputs.excluded,
-                           inputs.excluded_key, order)
+                           inputs.excluded_key, order, row_cost)
 
     def continue_plan(self, spec: Any, inputs: PlanInputs, epoch: int, before: Any,
                       position: int) -> ContinuedPlan:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from raypipe.errors import ConfigError
+from raypipe.sampling.balance import RowCostModel
 from raypipe.sampling.buffers import (
     BatchBuffers,
     DescribedRows,
@@ -171,6 +172,15 @@ class DocumentsFiller(BatchFiller[DocumentRow]):
                 flags.append(False)
         count = write_boundaries(np.array(starts, dtype=np.int64), buffers, self.seq_len)
         return Filled(count, np.array(flags, dtype=bool))
+
+    def row_costs(self, positions: np.ndarray, model: RowCostModel, seq_len: int
+                  ) -> np.ndarray:
+        """A row is one piece: its document's first T + 1 tokens (none past the end)."""
+        local_ids = self.plan.documents(positions.reshape(-1))
+        held = local_ids >= 0
+        take = np.minimum(self.plan.lengths[local_ids[held]], self.seq_len + 1)
+        return model.row_costs(np.concatenate([[0], np.cumsum(held)]),
+                               np.asarray(take, dtype=np.int64), seq_len)
 
     def segments(self, positions: np.ndarray) -> list[RowPieces]:
         local_ids = self.plan.documents(positions.reshape(-1))

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.dataset import StreamWindow
+from raypipe.sampling.balance import RowCostModel
 from raypipe.sampling.buffers import (
     BatchBuffers,
     DescribedRows,
@@ -106,6 +107,11 @@ class WindowsFiller(BatchFiller[int]):
         offsets = self.plan.window_starts(positions.reshape(-1))[1]
         return [self.source.span_segments(int(offset), self.seq_len + 1)
                 for offset in offsets.tolist()]
+
+    def row_costs(self, positions: np.ndarray, model: RowCostModel, seq_len: int
+                  ) -> np.ndarray:
+        offsets = self.plan.window_starts(positions.reshape(-1))[1]
+        return model.row_costs(*self.source.span_takes(offsets, self.seq_len + 1), seq_len)
 
 
 class WindowsMode(LoaderMode):
