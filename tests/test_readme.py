@@ -16,6 +16,7 @@ import pytest
 
 from raypipe.demo.train_tokenizer import SHIPPED
 from raypipe.formats import FORMATS
+from raypipe.sampling.balance import COST_MODELS
 from raypipe.sampling.modes import base as modes_base
 from tests.conftest import write_parquet
 
@@ -72,8 +73,8 @@ def run_blocks(namespace: dict) -> None:
 
 @contextlib.contextmanager
 def registries_restored() -> Iterator[None]:
-    """The format and loader-mode registries as they were, after the block."""
-    formats, modes = dict(FORMATS), dict(modes_base._MODES)
+    """The format, loader-mode and cost-model registries as they were, after the block."""
+    formats, modes, costs = dict(FORMATS), dict(modes_base._MODES), dict(COST_MODELS)
     try:
         yield
     finally:
@@ -81,6 +82,8 @@ def registries_restored() -> Iterator[None]:
         FORMATS.update(formats)
         modes_base._MODES.clear()
         modes_base._MODES.update(modes)
+        COST_MODELS.clear()
+        COST_MODELS.update(costs)
 
 
 def run_trace_commands(capsys) -> None:
