@@ -2,13 +2,15 @@
 proxy that adds latency and faults to every request.
 
     python bench/bucket_bench.py [--grid quick|full] [--delay-ms 20]
+        [--cell SIZE,PER_RANK,SHARE,NODES ...]
 
 It starts a moto S3 server on 127.0.0.1 and, in front of it, bench/latency_proxy.py: 20 ms
 a request, 5% of the GETs answered `503 SlowDown`, 1% reset. A cell is a dataset of
 Megatron shards (small: ~0.15 MB each, large: ~5 MB), a number of shards per rank (at 2
 ranks), a node cache of 5, 10 or 25% of the data, and 1 node x 2 ranks or 2 nodes x 2 ranks
-(a cache each). One epoch of bestfit T=2048, 4 rows a rank, each rank a process of its own
-with a consumer step of 5 ms, `shuffle="auto"` (windowed: blocks sized from the budget).
+(a cache each); --cell runs the cells named instead of a grid. One epoch of bestfit
+T=2048, 4 rows a rank, each rank a process of its own with a consumer step of 5 ms,
+`shuffle="auto"` (windowed: blocks sized from the budget).
 Per cell it prints:
 - bytes fetched an epoch / the dataset (all nodes), GETs / (blocks + index objects: each
   shard's .idx and .sums on every node), the
@@ -300,12 +302,21 @@ HEADER = ("shards", "per rank", "cache", "nodes", "count", "block x window",
           "bytes/data", "GETs/blocks", "p99 ms", "max ms", "first s", "= local", "2->3")
 
 
+def parsed_cell(text: str) -> tuple[str, float, float, int]:
+    """A --cell: (shard size, shards per rank, cache share, nodes)."""
+    size, per_rank, share, nodes = text.split(",")
+    if size not in SHARD_TOKENS:
+        raise SystemExit(f"--cell {text}: the shard size is one of {sorted(SHARD_TOKENS)}")
+    return size, float(per_rank), float(share), int(nodes)
+
+
 def bench(args: argparse.Namespace, workdir: Path) -> None:
     print(f"proxy {args.delay_ms:.0f} ms a request, {args.slow_down:.0%} 503 SlowDown, "
           f"{args.resets:.0%} resets; one epoch, bestfit T={SEQ}, {BATCH} rows a rank, "
-          f"consumer step {STEP_S * 1000:.0f} ms; grid {args.grid!r}")
+          f"consumer step {STEP_S * 1000:.0f} ms; "
+          + (f"cells {args.cell}" if args.cell else f"grid {args.grid!r}"))
     rows, qualities = [HEADER], []
-    for shape in GRIDS[args.grid]:
+    for shape in [parsed_cell(text) for text in args.cell] or GRIDS[args.grid]:
         began = time.perf_counter()
         try:
             row, quality_rows = cell(args, workdir, *shape)
@@ -337,6 +348,9 @@ def main() -> None:
     parser.add_argument("--slow-down", type=float, default=0.05)
     parser.add_argument("--resets", type=float, default=0.01)
     parser.add_argument("--workdir", default="bench_out")
+    parser.add_argument("--cell", action="append", default=[],
+                        help="run this cell instead of a grid: small|large,PER_RANK,SHARE,"
+                        "NODES (e.g. small,200,0.1,1); repeatable")
     args = parser.parse_args()
     if args.rank:
         rank_main(json.loads(args.rank))

@@ -128,7 +128,9 @@ class ShardCache:
         (self.directory / LOCKS_DIR).mkdir(parents=True, exist_ok=True)
         self.stats = CacheStats()
         self._pinned: Counter[Path] = Counter()
+        self._published: frozenset[Path] = frozenset()  # what this process's pins file lists
         self._mutex = threading.Lock()
+        self._publishing = threading.Lock()  # one thread writes the pins file at a time
         self._warned = False
         self._since_evict = 0  # bytes of ranges downloaded since this process last evicted
         # suffixes of index files (a dataset's, set when it opens): evicted after the rest
@@ -311,24 +313,32 @@ class ShardCache:
         """Keep these files (shards this process has open or is fetching) out of every
         process's eviction on the node."""
         with self._mutex:
-            new = any(path not in self._pinned for path in paths)
             self._pinned.update(paths)
-        if new:
-            self._publish_pins()
+            new = any(path not in self._published for path in paths)
+        if new:  # under the eviction lock: no eviction runs on the list without them
+            with _file_lock(self.directory / LOCKS_DIR / "evict.lock"):
+                self._publish_pins()
 
     def _pins_file(self, pid: int) -> Path:
         return self.directory / LOCKS_DIR / f"pins-{pid}"
 
     def _publish_pins(self) -> None:
         """Write this process's pins where the node's other processes read them before
-        they evict (under the eviction lock, so no eviction runs on an older list)."""
+        they evict. A list that gains a file is written under the eviction lock (`pin`);
+        one that only loses files needs no lock (an eviction that read the longer list
+        keeps more than it must, never less), so an unpin never waits for another
+        process's eviction."""
         final = self._pins_file(os.getpid())
         temporary = final.with_name(f".{final.name}.{threading.get_ident()}.tmp")
-        with _file_lock(self.directory / LOCKS_DIR / "evict.lock"):
-            with self._mutex:  # taken under the lock: no thread writes an older list later
-                listing = "\n".join(sorted(str(path) for path in self._pinned))
-            temporary.write_text(listing)
+        with self._publishing:  # no thread replaces a newer list with an older one
+            with self._mutex:
+                pinned = frozenset(self._pinned)
+            if pinned == self._published:
+                return
+            temporary.write_text("\n".join(sorted(str(path) for path in pinned)))
             os.replace(temporary, final)
+            with self._mutex:
+                self._published = pinned
 
     def node_pins(self) -> set[Path]:
         """The files every live process of the node has pinned (this one's from memory);
@@ -387,19 +397,27 @@ class ShardCache:
         return sum(size for _, size, _ in self.cached_files())
 
     def evict(self) -> None:
-        """Delete least recently used files until the cache fits its budget."""
+        """Delete least recently used files until the cache fits its budget. The cache is
+        walked before the eviction lock is taken (the walk is most of the time an
+        eviction takes, and every pin of the node's processes waits for the lock); the
+        pins are read under it."""
+        files = sorted(self.cached_files(),  # index files last: every open reads one
+                       key=lambda item: (item[2].name.endswith(self.kept_suffixes), item))
+        total = sum(size for _, size, _ in files)
+        if total <= self.budget_bytes:
+            return
         with _file_lock(self.directory / LOCKS_DIR / "evict.lock"):
-            files = sorted(self.cached_files(),  # index files last: every open reads one
-                           key=lambda item: (item[2].name.endswith(self.kept_suffixes), item))
-            total = sum(size for _, size, _ in files)
             pinned = self.node_pins()
             for _, size, path in files:
                 if total <= self.budget_bytes:
                     break
                 if path in pinned:
                     continue
-                path.unlink(missing_ok=True)
                 total -= size
+                try:
+                    path.unlink()
+                except FileNotFoundError:  # another process's eviction took it first
+                    continue
                 with self._mutex:
                     self.stats.evicted_files += 1
                     self.stats.evicted_bytes += size
