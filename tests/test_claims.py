@@ -90,6 +90,43 @@ def test_epoch_plans_are_the_one_place_a_loaders_plan_is_built_from_a_spec():
     assert PLAN_CALL.search(record_plan[:record_plan.index("\nclass ")])
 
 
+SHUFFLE_PIECES = {"for_storage", "for_world", "for_budget"}  # PlanSpec's, called by resolve
+
+
+def shuffle_choices(path: Path) -> list[int]:
+    """Lines of a module that choose a spec's shuffle: a call of one of PlanSpec's
+    resolving pieces, a lookup in AUTO_SHUFFLE, or a `shuffle=` keyword of a call to
+    `replace`, outside the pieces' own bodies."""
+    tree = ast.parse(path.read_text())
+    pieces = [range(node.lineno, node.end_lineno + 1) for node in ast.walk(tree)
+              if isinstance(node, ast.FunctionDef) and node.name in SHUFFLE_PIECES]
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call | ast.Subscript) or any(
+                node.lineno in piece for piece in pieces):
+            continue
+        if isinstance(node, ast.Subscript):
+            if isinstance(node.value, ast.Name) and node.value.id == "AUTO_SHUFFLE":
+                lines.append(node.lineno)
+            continue
+        function = node.func
+        name = getattr(function, "attr", getattr(function, "id", ""))
+        if name in SHUFFLE_PIECES or (name == "replace" and any(
+                keyword.arg == "shuffle" for keyword in node.keywords)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_resolve_is_the_one_place_that_chooses_a_shuffle():
+    """architecture.md: a spec's shuffle "auto" and its layout's 0 knobs are decided by
+    `raypipe.sampling.resolve` alone (from storage, world size, budget, a resumed state, a
+    mixture's sibling); the pieces it calls are PlanSpec's own methods, which nothing else
+    calls, and no other module sets a spec's shuffle."""
+    found = {str(path.relative_to(PACKAGE)): shuffle_choices(path)
+             for path in PACKAGE.rglob("*.py")}
+    assert {name for name, lines in found.items() if lines} == {"sampling/resolve.py"}, found
+
+
 KIND_TEST = re.compile(r"hasattr\(|isinstance\([^)]*(?:Dataset|Format|TokenSource)\b"
                        r"|\b(?:dataset|fmt|format|source|mode)\.(?:kind|serves)\s*[!=]="
                        r"|\btype\([^)]*\)\s*(?:is|==)")

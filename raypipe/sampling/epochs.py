@@ -41,6 +41,7 @@ from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
 from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec, document_split
 from raypipe.sampling.plans import ShardGroups, ShardWindows, SumsMemo, window_blocks_for
+from raypipe.sampling.resolve import RunFacts, resolve
 from raypipe.sampling.schedule import (
     BatchSchedule,
     Cursor,
@@ -77,7 +78,7 @@ class EpochPlans:
         """`served(epoch, joined)`: how many of the documents (the first) epoch `epoch`
         serves once the run's first `joined` joins of units are in force (None: all; fewer
         where the run's data gained units it serves from later)."""
-        self.spec = spec.for_storage(dataset.cache is None).for_budget(window_budget(dataset))
+        self.spec = resolve(spec, RunFacts(dataset.cache is None, budget=window_budget(dataset)))
         self.dataset = dataset
         self.shard_documents = shard_documents  # None: every document of each shard
         self._lengths, self._memo = lengths, memo
@@ -240,9 +241,8 @@ class PlannedDataset:
         self.dataset = dataset
         self.budget_bytes, self.budget_sources = budget_bytes, budget_sources
         self.served_from, self.joins = served_from, joins
-        self.spec = spec = spec.for_storage(dataset.cache is None).for_world(
-            world_size).for_budget(window_budget(dataset, budget_bytes, budget_sources))
         self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
+        self.spec = spec = resolve(spec, self.facts)
         schedule = replace(schedule or BatchSchedule.constant(self.global_batch),
                            join_starts=tuple(step for step, _ in joins))
         # seq_len by step: the schedule's, else the spec's at every step
@@ -277,6 +277,13 @@ class PlannedDataset:
         for record in self.exclusions.records:  # (their steps are in the schedule)
             planned.exclusions.adopt(record)
         return planned
+
+    @property
+    def facts(self) -> RunFacts:
+        """What its spec is resolved against (raypipe.sampling.resolve): the data's storage,
+        the world size, the node cache's budget for this dataset's part of it."""
+        return RunFacts(self.dataset.cache is None, self.world_size,
+                        window_budget(self.dataset, self.budget_bytes, self.budget_sources))
 
     def fetch_blocks(self) -> None:
         """On object storage under a windowed shuffle of blocks, the dataset fetches the

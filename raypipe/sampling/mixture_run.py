@@ -122,16 +122,12 @@ class MixtureRun:
                             manifest=(manifests or {}).get(name),
                             budget_sources=max(sum(remote), 1), **source_options)
                    for name in names]  # (each logs on the mixture's rank 0 alone)
-        if spec.shuffle == "auto" and len({source.spec.shuffle for source in sources}) > 1:
-            for source in sources:  # one shuffle for all: a state records one set of knobs
-                source.use_shuffle("windowed", source.shuffle_layout,
-                                   "as another source of the mixture is on object storage")
-        # ... and one layout: the first source on object storage resolved it for its part
-        # of the node cache (else the first source)
+        # one shuffle and one layout for all (a state records one set of knobs): the first
+        # source on object storage resolved them for its part of the node cache (else the
+        # first source)
         first = sources[remote.index(True) if any(remote) else 0]
         for source in sources:
-            source.use_shuffle(source.spec.shuffle, first.shuffle_layout,
-                               f"as the mixture's source {first.dataset.root} resolved it")
+            source.adopt_sibling(first)
         check_tokenizers(names, sources)
         batches = (scheduled or BatchSchedule.constant(world_size * sources[0].batch_size)
                    ).with_seq_lens(list(seq_len_schedule or [])

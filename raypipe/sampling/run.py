@@ -48,6 +48,7 @@ from raypipe.sampling.modes import (
 )
 from raypipe.sampling.pack import RowPieces
 from raypipe.sampling.plans import WASTE_WARNING, PackingReport, window_blocks_for
+from raypipe.sampling.resolve import as_asked, resolve
 from raypipe.sampling.schedule import (
     Cursor,
     Phase,
@@ -60,7 +61,6 @@ from raypipe.sampling.schedule import (
 from raypipe.sampling.state_compat import steps_taken, upgraded
 
 logger = logging.getLogger("raypipe")
-SHUFFLE_LAYOUT = ("block_bytes", "window_blocks", "lanes")  # a windowed shuffle's knobs
 JOIN_LINE_SECONDS = 60.0  # units joining are a warning at most this often (else INFO)
 DESCRIBE_STEPS = 64  # steps described together: one vectorized plan call per chunk
 
@@ -135,7 +135,9 @@ class Run:
 
     def __init__(self, planned: PlannedDataset, asked: PlanSpec, rank: int = 0,
                  pad_id: int = 0, boundaries: bool | None = None, units_join: str = "epoch"):
-        self.planned, self.asked, self.rank, self.pad_id = planned, asked, rank, pad_id
+        self.planned, self.rank, self.pad_id = planned, rank, pad_id
+        # the spec with the data's knobs decided, its shuffle and layout as given
+        self.asked = as_asked(planned.spec, asked)
         self.units_join = units_join  # where added units are served (LoaderOptions)
         # the units of the output the run serves, in its order (raypipe.sampling.growth)
         self.data = RunData.of(planned.dataset)
@@ -561,19 +563,21 @@ class Run:
     def adopt_shuffle(self, saved_knobs: dict[str, Any]) -> None:
         """A run asked for shuffle "auto" resumes under the shuffle its state was made with
         (a state from before the knob: global), and one asked for block_bytes,
-        window_blocks or lanes 0 under the state's (`SHUFFLE_LAYOUT`); a value given must
-        match instead (checked with the knobs)."""
-        knobs, asked = upgrade_knobs(saved_knobs), self.asked
-        layout = {name: knobs.get(name, 0) if getattr(asked, name) == 0
-                  else getattr(self.spec, name) for name in SHUFFLE_LAYOUT}
-        self.use_shuffle(knobs["shuffle"] if asked.shuffle == "auto" else self.spec.shuffle,
-                         layout, "as the loader state was made")
+        window_blocks or lanes 0 under the state's; a value given must match instead
+        (checked with the knobs): raypipe.sampling.resolve."""
+        self.use_spec(resolve(self.asked, replace(self.planned.facts,
+                                                  saved=upgrade_knobs(saved_knobs))),
+                      "as the loader state was made")
 
-    def use_shuffle(self, shuffle: str, layout: dict[str, int], why: str) -> None:
-        """Plan under `shuffle` and its `layout` (block_bytes, window_blocks, lanes)
-        instead of what "auto" and the 0 knobs resolved to."""
+    def adopt_sibling(self, sibling: Run) -> None:
+        """A mixture's source takes the shuffle and layout `sibling` (its first source on
+        object storage) resolved: one set of knobs for the mixture's state."""
+        self.use_spec(resolve(self.asked, replace(self.planned.facts, sibling=sibling.spec)),
+                      f"as the mixture's source {sibling.dataset.root} resolved it")
+
+    def use_spec(self, wanted: PlanSpec, why: str) -> None:
+        """Plan under `wanted` (resolved) instead of the spec the run resolved at open."""
         spec = self.spec
-        wanted = replace(spec, shuffle=shuffle, **layout)
         if wanted == spec:
             return
         resolved = describe_shuffle(spec)
@@ -581,11 +585,6 @@ class Run:
         if self.rank == 0:
             logger.info("%s: shuffle %s, %s (auto resolved it to %s)", self.dataset.root,
                         describe_shuffle(self.spec), why, resolved)
-
-    @property
-    def shuffle_layout(self) -> dict[str, int]:
-        """The resolved layout knobs of the run's shuffle (`SHUFFLE_LAYOUT`)."""
-        return {name: getattr(self.spec, name) for name in SHUFFLE_LAYOUT}
 
     def note_shuffle(self) -> None:
         """Say which shuffle reads the bucket, and warn when the node cache is smaller than

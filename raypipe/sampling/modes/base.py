@@ -474,11 +474,10 @@ class LoaderMode(ABC):
 
     def fit(self, dataset: Any, spec: Any, batch_size: int | None) -> tuple[Any, int]:
         """(spec, rows per rank per step) for `dataset`: as given, the data's knobs
-        decided."""
+        decided (its shuffle is resolved with the run: raypipe.sampling.resolve)."""
         if not spec.seq_len or not batch_size:
             raise ConfigError("seq_len and batch_size must be given (>= 1)")
-        return (spec.for_data(dataset.has_loss_mask)
-                .for_storage(dataset.cache is None), batch_size)
+        return spec.for_data(dataset.has_loss_mask), batch_size
 
     def observations_per_step(self, batch_size: int) -> int:
         """Observations one rank takes per step: its rows."""

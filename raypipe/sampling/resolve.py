@@ -1,0 +1,69 @@
+"""One resolution of a run's shuffle: `resolve` is the one place a spec's shuffle "auto" and
+its layout's 0 knobs (block_bytes, window_blocks, lanes) are decided.
+
+Invariant: `resolve(asked, facts)` is a pure function of the spec as given and the facts of
+the run (`RunFacts`: where the data lives, the world size it starts at, the node cache's
+budget, a resumed state's knobs, a mixture's sibling source), so every rank of every node
+resolves the same spec, and resolving a resolved spec changes nothing. In order: a resumed
+state's shuffle and layout where the run asked "auto" and 0 (a state from before the
+knobs: global); else a mixture's one shuffle and layout for all its sources (the first
+source on object storage resolves them for its part of the cache); then "auto" by storage
+(global on local disk; windowed on object storage where the mode reads documents and the
+split is shuffled), lanes 0 by the world size, blocks and window 0 by the budget. Cost:
+microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from raypipe.sampling.blocks import WindowBudget
+from raypipe.sampling.modes import PlanSpec
+
+SHUFFLE_LAYOUT = ("block_bytes", "window_blocks", "lanes")  # a windowed shuffle's knobs
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a spec is resolved against: whether the data is on local disk; the world size
+    the run starts at (None: lanes as given); the node cache's budget (None: blocks and
+    window as given); a resumed loader state's knobs, in today's names (None: a fresh run);
+    the resolved spec of the mixture source whose shuffle and layout every source takes
+    (None: no mixture, or this is that source)."""
+
+    local: bool
+    world_size: int | None = None
+    budget: WindowBudget | None = None
+    saved: Mapping[str, Any] | None = None
+    sibling: PlanSpec | None = None
+
+
+def resolve(asked: PlanSpec, facts: RunFacts) -> PlanSpec:
+    """`asked` with its shuffle and the shuffle's layout decided from `facts`."""
+    spec = asked
+    if facts.saved is not None:
+        spec = replace(spec, shuffle=(facts.saved.get("shuffle", "global")
+                                      if asked.shuffle == "auto" else asked.shuffle),
+                       **{name: (facts.saved.get(name, 0) if getattr(asked, name) == 0
+                                 else getattr(asked, name)) for name in SHUFFLE_LAYOUT})
+    elif facts.sibling is not None:
+        spec = replace(spec, shuffle=facts.sibling.shuffle, **shuffle_layout(facts.sibling))
+    spec = spec.for_storage(facts.local)
+    if facts.world_size is not None:
+        spec = spec.for_world(facts.world_size)
+    if facts.budget is not None:
+        spec = spec.for_budget(facts.budget)
+    return spec
+
+
+def as_asked(spec: PlanSpec, asked: PlanSpec) -> PlanSpec:
+    """`spec` (its data's knobs decided) with the shuffle and layout of `asked` (as given:
+    what a later `resolve` decides again, from a state or a sibling)."""
+    return replace(spec, shuffle=asked.shuffle, **shuffle_layout(asked))
+
+
+def shuffle_layout(spec: PlanSpec) -> dict[str, int]:
+    """The layout knobs of a spec's shuffle (`SHUFFLE_LAYOUT`), as resolved."""
+    return {name: getattr(spec, name) for name in SHUFFLE_LAYOUT}
