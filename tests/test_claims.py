@@ -127,6 +127,36 @@ def test_resolve_is_the_one_place_that_chooses_a_shuffle():
     assert {name for name, lines in found.items() if lines} == {"sampling/resolve.py"}, found
 
 
+VIEWS = ("loader/token_loader.py", "loader/mixture.py", "tools/trace.py")
+CURSOR_NAMES = re.compile(r"step|epoch|position|global_batch|world_size|observation|rows")
+
+
+def cursor_arithmetic(path: Path) -> list[str]:
+    """The arithmetic of a module (+ - * / // %) on a name that says step, epoch,
+    position, global batch, world size, observations or rows, as source lines."""
+    source = path.read_text()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp | ast.AugAssign) and isinstance(
+                node.op, ast.Add | ast.Sub | ast.Mult | ast.Div | ast.FloorDiv | ast.Mod):
+            names = {getattr(part, "id", None) or getattr(part, "attr", None)
+                     for part in ast.walk(node)}
+            if any(name and CURSOR_NAMES.search(name) for name in names):
+                found.append(ast.get_source_segment(source, node) or str(node.lineno))
+    return found
+
+
+def test_the_views_compute_no_step_epoch_or_position_and_stay_small():
+    """architecture.md: the loaders and trace are views of a run, which owns where training
+    stands: no view computes a step, an epoch, a position or a rank's share of a step, and
+    the three stay within 600 lines together."""
+    paths = [PACKAGE / view for view in VIEWS]
+    assert {view: cursor_arithmetic(path) for view, path in zip(VIEWS, paths, strict=True)
+            } == dict.fromkeys(VIEWS, [])
+    lines = sum(len(path.read_text().splitlines()) for path in paths)
+    assert lines <= 600, f"the views hold {lines} lines"
+
+
 KIND_TEST = re.compile(r"hasattr\(|isinstance\([^)]*(?:Dataset|Format|TokenSource)\b"
                        r"|\b(?:dataset|fmt|format|source|mode)\.(?:kind|serves)\s*[!=]="
                        r"|\btype\([^)]*\)\s*(?:is|==)")

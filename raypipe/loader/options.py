@@ -125,6 +125,20 @@ class LoaderOptions:
         """T of step 0 (None: a batch format's own)."""
         return self.plan.seq_len or None
 
+    def rank_and_world(self) -> tuple[int, int]:
+        """(rank, world_size): those given, else torch.distributed's where it is
+        initialized, else 0 of 1."""
+        rank, world_size = self.rank, self.world_size
+        if rank is None or world_size is None:
+            distributed = torch.distributed
+            if distributed.is_available() and distributed.is_initialized():
+                rank = distributed.get_rank() if rank is None else rank
+                world_size = distributed.get_world_size() if world_size is None else world_size
+        rank, world_size = rank or 0, world_size or 1
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} not in [0, world_size={world_size})")
+        return rank, world_size
+
     def torch_device(self) -> torch.device:
         """Where batches go: `device`, with "auto" = cuda when available, else cpu."""
         if self.device == "auto":

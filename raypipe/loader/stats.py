@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
+
+from raypipe.io.cache import CacheStats
 
 logger = logging.getLogger("raypipe")
 
@@ -30,6 +32,7 @@ SMALLEST_SECONDS = 1e-6
 BINS = 128
 SLOW_WAIT_SECONDS = 1.0
 SLOW_LOG_INTERVAL = 60.0
+FETCHES_NAMED = 3  # shards a slow-wait line names
 
 
 @dataclass(frozen=True)
@@ -132,3 +135,35 @@ class WaitStats:
         logger.warning("the training thread waited %.2f s for its next batch (more than "
                        "%.1f s; logged at most once a minute)%s", seconds, SLOW_WAIT_SECONDS,
                        f": {doing}" if doing else "")
+
+
+def summed_cache_stats(caches: Sequence[Any]) -> CacheStats | None:
+    """What the node caches of a loader's datasets fetched, summed (None: all local)."""
+    if not caches:
+        return None
+    return CacheStats(*(sum(getattr(cache.stats, item.name) for cache in caches)
+                        for item in fields(CacheStats)))
+
+
+def loader_stats(waits: WaitSummary, caches: Sequence[Any]) -> LoaderStats:
+    """A loader's LoaderStats: its waits and what its datasets' caches fetched, against
+    the (one, shared) node cache's budget."""
+    fetched = summed_cache_stats(caches)
+    if fetched is None:
+        return LoaderStats(waits)
+    return LoaderStats(waits, fetched, caches[0].budget_bytes, caches[0].used_bytes())
+
+
+def fetching_line(dataset: Any) -> str:
+    """What a loader was doing while a batch was late: the shards of `dataset` on their
+    way from object storage, by name, and its cache's counts ("" for a local dataset)."""
+    cache = dataset.cache
+    if cache is None:
+        return ""
+    stats, names = cache.stats, dataset.fetching_now()
+    shown = ", ".join(names[:FETCHES_NAMED]) + (f" and {len(names) - FETCHES_NAMED} more"
+                                                if len(names) > FETCHES_NAMED else "")
+    return (f"waiting on {shown or 'no shard'} of {dataset.root} (the first: the one the "
+            f"next batch opens, if any); cache so far: {stats.downloads} downloads, "
+            f"{stats.downloaded_bytes:,} bytes, {stats.retries} retries, "
+            f"{stats.evicted_files} evictions, budget {cache.budget_bytes:,}")

@@ -18,24 +18,19 @@ seq_len change, docs/scale.md.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from raypipe.errors import ConfigError, FormatError
-from raypipe.io.cache import CacheStats
-from raypipe.io.records import TokenizerInfo
 from raypipe.loader.batch import Batch
 from raypipe.loader.exclusions import PendingExclusions
 from raypipe.loader.follow import JobFollower, unfinished_output
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
-from raypipe.loader.stats import LoaderStats, WaitStats, WaitSummary
+from raypipe.loader.reads import described_steps
+from raypipe.loader.view import RunView
 from raypipe.sampling.buffers import BatchBuffers, DescribedRows
 from raypipe.sampling.mixture import is_mixture_spec
 from raypipe.sampling.modes import BatchFiller
@@ -44,14 +39,11 @@ from raypipe.sampling.run import Run
 from raypipe.sampling.schedule import Phases, Segment
 
 logger = logging.getLogger("raypipe")
-FETCHES_NAMED = 3  # shards a slow-wait line names
-READ_AHEAD_STEPS = 64  # a dataset read in blocks: steps described ahead of the one served
-DESCRIBED_TOGETHER = 8  # ... described a few at a time, before each step served
 
 __all__ = ["Batch", "TokenLoader"]
 
 
-class TokenLoader:
+class TokenLoader(RunView):
     """Batches of one tokenized dataset for one rank. Options: raypipe.loader.options
     (keywords, or `options=LoaderOptions.of(...)`); a mixture of datasets is
     raypipe.loader.open_loader's."""
@@ -76,8 +68,8 @@ class TokenLoader:
         if isinstance(path, dict) or is_mixture_spec(path):
             raise ConfigError(f"TokenLoader reads one dataset; {path!r} is a mixture: "
                               "raypipe.open_loader(...) serves it (a MixtureLoader)")
-        self.options = options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
-        self.rank, self.world_size = _rank_and_world(options.rank, options.world_size)
+        options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
+        self._open_view(options)
         if options.metadata and options.plan.split != "all":
             raise ConfigError("split with metadata=True is not supported")
         # a running tokenize job's output: its units as they commit (raypipe.loader.follow)
@@ -109,9 +101,6 @@ class TokenLoader:
             raise ConfigError(f"metadata=True needs mode {options.plan.mode!r} over a format "
                               f"whose windows carry metadata (of {self.dataset.format_name!r},"
                               " they do not)")
-        self.state_name: str | None = None  # where adapters (raypipe.ray.train) keep its state
-        self.device = options.torch_device()
-        self.waits = WaitStats(describe=self._fetching_now)
         if self.rank == 0 and self.dataset.cache is not None:
             self.run.note_shuffle()
         self.exclusions = PendingExclusions(  # excluded where the run starts, or resumes
@@ -134,16 +123,6 @@ class TokenLoader:
         return self.run.batch_size
 
     @property
-    def global_batch(self) -> int:
-        """Observations consumed by the next global step (the schedule's, at its step)."""
-        return self.run.global_batch
-
-    @property
-    def seq_len(self) -> int:
-        """T of the next step's rows (the schedule's, at its step)."""
-        return self.run.seq_len
-
-    @property
     def epoch(self) -> int:
         return self.run.epoch
 
@@ -151,11 +130,6 @@ class TokenLoader:
     def position(self) -> int:
         """Observations of the current epoch's plan (its last phase's) consumed."""
         return self.run.position
-
-    @property
-    def steps(self) -> int:
-        """Global steps taken from the start of training."""
-        return self.run.steps
 
     @property
     def dropped_tail(self) -> tuple[int, int, int] | None:
@@ -168,7 +142,7 @@ class TokenLoader:
 
     def steps_in_epoch(self, epoch: int | None = None) -> int:
         """Steps of epoch `epoch`'s plan at the current global batch."""
-        return self.plan(epoch).size // self.global_batch
+        return self.run.steps_in_epoch(epoch)
 
     def __len__(self) -> int:
         """Steps left in the current epoch (under the batch schedule)."""
@@ -218,54 +192,6 @@ class TokenLoader:
                                            self.dataset.num_documents)
         return False
 
-    def _jobs(self, filler: BatchFiller, segment: Segment) -> Iterator[DescribedRows]:
-        """This rank's described steps of the segment (object storage: their shards
-        fetched ahead, then those the shuffle plans next or, where it plans none, those of
-        the next chunk of steps; the shards of windows already read are closed; a dataset
-        read in blocks: `_read_ahead`)."""
-        if getattr(self.dataset, "blocks", None) is not None:
-            yield from self._read_ahead(filler, segment)
-            return
-        for positions, following in self.run.rank_chunks(segment):
-            if self.dataset.cache is not None:
-                needed = filler.fetch_units(positions).tolist()
-                self.dataset.prefetch(needed)
-                ahead = filler.units_ahead(int(positions[0, 0]))
-                if ahead is not None:
-                    self.dataset.close_except([*needed, *ahead.tolist()])
-                    self.dataset.prefetch(ahead.tolist())
-                elif following is not None:
-                    self.dataset.prefetch(filler.fetch_units(following).tolist())
-            yield from filler.describe(positions)
-
-    def _read_ahead(self, filler: BatchFiller, segment: Segment) -> Iterator[DescribedRows]:
-        """The segment's described steps (a dataset read in blocks), the blocks each step
-        reads fetched ahead in the order the steps read them, as far as the rank's share
-        of the node cache holds, over the next READ_AHEAD_STEPS steps (described
-        DESCRIBED_TOGETHER at a time, one such call before each step served, so no step
-        waits behind a long description), and the blocks of steps already served let go:
-        before each step, every read the next steps need is in flight."""
-        chunks = self.run.rank_chunks(segment)
-        undescribed: deque[np.ndarray] = deque()  # steps' positions, one row a step
-        pending: deque[tuple[DescribedRows, np.ndarray]] = deque()
-        while True:
-            if len(pending) < READ_AHEAD_STEPS:  # a few steps described before each step
-                if not undescribed:             # served, so no step waits for many
-                    chunk = next(chunks, None)
-                    undescribed.extend(() if chunk is None else chunk[0])
-                few = [undescribed.popleft()
-                       for _ in range(min(DESCRIBED_TOGETHER, len(undescribed)))]
-                if few:
-                    pending.extend((job, filler.job_units(job))
-                                   for job in filler.describe(np.stack(few)))
-            if not pending:
-                return
-            upcoming = list(dict.fromkeys(int(unit) for _, units in pending
-                                          for unit in units.tolist()))
-            self.dataset.close_except(upcoming)
-            self.dataset.prefetch(upcoming)
-            yield pending.popleft()[0]
-
     def _serve(self, filler: BatchFiller, segment: Segment) -> Iterator[Batch]:
         """The segment's batches, the run advancing as each is taken."""
         with_metadata = self.options.metadata
@@ -276,98 +202,15 @@ class TokenLoader:
 
         def finish(views: BatchBuffers, meta: tuple) -> Batch:
             job, filled, metadata = meta
-            index = (int(job.positions[0]) - segment.position) // segment.global_batch
             return Batch.of(views, filled, observation_ids=job.observation_ids,
                             positions=job.positions, epoch=segment.epoch,
-                            step=segment.step + index, metadata=metadata)
+                            step=segment.step_at(int(job.positions[0])), metadata=metadata)
 
-        observations = segment.global_batch // self.world_size  # this rank's, per step
-        per_step = self.run.planned.observations_per_step
-        rows = self.batch_size * observations // per_step  # pre-formed: B
-        prefetcher = batch_stream(self._jobs(filler, segment), fill, finish, rows,
-                                  segment.seq_len, self.options.dtype, self.device,
-                                  self.options.prefetch, filler.prepare, self.waits)
-        try:
-            for batch in prefetcher:
-                self.run.took(segment, batch.step)
-                yield batch
-        finally:
-            prefetcher.close()
+        prefetcher = batch_stream(described_steps(self.run, filler, segment), fill, finish,
+                                  self.run.rows_per_rank(segment), segment.seq_len,
+                                  self.options.dtype, self.device, self.options.prefetch,
+                                  filler.prepare, self.waits)
+        yield from self._served(prefetcher, lambda batch: self.run.took(segment, batch.step))
 
-    @property
-    def tokenizer(self) -> TokenizerInfo:
-        """The tokenizer as this loader's format holds it (its own separators, where the
-        job gave formats their own)."""
-        return self.dataset.tokenizer
-
-    def close(self) -> None:
-        """Stop background shard fetches and close open shards (object storage)."""
-        self.dataset.close()
-
-    # ----- what it cost -----------------------------------------------------------------
-    @property
-    def data_waits(self) -> WaitSummary:
-        """How long the training thread waited for its batches (raypipe.loader.stats):
-        p50, p99 and max after the first batch, their sum, and the first batch's;
-        `.metrics()` for a report."""
-        return self.waits.summary()
-
-    @property
-    def stats(self) -> LoaderStats:
-        """Waits per batch, and what the node cache fetched (bytes, files, retries) and
-        holds against its budget (raypipe.loader.stats.LoaderStats; `.metrics()`)."""
-        cache = self.dataset.cache
-        if cache is None:
-            return LoaderStats(self.data_waits)
-        return LoaderStats(self.data_waits, cache.stats, cache.budget_bytes, cache.used_bytes())
-
-    def _fetching_now(self) -> str:
-        """What the loader was doing while a batch was late: the shards on their way from
-        object storage, by name, and its cache's counts."""
-        stats = self.cache_stats
-        if stats is None:
-            return ""
-        names = self.dataset.fetching_now()
-        shown = ", ".join(names[:FETCHES_NAMED]) + (f" and {len(names) - FETCHES_NAMED} more"
-                                                    if len(names) > FETCHES_NAMED else "")
-        return (f"waiting on {shown or 'no shard'} of {self.dataset.root} (the first: the one "
-                f"the next batch opens, if any); cache so far: {stats.downloads} downloads, "
-                f"{stats.downloaded_bytes:,} bytes, {stats.retries} retries, "
-                f"{stats.evicted_files} evictions, budget {self.dataset.cache.budget_bytes:,}")
-
-    @property
-    def cache_stats(self) -> CacheStats | None:
-        """Downloads, hits and evictions of this loader's shard cache (None when local)."""
-        return None if self.dataset.cache is None else self.dataset.cache.stats
-
-    # ----- state (the run's) ------------------------------------------------------------
-    def knobs(self) -> dict[str, Any]:
-        """The knobs that shape this loader's observations (its state records them)."""
-        return self.run.knobs()
-
-    def state_dict(self) -> dict[str, Any]:
-        self._exclude()
-        return self.run.state().to_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state` (any rank's `state_dict()`, any world size); the documents
-        of `exclude` that the state's exclusions do not hold are excluded from its step."""
-        self.run.resume(state)
-        self.exclusions.resumed()
-        self._exclude()
-
-    def _exclude(self) -> None:
-        """Exclude the `exclude` option's documents from where the run stands, once."""
-        self.exclusions.apply(lambda by_source: self.run.exclude(*by_source[None]))
-
-
-def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is None or world_size is None:
-        distributed = torch.distributed
-        if distributed.is_available() and distributed.is_initialized():
-            rank = distributed.get_rank() if rank is None else rank
-            world_size = distributed.get_world_size() if world_size is None else world_size
-    rank, world_size = rank or 0, world_size or 1
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} not in [0, world_size={world_size})")
-    return rank, world_size
+    def _datasets(self) -> list[Any]:
+        return [self.dataset]

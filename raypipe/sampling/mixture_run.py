@@ -205,6 +205,17 @@ class MixtureRun:
         return self.batches.seq_len_at(self.steps) or self.sources[0].spec.seq_len
 
     @property
+    def global_batch(self) -> int:
+        """Rows of the next global step (the batch schedule's, at its step)."""
+        return self.batches.at(self.steps)
+
+    def next_stretch(self) -> tuple[int, int, int | None]:
+        """The steps from here of one shape: (rows of a rank's batch, seq_len, the step
+        the shape changes at, None: never)."""
+        return (self.global_batch // self.world_size, self.seq_len,
+                self.batches.next_change(self.steps))
+
+    @property
     def weights(self) -> np.ndarray:
         """The weights in force (those of the last step taken; before any, the first's)."""
         return self.stages.in_force(self.steps)

@@ -266,6 +266,17 @@ class Run:
                 self.history.append([segment.step, *shape])
             yield segment
 
+    def steps_in_epoch(self, epoch: int | None = None) -> int:
+        """Steps of epoch `epoch`'s plan (the current epoch: the rest of it) at the current
+        global batch."""
+        return self.plan(epoch).size // self.global_batch
+
+    def rows_per_rank(self, segment: Segment) -> int:
+        """The rows of this rank's batch at each of the segment's steps (pre-formed
+        batches: the batch's rows, one observation holding them all)."""
+        observations = segment.global_batch // self.world_size
+        return self.batch_size * observations // self.planned.observations_per_step
+
     def steps_left(self) -> int:
         """Steps left in the current epoch (under the schedule)."""
         return sum(segment.steps for segment in
@@ -357,12 +368,15 @@ class Run:
                            tuple(self.planned.exclusions.records) or None,
                            self.data.view, self.data.added or None)
 
-    def exclude(self, documents: np.ndarray, named: int | None = None,
-                not_found: int = 0) -> Exclusion | None:
-        """Leave `documents` (the dataset's numbers) out from the next step on: the rest of
-        the epoch is planned again without them, and every later epoch is planned without
-        them; what was not found or excluded already is counted in the exclusion and the
-        log (rank 0). None where none is left to exclude."""
+    def exclude(self, by_source: dict[str | None, tuple[np.ndarray, int, int]]
+                ) -> Exclusion | None:
+        """Leave documents out from the next step on: `by_source[None]` = (the dataset's
+        document numbers, names given, names that matched none), as a mixture's `exclude`
+        takes each source's. The rest of the epoch is planned again without them, and every
+        later epoch is planned without them; what was not found or excluded already is
+        counted in the exclusion and the log (rank 0). None where none is left to
+        exclude."""
+        documents, named, not_found = by_source[None]
         record = self.planned.exclude(self.steps, documents, named, not_found)
         if record is not None:
             cursor = self.planned.schedule.phases_at(self.cursor())

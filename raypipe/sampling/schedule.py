@@ -106,6 +106,10 @@ class Segment:
         """The first observation of the segment's `index`-th step."""
         return self.position + index * self.global_batch
 
+    def step_at(self, position: int) -> int:
+        """The global step that serves observation `position` of the segment."""
+        return self.step + (position - self.position) // self.global_batch
+
     def cursor(self, index: int) -> Cursor:
         """The cursor before the segment's `index`-th step."""
         return Cursor(self.epoch, self.step_start(index), self.step + index, self.phases)

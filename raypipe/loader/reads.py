@@ -1,0 +1,81 @@
+"""What a rank reads ahead: the described steps of a segment, each with the shards or
+blocks it reads already on their way from object storage.
+
+Invariant: before the producer thread fills a step, every read the next steps need is in
+flight, issued from the schedule in the order the steps read it, and what no coming step
+reads is let go; nothing is fetched serially on the training thread's path. A local dataset
+reads nothing ahead. Cost: one `fetch_units` per chunk of steps (whole shards) or one
+`job_units` per step (blocks), O(rows) numpy, plus the cache's prefetch calls.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from raypipe.sampling.buffers import DescribedRows
+from raypipe.sampling.modes import BatchFiller
+from raypipe.sampling.schedule import Segment
+
+READ_AHEAD_STEPS = 64  # a dataset read in blocks: steps described ahead of the one served
+DESCRIBED_TOGETHER = 8  # ... described a few at a time, before each step served
+
+
+def described_steps(run: Any, filler: BatchFiller, segment: Segment
+                    ) -> Iterator[DescribedRows]:
+    """This rank's described steps of the segment of `run` (a Run), with their reads
+    issued ahead: a dataset read in blocks, `_blocks_ahead`; else whole shards,
+    `_shards_ahead`."""
+    if getattr(run.dataset, "blocks", None) is not None:
+        return _blocks_ahead(run, filler, segment)
+    return _shards_ahead(run, filler, segment)
+
+
+def _shards_ahead(run: Any, filler: BatchFiller, segment: Segment
+                  ) -> Iterator[DescribedRows]:
+    """Object storage: each chunk's shards fetched ahead, then those the shuffle plans next
+    or, where it plans none, those of the next chunk of steps; the shards of windows already
+    read are closed."""
+    dataset = run.dataset
+    for positions, following in run.rank_chunks(segment):
+        if dataset.cache is not None:
+            needed = filler.fetch_units(positions).tolist()
+            dataset.prefetch(needed)
+            ahead = filler.units_ahead(int(positions[0, 0]))
+            if ahead is not None:
+                dataset.close_except([*needed, *ahead.tolist()])
+                dataset.prefetch(ahead.tolist())
+            elif following is not None:
+                dataset.prefetch(filler.fetch_units(following).tolist())
+        yield from filler.describe(positions)
+
+
+def _blocks_ahead(run: Any, filler: BatchFiller, segment: Segment
+                  ) -> Iterator[DescribedRows]:
+    """The blocks each step reads fetched in the order the steps read them, as far as the
+    rank's share of the node cache holds, over the next READ_AHEAD_STEPS steps (described
+    DESCRIBED_TOGETHER at a time, one such call before each step served, so no step waits
+    behind a long description); the blocks of steps already served are let go."""
+    dataset, chunks = run.dataset, run.rank_chunks(segment)
+    undescribed: deque[np.ndarray] = deque()  # steps' positions, one row a step
+    pending: deque[tuple[DescribedRows, np.ndarray]] = deque()
+    while True:
+        if len(pending) < READ_AHEAD_STEPS:
+            if not undescribed:
+                chunk = next(chunks, None)
+                undescribed.extend(() if chunk is None else chunk[0])
+            few = [undescribed.popleft()
+                   for _ in range(min(DESCRIBED_TOGETHER, len(undescribed)))]
+            if few:
+                pending.extend((job, filler.job_units(job))
+                               for job in filler.describe(np.stack(few)))
+        if not pending:
+            return
+        upcoming = list(dict.fromkeys(int(unit) for _, units in pending
+                                      for unit in units.tolist()))
+        dataset.close_except(upcoming)
+        dataset.prefetch(upcoming)
+        yield pending.popleft()[0]

@@ -1,0 +1,131 @@
+"""What every loader that is a view of a run has: its rank and device, the training
+thread's waits, what its caches fetched, its state and the documents it excludes.
+
+Invariant: the run (a raypipe.sampling Run or MixtureRun) owns where training stands, its
+steps, shapes and state; a view only reads them and reports each batch taken
+(`_served`), so a view computes no step, epoch or position. Cost: one attribute read per
+property; `stats` sums the caches' counters (O(datasets)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from raypipe.io.cache import CacheStats
+from raypipe.io.records import TokenizerInfo
+from raypipe.loader.batch import Batch
+from raypipe.loader.exclusions import PendingExclusions
+from raypipe.loader.options import LoaderOptions
+from raypipe.loader.prefetch import Prefetcher
+from raypipe.loader.stats import (
+    LoaderStats,
+    WaitStats,
+    WaitSummary,
+    fetching_line,
+    loader_stats,
+    summed_cache_stats,
+)
+
+
+class RunView:
+    """The shared half of TokenLoader and MixtureLoader; `run` and `exclusions` are set by
+    the loader, `_datasets()` names the datasets it reads."""
+
+    run: Any
+    exclusions: PendingExclusions
+
+    def _open_view(self, options: LoaderOptions) -> None:
+        """Rank, world size, device and waits from `options`."""
+        self.options = options
+        self.rank, self.world_size = options.rank_and_world()
+        self.device = options.torch_device()
+        self.state_name: str | None = None  # where adapters (raypipe.ray.train) keep its state
+        self.waits = WaitStats(describe=self._fetching_now)
+
+    def _datasets(self) -> list[Any]:
+        raise NotImplementedError
+
+    # ----- where the run stands -----------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """Global steps taken from the start of training."""
+        return self.run.steps
+
+    @property
+    def seq_len(self) -> int:
+        """T of the next step's rows (the schedule's, at its step)."""
+        return self.run.seq_len
+
+    @property
+    def global_batch(self) -> int:
+        """Observations consumed by the next global step (the schedule's, at its step)."""
+        return self.run.global_batch
+
+    @property
+    def tokenizer(self) -> TokenizerInfo:
+        """The tokenizer as this loader's format holds it (a mixture's: one for all)."""
+        return self._datasets()[0].tokenizer
+
+    # ----- what it cost -------------------------------------------------------------------
+    @property
+    def data_waits(self) -> WaitSummary:
+        """How long the training thread waited for its batches (raypipe.loader.stats):
+        p50, p99 and max after the first batch, their sum, and the first batch's;
+        `.metrics()` for a report."""
+        return self.waits.summary()
+
+    @property
+    def stats(self) -> LoaderStats:
+        """Waits per batch, and what the node cache fetched (bytes, files, retries; a
+        mixture's sources summed) and holds against its budget
+        (raypipe.loader.stats.LoaderStats; `.metrics()`)."""
+        return loader_stats(self.data_waits, self._caches())
+
+    @property
+    def cache_stats(self) -> CacheStats | None:
+        """Downloads, hits and evictions of this loader's shard caches (None when local)."""
+        return summed_cache_stats(self._caches())
+
+    def _caches(self) -> list[Any]:
+        return [dataset.cache for dataset in self._datasets() if dataset.cache is not None]
+
+    def _fetching_now(self) -> str:
+        """What the loader was doing while a batch was late (raypipe.loader.stats)."""
+        return "; ".join(line for line in map(fetching_line, self._datasets()) if line)
+
+    # ----- serving --------------------------------------------------------------------------
+    @staticmethod
+    def _served(prefetcher: Prefetcher, took: Callable[[Batch], None]) -> Iterator[Batch]:
+        """The prefetcher's batches, the run told of each as it is taken."""
+        try:
+            for batch in prefetcher:
+                took(batch)
+                yield batch
+        finally:
+            prefetcher.close()
+
+    def close(self) -> None:
+        """Stop background shard fetches and close open shards (object storage)."""
+        for dataset in self._datasets():
+            dataset.close()
+
+    # ----- state (the run's) --------------------------------------------------------------
+    def knobs(self) -> dict[str, Any]:
+        """The knobs that shape this loader's observations (its state records them)."""
+        return self.run.knobs()
+
+    def state_dict(self) -> dict[str, Any]:
+        self._exclude()
+        return self.run.state().to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state` (any rank's `state_dict()`, any world size); the documents
+        of `exclude` that the state's exclusions do not hold are excluded from its step."""
+        self.run.resume(state)
+        self.exclusions.resumed()
+        self._exclude()
+
+    def _exclude(self) -> None:
+        """Exclude the `exclude` option's documents from where the run stands, once."""
+        self.exclusions.apply(self.run.exclude)
