@@ -127,6 +127,32 @@ def test_resolve_is_the_one_place_that_chooses_a_shuffle():
     assert {name for name, lines in found.items() if lines} == {"sampling/resolve.py"}, found
 
 
+def constructions(name: str) -> set[str]:
+    """Where the package constructs class `name`: "module:function" of each call of it
+    (a `cls(...)` in a method of the class counts)."""
+    found = set()
+    for module, path in modules().items():
+        tree = ast.parse(path.read_text())
+        owners = {id(method): node.name for node in ast.walk(tree)
+                  if isinstance(node, ast.ClassDef) for method in node.body}
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            callers = {name, "cls"} if owners.get(id(function)) == name else {name}
+            if any(isinstance(node, ast.Call) and getattr(node.func, "id", None) in callers
+                   for node in ast.walk(function)):
+                found.add(f"{module}:{function.name}")
+    return found
+
+
+def test_a_planned_dataset_is_built_where_a_run_opens_and_where_its_data_changes():
+    """architecture.md: a run's PlannedDataset is constructed when the run opens and
+    again only when its data changes (units join, a manifest grows); adopting a resumed
+    state's or a mixture sibling's shuffle re-plans the same one (`adopt_spec`)."""
+    assert constructions("PlannedDataset") == {"raypipe.sampling.epochs:open",
+                                               "raypipe.sampling.epochs:with_data"}
+
+
 VIEWS = ("loader/token_loader.py", "loader/mixture.py", "tools/trace.py")
 CURSOR_NAMES = re.compile(r"step|epoch|position|global_batch|world_size|observation|rows")
 

@@ -490,3 +490,21 @@ def test_a_dropped_tail_of_pre_formed_batches_counts_their_real_tokens(rich_data
     assert len(served) == batches.num_batches - dropped == len(set(served))
     expected = sum(real) - sum(real[index] for index in served)
     assert tails == [(0, dropped, expected)] * world and expected > 0
+
+
+def test_a_resume_under_auto_adopts_the_states_shuffle_in_the_run_it_opened(token_dataset):
+    """A run asked for shuffle "auto" (global, locally) that resumes a windowed state plans
+    under the state's shuffle and layout, in the PlannedDataset it opened (only its plans
+    are made again), and serves what the windowed run would have."""
+    windowed = TokenLoader(token_dataset, 32, 4, seed=5, shuffle="windowed", lanes=2)
+    batches = iter(windowed)
+    next(batches)
+    state = windowed.state_dict()
+    expected = [batch.inputs.numpy().tobytes() for batch in batches]
+    resumed = TokenLoader(token_dataset, 32, 4, seed=5)
+    planned = resumed.run.planned
+    assert planned.spec.shuffle == "global"
+    resumed.load_state_dict(state)
+    assert resumed.run.planned is planned
+    assert (planned.spec.shuffle, planned.spec.lanes) == ("windowed", 2)
+    assert [batch.inputs.numpy().tobytes() for batch in resumed] == expected

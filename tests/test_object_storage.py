@@ -431,8 +431,9 @@ def test_bucket_loader_under_auto_resumes_a_global_state_as_global(bucket, token
     expected = [batch.inputs.numpy().tobytes() for batch in batches]
     resumed = TokenLoader(uri, 32, 4, seed=5, cache_dir=tmp_path / "c")
     assert resumed.spec.shuffle == "windowed"
+    planned = resumed.run.planned
     resumed.load_state_dict(state)
-    assert resumed.spec.shuffle == "global"
+    assert resumed.spec.shuffle == "global" and resumed.run.planned is planned
     assert [batch.inputs.numpy().tobytes() for batch in resumed] == expected
     with pytest.raises(StateError, match="shuffle: saved 'global', now 'windowed'"):
         TokenLoader(uri, 32, 4, seed=5, shuffle="windowed",

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
 from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec, document_split
 from raypipe.sampling.plans import ShardGroups, ShardWindows, SumsMemo, window_blocks_for
-from raypipe.sampling.resolve import RunFacts, resolve
+from raypipe.sampling.resolve import SHUFFLE_LAYOUT, RunFacts, resolve
 from raypipe.sampling.schedule import (
     BatchSchedule,
     Cursor,
@@ -256,22 +256,36 @@ class PlannedDataset:
         # the documents left out, each set from its step on (the plans' numbering: the split's)
         self.exclusions = RunExclusions(int(getattr(dataset, "num_documents", 0)),
                                         None if self.split is None else self.split.ids)
-        self.plans = EpochPlans(spec, dataset, self.document_lengths,
-                                None if self.source is None else self.stream_tokens(),
-                                self.global_batch, memo or self.node_memo, batch_size,
-                                self.shard_documents(), self.exclusions, self.served_in)
+        self.memo = memo or self.node_memo
+        self.plans = self.epoch_plans()
         self.fetch_blocks()
 
-    def replanned(self, spec: PlanSpec, data: Any = None) -> PlannedDataset:
-        """This run's planned data under `spec` (a shuffle adopted), or its `data` changed
-        (a RunData: units joined, a manifest grown): the same world, schedule, cache and
-        budget; the exclusions made so far carried over."""
-        dataset = self.dataset if data is None else data.dataset
-        served_from = self.served_from if data is None else data.served_from
-        joins = self.joins if data is None else data.joins
-        planned = PlannedDataset(dataset, spec, self.world_size, self.batch_size,
+    def epoch_plans(self) -> EpochPlans:
+        """The plans of its epochs under its spec."""
+        return EpochPlans(self.spec, self.dataset, self.document_lengths,
+                          None if self.source is None else self.stream_tokens(),
+                          self.global_batch, self.memo, self.batch_size,
+                          self.shard_documents(), self.exclusions, self.served_in)
+
+    def adopt_spec(self, spec: PlanSpec) -> None:
+        """Plan under `spec` (resolved: raypipe.sampling.resolve) from now on: the same
+        data, world, schedule and exclusions; only the shuffle and its layout may differ
+        (a resumed state's, a mixture's sibling's), so only the plans are made again."""
+        changed = {item.name for item in fields(PlanSpec)
+                   if getattr(spec, item.name) != getattr(self.spec, item.name)}
+        if changed - {"shuffle", *SHUFFLE_LAYOUT}:
+            raise ValueError(f"adopt_spec changes only the shuffle, not {sorted(changed)}")
+        self.spec = spec
+        self.plans = self.epoch_plans()
+        self.fetch_blocks()
+
+    def with_data(self, data: Any) -> PlannedDataset:
+        """This run's planned data over `data` (a RunData: units joined, a manifest grown):
+        the same spec, world, schedule, cache and budget; the exclusions made so far
+        carried over."""
+        planned = PlannedDataset(data.dataset, self.spec, self.world_size, self.batch_size,
                                  self.cache_dir, schedule=self.schedule,
-                                 served_from=served_from, joins=joins,
+                                 served_from=data.served_from, joins=data.joins,
                                  budget_bytes=self.budget_bytes,
                                  budget_sources=self.budget_sources)
         for record in self.exclusions.records:  # (their steps are in the schedule)

@@ -503,7 +503,7 @@ class Run:
     def use_data(self, data: RunData) -> None:
         """Plan `data` from now on, under the run's schedule and exclusions."""
         before, self.data = self.planned, data
-        self.planned = before.replanned(before.spec, data)
+        self.planned = before.with_data(data)
         if before.dataset is not data.dataset:
             before.dataset.close()  # its open shards, and fetches in flight
 
@@ -595,7 +595,7 @@ class Run:
         if wanted == spec:
             return
         resolved = describe_shuffle(spec)
-        self.planned = self.planned.replanned(wanted)
+        self.planned.adopt_spec(wanted)
         if self.rank == 0:
             logger.info("%s: shuffle %s, %s (auto resolved it to %s)", self.dataset.root,
                         describe_shuffle(self.spec), why, resolved)
