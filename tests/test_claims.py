@@ -153,6 +153,29 @@ def test_a_planned_dataset_is_built_where_a_run_opens_and_where_its_data_changes
                                                "raypipe.sampling.epochs:with_data"}
 
 
+SEAMS = ("loader/view.py", "loader/token_loader.py", "loader/mixture.py", "loader/options.py",
+         "loader/contract.py", "sampling/run.py", "sampling/mixture_run.py")
+
+
+def untyped_returns(path: Path) -> list[str]:
+    """The functions of a module whose return annotation is, or iterates, `Any`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef) and node.returns is not None:
+            returned = ast.unparse(node.returns)
+            if re.fullmatch(r"Any|(?:Iterator|Iterable|Generator)\[Any.*\]", returned):
+                found.append(f"{node.name} -> {returned}")
+    return found
+
+
+def test_the_seams_of_the_training_wing_return_no_any():
+    """architecture.md: the loaders, their options and contract, and the runs they view
+    say what they return (a plan is an EpochPlan, a dataset a TokenDataset or
+    BatchDataset, a batch a Batch)."""
+    assert {seam: untyped_returns(PACKAGE / seam) for seam in SEAMS} == dict.fromkeys(SEAMS,
+                                                                                    [])
+
+
 VIEWS = ("loader/token_loader.py", "loader/mixture.py", "tools/trace.py")
 CURSOR_NAMES = re.compile(r"step|epoch|position|global_batch|world_size|observation|rows")
 

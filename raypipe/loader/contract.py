@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
+from raypipe.io.records import TokenizerInfo
+from raypipe.loader.batch import Batch
+
 
 @runtime_checkable
 class Loader(Protocol):
@@ -29,11 +32,11 @@ class Loader(Protocol):
         """Observations consumed per global step (every rank's)."""
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> TokenizerInfo:
         """The tokenizer the loader's shards were written with."""
 
-    def __iter__(self) -> Iterator[Any]:
-        """Batches (raypipe.loader.batch.Batch), the state advancing as each is taken."""
+    def __iter__(self) -> Iterator[Batch]:
+        """Batches, the state advancing as each is taken."""
 
     def knobs(self) -> dict[str, Any]:
         """The knobs that shape its observations (its state records them)."""

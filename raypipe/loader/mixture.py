@@ -79,7 +79,7 @@ class MixtureLoader(RunView):
         return self.run.weights_by_name
 
     # ----- iteration ------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Batch]:
         """Batches without end (each source cycles its epochs); stop after the steps you
         train. The state advances as each batch is taken; each step holds the batch
         schedule's rows (every rank its share)."""
@@ -102,7 +102,7 @@ class MixtureLoader(RunView):
                     lambda manifest, key, name=name: self.run.join_units(name, manifest, key))
         return joined
 
-    def _serve(self, rows: int, seq_len: int, until: int | None) -> Iterator[Any]:
+    def _serve(self, rows: int, seq_len: int, until: int | None) -> Iterator[Batch]:
         """The steps to `until` (None: without end), `rows` rows of `seq_len` per rank."""
         def fill(job: MixtureStep, views: BatchBuffers) -> tuple:
             return (job, *self.rows.fill(job, views))

@@ -23,6 +23,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError, FormatError
 from raypipe.loader.batch import Batch
 from raypipe.loader.exclusions import PendingExclusions
@@ -33,7 +34,7 @@ from raypipe.loader.reads import described_steps
 from raypipe.loader.view import RunView
 from raypipe.sampling.buffers import BatchBuffers, DescribedRows
 from raypipe.sampling.mixture import is_mixture_spec
-from raypipe.sampling.modes import BatchFiller
+from raypipe.sampling.modes import BatchFiller, EpochPlan, PlanSpec
 from raypipe.sampling.plans import PackingReport
 from raypipe.sampling.run import Run
 from raypipe.sampling.schedule import Phases, Segment
@@ -110,12 +111,12 @@ class TokenLoader(RunView):
 
     # ----- the run's shape, as the Loader contract names it --------------------------------
     @property
-    def dataset(self) -> Any:
+    def dataset(self) -> TokenDataset | BatchDataset:
         """The documents the run serves (more of them once units joined)."""
         return self.run.dataset
 
     @property
-    def spec(self) -> Any:
+    def spec(self) -> PlanSpec:
         return self.run.spec
 
     @property
@@ -136,7 +137,7 @@ class TokenLoader(RunView):
         """The last epoch that ended: (epoch, observations, tokens) its drop-last tail left."""
         return self.run.dropped_tail
 
-    def plan(self, epoch: int | None = None) -> Any:
+    def plan(self, epoch: int | None = None) -> EpochPlan:
         """Epoch `epoch`'s plan (the current epoch: under its phases, the rest of it)."""
         return self.run.plan(epoch)
 

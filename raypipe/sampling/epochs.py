@@ -39,7 +39,7 @@ from raypipe.sampling.buffers import TokenSource
 from raypipe.sampling.exclusions import Exclusion, RunExclusions
 from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
-from raypipe.sampling.modes import BatchFiller, PlanInputs, PlanSpec, document_split
+from raypipe.sampling.modes import BatchFiller, EpochPlan, PlanInputs, PlanSpec, document_split
 from raypipe.sampling.plans import ShardGroups, ShardWindows, SumsMemo, window_blocks_for
 from raypipe.sampling.resolve import SHUFFLE_LAYOUT, RunFacts, resolve
 from raypipe.sampling.schedule import (
@@ -124,7 +124,7 @@ class EpochPlans:
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return Blocks(starts, np.searchsorted(offsets, starts[:-1], side="right") - 1)
 
-    def build(self, epoch: int, phases: Phases = ()) -> Any:
+    def build(self, epoch: int, phases: Phases = ()) -> EpochPlan:
         """Epoch `epoch`'s plan under `phases` (none: at the spec's seq_len), built afresh
         (its earlier phases' plans taken from those kept)."""
         mode = self.spec.loader_mode
@@ -181,7 +181,7 @@ class EpochPlans:
         return self.spec if seq_len == self.spec.seq_len else replace(self.spec,
                                                                        seq_len=seq_len)
 
-    def __call__(self, epoch: int, phases: Phases = ()) -> Any:
+    def __call__(self, epoch: int, phases: Phases = ()) -> EpochPlan:
         """Epoch `epoch`'s plan under `phases` (kept, with the latest few others)."""
         if len(phases) == 1 and phases[0] == Phase(self.spec.seq_len):
             phases = ()
@@ -451,7 +451,7 @@ class PlannedDataset:
             raise StateError(f"{self.dataset.root}: {exc}") from None
         self.schedule = self.schedule.with_exclusion(record.step)
 
-    def plan(self, epoch: int, phases: Phases = ()) -> Any:
+    def plan(self, epoch: int, phases: Phases = ()) -> EpochPlan:
         return self.plans(epoch, phases)
 
     def plan_size(self, epoch: int, phases: Phases = ()) -> int:

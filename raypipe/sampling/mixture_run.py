@@ -34,6 +34,7 @@ from raypipe.io.states import (
     MixtureState,
     SourceChange,
     SourcePosition,
+    UnitsAdded,
 )
 from raypipe.io.store import Store
 from raypipe.sampling.balance import assign_rows
@@ -430,7 +431,7 @@ class MixtureRun:
                    for kind in ("exclusions", "units_added", "views")}
             for name in {*saved.dropped(), *dropped} - set(self.names)}
 
-    def join_units(self, name: str, output: Any, key: str) -> Any:
+    def join_units(self, name: str, output: Any, key: str) -> UnitsAdded | None:
         """Add the units of source `name`'s kept order `key` it does not hold (`output`: a
         manifest holding them, a running job's: raypipe.io.live) from the next step on, where
         the source stands (Run.join_units); every source's rest planned again now. The

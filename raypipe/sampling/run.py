@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.dataset import TokenDataset
+from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError, StateError
 from raypipe.io.states import (
     STATE_VERSION,
@@ -41,6 +41,7 @@ from raypipe.sampling.exclusions import Exclusion
 from raypipe.sampling.growth import RunData
 from raypipe.sampling.modes import (
     BatchFiller,
+    EpochPlan,
     describe_shuffle,
     knob_differences,
     upgrade_knobs,
@@ -167,7 +168,7 @@ class Run:
         return cls(planned, spec, rank, pad_id, boundaries, units_join)
 
     @property
-    def dataset(self) -> Any:
+    def dataset(self) -> TokenDataset | BatchDataset:
         return self.planned.dataset
 
     @property
@@ -196,7 +197,7 @@ class Run:
         return Cursor(self.epoch, self.position, self.steps, self.phases)
 
     # ----- plans ------------------------------------------------------------------------
-    def plan(self, epoch: int | None = None) -> Any:
+    def plan(self, epoch: int | None = None) -> EpochPlan:
         """Epoch `epoch`'s plan (the current epoch: under its phases, the rest of it),
         checked to hold a global step; rank 0 warns once if its rows waste much."""
         epoch = self.epoch if epoch is None else epoch

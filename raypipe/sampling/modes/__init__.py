@@ -14,6 +14,7 @@ from importlib.metadata import entry_points
 from raypipe.sampling.modes.base import (
     SHARED_KNOBS,
     BatchFiller,
+    EpochPlan,
     LoaderMode,
     ModeKnobs,
     PlanInputs,
@@ -45,7 +46,7 @@ for _plugin in entry_points(group=PLUGIN_GROUP):
 
 from raypipe.sampling.modes.batches import RECORD_PLANS, record_plan  # noqa: E402
 
-__all__ = ["PLUGIN_GROUP", "RECORD_PLANS", "SHARED_KNOBS", "BatchFiller", "LoaderMode",
+__all__ = ["PLUGIN_GROUP", "RECORD_PLANS", "SHARED_KNOBS", "BatchFiller", "EpochPlan", "LoaderMode",
            "ModeKnobs", "PlanInputs", "PlanSpec", "get_mode", "knob", "knob_differences",
            "knob_fields", "knob_owners", "metadata_modes", "mode_names",
            "plan_knob_names", "mode_serving", "describe_shuffle", "document_split", "record_plan",

@@ -21,7 +21,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import Field, dataclass, field, fields, replace
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from raypipe.sampling.pack import OVERLONGS, RowPieces
 from raypipe.sampling.plans import (
     AUTO_SHUFFLE,
     SHUFFLES,
+    PackingReport,
     ShardGroups,
     ShardWindows,
     SumsMemo,
@@ -399,6 +400,17 @@ def knob_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
                      for name in names if saved.get(name) != current.get(name))
 
 
+class EpochPlan(Protocol):
+    """What every mode's plan of an epoch is: `size` observations in the epoch's order, and
+    what its rows make of the data (`report`); the rest is the mode's own, read by its
+    filler."""
+
+    @property
+    def size(self) -> int: ...
+
+    def report(self) -> PackingReport: ...
+
+
 @dataclass(frozen=True)
 class PlanInputs:
     """What a mode plans an epoch from: the opened dataset, the lengths of the documents the
@@ -501,7 +513,7 @@ class LoaderMode(ABC):
         return rows
 
     @abstractmethod
-    def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> Any:
+    def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> EpochPlan:
         """Epoch `epoch`'s plan: `size` observations and a `report()`."""
 
     @abstractmethod
