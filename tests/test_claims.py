@@ -153,6 +153,26 @@ def test_a_planned_dataset_is_built_where_a_run_opens_and_where_its_data_changes
                                                "raypipe.sampling.epochs:with_data"}
 
 
+def called(path: Path, names: set[str]) -> set[str]:
+    """Which of `names` a module calls (a function, or a method by its attribute name)."""
+    return {getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+            } & names
+
+
+def test_epochs_roll_over_in_the_schedule_alone():
+    """architecture.md: one walker owns where a run goes next: raypipe.sampling.schedule
+    walks a run's steps (segments, drop-last at each epoch's end) and a mixture source's
+    rows (`walk_rows`) and is the one module that begins a next epoch's phases; a run
+    moves its cursor there only when it served an epoch to its end."""
+    rollovers = {"next_epoch_phases", "next_epoch"}
+    found = {str(path.relative_to(PACKAGE)): called(path, rollovers)
+             for path in PACKAGE.rglob("*.py")}
+    assert {name: calls for name, calls in found.items() if calls} == {
+        "sampling/schedule.py": rollovers, "sampling/run.py": {"next_epoch"}}
+    assert called(PACKAGE / "sampling/mixture.py", {"walk_rows"}) == {"walk_rows"}
+
+
 SEAMS = ("loader/view.py", "loader/token_loader.py", "loader/mixture.py", "loader/options.py",
          "loader/contract.py", "sampling/run.py", "sampling/mixture_run.py")
 

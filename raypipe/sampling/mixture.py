@@ -33,9 +33,9 @@ from raypipe.sampling.schedule import (
     BatchSchedule,
     Cursor,
     Phases,
-    next_epoch_phases,
     phase_rows,
     phases_of_rows,
+    walk_rows,
 )
 
 
@@ -271,24 +271,16 @@ class MixtureSchedule:
 
     def _advance(self, index: int, count: int, describe: bool = True,
                  where: SourcePosition | None = None
-                 ) -> tuple[list[tuple[int, int]], SourcePosition]:
-        """Source `index`'s next `count` rows as (epoch, position) (none unless `describe`),
-        and where it stands after them (into the next epoch as needed), from `where` (its
-        position by default)."""
+                 ) -> tuple[list[tuple[int, int, Phases]], SourcePosition]:
+        """Source `index`'s next `count` rows as (epoch, position, phases) (none unless
+        `describe`), and where it stands after them (into the next epoch as needed:
+        raypipe.sampling.schedule.walk_rows), from `where` (its position by default)."""
         where = self.positions[index] if where is None else where
-        taken, left = [], count
-        epoch, position, phases = where.epoch, where.position, self.phases_of(where)
-        while left:
-            size = self.plan_sizes[index](epoch, phases)
-            if size <= 0 and len(phases) == 1:
-                raise ConfigError(f"mixture source {index}: epoch {epoch} holds no row")
-            if position >= size:  # the next epoch starts at the seq_len it stands at
-                epoch, position, phases = epoch + 1, 0, next_epoch_phases(phases)
-                continue
-            take = min(left, size - position)
-            if describe:
-                taken += [(epoch, position + i, phases) for i in range(take)]
-            position, left = position + take, left - take
+        taken, at = walk_rows(self.plan_sizes[index],
+                              Cursor(where.epoch, where.position, self.step,
+                                     self.phases_of(where)),
+                              count, f"mixture source {index}", describe)
+        epoch, position, phases = at.epoch, at.position, at.phases
         return taken, replace(where, epoch=epoch, position=position,
                               consumed=where.consumed + count,
                               phases=phase_rows(phases) if where.phases or len(phases) > 1

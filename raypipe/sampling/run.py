@@ -55,7 +55,6 @@ from raypipe.sampling.schedule import (
     Phase,
     Phases,
     Segment,
-    next_epoch_phases,
     phase_rows,
     phases_of_rows,
 )
@@ -144,8 +143,8 @@ class Run:
         self.data = RunData.of(planned.dataset)
         mode = planned.spec.loader_mode
         self.boundaries = mode.boundaries_by_default if boundaries is None else boundaries
-        self.epoch, self.position, self.steps = 0, 0, 0
-        self.phases = planned.first_phases  # the current epoch's seq_len phases
+        # where the run stands: the next step, its epoch, position and seq_len phases
+        self.at = Cursor(0, 0, 0, planned.first_phases)
         self.history: list[list[int]] = []  # [step, global batch, seq_len] at each change
         # the last epoch that ended: (epoch, observations, tokens) its drop-last tail left
         self.dropped_tail: tuple[int, int, int] | None = None
@@ -194,7 +193,26 @@ class Run:
         return self.planned.schedule.seq_len_at(self.steps) or self.spec.seq_len
 
     def cursor(self) -> Cursor:
-        return Cursor(self.epoch, self.position, self.steps, self.phases)
+        return self.at
+
+    @property
+    def epoch(self) -> int:
+        return self.at.epoch
+
+    @property
+    def position(self) -> int:
+        """Observations of the current epoch's plan (its last phase's) consumed."""
+        return self.at.position
+
+    @property
+    def steps(self) -> int:
+        """Global steps taken from the start of training."""
+        return self.at.step
+
+    @property
+    def phases(self) -> Phases:
+        """The current epoch's seq_len phases."""
+        return self.at.phases
 
     # ----- plans ------------------------------------------------------------------------
     def plan(self, epoch: int | None = None) -> EpochPlan:
@@ -308,8 +326,7 @@ class Run:
 
     def took(self, segment: Segment, step: int) -> None:
         """Global step `step` of `segment` was served: the run stands after it."""
-        self.position = segment.step_start(step - segment.step + 1)
-        self.steps, self.phases = step + 1, segment.phases
+        self.at = segment.cursor(step - segment.step + 1)
 
     def end_epoch(self) -> None:
         """The epoch ended: count (rank 0: log; a warning the first time and past
@@ -328,8 +345,7 @@ class Run:
                 "under one global step left untrained (drop-last)%s", self.dataset.root,
                 self.epoch, rows, tokens, 100 * share, "; hint: a smaller global batch, or a "
                 "longer epoch (more data), leaves less" if share > WASTE_WARNING else "")
-        self.epoch, self.position = self.epoch + 1, 0
-        self.phases = next_epoch_phases(self.phases)
+        self.at = self.at.next_epoch()
 
     def step_rows(self, step: int, steps: int, ranks: Any,
                   world_at: Callable[[int], int] | None = None) -> Iterator[StepRow]:
@@ -413,9 +429,9 @@ class Run:
         if saved.position > size:
             raise StateError(f"loader state position {saved.position} outside epoch "
                              f"{saved.epoch} (size {size})")
-        self.epoch, self.position, self.phases = saved.epoch, saved.position, phases
-        self.steps = steps_taken(saved, lambda: self.planned.schedule.steps_before(
-            self.planned.plan_size, saved.epoch, saved.position, phases))
+        self.at = Cursor(saved.epoch, saved.position, steps_taken(
+            saved, lambda: self.planned.schedule.steps_before(
+                self.planned.plan_size, saved.epoch, saved.position, phases)), phases)
         self.history = [list(entry) for entry in saved.history or []]
         cursor = self.planned.schedule.phases_at(self.cursor())
         if cursor.phases != self.phases:  # a seq_len change, or units joining, from here

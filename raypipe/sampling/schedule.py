@@ -77,6 +77,11 @@ class Cursor:
     step: int
     phases: Phases
 
+    def next_epoch(self) -> Cursor:
+        """The cursor at the start of the next epoch, at the same step, in the phase
+        `next_epoch_phases` gives."""
+        return Cursor(self.epoch + 1, 0, self.step, next_epoch_phases(self.phases))
+
     @property
     def begun(self) -> bool:
         """Whether its epoch has served rows: a position past the start, or a phase begun
@@ -241,7 +246,7 @@ class BatchSchedule:
                                       f"one global step of {global_batch}")
                 if one_epoch:
                     return
-                cursor = Cursor(epoch + 1, 0, step, next_epoch_phases(phases))
+                cursor = cursor.next_epoch()
                 continue
             change = self.next_change(step)
             steps = fit if change is None else min(fit, change - step)
@@ -272,6 +277,29 @@ class BatchSchedule:
                 return steps + (position - segment.position) // segment.global_batch
             steps += segment.steps
         raise AssertionError("segments never end")
+
+
+def walk_rows(plan_size: PlanSize, cursor: Cursor, count: int, what: str,
+              describe: bool = True) -> tuple[list[tuple[int, int, Phases]], Cursor]:
+    """The next `count` rows from `cursor` as (epoch, position, phases) (none unless
+    `describe`), and the cursor after them (its step as given): a mixture source's walk,
+    which takes rows, not steps, so an epoch ends at its last row (no drop-last) and the
+    next begins with the following one (`Cursor.next_epoch`). `what` names the source in
+    the error for an epoch that holds no row."""
+    taken: list[tuple[int, int, Phases]] = []
+    left = count
+    while left:
+        size = plan_size(cursor.epoch, cursor.phases)
+        if size <= 0 and len(cursor.phases) == 1:
+            raise ConfigError(f"{what}: epoch {cursor.epoch} holds no row")
+        if cursor.position >= size:
+            cursor = cursor.next_epoch()
+            continue
+        take = min(left, size - cursor.position)
+        if describe:
+            taken += [(cursor.epoch, cursor.position + i, cursor.phases) for i in range(take)]
+        cursor, left = replace(cursor, position=cursor.position + take), left - take
+    return taken, cursor
 
 
 def batch_shape(batch_size: int | None, batch_schedule: Sequence[tuple[int, int]] | None,
