@@ -4,12 +4,13 @@ Invariant: every rank adds the same units at the same step. When the loader open
 after every `follow_steps` steps, rank 0 reads the job's status (raypipe.io.live) and
 broadcasts the unit order it names (torch.distributed's broadcast_object_list; a single
 rank needs none); each rank then adds the units of that order it lacks
-(raypipe.sampling.run.Run.join_units: shuffled into the rest of the epoch, or from the next
-epoch under units_join="next_epoch"), recorded in its state with the step, so a resume at
-any world size and `raypipe trace` replay the same steps. A loader opens once the job has
-committed its first units (it waits for them up to `FIRST_UNITS_SECONDS`). A job that
-finishes has its last units added, and the loader stops following; one that fails leaves
-the units it committed, and the loader goes on following: a rerun of the job adds the rest.
+(raypipe.sampling.data_changes.DataChanges.join_units: shuffled into the rest of the
+epoch, or from the next epoch under units_join="next_epoch"), recorded in its state with
+the step, so a resume at any world size and `raypipe trace` replay the same steps. A
+loader opens once the job has committed its first units (it waits for them up to
+`FIRST_UNITS_SECONDS`). A job that finishes has its last units added, and the loader stops
+following; one that fails leaves the units it committed, and the loader goes on following:
+a rerun of the job adds the rest.
 Cost: rank 0 reads one small status file and every rank takes one broadcast per check;
 a join reads one manifest and plans the rest of the epoch again (bench/changing_data.py).
 """
@@ -181,7 +182,7 @@ class JobFollower:
 
     def check(self, join: Callable[[Manifest, str], Any]) -> bool:
         """Add the units the job committed since the last check (every rank the same):
-        `join(manifest, key)` adds those of unit order `key` (Run.join_units, or a
+        `join(manifest, key)` adds those of unit order `key` (DataChanges.join_units, or a
         mixture's for its source); True where some were added (the rest of the epoch is
         planned again)."""
         view, state = self._pick()

@@ -63,7 +63,7 @@ class MixtureLoader(RunView):
         self.names, self.sources = self.run.names, self.run.sources
         for name, follower in self.followers.items():
             if follower.active:
-                self.sources[self.names.index(name)].refuse_following(
+                self.sources[self.names.index(name)].data_changes.refuse_following(
                     f"mixture source {name!r}, follow=True: a running job's units join")
         self.exclusions = PendingExclusions(  # excluded where the run starts, or resumes
             options.exclude, lambda: {name: source.planned.document_dataset for name, source

@@ -92,7 +92,8 @@ class TokenLoader(RunView):
                 raise
             raise ConfigError(unfinished) from None
         if self.follower is not None and self.follower.active:
-            self.run.refuse_following("follow=True: a running job's units join the run")
+            self.run.data_changes.refuse_following(
+                "follow=True: a running job's units join the run")
         split = self.run.planned.split
         if split is not None and self.rank == 0:
             logger.info("%s: split %r holds %s of %s documents (validation_fraction %s)",
@@ -178,18 +179,19 @@ class TokenLoader(RunView):
         job's next units instead of ending (JobFollower.wait_for_units): an epoch ends when
         the job does, so no epoch leaves out a unit the job commits."""
         run, fillers, follower = self.run, {}, self.follower
+        join = run.data_changes.join_units
         for segment in run.epoch_segments():
             if segment.phases not in fillers:
                 fillers = {segment.phases: run.filler(segment.epoch, segment.phases)}
             with closing(self._serve(fillers[segment.phases], segment)) as batches:
                 for batch in batches:  # units joining at the next step, before this batch
                     joined = (follower is not None and follower.due(run.steps)  # is given:
-                              and follower.check(run.join_units))  # its state records them
+                              and follower.check(join))  # its state records them
                     yield batch
                     if joined:
                         return True
         if follower is not None and follower.active and run.units_join == "epoch":
-            return follower.wait_for_units(run.join_units, run.epoch,
+            return follower.wait_for_units(join, run.epoch,
                                            self.dataset.num_documents)
         return False
 
@@ -215,3 +217,7 @@ class TokenLoader(RunView):
 
     def _datasets(self) -> list[Any]:
         return [self.dataset]
+
+    def _exclude(self) -> None:
+        """Exclude the `exclude` option's documents from where the run stands, once."""
+        self.exclusions.apply(self.run.data_changes.exclude)

@@ -127,5 +127,6 @@ class RunView:
         self._exclude()
 
     def _exclude(self) -> None:
-        """Exclude the `exclude` option's documents from where the run stands, once."""
+        """Exclude the `exclude` option's documents from where the run stands, once (a
+        mixture's run excludes them source by source)."""
         self.exclusions.apply(self.run.exclude)

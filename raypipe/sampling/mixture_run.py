@@ -39,6 +39,7 @@ from raypipe.io.states import (
 from raypipe.io.store import Store
 from raypipe.sampling.balance import assign_rows
 from raypipe.sampling.buffers import DescribedRows
+from raypipe.sampling.data_changes import planned_again
 from raypipe.sampling.epochs import PlanSpec
 from raypipe.sampling.mixture import (
     MixtureSchedule,
@@ -53,7 +54,6 @@ from raypipe.sampling.run import (
     Run,
     StepRow,
     check_knobs,
-    planned_again,
 )
 from raypipe.sampling.schedule import (
     BatchSchedule,
@@ -173,7 +173,7 @@ class MixtureRun:
                 continue
             fingerprint = (final.sources[name].dataset if name in final.sources
                            else dropped[name].fingerprint_of(name))
-            source.adopt_data_of(fingerprint, (final.views or {}).get(name),
+            source.data_changes.adopt_data_of(fingerprint, (final.views or {}).get(name),
                                  (final.units_added or {}).get(name, ()), Cursor(0, 0, 0, ()),
                                  grow=False, source=name)
             source.planned.reset_exclusions()
@@ -329,10 +329,10 @@ class MixtureRun:
         exclusions = {name: tuple(source.planned.exclusions.records)
                       for name, source in zip(self.names, self.sources, strict=True)
                       if len(source.planned.exclusions)}
-        added = {name: source.data.added
+        added = {name: source.data_changes.data.added
                  for name, source in zip(self.names, self.sources, strict=True)
-                 if source.data.added}
-        views = {name: source.data.view
+                 if source.data_changes.data.added}
+        views = {name: source.data_changes.data.view
                  for name, source in zip(self.names, self.sources, strict=True)}
         for name, records in self.dropped_records.items():
             for kind, held in (("exclusions", exclusions), ("units_added", added),
@@ -382,7 +382,7 @@ class MixtureRun:
         for name, source in zip(self.names, self.sources, strict=True):
             if name in saved.sources:  # its data as the state had it, units added joining
                 where = saved.sources[name]
-                source.adopt_data_of(where.dataset, (saved.views or {}).get(name),
+                source.data_changes.adopt_data_of(where.dataset, (saved.views or {}).get(name),
                                      (saved.units_added or {}).get(name, ()),
                                      self.cursor_of(where, saved.steps), grow,
                                      source=name)
@@ -434,10 +434,10 @@ class MixtureRun:
     def join_units(self, name: str, output: Any, key: str) -> UnitsAdded | None:
         """Add the units of source `name`'s kept order `key` it does not hold (`output`: a
         manifest holding them, a running job's: raypipe.io.live) from the next step on, where
-        the source stands (Run.join_units); every source's rest planned again now. The
+        the source stands (DataChanges.join_units); every source's rest planned again now. The
         record, or None where none was added."""
         source, where = self.sources[self.names.index(name)], self.positions[name]
-        record = source.join_units(output, key, self.cursor_of(where, self.steps),
+        record = source.data_changes.join_units(output, key, self.cursor_of(where, self.steps),
                                    lambda: self.rephased(self.schedule()))
         self._fillers.clear()
         self.positions[name] = replace(where, dataset=source.dataset.fingerprint)

@@ -95,7 +95,7 @@ def replay(data: str | Path | dict[str, str], *,
                        format_name=format_name, cache_dir=cache_dir,
                        batch_schedule=batch_schedule, seq_len_schedule=seq_len_schedule)
         if history is not None:  # its data, and each exclusion from its step, as it had
-            run.adopt_data(recorded, grow=False)
+            run.data_changes.adopt_data(recorded, grow=False)
             for record in recorded.exclusions or ():
                 run.planned.adopt_exclusion(record)
     if saved is not None:  # the data as the state recorded it: none the output gained since

@@ -2,9 +2,10 @@
 loaders serve a run's steps and `raypipe trace` replays them.
 
 Invariant: a `Run` is the one owner of where one dataset's run stands: the cursor (epoch,
-seq_len phases, position, steps taken), the history of its shape, the documents it
-excludes and the units it gained, each from its step (raypipe.sampling.exclusions,
-raypipe.sampling.growth: on a resume, or while following a running job). It is the one place
+seq_len phases, position, steps taken) and the history of its shape; what changes its data
+(the documents it excludes and the units it gained, each from its step: on a resume, or
+while following a running job) is its collaborator `data_changes`
+(raypipe.sampling.data_changes). It is the one place
 that opens a run, resumes it from a state, walks its steps (every step's epoch, phases,
 seq_len, global rows and the rows of each rank) and counts each epoch's drop-last tail. What
 a resume checks (the fingerprint, the shuffle the state was made with, the knobs, the
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,12 +33,10 @@ from raypipe.errors import ConfigError, StateError
 from raypipe.io.states import (
     STATE_VERSION,
     LoaderState,
-    UnitsAdded,
 )
 from raypipe.sampling.blocks import WHOLE_SHARDS, WINDOWS_HELD
+from raypipe.sampling.data_changes import DataChanges, planned_again
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec, window_budget
-from raypipe.sampling.exclusions import Exclusion
-from raypipe.sampling.growth import RunData
 from raypipe.sampling.modes import (
     BatchFiller,
     EpochPlan,
@@ -61,7 +59,6 @@ from raypipe.sampling.schedule import (
 from raypipe.sampling.state_compat import steps_taken, upgraded
 
 logger = logging.getLogger("raypipe")
-JOIN_LINE_SECONDS = 60.0  # units joining are a warning at most this often (else INFO)
 DESCRIBE_STEPS = 64  # steps described together: one vectorized plan call per chunk
 
 __all__ = ["DESCRIBE_STEPS", "Run", "StepRow"]
@@ -94,40 +91,6 @@ def check_knobs(what: str, saved: dict[str, Any], record: dict[str, Any],
                          f"cut otherwise, or other options given; {may_change} can)")
 
 
-def check_dataset(saved: str, dataset: Any, source: str | None = None) -> None:
-    """Refuse a state made for another dataset (or mixture source) than `dataset`."""
-    if saved != dataset.fingerprint:
-        named = f"mixture source {source!r} ({dataset.root})" if source else dataset.root
-        raise StateError(f"{named} changed since the checkpoint (a shard or the manifest): "
-                         f"the state was made for dataset {saved!r}, it is now "
-                         f"{dataset.fingerprint!r}")
-
-
-def check_data(fingerprint: str, view: str | None, data: RunData,
-               source: str | None = None) -> None:
-    """Refuse data other than a state's (its dataset `fingerprint`, its unit order `view`),
-    naming the unit rewritten since where the output kept its files' digests
-    (raypipe.io.views); `source`: a mixture's source name."""
-    if fingerprint != data.dataset.fingerprint and view is not None:
-        unit = data.rewritten()
-        if unit is not None:
-            raise StateError(f"{data.dataset.root}: unit {unit} of the run's data was "
-                             "rewritten since the checkpoint (its "
-                             f"{data.dataset.format_name} files differ from those the output "
-                             "kept): its documents would be other tokens under the same "
-                             "numbers; restore it, or start a new run")
-    check_dataset(fingerprint, data.dataset, source)
-
-
-def planned_again(what: str, plan: Callable[[], Any]) -> None:
-    """Plan the rest of an epoch after a seq_len change now: a mode that cannot is refused
-    here, naming the change, not at the first batch."""
-    try:
-        plan()
-    except ConfigError as exc:
-        raise StateError(f"{what}: {exc}") from None
-
-
 class Run:
     """One dataset's run for one rank: its plans (`planned`), where it stands and its
     steps. `asked`: the spec as given, before "auto" and 0 knobs were resolved (a resume
@@ -139,8 +102,6 @@ class Run:
         # the spec with the data's knobs decided, its shuffle and layout as given
         self.asked = as_asked(planned.spec, asked)
         self.units_join = units_join  # where added units are served (LoaderOptions)
-        # the units of the output the run serves, in its order (raypipe.sampling.growth)
-        self.data = RunData.of(planned.dataset)
         mode = planned.spec.loader_mode
         self.boundaries = mode.boundaries_by_default if boundaries is None else boundaries
         # where the run stands: the next step, its epoch, position and seq_len phases
@@ -150,7 +111,8 @@ class Run:
         self.dropped_tail: tuple[int, int, int] | None = None
         self._warned = False
         self._told_tail = False  # rank 0 warned of a drop-last tail once (later: INFO)
-        self._joins_said = -JOIN_LINE_SECONDS  # when rank 0 last warned of units joining
+        # its data, and what changes it: units joining, exclusions, refusals
+        self.data_changes = DataChanges(self)
 
     @classmethod
     def open(cls, path: str | Path, spec: PlanSpec, world_size: int,
@@ -383,33 +345,7 @@ class Run:
                            if len(self.phases) > 1 or self.phases[0].excluded else None,
                            [list(entry) for entry in self.history] or None,
                            tuple(self.planned.exclusions.records) or None,
-                           self.data.view, self.data.added or None)
-
-    def exclude(self, by_source: dict[str | None, tuple[np.ndarray, int, int]]
-                ) -> Exclusion | None:
-        """Leave documents out from the next step on: `by_source[None]` = (the dataset's
-        document numbers, names given, names that matched none), as a mixture's `exclude`
-        takes each source's. The rest of the epoch is planned again without them, and every
-        later epoch is planned without them; what was not found or excluded already is
-        counted in the exclusion and the log (rank 0). None where none is left to
-        exclude."""
-        documents, named, not_found = by_source[None]
-        record = self.planned.exclude(self.steps, documents, named, not_found)
-        if record is not None:
-            cursor = self.planned.schedule.phases_at(self.cursor())
-            try:
-                planned_again(f"{self.dataset.root}: exclude", lambda: self.planned.plan(
-                    cursor.epoch, cursor.phases))
-            except StateError:
-                self.planned.take_back_exclusion()
-                raise
-        if self.rank == 0:
-            if record is None:
-                logger.info("%s: none of the %d document(s) named is left to exclude",
-                            self.dataset.root, named if named is not None else len(documents))
-            else:
-                self.planned.exclusions.log(record, str(self.dataset.root))
-        return record
+                           self.data_changes.data.view, self.data_changes.data.added or None)
 
     def resume(self, state: dict[str, Any] | LoaderState, grow: bool = True) -> None:
         """Stand where `state` (any rank's, any world size) stands (`grow`: the units the
@@ -417,7 +353,7 @@ class Run:
         state recorded adds none)."""
         saved = (state if isinstance(state, LoaderState)
                  else LoaderState.from_dict(upgraded(state)))
-        self.adopt_data(saved, grow)
+        self.data_changes.adopt_data(saved, grow)
         self.adopt_shuffle(saved.knobs)
         check_knobs("the loader state", saved.knobs, self.spec.knobs_record(),
                     "seq_len, batch size, world size and a schedule")
@@ -442,154 +378,6 @@ class Run:
                         "planned again at %d from what the saved position had not "
                         "served", self.dataset.root, self.phases[-1].seq_len,
                         self.seq_len, self.steps, self.epoch, self.seq_len)
-
-    def adopt_data(self, saved: LoaderState, grow: bool = True) -> None:
-        """Serve the data as `saved` had it (raypipe.sampling.growth), refusing data that
-        changed; with `grow`, the units the output gained since are added (`adopt_data_of`)."""
-        phases = phases_of_rows(saved.phases, saved.knobs.get("seq_len", self.spec.seq_len))
-        self.adopt_data_of(saved.dataset, saved.view, saved.units_added or (),
-                           Cursor(saved.epoch, saved.position, saved.steps or 0, phases), grow)
-
-    def adopt_data_of(self, fingerprint: str, view: str | None,
-                      added: tuple[UnitsAdded, ...], at: Cursor,
-                      grow: bool = True, source: str | None = None) -> None:
-        """Serve the data a state had (its dataset `fingerprint`, unit order `view` and
-        units `added`: its units in its order), refusing data that changed; with `grow`,
-        the units the output gained since are added where `units_join` says (`grown`), at
-        `at`: where the run stands (a mixture's: source `source`)."""
-        if (view in (None, self.data.view) and not added) or \
-                not self.spec.loader_mode.excludes:  # (whole documents only: below)
-            if view not in (None, self.data.view) and fingerprint != self.dataset.fingerprint:
-                self.refuse_growth()  # the output changed, and the mode cannot follow
-            check_data(fingerprint, view, self.data, source)
-            return  # the output as the run had it
-        try:
-            data = self.data.as_saved(view, added)
-        except StateError:
-            if fingerprint == self.dataset.fingerprint or self.data.keeps(view):
-                raise
-            named = f"mixture source {source!r} ({self.dataset.root})" if source else \
-                self.dataset.root
-            raise StateError(f"{named}: the state is another dataset's: it was made for "
-                             f"dataset {fingerprint!r} (unit order {view}), and this output, "
-                             f"dataset {self.dataset.fingerprint!r}, never kept that order"
-                             ) from None
-        check_data(fingerprint, view, data, source)
-        if grow:
-            data = self.grown(data, at) or data
-        if data is not self.data:
-            self.use_data(data)
-
-    def grown(self, data: RunData, at: Cursor, key: str | None = None) -> RunData | None:
-        """`data` with the units of the output's order `key` (None: its own) it does not
-        hold added at the step of `at`, where the run stands: served from the next epoch,
-        and under units_join "epoch" joining the rest of this one; from this one where it
-        has served nothing yet (`Cursor.begun`: a phase a join began counts as begun); None
-        where none was added."""
-        if not data.fresh(key):
-            return None
-        self.refuse_growth()
-        step, epoch = at.step, at.epoch
-        joins = self.units_join == "epoch" and at.begun
-        grown = data.grown(step, epoch + at.begun, joins, key)
-        if grown is not None and self.rank == 0:
-            record = grown.added[-1]
-            how = ("their blocks read as windows after the epoch's own"
-                   if self.spec.shuffle == "windowed" else
-                   "shuffled in among what it had not served")
-            log = self._join_line()
-            log("%s: the output gained %d unit(s); their %s documents are "
-                           "numbered after the run's %s and %s", self.dataset.root,
-                           record.units - len(data.names()),
-                           f"{record.documents - data.dataset.num_documents:,}",
-                           f"{data.dataset.num_documents:,}",
-                           f"join the rest of epoch {epoch} from step {step}, {how}"
-                           if joins else f"are served from epoch {record.epoch} on "
-                           f"(units_join {self.units_join!r})")
-        return grown
-
-    def _join_line(self) -> Callable[..., None]:
-        """How to log units joining: a warning at most once a JOIN_LINE_SECONDS (a
-        followed job's units join often), INFO between."""
-        now = time.monotonic()
-        if now - self._joins_said <= JOIN_LINE_SECONDS:
-            return logger.info
-        self._joins_said = now
-        return logger.warning
-
-    def use_data(self, data: RunData) -> None:
-        """Plan `data` from now on, under the run's schedule and exclusions."""
-        before, self.data = self.planned, data
-        self.planned = before.with_data(data)
-        if before.dataset is not data.dataset:
-            before.dataset.close()  # its open shards, and fetches in flight
-
-    def join_units(self, output: Any, key: str, at: Cursor | None = None,
-                   check: Callable[[], None] | None = None) -> UnitsAdded | None:
-        """Add the units of the output's kept order `key` the run does not hold (`output`:
-        a manifest of the run's output holding them: a running job's, raypipe.io.live),
-        from the next step on (`grown`; `at`: where the run stands, default its cursor);
-        the rest of the epoch is planned again now (`check`: how, default this run's), and
-        a refusal leaves the run as it was. The record, or None where none was added."""
-        data = self.data.with_output(output)
-        grown = self.grown(data, at or self.cursor(), key=key)
-        if grown is None:
-            self.data = data
-            return None
-        before = (self.data, self.planned)
-        self.use_data(grown)
-
-        def plan_here() -> None:
-            cursor = self.planned.schedule.phases_at(self.cursor())
-            self.planned.plan(cursor.epoch, cursor.phases)
-
-        try:
-            planned_again(f"{self.dataset.root}: units joined", check or plan_here)
-        except StateError:
-            self.data, self.planned = before
-            raise
-        return grown.added[-1]
-
-    def refuse_growth(self, what: str = "the output gained units since the checkpoint",
-                      instead: str = "resume on the data as it was, or start a new run"
-                      ) -> None:
-        """Units added are numbered after the run's documents: a mode whose plans are not
-        made of whole documents, or a split drawn by the data's fingerprint, cannot serve
-        them (`what`: how they came; `instead`: what the user can do)."""
-        mode = self.spec.loader_mode
-        if not mode.excludes:
-            raise StateError(f"{self.dataset.root}: {what}, and mode {mode.name!r} cannot "
-                             "serve them (its rows are not made of whole documents); "
-                             f"{instead}")
-        if self.planned.split is not None:
-            raise StateError(f"{self.dataset.root}: {what}, and split {self.spec.split!r} "
-                             "draws its documents by the data's fingerprint, which they "
-                             f"change; {instead}")
-
-    def refuse_following(self, what: str) -> None:
-        """A loader following a running job (`what`: which): refuse a mode or split that
-        cannot serve added units, or a shuffle that cannot take them into the epoch."""
-        self.refuse_growth(what, "give a mode whose rows are whole documents, and split "
-                           "'all'")
-        self.refuse_joins(what)
-
-    def refuse_joins(self, what: str) -> None:
-        """Units that join the epoch in progress (units_join "epoch") need a shuffle that
-        can take them (raypipe.sampling.plans.continued_order): said now, not at the
-        first join."""
-        spec = self.spec
-        if self.units_join != "epoch":
-            return
-        if spec.shuffle == "windowed" and spec.lanes > 1:
-            raise ConfigError(f"{self.dataset.root}: {what}, and units cannot join an epoch "
-                              f"in progress under a windowed shuffle of {spec.lanes} lanes "
-                              "(the rows served are no prefix of the plan): give lanes=1 "
-                              "(each node then reads every window), or units_join="
-                              "'next_epoch' (they join at the next epoch)")
-        if spec.shuffle == "shard_local":
-            raise ConfigError(f"{self.dataset.root}: {what}, and units cannot join an epoch "
-                              "in progress under shuffle 'shard_local': give shuffle "
-                              "'global' or 'windowed', or units_join='next_epoch'")
 
     def adopt_shuffle(self, saved_knobs: dict[str, Any]) -> None:
         """A run asked for shuffle "auto" resumes under the shuffle its state was made with
