@@ -22,9 +22,9 @@ from raypipe.io.states import LoaderState, MixtureState
 from raypipe.sampling.epochs import PlanSpec
 from raypipe.sampling.mixture import is_mixture_spec, mixture_sources
 from raypipe.sampling.mixture_run import MixtureRun
-from raypipe.sampling.modes import get_mode, plan_knob_names, upgrade_knobs
+from raypipe.sampling.modes import get_mode, plan_knob_names
 from raypipe.sampling.run import Run, StepRow
-from raypipe.sampling.state_compat import read_state
+from raypipe.sampling.state_compat import read_state, upgrade_knobs
 
 __all__ = ["HistoryWorlds", "MixtureHistory", "replay"]
 

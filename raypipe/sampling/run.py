@@ -42,7 +42,6 @@ from raypipe.sampling.modes import (
     EpochPlan,
     describe_shuffle,
     knob_differences,
-    upgrade_knobs,
     waste_hints,
 )
 from raypipe.sampling.pack import RowPieces
@@ -56,7 +55,7 @@ from raypipe.sampling.schedule import (
     phase_rows,
     phases_of_rows,
 )
-from raypipe.sampling.state_compat import steps_taken, upgraded
+from raypipe.sampling.state_compat import steps_taken, upgrade_knobs, upgraded
 
 logger = logging.getLogger("raypipe")
 DESCRIBE_STEPS = 64  # steps described together: one vectorized plan call per chunk

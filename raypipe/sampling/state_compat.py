@@ -4,15 +4,16 @@ module (the config's is raypipe.config.compat, the manifest's raypipe.io.manifes
 Invariant: every way a state that an earlier release saved differs from today's is named
 here and read here as today's shape, so a resume continues at the very batch it was saved
 before (tests/test_golden.py resumes every 0.6 state):
-- a knob a state leaves out holds the value it had before the knob existed (`KNOBS_BEFORE`,
-  and each mode's own `LoaderMode.knobs_before`): `shuffle` global before 0.3 (with no
-  `group_shards`), `split` all before 0.4 (no `validation_fraction`), `window_blocks` and
-  `lanes` 0 before 0.7, `balance` none before 0.7 (no `balance_hidden`), `block_bytes`
-  whole shards (`WHOLE_SHARDS`) in a state saved before windows were made of blocks, which
-  saved `window_blocks` as `window_shards` (`KNOB_RENAMES`); bestfit's `packing` crop
-  before 0.2 (no `pieces`), `pieces` edges before 0.5, `overlong` cut before 0.6,
-  `block_order` shuffled before 0.7. Today's states leave out a knob at that value too
-  (`compact_knobs`), so a state of today loads in the release that added the knob;
+- a knob a state leaves out holds the value it had before the knob existed
+  (`KNOBS_BEFORE`, and a mode's own knobs' in `MODE_KNOBS_BEFORE`, keyed by the mode's
+  name): `shuffle` global before 0.3 (with no `group_shards`), `split` all before 0.4
+  (no `validation_fraction`), `window_blocks` and `lanes` 0 before 0.7, `balance` none
+  before 0.7 (no `balance_hidden`), `block_bytes` whole shards (`WHOLE_SHARDS`) in a
+  state saved before windows were made of blocks, which saved `window_blocks` as
+  `window_shards` (`KNOB_RENAMES`); bestfit's `packing` crop before 0.2 (no `pieces`),
+  `pieces` edges before 0.5, `overlong` cut before 0.6, `block_order` shuffled before
+  0.7. Today's states leave out a knob at that value too (`compact_knobs`), so a state
+  of today loads in the release that added the knob;
 - a mode saved by its name before 0.7 (`MODE_RENAMES`: `llmbatch` now serves any batch
   format, as `batches`), which also still selects the mode (one deprecation line);
 - a state without `steps` (before 0.7) counts them from its position (`steps_taken`);
@@ -42,26 +43,40 @@ KNOBS_BEFORE: KnobsBefore = {
     "split": ("all", ("validation_fraction",)),  # before 0.4: no validation split
     "balance": ("none", ("balance_hidden",)),  # before 0.7: rows in the plan's order
 }
+# a mode's own knobs: mode -> {knob -> (its value before it existed, companions)}
+MODE_KNOBS_BEFORE: dict[str, KnobsBefore] = {
+    "bestfit": {
+        "packing": ("crop", ("pieces",)),  # before 0.2: crop packing only (no pieces)
+        "pieces": ("edges", ()),  # before 0.5: pieces cut edge to edge, another rule
+        "overlong": ("cut", ()),  # before 0.6: a document over a row cut edge to edge
+        "block_order": ("shuffled", ()),  # before 0.7: a block's rows shuffled
+    },
+}
 KNOB_RENAMES = {"window_shards": "window_blocks"}  # knobs renamed: old -> today's
 MODE_RENAMES = {"llmbatch": "batches"}  # loader modes renamed: old name -> today's (0.7)
 _warned: set[str] = set()
 
 
-def compact_knobs(knobs: dict[str, Any], mode_table: KnobsBefore) -> dict[str, Any]:
+def knobs_before(mode: Any) -> KnobsBefore:
+    """Every knob's value from before it existed, the shared ones' and mode `mode`'s."""
+    return {**KNOBS_BEFORE, **MODE_KNOBS_BEFORE.get(mode, {})}
+
+
+def compact_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
     """`knobs` without those at their value from before they existed (and their
-    companions): what a loader state records (`mode_table`: the mode's own entries)."""
+    companions): what a loader state records."""
     compact = dict(knobs)
-    for added, (before, companions) in {**KNOBS_BEFORE, **mode_table}.items():
+    for added, (before, companions) in knobs_before(knobs.get("mode")).items():
         if added in compact and compact[added] == before:
             for name in (added, *companions):
                 compact.pop(name, None)
     return compact
 
 
-def upgrade_knobs(knobs: dict[str, Any], mode_table: KnobsBefore) -> dict[str, Any]:
+def upgrade_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
     """A saved state's knobs with each one it leaves out at its value from before it
     existed (what an earlier release ran with; companions keep their defaults)."""
-    table = {**KNOBS_BEFORE, **mode_table}
+    table = knobs_before(knobs.get("mode"))
     renamed = {KNOB_RENAMES.get(name, name): value for name, value in knobs.items()}
     return {**{knob: before for knob, (before, _) in table.items()}, **renamed}
 

@@ -32,7 +32,6 @@ from raypipe.sampling.modes.base import (
     plan_knob_names,
     refuse_stray_knobs,
     register,
-    upgrade_knobs,
     waste_hints,
 )
 
@@ -50,4 +49,4 @@ __all__ = ["PLUGIN_GROUP", "RECORD_PLANS", "SHARED_KNOBS", "BatchFiller", "Epoch
            "ModeKnobs", "PlanInputs", "PlanSpec", "get_mode", "knob", "knob_differences",
            "knob_fields", "knob_owners", "metadata_modes", "mode_names",
            "plan_knob_names", "mode_serving", "describe_shuffle", "document_split", "record_plan",
-           "refuse_stray_knobs", "register", "upgrade_knobs", "waste_hints"]
+           "refuse_stray_knobs", "register", "waste_hints"]

@@ -332,7 +332,7 @@ class PlanSpec:
         from before it existed is left out (`compact_knobs`), so older states still load."""
         shared = {item.name: getattr(self, item.name) for item in fields(self)
                   if item.name != "knobs" and applies(item, self)}
-        return compact_knobs({**shared, **self.loader_mode.knobs(self)})
+        return state_compat.compact_knobs({**shared, **self.loader_mode.knobs(self)})
 
     def layout(self) -> dict[str, Any]:
         """The shuffle's layout knobs (those that apply only under it) and their values."""
@@ -392,7 +392,7 @@ def knob_owners() -> dict[str, list[str]]:
 def knob_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
     """The knobs two records disagree on, each named with both values (a knob a record
     leaves out at the value it had before it existed)."""
-    saved, current = upgrade_knobs(saved), upgrade_knobs(current)
+    saved, current = state_compat.upgrade_knobs(saved), state_compat.upgrade_knobs(current)
     names = sorted(set(saved) | set(current),
                    key=lambda name: (name not in SHARED_KNOBS, name))
     return "; ".join(f"{name}: saved {saved.get(name, '(none)')!r}, now "
@@ -438,19 +438,6 @@ class PlanInputs:
                               ).hexdigest()[:16]
 
 
-def compact_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
-    """`knobs` as a loader state records them (raypipe.sampling.state_compat)."""
-    return state_compat.compact_knobs(knobs, get_mode(knobs["mode"]).knobs_before)
-
-
-def upgrade_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
-    """A saved state's knobs with those it leaves out at their values from before they
-    existed (raypipe.sampling.state_compat)."""
-    mode = knobs.get("mode")
-    return state_compat.upgrade_knobs(knobs, _MODES[mode].knobs_before if mode in _MODES
-                                      else {})
-
-
 class LoaderMode(ABC):
     """One loader mode. Class attributes say what it is; methods plan and fill."""
 
@@ -471,8 +458,6 @@ class LoaderMode(ABC):
     schedules: ClassVar[bool] = True  # takes batch and seq_len schedules (rows, not batches)
     balances: ClassVar[bool] = True  # its observations are rows, spread by cost (balance=)
     Knobs: ClassVar[type[ModeKnobs]] = ModeKnobs  # its own knobs (none by default)
-    # its own knobs' values from before they existed (raypipe.sampling.state_compat)
-    knobs_before: ClassVar[dict[str, tuple[Any, tuple[str, ...]]]] = {}
 
     def knobs(self, spec: Any) -> dict[str, Any]:
         """The mode's own knobs a loader state records: its Knobs, field by field."""

@@ -732,12 +732,6 @@ class BestFitMode(LoaderMode):
     continues_plans = True
     excludes = True
     Knobs = BestFitKnobs
-    knobs_before = {
-        "packing": ("crop", ("pieces",)),  # crop packing only (no pieces)
-        "pieces": ("edges", ()),  # pieces cut edge to edge, another rule
-        "overlong": ("cut", ()),  # a document over a row cut edge to edge
-        "block_order": (SHUFFLED_ROWS, ()),  # a block's rows shuffled
-    }
 
     def knobs(self, spec: Any) -> dict[str, Any]:
         return {"block_documents": spec.knobs.block_documents, "packing": spec.packing,
