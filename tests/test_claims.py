@@ -279,6 +279,41 @@ def test_only_the_compatibility_modules_name_an_earlier_release():
         assert EARLIER_RELEASE.search((PACKAGE / name).read_text()), name
 
 
+def old_shape_constants() -> dict[str, str]:
+    """The module-level constants of the compatibility modules (rename tables, values
+    from before a knob or field existed, sentinels): the old shapes, by name."""
+    found = {}
+    for name in COMPATIBILITY:
+        for node in ast.parse((PACKAGE / name).read_text()).body:
+            targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                       if isinstance(node, ast.AnnAssign) else [])
+            found.update({target.id: name for target in targets
+                          if isinstance(target, ast.Name) and target.id.isupper()})
+    return found
+
+
+def test_old_shapes_are_named_only_inside_the_compatibility_modules():
+    """architecture.md: compatibility is a translation at read time: the other modules
+    call a compatibility module's upgrade (a function or class) where they read a config,
+    manifest, format file or state, and never name an old shape's table, value or
+    sentinel themselves, so no branch on an old shape sits outside those modules."""
+    constants = old_shape_constants()
+    assert {"PAD_BEFORE_LENGTHS", "MODE_KNOBS_BEFORE", "SECTION_RENAMES",
+            "UNIT_BYTES_BEFORE_AUTO"} <= set(constants)
+    found = []
+    for path in [*PACKAGE.rglob("*.py"), *(ROOT / "jobs").rglob("*.py")]:
+        if path.is_relative_to(PACKAGE) and str(path.relative_to(PACKAGE)) in COMPATIBILITY:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = (node.id if isinstance(node, ast.Name) else node.attr
+                    if isinstance(node, ast.Attribute) else node.name
+                    if isinstance(node, ast.alias) else None)
+            if name in constants:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}"
+                             if hasattr(node, "lineno") else f"{path.relative_to(ROOT)}: {name}")
+    assert not found, "\n".join(found)
+
+
 def test_the_training_job_takes_every_loader_knob_from_the_generated_flags():
     """architecture.md: the loader's knobs are declared once (PlanSpec and each mode's
     Knobs); jobs/train.py's flags for them are made from that declaration, as the CLI's."""

@@ -11,6 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from raypipe.config import load_config
@@ -316,6 +318,30 @@ def test_llmbatch_ids_are_all_real_tokens_and_a_legacy_sentinel_file_still_reads
     for (inputs, mask), (legacy_inputs, legacy_mask) in zip(current, served, strict=True):
         # a 0.3 file masks its padding; today's also the targets into other documents' pieces
         assert torch.equal(inputs, legacy_inputs) and torch.equal(mask & legacy_mask, mask)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 5), st.data())
+def test_a_legacy_files_padding_reads_as_the_lengths_sidecar(batch_size, record_len,
+                                                              batches, data):
+    """A 0.3 LLMBATCH file marks padding with the sentinel, always a record's tail; read
+    through manifest_compat.SentinelLengths, its lengths are those today's `.lengths`
+    sidecar holds, however they are indexed."""
+    from raypipe.io.manifest_compat import SentinelLengths
+
+    records = batches * batch_size
+    lengths = np.array(data.draw(st.lists(st.integers(0, record_len), min_size=records,
+                                          max_size=records)), dtype=np.uint32)
+    ids = np.arange(records * record_len, dtype=np.uint32).reshape(records, record_len)
+    ids[np.arange(record_len)[None, :] >= lengths[:, None]] = LEGACY_PAD_ID
+    read = SentinelLengths(lambda index: ids[index * batch_size:(index + 1) * batch_size],
+                           batch_size, records)
+    chosen = np.array(data.draw(st.lists(st.integers(0, records - 1), max_size=6)),
+                      dtype=np.int64)
+    assert np.array_equal(np.asarray(read), lengths)
+    assert np.array_equal(read[chosen], lengths[chosen])
+    assert np.array_equal(read[1:records:2], lengths[1:records:2])
+    assert read[records - 1] == lengths[-1] and read.size == len(read) == records
 
 
 def split_at_separators(record: np.ndarray, bos_id: int | None, eos_id: int | None

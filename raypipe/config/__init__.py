@@ -68,8 +68,9 @@ EOS_FORMATS = tuple(name for name, fmt in FORMATS.items()
 def flag_of(name: str) -> str:
     """The command-line flag of TokenizeConfig field `name` (what messages call it); of a
     format's option as a fingerprint names it (`seq_len`, `stream.serializer`): today's."""
-    if name in compat.FLAT_OPTIONS or "." in name:
-        return compat.flag_of_option(name)
+    option_flag = compat.flag_of_option(name)
+    if option_flag is not None:
+        return option_flag
     spec = next((f for f in dataclasses.fields(TokenizeConfig) if f.name == name), None)
     if spec is None or spec.metadata.get("positional"):
         return name
@@ -417,8 +418,8 @@ class TokenizeConfig:
                 **compat.fingerprint_fields(names, self.formats,
                                             packing_for_data(PACKING_BY_DATA, self.is_chat)),
                 **compat.flat_chat(None if self.chat is None else dataclasses.asdict(self.chat))}
-        return {k: v for k, v in flat.items() if k not in EXECUTION_FIELDS
-                and compat.ADDED_FIELDS.get(k, object()) != v}
+        return compat.without_added_defaults({k: v for k, v in flat.items()
+                                              if k not in EXECUTION_FIELDS})
 
     def meaning_fields(self) -> dict[str, Any]:
         """The output-shaping fields without the locations (inputs, output, tokenizer path)."""

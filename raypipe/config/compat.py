@@ -180,15 +180,36 @@ def spelling(key: str) -> str:
     return f"formats: {{{name}: {{{option}: ...}}}}, {flag_of_option(key)}"
 
 
-def flag_of_option(name: str) -> str:
+def flag_of_option(name: str) -> str | None:
     """Today's flag of a format option as a fingerprint names it: a retired key
-    (`seq_len`), or `<format>.<option>`."""
+    (`seq_len`), or `<format>.<option>` (None: `name` is no format option)."""
+    if "." not in name and name not in FLAT_OPTIONS:
+        return None
     if "." in name:
         fmt, option = name.split(".", 1)
     else:
         target, option = FLAT_OPTIONS[name]
         fmt = batch_formats()[0] if target == EVERY_BATCH_FORMAT else target
     return f"--{fmt}-{option}".replace("_", "-")
+
+
+def without_added_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` without those added after 0.1 that hold the value that behaves as 0.1 did
+    (`ADDED_FIELDS`), so an earlier output's fingerprint still holds."""
+    return {k: v for k, v in fields.items() if ADDED_FIELDS.get(k, object()) != v}
+
+
+def recorded_unit_bytes(config: dict[str, Any]) -> int:
+    """The unit size a job record's config planned with: its `unit_bytes`, or (a release
+    that did not record it) the one default of then, `UNIT_BYTES_BEFORE_AUTO`."""
+    value = config.get("unit_bytes")
+    return value if isinstance(value, int) and value > 0 else UNIT_BYTES_BEFORE_AUTO
+
+
+def dataset_job_unit_bytes() -> int:
+    """A Dataset job's unit size: its units are its blocks, so the size shapes nothing,
+    and it stays 0.6's one default so an earlier Dataset job's fingerprint holds."""
+    return UNIT_BYTES_BEFORE_AUTO
 
 
 def fingerprint_fields(names: list[str], formats: dict[str, FormatOptions],

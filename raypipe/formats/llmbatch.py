@@ -11,8 +11,8 @@ tail of a record under `split` or `fill` packing) holds the tokenizer's pad toke
 (`pad_token`: its pad id, else EOS, else BOS, else 0; the section's `pad_id` option).
 Which positions are padding is in a sidecar `<name>.lengths`: uint32 little-endian, one
 per record in file order, its real tokens (padding is always a record's tail), 4 bytes per
-record of T x 4 (0.05% at T = 2049); a file without it marks padding with
-PAD_BEFORE_LENGTHS (raypipe.io.manifest_compat names what older files lack). Where each
+record of T x 4 (0.05% at T = 2049); an older file without it is read through
+raypipe.io.manifest_compat, which names what older files lack. Where each
 record's pieces start is in a second sidecar `<name>.pieces`: (records + 1) uint64 offsets
 into a table of uint32 piece words, then the words; a word is the piece's first column in
 its record (bits 0-29), bit 30 set when the piece starts its document and bit 31 when it
@@ -44,7 +44,7 @@ from raypipe.formats.base import (
     require_file,
     require_size,
 )
-from raypipe.io.manifest_compat import PAD_BEFORE_LENGTHS
+from raypipe.io.manifest_compat import SentinelLengths
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import safe_join
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
@@ -228,18 +228,16 @@ class LLMBatchReader(BatchReader):
     def verify_contents(self) -> None:
         """Every record length within [0, record_len]; every record's pieces start at column 0
         and rise inside its real tokens (the header and sizes are checked on open)."""
-        if self.lengths is not None and self.lengths.size and (
-                int(self.lengths.max()) > self.record_len):
+        if self.lengths.size and int(np.max(self.lengths)) > self.record_len:
             raise FormatError(self.lengths_path, "record length past record_len",
-                              f"<= {self.record_len}", int(self.lengths.max()))
+                              f"<= {self.record_len}", int(np.max(self.lengths)))
         if self.piece_offsets is None or self.piece_words is None:
             return
         pieces = BatchPieces(self.piece_offsets.astype(np.int64), self.piece_words)
         records, columns = pieces.records, pieces.columns
         first = np.zeros(columns.size, dtype=bool)
         first[pieces.offsets[:-1][np.diff(pieces.offsets) > 0]] = True
-        lengths = (np.full(records.size, self.record_len) if self.lengths is None
-                   else self.lengths.astype(np.int64)[records])
+        lengths = np.asarray(self.lengths[records], dtype=np.int64)
         rising = np.ones(columns.size, dtype=bool)
         rising[1:] = columns[1:] > columns[:-1]
         bad = np.flatnonzero((first & (columns != 0)) | (~first & ~rising)
@@ -252,8 +250,9 @@ class LLMBatchReader(BatchReader):
 
     def __init__(self, path: str | Path, lengths_path: str | Path | None = None,
                  pieces_path: str | Path | None = None, mask_path: str | Path | None = None):
-        """`lengths_path`: the `.lengths` sidecar (None: an older file, whose padding is
-        PAD_BEFORE_LENGTHS); `pieces_path`: the `.pieces` sidecar (None: an older file);
+        """`lengths_path`: the `.lengths` sidecar (None: an older file, whose lengths are
+        read from its padding: raypipe.io.manifest_compat.SentinelLengths); `pieces_path`:
+        the `.pieces` sidecar (None: an older file);
         `mask_path`: the `.mask` sidecar (chat data; None: every target is trained)."""
         self.path = Path(path)
         size = require_file(self.path)
@@ -280,7 +279,9 @@ class LLMBatchReader(BatchReader):
         self.seed, self.total_records = seed, total_records
         self.data = map_file(self.path, np.uint8, PAGE)
         self.lengths_path = None if lengths_path is None else Path(lengths_path)
-        self.lengths: np.ndarray | None = None
+        # each record's real tokens (a 0.3 file without the sidecar: read as one)
+        self.lengths: np.ndarray | SentinelLengths = SentinelLengths(
+            self.batch, batch_size, num_batches * batch_size)
         if self.lengths_path is not None:
             require_size(self.lengths_path, 4 * num_batches * batch_size,
                          require_file(self.lengths_path))
@@ -324,8 +325,6 @@ class LLMBatchReader(BatchReader):
     def padding(self, index: int, batch: np.ndarray | None = None) -> np.ndarray:
         """[B, T] bool: True where batch `index`'s records hold padding (`batch`: the
         batch's ids, where the caller has them already)."""
-        if self.lengths is None:  # an older file: the sentinel marks padding
-            return (self.batch(index) if batch is None else batch) == PAD_BEFORE_LENGTHS
         lengths = self.lengths[index * self.batch_size:(index + 1) * self.batch_size]
         return np.arange(self.record_len)[None, :] >= lengths[:, None]
 
@@ -348,8 +347,6 @@ class LLMBatchReader(BatchReader):
     def records(self, index: int) -> list[np.ndarray]:
         """Batch `index`'s records without their padding (views)."""
         batch = self.batch(index)
-        if self.lengths is None:
-            return [record[record != PAD_BEFORE_LENGTHS] for record in batch]
         lengths = self.lengths[index * self.batch_size:(index + 1) * self.batch_size]
         return [record[:length] for record, length in zip(batch, lengths.tolist(),
                                                           strict=True)]

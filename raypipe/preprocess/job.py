@@ -431,7 +431,7 @@ def run_dataset_job(dataset: Any, label: str, config: TokenizeConfig, runner: Un
     """Tokenize the text column of a ray.data.Dataset (`label` names it in records)."""
     started = time.perf_counter()
     if config.unit_bytes is None:  # a Dataset's units are its blocks
-        config = dataclasses.replace(config, unit_bytes=compat.UNIT_BYTES_BEFORE_AUTO)
+        config = dataclasses.replace(config, unit_bytes=compat.dataset_job_unit_bytes())
     job = Job(resolve(config), runner, progress_every)
     return job.run(DatasetBlocks(dataset, label), started)
 

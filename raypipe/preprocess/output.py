@@ -84,8 +84,7 @@ def recorded_unit_bytes(output: Store) -> int | None:
     if not output.exists(JOB_PATH):
         return None
     previous = JobRecord.from_json(output.read_json(JOB_PATH), output.uri_of(JOB_PATH))
-    value = previous.config.get("unit_bytes")
-    return value if isinstance(value, int) and value > 0 else compat.UNIT_BYTES_BEFORE_AUTO
+    return compat.recorded_unit_bytes(previous.config)
 
 
 def refuse_foreign_files(output: Store) -> None:
