@@ -123,6 +123,9 @@ def test_llmbatch_files_match_the_spec_field_by_field(tmp_path, corpus_dir, toke
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     section = manifest["formats"]["llmbatch"]
     assert len(section["shards"]) > 1
+    assert section["packing"] == packing  # as given: an output's fingerprint keeps it
+    read = BatchDataset(tmp_path / "out").options.packing  # a former name read as today's
+    assert read == ("crop" if packing == "bestfit" else packing)
     documents = expected_documents(corpus_dir, tokenizer_path)
     stream = np.concatenate([np.array(d) for d in documents])
     doc_starts = {0}

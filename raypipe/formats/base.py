@@ -29,7 +29,7 @@ import numpy as np
 
 from raypipe.errors import ConfigError, FormatError
 from raypipe.io.atomic import HashedTempFile, file_sha256
-from raypipe.io.manifest_compat import upgrade_batch_section
+from raypipe.io.manifest_compat import former_packings, upgrade_batch_section
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import plain_name, safe_join
 from raypipe.io.records import (
@@ -202,10 +202,10 @@ def shard_prefix(root: Path, shard: ShardEntry) -> Path:
 
 
 PACKING_BY_DATA = "auto"  # a packing left to the data: see packing_for_data
-# how a batch format's records are packed (`bestfit`: crop's former name,
-# raypipe.io.manifest_compat)
-RECORD_PACKINGS = ("fill", "split", "crop", "concat", "bestfit")
-BATCH_PACKINGS = (*RECORD_PACKINGS, PACKING_BY_DATA)  # what a batch format's packing takes
+# how a batch format's records are packed
+RECORD_PACKINGS = ("fill", "split", "crop", "concat")
+# what a batch format's packing takes (former names too: raypipe.io.manifest_compat)
+BATCH_PACKINGS = (*RECORD_PACKINGS, *former_packings(), PACKING_BY_DATA)
 
 
 def packing_for_data(packing: str, chat: bool) -> str:

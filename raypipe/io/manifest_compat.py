@@ -7,7 +7,9 @@ read here as today's shape, so no other module names an old release:
   packing report's token counts are absent before 0.2; a batch section before 0.4 has no
   `pad_id`: each reads as "not recorded" (None, the records' defaults).
 - A batch format's packing `bestfit` is crop's name before 0.4 (before 0.2 in the record
-  plans' table): it still reads, as crop.
+  plans' table, `PACKING_RENAMES`): a section recording it reads as crop, a config or
+  flag that still gives it is taken (`former_packings`) and packs as crop
+  (`current_packing`), its spelling kept in the output's fingerprint.
 - LLMBATCH files of 0.3 have no `.lengths` sidecar: their padding positions hold
   `PAD_BEFORE_LENGTHS` instead of a pad token, always a record's tail, so the reader takes
   `SentinelLengths` as their `.lengths` (each record's length: the column of its first
@@ -29,13 +31,26 @@ import numpy as np
 
 PAD_BEFORE_LENGTHS = 0xFFFFFFFF  # LLMBATCH padding of files without a `.lengths` sidecar
 SECTION_RENAMES = {"seq_len": "record_len"}  # a batch section's key then -> now
+PACKING_RENAMES = {"bestfit": "crop"}  # a batch format's packing then -> now (0.4)
 
 
 def upgrade_batch_section(options: dict[str, Any]) -> dict[str, Any]:
     """A batch format's section options with the keys of earlier releases renamed."""
     renamed = {SECTION_RENAMES.get(key, key): value for key, value in options.items()
                if key not in SECTION_RENAMES or SECTION_RENAMES[key] not in options}
+    if isinstance(renamed.get("packing"), str):
+        renamed["packing"] = current_packing(renamed["packing"])
     return renamed
+
+
+def current_packing(packing: str) -> str:
+    """Today's name of a batch format's packing (a former name: the packing it was)."""
+    return PACKING_RENAMES.get(packing, packing)
+
+
+def former_packings() -> tuple[str, ...]:
+    """The former names of batch formats' packings that a config or flag still takes."""
+    return tuple(PACKING_RENAMES)
 
 
 class SentinelLengths:

@@ -23,6 +23,7 @@ import numpy as np
 
 from raypipe.dataset import BatchDataset, TokenDataset
 from raypipe.errors import ConfigError
+from raypipe.io.manifest_compat import current_packing
 from raypipe.sampling.buffers import (
     BatchBuffers,
     DescribedRows,
@@ -47,9 +48,9 @@ from raypipe.sampling.permute import FeistelPermutation
 from raypipe.sampling.plans import PackingReport
 
 # an LLMBATCH packing -> (the loader mode whose epoch-0 plan makes its records, that mode's
-# packing); "bestfit" is crop's former name (raypipe.io.manifest_compat)
+# packing)
 RECORD_PLANS = {"fill": ("bestfit", "fill"), "split": ("bestfit", "split"),
-                "crop": ("bestfit", "crop"), "bestfit": ("bestfit", "crop"),
+                "crop": ("bestfit", "crop"),
                 "concat": ("windows", None)}
 
 
@@ -58,7 +59,7 @@ def record_plan(dataset: TokenDataset, packing: str, record_len: int, seed: int,
                 ) -> tuple[Any, BatchFiller]:
     """The plan whose positions are an LLMBATCH output's records (rows of `record_len`
     tokens), and its filler (no boundaries: a record stores its pieces instead)."""
-    mode_name, mode_packing = RECORD_PLANS[packing]
+    mode_name, mode_packing = RECORD_PLANS[current_packing(packing)]
     mode = get_mode(mode_name)
     knobs = {} if mode_packing is None else {"packing": mode_packing}
     spec = PlanSpec.of(mode_name, record_len - 1, seed=seed, **knobs).for_data(
