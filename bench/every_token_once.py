@@ -3,7 +3,7 @@ resumed at other world sizes, its tokens counted per document.
 
     python bench/every_token_once.py [DATA] [--seq-lens 512,2048] [--ramp 24,96,24,4]
         [--worlds 2,3,1] [--stops 0.45,0.7] [--on-resume] [--balance attention]
-        [--block-order by_cost] [--tokens 4000000]
+        [--block-order by_cost] [--shuffle windowed --lanes 2] [--tokens 4000000]
 
 DATA is a raypipe output (default: a synthetic one of --tokens tokens, built once in
 --workdir). seq_len is the first of --seq-lens for the first third of the epoch's tokens
@@ -14,7 +14,9 @@ STEPS steps (--ramp START,END,INCREMENT,STEPS; every stage a multiple of each wo
 The runs take --worlds ranks in turn, each to the step at its --stops fraction of the
 uninterrupted epoch's steps, the last to the epoch's end. --balance spreads each step's rows
 over its ranks by cost (the loader's `balance` knob; default none), --block-order by_cost
-orders a packing block's rows by it (bestfit's `block_order`).
+orders a packing block's rows by it (bestfit's `block_order`); --shuffle windowed --lanes L
+reads windows of blocks in L lanes side by side (the seq_len change then continues each
+lane's rest on its own).
 
 Checks, each printed, exit status 1 when one fails:
 - each step's rows (their tokens, as a multiset over the ranks) equal the uninterrupted
@@ -115,6 +117,9 @@ def main() -> int:
                         help="the loader's balance (none, or a cost model: attention)")
     parser.add_argument("--block-order", default="shuffled",
                         help="bestfit's block_order (shuffled, or by_cost: needs --balance)")
+    parser.add_argument("--shuffle", default="global", help="global, or windowed")
+    parser.add_argument("--lanes", type=int, default=0,
+                        help="a windowed shuffle's lanes (0: the first world size)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=4_000_000)
     parser.add_argument("--workdir", type=Path, default=Path("bench_out"))
@@ -135,7 +140,8 @@ def main() -> int:
     by_tokens = seq_len_stages_by_tokens([(0, short), (tokens.size // 3, long)],
                                          BatchSchedule.of(ramp, 1))
     shape = {"seed": args.seed, "batch_schedule": ramp, "balance": args.balance,
-             "block_order": args.block_order}
+             "block_order": args.block_order, "shuffle": args.shuffle,
+             **({"lanes": args.lanes or worlds[0]} if args.shuffle == "windowed" else {})}
     declared = {**shape, "seq_len_schedule": by_tokens}
     whole, _, _ = run(args.data, worlds[0], None, None, declared)
     steps = len(whole)
@@ -150,7 +156,9 @@ def main() -> int:
           f"seq_len {short} -> {long} at step {change} "
           + ("(made on resume, undeclared)" if args.on_resume
              else "(declared: a third of the tokens trained)")
-          + f"; balance {args.balance}, block_order {args.block_order}")
+          + f"; balance {args.balance}, block_order {args.block_order}, shuffle "
+          + (f"windowed in {shape['lanes']} lanes" if args.shuffle == "windowed"
+             else args.shuffle))
     served: Rows = {}
     state = None
     for index, world in enumerate(worlds):

@@ -95,7 +95,8 @@ def test_the_ingest_benchmark_runs_at_a_tiny_size(tmp_path):
 
 @pytest.mark.parametrize("change", [[], ["--on-resume"],
                                     ["--balance", "attention", "--block-order", "by_cost",
-                                     "--worlds", "1,2,3"]])
+                                     "--worlds", "1,2,3"],
+                                    ["--shuffle", "windowed", "--lanes", "2", "--on-resume"]])
 def test_the_every_token_once_script_passes_on_a_small_dataset(token_dataset, change):
     done = subprocess.run([sys.executable, "bench/every_token_once.py", str(token_dataset),
                            "--seq-lens", "16,64", "--ramp", "6,24,6,4", *change],

@@ -228,14 +228,21 @@ def test_windows_mode_refuses_an_exclusion_naming_the_mode_and_a_mixture_the_sou
 @given(lengths=st.lists(st.integers(1, 200), min_size=2, max_size=200),
        cuts=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3),
        picks=st.lists(st.integers(0, 199), min_size=1, max_size=3 * 20),
-       packing=st.sampled_from(["fill", "split", "crop"]), seed=st.integers(0, 5))
+       packing=st.sampled_from(["fill", "split", "crop"]), seed=st.integers(0, 5),
+       lanes=st.sampled_from([0, 1, 2, 3]), seq_lens=st.lists(st.sampled_from([16, 9, 24]),
+                                                             min_size=3, max_size=3))
 def test_any_chain_of_exclusions_serves_each_other_token_at_most_once_and_fill_split_all(
-        lengths, cuts, picks, packing, seed):
-    """Serve a plan to a position, exclude some documents and continue, again: no excluded
-    document's token after its exclusion, every other token once (fill, split: exactly)."""
+        lengths, cuts, picks, packing, seed, lanes, seq_lens):
+    """Serve a plan to a position, exclude some documents and continue (at a seq_len that
+    may change too), again: no excluded document's token after its exclusion, every other
+    token once (fill, split: exactly); under a global shuffle (lanes 0) and a windowed one
+    of 1, 2 or 3 lanes (shards of 5 documents, windows of 2 shards), each lane serving a
+    prefix of its rows."""
+    from raypipe.sampling.blocks import whole_shards
     from raypipe.sampling.lengths import DocumentLengths
     from raypipe.sampling.modes.base import PlanInputs, PlanSpec
     from raypipe.sampling.modes.bestfit import BESTFIT
+    from raypipe.sampling.plans import ShardWindows
 
     lengths = np.array(lengths, dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -244,22 +251,28 @@ def test_any_chain_of_exclusions_serves_each_other_token_at_most_once_and_fill_s
     class Dataset:
         bos_id, eos_id = 1, None
 
+    shards = np.diff(np.append(np.arange(0, lengths.size, 5), lengths.size))
+    groups = ShardWindows(whole_shards(shards), 2, lanes) if lanes else None
+
     def inputs(excluded):
-        return PlanInputs(Dataset(), lambda: DocumentLengths.of(lengths),
+        return PlanInputs(Dataset(), lambda: DocumentLengths.of(lengths), groups=groups,
                           excluded=np.array(sorted(excluded), dtype=np.int64))
 
-    spec = PlanSpec.of(seq_len=16, seed=seed, packing=packing, block_documents=8)
+    def spec_at(seq_len):
+        return PlanSpec.of(seq_len=seq_len, seed=seed, packing=packing, block_documents=8,
+                           **({"shuffle": "windowed"} if lanes else {}))
+
     excluded: set[int] = set()
-    plan = BESTFIT.plan(spec, inputs(excluded), 0)
+    plan = BESTFIT.plan(spec_at(16), inputs(excluded), 0)
     chunks = [picks[index::len(cuts)] for index in range(len(cuts))]
-    for cut, chunk in zip(cuts, chunks, strict=True):
+    for cut, chunk, seq_len in zip(cuts, chunks, seq_lens, strict=False):
         position = int(cut * plan.size)
         for _, row in plan.rows(np.arange(position, dtype=np.int64)) if position else []:
             for document, start, take in zip(row.documents, row.starts, row.take,
                                              strict=True):
                 counts[offsets[document] + start:offsets[document] + start + take] += 1
         excluded |= {pick % lengths.size for pick in chunk}
-        plan = BESTFIT.continue_plan(spec, inputs(excluded), 0, plan, position)
+        plan = BESTFIT.continue_plan(spec_at(seq_len), inputs(excluded), 0, plan, position)
     for _, row in plan.rows(np.arange(plan.size, dtype=np.int64)) if plan.size else []:
         for document, start, take in zip(row.documents, row.starts, row.take, strict=True):
             assert int(document) not in excluded
@@ -277,13 +290,15 @@ def test_any_chain_of_exclusions_serves_each_other_token_at_most_once_and_fill_s
                                                     max_size=3),
        picks=st.lists(st.integers(0, 199), max_size=3 * 10),
        mode=st.sampled_from(["fill", "split", "crop", "documents"]), seed=st.integers(0, 5),
-       windowed=st.booleans())
+       windowed=st.booleans(), lanes=st.sampled_from([1, 2, 3]))
 def test_any_chain_of_joins_and_exclusions_serves_every_token_of_the_epoch_once(
-        lengths, present, cuts, picks, mode, seed, windowed):
+        lengths, present, cuts, picks, mode, seed, windowed, lanes):
     """A plan of the first documents, served to a position, continued with more documents
     joined (and some excluded), again: every token of every document that joined and was
     not excluded is served once (crop: at most once; documents: its first row's worth);
-    under a windowed shuffle (shards of 5 documents, windows of 2 shards) too."""
+    under a windowed shuffle (shards of 5 documents, windows of 2 shards) too, bestfit's of
+    1, 2 or 3 lanes (the joined windows shared out between the lanes)."""
+    lanes = lanes if windowed and mode != "documents" else 1
     from raypipe.sampling.blocks import whole_shards
     from raypipe.sampling.lengths import DocumentLengths
     from raypipe.sampling.modes import get_mode
@@ -301,7 +316,8 @@ def test_any_chain_of_joins_and_exclusions_serves_every_token_of_the_epoch_once(
     def inputs(count, excluded):
         shards = np.diff(np.append(np.arange(0, count, 5), count))  # of 5 documents
         return PlanInputs(Dataset(), lambda: DocumentLengths.of(lengths[:count]),
-                          groups=ShardWindows(whole_shards(shards), 2) if windowed else None,
+                          groups=(ShardWindows(whole_shards(shards), 2, lanes) if windowed
+                                  else None),
                           excluded=np.array(sorted(excluded), dtype=np.int64))
 
     def serve(plan, positions):

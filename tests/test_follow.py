@@ -276,10 +276,12 @@ def test_following_refuses_up_front_what_could_not_take_units_mid_run(
         fault={"point": "unit.before_record", "action": "raise", "unit": "part-1"})
     job.join()
     with pytest.raises(ConfigError, match="give lanes=1 .* or units_join='next_epoch'"):
-        TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, shuffle="windowed", lanes=2,
-                    device="cpu")
+        TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, mode="documents",
+                    shuffle="windowed", lanes=2, device="cpu")
+    TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, mode="documents", shuffle="windowed",
+                lanes=2, units_join="next_epoch", device="cpu")
     TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, shuffle="windowed", lanes=2,
-                units_join="next_epoch", device="cpu")
+                device="cpu")  # bestfit plans each lane's rest again
     with pytest.raises(ConfigError, match="follow=True on 2 ranks: .*torch.distributed"):
         TokenLoader(str(output), SEQ_LEN, 3, rank=0, world_size=2, follow=True,
                     device="cpu")

@@ -606,6 +606,46 @@ def test_a_bucket_loader_excludes_documents_named_by_input_and_row_from_trace(
     assert next(iter(resumed)).inputs.tolist() == next(iter(local)).inputs.tolist()
 
 
+def test_a_bucket_run_under_the_default_shuffle_at_two_ranks_excludes_inside_an_epoch(
+        bucket, token_dataset, tmp_path):
+    """The default shuffle on a bucket at 2 ranks is windowed in 2 lanes; documents
+    excluded on a resume inside the epoch (those trace names in its next steps) have each
+    lane's rest planned again: none of them is served after, every rank gets the batches
+    the local copy gives under the same shuffle, and a resume of that state at 3 ranks
+    goes on where it stands."""
+    from raypipe import trace
+
+    uri = upload_tree(token_dataset, f"s3://{bucket}/lanes")
+    budget = {"cache_dir": tmp_path / "cache", "cache_bytes": 1 << 20}
+
+    def ranks(path, world=2, **options):
+        return [TokenLoader(path, 32, 4, seed=2, rank=rank, world_size=world, **budget,
+                            **options) for rank in range(world)]
+
+    first = ranks(uri)
+    assert (first[0].spec.shuffle, first[0].spec.lanes) == ("windowed", 2)
+    for loader in first:
+        next(iter(loader))
+    state = first[0].state_dict()
+    named = sorted({record.document for record in trace(
+        uri, state=state, steps=2, seq_len=32, batch_size=4, cache_dir=tmp_path / "cache")})
+    resumed = ranks(uri, exclude=named)
+    local = ranks(token_dataset, exclude=named, shuffle="windowed")
+    for loader in (*resumed, *local):
+        loader.load_state_dict(state)
+    after, steps = resumed[0].state_dict(), len(resumed[0])
+    assert after["exclusions"][0]["documents"] == named and steps > 0
+    for bucket_rank, local_rank in zip(resumed, local, strict=True):
+        assert ([batch.inputs.numpy().tobytes() for batch in bucket_rank]
+                == [batch.inputs.numpy().tobytes() for batch in local_rank])
+    served = {record.document for record in trace(
+        uri, state=after, steps=steps, seq_len=32, batch_size=4, cache_dir=tmp_path / "cache")}
+    assert served and not served & set(named)
+    three = ranks(uri, world=3)
+    three[1].load_state_dict(after)
+    assert next(iter(three[1])).step == after["steps"]
+
+
 def test_a_loader_follows_a_job_writing_to_a_bucket_fetching_each_shard_once(
         bucket, corpus_dir, tokenizer_path, tmp_path, monkeypatch):
     """A tokenize job writes to s3:// while a loader follows it (windowed shuffle, one

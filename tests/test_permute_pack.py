@@ -509,3 +509,36 @@ def test_overlong_is_a_rule_of_split_packing_only():
         PlanSpec.of("bestfit", 8, packing="fill", overlong="drop")
     assert PlanSpec.of("bestfit", 8).for_data(True).knobs.overlong == "split"
     assert PlanSpec.of("bestfit", 8).for_data(False).knobs.overlong == "cut"
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=10, max_size=400),
+       cuts=st.lists(st.integers(0, 400), min_size=2, max_size=6), seed=st.integers(0, 9),
+       excluded=st.lists(st.integers(0, 399), max_size=40))
+def test_a_plan_of_some_runs_of_the_order_sums_its_blocks_alike_either_way(
+        lengths, cuts, seed, excluded):
+    """A lane's rest of an epoch packs runs of the windowed order; its block token sums
+    from its own runs' documents (gathered through the order) equal those of the pass
+    over every document's length, with documents excluded too."""
+    import raypipe.sampling.modes.bestfit as bestfit
+    from raypipe.sampling.modes.bestfit import replace_ranges
+
+    lengths = np.array(lengths, dtype=np.int64)
+    count = lengths.size
+    shards = np.diff(np.append(np.arange(0, count, 7), count))
+    excluded = np.unique(np.array([pick % count for pick in excluded], dtype=np.int64))
+    plan = BestFitPlan(lengths, 24, seed, 0, 5, "fill",
+                       ShardWindows(whole_shards(shards), 2), excluded=excluded)
+    bounds = sorted({min(cut, count) for cut in cuts})
+    runs = np.array([[first, end] for first, end in zip(bounds[::2], bounds[1::2],
+                                                        strict=False) if first < end]
+                    or [[0, 0]], dtype=np.int64)
+    part = replace_ranges(plan, runs)
+    gathered = part._gathered_sums()
+    share, bestfit.GATHER_SHARE = bestfit.GATHER_SHARE, 0
+    try:
+        passed = part.block_token_sums()
+    finally:
+        bestfit.GATHER_SHARE = share
+    assert np.array_equal(gathered, passed)
+    assert part.num_blocks == 0 or (part.block_starts >= runs[0, 0]).all()

@@ -237,7 +237,8 @@ class DataChanges:
         spec = self.run.spec
         if self.run.units_join != "epoch":
             return
-        if spec.shuffle == "windowed" and spec.lanes > 1:
+        if (spec.shuffle == "windowed" and spec.lanes > 1
+                and not spec.loader_mode.continues_lanes):
             raise ConfigError(f"{self.run.dataset.root}: {what}, and units cannot join an epoch "
                               f"in progress under a windowed shuffle of {spec.lanes} lanes "
                               "(the rows served are no prefix of the plan): give lanes=1 "

@@ -245,6 +245,19 @@ class LaneOrder:
     def lane_of(self, observation: int) -> int:
         return int(np.searchsorted(self.bounds, observation, side="right")) - 1
 
+    def served(self, position: int) -> np.ndarray:
+        """int64[lanes]: the observations of each lane that positions [0, position) read
+        (each a prefix of its lane)."""
+        if self.lanes <= 1:
+            return np.array([position], dtype=np.int64)
+        side_by_side = min(position, self.even)
+        served = (side_by_side + self.lanes - 1 - np.arange(self.lanes, dtype=np.int64)
+                  ) // self.lanes
+        later = position - self.even
+        if later > 0:
+            served += np.clip(later - self.left_starts[:-1], 0, np.diff(self.left_starts))
+        return served
+
 
 def lane_bounds(window_starts: np.ndarray, lanes: int, observation_at: Any) -> np.ndarray:
     """The observations where each of `lanes` lanes of whole windows begins (and the end):
@@ -285,11 +298,12 @@ JOIN_SALT = 4096  # the Feistel salts of joined orders: this plus the documents 
 
 
 def next_window_blocks(order: Any, order_position: int, lanes: LaneOrder | None = None,
-                       observation: int = 0) -> np.ndarray | None:
+                       observation: int = 0, end: int | None = None) -> np.ndarray | None:
     """The blocks of the window after the one holding position `order_position` of a
     windowed document order (what a reader fetches while it reads this window), within the
-    lane of `observation` (None: one lane); empty at a lane's or the epoch's last window and
-    past the end; None for an order without windows."""
+    lane of `observation` (None: one lane) and before order position `end` (None: the
+    order's end); empty at a lane's or the epoch's last window and past the end; None for
+    an order without windows."""
     if not hasattr(order, "window_block_ids"):  # (windowed, or windows appended to one)
         return None
     if not 0 <= order_position < len(order):
@@ -299,7 +313,7 @@ def next_window_blocks(order: Any, order_position: int, lanes: LaneOrder | None 
     if lanes is not None and lanes.lanes > 1:
         lane = lanes.lane_of(observation)
         last = int((lane + 1) * order.num_windows // lanes.lanes)
-    if window + 1 >= last:
+    if window + 1 >= last or (end is not None and order.window_starts[window + 1] >= end):
         return np.empty(0, dtype=np.int64)
     return order.window_block_ids(window + 1)
 
@@ -323,16 +337,12 @@ def continued_order(before: DocumentOrder, first: int, count: int, seed: int, ep
     together (permute.JoinedOrder, salted by `count`, which grows with every join). A
     windowed shuffle reads a window of blocks at a time, which a document joined anywhere
     would break: the joined units' blocks are windows of their own after before's
-    (permute.AppendedWindows). A shard-local shuffle's groups are refused, naming the way
-    out."""
+    (permute.AppendedWindows; a mode that reads lanes shares them out between its lanes).
+    A shard-local shuffle's groups are refused, naming the way out."""
     if count == len(before):
         return before
     salt = JOIN_SALT + count
     if isinstance(groups, ShardWindows) and hasattr(before, "window_starts"):
-        if groups.lanes > 1:
-            raise ConfigError(f"units joining the epoch in progress under a windowed "
-                              f"shuffle of {groups.lanes} lanes (the rows served are no "
-                              "prefix of the plan): give lanes=1, or units_join='next_epoch'")
         blocks = before.num_blocks
         return AppendedWindows(before, WindowedPermutation(
             groups.block_documents[blocks:], groups.window_blocks, seed, epoch, salt),

@@ -455,6 +455,9 @@ class LoaderMode(ABC):
     reads_stream: ClassVar[bool] = False  # rows are cut from the token stream (a split's)
     continues_plans: ClassVar[bool] = False  # seq_len may change inside an epoch
     excludes: ClassVar[bool] = False  # documents may be excluded from a step on
+    # the rest of an epoch is planned again under a windowed shuffle of several lanes
+    # (a change inside the epoch: seq_len, documents excluded, units joining)
+    continues_lanes: ClassVar[bool] = False
     schedules: ClassVar[bool] = True  # takes batch and seq_len schedules (rows, not batches)
     balances: ClassVar[bool] = True  # its observations are rows, spread by cost (balance=)
     Knobs: ClassVar[type[ModeKnobs]] = ModeKnobs  # its own knobs (none by default)

@@ -19,7 +19,9 @@ new blocks, so every token the plan had not served is served once; cost O(one bl
 the later blocks' sums (a slice of the node's when the block size holds, else one pass;
 docs/scale.md measures it at 10^8 documents).
 Documents excluded from a step on (raypipe.sampling.exclusions) continue the plan the same
-way, the remainder's ranges of excluded documents dropped; a plan under exclusions packs
+way, the remainder's ranges of excluded documents dropped. Under a windowed shuffle of
+several lanes each lane has served a prefix of its rows, so each continues on its own over
+its own runs of the order (`LanedPlan`). A plan under exclusions packs
 each block without them and takes their tokens off the block sums, O(excluded). Cost: see
 bench/packing_bench.py for planner documents per second, then O(1) per row; ~70 us to fill
 a batch of 8 x 2049.
@@ -28,6 +30,7 @@ a batch of 8 x 2049.
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -82,6 +85,7 @@ from raypipe.sampling.plans import (
 MIN_ROWS_PER_BLOCK = 256
 SUM_CHUNK_DOCUMENTS = 1 << 18  # documents permuted per numpy call when summing blocks
 SUM_THREADS = max(1, min(8, os.cpu_count() or 1))  # threads of the block-sum pass
+GATHER_SHARE = 4  # a plan of under 1/4 of the documents sums its own ranges' lengths
 CACHED_BLOCKS = 8  # packed blocks a plan keeps (a step's rows span a few blocks)
 PIECES_RULE = "separated"  # the cut rule of raypipe.sampling.pack (states record it)
 SHUFFLED_ROWS, BY_COST = "shuffled", "by_cost"
@@ -97,7 +101,8 @@ class BestFitPlan:
                  memo: SumsMemo | None = None,
                  separator: str = "bos", overlong: str = "cut", first_document: int = 0,
                  excluded: np.ndarray | None = None, excluded_key: str = "",
-                 order: DocumentOrder | None = None, row_cost: RowCostModel | None = None):
+                 order: DocumentOrder | None = None, row_cost: RowCostModel | None = None,
+                 ranges: np.ndarray | None = None):
         """`memo(key, compute)`: returns compute() or what it returned before for `key`
         (a node-local cache of the block token sums, shared by the node's ranks);
         `separator`: which side of a document carries BOS/EOS (raypipe.sampling.pack);
@@ -108,9 +113,19 @@ class BestFitPlan:
         sums lose their tokens, O(excluded); `order`: the epoch's document order (default:
         its Feistel order; the rest of an epoch that units joined: plans.continued_order);
         `row_cost`: a block's rows in order of this model's cost (`block_order` by_cost),
-        up in even blocks and down in odd ones, else shuffled."""
+        up in even blocks and down in odd ones, else shuffled; `ranges`: the runs [first,
+        end) of the document order it packs, ascending (default: [first_document, all));
+        a lane's rest of an epoch (`LanedPlan`) packs its own windows' runs."""
         lengths = DocumentLengths.of(lengths)
-        self.first_document = first_document
+        count = len(lengths)
+        self.ranges = (np.array([[first_document, count]], dtype=np.int64) if ranges is None
+                       else np.asarray(ranges, dtype=np.int64).reshape(-1, 2))
+        flat = self.ranges.reshape(-1)
+        if (np.diff(flat) < 0).any() or (flat.size and not 0 <= flat[0] <= flat[-1] <= count):
+            raise ValueError(f"ranges {self.ranges.tolist()}: runs of [0, {count}), ascending")
+        self.first_document = int(flat[0]) if flat.size else count
+        # it packs part of the epoch's order (not every document from position 0)
+        self.partial = self.ranges.tolist() != [[0, count]]
         self.excluded = (np.zeros(0, dtype=np.int64) if excluded is None
                          else np.asarray(excluded, dtype=np.int64))
         self.excluded_key = excluded_key
@@ -130,19 +145,24 @@ class BestFitPlan:
                              f"of {len(lengths)}")
         self.lane_count = groups.lanes if isinstance(groups, ShardWindows) else 1
         # where each block begins in the document order (blocks end where windows do)
-        self._cut_blocks(first_document)
+        self._cut_blocks()
         self._cached: OrderedDict[int, PackedBlock] = OrderedDict()
         self._row_orders: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
         self._block_costs: dict[tuple[int, int, int], np.ndarray] = {}
 
-    def _cut_blocks(self, first_document: int) -> None:
-        """Where each block begins and ends in the document order (from `first_document`);
-        `uniform`: every block holds block_documents (the last fewer)."""
-        count = len(self.lengths)
-        self.block_starts = block_starts(count, self.block_documents, first_document,
-                                         self.document_order)
-        self.block_ends = np.append(self.block_starts[1:], count).astype(np.int64)
-        self.uniform = not hasattr(self.document_order, "window_starts")
+    def _cut_blocks(self) -> None:
+        """Where each block begins and ends in the document order (in each of its ranges);
+        `uniform`: one range to the end and every block holds block_documents (the last
+        fewer)."""
+        starts, ends = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+        for first, end in self.ranges.tolist():
+            cut = block_starts(end, self.block_documents, first, self.document_order)
+            starts.append(cut)
+            ends.append(np.append(cut[1:], end).astype(np.int64))
+        self.block_starts = np.concatenate(starts).astype(np.int64)
+        self.block_ends = np.concatenate(ends).astype(np.int64)
+        self.uniform = (not hasattr(self.document_order, "window_starts")
+                        and len(self.ranges) == 1 and self.ranges[0, 1] == len(self.lengths))
         self.num_blocks = len(self.block_starts)
 
     def block_documents_ids(self, block: int) -> np.ndarray:
@@ -185,7 +205,7 @@ class BestFitPlan:
             dropped += packed.dropped_tokens
             padded += packed.padded_tokens
             repeated += packed.repeated_tokens
-        total = used + cropped + dropped if self.first_document else self.kept_total
+        total = used + cropped + dropped if self.partial else self.kept_total
         report = PackingReport(int(rows.sum()), used, cropped, padded, dropped, total,
                                repeated_tokens=repeated)
         return np.cumsum(rows), report
@@ -195,7 +215,7 @@ class BestFitPlan:
         per block, no block packed."""
         sums = self.kept_block_sums()
         rows = -(-sums // self.capacity)
-        total = int(sums.sum()) if self.first_document else self.kept_total
+        total = int(sums.sum()) if self.partial else self.kept_total
         positions = int(rows.sum()) * self.capacity
         report = PackingReport(int(rows.sum()), total, 0, positions - total, 0, total)
         return np.concatenate([[0], np.cumsum(rows)]).astype(np.int64), report
@@ -205,19 +225,23 @@ class BestFitPlan:
         the whole epoch's blocks of its size (the rest of an epoch after a seq_len change
         that kept the block size) slices the whole epoch's sums: no pass over the lengths
         where the node holds them."""
-        per_block, first = self.block_documents, self.first_document
-        whole_starts = (self.block_starts if not first else
-                        block_starts(len(self.lengths), per_block, 0, self.document_order))
-        at = int(np.searchsorted(whole_starts, first))
+        per_block, count = self.block_documents, len(self.lengths)
+        whole_bounds = np.append(
+            self.block_starts if not self.partial else
+            block_starts(count, per_block, 0, self.document_order), count).astype(np.int64)
+        at = np.searchsorted(whole_bounds, self.ranges)
         order_key = getattr(self.document_order, "key", "")  # a joined order: its own
-        if not order_key and (at < whole_starts.size and whole_starts[at] == first
-                              or first == len(self.lengths)):
-            key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths),
+        if not order_key and (whole_bounds[np.minimum(at, whole_bounds.size - 1)]
+                              == self.ranges).all():
+            key = ("block-token-sums", self.seed, self.epoch, per_block, count,
                    *([self.excluded_key] if self.excluded_key else []))
             whole = (self.memo(key, self.whole_epoch_sums) if self.memo is not None
                      else self.whole_epoch_sums())
-            return whole[at:]
-        key = ("block-token-sums", self.seed, self.epoch, per_block, len(self.lengths), first,
+            return np.concatenate([whole[first:end] for first, end in at.tolist()]
+                                  + [np.zeros(0, dtype=np.int64)]).astype(np.int64)
+        where = (self.first_document if len(self.ranges) == 1 and self.ranges[0, 1] == count
+                 else hashlib.sha256(self.ranges.tobytes()).hexdigest()[:16])
+        key = ("block-token-sums", self.seed, self.epoch, per_block, count, where,
                *([self.excluded_key] if self.excluded_key else []),
                *([order_key] if order_key else []))
         return (self.memo(key, self.block_token_sums) if self.memo is not None
@@ -225,15 +249,20 @@ class BestFitPlan:
 
     def whole_epoch_sums(self) -> np.ndarray:
         """The block token sums of the whole epoch (from its first document)."""
-        if not self.first_document:
+        if not self.partial:
             return self.block_token_sums()
-        return replace_first(self, 0).block_token_sums()
+        return replace_ranges(self, np.array([[0, len(self.lengths)]])).block_token_sums()
 
     def block_token_sums(self) -> np.ndarray:
         """Tokens of each block, in one vectorized pass over the lengths in storage order
         (a document's block is its position in the epoch's order // K, from the inverse
         permutation), a bounded number of documents at a time: no gather, no per-document
-        array kept; the excluded documents' tokens taken off after, O(excluded)."""
+        array kept; the excluded documents' tokens taken off after, O(excluded). A plan
+        of a small part of the order (a lane's rest of an epoch) sums its own ranges'
+        documents instead (`_gathered_sums`), so L lanes cost one pass, not L."""
+        inside = int((self.ranges[:, 1] - self.ranges[:, 0]).sum())
+        if self.partial and inside * GATHER_SHARE < len(self.lengths):
+            return self._gathered_sums()
         inverse = self.document_order.inverse
 
         def sums_of(piece: tuple[int, np.ndarray]) -> np.ndarray:
@@ -252,17 +281,37 @@ class BestFitPlan:
             sums -= self._sums_by_block(self.excluded, self.lengths[self.excluded], inverse)
         return sums
 
+    def _gathered_sums(self) -> np.ndarray:
+        """Tokens of each block from its ranges' documents, their lengths gathered through
+        the order a chunk at a time: O(documents in its ranges)."""
+        sums = np.zeros(self.num_blocks, dtype=np.int64)
+        for first, end in self.ranges.tolist():
+            for start in range(first, end, SUM_CHUNK_DOCUMENTS):
+                places = np.arange(start, min(start + SUM_CHUNK_DOCUMENTS, end),
+                                   dtype=np.int64)
+                ids = self.document_order(places)
+                lengths = np.asarray(self.lengths[ids], dtype=np.int64)
+                if self.excluded.size:
+                    lengths = np.where(np.isin(ids, self.excluded), 0, lengths)
+                blocks = np.searchsorted(self.block_starts, places, side="right") - 1
+                sums += np.bincount(blocks, weights=lengths,
+                                    minlength=self.num_blocks).astype(np.int64)
+        return sums
+
     def _sums_by_block(self, documents: np.ndarray, lengths: np.ndarray, inverse: Any
                        ) -> np.ndarray:
         """Tokens of `documents` (their `lengths`) summed by the block each falls in
-        (documents before the plan's first are none of its blocks')."""
-        blocks = inverse(documents)
-        if self.first_document:
-            kept = blocks >= self.first_document
-            blocks, lengths = blocks[kept], lengths[kept]
-        blocks = ((blocks - self.first_document) // self.block_documents if self.uniform
-                  else np.searchsorted(self.block_starts, blocks, side="right") - 1)
-        return np.bincount(blocks, weights=lengths,  # exact below 2**53
+        (documents outside the plan's ranges are none of its blocks')."""
+        places = inverse(documents)
+        if self.uniform:
+            kept = places >= self.first_document
+            blocks = (places[kept] - self.first_document) // self.block_documents
+        else:
+            blocks = np.searchsorted(self.block_starts, places, side="right") - 1
+            kept = (blocks >= 0) & (places < self.block_ends[np.maximum(blocks, 0)]
+                                    if self.num_blocks else np.zeros(places.size, bool))
+            blocks = blocks[kept]
+        return np.bincount(blocks, weights=lengths[kept],  # exact below 2**53
                            minlength=self.num_blocks).astype(np.int64)
 
     @property
@@ -315,20 +364,14 @@ class BestFitPlan:
 
     @cached_property
     def lanes(self) -> LaneOrder | None:
-        """The lanes a windowed shuffle reads side by side (None: one)."""
+        """The lanes a windowed shuffle reads side by side (None: one). A plan of part of
+        an epoch is one lane's (`LanedPlan` reads the lanes of the rest of an epoch)."""
         if self.lane_count <= 1:
             return None
-        if self.first_document:
-            self._refuse_lanes()
+        if self.partial:
+            raise ValueError("a plan of part of an epoch reads one lane")
         return LaneOrder(lane_bounds(self.document_order.window_starts, self.lane_count,
                                      self._row_at_order))
-
-    def _refuse_lanes(self) -> None:
-        """Lanes serve no prefix of the rows, so the rest of an epoch is not planned again."""
-        raise ConfigError(f"a change inside an epoch (of seq_len, or documents excluded) "
-                          f"under a windowed shuffle of {self.lane_count} lanes (the rows "
-                          "served are no prefix of the plan): give lanes=1, or make the "
-                          "change where an epoch starts")
 
     def _row_at_order(self, order_positions: np.ndarray) -> np.ndarray:
         """The first row of the block that begins at each document-order position."""
@@ -360,8 +403,10 @@ class BestFitPlan:
             return None if self.uniform else np.empty(0, dtype=np.int64)
         row = int(self.observations(np.array([position], dtype=np.int64))[0])
         block = int(np.searchsorted(self.row_offsets, row, side="right")) - 1
+        run = int(np.searchsorted(self.ranges[:, 0], self.block_starts[block],
+                                  side="right")) - 1
         return next_window_blocks(self.document_order, int(self.block_starts[block]),
-                                  self.lanes, row)
+                                  self.lanes, row, int(self.ranges[run, 1]))
 
     def repeated_tokens(self, positions: np.ndarray) -> int:
         """Of those, the tokens placed a second time (overlong `split`: the first token of
@@ -378,47 +423,73 @@ class BestFitPlan:
                 for block, row in zip(blocks.tolist(), local.tolist(), strict=True)]
 
     def remaining(self, position: int) -> Remainder:
-        """What the plan has not served once observations [0, position) are: the unserved
-        rows' pieces of the block `position` falls in (merged per document), then every
-        document of the blocks after it. O(one block)."""
-        if self.lane_count > 1 and position:
-            self._refuse_lanes()
-        if position >= self.size:
-            return Remainder.none(len(self.lengths))
-        block = int(np.searchsorted(self.row_offsets, position, side="right")) - 1
-        local = position - int(self.row_offsets[block])
+        """What the plan (of one lane) has not served once positions [0, position) are:
+        the unserved rows' pieces of the block `position` falls in (merged per document),
+        then every document of the blocks after it. O(one block)."""
+        if self.lanes is not None:
+            raise ValueError("a plan of several lanes: lane_remainders")
+        return self._remaining_rows(position, self.size)
+
+    def lane_remainders(self, position: int) -> list[Remainder]:
+        """What each lane has not served once positions [0, position) are (one lane: one
+        remainder): a lane serves a prefix of its rows (plans.LaneOrder.served)."""
+        if self.lanes is None:
+            return [self.remaining(position)]
+        bounds, served = self.lanes.bounds, self.lanes.served(position)
+        return [self._remaining_rows(int(bounds[lane] + served[lane]), int(bounds[lane + 1]))
+                for lane in range(self.lanes.lanes)]
+
+    def _remaining_rows(self, row: int, stop: int) -> Remainder:
+        """What rows [row, stop) of block order hold (`stop` a block's first row, or the
+        end): the pieces of the unserved rows of the block `row` falls in, then the
+        document ranges of the blocks after it, up to `stop`."""
+        stop_block = int(np.searchsorted(self.row_offsets, stop, side="left"))
+        if row >= stop:
+            return Remainder.none(self._block_ranges(stop_block, stop_block))
+        block = int(np.searchsorted(self.row_offsets, row, side="right")) - 1
+        local = row - int(self.row_offsets[block])
         if local == 0:
-            return Remainder.none(int(self.block_starts[block]))
+            return Remainder.none(self._block_ranges(block, stop_block))
         count = int(self.row_offsets[block + 1] - self.row_offsets[block])
         packed = self.pack(block)
         rows = [packed.row(row) for row in
                 self._row_order(block)(np.arange(local, count, dtype=np.int64)).tolist()]
-        return Remainder.of_rows(rows, int(self.block_ends[block]))
+        return Remainder.of_rows(rows, self._block_ranges(block + 1, stop_block))
+
+    def _block_ranges(self, first: int, stop: int) -> np.ndarray:
+        """[k, 2]: the runs of the document order blocks [first, stop) pack (adjacent
+        blocks' joined)."""
+        starts, ends = self.block_starts[first:stop], self.block_ends[first:stop]
+        if not starts.size:
+            return np.zeros((0, 2), dtype=np.int64)
+        breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+        return np.stack([starts[np.concatenate([[0], breaks])],
+                         ends[np.concatenate([breaks - 1, [starts.size - 1]])]], axis=1)
 
 
 @dataclass(frozen=True)
 class Remainder:
-    """The documents an epoch's plan has not served at a position: token ranges of the
-    documents partly or wholly in its unserved rows of the block at that position
-    (`documents`, `starts`, `counts`, in the plan's numbering), and every document from
-    position `first_document` of the epoch's document order on."""
+    """The documents an epoch's plan (or one lane of it) has not served at a position:
+    token ranges of the documents partly or wholly in its unserved rows of the block at
+    that position (`documents`, `starts`, `counts`, in the plan's numbering), and every
+    document of the runs `ranges` ([k, 2]: [first, end) of the epoch's document order)."""
 
     documents: np.ndarray
     starts: np.ndarray
     counts: np.ndarray
-    first_document: int
+    ranges: np.ndarray
 
     @classmethod
-    def none(cls, first_document: int) -> Remainder:
+    def none(cls, ranges: np.ndarray) -> Remainder:
         empty = np.zeros(0, dtype=np.int64)
-        return cls(empty, empty, empty, first_document)
+        return cls(empty, empty, empty, ranges)
 
     @classmethod
-    def of_rows(cls, rows: list[RowPieces], first_document: int) -> Remainder:
+    def of_rows(cls, rows: list[RowPieces], ranges: np.ndarray) -> Remainder:
         """The token ranges `rows` hold, one per run of a document's tokens (pieces that
         meet or overlap, as overlong `split`'s do by one token, are one range)."""
         if not rows:
-            return cls.none(first_document)
+            return cls.none(ranges)
         documents = np.concatenate([row.documents for row in rows]).astype(np.int64)
         starts = np.concatenate([row.starts for row in rows]).astype(np.int64)
         ends = starts + np.concatenate([row.take for row in rows]).astype(np.int64)
@@ -427,11 +498,16 @@ class Remainder:
         begins = np.flatnonzero(np.concatenate(
             [[True], (documents[1:] != documents[:-1]) | (starts[1:] > ends[:-1])]))
         return cls(documents[begins], starts[begins],
-                   np.maximum.reduceat(ends, begins) - starts[begins], first_document)
+                   np.maximum.reduceat(ends, begins) - starts[begins], ranges)
 
     @property
     def tokens(self) -> int:
         return int(self.counts.sum())
+
+    def first(self, count: int) -> int:
+        """The first place of the order it holds whole (`count`: the order's length, where
+        it holds none)."""
+        return int(self.ranges[0, 0]) if len(self.ranges) else count
 
     def without(self, excluded: np.ndarray) -> Remainder:
         """The remainder but the ranges of `excluded` documents."""
@@ -439,7 +515,7 @@ class Remainder:
             return self
         kept = ~np.isin(self.documents, excluded)
         return Remainder(self.documents[kept], self.starts[kept], self.counts[kept],
-                         self.first_document)
+                         self.ranges)
 
 
 HEAD_SALT = 999  # the Feistel salt of a continued plan's re-planned rows
@@ -544,31 +620,129 @@ class ContinuedPlan:
             return self.tail.remaining(position - self.head_rows)
         rows = [self.head.row(row) for row in
                 self.head_order(np.arange(position, self.head_rows, dtype=np.int64)).tolist()]
-        return Remainder.of_rows(rows, self.tail.first_document)
+        return Remainder.of_rows(rows, self.tail.ranges)
+
+    def lane_remainders(self, position: int) -> list[Remainder]:
+        return [self.remaining(position)]
+
+    @property
+    def document_order(self) -> DocumentOrder:
+        return self.tail.document_order
+
+    def units_ahead(self, position: int) -> np.ndarray | None:
+        """The tail's next window (from the head: its first)."""
+        return self.tail.units_ahead(max(position - self.head_rows, 0))
 
 
-def replace_first(plan: BestFitPlan, first_document: int) -> BestFitPlan:
-    """`plan`'s shape from another first document (no block packed, nothing summed)."""
+class LanedPlan:
+    """The rest of an epoch read in lanes side by side (a windowed shuffle of several
+    lanes after a change inside the epoch): lane l is `plans[l]`, the rest of the plan
+    before's lane l (its unserved rows' pieces packed again, then its later windows, and
+    its share of the windows of units that joined), read through a LaneOrder over the
+    lanes' sizes, so rank r of a world that the lanes divide still reads lane r mod lanes.
+    A lane serves a prefix of its rows, so every token each lane had not served is in
+    exactly one row of its continuation, and no other."""
+
+    kind = "bestfit"
+
+    def __init__(self, plans: list[ContinuedPlan]):
+        self.plans = plans
+        self.lengths, self.capacity = plans[0].lengths, plans[0].capacity
+        self.offsets = np.concatenate([[0], np.cumsum([plan.size for plan in plans])]
+                                      ).astype(np.int64)
+        self.lanes = LaneOrder(self.offsets)
+
+    @property
+    def size(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def document_order(self) -> DocumentOrder:
+        return self.plans[0].document_order
+
+    def _by_lane(self, positions: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(lane, where in `positions`, the lane's own positions) of each lane read."""
+        observations = self.lanes(np.asarray(positions, dtype=np.int64))
+        lanes = np.searchsorted(self.offsets, observations, side="right") - 1
+        return [(lane, np.flatnonzero(lanes == lane),
+                 observations[lanes == lane] - self.offsets[lane])
+                for lane in np.unique(lanes).tolist()]
+
+    def report(self) -> PackingReport:
+        reports = [plan.report() for plan in self.plans]
+        return PackingReport(*(sum(getattr(report, name) for report in reports)
+                               for name in ("rows", "used_tokens", "cropped_tokens",
+                                            "padded_tokens", "dropped_tokens",
+                                            "total_tokens")),
+                             repeated_tokens=sum(report.repeated_tokens
+                                                 for report in reports))
+
+    def rows(self, positions: np.ndarray) -> list[tuple[int, RowPieces]]:
+        """For each position: (row id in this plan, the row's pieces)."""
+        rows: list[tuple[int, RowPieces] | None] = [None] * len(positions)
+        for lane, where, local in self._by_lane(positions):
+            for at, (row, pieces) in zip(where.tolist(), self.plans[lane].rows(local),
+                                         strict=True):
+                rows[at] = (int(self.offsets[lane]) + row, pieces)
+        return rows  # type: ignore[return-value]
+
+    def counted_tokens(self, positions: np.ndarray) -> int:
+        return sum(self.plans[lane].counted_tokens(local)
+                   for lane, _, local in self._by_lane(positions))
+
+    def repeated_tokens(self, positions: np.ndarray) -> int:
+        return sum(self.plans[lane].repeated_tokens(local)
+                   for lane, _, local in self._by_lane(positions))
+
+    def row_costs(self, positions: np.ndarray, model: RowCostModel, seq_len: int
+                  ) -> np.ndarray:
+        costs = np.empty(len(positions), dtype=np.float64)
+        for lane, where, local in self._by_lane(positions):
+            costs[where] = self.plans[lane].row_costs(local, model, seq_len)
+        return costs
+
+    def remaining(self, position: int) -> Remainder:
+        raise ValueError("a plan of several lanes: lane_remainders")
+
+    def lane_remainders(self, position: int) -> list[Remainder]:
+        """What each lane has not served once positions [0, position) are."""
+        served = self.lanes.served(position)
+        return [plan.remaining(int(count)) for plan, count in zip(self.plans, served.tolist(),
+                                                                   strict=True)]
+
+    def units_ahead(self, position: int) -> np.ndarray | None:
+        """The next window of the lane of `position` (past the end: none)."""
+        if position >= self.size:
+            return np.empty(0, dtype=np.int64)
+        (lane, _, local), = self._by_lane(np.array([position], dtype=np.int64))
+        return self.plans[lane].units_ahead(int(local[0]))
+
+
+def replace_ranges(plan: BestFitPlan, ranges: np.ndarray) -> BestFitPlan:
+    """`plan`'s shape over other runs of its order (no block packed, nothing summed)."""
     other = copy.copy(plan)
-    other.first_document = first_document
-    other._cut_blocks(first_document)
+    other.ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    other.first_document = int(other.ranges[0, 0]) if other.ranges.size else len(plan.lengths)
+    other.partial = other.ranges.tolist() != [[0, len(plan.lengths)]]
+    other._cut_blocks()
     other._cached, other._row_orders, other._block_costs = OrderedDict(), {}, {}
     other.__dict__.pop("_summary", None)
+    other.__dict__.pop("lanes", None)
     return other
 
 
-def block_starts(count: int, per_block: int, first: int, order: Any) -> np.ndarray:
-    """Where each packing block begins in an epoch's document order, from position `first`
-    on: every `per_block` documents, and (a windowed order) at each window's start too, so
+def block_starts(end: int, per_block: int, first: int, order: Any) -> np.ndarray:
+    """Where each packing block begins in an epoch's document order, in [first, end):
+    every `per_block` documents, and (a windowed order) at each window's start too, so
     no block straddles two windows and a reader holds one window at a time."""
     cuts = getattr(order, "window_starts", None)
     if cuts is None:
-        return np.arange(first, count, per_block, dtype=np.int64)
-    starts = np.concatenate([np.arange(begin, end, per_block, dtype=np.int64)
-                             for begin, end in zip(cuts[:-1], cuts[1:], strict=True)]
+        return np.arange(first, end, per_block, dtype=np.int64)
+    starts = np.concatenate([np.arange(begin, stop, per_block, dtype=np.int64)
+                             for begin, stop in zip(cuts[:-1], cuts[1:], strict=True)]
                             + [np.zeros(0, dtype=np.int64)])
-    starts = starts[starts > first]
-    return np.concatenate([[first] if first < count else [], starts]).astype(np.int64)
+    starts = starts[(starts > first) & (starts < end)]
+    return np.concatenate([[first] if first < end else [], starts]).astype(np.int64)
 
 
 def block_size(lengths: DocumentLengths, capacity: int, block_documents: int,
@@ -629,9 +803,7 @@ class BestFitFiller(BatchFiller[list[Piece]]):
                 for row in plan.rows]
 
     def units_ahead(self, position: int) -> np.ndarray | None:
-        plan, head = self.plan, getattr(self.plan, "head_rows", 0)
-        plan = getattr(plan, "tail", plan)  # a continued plan: the blocks after its head
-        return plan.units_ahead(max(position - head, 0))
+        return self.plan.units_ahead(position)
 
     def fetch_units(self, positions: np.ndarray) -> np.ndarray:
         doc_ids = [row.documents for _, row in self.plan.rows(positions.reshape(-1))]
@@ -731,6 +903,7 @@ class BestFitMode(LoaderMode):
     packed = True
     continues_plans = True
     excludes = True
+    continues_lanes = True
     Knobs = BestFitKnobs
 
     def knobs(self, spec: Any) -> dict[str, Any]:
@@ -744,7 +917,8 @@ class BestFitMode(LoaderMode):
                               "balance (e.g. 'attention')")
 
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int, first_document: int = 0,
-             order: DocumentOrder | None = None) -> BestFitPlan:
+             order: DocumentOrder | None = None, ranges: np.ndarray | None = None
+             ) -> BestFitPlan:
         dataset = inputs.dataset
         row_cost = (cost_model(spec.balance, spec.balance_hidden)
                     if spec.knobs.block_order == BY_COST else None)
@@ -752,19 +926,49 @@ class BestFitMode(LoaderMode):
                            spec.knobs.block_documents, spec.packing, inputs.groups,
                            inputs.memo, separator_of(dataset.bos_id, dataset.eos_id),
                            spec.resolved_overlong, first_document, inputs.excluded,
-                           inputs.excluded_key, order, row_cost)
+                           inputs.excluded_key, order, row_cost, ranges)
 
     def continue_plan(self, spec: Any, inputs: PlanInputs, epoch: int, before: Any,
-                      position: int) -> ContinuedPlan:
+                      position: int) -> ContinuedPlan | LanedPlan:
         """The rest of `before` from `position` at spec.seq_len without the documents
         `inputs` excludes: the partly served block's unserved pieces packed again, then the
         later documents in new blocks, in before's order (with the documents that joined
-        the epoch, where `inputs` holds more: shuffled in among them)."""
-        remainder = before.remaining(position).without(inputs.excluded)
-        first = remainder.first_document
-        order = continued_order(getattr(before, "tail", before).document_order, first,
-                                len(inputs.lengths()), spec.seed, epoch, inputs.groups)
-        return ContinuedPlan(remainder, self.plan(spec, inputs, epoch, first, order))
+        the epoch, where `inputs` holds more: shuffled in among them, or under a windowed
+        shuffle in windows after before's). Under several lanes, each lane continues on
+        its own (a `LanedPlan`), the joined windows shared out between them."""
+        remainders = [remainder.without(inputs.excluded)
+                      for remainder in before.lane_remainders(position)]
+        base = before.document_order
+        count = len(inputs.lengths())
+        first = remainders[0].first(len(base))
+        order = continued_order(base, first, count, spec.seed, epoch, inputs.groups)
+        lanes = len(remainders)
+        if lanes == 1:
+            ranges = self._tail_ranges(remainders[0], base, order, 0, 1)
+            return ContinuedPlan(remainders[0], self.plan(spec, inputs, epoch, order=order,
+                                                          ranges=ranges))
+        one_lane = replace(inputs, groups=replace(inputs.groups, lanes=1))
+        return LanedPlan([ContinuedPlan(remainder, self.plan(
+            spec, one_lane, epoch, order=order,
+            ranges=self._tail_ranges(remainder, base, order, lane, lanes)))
+            for lane, remainder in enumerate(remainders)])
+
+    @staticmethod
+    def _tail_ranges(remainder: Remainder, base: Any, order: Any, lane: int, lanes: int
+                     ) -> np.ndarray:
+        """The runs of `order` a continuation's tail packs: the remainder's, then (units
+        joined under a windowed shuffle) lane `lane`'s share of the joined windows; a
+        joined global order shuffles the joined documents into [first, end)."""
+        if order is base:
+            return remainder.ranges
+        if not hasattr(order, "window_starts"):
+            return np.array([[remainder.first(len(base)), len(order)]], dtype=np.int64)
+        starts, joined = order.window_starts, base.num_windows
+        added = len(starts) - 1 - joined
+        first, stop = (joined + added * lane // lanes, joined + added * (lane + 1) // lanes)
+        share = (np.array([[starts[first], starts[stop]]], dtype=np.int64) if stop > first
+                 else np.zeros((0, 2), dtype=np.int64))
+        return np.concatenate([remainder.ranges, share]).astype(np.int64)
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
                boundaries: bool = True) -> BestFitFiller:
