@@ -202,3 +202,12 @@ def test_the_balance_benchmark_runs_at_a_tiny_size(tmp_path):
     assert [row[:2] for row in described] == [[mode, ranks] for mode in
                                               ("bestfit", "documents", "windows")
                                               for ranks in ("64", "512")], done.stdout
+
+
+def test_the_lanes_benchmark_runs_at_a_tiny_size():
+    done = subprocess.run([sys.executable, "bench/lanes_bench.py", "--documents", "20000",
+                           "--lanes", "1,4", "--packing", "split"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["1", "4"] and rows[0][2] == rows[0][4] == "1.0"

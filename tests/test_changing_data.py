@@ -296,9 +296,9 @@ def test_any_chain_of_joins_and_exclusions_serves_every_token_of_the_epoch_once(
     """A plan of the first documents, served to a position, continued with more documents
     joined (and some excluded), again: every token of every document that joined and was
     not excluded is served once (crop: at most once; documents: its first row's worth);
-    under a windowed shuffle (shards of 5 documents, windows of 2 shards) too, bestfit's of
-    1, 2 or 3 lanes (the joined windows shared out between the lanes)."""
-    lanes = lanes if windowed and mode != "documents" else 1
+    under a windowed shuffle (shards of 5 documents, windows of 2 shards) too, of 1, 2 or
+    3 lanes (each lane's rest planned again, the joined windows shared out between them)."""
+    lanes = lanes if windowed else 1
     from raypipe.sampling.blocks import whole_shards
     from raypipe.sampling.lengths import DocumentLengths
     from raypipe.sampling.modes import get_mode

@@ -275,13 +275,14 @@ def test_following_refuses_up_front_what_could_not_take_units_mid_run(
         corpus, output, tokenizer_path, monkeypatch, 0,
         fault={"point": "unit.before_record", "action": "raise", "unit": "part-1"})
     job.join()
-    with pytest.raises(ConfigError, match="give lanes=1 .* or units_join='next_epoch'"):
-        TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, mode="documents",
-                    shuffle="windowed", lanes=2, device="cpu")
-    TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, mode="documents", shuffle="windowed",
-                lanes=2, units_join="next_epoch", device="cpu")
-    TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, shuffle="windowed", lanes=2,
-                device="cpu")  # bestfit plans each lane's rest again
+    with pytest.raises(ConfigError, match="shuffle 'shard_local': .*units_join='next_epoch'"):
+        TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, shuffle="shard_local",
+                    device="cpu")
+    TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, shuffle="shard_local",
+                units_join="next_epoch", device="cpu")
+    for mode in ("bestfit", "documents"):  # each lane's rest is planned again
+        TokenLoader(str(output), SEQ_LEN, ROWS, follow=True, mode=mode, shuffle="windowed",
+                    lanes=2, device="cpu")
     with pytest.raises(ConfigError, match="follow=True on 2 ranks: .*torch.distributed"):
         TokenLoader(str(output), SEQ_LEN, 3, rank=0, world_size=2, follow=True,
                     device="cpu")

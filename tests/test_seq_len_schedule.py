@@ -225,7 +225,7 @@ def test_any_chain_of_seq_len_changes_serves_each_token_at_most_once_and_fill_sp
         position = int(cut * plan.size)
         serve(plan, position)
         remainder = plan.remaining(position)
-        plan = ContinuedPlan(remainder, plan_at(seq_len, remainder.first_document))
+        plan = ContinuedPlan(remainder, plan_at(seq_len, remainder.first(lengths.size)))
         assert all(row.length <= seq_len + 1 for _, row in plan.rows(np.arange(plan.size)))
     serve(plan, plan.size)
     assert counts.max() <= 1
@@ -282,13 +282,13 @@ def test_a_continued_plan_counts_what_overlong_split_places_twice():
     remainder = plan.remaining(plan.size // 3)
     continued = ContinuedPlan(remainder, BestFitPlan(
         lengths, 48, 1, 0, block_documents=40, packing="split", overlong="split",
-        first_document=remainder.first_document))
+        first_document=remainder.first(lengths.size)))
     positions = np.arange(continued.size, dtype=np.int64)
     placed = continued.counted_tokens(positions)
     assert placed - continued.repeated_tokens(positions) == remainder.tokens + int(
         lengths[BestFitPlan(lengths, 48, 1, 0, block_documents=40, packing="split",
                             overlong="split").document_order(
-            np.arange(remainder.first_document, lengths.size))].sum())
+            np.arange(remainder.first(lengths.size), lengths.size))].sum())
     assert continued.repeated_tokens(positions[:continued.head_rows]) > 0
 
 

@@ -352,3 +352,83 @@ def continued_order(before: DocumentOrder, first: int, count: int, seed: int, ep
                           "give units_join='next_epoch' (served from the next epoch), or "
                           "shuffle 'global' or 'windowed'")
     return JoinedOrder(before, first, count, seed, epoch, salt)
+
+
+class LanedPlan:
+    """The rest of an epoch read in lanes side by side (a windowed shuffle of several lanes
+    after a change inside the epoch): lane l is `plans[l]`, the rest of the plan before's
+    lane l, read through a LaneOrder over the lanes' sizes, so rank r of a world that the
+    lanes divide still reads lane r mod lanes. A lane serves a prefix of its rows, so each
+    lane's rest is planned again on its own (`lane_remainders`). A mode's subclass reads
+    its rows lane by lane (`by_lane`)."""
+
+    def __init__(self, plans: list[Any]):
+        self.plans = plans
+        self.lengths, self.capacity = plans[0].lengths, plans[0].capacity
+        self.offsets = np.concatenate([[0], np.cumsum([plan.size for plan in plans])]
+                                      ).astype(np.int64)
+        self.lanes = LaneOrder(self.offsets)
+
+    @property
+    def size(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def document_order(self) -> Any:
+        return self.plans[0].document_order
+
+    def by_lane(self, positions: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(lane, where in `positions`, the lane's own positions) of each lane read."""
+        observations = self.lanes(np.asarray(positions, dtype=np.int64))
+        lanes = np.searchsorted(self.offsets, observations, side="right") - 1
+        return [(lane, np.flatnonzero(lanes == lane),
+                 observations[lanes == lane] - self.offsets[lane])
+                for lane in np.unique(lanes).tolist()]
+
+    def report(self) -> PackingReport:
+        reports = [plan.report() for plan in self.plans]
+        return PackingReport(*(sum(getattr(report, name) for report in reports)
+                               for name in ("rows", "used_tokens", "cropped_tokens",
+                                            "padded_tokens", "dropped_tokens",
+                                            "total_tokens")),
+                             repeated_tokens=sum(report.repeated_tokens
+                                                 for report in reports))
+
+    def counted_tokens(self, positions: np.ndarray) -> int:
+        return sum(self.plans[lane].counted_tokens(local)
+                   for lane, _, local in self.by_lane(positions))
+
+    def remaining(self, position: int) -> Any:
+        raise ValueError("a plan of several lanes: lane_remainders")
+
+    def lane_remainders(self, position: int) -> list[Any]:
+        """What each lane has not served once positions [0, position) are."""
+        served = self.lanes.served(position)
+        return [plan.remaining(int(count)) for plan, count in zip(self.plans, served.tolist(),
+                                                                   strict=True)]
+
+    def units_ahead(self, position: int) -> np.ndarray | None:
+        """The next window of the lane of `position` (past the end: none)."""
+        if position >= self.size:
+            return np.empty(0, dtype=np.int64)
+        (lane, _, local), = self.by_lane(np.array([position], dtype=np.int64))
+        return self.plans[lane].units_ahead(int(local[0]))
+
+
+def continued_runs(runs: np.ndarray, first: int, base: Any, order: Any, lane: int,
+                   lanes: int) -> np.ndarray:
+    """The runs of `order` the rest of lane `lane` (of `lanes`) reads: those of `base` it
+    had not served (`runs`; `first`: the first place not served), then, where units joined
+    under a windowed shuffle, the lane's share of the joined windows; a joined global order
+    (permute.JoinedOrder) shuffles the joined documents into [first, end)."""
+    if order is base:
+        return runs
+    if not hasattr(order, "window_starts"):
+        return np.array([[first, len(order)]], dtype=np.int64)
+    starts, joined = order.window_starts, base.num_windows
+    added = len(starts) - 1 - joined
+    begin, stop = joined + added * lane // lanes, joined + added * (lane + 1) // lanes
+    share = (np.array([[starts[begin], starts[stop]]], dtype=np.int64) if stop > begin
+             else np.zeros((0, 2), dtype=np.int64))
+    return np.concatenate([np.asarray(runs, dtype=np.int64).reshape(-1, 2), share]
+                          ).astype(np.int64)

@@ -21,7 +21,7 @@ docs/scale.md measures it at 10^8 documents).
 Documents excluded from a step on (raypipe.sampling.exclusions) continue the plan the same
 way, the remainder's ranges of excluded documents dropped. Under a windowed shuffle of
 several lanes each lane has served a prefix of its rows, so each continues on its own over
-its own runs of the order (`LanedPlan`). A plan under exclusions packs
+its own runs of the order (`LanedBestFitPlan`). A plan under exclusions packs
 each block without them and takes their tokens off the block sums, O(excluded). Cost: see
 bench/packing_bench.py for planner documents per second, then O(1) per row; ~70 us to fill
 a batch of 8 x 2049.
@@ -71,12 +71,14 @@ from raypipe.sampling.pack import (
 from raypipe.sampling.permute import FeistelPermutation
 from raypipe.sampling.plans import (
     DocumentOrder,
+    LanedPlan,
     LaneOrder,
     PackingReport,
     ShardGroups,
     ShardWindows,
     SumsMemo,
     continued_order,
+    continued_runs,
     document_permutation,
     lane_bounds,
     next_window_blocks,
@@ -365,7 +367,7 @@ class BestFitPlan:
     @cached_property
     def lanes(self) -> LaneOrder | None:
         """The lanes a windowed shuffle reads side by side (None: one). A plan of part of
-        an epoch is one lane's (`LanedPlan` reads the lanes of the rest of an epoch)."""
+        an epoch is one lane's (`LanedBestFitPlan` reads the lanes of the rest of an epoch)."""
         if self.lane_count <= 1:
             return None
         if self.partial:
@@ -634,88 +636,33 @@ class ContinuedPlan:
         return self.tail.units_ahead(max(position - self.head_rows, 0))
 
 
-class LanedPlan:
-    """The rest of an epoch read in lanes side by side (a windowed shuffle of several
-    lanes after a change inside the epoch): lane l is `plans[l]`, the rest of the plan
-    before's lane l (its unserved rows' pieces packed again, then its later windows, and
-    its share of the windows of units that joined), read through a LaneOrder over the
-    lanes' sizes, so rank r of a world that the lanes divide still reads lane r mod lanes.
-    A lane serves a prefix of its rows, so every token each lane had not served is in
+class LanedBestFitPlan(LanedPlan):
+    """bestfit's rest of an epoch in several lanes (plans.LanedPlan): lane l is a
+    ContinuedPlan (its unserved rows' pieces packed again, then its later windows, and its
+    share of the joined units' windows); every token each lane had not served is in
     exactly one row of its continuation, and no other."""
 
     kind = "bestfit"
 
-    def __init__(self, plans: list[ContinuedPlan]):
-        self.plans = plans
-        self.lengths, self.capacity = plans[0].lengths, plans[0].capacity
-        self.offsets = np.concatenate([[0], np.cumsum([plan.size for plan in plans])]
-                                      ).astype(np.int64)
-        self.lanes = LaneOrder(self.offsets)
-
-    @property
-    def size(self) -> int:
-        return int(self.offsets[-1])
-
-    @property
-    def document_order(self) -> DocumentOrder:
-        return self.plans[0].document_order
-
-    def _by_lane(self, positions: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """(lane, where in `positions`, the lane's own positions) of each lane read."""
-        observations = self.lanes(np.asarray(positions, dtype=np.int64))
-        lanes = np.searchsorted(self.offsets, observations, side="right") - 1
-        return [(lane, np.flatnonzero(lanes == lane),
-                 observations[lanes == lane] - self.offsets[lane])
-                for lane in np.unique(lanes).tolist()]
-
-    def report(self) -> PackingReport:
-        reports = [plan.report() for plan in self.plans]
-        return PackingReport(*(sum(getattr(report, name) for report in reports)
-                               for name in ("rows", "used_tokens", "cropped_tokens",
-                                            "padded_tokens", "dropped_tokens",
-                                            "total_tokens")),
-                             repeated_tokens=sum(report.repeated_tokens
-                                                 for report in reports))
-
     def rows(self, positions: np.ndarray) -> list[tuple[int, RowPieces]]:
         """For each position: (row id in this plan, the row's pieces)."""
         rows: list[tuple[int, RowPieces] | None] = [None] * len(positions)
-        for lane, where, local in self._by_lane(positions):
+        for lane, where, local in self.by_lane(positions):
             for at, (row, pieces) in zip(where.tolist(), self.plans[lane].rows(local),
                                          strict=True):
                 rows[at] = (int(self.offsets[lane]) + row, pieces)
         return rows  # type: ignore[return-value]
 
-    def counted_tokens(self, positions: np.ndarray) -> int:
-        return sum(self.plans[lane].counted_tokens(local)
-                   for lane, _, local in self._by_lane(positions))
-
     def repeated_tokens(self, positions: np.ndarray) -> int:
         return sum(self.plans[lane].repeated_tokens(local)
-                   for lane, _, local in self._by_lane(positions))
+                   for lane, _, local in self.by_lane(positions))
 
     def row_costs(self, positions: np.ndarray, model: RowCostModel, seq_len: int
                   ) -> np.ndarray:
         costs = np.empty(len(positions), dtype=np.float64)
-        for lane, where, local in self._by_lane(positions):
+        for lane, where, local in self.by_lane(positions):
             costs[where] = self.plans[lane].row_costs(local, model, seq_len)
         return costs
-
-    def remaining(self, position: int) -> Remainder:
-        raise ValueError("a plan of several lanes: lane_remainders")
-
-    def lane_remainders(self, position: int) -> list[Remainder]:
-        """What each lane has not served once positions [0, position) are."""
-        served = self.lanes.served(position)
-        return [plan.remaining(int(count)) for plan, count in zip(self.plans, served.tolist(),
-                                                                   strict=True)]
-
-    def units_ahead(self, position: int) -> np.ndarray | None:
-        """The next window of the lane of `position` (past the end: none)."""
-        if position >= self.size:
-            return np.empty(0, dtype=np.int64)
-        (lane, _, local), = self._by_lane(np.array([position], dtype=np.int64))
-        return self.plans[lane].units_ahead(int(local[0]))
 
 
 def replace_ranges(plan: BestFitPlan, ranges: np.ndarray) -> BestFitPlan:
@@ -929,13 +876,13 @@ class BestFitMode(LoaderMode):
                            inputs.excluded_key, order, row_cost, ranges)
 
     def continue_plan(self, spec: Any, inputs: PlanInputs, epoch: int, before: Any,
-                      position: int) -> ContinuedPlan | LanedPlan:
+                      position: int) -> ContinuedPlan | LanedBestFitPlan:
         """The rest of `before` from `position` at spec.seq_len without the documents
         `inputs` excludes: the partly served block's unserved pieces packed again, then the
         later documents in new blocks, in before's order (with the documents that joined
         the epoch, where `inputs` holds more: shuffled in among them, or under a windowed
         shuffle in windows after before's). Under several lanes, each lane continues on
-        its own (a `LanedPlan`), the joined windows shared out between them."""
+        its own (a `LanedBestFitPlan`), the joined windows shared out between them."""
         remainders = [remainder.without(inputs.excluded)
                       for remainder in before.lane_remainders(position)]
         base = before.document_order
@@ -944,31 +891,15 @@ class BestFitMode(LoaderMode):
         order = continued_order(base, first, count, spec.seed, epoch, inputs.groups)
         lanes = len(remainders)
         if lanes == 1:
-            ranges = self._tail_ranges(remainders[0], base, order, 0, 1)
+            ranges = continued_runs(remainders[0].ranges, first, base, order, 0, 1)
             return ContinuedPlan(remainders[0], self.plan(spec, inputs, epoch, order=order,
                                                           ranges=ranges))
         one_lane = replace(inputs, groups=replace(inputs.groups, lanes=1))
-        return LanedPlan([ContinuedPlan(remainder, self.plan(
+        return LanedBestFitPlan([ContinuedPlan(remainder, self.plan(
             spec, one_lane, epoch, order=order,
-            ranges=self._tail_ranges(remainder, base, order, lane, lanes)))
+            ranges=continued_runs(remainder.ranges, remainder.first(len(base)), base, order,
+                                  lane, lanes)))
             for lane, remainder in enumerate(remainders)])
-
-    @staticmethod
-    def _tail_ranges(remainder: Remainder, base: Any, order: Any, lane: int, lanes: int
-                     ) -> np.ndarray:
-        """The runs of `order` a continuation's tail packs: the remainder's, then (units
-        joined under a windowed shuffle) lane `lane`'s share of the joined windows; a
-        joined global order shuffles the joined documents into [first, end)."""
-        if order is base:
-            return remainder.ranges
-        if not hasattr(order, "window_starts"):
-            return np.array([[remainder.first(len(base)), len(order)]], dtype=np.int64)
-        starts, joined = order.window_starts, base.num_windows
-        added = len(starts) - 1 - joined
-        first, stop = (joined + added * lane // lanes, joined + added * (lane + 1) // lanes)
-        share = (np.array([[starts[first], starts[stop]]], dtype=np.int64) if stop > first
-                 else np.zeros((0, 2), dtype=np.int64))
-        return np.concatenate([remainder.ranges, share]).astype(np.int64)
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
                boundaries: bool = True) -> BestFitFiller:

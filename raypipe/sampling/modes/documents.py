@@ -7,18 +7,20 @@ none is dropped); a row's tail past its document is pad_id with mask 0, and a do
 longer than the row is cropped (counted in the report). The rest of an epoch (a change of
 seq_len, or documents excluded, inside it) is the same order from the position reached,
 the excluded documents' places skipped: their order positions, sorted, map an observation
-to its place by one binary search. Cost: ~70 ns per observation to permute; one slice copy
+to its place by one binary search; under a windowed shuffle of several lanes each lane has
+served a prefix of its observations, so each continues over its own runs of the order
+(`LanedDocumentPlan`). Cost: ~70 ns per observation to permute; one slice copy
 per row; O(excluded) for the places skipped.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from raypipe.errors import ConfigError
 from raypipe.sampling.balance import RowCostModel
 from raypipe.sampling.buffers import (
     BatchBuffers,
@@ -33,11 +35,13 @@ from raypipe.sampling.pack import RowPieces
 from raypipe.sampling.permute import WindowedPermutation
 from raypipe.sampling.plans import (
     DocumentOrder,
+    LanedPlan,
     LaneOrder,
     PackingReport,
     ShardGroups,
     ShardWindows,
     continued_order,
+    continued_runs,
     document_permutation,
     lane_bounds,
     next_window_blocks,
@@ -52,48 +56,113 @@ class DocumentPlan:
     def __init__(self, lengths: np.ndarray | DocumentLengths, seq_len: int, seed: int,
                  epoch: int, groups: ShardGroups | ShardWindows | None = None,
                  ordered: bool = False, pad_to: int = 1, first: int = 0,
-                 excluded: np.ndarray | None = None, order: DocumentOrder | None = None):
+                 excluded: np.ndarray | None = None, order: DocumentOrder | None = None,
+                 ranges: np.ndarray | None = None):
         """`ordered`: documents in index order (evaluation), `pad_to`: the size rounded up
         to a multiple of it with empty observations (id -1: a row of padding), so no
         document falls into a dropped tail; `first`: the plan serves the epoch's order from
         this place on (the rest of an epoch); `excluded`: documents it leaves out; `order`:
-        the epoch's order (default: its Feistel order; plans.continued_order)."""
+        the epoch's order (default: its Feistel order; plans.continued_order); `ranges`:
+        the runs [first, end) of the order it serves, ascending (default: [first, all)): a
+        lane's rest of an epoch (plans.LanedPlan)."""
         self.lengths = DocumentLengths.of(lengths)
         self.capacity = seq_len + 1
-        self.ordered, self.first = ordered, first
+        count = len(self.lengths)
+        self.ranges = (np.array([[first, count]], dtype=np.int64) if ranges is None
+                       else np.asarray(ranges, dtype=np.int64).reshape(-1, 2))
+        self.ordered, self.partial = ordered, self.ranges.tolist() != [[0, count]]
         self.permutation = None if ordered else order if order is not None else \
-            document_permutation(len(self.lengths), seed, epoch, 2, groups)
-        self.lanes = (LaneOrder(lane_bounds(self.permutation.window_starts, groups.lanes,
-                                            lambda starts: starts))
-                      if isinstance(self.permutation, WindowedPermutation)
-                      and groups.lanes > 1 else None)
-        if self.lanes is not None and (first or (excluded is not None and excluded.size)):
-            raise ConfigError(f"a change inside an epoch (of seq_len, or documents excluded) "
-                              f"under a windowed shuffle of {groups.lanes} lanes (the rows "
-                              "served are no prefix of the plan): give lanes=1, or make the "
-                              "change where an epoch starts")
+            document_permutation(count, seed, epoch, 2, groups)
         self.excluded = (np.zeros(0, dtype=np.int64) if excluded is None
                          else np.asarray(excluded, dtype=np.int64))
-        places = (self.excluded if self.permutation is None
-                  else self.permutation.inverse(self.excluded))
-        places = np.sort(places[places >= first])
+        # each run's first index among the runs' places laid end to end
+        self.run_offsets = np.concatenate(
+            [[0], np.cumsum(self.ranges[:, 1] - self.ranges[:, 0])]).astype(np.int64)
+        skipped = np.sort(self._run_index(self.excluded if self.permutation is None
+                                          else self.permutation.inverse(self.excluded)))
         # observations served before each skipped place: where a position passes it
-        self._skips = places - first - np.arange(places.size, dtype=np.int64)
-        self.count = len(self.lengths) - first - places.size  # documents it serves
+        self._skips = skipped - np.arange(skipped.size, dtype=np.int64)
+        self.count = int(self.run_offsets[-1]) - skipped.size  # documents it serves
         self.size = -(-self.count // pad_to) * pad_to
+        windowed = isinstance(self.permutation, WindowedPermutation) and groups.lanes > 1
+        if windowed and self.partial:
+            raise ValueError("a plan of part of an epoch reads one lane")
+        self.lanes = (LaneOrder(lane_bounds(self.permutation.window_starts, groups.lanes,
+                                            lambda starts: starts - np.searchsorted(
+                                                skipped, starts)))
+                      if windowed else None)
+
+    def _run_index(self, places: np.ndarray) -> np.ndarray:
+        """Where each of `places` (order places) falls among the runs' places laid end to
+        end (those in no run left out)."""
+        if not len(self.ranges):
+            return np.zeros(0, dtype=np.int64)
+        run = np.searchsorted(self.ranges[:, 0], places, side="right") - 1
+        inside = (run >= 0) & (places < self.ranges[np.maximum(run, 0), 1])
+        return (self.run_offsets[run[inside]] + places[inside]
+                - self.ranges[run[inside], 0]).astype(np.int64)
 
     def places(self, positions: np.ndarray) -> np.ndarray:
         """The places in the epoch's order of observations `positions` (< count)."""
-        return (self.first + positions
-                + np.searchsorted(self._skips, positions, side="right"))
+        index = positions + np.searchsorted(self._skips, positions, side="right")
+        run = np.searchsorted(self.run_offsets, index, side="right") - 1
+        return self.ranges[run, 0] + index - self.run_offsets[run]
 
     def documents(self, positions: np.ndarray) -> np.ndarray:
         inside = positions < self.count
         ids = np.full(positions.shape, -1, dtype=np.int64)
         order = positions[inside] if self.lanes is None else self.lanes(positions[inside])
-        order = self.places(order) if self.first or self._skips.size else order
+        order = self.places(order) if self.partial or self._skips.size else order
         ids[inside] = order if self.permutation is None else self.permutation(order)
         return ids
+
+    @property
+    def document_order(self) -> DocumentOrder | None:
+        return self.permutation
+
+    def remaining(self, position: int) -> np.ndarray:
+        """[k, 2]: the runs of the order (of one lane) positions [position, count) read."""
+        return self._runs_between(position, self.count)
+
+    def lane_remainders(self, position: int) -> list[np.ndarray]:
+        """The runs each lane has not served once positions [0, position) are (a lane
+        serves a prefix of its observations)."""
+        if self.lanes is None:
+            return [self.remaining(position)]
+        bounds, served = self.lanes.bounds, self.lanes.served(position)
+        return [self._runs_between(int(bounds[lane] + served[lane]), int(bounds[lane + 1]))
+                for lane in range(self.lanes.lanes)]
+
+    def _runs_between(self, start: int, stop: int) -> np.ndarray:
+        """[k, 2]: the runs of the order from observation `start`'s place up to observation
+        `stop`'s (`stop` = count: the runs' end; excluded places inside kept: the plan
+        after leaves them out again)."""
+        total = int(self.run_offsets[-1])
+
+        def index(observation: int) -> int:
+            return (total if observation >= self.count else int(
+                observation + np.searchsorted(self._skips, observation, side="right")))
+
+        first, end = index(start), index(stop)
+        runs = []
+        for run, begin in enumerate(self.ranges[:, 0].tolist()):
+            low = max(first, int(self.run_offsets[run]))
+            high = min(end, int(self.run_offsets[run + 1]))
+            if low < high:
+                runs.append([begin + low - int(self.run_offsets[run]),
+                             begin + high - int(self.run_offsets[run])])
+        return np.array(runs, dtype=np.int64).reshape(-1, 2)
+
+    def units_ahead(self, position: int) -> np.ndarray | None:
+        """The next window's blocks in the lane of `position` (windowed; else None)."""
+        order = (position if self.lanes is None or position >= self.count
+                 else int(self.lanes(np.array([position]))[0]))
+        if order >= self.count:
+            return next_window_blocks(self.permutation, len(self.lengths))
+        place = int(self.places(np.array([order], dtype=np.int64))[0])
+        run = int(np.searchsorted(self.ranges[:, 0], place, side="right")) - 1
+        return next_window_blocks(self.permutation, place, self.lanes, order,
+                                  int(self.ranges[run, 1]))
 
     def counted_tokens(self, positions: np.ndarray) -> int:
         """Tokens the rows at `positions` hold (each document cropped to a row; padding
@@ -104,7 +173,7 @@ class DocumentPlan:
 
     @cached_property
     def _report(self) -> PackingReport:
-        if self.first or self.excluded.size:  # the rest of an epoch: its documents, a
+        if self.partial or self.excluded.size:  # the rest of an epoch: its documents, a
             kept = total = 0  # chunk at a time (no array of them kept)
             for start in range(0, self.count, REPORT_CHUNK):
                 ids = self.documents(np.arange(start, min(start + REPORT_CHUNK, self.count),
@@ -150,10 +219,7 @@ class DocumentsFiller(BatchFiller[DocumentRow]):
         return self.source.units_of_documents(self.plan.documents(positions.reshape(-1)))
 
     def units_ahead(self, position: int) -> np.ndarray | None:
-        plan = self.plan
-        order = (position if plan.lanes is None or position >= plan.count
-                 else int(plan.lanes(np.array([position]))[0]))
-        return next_window_blocks(plan.permutation, order, plan.lanes, order)
+        return self.plan.units_ahead(position)
 
     def fill(self, plan: DescribedRows[DocumentRow], buffers: BatchBuffers) -> Filled:
         """A document per row; its padded tail is pad_id, masked, a sequence of its own."""
@@ -198,31 +264,67 @@ class DocumentsFiller(BatchFiller[DocumentRow]):
         return segments
 
 
+class LanedDocumentPlan(LanedPlan):
+    """documents' rest of an epoch in several lanes (plans.LanedPlan): lane l is a
+    DocumentPlan of its own runs of the order (what it had not served, then its share of
+    the joined units' windows)."""
+
+    kind = "documents"
+
+    @property
+    def count(self) -> int:
+        return self.size
+
+    @property
+    def permutation(self) -> DocumentOrder | None:
+        return self.plans[0].permutation
+
+    def documents(self, positions: np.ndarray) -> np.ndarray:
+        ids = np.empty(len(positions), dtype=np.int64)
+        for lane, where, local in self.by_lane(positions):
+            ids[where] = self.plans[lane].documents(local)
+        return ids
+
+
 class DocumentsMode(LoaderMode):
     name = "documents"
     splits = ("all", "train", "validation")
     continues_plans = True
     excludes = True
+    continues_lanes = True
 
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int, first: int = 0,
-             order: DocumentOrder | None = None) -> DocumentPlan:
+             order: DocumentOrder | None = None, ranges: np.ndarray | None = None
+             ) -> DocumentPlan:
         if spec.split == "validation":
             return DocumentPlan(inputs.lengths(), spec.seq_len, spec.seed, epoch,
                                 ordered=True, pad_to=inputs.step_observations, first=first,
-                                excluded=inputs.excluded)
+                                excluded=inputs.excluded, ranges=ranges)
         return DocumentPlan(inputs.lengths(), spec.seq_len, spec.seed, epoch, inputs.groups,
-                            first=first, excluded=inputs.excluded, order=order)
+                            first=first, excluded=inputs.excluded, order=order, ranges=ranges)
 
     def continue_plan(self, spec: Any, inputs: PlanInputs, epoch: int, before: Any,
-                      position: int) -> DocumentPlan:
+                      position: int) -> DocumentPlan | LanedDocumentPlan:
         """The rest of `before` from `position`: its order from the place that position
         reached, without the documents `inputs` excludes (with those that joined the epoch,
-        where `inputs` holds more: shuffled in among the rest)."""
-        first = (int(before.places(np.array([position], dtype=np.int64))[0])
-                 if position < before.count else len(before.lengths))
-        order = None if before.permutation is None else continued_order(
-            before.permutation, first, len(inputs.lengths()), spec.seed, epoch, inputs.groups)
-        return self.plan(spec, inputs, epoch, first, order)
+        where `inputs` holds more: shuffled in among the rest, or under a windowed shuffle
+        in windows after before's). Under several lanes each lane continues on its own (a
+        `LanedDocumentPlan`), the joined windows shared out between them."""
+        runs = before.lane_remainders(position)
+        base, count = before.document_order, len(inputs.lengths())
+        first = int(runs[0][0, 0]) if len(runs[0]) else len(before.lengths)
+        if base is None:  # the validation split, in index order
+            return self.plan(spec, inputs, epoch, ranges=runs[0])
+        order = continued_order(base, first, count, spec.seed, epoch, inputs.groups)
+        if len(runs) == 1:
+            return self.plan(spec, inputs, epoch, order=order,
+                             ranges=continued_runs(runs[0], first, base, order, 0, 1))
+        one_lane = replace(inputs, groups=replace(inputs.groups, lanes=1))
+        return LanedDocumentPlan([self.plan(
+            spec, one_lane, epoch, order=order,
+            ranges=continued_runs(lane_runs, int(lane_runs[0, 0]) if len(lane_runs)
+                                  else len(base), base, order, lane, len(runs)))
+            for lane, lane_runs in enumerate(runs)])
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
                boundaries: bool = True) -> DocumentsFiller:
