@@ -109,3 +109,19 @@ def test_the_holder_renews_its_lease_while_it_holds_the_lock(tmp_path, monkeypat
             assert time.monotonic() < deadline, "the lease was never renewed"
             time.sleep(0.05)
     assert not (tmp_path / "out" / LOCK_NAME).exists()
+
+
+def test_another_hosts_lock_from_before_leases_is_refused_however_old(tmp_path):
+    """A lock written by a release before leases (no `renewed_at`) reads as a lease that
+    never expires: its holder on another host is refused, not taken over, and the refusal
+    promises no lease."""
+    other = asdict(replace(LockRecord.mine(), host="other-" + socket.gethostname(), pid=4243,
+                           started_at=time.time() - 86_400))
+    del other["renewed_at"]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / LOCK_NAME).write_text(json.dumps(other))
+    with pytest.raises(ConfigError, match=r"pid 4243 on host 'other-[^;]*, since [0-9:]+\); "
+                                          "wait for it"), \
+            output_lock(Store(tmp_path / "out")):
+        pass
+    assert not LockRecord.from_json(other).expires

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.errors import ConfigError
+from raypipe.io.manifest_compat import upgrade_lock_record
 from raypipe.io.store import Store
 
 LOCK_NAME = ".raypipe-lock.json"
@@ -80,9 +82,16 @@ class LockRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LockRecord:
+        data = upgrade_lock_record(data)
         return cls(str(data.get("host")), int(data.get("pid", -1)),
-                   float(data.get("started_at", 0.0)), float(data.get("renewed_at", 0.0)),
+                   float(data.get("started_at", 0.0)), float(data["renewed_at"]),
                    data.get("boot_id"), data.get("process_start"))
+
+    @property
+    def expires(self) -> bool:
+        """Whether its lease runs out unless renewed (a record from before leases: never,
+        raypipe.io.manifest_compat)."""
+        return math.isfinite(self.renewed_at)
 
     def renewed(self) -> LockRecord:
         return LockRecord(self.host, self.pid, self.started_at, time.time(), self.boot_id,
@@ -96,9 +105,9 @@ class LockRecord:
         """Why the holder is known to be dead (None: alive, or not knowable from here)."""
         if self.host != socket.gethostname():
             age = time.time() - self.renewed_at
-            if self.renewed_at and age > LEASE_SECONDS:
+            if age > LEASE_SECONDS:
                 return f"its lease expired: not renewed for {age:.0f} s"
-            return None  # a holder of an earlier release (no lease), or renewing
+            return None  # renewing
         if self.boot_id and boot_id() and self.boot_id != boot_id():
             return "this host rebooted since"
         found = process_start(self.pid)
@@ -227,7 +236,7 @@ def _take(store: Store, record: LockRecord) -> None:
         same_host = holder.host == socket.gethostname()
         where = "this host" if same_host else f"host {holder.host!r}"
         since = time.strftime("%H:%M:%S", time.localtime(holder.started_at))
-        lease = "" if same_host or not holder.renewed_at else (
+        lease = "" if same_host or not holder.expires else (
             f"; its lease is taken over once {LEASE_SECONDS:.0f} s pass without renewal")
         raise ConfigError(f"{store}: another raypipe job is writing this output (pid "
                           f"{holder.pid} on {where}, since {since}{lease}); wait for it, or "

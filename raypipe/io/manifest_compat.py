@@ -17,6 +17,9 @@ read here as today's shape, so no other module names an old release:
   loader then finds boundaries by a BOS/EOS scan, and `raypipe trace` refuses them, as
   their records were cut by another rule); unit records before 0.5 do not list their
   skipped rows' runs, so trace names the input but not its row where rows were skipped.
+- An output's lock written before leases (0.6 and before) has no `renewed_at`: its holder
+  reads as one whose lease never expires (`upgrade_lock_record`), so a holder on another
+  host is judged alive, as that release judged it.
 - A batch format's section of 0.6 wrote its record length (T + 1) under `seq_len`; today's
   key is `record_len` (`SECTION_RENAMES`), so `seq_len` means T everywhere.
 Cost: one dict copy per manifest section read.
@@ -24,6 +27,7 @@ Cost: one dict copy per manifest section read.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -80,3 +84,8 @@ class SentinelLengths:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         whole = self[:]
         return whole if dtype is None else whole.astype(dtype)
+
+
+def upgrade_lock_record(data: dict[str, Any]) -> dict[str, Any]:
+    """A lock file's record as today's: one written before leases renews forever."""
+    return data if "renewed_at" in data else {**data, "renewed_at": math.inf}
