@@ -191,11 +191,13 @@ import json, sys, time, numpy as np, torch
 import torch.distributed as dist
 from raypipe.loader import TokenLoader
 output, port, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+knobs = json.loads(sys.argv[5])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                         world_size=2)
 if rank == 0:
     open(out + ".ready", "w").close()  # the job starts now: the ranks wait for its units
-loader = TokenLoader(output, 32, 3, seed=5, follow=True, follow_steps=2, device="cpu")
+loader = TokenLoader(output, 32, 3, seed=5, follow=True, follow_steps=2, device="cpu",
+                     **knobs)
 rows, epochs, tails = {}, {}, {}
 while True:
     for batch in loader:
@@ -214,12 +216,15 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("knobs", [{}, {"shuffle": "windowed", "window_blocks": 1, "lanes": 2}],
+                         ids=["global", "windowed-2-lanes"])
 def test_two_ranks_following_a_job_add_each_unit_at_the_same_step(corpus, tmp_path,
                                                                  tokenizer_path,
-                                                                 monkeypatch):
+                                                                 monkeypatch, knobs):
     """Two processes of one torch.distributed (gloo) group follow the job: rank 0 decides
     when units join and every rank adds them at that step, so both save one state, and
-    trace of it replays what each rank was served."""
+    trace of it replays what each rank was served, every token of each epoch once; under
+    a windowed shuffle of 2 lanes too (each lane takes its share of the joined windows)."""
     import socket
     import subprocess
     import sys
@@ -232,7 +237,8 @@ def test_two_ranks_following_a_job_add_each_unit_at_the_same_step(corpus, tmp_pa
     environment = {key: value for key, value in __import__("os").environ.items()
                    if key != "RAYPIPE_TEST_FAULT"}
     ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(output), str(port),
-                               str(rank), str(results[rank])], env=environment)
+                               str(rank), str(results[rank]), json.dumps(knobs)],
+                              env=environment)
              for rank in range(2)]  # started first: they wait for the job's first units
     ready = Path(f"{results[0]}.ready")
     deadline = time.monotonic() + 120
@@ -253,7 +259,7 @@ def test_two_ranks_following_a_job_add_each_unit_at_the_same_step(corpus, tmp_pa
     from raypipe.loader import TokenLoader as Loader
 
     replayed = Loader(str(output), SEQ_LEN, ROWS // 2, rank=0, world_size=2, seed=5,
-                      device="cpu")
+                      device="cpu", **knobs)
     replayed.load_state_dict(state)
     counts, lengths = traced_tokens(output, replayed.dataset, taken, state, world=2)
     tails = {int(epoch): tokens for epoch, tokens in served[0]["tails"].items()}
