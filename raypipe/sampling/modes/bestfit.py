@@ -81,6 +81,7 @@ from raypipe.sampling.plans import (
     continued_runs,
     document_permutation,
     lane_bounds,
+    lane_starts,
     next_window_blocks,
 )
 
@@ -430,7 +431,7 @@ class BestFitPlan:
         then every document of the blocks after it. O(one block)."""
         if self.lanes is not None:
             raise ValueError("a plan of several lanes: lane_remainders")
-        return self._remaining_rows(position, self.size)
+        return self._remaining_rows(position, self.num_blocks)
 
     def lane_remainders(self, position: int) -> list[Remainder]:
         """What each lane has not served once positions [0, position) are (one lane: one
@@ -438,16 +439,17 @@ class BestFitPlan:
         if self.lanes is None:
             return [self.remaining(position)]
         bounds, served = self.lanes.bounds, self.lanes.served(position)
-        return [self._remaining_rows(int(bounds[lane] + served[lane]), int(bounds[lane + 1]))
+        stops = np.searchsorted(self.block_starts, lane_starts(
+            self.document_order.window_starts, self.lane_count)[1:])
+        return [self._remaining_rows(int(bounds[lane] + served[lane]), int(stops[lane]))
                 for lane in range(self.lanes.lanes)]
 
-    def _remaining_rows(self, row: int, stop: int) -> Remainder:
-        """What rows [row, stop) of block order hold (`stop` a block's first row, or the
-        end): the pieces of the unserved rows of the block `row` falls in, then the
-        document ranges of the blocks after it, up to `stop`."""
-        stop_block = int(np.searchsorted(self.row_offsets, stop, side="left"))
-        if row >= stop:
-            return Remainder.none(self._block_ranges(stop_block, stop_block))
+    def _remaining_rows(self, row: int, stop_block: int) -> Remainder:
+        """What rows from `row` (of block order) up to block `stop_block` hold: the pieces
+        of the unserved rows of the block `row` falls in, then the document ranges of the
+        blocks after it, up to `stop_block`."""
+        if row >= self.row_offsets[stop_block]:
+            return Remainder.none(np.zeros((0, 2), dtype=np.int64))
         block = int(np.searchsorted(self.row_offsets, row, side="right")) - 1
         local = row - int(self.row_offsets[block])
         if local == 0:
