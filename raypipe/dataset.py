@@ -121,6 +121,19 @@ class RangedShard(ShardReader):
         raise NotImplementedError("a ranged shard opens through its dataset")
 
 
+def adjacent_runs(spans: list[tuple[int, tuple[int, int]]]
+                  ) -> list[list[tuple[int, tuple[int, int]]]]:
+    """(unit, (start, stop)) spans of one file grouped into runs whose bytes follow each
+    other (each run one GET), in the file's order."""
+    runs: list[list[tuple[int, tuple[int, int]]]] = []
+    for unit, span in sorted(spans, key=lambda unit_span: unit_span[1]):
+        if runs and runs[-1][-1][1][1] == span[0]:
+            runs[-1].append((unit, span))
+        else:
+            runs.append([(unit, span)])
+    return runs
+
+
 class ShardSet:
     """The shards of one format of an output, opened lazily through the registry.
 
@@ -287,8 +300,10 @@ class ShardSet:
 
     def _prefetch_blocks(self, units: list[int]) -> None:
         """Fetch ahead, in the order given, while this process holds at most `hold_bytes`
-        (`use_blocks`): the whole shards of blocks that are whole shards, and each ranged
-        shard's blocks in one ranged read (a task a shard), pinned here, all at once."""
+        (`use_blocks`): the whole shards of blocks that are whole shards, and each run of
+        adjacent blocks of a ranged shard in one ranged GET (a task a run, in the order
+        the runs are first needed, so blocks of one shard arrive side by side, not one
+        after another), pinned here, all at once."""
         assert self.blocks is not None and self.cache is not None
         ranged: dict[int, list[tuple[int, tuple[int, int]]]] = {}
         held = self._held_bytes()
@@ -319,12 +334,34 @@ class ShardSet:
                     self.cache.range_path(self.key, entry, *span), span[1] - span[0])
         self.cache.pin([self._held_blocks[unit].path for wanted in ranged.values()
                         for unit, _ in wanted])
-        for shard, wanted in ranged.items():
-            check = self._range_check(shard)  # made here: the pool's threads share no state
-            fetch = self._pool_submit(self._fetch_ranges, shard,
-                                      [span for _, span in wanted], check)
-            for unit, _ in wanted:
+        checks = {shard: self._range_check(shard)  # made here: the pool's threads share
+                  for shard in ranged}  # no state
+        needed_at = {unit: at for at, unit in enumerate(units)}
+        runs = sorted(((shard, run) for shard, wanted in ranged.items()
+                       for run in adjacent_runs(wanted)),
+                      key=lambda shard_run: min(needed_at[unit] for unit, _ in shard_run[1]))
+        for shard, run in runs:
+            fetch = self._pool_submit(self._fetch_ranges, shard, [span for _, span in run],
+                                      checks[shard])
+            for unit, _ in run:
                 self._held_blocks[unit].fetch = fetch
+
+    def arrived(self, units: Iterable[int]) -> bool:
+        """Every one of these units (blocks, `use_blocks`) is here or not awaited: a
+        reader needs no request to read it (locally, always)."""
+        if self.cache is None or self.blocks is None:
+            return True
+        for unit in units:
+            shard = int(self.blocks.shards[unit])
+            if not self.ranged(shard):
+                fetching = self._fetching.get(shard)
+                if shard not in self._readers and (fetching is None or not fetching.done()):
+                    return False
+                continue
+            held = self._held_blocks.get(unit)
+            if held is None or (held.fetch is not None and not held.fetch.done()):
+                return False
+        return True
 
     def _fetch_ranges(self, shard: int, ranges: list[tuple[int, int]],
                       check: RangeCheck | None) -> list[Path]:
@@ -406,9 +443,11 @@ class ShardSet:
                 reader.tokens.forget(keep)
 
     def _held_bytes(self) -> int:
-        """Bytes this process holds or fetches: open and pending whole shards (a ranged
-        shard's index files), and held blocks."""
-        return (sum(self._open_bytes(i) for i in (*self._readers, *self._fetching))
+        """Bytes this process holds or fetches: open and pending whole shards, and held
+        blocks (a ranged shard's index files are not counted: the window budget set them
+        apart for every shard before it sized `hold_bytes`)."""
+        return (sum(self._open_bytes(i) for i in (*self._readers, *self._fetching)
+                    if not self.ranged(i))
                 + sum(held.bytes for held in self._held_blocks.values()))
 
     def prefetch(self, indices: Iterable[int]) -> None:

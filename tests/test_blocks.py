@@ -11,12 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raypipe.dataset import adjacent_runs
 from raypipe.errors import ConfigError
 from raypipe.io.cache import ShardCache
 from raypipe.io.ranged import BlockTokens
 from raypipe.io.records import FileEntry
 from raypipe.io.store import Store
 from raypipe.sampling.blocks import (
+    BLOCK_ALIGN,
     WHOLE_SHARDS,
     WindowBudget,
     cut_blocks,
@@ -105,6 +107,24 @@ def test_a_budget_below_one_block_a_rank_is_refused_in_one_line_naming_the_least
 def test_automatic_blocks_stay_within_their_bounds():
     assert WindowBudget(64 << 40).block_bytes(0) == 4 << 20  # a huge cache: the largest
     assert WindowBudget(1 << 20).block_bytes(0) == 16 << 10  # a small one: the smallest
+
+
+@pytest.mark.parametrize("window", [BLOCK_ALIGN, 3 * BLOCK_ALIGN + 100, (16 << 10) - 1])
+def test_a_window_under_the_smallest_automatic_block_takes_the_largest_it_holds(window):
+    """A small cache over small shards (issue 75's 2 shards a rank at 10%) runs with one
+    block a window of whole checksum units, instead of refusing a 16 KiB block."""
+    budget = WindowBudget(window * 2 * 2 * 2, node_ranks=2)  # 2 windows a rank, 50% share
+    assert budget.window_bytes == window
+    block = budget.block_bytes(0)
+    assert block == window // BLOCK_ALIGN * BLOCK_ALIGN and block % BLOCK_ALIGN == 0
+    assert budget.window_blocks(block) == 1
+
+
+def test_a_window_under_one_checksum_unit_is_refused_naming_the_least_budget():
+    budget = WindowBudget((BLOCK_ALIGN - 1) * 8, node_ranks=2, index_bytes=0)
+    with pytest.raises(ConfigError) as refused:
+        budget.block_bytes(0)
+    assert f"cache_bytes >= {budget.least_budget(BLOCK_ALIGN):,}" in str(refused.value)
 
 
 @settings(max_examples=100, deadline=None)
@@ -210,3 +230,23 @@ def test_shards_that_cannot_be_read_a_block_at_a_time_window_whole_shards(tmp_pa
     megatron = TokenLoader(str(output), 32, 4, shuffle="windowed", format="megatron")
     assert nanogpt.spec.block_bytes == WHOLE_SHARDS
     assert megatron.spec.block_bytes < WHOLE_SHARDS
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 3)), min_size=1, max_size=30,
+                unique_by=lambda start_length: start_length[0]))
+def test_adjacent_block_ranges_are_fetched_as_one_run_and_no_two_runs_touch(starts):
+    """A prefetch's ranges of one shard: runs partition them, each run's bytes follow each
+    other (one GET), and two runs never touch (else they would be one GET)."""
+    spans, end = [], -1
+    for at, length in sorted(starts):
+        start = max(at * 4, end)  # ranges of one file never overlap
+        spans.append((len(spans), (start, start + length)))
+        end = start + length
+    shuffled = spans[::-1]
+    runs = adjacent_runs(shuffled)
+    assert sorted(unit_span for run in runs for unit_span in run) == sorted(spans)
+    for run in runs:
+        assert all(a[1][1] == b[1][0] for a, b in zip(run, run[1:], strict=False))
+    ends = sorted((run[0][1][0], run[-1][1][1]) for run in runs)
+    assert all(stop < start for (_, stop), (start, _) in zip(ends, ends[1:], strict=False))

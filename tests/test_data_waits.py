@@ -5,6 +5,7 @@ prefetch ring, and a TokenLoader's own figures."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import numpy as np
@@ -61,6 +62,30 @@ def test_a_slow_producer_shows_in_the_waits_and_a_slow_consumer_does_not():
     assert starved.batches == 11 and starved.p50_ms >= 20 and starved.total_s >= 0.25
     fed = served(job_seconds=0.0, consumer_seconds=0.03).summary()
     assert fed.batches == 11 and fed.p99_ms < 10 and fed.total_s < 0.05
+
+
+def test_batches_built_before_a_job_that_waits_on_a_fetch_are_handed_over_first():
+    """Batches go over 4 at a time, but job 2 waits on a fetch that only comes once the
+    consumer has batch 1: without the hand-over before job 2, batch 1 waits behind it
+    (here for ever: the 2 s timeout fails the test)."""
+    fetched = threading.Event()
+
+    def build(job: int, slot: int) -> int:
+        if job == 2:
+            assert fetched.wait(2.0), "batch 1 was held behind the build that waits"
+        return job
+
+    ring = HostRing(4 * 4 + 2, 8, torch.int64, pin=False)
+    prefetcher = Prefetcher(iter(range(6)), build, lambda tensor, slot, meta: meta, ring,
+                            torch.device("cpu"), depth=2, chunk=4,
+                            ready=lambda job: job != 2 or fetched.is_set())
+    taken = []
+    for batch in prefetcher:
+        taken.append(batch)
+        if batch == 1:
+            fetched.set()
+    prefetcher.close()
+    assert taken == list(range(6))
 
 
 def test_a_wait_past_the_threshold_is_logged_once_a_minute_with_what_the_loader_did(

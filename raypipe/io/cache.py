@@ -50,7 +50,7 @@ from raypipe.io.store import Store
 
 logger = logging.getLogger("raypipe")
 DEFAULT_BUDGET = 64 << 30
-LOCK_STRIPES = 64
+LOCK_STRIPES = 1024  # lock files by a hash of the file: concurrent fetches seldom share one
 LOCKS_DIR = ".locks"
 RANGE_MARK = ".range-"  # a cached byte range: <file>.range-<start>-<stop>
 EVICT_SHARE = 1 / 32  # ranges downloaded between two evictions, of the budget

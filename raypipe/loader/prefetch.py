@@ -1,12 +1,13 @@
 """Background batch preparation into a ring of (pinned) host buffers, one H2D copy each.
 
 Invariant: a producer thread builds batch n directly into host slot n mod S and hands
-batches over `chunk` at a time (S = (depth + 2) x chunk + depth: `depth` chunks queued, one
-held by the trainer, one being built, and `depth` more), so a batch's slot is not rewritten
-until the trainer has taken `depth` more batches, wherever the hand-off chunks begin (with
-S = (depth + 2) x chunk, the last batch of a chunk was rewritten as soon as the trainer
-took the next one). With CUDA the slot is page-locked, copied with one `non_blocking` copy on a side
-stream, and the producer waits for that copy's event before queueing, so the slot is free
+batches over `chunk` at a time, or fewer before a job that would wait on a request
+(`ready`: what is built is not held behind a fetch) (S = (depth + 2) x chunk + depth:
+`depth` chunks queued, one held by the trainer, one being built, and `depth` more), so a
+batch's slot is not rewritten until the trainer has taken `depth` more batches, wherever
+the hand-off chunks begin (with S = (depth + 2) x chunk, the last batch of a chunk was
+rewritten as soon as the trainer took the next one). With CUDA the slot is page-locked,
+copied with one `non_blocking` copy on a side stream, and the producer waits for that copy's event before queueing, so the slot is free
 again and the device tensor is ready; the device tensor is marked as used by the
 consumer's stream so the caching allocator never recycles it early. Without CUDA the same
 path runs with unpinned slots and no copy. The training thread only does `queue.get()`
@@ -51,8 +52,9 @@ class Prefetcher:
     def __init__(self, jobs: Iterator[Any], build: Callable[[Any, int], Any],
                  wrap: Callable[[torch.Tensor, int, Any], Any], ring: HostRing,
                  device: torch.device, depth: int, chunk: int = 1,
-                 waits: WaitStats | None = None):
+                 waits: WaitStats | None = None, ready: Callable[[Any], bool] | None = None):
         self.jobs, self.build, self.wrap, self.ring = jobs, build, wrap, ring
+        self.ready = ready  # a job builds without waiting on a request (None: all do)
         self.waits = waits if waits is not None else WaitStats()
         self.device = device
         self.cuda = device.type == "cuda"
@@ -89,6 +91,10 @@ class Prefetcher:
         try:
             pending: list[Any] = []
             for index, job in enumerate(self.jobs):
+                if pending and self.ready is not None and not self.ready(job):
+                    if not self._put(pending):  # what is built goes first, not after
+                        return  # a build that waits
+                    pending = []
                 slot = index % len(self.ring)
                 meta = self.build(job, slot)
                 pending.append(self.wrap(self._to_device(self.ring.slots[slot]), slot, meta))
@@ -124,13 +130,15 @@ def batch_stream(jobs: Iterator[Any], fill: Callable[[Any, BatchBuffers], Any],
                  finish: Callable[[BatchBuffers, Any], Any], rows: int, seq_len: int,
                  dtype: torch.dtype, device: torch.device, depth: int,
                  prepare: Callable[[BatchBuffers], None] | None = None,
-                 waits: WaitStats | None = None) -> Prefetcher:
+                 waits: WaitStats | None = None,
+                 ready: Callable[[Any], bool] | None = None) -> Prefetcher:
     """Batches of `rows` x (`seq_len` + 1) tokens: `fill(job, host_views) -> meta` on the
     producer thread, `finish(device_views, meta)` on the trainer's. Small batches are
     handed over a few at a time (thread wake-ups dominate them), large ones one by one, so
     the (pinned) ring stays ~2 x depth + 2 batches, and a batch taken stays intact while
     the trainer takes `depth` more; `prepare` sets up each host slot once; the training
-    thread's wait for each batch goes into `waits` (raypipe.loader.stats)."""
+    thread's wait for each batch goes into `waits` (raypipe.loader.stats); a job that
+    `ready` says would wait on a request first hands over the batches built before it."""
     numel = BatchBuffers.size(rows, seq_len)
     chunk = max(1, min(HANDOFF_CHUNK, HANDOFF_ELEMENTS // numel))
     ring = HostRing((depth + 2) * chunk + depth, numel, dtype, pin=device.type == "cuda")
@@ -147,4 +155,4 @@ def batch_stream(jobs: Iterator[Any], fill: Callable[[Any, BatchBuffers], Any],
                  else BatchBuffers.over(flat, rows, seq_len))
         return finish(views, meta)
 
-    return Prefetcher(jobs, build, wrap, ring, device, depth, chunk, waits)
+    return Prefetcher(jobs, build, wrap, ring, device, depth, chunk, waits, ready)

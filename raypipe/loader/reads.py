@@ -1,5 +1,6 @@
 """What a rank reads ahead: the described steps of a segment, each with the shards or
-blocks it reads already on their way from object storage.
+blocks it reads already on their way from object storage, and whether a step's reads
+have arrived (the batches before one that would wait are handed over first).
 
 Invariant: before the producer thread fills a step, every read the next steps need is in
 flight, issued from the schedule in the order the steps read it, and what no coming step
@@ -24,14 +25,31 @@ READ_AHEAD_STEPS = 64  # a dataset read in blocks: steps described ahead of the 
 DESCRIBED_TOGETHER = 8  # ... described a few at a time, before each step served
 
 
-def described_steps(run: Any, filler: BatchFiller, segment: Segment
-                    ) -> Iterator[DescribedRows]:
+class ReadAhead:
     """This rank's described steps of the segment of `run` (a Run), with their reads
     issued ahead: a dataset read in blocks, `_blocks_ahead`; else whole shards,
-    `_shards_ahead`."""
-    if getattr(run.dataset, "blocks", None) is not None:
-        return _blocks_ahead(run, filler, segment)
-    return _shards_ahead(run, filler, segment)
+    `_shards_ahead`. `arrived(step)` says whether the step last yielded can be filled
+    without waiting on a request (so the batches before it are handed over first)."""
+
+    def __init__(self, run: Any, filler: BatchFiller, segment: Segment):
+        self.dataset = run.dataset
+        self.last: tuple[DescribedRows | None, np.ndarray | None] = (None, None)
+        self.steps = (self._blocks_ahead(run, filler, segment)
+                      if getattr(run.dataset, "blocks", None) is not None
+                      else _shards_ahead(run, filler, segment))
+
+    def __iter__(self) -> Iterator[DescribedRows]:
+        return self.steps
+
+    def arrived(self, step: DescribedRows) -> bool:
+        job, units = self.last
+        return job is not step or units is None or self.dataset.arrived(units.tolist())
+
+    def _blocks_ahead(self, run: Any, filler: BatchFiller, segment: Segment
+                      ) -> Iterator[DescribedRows]:
+        for job, units in _blocks_ahead(run, filler, segment):
+            self.last = (job, units)
+            yield job
 
 
 def _shards_ahead(run: Any, filler: BatchFiller, segment: Segment
@@ -54,16 +72,19 @@ def _shards_ahead(run: Any, filler: BatchFiller, segment: Segment
 
 
 def _blocks_ahead(run: Any, filler: BatchFiller, segment: Segment
-                  ) -> Iterator[DescribedRows]:
+                  ) -> Iterator[tuple[DescribedRows, np.ndarray]]:
     """The blocks each step reads fetched in the order the steps read them, as far as the
-    rank's share of the node cache holds, over the next READ_AHEAD_STEPS steps (described
-    DESCRIBED_TOGETHER at a time, one such call before each step served, so no step waits
-    behind a long description); the blocks of steps already served are let go."""
+    rank's share of the node cache holds, over the next READ_AHEAD_STEPS steps (all of
+    them described before the first step, so its reads and the next ones' go out
+    together; then DESCRIBED_TOGETHER at a time, one such call before each step served,
+    so no step waits behind a long description); the blocks of steps already served are
+    let go. Each step comes with the blocks it reads."""
     dataset, chunks = run.dataset, run.rank_chunks(segment)
     undescribed: deque[np.ndarray] = deque()  # steps' positions, one row a step
     pending: deque[tuple[DescribedRows, np.ndarray]] = deque()
+    first = True
     while True:
-        if len(pending) < READ_AHEAD_STEPS:
+        while len(pending) < READ_AHEAD_STEPS:
             if not undescribed:
                 chunk = next(chunks, None)
                 undescribed.extend(() if chunk is None else chunk[0])
@@ -72,10 +93,13 @@ def _blocks_ahead(run: Any, filler: BatchFiller, segment: Segment
             if few:
                 pending.extend((job, filler.job_units(job))
                                for job in filler.describe(np.stack(few)))
+            if not few or not first:
+                break
+        first = False
         if not pending:
             return
         upcoming = list(dict.fromkeys(int(unit) for _, units in pending
                                       for unit in units.tolist()))
         dataset.close_except(upcoming)
         dataset.prefetch(upcoming)
-        yield pending.popleft()[0]
+        yield pending.popleft()

@@ -30,7 +30,7 @@ from raypipe.loader.exclusions import PendingExclusions
 from raypipe.loader.follow import JobFollower, unfinished_output
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
-from raypipe.loader.reads import described_steps
+from raypipe.loader.reads import ReadAhead
 from raypipe.loader.view import RunView
 from raypipe.sampling.buffers import BatchBuffers, DescribedRows
 from raypipe.sampling.mixture import is_mixture_spec
@@ -209,10 +209,11 @@ class TokenLoader(RunView):
                             positions=job.positions, epoch=segment.epoch,
                             step=segment.step_at(int(job.positions[0])), metadata=metadata)
 
-        prefetcher = batch_stream(described_steps(self.run, filler, segment), fill, finish,
+        steps = ReadAhead(self.run, filler, segment)
+        prefetcher = batch_stream(iter(steps), fill, finish,
                                   self.run.rows_per_rank(segment), segment.seq_len,
                                   self.options.dtype, self.device, self.options.prefetch,
-                                  filler.prepare, self.waits)
+                                  filler.prepare, self.waits, steps.arrived)
         yield from self._served(prefetcher, lambda batch: self.run.took(segment, batch.step))
 
     def _datasets(self) -> list[Any]:

@@ -28,7 +28,8 @@ WINDOWS_HELD = 2  # windows a rank holds: the one it reads and the next, fetched
 WINDOW_SHARE = 0.5  # of the node cache's budget less the index files: the node's windows
 HOLD_SHARE = 0.8  # ... and what the node's ranks hold and fetch ahead, all together
 BLOCKS_PER_WINDOW = 16  # block_bytes 0: blocks of about 1/16 of a window ...
-BLOCK_BYTES_RANGE = (16 << 10, 4 << 20)  # ... within these bounds (GET cost vs mixing)
+BLOCK_BYTES_RANGE = (16 << 10, 4 << 20)  # ... within these bounds (GET cost vs mixing),
+# where a window holds the floor; a smaller window holds one block of what it can
 # block_bytes is a multiple of a shard's checksum unit, so a block is a run of whole units
 # checked as it arrives (raypipe.io.checksums)
 BLOCK_ALIGN = UNIT_BYTES
@@ -145,11 +146,9 @@ class WindowBudget:
                                               / WINDOW_SHARE))
 
     def block_bytes(self, asked: int) -> int:
-        """`asked`, or (0) about 1/BLOCKS_PER_WINDOW of a window within BLOCK_BYTES_RANGE;
-        a budget whose window holds no block is refused, naming the least budget."""
-        low, high = BLOCK_BYTES_RANGE
-        fitted = min(max(self.window_bytes // BLOCKS_PER_WINDOW, low), high)
-        chosen = asked or int(fitted // BLOCK_ALIGN * BLOCK_ALIGN)
+        """`asked`, or (0) the automatic size (`_automatic_block_bytes`); a budget whose
+        window holds no block is refused, naming the least budget."""
+        chosen = asked or self._automatic_block_bytes()
         if self.window_bytes < chosen:
             raise ConfigError(
                 f"cache_bytes {self.budget_bytes:,} holds no block of {chosen:,} bytes for "
@@ -159,6 +158,16 @@ class WindowBudget:
                 f"leave): give cache_bytes >= {self.least_budget(chosen):,}, or a smaller "
                 "block_bytes")
         return chosen
+
+    def _automatic_block_bytes(self) -> int:
+        """1/BLOCKS_PER_WINDOW of a window within BLOCK_BYTES_RANGE; a window under the
+        range's floor takes the largest whole number of BLOCK_ALIGN it holds (a block a
+        window, more GETs: a small cache over small shards), BLOCK_ALIGN at least."""
+        low, high = BLOCK_BYTES_RANGE
+        fitted = min(max(self.window_bytes // BLOCKS_PER_WINDOW, low), high)
+        if self.window_bytes < fitted:
+            fitted = max(self.window_bytes, BLOCK_ALIGN)
+        return int(fitted // BLOCK_ALIGN * BLOCK_ALIGN)
 
     def _of_sources(self) -> str:
         return "" if self.sources == 1 else f" and {self.sources} sources on object storage"
