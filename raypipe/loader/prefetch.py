@@ -7,9 +7,10 @@ batches over `chunk` at a time, or fewer before a job that would wait on a reque
 batch's slot is not rewritten until the trainer has taken `depth` more batches, wherever
 the hand-off chunks begin (with S = (depth + 2) x chunk, the last batch of a chunk was
 rewritten as soon as the trainer took the next one). With CUDA the slot is page-locked,
-copied with one `non_blocking` copy on a side stream, and the producer waits for that copy's event before queueing, so the slot is free
-again and the device tensor is ready; the device tensor is marked as used by the
-consumer's stream so the caching allocator never recycles it early. Without CUDA the same
+copied with one `non_blocking` copy on a side stream, and the producer waits for that
+copy's event before queueing, so the slot is free again and the device tensor is ready;
+the device tensor is marked as used by the consumer's stream so the caching allocator
+never recycles it early. Without CUDA the same
 path runs with unpinned slots and no copy. The training thread only does `queue.get()`
 (once per chunk: a handoff per batch cost ~12 us of thread wake-ups, a quarter of a
 windows batch). `batch_stream` is the one way TokenLoader and MixtureLoader set this up.
