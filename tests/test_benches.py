@@ -3,6 +3,7 @@ only under tmp_path (the figures themselves are the benchmarks' business, not th
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -211,3 +212,14 @@ def test_the_lanes_benchmark_runs_at_a_tiny_size():
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split() for line in done.stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["1", "4"] and rows[0][2] == rows[0][4] == "1.0"
+
+
+@pytest.mark.slow
+def test_the_retry_benchmark_runs_at_a_tiny_size():
+    env = {key: value for key, value in os.environ.items() if key != "AWS_ENDPOINT_URL"}
+    done = subprocess.run([sys.executable, "bench/retry_bench.py", "--reads", "2",
+                           "--delay-ms", "2"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    rows = [line.split("  ")[0] for line in done.stdout.splitlines()[2:] if line.strip()]
+    assert rows == ["raypipe Store", "pyarrow from_uri"] * 3, done.stdout

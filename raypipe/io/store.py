@@ -120,11 +120,10 @@ def remote_errors(uri: str, doing: str) -> Iterator[None]:
 
 def quick_retrying(fs: pafs.FileSystem) -> pafs.FileSystem:
     """`fs`, an S3 filesystem made again with the same settings and the AWS SDK's default
-    retry strategy (a reset connection or a 5xx tried again after ~25 ms, SDK_TRIES in
-    all) instead of pyarrow's default, the SDK's standard strategy, whose retry of a reset
-    connection waits ~0.5 s: a block a training step waits on (measured on loopback at
-    20 ms a request: a reset read cost 0.58 s, 0.05 s with this); `Store.retrying`'s own
-    backoff follows. Other filesystems as they are."""
+    retry strategy (a reset connection tried again at once, SDK_TRIES in all) instead of
+    pyarrow's default, the SDK's standard strategy, whose retry of a reset connection
+    waits ~0.5 s while a training step may wait on the block (benchmarks.md: "Retries");
+    `Store.retrying`'s own backoff follows. Other filesystems as they are."""
     if not isinstance(fs, pafs.S3FileSystem):
         return fs
     _, (settings,) = fs.__reduce__()
