@@ -250,3 +250,19 @@ def test_adjacent_block_ranges_are_fetched_as_one_run_and_no_two_runs_touch(star
         assert all(a[1][1] == b[1][0] for a, b in zip(run, run[1:], strict=False))
     ends = sorted((run[0][1][0], run[-1][1][1]) for run in runs)
     assert all(stop < start for (_, stop), (start, _) in zip(ends, ends[1:], strict=False))
+
+
+def test_a_resumed_layout_is_kept_where_the_budget_no_longer_holds_its_windows():
+    """A run that chose 16 KiB blocks at 2 ranks a node resumes at 3 on the same budget
+    (issue 75's 2 -> 3 resume): its recorded layout is kept, not refused; a fresh run
+    asking that block size of the same budget is refused."""
+    from raypipe.sampling.modes import PlanSpec
+    from raypipe.sampling.resolve import RunFacts, resolve
+
+    budget = WindowBudget(150_000, node_ranks=3, index_bytes=8_000)
+    saved = {"shuffle": "windowed", "block_bytes": 16 << 10, "window_blocks": 1, "lanes": 2}
+    resumed = resolve(PlanSpec.of(seq_len=64), RunFacts(False, 3, budget, saved))
+    assert (resumed.block_bytes, resumed.window_blocks, resumed.lanes) == (16 << 10, 1, 2)
+    with pytest.raises(ConfigError):
+        resolve(PlanSpec.of(seq_len=64, shuffle="windowed", block_bytes=16 << 10),
+                RunFacts(False, 3, budget))

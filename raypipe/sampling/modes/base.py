@@ -293,16 +293,18 @@ class PlanSpec:
         window, window_blocks 0 as many blocks as the window holds (a state records both,
         so a resume cuts the same blocks on any node), or, for data whose shards cannot be
         read a block at a time (`WindowBudget.ranged`), whole shards; a budget whose
-        window holds no block is refused, naming the least one."""
+        window holds no block is refused, naming the least one. A layout given in full
+        (block_bytes and window_blocks: a resumed state's) is kept as it is, so a resume
+        on more ranks a node runs, over the budget if it must."""
         if self.shuffle != "windowed":
             return self
         if self.block_bytes >= WHOLE_SHARDS:  # a state's layout of whole shards
             return self
         if not self.block_bytes and not budget.ranged:  # blocks its shards cannot serve
             return replace(self, block_bytes=WHOLE_SHARDS)
+        if self.window_blocks and self.block_bytes:  # a resumed run's layout, or one given:
+            return self  # kept (a cache it overfills warns: raypipe.io.cache)
         block_bytes = budget.block_bytes(self.block_bytes)
-        if self.window_blocks and self.block_bytes:
-            return self
         return replace(self, block_bytes=block_bytes,
                        window_blocks=self.window_blocks or budget.window_blocks(block_bytes))
 
