@@ -838,3 +838,25 @@ def test_an_s3_store_made_again_for_quick_retries_keeps_every_setting_of_its_uri
     assert store.fs.__reduce__()[1] == resolved.__reduce__()[1]
     store.write_json("probe.json", {"written": 1})
     assert store.read_json("probe.json") == {"written": 1}
+
+
+def test_an_object_cut_under_a_kept_open_file_is_refused_as_cut_not_retried_for_ever(
+        bucket, monkeypatch):
+    """Ranged reads keep the object's open file across a transient failure (no HEAD a
+    retry); an object replaced by a shorter one answers a range past its new end with an
+    error a retry cannot mend, so after two failed tries the file is opened again and the
+    size is refused against the manifest's, naming the object."""
+    import boto3
+
+    from raypipe.errors import FormatError
+    from raypipe.io import store as store_module
+
+    monkeypatch.setattr(store_module, "RANGE_RETRY_SECONDS", 0.001)
+    store = Store(f"s3://{bucket}/cut")
+    store.write_bytes("tokens.bin", bytes(range(256)) * 800)  # 204,800 bytes
+    assert store.read_ranges("tokens.bin", [(102_400, 102_656)],
+                             expected_size=204_800) == [bytes(range(256))]
+    boto3.client("s3").put_object(Bucket=bucket, Key="cut/tokens.bin", Body=b"x" * 50_000)
+    with pytest.raises(FormatError) as refused:
+        store.read_ranges("tokens.bin", [(150_000, 150_256)], expected_size=204_800)
+    assert "tokens.bin" in str(refused.value) and "size differs" in str(refused.value)

@@ -268,12 +268,15 @@ class Store:
         """The bytes [start, stop) of a file for each range: one open of the file (on
         object storage a HEAD: pyarrow's S3 file learns its size) and one ranged GET a
         range; a range that comes back short is a TransientError (the file opened again
-        for the next try), and the whole read is retried as `retrying` says. A file whose
-        size is not `expected_size` (the manifest's) is refused (FormatError naming it):
-        bytes appended or cut."""
+        for the next try, as after two failed tries on the kept one), and the whole read
+        is retried as `retrying` says. A file whose size is not `expected_size` (the
+        manifest's) is refused (FormatError naming it): bytes appended or cut."""
         uri = self.uri_of(relative)
+        transient: list[TransientError] = []  # this read's failed tries so far
 
         def read() -> list[bytes]:
+            if transient[1:]:  # failed twice on the kept file: open it again (a replaced
+                self._forget_handle(relative)  # object answers a range past its end 416)
             handle = self._ranged_handle(relative)
             try:
                 if expected_size is not None and handle.size() != expected_size:
@@ -289,8 +292,9 @@ class Store:
                                              f"{len(data)} bytes long")
                     parts.append(data)
                 return parts
-            except TransientError:
-                raise  # the open file stays good: each read at an offset is a GET of its own
+            except TransientError as exc:
+                transient.append(exc)  # the open file is kept for one retry: each read at
+                raise  # an offset is a GET of its own, so a 503 or a reset costs no HEAD
             except BaseException:
                 self._forget_handle(relative)
                 raise

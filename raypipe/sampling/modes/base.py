@@ -170,7 +170,8 @@ class PlanSpec:
                              applies=("shuffle", "shard_local"))
     block_bytes: int = knob(0, "shuffle windowed: bytes of whole documents a block holds, "
                             "the unit fetched and shuffled (0: about 1/16 of a window, "
-                            "16 KiB to 4 MiB; a multiple of 4 KiB)",
+                            "16 KiB to 4 MiB, or a window's worth of 4 KiB units where "
+                            "it holds less; a multiple of 4 KiB)",
                             applies=("shuffle", "windowed"))
     window_blocks: int = knob(0, "shuffle windowed: blocks per window (0: as many as the "
                               "node cache holds, two windows a rank of the node)",
