@@ -214,6 +214,16 @@ def test_the_lanes_benchmark_runs_at_a_tiny_size():
     assert [row[0] for row in rows] == ["1", "4"] and rows[0][2] == rows[0][4] == "1.0"
 
 
+def test_the_lane_ends_benchmark_reads_each_lanes_rest_on_fewer_nodes_than_spread():
+    done = subprocess.run([sys.executable, "bench/lane_ends_bench.py", "--blocks", "3000",
+                           "--lanes", "64", "--per-node", "8"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {row[1]: row for row in (line.split() for line in done.stdout.splitlines()[2:])}
+    assert set(rows) == {"spread", "nearby"}
+    assert int(rows["nearby"][5]) <= 2 < int(rows["spread"][5])
+
+
 @pytest.mark.slow
 def test_the_retry_benchmark_runs_at_a_tiny_size():
     env = {key: value for key, value in os.environ.items() if key != "AWS_ENDPOINT_URL"}

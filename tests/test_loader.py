@@ -508,3 +508,22 @@ def test_a_resume_under_auto_adopts_the_states_shuffle_in_the_run_it_opened(toke
     assert resumed.run.planned is planned
     assert (planned.spec.shuffle, planned.spec.lanes) == ("windowed", 2)
     assert [batch.inputs.numpy().tobytes() for batch in resumed] == expected
+
+
+def test_a_windowed_state_saved_without_lane_ends_resumes_with_lanes_spread(token_dataset):
+    """A windowed state that records no `lane_ends` (saved before the knob: its lanes'
+    rest read by every rank) resumes in that layout, batch for batch, under a run whose
+    default is nearby; a nearby run's state records its layout."""
+    spread = TokenLoader(token_dataset, 32, 4, seed=5, shuffle="windowed", lanes=2,
+                         lane_ends="spread")
+    batches = iter(spread)
+    next(batches)
+    state = spread.state_dict()
+    assert "lane_ends" not in state["knobs"]
+    expected = [batch.inputs.numpy().tobytes() for batch in batches]
+    nearby = TokenLoader(token_dataset, 32, 4, seed=5, shuffle="windowed", lanes=2)
+    assert nearby.state_dict()["knobs"]["lane_ends"] == "nearby"
+    assert [batch.inputs.numpy().tobytes() for batch in nearby][1:] != expected
+    resumed = TokenLoader(token_dataset, 32, 4, seed=5, shuffle="windowed", lanes=2)
+    resumed.load_state_dict(state)
+    assert [batch.inputs.numpy().tobytes() for batch in resumed] == expected

@@ -18,6 +18,7 @@ from raypipe.sampling.permute import (
     GroupedPermutation,
     JoinedOrder,
     WindowedPermutation,
+    window_bounds,
 )
 from raypipe.sampling.plans import (
     LaneOrder,
@@ -357,11 +358,11 @@ def test_grouped_permutation_is_an_invertible_bijection_that_visits_one_group_at
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=30), st.integers(1, 8),
-       st.integers(0, 2**63), st.integers(0, 5))
+       st.integers(0, 2**63), st.integers(0, 5), st.integers(0, 5))
 def test_windowed_permutation_is_a_bijection_reading_one_window_of_shards_at_a_time(
-        sizes, window, seed, epoch):
+        sizes, window, seed, epoch, lanes):
     counts = np.array(sizes)
-    order = WindowedPermutation(counts, window, seed, epoch, salt=3)
+    order = WindowedPermutation(counts, window, seed, epoch, salt=3, lanes=lanes)
     total = int(counts.sum())
     ids = order(np.arange(total, dtype=np.int64))
     assert sorted(ids.tolist()) == list(range(total))
@@ -390,6 +391,60 @@ def test_lane_order_is_a_bijection_and_a_rank_reads_its_lane_until_the_leftovers
     for rank in range(world):
         mine = np.arange(rank, lanes.even, world)
         assert set(lane_of[mine].tolist()) <= {rank % len(sizes)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 500), st.integers(1, 20), st.integers(1, 40))
+def test_windows_laid_out_for_lanes_divide_evenly_and_fit_the_window(blocks, window, lanes):
+    bounds = window_bounds(blocks, window, lanes)
+    sizes = np.diff(bounds)
+    assert bounds[0] == 0 and bounds[-1] == blocks
+    assert len(sizes) % lanes == 0, "lanes of whole windows would differ by a window"
+    assert sizes.max() <= window, "a window over the budget's blocks"
+    assert sizes.max() - sizes.min() <= 1
+    lane_blocks = sizes.reshape(lanes, -1).sum(axis=1)  # lanes of whole windows
+    assert lane_blocks.max() - lane_blocks.min() <= 1, "lanes of unequal blocks"
+    assert len(sizes) // lanes == max(1, -(-blocks // (lanes * window))), \
+        "more windows than the budget needs"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 14), min_size=2, max_size=9))
+def test_lane_order_nearby_is_a_bijection_each_lane_serving_a_prefix(sizes):
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    lanes = LaneOrder(bounds, nearby=True)
+    total = int(bounds[-1])
+    observations = lanes(np.arange(total, dtype=np.int64))
+    assert sorted(observations.tolist()) == list(range(total))
+    for position in range(total + 1):
+        served = lanes.served(position)
+        read = observations[:position]
+        for lane in range(len(sizes)):
+            mine = np.sort(read[(read >= bounds[lane]) & (read < bounds[lane + 1])])
+            assert np.array_equal(mine, bounds[lane] + np.arange(mine.size)), "no prefix"
+            assert served[lane] == mine.size
+
+
+def test_lane_order_nearby_reads_each_lanes_rest_on_ranks_beside_it():
+    """Lanes one block apart (64 lanes, 8 ranks a node): nearby, a lane's rest is read by
+    the rank of a lane at most two away, so on one node or two; spread, by every node."""
+    rng = np.random.default_rng(7)
+    lanes, per_node = 64, 8
+    sizes = 1000 + 50 * (np.arange(lanes) % 2) + rng.integers(0, 5, lanes)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+
+    def nodes_per_lane(order: LaneOrder) -> tuple[int, int]:
+        positions = np.arange(order.even, int(bounds[-1]), dtype=np.int64)
+        lane = np.searchsorted(bounds, order(positions), side="right") - 1
+        rank = positions % lanes
+        nodes = {(int(a), int(b) // per_node) for a, b in zip(lane, rank, strict=True)}
+        counts = np.bincount([a for a, _ in nodes], minlength=lanes)
+        return int(counts.max()), int(np.abs(lane - rank).max())
+
+    most_nodes, farthest = nodes_per_lane(LaneOrder(bounds, nearby=True))
+    assert most_nodes <= 2 and farthest <= 2
+    most_nodes, _ = nodes_per_lane(LaneOrder(bounds))
+    assert most_nodes == lanes // per_node
 
 
 def test_windowed_bestfit_ranks_read_only_their_lanes_shards_before_the_leftovers():

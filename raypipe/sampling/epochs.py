@@ -40,7 +40,13 @@ from raypipe.sampling.exclusions import Exclusion, RunExclusions
 from raypipe.sampling.lengths import DocumentLengths, dataset_lengths
 from raypipe.sampling.loss_masks import LossMaskedFiller, LossMasks
 from raypipe.sampling.modes import BatchFiller, EpochPlan, PlanInputs, PlanSpec, document_split
-from raypipe.sampling.plans import ShardGroups, ShardWindows, SumsMemo, window_blocks_for
+from raypipe.sampling.plans import (
+    SPREAD_LANE_ENDS,
+    ShardGroups,
+    ShardWindows,
+    SumsMemo,
+    window_blocks_for,
+)
 from raypipe.sampling.resolve import SHUFFLE_LAYOUT, RunFacts, resolve
 from raypipe.sampling.schedule import (
     BatchSchedule,
@@ -104,7 +110,7 @@ class EpochPlans:
             blocks = Blocks(blocks.starts[:kept + 1], blocks.shards[:kept])
         lanes = max(spec.lanes, 1)
         return ShardWindows(blocks, window_blocks_for(len(blocks), spec.window_blocks, lanes),
-                            lanes)
+                            lanes, spec.lane_ends != SPREAD_LANE_ENDS)
 
     def blocks(self) -> Blocks:
         """The windowed shuffle's blocks of the documents the plans number (one a shard

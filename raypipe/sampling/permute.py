@@ -154,18 +154,31 @@ class GroupedPermutation:
         return out
 
 
+def window_bounds(blocks: int, window_blocks: int, lanes: int = 0) -> np.ndarray:
+    """Where each window begins among `blocks` blocks, and the end: every `window_blocks`
+    blocks (the last window the rest), or (`lanes` > 0) the fewest windows of at most
+    `window_blocks` that `lanes` divides, their sizes one apart at most (a window may be
+    empty where there are fewer blocks than lanes)."""
+    if lanes < 1:
+        return np.append(np.arange(0, blocks, window_blocks), blocks).astype(np.int64)
+    windows = lanes * max(1, -(-blocks // (lanes * window_blocks)))
+    return (np.arange(windows + 1, dtype=np.int64) * blocks) // windows
+
+
 class WindowedPermutation:
     """A permutation of documents [0, sum(block_documents)) read a window of blocks at a
     time (a block: consecutive documents of one shard, raypipe.sampling.blocks): the blocks
     in a Feistel order, cut into windows of `window_blocks` consecutive blocks of that
-    order; windows visited in order, the documents of each window in a Feistel order of
+    order (`lanes` > 0: into a multiple of `lanes` windows of at most `window_blocks`,
+    their sizes spread evenly, so lanes of whole windows hold equal blocks, one apart at
+    most); windows visited in order, the documents of each window in a Feistel order of
     their own. Position p's document lies in window p's blocks, so a reader holds one
     window (and the next, fetched ahead) while every block of the corpus is equally likely
     to be in any window. Exact inverse. Memory O(blocks); cost one Feistel call per window
     touched by a call, plus two binary searches a position."""
 
     def __init__(self, block_documents: np.ndarray, window_blocks: int, seed: int,
-                 epoch: int = 0, salt: int = 0):
+                 epoch: int = 0, salt: int = 0, lanes: int = 0):
         if window_blocks < 1:
             raise ValueError(f"window_blocks must be >= 1, got {window_blocks}")
         counts = np.asarray(block_documents, dtype=np.int64)
@@ -180,8 +193,9 @@ class WindowedPermutation:
         self.virtual_of[self.block_order] = np.arange(blocks, dtype=np.int64)
         self.virtual_starts = np.concatenate([[0], np.cumsum(counts[self.block_order])]
                                              ).astype(np.int64)
-        bounds = np.append(np.arange(0, blocks, window_blocks), blocks)
-        self.window_starts = self.virtual_starts[bounds]
+        # where each window begins in the block order (and the end)
+        self.window_bounds = window_bounds(blocks, window_blocks, lanes)
+        self.window_starts = self.virtual_starts[self.window_bounds]
         self._inner: dict[int, FeistelPermutation] = {}
 
     def __len__(self) -> int:
@@ -197,8 +211,7 @@ class WindowedPermutation:
 
     def window_block_ids(self, window: int) -> np.ndarray:
         """The blocks of window `window`."""
-        first = window * self.window_blocks
-        return self.block_order[first:first + self.window_blocks]
+        return self.block_order[self.window_bounds[window]:self.window_bounds[window + 1]]
 
     def _within(self, window: int) -> FeistelPermutation:
         if window not in self._inner:
@@ -237,7 +250,7 @@ class WindowedPermutation:
         blocks = np.searchsorted(self.block_starts, documents, side="right") - 1
         slots = self.virtual_of[blocks]
         virtual = self.virtual_starts[slots] + documents - self.block_starts[blocks]
-        windows = slots // self.window_blocks
+        windows = np.searchsorted(self.window_bounds, slots, side="right") - 1
         return self.window_starts[windows] + self._each_window(
             windows, virtual - self.window_starts[windows], inverse=True)
 

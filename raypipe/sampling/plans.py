@@ -182,6 +182,9 @@ class PackingReport:
 
 
 SHUFFLES = ("auto", "global", "windowed", "shard_local")
+LANE_ENDS_AUTO, NEARBY_LANE_ENDS, SPREAD_LANE_ENDS = "auto", "nearby", "spread"
+# how a windowed shuffle's lanes end (auto: a resumed state's, else nearby)
+LANE_ENDS = (LANE_ENDS_AUTO, NEARBY_LANE_ENDS, SPREAD_LANE_ENDS)
 WINDOWS_PER_EPOCH = 32  # windowed, window_blocks 0: 1/32 of a lane's blocks a window
 AUTO_SHUFFLE = {True: "global", False: "windowed"}  # auto, by: the dataset is local
 
@@ -198,11 +201,20 @@ def window_blocks_for(blocks: int, window_blocks: int, lanes: int = 1) -> int:
 @dataclass(frozen=True)
 class ShardWindows:
     """The windowed shuffle's layout: its blocks (raypipe.sampling.blocks), blocks per
-    window, and lanes."""
+    window, lanes, and how lanes of unequal length end (`nearby`: windows spread evenly
+    over a multiple of the lanes, the longer lanes' rest read by the ranks beside them;
+    else spread over every rank: LaneOrder)."""
 
     blocks: Blocks
     window_blocks: int
     lanes: int = 1
+    nearby: bool = False
+
+    @property
+    def layout_lanes(self) -> int:
+        """The lanes the windows are laid out for (0: windows of window_blocks as they
+        come, the layout before lanes ended nearby)."""
+        return self.lanes if self.nearby else 0
 
     @property
     def block_documents(self) -> np.ndarray:
@@ -213,21 +225,32 @@ class LaneOrder:
     """Observations [0, n) read in `lanes` lanes side by side: lane l is the contiguous run
     [bounds[l], bounds[l + 1]) of the plan's observations (whole windows of a windowed
     shuffle), and position p < lanes x S (S: the shortest lane's length) is observation
-    bounds[p % lanes] + p // lanes; the positions after those read what the longer lanes
-    left, lane after lane. Consecutive positions cycle through the lanes, so rank r of a
-    world that `lanes` divides (positions p + i*W + r, p a multiple of W) reads lane
-    r % lanes alone until those leftovers at the epoch's end: a node fetches its ranks'
-    lanes, not the dataset. A bijection on [0, n); O(lanes) memory.
+    bounds[p % lanes] + p // lanes. Consecutive positions cycle through the lanes, so rank
+    r of a world that `lanes` divides (positions p + i*W + r, p a multiple of W) reads lane
+    r % lanes alone until the rest the longer lanes hold past S. That rest, laid out lane
+    after lane, is cut into `lanes` runs of (nearly) equal length: `nearby`, the positions
+    keep cycling and the rank of lane j reads run j, which lies over lane j's own rest and
+    its neighbours', so each lane's rest is read by the ranks beside it (the blocks stay on
+    the node that holds them); else (the layout before) the positions read it lane after
+    lane, so every rank reads every lane's rest. Either way each lane serves a prefix of
+    its observations at every position (`served`). A bijection on [0, n); O(lanes) memory
+    and, `nearby`, O(runs a lane's rest spans) vector operations a call.
     """
 
-    def __init__(self, bounds: np.ndarray):
+    def __init__(self, bounds: np.ndarray, nearby: bool = False):
         self.bounds = np.asarray(bounds, dtype=np.int64)
         self.lanes = len(self.bounds) - 1
+        self.nearby = nearby
         sizes = np.diff(self.bounds)
         self.side = int(sizes.min()) if self.lanes else 0
         self.even = self.lanes * self.side  # positions read side by side
         left = sizes - self.side  # what each lane holds past the side-by-side part
         self.left_starts = np.concatenate([[0], np.cumsum(left)]).astype(np.int64)
+        rest, lanes = int(self.left_starts[-1]), max(self.lanes, 1)
+        # nearby: run j of the rest (laid out lane after lane) is [run_starts[j],
+        # run_starts[j + 1]), read by the positions of lane j's rank, one a cycle
+        counts = rest // lanes + (np.arange(lanes) < rest % lanes)
+        self.run_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
@@ -238,9 +261,40 @@ class LaneOrder:
         lane = positions[even] % self.lanes
         out[even] = self.bounds[:-1][lane] + positions[even] // self.lanes
         later = positions[~even] - self.even
+        if self.nearby:
+            out[~even] = self._nearby(later)
+            return out
         lane = np.searchsorted(self.left_starts, later, side="right") - 1
         out[~even] = self.bounds[:-1][lane] + self.side + later - self.left_starts[lane]
         return out
+
+    def _nearby(self, later: np.ndarray) -> np.ndarray:
+        """The observations of positions `later` past the side-by-side part: the one of
+        cycle k and slot j reads the lane that holds place run_starts[j] + k of the rest,
+        and within that lane's rest the next observation it has not served (its count of
+        places served before, over the runs that share it)."""
+        cycle, slot = later // self.lanes, later % self.lanes
+        place = self.run_starts[slot] + cycle
+        lane = np.searchsorted(self.left_starts, place, side="right") - 1
+        first_run = np.searchsorted(self.run_starts, self.left_starts[lane],
+                                    side="right") - 1
+        last_run = np.searchsorted(self.run_starts, self.left_starts[lane + 1] - 1,
+                                   side="right") - 1
+        index = np.zeros_like(later)
+        for offset in range(int((last_run - first_run).max(initial=0)) + 1):
+            run = first_run + offset
+            shares = run <= last_run
+            run = np.minimum(run, self.lanes - 1)
+            begin, end = self._run_share(run, lane)
+            served = np.clip(cycle - begin + (run < slot), 0, end - begin)
+            index += np.where(shares, served, 0)
+        return self.bounds[:-1][lane] + self.side + index
+
+    def _run_share(self, run: np.ndarray, lane: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The cycles [begin, end) in which run `run` reads lane `lane`'s rest."""
+        low = np.maximum(self.run_starts[run], self.left_starts[lane])
+        high = np.minimum(self.run_starts[run + 1], self.left_starts[lane + 1])
+        return low - self.run_starts[run], np.maximum(high, low) - self.run_starts[run]
 
     def lane_of(self, observation: int) -> int:
         return int(np.searchsorted(self.bounds, observation, side="right")) - 1
@@ -254,9 +308,23 @@ class LaneOrder:
         served = (side_by_side + self.lanes - 1 - np.arange(self.lanes, dtype=np.int64)
                   ) // self.lanes
         later = position - self.even
-        if later > 0:
-            served += np.clip(later - self.left_starts[:-1], 0, np.diff(self.left_starts))
-        return served
+        if later <= 0:
+            return served
+        if not self.nearby:
+            return served + np.clip(later - self.left_starts[:-1], 0,
+                                    np.diff(self.left_starts))
+        # places of the rest served: run j's first min(its length, cycles it took)
+        slots = np.arange(self.lanes, dtype=np.int64)
+        taken = np.minimum(np.diff(self.run_starts),
+                           later // self.lanes + (slots < later % self.lanes))
+        done = np.concatenate([[0], np.cumsum(taken)]).astype(np.int64)
+
+        def below(place: np.ndarray) -> np.ndarray:  # places served before `place`
+            run = np.clip(np.searchsorted(self.run_starts, place, side="right") - 1, 0,
+                          self.lanes - 1)
+            return done[run] + np.minimum(place - self.run_starts[run], taken[run])
+
+        return served + below(self.left_starts[1:]) - below(self.left_starts[:-1])
 
 
 def lane_starts(window_starts: np.ndarray, lanes: int) -> np.ndarray:
@@ -330,7 +398,7 @@ def document_permutation(count: int, seed: int, epoch: int, salt: int,
         return FeistelPermutation(count, seed, epoch, salt=salt)
     if isinstance(groups, ShardWindows):
         return WindowedPermutation(groups.block_documents, groups.window_blocks, seed, epoch,
-                                   salt=salt)
+                                   salt=salt, lanes=groups.layout_lanes)
     return GroupedPermutation(groups.document_counts, seed, epoch, salt=salt)
 
 
@@ -350,7 +418,8 @@ def continued_order(before: DocumentOrder, first: int, count: int, seed: int, ep
     if isinstance(groups, ShardWindows) and hasattr(before, "window_starts"):
         blocks = before.num_blocks
         return AppendedWindows(before, WindowedPermutation(
-            groups.block_documents[blocks:], groups.window_blocks, seed, epoch, salt),
+            groups.block_documents[blocks:], groups.window_blocks, seed, epoch, salt,
+            groups.layout_lanes),
             blocks, salt)
     if groups is not None:
         raise ConfigError("units joining the epoch in progress under shuffle 'shard_local': "
@@ -369,12 +438,12 @@ class LanedPlan:
     sizes place its positions), once per change: bestfit packs each lane's partly served
     block and its head, ~5 ms a lane under fill (bench/lanes_bench.py)."""
 
-    def __init__(self, plans: list[Any]):
+    def __init__(self, plans: list[Any], nearby: bool = False):
         self.plans = plans
         self.lengths, self.capacity = plans[0].lengths, plans[0].capacity
         self.offsets = np.concatenate([[0], np.cumsum([plan.size for plan in plans])]
                                       ).astype(np.int64)
-        self.lanes = LaneOrder(self.offsets)
+        self.lanes = LaneOrder(self.offsets, nearby)
 
     @property
     def size(self) -> int:

@@ -1,5 +1,6 @@
 """One resolution of a run's shuffle: `resolve` is the one place a spec's shuffle "auto" and
-its layout's 0 knobs (block_bytes, window_blocks, lanes) are decided.
+its layout's undecided knobs (block_bytes, window_blocks, lanes 0; lane_ends auto) are
+decided.
 
 Invariant: `resolve(asked, facts)` is a pure function of the spec as given and the facts of
 the run (`RunFacts`: where the data lives, the world size it starts at, the node cache's
@@ -9,7 +10,8 @@ state's shuffle and layout where the run asked "auto" and 0 (a state from before
 knobs: global); else a mixture's one shuffle and layout for all its sources (the first
 source on object storage resolves them for its part of the cache); then "auto" by storage
 (global on local disk; windowed on object storage where the mode reads documents and the
-split is shuffled), lanes 0 by the world size, blocks and window 0 by the budget. Cost:
+split is shuffled), lane_ends auto nearby, lanes 0 by the world size, blocks and window 0
+by the budget. Cost:
 microseconds.
 """
 
@@ -21,8 +23,12 @@ from typing import Any
 
 from raypipe.sampling.blocks import WindowBudget
 from raypipe.sampling.modes import PlanSpec
+from raypipe.sampling.plans import LANE_ENDS_AUTO, NEARBY_LANE_ENDS
 
-SHUFFLE_LAYOUT = ("block_bytes", "window_blocks", "lanes")  # a windowed shuffle's knobs
+# a windowed shuffle's layout knobs, and the value of each that the run leaves to decide
+LAYOUT_UNDECIDED: dict[str, Any] = {"block_bytes": 0, "window_blocks": 0, "lanes": 0,
+                                    "lane_ends": LANE_ENDS_AUTO}
+SHUFFLE_LAYOUT = tuple(LAYOUT_UNDECIDED)
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,15 @@ def resolve(asked: PlanSpec, facts: RunFacts) -> PlanSpec:
     if facts.saved is not None:
         spec = replace(spec, shuffle=(facts.saved.get("shuffle", "global")
                                       if asked.shuffle == "auto" else asked.shuffle),
-                       **{name: (facts.saved.get(name, 0) if getattr(asked, name) == 0
-                                 else getattr(asked, name)) for name in SHUFFLE_LAYOUT})
+                       **{name: (facts.saved.get(name, undecided)
+                                 if getattr(asked, name) == undecided
+                                 else getattr(asked, name))
+                          for name, undecided in LAYOUT_UNDECIDED.items()})
     elif facts.sibling is not None:
         spec = replace(spec, shuffle=facts.sibling.shuffle, **shuffle_layout(facts.sibling))
     spec = spec.for_storage(facts.local)
+    if spec.lane_ends == LANE_ENDS_AUTO:
+        spec = replace(spec, lane_ends=NEARBY_LANE_ENDS)
     if facts.world_size is not None:
         spec = spec.for_world(facts.world_size)
     if facts.budget is not None:
@@ -64,6 +74,6 @@ def as_asked(spec: PlanSpec, asked: PlanSpec) -> PlanSpec:
     return replace(spec, shuffle=asked.shuffle, **shuffle_layout(asked))
 
 
-def shuffle_layout(spec: PlanSpec) -> dict[str, int]:
+def shuffle_layout(spec: PlanSpec) -> dict[str, Any]:
     """The layout knobs of a spec's shuffle (`SHUFFLE_LAYOUT`), as resolved."""
     return {name: getattr(spec, name) for name in SHUFFLE_LAYOUT}

@@ -7,7 +7,8 @@ before (tests/test_golden.py resumes every 0.6 state):
 - a knob a state leaves out holds the value it had before the knob existed
   (`KNOBS_BEFORE`, and a mode's own knobs' in `MODE_KNOBS_BEFORE`, keyed by the mode's
   name): `shuffle` global before 0.3 (with no `group_shards`), `split` all before 0.4
-  (no `validation_fraction`), `window_blocks` and `lanes` 0 before 0.7, `balance` none
+  (no `validation_fraction`), `window_blocks` and `lanes` 0 before 0.7, `lane_ends`
+  spread before 0.7 (the longer lanes' rest read by every rank), `balance` none
   before 0.7 (no `balance_hidden`), `block_bytes` whole shards (`WHOLE_SHARDS`) in a
   state saved before windows were made of blocks, which saved `window_blocks` as
   `window_shards` (`KNOB_RENAMES`); bestfit's `packing` crop before 0.2 (no `pieces`),
@@ -30,16 +31,19 @@ from typing import Any
 
 from raypipe.io.states import LoaderState, MixtureState, read_any_state
 from raypipe.sampling.blocks import WHOLE_SHARDS
+from raypipe.sampling.plans import SPREAD_LANE_ENDS
 
 logger = logging.getLogger("raypipe")
 
 # knob -> (its value before it existed, the knobs left out with it)
 KnobsBefore = dict[str, tuple[Any, tuple[str, ...]]]
 KNOBS_BEFORE: KnobsBefore = {
-    "shuffle": ("global", ("group_shards", "block_bytes", "window_blocks", "lanes")),  # 0.3
+    "shuffle": ("global", ("group_shards", "block_bytes", "window_blocks", "lanes",
+                           "lane_ends")),  # 0.3
     "window_blocks": (0, ()),  # before 0.7: no windowed shuffle
     "lanes": (0, ()),
     "block_bytes": (WHOLE_SHARDS, ()),  # windows of whole shards
+    "lane_ends": (SPREAD_LANE_ENDS, ()),  # before 0.7: the longer lanes' rest read by every rank
     "split": ("all", ("validation_fraction",)),  # before 0.4: no validation split
     "balance": ("none", ("balance_hidden",)),  # before 0.7: rows in the plan's order
 }

@@ -51,6 +51,8 @@ from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.pack import OVERLONGS, RowPieces
 from raypipe.sampling.plans import (
     AUTO_SHUFFLE,
+    LANE_ENDS,
+    LANE_ENDS_AUTO,
     SHUFFLES,
     PackingReport,
     ShardGroups,
@@ -179,6 +181,14 @@ class PlanSpec:
     lanes: int = knob(0, "shuffle windowed: lanes of windows read side by side, rank r "
                       "reading lane r mod lanes (0: the world size the run starts at)",
                       applies=("shuffle", "windowed"))
+    lane_ends: str = knob(LANE_ENDS_AUTO, "shuffle windowed: who reads the rest the "
+                          "longer lanes hold at an epoch's end: nearby (windows spread "
+                          "evenly over a multiple of the lanes, so the rest is small, and "
+                          "each lane's rest read by the ranks beside it, on its node) or "
+                          "spread (lane after lane by every rank: every node fetches "
+                          "blocks of every lane; what states saved without it ran); "
+                          "auto: a resumed state's, else nearby", LANE_ENDS,
+                          applies=("shuffle", "windowed"))
     split: str = knob("all", "the documents served: all, or the train or validation split",
                       SPLITS)
     validation_fraction: float = knob(0.001, "the share of documents the validation "
@@ -215,7 +225,8 @@ class PlanSpec:
         object.__setattr__(self, "mode", state_compat.current_mode_name(self.mode))
         for name, value, allowed in (("mode", self.mode, mode_names()),
                                      ("shuffle", self.shuffle, SHUFFLES),
-                                     ("split", self.split, SPLITS)):
+                                     ("split", self.split, SPLITS),
+                                     ("lane_ends", self.lane_ends, LANE_ENDS)):
             if value not in allowed:
                 raise ConfigError(f"{name}: {value!r} not among {list(allowed)}")
         declared = self.loader_mode.Knobs

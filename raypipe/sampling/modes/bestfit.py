@@ -147,6 +147,7 @@ class BestFitPlan:
             raise ValueError(f"an order of {len(self.document_order)} documents for a plan "
                              f"of {len(lengths)}")
         self.lane_count = groups.lanes if isinstance(groups, ShardWindows) else 1
+        self.nearby_lanes = isinstance(groups, ShardWindows) and groups.nearby
         # where each block begins in the document order (blocks end where windows do)
         self._cut_blocks()
         self._cached: OrderedDict[int, PackedBlock] = OrderedDict()
@@ -374,7 +375,7 @@ class BestFitPlan:
         if self.partial:
             raise ValueError("a plan of part of an epoch reads one lane")
         return LaneOrder(lane_bounds(self.document_order.window_starts, self.lane_count,
-                                     self._row_at_order))
+                                     self._row_at_order), self.nearby_lanes)
 
     def _row_at_order(self, order_positions: np.ndarray) -> np.ndarray:
         """The first row of the block that begins at each document-order position."""
@@ -897,10 +898,11 @@ class BestFitMode(LoaderMode):
             return ContinuedPlan(remainders[0], self.plan(spec, inputs, epoch, order=order,
                                                           ranges=ranges))
         one_lane = replace(inputs, groups=replace(inputs.groups, lanes=1))
-        return LanedBestFitPlan([ContinuedPlan(remainder, self.plan(
-            spec, one_lane, epoch, order=order,
-            ranges=continued_runs(remainder.ranges, remainder.first(len(base)), base, order,
-                                  lane, lanes)))
+        return LanedBestFitPlan(nearby=before.lanes.nearby, plans=[
+            ContinuedPlan(remainder, self.plan(
+                spec, one_lane, epoch, order=order,
+                ranges=continued_runs(remainder.ranges, remainder.first(len(base)), base,
+                                      order, lane, lanes)))
             for lane, remainder in enumerate(remainders)])
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,

@@ -89,7 +89,7 @@ class DocumentPlan:
             raise ValueError("a plan of part of an epoch reads one lane")
         self.lanes = (LaneOrder(lane_bounds(self.permutation.window_starts, groups.lanes,
                                             lambda starts: starts - np.searchsorted(
-                                                skipped, starts)))
+                                                skipped, starts)), groups.nearby)
                       if windowed else None)
 
     def _run_index(self, places: np.ndarray) -> np.ndarray:
@@ -320,7 +320,7 @@ class DocumentsMode(LoaderMode):
             return self.plan(spec, inputs, epoch, order=order,
                              ranges=continued_runs(runs[0], first, base, order, 0, 1))
         one_lane = replace(inputs, groups=replace(inputs.groups, lanes=1))
-        return LanedDocumentPlan([self.plan(
+        return LanedDocumentPlan(nearby=before.lanes.nearby, plans=[self.plan(
             spec, one_lane, epoch, order=order,
             ranges=continued_runs(lane_runs, int(lane_runs[0, 0]) if len(lane_runs)
                                   else len(base), base, order, lane, len(runs)))
