@@ -362,7 +362,7 @@ def test_eviction_keeps_a_file_another_process_of_the_node_pinned(tmp_path):
 
 @pytest.mark.slow
 def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_dataset,
-                                                                 tmp_path, figure):
+                                                                 tmp_path, figure, caplog):
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
     entries = [f for s in read_manifest(uri).formats["megatron"].shards for f in s.files]
@@ -370,13 +370,22 @@ def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_d
     shards = read_manifest(uri).formats["megatron"].shards
     largest = max(sum(f.bytes for f in shard.files) for shard in shards)
     assert len(shards) >= 5
-    downloaded = {}
+    downloaded, said_at_open = {}, {}
+    caplog.set_level(logging.WARNING, logger="raypipe")
     for shuffle in ("global", "shard_local"):
+        caplog.clear()
         loader = TokenLoader(uri, 32, 4, mode="windows", shuffle=shuffle, group_shards=1,
                              cache_dir=tmp_path / shuffle, cache_bytes=2 * largest)
+        said_at_open[shuffle] = caplog.text
         assert sum(1 for _ in loader) > 0
         downloaded[shuffle] = loader.cache_stats.downloaded_bytes
         loader.close()
+        # global over a dataset the cache cannot hold is said before the epoch, with what
+        # fetches each shard once; shard-local groups that fit are not warned about
+        warned = "fetched many times" in said_at_open[shuffle]
+        assert warned == (shuffle == "global"), said_at_open[shuffle]
+    # the remedy named fits the budget: a group of one shard (the group read and the next)
+    assert "shuffle='shard_local' with group_shards=1 " in said_at_open["global"]
     assert downloaded["shard_local"] == data_bytes, "a shard was fetched twice in one epoch"
     assert downloaded["global"] > downloaded["shard_local"]
     figure("bytes downloaded per epoch / dataset",

@@ -424,7 +424,8 @@ class ShardCache:
         if total > self.budget_bytes and not self._warned:
             self._warned = True
             logger.warning("%s: the shards in use (%s bytes) exceed the budget; raise it to at "
-                           "least the working set (the windowed shuffle bounds that: "
+                           "least the working set (the shuffle's: the windowed one bounds it, "
+                           "the global one reads every shard throughout an epoch; "
                            "docs/cluster.md sizes it)", self, f"{total:,}")
 
 

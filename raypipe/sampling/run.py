@@ -43,6 +43,7 @@ from raypipe.sampling.modes import (
     describe_shuffle,
     knob_differences,
     waste_hints,
+    windowed_modes,
 )
 from raypipe.sampling.pack import RowPieces
 from raypipe.sampling.plans import WASTE_WARNING, PackingReport, window_blocks_for
@@ -414,12 +415,13 @@ class Run:
         shard_bytes = [sum(entry.bytes for entry in shard.files) for shard in dataset.shards]
         budget = dataset.cache.budget_bytes
         if spec.shuffle != "windowed" or not shard_bytes:
-            if (spec.shuffle == "global" and spec.loader_mode.windowed
-                    and sum(shard_bytes) > budget):
+            if spec.shuffle == "global" and sum(shard_bytes) > budget:
                 logger.warning("%s: the global shuffle reads every shard throughout the epoch "
-                               "and the cache holds less than the dataset, so shards are "
-                               "fetched many times; shuffle='auto' (windowed) fetches each "
-                               "once", dataset.root)
+                               "and the node cache (%s bytes) holds less than the dataset "
+                               "(%s bytes), so shards are fetched many times (up to a shard "
+                               "a row); %s", dataset.root, f"{budget:,}",
+                               f"{sum(shard_bytes):,}", global_refetch_remedy(spec, shard_bytes,
+                                                                               budget))
             return
         blocks = len(self.planned.plans.blocks())
         window = window_blocks_for(blocks, spec.window_blocks, max(spec.lanes, 1))
@@ -434,3 +436,18 @@ class Run:
                            "block_bytes 0 (sized from the budget: docs/cluster.md)",
                            dataset.root, f"{budget:,}", f"{needed:,}", fits.node_ranks,
                            WINDOWS_HELD, window, f"{unit:,}")
+
+
+def global_refetch_remedy(spec: PlanSpec, shard_bytes: list[int], budget: int) -> str:
+    """What fetches each shard once an epoch where the global shuffle would fetch them
+    again and again: the windowed shuffle where the mode serves it, else shard-local groups
+    that fit the budget (the group read and the next), else a cache of the whole dataset."""
+    whole = f"or cache_bytes of at least {sum(shard_bytes):,}"
+    if spec.loader_mode.windowed:
+        return f"shuffle='auto' (windowed) fetches each block once, {whole}"
+    if spec.loader_mode.shard_local:
+        group = max(1, budget // (2 * max(shard_bytes)))
+        return (f"shuffle='shard_local' with group_shards={group} fetches each shard once "
+                f"(a step then mixes {group} neighbouring shard(s)), {whole}, or a mode "
+                f"that serves the windowed shuffle ({', '.join(windowed_modes())})")
+    return f"give cache_bytes of at least {sum(shard_bytes):,}"

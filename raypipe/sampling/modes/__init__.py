@@ -33,6 +33,7 @@ from raypipe.sampling.modes.base import (
     refuse_stray_knobs,
     register,
     waste_hints,
+    windowed_modes,
 )
 
 PLUGIN_GROUP = "raypipe.loader_modes"
@@ -49,4 +50,4 @@ __all__ = ["PLUGIN_GROUP", "RECORD_PLANS", "SHARED_KNOBS", "BatchFiller", "Epoch
            "ModeKnobs", "PlanInputs", "PlanSpec", "get_mode", "knob", "knob_differences",
            "knob_fields", "knob_owners", "metadata_modes", "mode_names",
            "plan_knob_names", "mode_serving", "describe_shuffle", "document_split", "record_plan",
-           "refuse_stray_knobs", "register", "waste_hints"]
+           "refuse_stray_knobs", "register", "waste_hints", "windowed_modes"]
