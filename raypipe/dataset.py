@@ -763,9 +763,11 @@ class TokenDataset(ShardSet):
         """One shard's document lengths. A shard not open yet is read from its index files
         alone where the format has them (Megatron .idx, NanoGPT .bos.idx: ~1% of its bytes;
         the token file is checked when the shard opens for reading)."""
-        if index in self._readers or not self.format.index_suffixes:
-            return self.reader(index).document_lengths
         shard = self.shards[index]
+        suffixes = self.format.index_suffixes
+        if (index in self._readers or not suffixes or shard.tokens is None
+                or not any(entry.path.endswith(suffixes) for entry in shard.files)):
+            return self.reader(index).document_lengths
         if self.cache is None:
             self._check_files(index)
             return self.format.reader.index_document_lengths(self.local_root, shard,

@@ -223,3 +223,17 @@ def test_mds_layout_is_byte_exact(tmp_path):
                + bytes([4, 2]) + np.array([0, 7], "<u2").tobytes()]
     offsets = np.cumsum([start, *map(len, samples)]).astype("<u4")
     assert data == np.uint32(2).tobytes() + offsets.tobytes() + config + b"".join(samples)
+
+
+def test_nanogpt_index_lengths_refuse_a_bos_index_that_disagrees_with_the_manifest(tmp_path):
+    from dataclasses import replace
+
+    directory = tmp_path / "d"
+    directory.mkdir()
+    docs = [np.array([BOS, 5, 6], np.uint16), np.array([BOS, 7], np.uint16)]
+    write_shard("nanogpt", directory, docs, np.uint16)
+    shard, _ = COMMITTED[directory]
+    reader = FORMATS["nanogpt"].reader
+    assert reader.index_document_lengths(tmp_path, shard, TOKENIZER).tolist() == [3, 2]
+    with pytest.raises(FormatError, match=r"shard\.bos\.idx.*documents the BOS positions"):
+        reader.index_document_lengths(tmp_path, replace(shard, documents=3), TOKENIZER)

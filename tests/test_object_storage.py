@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import numpy as np
 import pytest
 
 from bench.latency_proxy import LatencyProxy  # at collection: one thread compiles it
@@ -391,6 +392,24 @@ def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_d
     figure("bytes downloaded per epoch / dataset",
            f"global {downloaded['global'] / data_bytes:.2f}x, shard-local "
            f"{downloaded['shard_local'] / data_bytes:.2f}x (cache of 2 of {len(shards)} shards)")
+
+
+def test_nanogpt_lengths_on_a_bucket_come_from_the_bos_index_alone(bucket, token_dataset,
+                                                                   tmp_path):
+    """Every rank reads every shard's lengths when it opens: for NanoGPT that is the
+    `.bos.idx` files (~4 bytes a document), not every `.bin` of the dataset."""
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    shards = read_manifest(uri).formats["nanogpt"].shards
+    index_bytes = sum(f.bytes for shard in shards for f in shard.files
+                      if f.path.endswith(".bos.idx"))
+    cache = ShardCache(tmp_path / "c")
+    lengths = TokenDataset(uri, "nanogpt", cache=cache).document_lengths()
+    assert cache.stats.downloaded_bytes == index_bytes, "token files fetched for lengths"
+    local = TokenDataset(token_dataset, "nanogpt")
+    from_tokens = np.concatenate([local.reader(i).document_lengths
+                                  for i in range(local.num_shards)])
+    assert np.array_equal(lengths, from_tokens)
 
 
 def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_block_once_per_epoch(

@@ -96,6 +96,20 @@ class NanoGPTReader(ShardReader):
         return cls(shard_prefix(root, shard), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
                    require_bos_index=tokenizer.bos_id is not None)
 
+    @classmethod
+    def index_document_lengths(cls, root: Path, shard: ShardEntry,
+                               tokenizer: TokenizerInfo) -> np.ndarray:
+        """Lengths from `.bos.idx` and the manifest's token count (the BOS spot checks run
+        when the shard opens for reading, with its tokens)."""
+        prefix = shard_prefix(root, shard)
+        bos_path = prefix.with_name(prefix.name + ".bos.idx")
+        assert shard.tokens is not None  # the caller reads the tokens without a count
+        starts = bos_starts(bos_path, read_bos_positions(bos_path, shard.tokens), shard.tokens)
+        if shard.documents is not None and starts.size - 1 != shard.documents:
+            raise FormatError(bos_path, "documents the BOS positions mark",
+                              f"{shard.documents} (the manifest's)", starts.size - 1)
+        return np.diff(starts)
+
     def __init__(self, prefix: str | Path, bos_id: int | None = None,
                  require_bos_index: bool = False, eos_id: int | None = None):
         prefix = Path(prefix)
@@ -128,21 +142,10 @@ class NanoGPTReader(ShardReader):
                 raise FormatError(self.bos_path, "file is missing")
             return starts_from_markers(self.tokens, bos_id, eos_id)
         positions = self._read_bos_index(bos_id)
-        if self.tokens.size and (positions.size == 0 or positions[0] != 0):
-            positions = np.concatenate([[0], positions])
-        return np.append(positions, self.tokens.size).astype(np.int64)
+        return bos_starts(self.bos_path, positions, int(self.tokens.size))
 
     def _read_bos_index(self, bos_id: int | None) -> np.ndarray:
-        size = require_file(self.bos_path)
-        if size % 4:
-            raise FormatError(self.bos_path, "size is not a multiple of 4 (int32 positions)",
-                              "a multiple of 4", size)
-        positions = np.fromfile(self.bos_path, dtype="<i4").astype(np.int64)
-        if positions.size and (positions[-1] >= self.tokens.size or positions[0] < 0
-                               or (np.diff(positions) <= 0).any()):
-            raise FormatError(self.bos_path, "positions must ascend inside the token array",
-                              f"0 <= p < {self.tokens.size}",
-                              f"first {positions[0]}, last {positions[-1]}")
+        positions = read_bos_positions(self.bos_path, int(self.tokens.size))
         if bos_id is not None and positions.size:
             picks = positions[np.linspace(0, positions.size - 1,
                                           min(BOS_SPOT_CHECKS, positions.size)).astype(int)]
@@ -154,5 +157,27 @@ class NanoGPTReader(ShardReader):
         return positions
 
 
+def read_bos_positions(bos_path: Path, tokens: int) -> np.ndarray:
+    """The token positions a `.bos.idx` lists, checked to ascend inside `tokens` tokens."""
+    size = require_file(bos_path)
+    if size % 4:
+        raise FormatError(bos_path, "size is not a multiple of 4 (int32 positions)",
+                          "a multiple of 4", size)
+    positions = np.fromfile(bos_path, dtype="<i4").astype(np.int64)
+    if positions.size and (positions[-1] >= tokens or positions[0] < 0
+                           or (np.diff(positions) <= 0).any()):
+        raise FormatError(bos_path, "positions must ascend inside the token array",
+                          f"0 <= p < {tokens}", f"first {positions[0]}, last {positions[-1]}")
+    return positions
+
+
+def bos_starts(bos_path: Path, positions: np.ndarray, tokens: int) -> np.ndarray:
+    """Document starts (and the end) from a shard's BOS positions: a shard whose first
+    token is no BOS starts a document there too."""
+    if tokens and (positions.size == 0 or positions[0] != 0):
+        positions = np.concatenate([[0], positions])
+    return np.append(positions, tokens).astype(np.int64)
+
+
 NANOGPT = register(DocumentFormat("nanogpt", (".bin", ".bos.idx"), NanoGPTWriter, NanoGPTReader,
-                                  nanogpt_dtype, read_order=1))
+                                  nanogpt_dtype, read_order=1, index_suffixes=(".bos.idx",)))
