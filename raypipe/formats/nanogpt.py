@@ -104,7 +104,7 @@ class NanoGPTReader(ShardReader):
         prefix = shard_prefix(root, shard)
         bos_path = prefix.with_name(prefix.name + ".bos.idx")
         assert shard.tokens is not None  # the caller reads the tokens without a count
-        starts = bos_starts(bos_path, read_bos_positions(bos_path, shard.tokens), shard.tokens)
+        starts = bos_starts(read_bos_positions(bos_path, shard.tokens), shard.tokens)
         if shard.documents is not None and starts.size - 1 != shard.documents:
             raise FormatError(bos_path, "documents the BOS positions mark",
                               f"{shard.documents} (the manifest's)", starts.size - 1)
@@ -142,7 +142,7 @@ class NanoGPTReader(ShardReader):
                 raise FormatError(self.bos_path, "file is missing")
             return starts_from_markers(self.tokens, bos_id, eos_id)
         positions = self._read_bos_index(bos_id)
-        return bos_starts(self.bos_path, positions, int(self.tokens.size))
+        return bos_starts(positions, int(self.tokens.size))
 
     def _read_bos_index(self, bos_id: int | None) -> np.ndarray:
         positions = read_bos_positions(self.bos_path, int(self.tokens.size))
@@ -171,7 +171,7 @@ def read_bos_positions(bos_path: Path, tokens: int) -> np.ndarray:
     return positions
 
 
-def bos_starts(bos_path: Path, positions: np.ndarray, tokens: int) -> np.ndarray:
+def bos_starts(positions: np.ndarray, tokens: int) -> np.ndarray:
     """Document starts (and the end) from a shard's BOS positions: a shard whose first
     token is no BOS starts a document there too."""
     if tokens and (positions.size == 0 or positions[0] != 0):
