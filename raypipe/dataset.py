@@ -293,10 +293,28 @@ class ShardSet:
             blocks = self.blocks
             found = self._ranged[shard] = (
                 blocks is not None and getattr(self.format, "tokens_at", None) is not None
-                and len(blocks.in_shard(shard)) > 1
+                and len(blocks.in_shard(shard)) > 1 and self.lists_lengths_index(shard)
                 and not any(entry.path.endswith(MASK_SIDECAR)
                             for entry in self.shards[shard].files))
         return found
+
+    def lists_lengths_index(self, shard: int) -> bool:
+        """The shard's document lengths can be read without its tokens: its format keeps a
+        lengths index (the first of `index_suffixes`), the shard lists it, and the
+        manifest counts the shard's tokens."""
+        suffixes = getattr(self.format, "index_suffixes", ())
+        entry = self.shards[shard]
+        return bool(suffixes) and entry.tokens is not None and any(
+            file.path.endswith(suffixes[0]) for file in entry.files)
+
+    @cached_property
+    def reads_blocks_alone(self) -> bool:
+        """A block of any shard can be read without the rest of it (on a bucket: by a
+        ranged GET): the format finds a block's bytes from its lengths index, every shard
+        lists one, and no loss mask sidecar rides along. O(files), once."""
+        return (getattr(self.format, "tokens_at", None) is not None
+                and not getattr(self, "has_loss_mask", False)
+                and all(self.lists_lengths_index(shard) for shard in range(self.num_shards)))
 
     def _prefetch_blocks(self, units: list[int]) -> None:
         """Fetch ahead, in the order given, while this process holds at most `hold_bytes`
@@ -764,9 +782,7 @@ class TokenDataset(ShardSet):
         alone where the format has them (Megatron .idx, NanoGPT .bos.idx: ~1% of its bytes;
         the token file is checked when the shard opens for reading)."""
         shard = self.shards[index]
-        suffixes = self.format.index_suffixes
-        if (index in self._readers or not suffixes or shard.tokens is None
-                or not any(entry.path.endswith(suffixes) for entry in shard.files)):
+        if index in self._readers or not self.lists_lengths_index(index):
             return self.reader(index).document_lengths
         if self.cache is None:
             self._check_files(index)

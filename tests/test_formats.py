@@ -86,12 +86,16 @@ def test_megatron_layout_is_byte_exact(tmp_path):
 
 def test_nanogpt_layout_is_byte_exact(tmp_path):
     docs = [np.array([0, 5, 6], np.uint32), np.array([0, 7], np.uint32)]
-    assert write_shard("nanogpt", tmp_path, docs, np.uint16) == ["shard.bin", "shard.bos.idx"]
+    assert write_shard("nanogpt", tmp_path, docs, np.uint16) == ["shard.bin", "shard.bos.idx",
+                                                                 "shard.sums"]
     data = (tmp_path / "shard.bin").read_bytes()
     header = np.frombuffer(data, "<i4", 256)
     assert header[:4].tolist() == [20240520, 1, 5, 0] and not header[4:].any()
     assert data[1024:] == np.array([0, 5, 6, 0, 7], "<u2").tobytes()
     assert np.fromfile(tmp_path / "shard.bos.idx", "<i4").tolist() == [0, 3]
+    sums = (tmp_path / "shard.sums").read_bytes()  # of the tokens, the header not counted
+    assert sums[:8] == b"RPSUMS\x00\x01" and struct.unpack_from("<QI", sums, 8) == (
+        4096, zlib.crc32(data[1024:])) and len(sums) == 20
 
 
 def test_nanogpt_uint32_uses_automodel_header(tmp_path):

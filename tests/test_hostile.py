@@ -243,19 +243,20 @@ def served_until_refused(loader) -> tuple[list[bytes], FormatError | None]:
     return served, None
 
 
+@pytest.mark.parametrize("fmt", ["megatron", "nanogpt"])
 @pytest.mark.parametrize("change", ["flipped", "appended"])
 def test_a_token_file_changed_in_place_is_refused_before_an_altered_token_is_served(
-        token_dataset, tmp_path, change):
-    """A byte flipped in a Megatron .bin with its modification time put back (bit rot, a
-    copy that kept times), or bytes appended: the loader refuses the file, naming it, and
-    every batch it served before is the unchanged output's."""
+        token_dataset, tmp_path, change, fmt):
+    """A byte flipped in a Megatron or NanoGPT .bin with its modification time put back (bit
+    rot, a copy that kept times), or bytes appended: the loader refuses the file, naming
+    it, and every batch it served before is the unchanged output's."""
     import os
 
     copy = tmp_path / "copy"
     shutil.copytree(token_dataset, copy)  # times kept
-    knobs = {"mode": "windows", "seed": 5}
+    knobs = {"mode": "windows", "seed": 5, "format": fmt}
     clean, _ = served_until_refused(TokenLoader(copy, 16, 2, **knobs))
-    victim = sorted((copy / "megatron").glob("*.bin"))[1]
+    victim = sorted((copy / fmt).glob("*.bin"))[1]
     before = victim.stat()
     data = bytearray(victim.read_bytes())
     if change == "flipped":
@@ -267,6 +268,8 @@ def test_a_token_file_changed_in_place_is_refused_before_an_altered_token_is_ser
     served, refused = served_until_refused(TokenLoader(copy, 16, 2, **knobs))
     assert refused is not None and str(victim) in str(refused)
     assert "\n" not in str(refused)
+    if change == "flipped":  # found by the shard's .sums (the size and time are kept)
+        assert "differ from what the job wrote" in str(refused)
     assert served == clean[:len(served)] and len(served) < len(clean)
 
 

@@ -402,7 +402,7 @@ def test_nanogpt_lengths_on_a_bucket_come_from_the_bos_index_alone(bucket, token
     upload_tree(token_dataset, uri)
     shards = read_manifest(uri).formats["nanogpt"].shards
     index_bytes = sum(f.bytes for shard in shards for f in shard.files
-                      if f.path.endswith(".bos.idx"))
+                      if f.path.endswith((".bos.idx", ".sums")))
     cache = ShardCache(tmp_path / "c")
     lengths = TokenDataset(uri, "nanogpt", cache=cache).document_lengths()
     assert cache.stats.downloaded_bytes == index_bytes, "token files fetched for lengths"
@@ -412,25 +412,34 @@ def test_nanogpt_lengths_on_a_bucket_come_from_the_bos_index_alone(bucket, token
     assert np.array_equal(lengths, from_tokens)
 
 
+# the document formats a bucket loader reads a block at a time (ranged GETs)
+RANGED_FORMATS = ["megatron", "nanogpt"]
+
+
+@pytest.mark.parametrize("fmt", RANGED_FORMATS)
 def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_block_once_per_epoch(
-        bucket, token_dataset, tmp_path):
+        bucket, token_dataset, tmp_path, fmt):
+    from raypipe.formats import get_format
+
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
-    shards = read_manifest(uri).formats["megatron"].shards
+    shards = read_manifest(uri).formats[fmt].shards
     data_bytes = sum(f.bytes for shard in shards for f in shard.files)
     largest = max(sum(f.bytes for f in shard.files) for shard in shards)
     loader = TokenLoader(uri, 32, 4, seed=5, window_blocks=1, cache_dir=tmp_path / "c",
-                         cache_bytes=3 * largest)
+                         cache_bytes=3 * largest, format=fmt)
     assert loader.spec.shuffle == "windowed" and len(shards) >= 5
     served = [batch.inputs.numpy().tobytes() for batch in loader]
     fetched = loader.cache_stats.downloaded_bytes
     state = loader.state_dict()
     loader.close()
-    # every block once, though the cache holds 3 shards; the index files are read twice
-    # at most (once for the lengths when the loader opens)
+    # every block once, though the cache holds 3 shards (a ranged block leaves a header
+    # out); the index files are read twice at most (once for the lengths at the open)
+    suffixes = get_format(fmt).index_suffixes
     index_bytes = sum(f.bytes for shard in shards for f in shard.files
-                      if f.path.endswith(".idx"))
-    assert data_bytes <= fetched <= data_bytes + index_bytes
+                      if f.path.endswith(suffixes))
+    headers = get_format(fmt).tokens_at * len(shards)
+    assert data_bytes - headers <= fetched <= data_bytes + index_bytes
     assert state["knobs"]["shuffle"] == "windowed"
     metrics = loader.stats.metrics()
     assert metrics["fetched_bytes"] == fetched and metrics["cache_budget_bytes"] == 3 * largest
@@ -438,11 +447,11 @@ def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_block_once_per
     assert loader.cache_stats.ranged_reads > 0  # blocks smaller than a shard: ranges
     # the local copy under the same budget cuts the same blocks: the same batches
     local = TokenLoader(token_dataset, 32, 4, seed=5, shuffle="windowed", window_blocks=1,
-                        cache_bytes=3 * largest)
+                        cache_bytes=3 * largest, format=fmt)
     assert local.spec.shuffle == "windowed"
     assert local.spec.block_bytes == loader.spec.block_bytes
     assert [batch.inputs.numpy().tobytes() for batch in local] == served
-    assert TokenLoader(token_dataset, 32, 4).spec.shuffle == "global"  # auto, locally
+    assert TokenLoader(token_dataset, 32, 4, format=fmt).spec.shuffle == "global"  # locally
 
 
 def test_bucket_loader_under_auto_resumes_a_global_state_as_global(bucket, token_dataset,
@@ -744,15 +753,16 @@ def test_a_status_replaced_between_its_head_and_its_get_is_read_again_not_refuse
     assert "cut short while it was replaced" in caplog.text, "the re-read was not logged"
 
 
+@pytest.mark.parametrize("fmt", RANGED_FORMATS)
 def test_bucket_blocks_are_ranged_reads_that_survive_503s_and_equal_the_local_copy(
-        bucket, token_dataset, tmp_path, monkeypatch):
+        bucket, token_dataset, tmp_path, monkeypatch, fmt):
     """Blocks smaller than a shard (and than a 503's body) come by ranged GETs (each range
     checked for its length); a 503 SlowDown on each object's first GET and a reset of a
     token file's second (the retry's) are retried and counted, and the batches are the
     local copy's under the same knobs and budget."""
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
-    knobs = {"seed": 4, "block_bytes": 4096, "cache_bytes": 1 << 20}
+    knobs = {"seed": 4, "block_bytes": 4096, "cache_bytes": 1 << 20, "format": fmt}
     proxy = through_a_fault_proxy(monkeypatch, lambda path, asked: asked == 0,
                                   lambda path, asked: asked == 1 and path.endswith(".bin"))
     try:
@@ -782,21 +792,23 @@ def test_a_bucket_budget_below_one_block_a_rank_is_refused_naming_the_least_budg
     assert "cache_bytes >= " in message and "4 rank(s)" in message and "\n" not in message
 
 
+@pytest.mark.parametrize("fmt", RANGED_FORMATS)
 @pytest.mark.parametrize("change", ["flipped", "appended"])
 def test_a_token_object_changed_on_the_bucket_is_refused_before_an_altered_block_is_served(
-        bucket, token_dataset, tmp_path, change):
-    """A byte flipped in a Megatron .bin on the bucket (read a block at a time: each block
-    checked against the shard's .sums as it arrives), or bytes appended (the object's size
-    is checked at its open): the loader refuses the object, naming it, and every batch it
-    served before is the local copy's."""
+        bucket, token_dataset, tmp_path, change, fmt):
+    """A byte flipped in a Megatron or NanoGPT .bin on the bucket (read a block at a time:
+    each block checked against the shard's .sums as it arrives), or bytes appended (the
+    object's size is checked at its open): the loader refuses the object, naming it, and
+    every batch it served before is the local copy's."""
     from tests.test_hostile import served_until_refused
 
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
-    knobs = {"seed": 4, "block_bytes": 4096, "cache_bytes": 1 << 20, "shuffle": "windowed"}
+    knobs = {"seed": 4, "block_bytes": 4096, "cache_bytes": 1 << 20, "shuffle": "windowed",
+             "format": fmt}
     clean, _ = served_until_refused(TokenLoader(token_dataset, 32, 4, **knobs))
     store = Store(uri)
-    victim = read_manifest(uri).formats["megatron"].shards[1].files[0].path
+    victim = read_manifest(uri).formats[fmt].shards[1].files[0].path
     data = bytearray(store.read_bytes(victim))
     if change == "flipped":
         data[len(data) // 2] ^= 0x5A

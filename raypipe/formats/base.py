@@ -383,7 +383,9 @@ class DocumentFormat(Format):
     data-path argument, and whether it stores chat data's loss mask."""
 
     read_order: int = 100  # which document format a reader opens when several exist
-    index_suffixes: tuple[str, ...] = ()  # files enough for document lengths (no tokens)
+    # files enough for document lengths (no tokens): the first lists the lengths (a shard
+    # without it is opened whole for them), the others (checksums) are read beside it
+    index_suffixes: tuple[str, ...] = ()
     # where its token file (the first suffix's) holds the tokens, back to back in document
     # order from this byte on, so a run of documents is a byte range of it found from the
     # index alone (a loader fetches blocks of it: raypipe.dataset); None: read whole

@@ -1,11 +1,14 @@
-"""NanoGPT token shards: `<name>.bin` (1024-byte header + tokens) + `<name>.bos.idx`
-(docs/formats.md).
+"""NanoGPT token shards: `<name>.bin` (1024-byte header + tokens) + `<name>.bos.idx`, and
+raypipe's `<name>.sums` beside them (CRC-32 of the tokens in units of whole documents:
+raypipe.io.checksums; llm.c and modded-nanogpt open only the `.bin`) (docs/formats.md).
 
 Invariant: uint16 shards carry the original header (magic 20240520, version 1, T, 0) that
 llm.c, modded-nanogpt and NeMo Automodel all read; uint32 shards (largest id > 65535) carry
 Automodel's header (magic 278895051, version 1, T, itemsize 4). `.bos.idx` is int32 TOKEN
 indices of every BOS (raypipe rule), written only when BOS is prepended; the reader
-spot-checks that they point at BOS tokens. Cost: the writer streams tokens and BOS
+spot-checks that they point at BOS tokens. With both, a run of documents is a byte range of
+the `.bin` found without reading it, each range checked by the `.sums` (a loader on a
+bucket fetches blocks of it). Cost: the writer streams tokens and BOS
 positions straight to disk (memory bounded by one batch) and rewrites the 1 KB header at
 commit.
 """
@@ -28,6 +31,7 @@ from raypipe.formats.base import (
     shard_prefix,
     starts_from_markers,
 )
+from raypipe.io.checksums import SUMS_SUFFIX, ChecksumWriter, sums_file_bytes
 from raypipe.io.mapping import map_file
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 
@@ -60,6 +64,7 @@ class NanoGPTWriter(ShardWriter):
         self.bin_file = self.open_file(".bin")
         self.bin_file.write(bytes(HEADER_BYTES))
         self.bos_file = self.open_file(".bos.idx") if bos_id is not None else None
+        self.sums = ChecksumWriter()
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
         check_token_range(tokens, self.token_dtype, str(self.bin_file.final))
@@ -69,7 +74,9 @@ class NanoGPTWriter(ShardWriter):
         if self.bos_file is not None:
             starts = np.cumsum(lengths) - lengths + self.num_tokens
             self.bos_file.write(starts.astype("<i4").tobytes())
-        self.bin_file.write(tokens.astype(self.token_dtype, copy=False).data)
+        data = tokens.astype(self.token_dtype, copy=False).data
+        self.bin_file.write(data)
+        self.sums.add(data, lengths.astype(np.int64) * self.token_dtype.itemsize)
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
 
@@ -80,6 +87,9 @@ class NanoGPTWriter(ShardWriter):
         entries = [self.commit_file(".bin")]
         if self.bos_file is not None:
             entries.append(self.commit_file(".bos.idx"))
+        sums_file = self.open_file(SUMS_SUFFIX)
+        sums_file.write(self.sums.encoded())
+        entries.append(self.commit_file(SUMS_SUFFIX))
         return entries
 
 
@@ -94,7 +104,8 @@ class NanoGPTReader(ShardReader):
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> NanoGPTReader:
         return cls(shard_prefix(root, shard), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                   require_bos_index=tokenizer.bos_id is not None)
+                   require_bos_index=tokenizer.bos_id is not None,
+                   sums=any(entry.path.endswith(SUMS_SUFFIX) for entry in shard.files))
 
     @classmethod
     def index_document_lengths(cls, root: Path, shard: ShardEntry,
@@ -111,7 +122,8 @@ class NanoGPTReader(ShardReader):
         return np.diff(starts)
 
     def __init__(self, prefix: str | Path, bos_id: int | None = None,
-                 require_bos_index: bool = False, eos_id: int | None = None):
+                 require_bos_index: bool = False, eos_id: int | None = None,
+                 sums: bool = False):
         prefix = Path(prefix)
         self.bin_path = prefix.with_name(prefix.name + ".bin")
         self.bos_path = prefix.with_name(prefix.name + ".bos.idx")
@@ -133,6 +145,10 @@ class NanoGPTReader(ShardReader):
         require_size(self.bin_path, HEADER_BYTES + count * itemsize, size)
         self.dtype = np.dtype(np.uint16 if itemsize == 2 else np.uint32)
         self.tokens = map_file(self.bin_path, self.dtype, HEADER_BYTES, count)
+        if sums:  # read by the dataset that checks reads (raypipe.io.checksums); sized here
+            sums_path = prefix.with_name(prefix.name + SUMS_SUFFIX)
+            require_size(sums_path, sums_file_bytes(count * itemsize), require_file(sums_path),
+                         "size of the .sums for the .bin's token count")
         self.document_starts = self._document_starts(bos_id, eos_id, require_bos_index)
 
     def _document_starts(self, bos_id: int | None, eos_id: int | None,
@@ -179,5 +195,7 @@ def bos_starts(positions: np.ndarray, tokens: int) -> np.ndarray:
     return np.append(positions, tokens).astype(np.int64)
 
 
-NANOGPT = register(DocumentFormat("nanogpt", (".bin", ".bos.idx"), NanoGPTWriter, NanoGPTReader,
-                                  nanogpt_dtype, read_order=1, index_suffixes=(".bos.idx",)))
+NANOGPT = register(DocumentFormat("nanogpt", (".bin", ".bos.idx", SUMS_SUFFIX), NanoGPTWriter,
+                                  NanoGPTReader, nanogpt_dtype, read_order=1,
+                                  index_suffixes=(".bos.idx", SUMS_SUFFIX),
+                                  tokens_at=HEADER_BYTES))

@@ -213,8 +213,7 @@ def window_budget(dataset: TokenDataset | BatchDataset,
                 if suffixes and entry.path.endswith(suffixes))
     budget = (dataset.cache.budget_bytes if dataset.cache is not None
               else configured_budget(budget_bytes))
-    ranged = (getattr(dataset.format, "tokens_at", None) is not None
-              and not getattr(dataset, "has_loss_mask", False))
+    ranged = bool(getattr(dataset, "reads_blocks_alone", False))
     return WindowBudget(budget, node_ranks(), index, ranged, sources)
 
 
