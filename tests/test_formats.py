@@ -132,6 +132,27 @@ def test_round_trip(tmp_path_factory, fmt_name, count, seed, batches, wide):
     assert reader.num_tokens == sum(d.size for d in docs)
     for index, doc in enumerate(docs):
         assert reader.document(index).tolist() == doc.tolist()
+    if FORMATS[fmt_name].index_suffixes:  # a loader's lengths without the tokens
+        shard, _ = COMMITTED[directory]
+        from_index = reader.index_document_lengths(directory.parent, shard, TOKENIZER)
+        assert from_index.tolist() == reader.document_lengths.tolist()
+
+
+@pytest.mark.parametrize("fmt_name", ["stream", "mds"])
+def test_a_lengths_sidecar_that_disagrees_with_its_shard_is_refused_naming_it(tmp_path,
+                                                                              fmt_name):
+    """Two lengths swapped (the same size and sum, so the manifest's counts still hold):
+    plans made from the sidecar would cut the wrong documents, so the shard's open
+    refuses it, naming the file and the first document that differs."""
+    docs = make_documents(np.random.default_rng(5), 6, 1000)
+    docs[2] = np.concatenate([docs[2], [7, 7, 7]]).astype(np.uint32)  # unequal neighbours
+    write_shard(fmt_name, tmp_path, docs, np.uint16)
+    lengths = np.fromfile(tmp_path / "shard.lengths", "<u4")
+    assert lengths.tolist() == [doc.size for doc in docs]
+    lengths[[2, 3]] = lengths[[3, 2]]
+    lengths.tofile(tmp_path / "shard.lengths")
+    with pytest.raises(FormatError, match=r"shard\.lengths.*differ .* at document 2"):
+        read_shard(fmt_name, tmp_path)
 
 
 @pytest.fixture(params=document_formats())
@@ -215,7 +236,9 @@ def test_every_file_truncated_or_missing_fails_naming_the_shard(tmp_path, fmt_na
 
 def test_mds_layout_is_byte_exact(tmp_path):
     docs = [np.array([0, 5, 6], np.uint32), np.array([0, 7], np.uint32)]
-    assert write_shard("mds", tmp_path, docs, np.uint16, batches=1) == ["shard.mds"]
+    assert write_shard("mds", tmp_path, docs, np.uint16, batches=1) == ["shard.mds",
+                                                                        "shard.lengths"]
+    assert np.fromfile(tmp_path / "shard.lengths", "<u4").tolist() == [3, 2]
     data = (tmp_path / "shard.mds").read_bytes()
     config = (b'{"column_encodings": ["int64", "str", "ndarray:uint16"], "column_names": '
               b'["id", "source", "tokens"], "column_sizes": [8, null, null], "compression": '

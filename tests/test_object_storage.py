@@ -394,21 +394,28 @@ def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_d
            f"{downloaded['shard_local'] / data_bytes:.2f}x (cache of 2 of {len(shards)} shards)")
 
 
-def test_nanogpt_lengths_on_a_bucket_come_from_the_bos_index_alone(bucket, token_dataset,
-                                                                   tmp_path):
+@pytest.mark.parametrize("fmt", ["nanogpt", "stream", "mds"])
+def test_lengths_on_a_bucket_come_from_the_index_files_alone(bucket, corpus_dir,
+                                                             tokenizer_path, tmp_path, fmt):
     """Every rank reads every shard's lengths when it opens: for NanoGPT that is the
-    `.bos.idx` files (~4 bytes a document), not every `.bin` of the dataset."""
+    `.bos.idx` files (~4 bytes a document), for stream and MDS the `.lengths` sidecars,
+    not every token file of the dataset; and they are the lengths the readers find."""
+    local = tmp_path / "local"
+    tokenize_to(str(local), corpus_dir, tokenizer_path, formats=[fmt], bos=True)
     uri = f"s3://{bucket}/tokens"
-    upload_tree(token_dataset, uri)
-    shards = read_manifest(uri).formats["nanogpt"].shards
+    upload_tree(local, uri)
+    shards = read_manifest(uri).formats[fmt].shards
+    from raypipe.formats import get_format
+
     index_bytes = sum(f.bytes for shard in shards for f in shard.files
-                      if f.path.endswith((".bos.idx", ".sums")))
+                      if f.path.endswith(get_format(fmt).index_suffixes))
     cache = ShardCache(tmp_path / "c")
-    lengths = TokenDataset(uri, "nanogpt", cache=cache).document_lengths()
+    lengths = TokenDataset(uri, fmt, cache=cache).document_lengths()
     assert cache.stats.downloaded_bytes == index_bytes, "token files fetched for lengths"
-    local = TokenDataset(token_dataset, "nanogpt")
-    from_tokens = np.concatenate([local.reader(i).document_lengths
-                                  for i in range(local.num_shards)])
+    assert len(shards) > 1 and index_bytes < sum(f.bytes for s in shards for f in s.files) / 4
+    on_disk = TokenDataset(local, fmt)
+    from_tokens = np.concatenate([on_disk.reader(i).document_lengths
+                                  for i in range(on_disk.num_shards)])
     assert np.array_equal(lengths, from_tokens)
 
 

@@ -92,8 +92,9 @@ def annotated_spans(text):
 
 def test_stream_without_metadata_is_plain_tokens(tmp_path, corpus_dir, tokenizer_path):
     run(corpus_dir, tmp_path / "out", tokenizer_path, formats=["stream"], metadata=False)
-    files = sorted(p.name for p in (tmp_path / "out" / "stream").iterdir())
-    assert files and all(name.endswith(".tokens") for name in files)
+    files = sorted(p.name for p in (tmp_path / "out" / "stream").glob("*.tokens"))
+    others = {p.suffix for p in (tmp_path / "out" / "stream").iterdir()} - {".tokens"}
+    assert files and others == {".lengths"}  # no metadata files; the lengths sidecar
     docs = [d.tolist() for d in TokenDataset(tmp_path / "out", "stream").iter_documents()]
     assert docs == expected_documents(corpus_dir, tokenizer_path)
     path = tmp_path / "out" / "stream" / files[0]

@@ -83,6 +83,9 @@ class ShardFiles:
 
 
 MASK_SIDECAR = ".mask"  # a document shard's loss mask (chat data): u8 per token
+# raypipe's document lengths of a shard whose format keeps no index of its own (stream,
+# MDS): each document's token count, u32 LE, in shard order
+LENGTHS_SIDECAR = ".lengths"
 
 
 class ShardWriter(ShardFiles, ABC):
@@ -123,6 +126,18 @@ class ShardWriter(ShardFiles, ABC):
             raise FormatError(self.directory / f"{self.name}{MASK_SIDECAR}", "a loss mask "
                               "byte per token", self.num_tokens, self.masked_tokens)
         return [self.commit_file(MASK_SIDECAR)] if MASK_SIDECAR in self._files else []
+
+    def add_lengths_sidecar(self, lengths: np.ndarray) -> None:
+        """Append these documents' token counts to the `.lengths` sidecar (formats that
+        keep no index of their own: a loader reads a shard's lengths without its tokens)."""
+        lengths_file = self._files.get(LENGTHS_SIDECAR) or self.open_file(LENGTHS_SIDECAR)
+        lengths_file.write(np.asarray(lengths).astype("<u4").data)
+
+    def commit_lengths_sidecar(self) -> list[FileEntry]:
+        """The `.lengths` sidecar's entry (written empty for a shard of no documents)."""
+        if LENGTHS_SIDECAR not in self._files:
+            self.open_file(LENGTHS_SIDECAR)
+        return [self.commit_file(LENGTHS_SIDECAR)]
 
     @abstractmethod
     def commit(self) -> list[FileEntry]:
@@ -192,6 +207,49 @@ def map_mask_sidecar(prefix: Path, tokens: int) -> np.ndarray:
     path = prefix.with_name(prefix.name + MASK_SIDECAR)
     require_size(path, tokens, require_file(path), "loss mask bytes (one per token)")
     return map_file(path, np.uint8)
+
+
+def lists_lengths_sidecar(shard: ShardEntry) -> bool:
+    """The shard's manifest entry lists a `.lengths` sidecar (new stream and MDS outputs)."""
+    return any(entry.path.endswith(LENGTHS_SIDECAR) for entry in shard.files)
+
+
+def read_lengths_sidecar(path: Path, documents: int | None = None,
+                         tokens: int | None = None) -> np.ndarray:
+    """A `.lengths` sidecar's document lengths (int64), its size checked against
+    `documents` and its sum against `tokens` where given (FormatError naming it)."""
+    size = require_file(path)
+    if size % 4 or (documents is not None and size != 4 * documents):
+        raise FormatError(path, "size of the document lengths (u32 each)",
+                          "a multiple of 4" if documents is None else 4 * documents, size)
+    lengths = np.fromfile(path, dtype="<u4").astype(np.int64)
+    if tokens is not None and int(lengths.sum()) != tokens:
+        raise FormatError(path, "tokens the document lengths add up to", tokens,
+                          int(lengths.sum()))
+    return lengths
+
+
+def sidecar_document_lengths(root: Path, shard: ShardEntry) -> np.ndarray:
+    """The lengths a shard's `.lengths` sidecar lists, checked against its manifest entry
+    (what `index_document_lengths` is for a format that keeps one)."""
+    prefix = shard_prefix(root, shard)
+    return read_lengths_sidecar(prefix.with_name(prefix.name + LENGTHS_SIDECAR),
+                                shard.documents, shard.tokens)
+
+
+def check_lengths_sidecar(prefix: Path, lengths: np.ndarray) -> None:
+    """The `<prefix>.lengths` sidecar lists the documents an opened shard holds (so plans
+    made from it are the reader's documents): FormatError naming it and the first one
+    that differs."""
+    path = prefix.with_name(prefix.name + LENGTHS_SIDECAR)
+    listed = read_lengths_sidecar(path)
+    if listed.size != lengths.size or not np.array_equal(listed, lengths):
+        common = min(listed.size, lengths.size)
+        differs = np.flatnonzero(listed[:common] != lengths[:common])
+        first = int(differs[0]) if differs.size else common
+        raise FormatError(path, f"document lengths differ from the shard's at document "
+                          f"{first}", f"{lengths.size} documents as the shard holds them",
+                          f"{listed.size} listed")
 
 
 def shard_prefix(root: Path, shard: ShardEntry) -> Path:
@@ -613,7 +671,8 @@ def check_token_range(tokens: np.ndarray, dtype: np.dtype, where: str) -> None:
 
 __all__ = ["FORMATS", "BatchFormat", "BatchReader", "BatchWriter", "DocumentFormat",
            "DocumentMetadata", "Format",
-           "RecordPieces", "ShardReader", "ShardWriter", "batch_format", "batch_formats",
+           "LENGTHS_SIDECAR", "RecordPieces", "ShardReader", "ShardWriter", "batch_format",
+           "batch_formats",
            "dataset_index_problems", "document_format", "document_formats", "file_sha256",
            "get_format", "of_kind", "register", "shard_prefix",
            "write_dataset_indexes"]

@@ -1,6 +1,8 @@
 """MosaicML Streaming MDS (docs/formats.md): one sample per document, written directly to
 MDS's published layout, so `streaming.StreamingDataset` and LLM Foundry's text dataloader
-open the output unchanged (no mosaicml-streaming dependency).
+open the output unchanged (no mosaicml-streaming dependency). Beside each shard raypipe
+writes `<name>.lengths` (each sample's token count, u32; MDS never opens it), so a loader
+reads every shard's lengths without fetching the shards; an opened shard must agree with it.
 
 Invariant: a shard `<name>.mds` is [u32 samples n][u32 offsets[n + 1], absolute in the
 file][the shard's config JSON][samples]; a sample is [u32 size of each variable-size
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from array import array
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,13 +35,18 @@ import pyarrow as pa
 
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
+    LENGTHS_SIDECAR,
     DocumentFormat,
     FormatOptions,
     ShardReader,
     ShardWriter,
+    check_lengths_sidecar,
     check_token_range,
+    lists_lengths_sidecar,
     register,
     require_file,
+    shard_prefix,
+    sidecar_document_lengths,
 )
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import safe_join
@@ -148,6 +156,7 @@ class MDSWriter(ShardWriter):
                                  sort_keys=True).encode()
         self.spool = tempfile.TemporaryFile(dir=self.directory, prefix=f".{name}.samples.")
         self.sizes: list[int] = []
+        self.sample_tokens = array("I")  # each sample's token count: the `.lengths`
         self.documents_seen = 0
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
@@ -187,6 +196,7 @@ class MDSWriter(ShardWriter):
         sample = encode_sample(row, source.encode(), sample_tokens, loss_mask)
         self.spool.write(sample)
         self.sizes.append(len(sample))
+        self.sample_tokens.append(sample_tokens.size)
         self.num_documents += 1
         self.num_tokens += int(sample_tokens.size)
 
@@ -216,11 +226,21 @@ class MDSWriter(ShardWriter):
                     out.write(block)
         finally:
             self.spool.close()
-        return [self.commit_file(suffix)]
+        self.add_lengths_sidecar(np.frombuffer(self.sample_tokens, np.uint32))
+        return [self.commit_file(suffix), *self.commit_lengths_sidecar()]
 
     def abort(self) -> None:
         self.spool.close()
         super().abort()
+
+
+def shard_file(where: object, shard: ShardEntry) -> FileEntry:
+    """The shard's one MDS file (`.mds` or `.mds.zstd`; its `.lengths` aside)."""
+    data = [entry for entry in shard.files if not entry.path.endswith(LENGTHS_SIDECAR)]
+    if len(data) != 1:
+        raise FormatError(f"{where}/{shard.name}", "an MDS shard is one file (and its "
+                          "`.lengths`)", 1, len(data))
+    return data[0]
 
 
 def zstd_content_size(head: bytes, where: object) -> int:
@@ -252,10 +272,15 @@ class MDSReader(ShardReader):
     @classmethod
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> MDSReader:
-        if len(shard.files) != 1:
-            raise FormatError(root / shard.name, "an MDS shard is one file", 1,
-                              len(shard.files))
-        return cls(safe_join(root, shard.files[0].path), np.dtype(section.dtype))
+        reader = cls(safe_join(root, shard_file(root, shard).path), np.dtype(section.dtype))
+        if lists_lengths_sidecar(shard):
+            check_lengths_sidecar(shard_prefix(root, shard), reader.document_lengths)
+        return reader
+
+    @classmethod
+    def index_document_lengths(cls, root: Path, shard: ShardEntry,
+                               tokenizer: TokenizerInfo) -> np.ndarray:
+        return sidecar_document_lengths(root, shard)
 
     def __init__(self, path: str | Path, token_dtype: np.dtype | None = None):
         self.path = Path(path)
@@ -360,7 +385,7 @@ def index_bytes(store: Store, section: FormatSection) -> bytes:
     compression = options.compression
     shards = []
     for shard in section.shards:
-        entry = shard.files[0]
+        entry = shard_file(store.uri, shard)
         basename = entry.path.split("/", 1)[1]
         raw = {"basename": basename, "bytes": entry.bytes, "hashes": {}}
         zipped = None
@@ -426,8 +451,9 @@ def concat_summary(section: FormatSection, total_tokens: int) -> str | None:
             f"under {size}")
 
 
-MDS = register(DocumentFormat(NAME, (RAW, ZSTD), MDSWriter, MDSReader, mds_dtype,
-                              options_type=MDSOptions, read_order=400,
+MDS = register(DocumentFormat(NAME, (RAW, ZSTD, LENGTHS_SIDECAR), MDSWriter, MDSReader,
+                              mds_dtype, options_type=MDSOptions, read_order=400,
+                              index_suffixes=(LENGTHS_SIDECAR,),
                               wants_metadata=lambda options: True, holds_loss_mask=True,
                               dataset_index=(f"{NAME}/{INDEX}", index_bytes), separator="eos",
                               summary_line=concat_summary))

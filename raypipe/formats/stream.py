@@ -1,15 +1,18 @@
-"""Stream with metadata: `<name>.tokens` + `.metadata.index` + `.metadata.bin` (docs/formats.md).
+"""Stream with metadata: `<name>.tokens` + `.metadata.index` + `.metadata.bin`, and raypipe's
+`.lengths` (each document's token count, u32) (docs/formats.md).
 
 Invariant: `.tokens` is little-endian records {token: u32, metadata_id: u32} (or plain u32
 tokens when written without metadata); `.metadata.index` is u64[M + 1] byte offsets with
 index[0] = 0 and index[M] = size of `.metadata.bin`; metadata ids are shard-local and
 allocated in token order (a document's record, then its spans' records in span order), so
 the ids of any window form one contiguous range: a window's metadata is one index read and
-one data read. Document boundaries are not stored: readers find them by the BOS (or EOS)
-token, as NanoGPT readers do. Chat data (which needs --bos or --eos here) adds `.mask`, one
-u8 per token (1: a trained target), and a span record per turn: its role and whether it is
-trained. Cost: writer keeps one batch in memory plus 8 bytes per
-record for the index; reader validation is O(1) (ids are range-checked per window read).
+one data read. Readers find documents by the BOS (or EOS) token, as NanoGPT readers do; a
+shard that lists `.lengths` (new outputs) must agree with them, and a loader reads every
+shard's lengths from it alone (4 bytes a document, not the tokens). Chat data (which
+needs --bos or --eos here) adds `.mask`, one u8 per token (1: a trained target), and a span
+record per turn: its role and whether it is trained. Cost: the writer keeps one batch in
+memory plus 8 bytes per record for the index; reader validation is O(1) (ids are
+range-checked per window read) plus one vectorized pass over the tokens for the documents.
 """
 
 from __future__ import annotations
@@ -22,19 +25,23 @@ import numpy as np
 
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
+    LENGTHS_SIDECAR,
     MASK_SIDECAR,
     DocumentFormat,
     DocumentMetadata,
     FormatOptions,
     ShardReader,
     ShardWriter,
+    check_lengths_sidecar,
     check_token_range,
+    lists_lengths_sidecar,
     lists_mask_sidecar,
     map_mask_sidecar,
     register,
     require_file,
     require_size,
     shard_prefix,
+    sidecar_document_lengths,
     starts_from_markers,
 )
 from raypipe.io.mapping import map_file
@@ -86,11 +93,12 @@ class StreamWriter(ShardWriter):
                 for first, last, span in doc.spans:
                     ids[first:last] = self._add_record({**span, "document": document_id})
             self.tokens_file.write(records.data)
+        self.add_lengths_sidecar(lengths)
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
 
     def commit(self) -> list[FileEntry]:
-        entries = self.commit_mask_sidecar()
+        entries = self.commit_mask_sidecar() + self.commit_lengths_sidecar()
         if self.bin_file is not None:
             self.open_file(".metadata.index").write(np.array(self.offsets, dtype="<u8").data)
             bin_entry = self.commit_file(".metadata.bin")
@@ -122,11 +130,17 @@ class StreamReader(ShardReader):
                       tokenizer: TokenizerInfo) -> StreamReader:
         options = STREAM.options(section.options)
         return cls(shard_prefix(root, shard), tokenizer.bos_id, tokenizer.eos_id,
-                   options.metadata, options.serializer, lists_mask_sidecar(shard))
+                   options.metadata, options.serializer, lists_mask_sidecar(shard),
+                   lists_lengths_sidecar(shard))
+
+    @classmethod
+    def index_document_lengths(cls, root: Path, shard: ShardEntry,
+                               tokenizer: TokenizerInfo) -> np.ndarray:
+        return sidecar_document_lengths(root, shard)
 
     def __init__(self, prefix: str | Path, bos_id: int | None = None, eos_id: int | None = None,
                  metadata: bool | None = None, serializer: str = "json",
-                 loss_mask: bool = False):
+                 loss_mask: bool = False, lengths: bool = False):
         prefix = Path(prefix)
         self.tokens_path = prefix.with_name(prefix.name + ".tokens")
         self.index_path = prefix.with_name(prefix.name + ".metadata.index")
@@ -148,6 +162,8 @@ class StreamReader(ShardReader):
         if metadata:
             self._open_metadata()
         self.document_starts = starts_from_markers(self.tokens, bos_id, eos_id)
+        if lengths:
+            check_lengths_sidecar(prefix, np.diff(self.document_starts))
         if loss_mask:
             self.loss_mask = map_mask_sidecar(prefix, self.tokens.size)
 
@@ -207,9 +223,10 @@ def metadata_records(shard: ShardEntry) -> int:
 
 
 STREAM = register(DocumentFormat("stream", (".tokens", ".metadata.index", ".metadata.bin",
-                                            MASK_SIDECAR),
+                                            MASK_SIDECAR, LENGTHS_SIDECAR),
                                  StreamWriter, StreamReader, stream_dtype,
                                  options_type=StreamOptions, read_order=2,
+                                 index_suffixes=(LENGTHS_SIDECAR,),
                                  wants_metadata=lambda options: options.metadata,
                                  window_metadata=True, holds_loss_mask=True,
                                  finds_documents_by_separator=True,
