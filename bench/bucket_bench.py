@@ -2,18 +2,18 @@
 proxy that adds latency and faults to every request.
 
     python bench/bucket_bench.py [--grid quick|full] [--delay-ms 20]
-        [--cell SIZE,PER_RANK,SHARE,NODES ...]
+        [--cell SIZE,PER_RANK,SHARE,NODES ...] [--format FORMAT]
 
 It starts a moto S3 server on 127.0.0.1 and, in front of it, bench/latency_proxy.py: 20 ms
 a request, 5% of the GETs answered `503 SlowDown`, 1% reset. A cell is a dataset of
-Megatron shards (small: ~0.15 MB each, large: ~5 MB), a number of shards per rank (at 2
-ranks), a node cache of 5, 10 or 25% of the data, and 1 node x 2 ranks or 2 nodes x 2 ranks
-(a cache each); --cell runs the cells named instead of a grid. One epoch of bestfit
-T=2048, 4 rows a rank, each rank a process of its own with a consumer step of 5 ms,
-`shuffle="auto"` (windowed: blocks sized from the budget).
+Megatron shards (or --format's; small: ~75 K tokens each, large: ~2.5 M), a number of
+shards per rank (at 2 ranks), a node cache of 5, 10 or 25% of the data, and 1 node x 2
+ranks or 2 nodes x 2 ranks (a cache each); --cell runs the cells named instead of a grid.
+One epoch of bestfit T=2048, 4 rows a rank, each rank a process of its own with a consumer
+step of 5 ms, `shuffle="auto"` (windowed: blocks sized from the budget).
 Per cell it prints:
 - bytes fetched an epoch / the dataset (all nodes), GETs / (blocks + index objects: each
-  shard's .idx and .sums on every node), the
+  shard's index files, such as Megatron's .idx and .sums, on every node), the
   training thread's wait after the first batch (p99, max; worst rank) and the first batch;
 - whether every batch equals the same run over a local copy given the knobs the bucket run
   resolved (block_bytes, window_blocks, lanes), and (1 node) whether a 2 -> 3 resume from an
@@ -45,6 +45,8 @@ from common import print_table, synthetic_token_dataset
 from latency_proxy import LatencyProxy
 from object_storage_bench import start_moto, upload
 
+from raypipe.dataset import TokenDataset
+from raypipe.formats import document_formats, get_format
 from raypipe.io.manifest import read_manifest
 from raypipe.loader import TokenLoader
 from raypipe.sampling.blocks import WINDOWS_HELD, WindowBudget, cut_blocks
@@ -75,7 +77,7 @@ def rank_main(order: dict) -> None:
     counts, and (asked for) the state after step `save_at`, as JSON on stdout."""
     loader = TokenLoader(order["path"], SEQ, BATCH, rank=order["rank"],
                          world_size=order["world"], seed=SEED, cache_dir=order.get("cache"),
-                         cache_bytes=order.get("budget"), **order.get("knobs", {}))
+                         cache_bytes=order.get("budget"), format=order["format"])
     if order.get("state"):
         loader.load_state_dict(order["state"])
     steps, state = {}, None
@@ -242,11 +244,12 @@ def chosen(share: float, salt: str):
 def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, share: float,
          nodes: int) -> tuple[list[str], list[tuple[str, ...]]]:
     """One cell of the grid: its row of figures, and its shuffle-quality rows."""
+    fmt = args.format
     local = synthetic_token_dataset(workdir, int(per_rank * 2 * SHARD_TOKENS[size]), 3,
-                                    SHARD_TOKENS[size])
+                                    SHARD_TOKENS[size], fmt)
     uri = f"s3://raypipe-bench/{local.name}"
     dataset = upload(local, uri)
-    shards = read_manifest(uri).formats["megatron"].shards
+    shards = read_manifest(uri).formats[fmt].shards
     budget = int(dataset * share)
     proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, args.delay_ms,
                          chosen(args.slow_down, "503"), chosen(args.resets, "reset")).start()
@@ -256,7 +259,7 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
              save_at: int | None = None) -> list[dict]:
         shutil.rmtree(workdir / cache, ignore_errors=True)
         return [{"path": uri, "rank": rank, "world": world, "cache": str(workdir / cache),
-                 "budget": budget, "state": state, "save_at": save_at}
+                 "budget": budget, "state": state, "save_at": save_at, "format": fmt}
                 for rank in node_ranks]
 
     try:
@@ -267,24 +270,26 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
         gets = sum(proxy.gets.values())
         knobs = {name: run[0]["knobs"][name] for name in ("block_bytes", "window_blocks",
                                                           "lanes")}
-        reference, _ = local_steps(local, ranks, {"shuffle": "windowed", **knobs})
+        reference, _ = local_steps(local, ranks, {"shuffle": "windowed", "format": fmt,
+                                                  **knobs})
         same = served(run) == reference
         resumed = "-"
         state = run[0]["state"]
         if nodes == 1 and state is not None:
-            expected, _ = local_steps(local, 3, {"shuffle": "windowed", **knobs}, state)
+            expected, _ = local_steps(local, 3, {"shuffle": "windowed", "format": fmt,
+                                                 **knobs}, state)
             three = run_ranks(node(range(3), 3, "cache-three", state), proxy.url)
             resumed = str(served(three) == expected)
     finally:
         proxy.stop()
-    lengths = np.concatenate([np.frombuffer(
-        (local / next(f.path for f in shard.files if f.path.endswith(".idx"))).read_bytes(),
-        "<i4", shard.documents, 34) for shard in shards]).astype(np.int64)
+    lengths = TokenDataset(local, fmt).document_lengths()
     counts = np.array([shard.documents for shard in shards], dtype=np.int64)
+    suffixes = get_format(fmt).index_suffixes
     index_bytes = sum(f.bytes for shard in shards for f in shard.files
-                      if f.path.endswith(".idx"))
-    # the objects every node reads whole at open: each shard's .idx, and its .sums
-    index_objects = sum(f.path.endswith((".idx", ".sums")) for shard in shards
+                      if suffixes and f.path.endswith(suffixes[0]))
+    # the objects every node reads whole at open: each shard's index files (Megatron: its
+    # .idx and its .sums)
+    index_objects = sum(bool(suffixes) and f.path.endswith(suffixes) for shard in shards
                         for f in shard.files)
     blocks = len(cut_blocks(DocumentLengths(counts, lambda s: lengths[
         counts[:s].sum():counts[:s + 1].sum()]), counts, 2, int(knobs["block_bytes"])))
@@ -311,7 +316,8 @@ def parsed_cell(text: str) -> tuple[str, float, float, int]:
 
 
 def bench(args: argparse.Namespace, workdir: Path) -> None:
-    print(f"proxy {args.delay_ms:.0f} ms a request, {args.slow_down:.0%} 503 SlowDown, "
+    print(f"{args.format} shards; proxy {args.delay_ms:.0f} ms a request, "
+          f"{args.slow_down:.0%} 503 SlowDown, "
           f"{args.resets:.0%} resets; one epoch, bestfit T={SEQ}, {BATCH} rows a rank, "
           f"consumer step {STEP_S * 1000:.0f} ms; "
           + (f"cells {args.cell}" if args.cell else f"grid {args.grid!r}"))
@@ -351,6 +357,9 @@ def main() -> None:
     parser.add_argument("--cell", action="append", default=[],
                         help="run this cell instead of a grid: small|large,PER_RANK,SHARE,"
                         "NODES (e.g. small,200,0.1,1); repeatable")
+    parser.add_argument("--format", default="megatron",
+                        choices=document_formats(),
+                        help="the document format of the cells' shards")
     args = parser.parse_args()
     if args.rank:
         rank_main(json.loads(args.rank))

@@ -170,16 +170,17 @@ def write_synthetic_dataset(output: Path, format_name: str, batches, fingerprint
 
 
 def synthetic_token_dataset(directory: Path, total_tokens: int, seed: int = 0,
-                            shard_tokens: int = 1 << 28) -> Path:
-    """A Megatron-format raypipe dataset of about `total_tokens` random uint16 tokens (BOS =
-    0 at every document start, lognormal document lengths with median ~400), in shards of
-    `shard_tokens`; built once and cached in `directory`."""
+                            shard_tokens: int = 1 << 28, format_name: str = "megatron") -> Path:
+    """A raypipe dataset (Megatron, or `format_name`) of about `total_tokens` random uint16
+    tokens (BOS = 0 at every document start, lognormal document lengths with median ~400),
+    in shards of `shard_tokens`; built once and cached in `directory`."""
     import numpy as np
 
     count = (f"{total_tokens // 1_000_000}M" if total_tokens % 1_000_000 == 0
              else str(total_tokens))
     output = directory / (f"tokens-{count}-seed{seed}"
-                          + ("" if shard_tokens == 1 << 28 else f"-shards{shard_tokens}"))
+                          + ("" if shard_tokens == 1 << 28 else f"-shards{shard_tokens}")
+                          + ("" if format_name == "megatron" else f"-{format_name}"))
     if (output / "manifest.json").exists():
         return output
 
@@ -194,7 +195,7 @@ def synthetic_token_dataset(directory: Path, total_tokens: int, seed: int = 0,
             yield tokens, lengths, None
             written += tokens.size
 
-    return write_synthetic_dataset(output, "megatron", batches(), f"synthetic-{seed}",
+    return write_synthetic_dataset(output, format_name, batches(), f"synthetic-{seed}",
                                    shard_tokens)
 
 
