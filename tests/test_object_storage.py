@@ -396,7 +396,8 @@ def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_d
 
 @pytest.mark.parametrize("fmt", ["nanogpt", "stream", "mds"])
 def test_lengths_on_a_bucket_come_from_the_index_files_alone(bucket, corpus_dir,
-                                                             tokenizer_path, tmp_path, fmt):
+                                                             tokenizer_path, tmp_path, fmt,
+                                                             figure):
     """Every rank reads every shard's lengths when it opens: for NanoGPT that is the
     `.bos.idx` files (~4 bytes a document), for stream and MDS the `.lengths` sidecars,
     not every token file of the dataset; and they are the lengths the readers find."""
@@ -412,7 +413,10 @@ def test_lengths_on_a_bucket_come_from_the_index_files_alone(bucket, corpus_dir,
     cache = ShardCache(tmp_path / "c")
     lengths = TokenDataset(uri, fmt, cache=cache).document_lengths()
     assert cache.stats.downloaded_bytes == index_bytes, "token files fetched for lengths"
-    assert len(shards) > 1 and index_bytes < sum(f.bytes for s in shards for f in s.files) / 4
+    data_bytes = sum(f.bytes for s in shards for f in s.files)
+    assert len(shards) > 1 and index_bytes < data_bytes / 4
+    figure(f"{fmt} lengths from a bucket", f"{index_bytes:,} bytes fetched of a "
+           f"{data_bytes:,}-byte dataset ({index_bytes / data_bytes:.1%})")
     on_disk = TokenDataset(local, fmt)
     from_tokens = np.concatenate([on_disk.reader(i).document_lengths
                                   for i in range(on_disk.num_shards)])
