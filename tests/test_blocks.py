@@ -273,3 +273,35 @@ def test_a_resumed_layout_is_kept_where_the_budget_no_longer_holds_its_windows()
     with pytest.raises(ConfigError):
         resolve(PlanSpec.of(seq_len=64, shuffle="windowed", block_bytes=16 << 10),
                 RunFacts(False, 3, budget))
+
+
+def test_auto_on_a_bucket_reads_shard_local_groups_that_fit_the_cache_where_no_block_serves():
+    """Mode windows cuts rows from the token stream, not documents, so no windowed shuffle
+    serves it; on object storage whose node cache holds less than the dataset, "auto" is
+    then shard-local groups of what the cache holds two groups of (the global shuffle
+    would fetch shards again and again), and a resumed state keeps its groups on another
+    budget. Where the cache holds the dataset, on local disk, for a mixture's source and
+    for the document modes, auto is what it was."""
+    from raypipe.sampling.modes import PlanSpec
+    from raypipe.sampling.resolve import RunFacts, resolve
+
+    def resolved(budget, local=False, saved=None, **knobs):
+        spec = resolve(PlanSpec.of(knobs.pop("mode", "windows"), seq_len=64, **knobs),
+                       RunFacts(local, 2, budget, saved))
+        return spec.shuffle, spec.group_shards
+
+    small = WindowBudget(10_000_000, dataset_bytes=50_000_000, largest_shard_bytes=1_000_000)
+    assert resolved(small) == ("shard_local", 5)
+    assert resolved(small, shuffle="shard_local") == ("shard_local", 5)
+    assert resolved(small, shuffle="shard_local", group_shards=3) == ("shard_local", 3)
+    assert resolved(small, local=True) == ("global", 4)
+    assert resolved(WindowBudget(60_000_000, dataset_bytes=50_000_000,
+                                 largest_shard_bytes=1_000_000)) == ("global", 4)
+    assert resolved(WindowBudget(10_000_000, sources=2, dataset_bytes=50_000_000,
+                                 largest_shard_bytes=1_000_000)) == ("global", 4)
+    assert resolved(small, mode="bestfit")[0] == "windowed"
+    larger = WindowBudget(40_000_000, dataset_bytes=50_000_000, largest_shard_bytes=1_000_000)
+    assert resolved(larger) == ("shard_local", 20)
+    saved = {"shuffle": "shard_local", "group_shards": 5}
+    assert resolved(larger, saved=saved) == ("shard_local", 5)
+    assert resolved(larger, saved={"shuffle": "global"}) == ("global", 4)

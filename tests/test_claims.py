@@ -95,19 +95,14 @@ SHUFFLE_PIECES = {"for_storage", "for_world", "for_budget"}  # PlanSpec's, calle
 
 def shuffle_choices(path: Path) -> list[int]:
     """Lines of a module that choose a spec's shuffle: a call of one of PlanSpec's
-    resolving pieces, a lookup in AUTO_SHUFFLE, or a `shuffle=` keyword of a call to
-    `replace`, outside the pieces' own bodies."""
+    resolving pieces, or a `shuffle=` keyword of a call to `replace`, outside the pieces'
+    own bodies."""
     tree = ast.parse(path.read_text())
     pieces = [range(node.lineno, node.end_lineno + 1) for node in ast.walk(tree)
               if isinstance(node, ast.FunctionDef) and node.name in SHUFFLE_PIECES]
     lines = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call | ast.Subscript) or any(
-                node.lineno in piece for piece in pieces):
-            continue
-        if isinstance(node, ast.Subscript):
-            if isinstance(node.value, ast.Name) and node.value.id == "AUTO_SHUFFLE":
-                lines.append(node.lineno)
+        if not isinstance(node, ast.Call) or any(node.lineno in piece for piece in pieces):
             continue
         function = node.func
         name = getattr(function, "attr", getattr(function, "id", ""))

@@ -373,11 +373,17 @@ def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_d
     assert len(shards) >= 5
     downloaded, said_at_open = {}, {}
     caplog.set_level(logging.WARNING, logger="raypipe")
-    for shuffle in ("global", "shard_local"):
+    for shuffle in ("global", "shard_local", "auto"):
         caplog.clear()
-        loader = TokenLoader(uri, 32, 4, mode="windows", shuffle=shuffle, group_shards=1,
-                             cache_dir=tmp_path / shuffle, cache_bytes=2 * largest)
+        given = {} if shuffle == "auto" else {"shuffle": shuffle, "group_shards": 1}
+        loader = TokenLoader(uri, 32, 4, mode="windows", cache_dir=tmp_path / shuffle,
+                             cache_bytes=2 * largest, **given)
         said_at_open[shuffle] = caplog.text
+        if shuffle == "auto":  # the default on a bucket the cache cannot hold: groups that
+            # fit it (the group read and the next: one shard each here), recorded in the state
+            assert (loader.spec.shuffle, loader.spec.group_shards) == ("shard_local", 1)
+            knobs = loader.state_dict()["knobs"]
+            assert (knobs["shuffle"], knobs["group_shards"]) == ("shard_local", 1)
         assert sum(1 for _ in loader) > 0
         downloaded[shuffle] = loader.cache_stats.downloaded_bytes
         loader.close()
@@ -388,10 +394,13 @@ def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_d
     # the remedy named fits the budget: a group of one shard (the group read and the next)
     assert "shuffle='shard_local' with group_shards=1 " in said_at_open["global"]
     assert downloaded["shard_local"] == data_bytes, "a shard was fetched twice in one epoch"
+    assert downloaded["auto"] == data_bytes, "auto fetched a shard twice in one epoch"
     assert downloaded["global"] > downloaded["shard_local"]
     figure("bytes downloaded per epoch / dataset",
            f"global {downloaded['global'] / data_bytes:.2f}x, shard-local "
-           f"{downloaded['shard_local'] / data_bytes:.2f}x (cache of 2 of {len(shards)} shards)")
+           f"{downloaded['shard_local'] / data_bytes:.2f}x, auto (shard-local) "
+           f"{downloaded['auto'] / data_bytes:.2f}x (mode windows, a cache of 2 of "
+           f"{len(shards)} shards)")
 
 
 @pytest.mark.parametrize("fmt", ["nanogpt", "stream", "mds"])

@@ -27,6 +27,7 @@ WHOLE_SHARDS = 1 << 62  # block_bytes that cuts no shard: one block a shard
 WINDOWS_HELD = 2  # windows a rank holds: the one it reads and the next, fetched ahead
 WINDOW_SHARE = 0.5  # of the node cache's budget less the index files: the node's windows
 HOLD_SHARE = 0.8  # ... and what the node's ranks hold and fetch ahead, all together
+GROUPS_HELD = 2  # shard-local groups the node cache holds: the one read and the next
 BLOCKS_PER_WINDOW = 16  # block_bytes 0: blocks of about 1/16 of a window ...
 BLOCK_BYTES_RANGE = (16 << 10, 4 << 20)  # ... within these bounds (GET cost vs mixing),
 # where a window holds the floor; a smaller window holds one block of what it can
@@ -120,6 +121,23 @@ class WindowBudget:
     # datasets whose windows share the node cache (a mixture's sources on object storage):
     # each has an equal part of it
     sources: int = 1
+    # the dataset's bytes, and its largest shard's (what a shard-local group is sized by)
+    dataset_bytes: int = 0
+    largest_shard_bytes: int = 0
+
+    @property
+    def holds_dataset(self) -> bool:
+        """The node cache holds the whole dataset (its part of it, for a mixture's source):
+        a global shuffle then fetches each shard once."""
+        return self.dataset_bytes * self.sources <= self.budget_bytes
+
+    def shard_group(self) -> int:
+        """The most shards a shard-local group holds with GROUPS_HELD groups of the largest
+        shards in the cache (at least one)."""
+        if not self.largest_shard_bytes:
+            return 1
+        return max(1, self.budget_bytes // (self.sources * GROUPS_HELD
+                                            * self.largest_shard_bytes))
 
     @property
     def readers(self) -> int:

@@ -206,15 +206,18 @@ def window_budget(dataset: TokenDataset | BatchDataset,
     cache's, else as configured), the node's ranks (LOCAL_WORLD_SIZE, as torchrun and Ray
     Train set it), the bytes of its index files (every rank reads them all), and whether
     a block of a shard can be read alone (the same on local disk as on a bucket, so a
-    local copy resolves the blocks a bucket run does); `sources`: the datasets on object
-    storage whose windows share the cache (a mixture's)."""
+    local copy resolves the blocks a bucket run does), the dataset's bytes and its largest
+    shard's (a shard-local group's size); `sources`: the datasets on object storage whose
+    windows share the cache (a mixture's)."""
     suffixes = tuple(getattr(dataset.format, "index_suffixes", ()))
     index = sum(entry.bytes for shard in dataset.shards for entry in shard.files
                 if suffixes and entry.path.endswith(suffixes))
     budget = (dataset.cache.budget_bytes if dataset.cache is not None
               else configured_budget(budget_bytes))
     ranged = bool(getattr(dataset, "reads_blocks_alone", False))
-    return WindowBudget(budget, node_ranks(), index, ranged, sources)
+    shard_bytes = [sum(entry.bytes for entry in shard.files) for shard in dataset.shards]
+    return WindowBudget(budget, node_ranks(), index, ranged, sources, sum(shard_bytes),
+                        max(shard_bytes, default=0))
 
 
 def node_ranks() -> int:

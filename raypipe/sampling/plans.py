@@ -186,7 +186,7 @@ LANE_ENDS_AUTO, NEARBY_LANE_ENDS, SPREAD_LANE_ENDS = "auto", "nearby", "spread"
 # how a windowed shuffle's lanes end (auto: a resumed state's, else nearby)
 LANE_ENDS = (LANE_ENDS_AUTO, NEARBY_LANE_ENDS, SPREAD_LANE_ENDS)
 WINDOWS_PER_EPOCH = 32  # windowed, window_blocks 0: 1/32 of a lane's blocks a window
-AUTO_SHUFFLE = {True: "global", False: "windowed"}  # auto, by: the dataset is local
+GROUP_SHARDS_DEFAULT = 4  # shard_local, group_shards 0: where no cache sizes the groups
 
 
 def window_blocks_for(blocks: int, window_blocks: int, lanes: int = 1) -> int:

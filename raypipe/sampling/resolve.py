@@ -1,6 +1,6 @@
 """One resolution of a run's shuffle: `resolve` is the one place a spec's shuffle "auto" and
-its layout's undecided knobs (block_bytes, window_blocks, lanes 0; lane_ends auto) are
-decided.
+its layout's undecided knobs (block_bytes, window_blocks, lanes, group_shards 0; lane_ends
+auto) are decided.
 
 Invariant: `resolve(asked, facts)` is a pure function of the spec as given and the facts of
 the run (`RunFacts`: where the data lives, the world size it starts at, the node cache's
@@ -9,9 +9,10 @@ resolves the same spec, and resolving a resolved spec changes nothing. In order:
 state's shuffle and layout where the run asked "auto" and 0 (a state from before the
 knobs: global); else a mixture's one shuffle and layout for all its sources (the first
 source on object storage resolves them for its part of the cache); then "auto" by storage
-(global on local disk; windowed on object storage where the mode reads documents and the
-split is shuffled), lane_ends auto nearby, lanes 0 by the world size, blocks and window 0
-by the budget. Cost:
+(global on local disk; on object storage windowed where the mode reads documents and the
+split is shuffled, else shard_local where the cache holds less than the dataset), group_shards
+0 by the budget, lane_ends auto nearby, lanes 0 by the world size, blocks and window 0 by the
+budget. Cost:
 microseconds.
 """
 
@@ -25,9 +26,10 @@ from raypipe.sampling.blocks import WindowBudget
 from raypipe.sampling.modes import PlanSpec
 from raypipe.sampling.plans import LANE_ENDS_AUTO, NEARBY_LANE_ENDS
 
-# a windowed shuffle's layout knobs, and the value of each that the run leaves to decide
+# a shuffle's layout knobs (windowed: blocks, window, lanes; shard_local: its groups), and
+# the value of each that the run leaves to decide
 LAYOUT_UNDECIDED: dict[str, Any] = {"block_bytes": 0, "window_blocks": 0, "lanes": 0,
-                                    "lane_ends": LANE_ENDS_AUTO}
+                                    "lane_ends": LANE_ENDS_AUTO, "group_shards": 0}
 SHUFFLE_LAYOUT = tuple(LAYOUT_UNDECIDED)
 
 
@@ -58,7 +60,7 @@ def resolve(asked: PlanSpec, facts: RunFacts) -> PlanSpec:
                           for name, undecided in LAYOUT_UNDECIDED.items()})
     elif facts.sibling is not None:
         spec = replace(spec, shuffle=facts.sibling.shuffle, **shuffle_layout(facts.sibling))
-    spec = spec.for_storage(facts.local)
+    spec = spec.for_storage(facts.local, facts.budget)
     if spec.lane_ends == LANE_ENDS_AUTO:
         spec = replace(spec, lane_ends=NEARBY_LANE_ENDS)
     if facts.world_size is not None:

@@ -34,7 +34,7 @@ from raypipe.io.states import (
     STATE_VERSION,
     LoaderState,
 )
-from raypipe.sampling.blocks import WHOLE_SHARDS, WINDOWS_HELD
+from raypipe.sampling.blocks import WHOLE_SHARDS, WINDOWS_HELD, WindowBudget
 from raypipe.sampling.data_changes import DataChanges, planned_again
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec, window_budget
 from raypipe.sampling.modes import (
@@ -446,8 +446,9 @@ def global_refetch_remedy(spec: PlanSpec, shard_bytes: list[int], budget: int) -
     if spec.loader_mode.windowed:
         return f"shuffle='auto' (windowed) fetches each block once, {whole}"
     if spec.loader_mode.shard_local:
-        group = max(1, budget // (2 * max(shard_bytes)))
-        return (f"shuffle='shard_local' with group_shards={group} fetches each shard once "
+        group = WindowBudget(budget, largest_shard_bytes=max(shard_bytes)).shard_group()
+        return (f"shuffle='auto' (shard-local groups sized from the cache) or "
+                f"shuffle='shard_local' with group_shards={group} fetches each shard once "
                 f"(a step then mixes {group} neighbouring shard(s)), {whole}, or a mode "
                 f"that serves the windowed shuffle ({', '.join(windowed_modes())})")
     return f"give cache_bytes of at least {sum(shard_bytes):,}"

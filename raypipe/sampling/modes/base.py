@@ -50,7 +50,7 @@ from raypipe.sampling.buffers import (
 from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.pack import OVERLONGS, RowPieces
 from raypipe.sampling.plans import (
-    AUTO_SHUFFLE,
+    GROUP_SHARDS_DEFAULT,
     LANE_ENDS,
     LANE_ENDS_AUTO,
     SHUFFLES,
@@ -165,10 +165,14 @@ class PlanSpec:
                      "batches, as written)", lambda: mode_spellings())
     seq_len: int = knob(0, "T: tokens a row trains (rows hold T + 1), as TokenLoader's")
     seed: int = knob(0, "the loader's seed")
-    shuffle: str = knob("auto", "the loader's shuffle (auto: global for a local dataset, "
-                        "windowed on object storage; windowed and shard_local: each node "
-                        "reads each shard once per epoch)", SHUFFLES)
-    group_shards: int = knob(4, "shuffle shard_local: consecutive shards per group",
+    shuffle: str = knob("auto", "the loader's shuffle (auto: global for a local dataset; "
+                        "on object storage windowed where the mode reads documents, else "
+                        "shard_local where the node cache holds less than the dataset; "
+                        "windowed and shard_local: each node reads each shard once per "
+                        "epoch)", SHUFFLES)
+    group_shards: int = knob(0, "shuffle shard_local: consecutive shards per group (0: on "
+                             "object storage as many as the node cache holds two groups "
+                             f"of, else {GROUP_SHARDS_DEFAULT})",
                              applies=("shuffle", "shard_local"))
     block_bytes: int = knob(0, "shuffle windowed: bytes of whole documents a block holds, "
                             "the unit fetched and shuffled (0: about 1/16 of a window, "
@@ -235,11 +239,13 @@ class PlanSpec:
         elif type(self.knobs) is not declared:
             raise ConfigError(f"mode {self.mode!r} takes {declared.__name__} knobs, not "
                               f"{type(self.knobs).__name__}")
-        if self.shuffle == "shard_local" and (not self.loader_mode.shard_local
-                                              or self.group_shards < 1):
+        if self.shuffle == "shard_local" and not self.loader_mode.shard_local:
             raise ConfigError(f"shuffle='shard_local' needs a mode that reads documents "
                               f"(not {self.mode!r}, which already reads blocks of "
-                              "consecutive batches) and group_shards >= 1")
+                              "consecutive batches)")
+        if self.group_shards < 0:
+            raise ConfigError(f"group_shards: {self.group_shards} must be >= 0 (0: sized "
+                              "from the node cache)")
         for name in ("block_bytes", "window_blocks", "lanes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be >= 0 (0: chosen "
@@ -282,15 +288,33 @@ class PlanSpec:
     def loader_mode(self) -> LoaderMode:
         return get_mode(self.mode)
 
-    def for_storage(self, local: bool) -> PlanSpec:
-        """The spec with shuffle "auto" resolved for a dataset that is local or on object
-        storage (raypipe.sampling.plans): global locally, else windowed where the mode
-        allows it and the documents are shuffled (not a validation split, served in order);
-        window_blocks and lanes 0 are resolved per dataset and world size."""
-        if self.shuffle != "auto":
-            return self
-        return replace(self, shuffle=AUTO_SHUFFLE[local or not self.loader_mode.windowed
-                                                  or self.split == "validation"])
+    def for_storage(self, local: bool, budget: WindowBudget | None = None) -> PlanSpec:
+        """The spec with shuffle "auto" and group_shards 0 resolved for a dataset that is
+        local or on object storage with the node cache `budget` (None: unknown): global
+        locally or for a validation split (served in order); on object storage windowed
+        where the mode reads documents, else shard_local where the cache holds less than
+        the dataset (the global shuffle would fetch shards again and again), else global.
+        group_shards 0 is what `budget` holds two groups of on object storage, else
+        GROUP_SHARDS_DEFAULT. window_blocks and lanes 0 are resolved per dataset and world
+        size."""
+        spec = self
+        if spec.shuffle == "auto":
+            spec = replace(spec, shuffle=spec._auto_shuffle(local, budget))
+        if not spec.group_shards:
+            sized = spec.shuffle == "shard_local" and not local and budget is not None
+            spec = replace(spec, group_shards=(budget.shard_group() if sized and budget
+                                               else GROUP_SHARDS_DEFAULT))
+        return spec
+
+    def _auto_shuffle(self, local: bool, budget: WindowBudget | None) -> str:
+        if local or self.split == "validation":
+            return "global"
+        if self.loader_mode.windowed:
+            return "windowed"
+        if (self.loader_mode.shard_local and budget is not None and budget.sources == 1
+                and not budget.holds_dataset):
+            return "shard_local"
+        return "global"
 
     def for_world(self, world_size: int) -> PlanSpec:
         """The spec with a windowed shuffle's lanes resolved: 0 is the world size the run
