@@ -424,9 +424,9 @@ class ShardCache:
         if total > self.budget_bytes and not self._warned:
             self._warned = True
             logger.warning("%s: the shards in use (%s bytes) exceed the budget; raise it to at "
-                           "least the working set (the shuffle's: the windowed one bounds it, "
-                           "the global one reads every shard throughout an epoch; "
-                           "docs/cluster.md sizes it)", self, f"{total:,}")
+                           "least the working set (the shuffle's: the windowed one's windows, "
+                           "two shard-local groups of at least a shard each, every shard for "
+                           "the global one; docs/cluster.md sizes it)", self, f"{total:,}")
 
 
 CHECKED_TRIES = 2  # downloads of one object (or range) whose copy must match the manifest
