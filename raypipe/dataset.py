@@ -779,7 +779,8 @@ class TokenDataset(ShardSet):
 
     def shard_document_lengths(self, index: int) -> np.ndarray:
         """One shard's document lengths. A shard not open yet is read from its index files
-        alone where the format has them (Megatron .idx, NanoGPT .bos.idx: ~1% of its bytes;
+        alone where the shard lists them (Megatron .idx, NanoGPT .bos.idx, stream and MDS
+        .lengths: ~1% of its bytes;
         the token file is checked when the shard opens for reading)."""
         shard = self.shards[index]
         if index in self._readers or not self.lists_lengths_index(index):

@@ -75,6 +75,11 @@ class ShardFiles:
         size, sha256, mtime_ns = handle.commit()
         return FileEntry(f"{self.directory.name}/{handle.final.name}", size, sha256, mtime_ns)
 
+    def commit_bytes(self, suffix: str, data: bytes) -> FileEntry:
+        """Write a small file of the shard whole (an index known at commit) and commit it."""
+        self.open_file(suffix).write(data)
+        return self.commit_file(suffix)
+
     def abort(self) -> None:
         """Remove the temporary files."""
         for handle in self._files.values():

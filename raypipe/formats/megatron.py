@@ -90,9 +90,7 @@ class MegatronWriter(ShardWriter):
         entries = [self.commit_file(".bin"), *self.commit_mask_sidecar()]
         faults.point("megatron.after_bin", self.name)
         entries.append(self.commit_file(".idx"))
-        sums_file = self.open_file(SUMS_SUFFIX)
-        sums_file.write(self.sums.encoded())
-        entries.append(self.commit_file(SUMS_SUFFIX))
+        entries.append(self.commit_bytes(SUMS_SUFFIX, self.sums.encoded()))
         return entries
 
 

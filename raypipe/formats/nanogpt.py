@@ -87,9 +87,7 @@ class NanoGPTWriter(ShardWriter):
         entries = [self.commit_file(".bin")]
         if self.bos_file is not None:
             entries.append(self.commit_file(".bos.idx"))
-        sums_file = self.open_file(SUMS_SUFFIX)
-        sums_file.write(self.sums.encoded())
-        entries.append(self.commit_file(SUMS_SUFFIX))
+        entries.append(self.commit_bytes(SUMS_SUFFIX, self.sums.encoded()))
         return entries
 
 
