@@ -31,7 +31,7 @@ import numpy as np
 
 from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, ShardReader, batch_formats, document_formats, get_format
-from raypipe.formats.base import MASK_SIDECAR, shard_prefix
+from raypipe.formats.base import lists_file, lists_mask_sidecar, shard_prefix
 from raypipe.io.cache import RangeCheck, ShardCache
 from raypipe.io.checksums import SUMS_SUFFIX, CheckedTokens, StreamChecksums
 from raypipe.io.manifest import MANIFEST_NAME, as_store, file_problem, read_manifest
@@ -294,8 +294,7 @@ class ShardSet:
             found = self._ranged[shard] = (
                 blocks is not None and getattr(self.format, "tokens_at", None) is not None
                 and len(blocks.in_shard(shard)) > 1 and self.lists_lengths_index(shard)
-                and not any(entry.path.endswith(MASK_SIDECAR)
-                            for entry in self.shards[shard].files))
+                and not lists_mask_sidecar(self.shards[shard]))
         return found
 
     def lists_lengths_index(self, shard: int) -> bool:
@@ -304,8 +303,7 @@ class ShardSet:
         manifest counts the shard's tokens."""
         suffixes = getattr(self.format, "index_suffixes", ())
         entry = self.shards[shard]
-        return bool(suffixes) and entry.tokens is not None and any(
-            file.path.endswith(suffixes[0]) for file in entry.files)
+        return bool(suffixes) and entry.tokens is not None and lists_file(entry, suffixes[0])
 
     @cached_property
     def reads_blocks_alone(self) -> bool:

@@ -202,9 +202,14 @@ class ShardReader(ABC):
         """Checks beyond headers and sizes that need a pass over the data (verify only)."""
 
 
+def lists_file(shard: ShardEntry, suffix: str) -> bool:
+    """The shard's manifest entry lists a file of `suffix` (a sidecar it may lack)."""
+    return any(entry.path.endswith(suffix) for entry in shard.files)
+
+
 def lists_mask_sidecar(shard: ShardEntry) -> bool:
     """The shard's manifest entry lists a `.mask` sidecar (chat data)."""
-    return any(entry.path.endswith(MASK_SIDECAR) for entry in shard.files)
+    return lists_file(shard, MASK_SIDECAR)
 
 
 def map_mask_sidecar(prefix: Path, tokens: int) -> np.ndarray:
@@ -212,11 +217,6 @@ def map_mask_sidecar(prefix: Path, tokens: int) -> np.ndarray:
     path = prefix.with_name(prefix.name + MASK_SIDECAR)
     require_size(path, tokens, require_file(path), "loss mask bytes (one per token)")
     return map_file(path, np.uint8)
-
-
-def lists_lengths_sidecar(shard: ShardEntry) -> bool:
-    """The shard's manifest entry lists a `.lengths` sidecar (new stream and MDS outputs)."""
-    return any(entry.path.endswith(LENGTHS_SIDECAR) for entry in shard.files)
 
 
 def read_lengths_sidecar(path: Path, documents: int | None = None,
@@ -237,16 +237,19 @@ def read_lengths_sidecar(path: Path, documents: int | None = None,
 def sidecar_document_lengths(root: Path, shard: ShardEntry) -> np.ndarray:
     """The lengths a shard's `.lengths` sidecar lists, checked against its manifest entry
     (what `index_document_lengths` is for a format that keeps one)."""
-    prefix = shard_prefix(root, shard)
-    return read_lengths_sidecar(prefix.with_name(prefix.name + LENGTHS_SIDECAR),
+    return read_lengths_sidecar(lengths_sidecar_path(shard_prefix(root, shard)),
                                 shard.documents, shard.tokens)
+
+
+def lengths_sidecar_path(prefix: Path) -> Path:
+    return prefix.with_name(prefix.name + LENGTHS_SIDECAR)
 
 
 def check_lengths_sidecar(prefix: Path, lengths: np.ndarray) -> None:
     """The `<prefix>.lengths` sidecar lists the documents an opened shard holds (so plans
     made from it are the reader's documents): FormatError naming it and the first one
     that differs."""
-    path = prefix.with_name(prefix.name + LENGTHS_SIDECAR)
+    path = lengths_sidecar_path(prefix)
     listed = read_lengths_sidecar(path)
     if listed.size != lengths.size or not np.array_equal(listed, lengths):
         common = min(listed.size, lengths.size)

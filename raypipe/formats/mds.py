@@ -1,8 +1,9 @@
 """MosaicML Streaming MDS (docs/formats.md): one sample per document, written directly to
 MDS's published layout, so `streaming.StreamingDataset` and LLM Foundry's text dataloader
 open the output unchanged (no mosaicml-streaming dependency). Beside each shard raypipe
-writes `<name>.lengths` (each sample's token count, u32; MDS never opens it), so a loader
-reads every shard's lengths without fetching the shards; an opened shard must agree with it.
+writes `<name>.lengths` (each sample's token count, u32; MDS never opens it: one more file
+a shard, 4 bytes a sample), so a loader reads every shard's lengths without fetching the
+shards; an opened shard must agree with it.
 
 Invariant: a shard `<name>.mds` is [u32 samples n][u32 offsets[n + 1], absolute in the
 file][the shard's config JSON][samples]; a sample is [u32 size of each variable-size
@@ -42,7 +43,7 @@ from raypipe.formats.base import (
     ShardWriter,
     check_lengths_sidecar,
     check_token_range,
-    lists_lengths_sidecar,
+    lists_file,
     register,
     require_file,
     shard_prefix,
@@ -273,7 +274,7 @@ class MDSReader(ShardReader):
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> MDSReader:
         reader = cls(safe_join(root, shard_file(root, shard).path), np.dtype(section.dtype))
-        if lists_lengths_sidecar(shard):
+        if lists_file(shard, LENGTHS_SIDECAR):
             check_lengths_sidecar(shard_prefix(root, shard), reader.document_lengths)
         return reader
 

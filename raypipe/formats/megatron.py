@@ -28,6 +28,7 @@ from raypipe.formats.base import (
     ShardReader,
     ShardWriter,
     check_token_range,
+    lists_file,
     lists_mask_sidecar,
     map_mask_sidecar,
     register,
@@ -101,7 +102,7 @@ class MegatronReader(ShardReader):
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> MegatronReader:
         return cls(shard_prefix(root, shard), loss_mask=lists_mask_sidecar(shard),
-                   sums=any(entry.path.endswith(SUMS_SUFFIX) for entry in shard.files))
+                   sums=lists_file(shard, SUMS_SUFFIX))
 
     @classmethod
     def index_document_lengths(cls, root: Path, shard: ShardEntry,

@@ -12,7 +12,8 @@ shard's lengths from it alone (4 bytes a document, not the tokens). Chat data (w
 needs --bos or --eos here) adds `.mask`, one u8 per token (1: a trained target), and a span
 record per turn: its role and whether it is trained. Cost: the writer keeps one batch in
 memory plus 8 bytes per record for the index; reader validation is O(1) (ids are
-range-checked per window read) plus one vectorized pass over the tokens for the documents.
+range-checked per window read) plus one vectorized pass over the tokens for the documents;
+the `.lengths` is one more file a shard (4 bytes a document, streamed as written).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from raypipe.formats.base import (
     ShardWriter,
     check_lengths_sidecar,
     check_token_range,
-    lists_lengths_sidecar,
+    lists_file,
     lists_mask_sidecar,
     map_mask_sidecar,
     register,
@@ -131,7 +132,7 @@ class StreamReader(ShardReader):
         options = STREAM.options(section.options)
         return cls(shard_prefix(root, shard), tokenizer.bos_id, tokenizer.eos_id,
                    options.metadata, options.serializer, lists_mask_sidecar(shard),
-                   lists_lengths_sidecar(shard))
+                   lists_file(shard, LENGTHS_SIDECAR))
 
     @classmethod
     def index_document_lengths(cls, root: Path, shard: ShardEntry,
