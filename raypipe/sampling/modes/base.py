@@ -587,7 +587,9 @@ class LoaderMode(ABC):
         """A way to waste less than this mode does (`waste`: cropped, dropped, padding)."""
         if waste == "padding":
             return "fewer, shorter rows (the data holds too few tokens to fill its rows)"
-        return "shuffle 'global' drops only the stream's last partial row"
+        return ("larger shard-local groups (group_shards, and a node cache that holds two "
+                "of them) drop fewer group tails; shuffle 'global' drops only the stream's "
+                "last partial row")
 
 
 CHAT_PADDING_HINT = ("the padding is what keeps conversations whole: a longer seq_len packs "
