@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -920,3 +921,36 @@ def test_an_object_cut_under_a_kept_open_file_is_refused_as_cut_not_retried_for_
     with pytest.raises(FormatError) as refused:
         store.read_ranges("tokens.bin", [(150_000, 150_256)], expected_size=204_800)
     assert "tokens.bin" in str(refused.value) and "size differs" in str(refused.value)
+
+
+def test_closing_a_bucket_loader_under_an_open_iteration_stops_every_fetch_it_made(
+        bucket, token_dataset, tmp_path):
+    """A training loop that holds its iterator and calls `close()` (a stop, a Ray Train
+    worker's teardown): the batches built ahead stop, nothing of the loader fetches into
+    or pins files in the node cache after close returns, the held iteration serves what
+    was built and then raises instead of hanging, and iterating again continues where the
+    taken batches end."""
+    import threading
+
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    cache = tmp_path / "c"
+    knobs = {"mode": "windows", "seed": 3, "cache_dir": cache, "prefetch": 4}
+    whole = [batch.inputs.numpy().tobytes() for batch in TokenLoader(uri, 32, 4, **knobs)]
+    shutil.rmtree(cache)
+    loader = TokenLoader(uri, 32, 4, **knobs)
+    held = iter(loader)
+    taken = [next(held).inputs.numpy().tobytes() for _ in range(3)]
+    loader.close()
+    assert not [t for t in threading.enumerate() if t.name == "raypipe-prefetch"]
+    files = {path: path.stat().st_mtime_ns for path in cache.rglob("*") if path.is_file()}
+    time.sleep(0.5)
+    assert {path: path.stat().st_mtime_ns for path in cache.rglob("*")
+            if path.is_file()} == files, "the cache changed after close"
+    with pytest.raises(StateError, match="closed while this iteration was open"):
+        for batch in held:  # the batches built before close (a few handoffs)
+            taken.append(batch.inputs.numpy().tobytes())
+    assert len(taken) < len(whole) // 2
+    rest = [batch.inputs.numpy().tobytes() for batch in loader]
+    loader.close()
+    assert taken + rest == whole

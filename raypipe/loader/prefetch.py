@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from raypipe.errors import StateError
 from raypipe.loader.stats import WaitStats
 from raypipe.sampling.buffers import BatchBuffers
 
@@ -112,7 +113,7 @@ class Prefetcher:
     def __iter__(self) -> Iterator[Any]:
         while True:
             began = time.perf_counter()
-            item = self.queue.get()
+            item = self._next_item()
             waited = time.perf_counter() - began
             if item is _DONE:
                 return
@@ -121,6 +122,18 @@ class Prefetcher:
             for index, batch in enumerate(item):  # a handoff's wait, on its first batch
                 self.waits.add(waited if index == 0 else 0.0)
                 yield batch
+
+    def _next_item(self) -> Any:
+        """The next handoff; once closed (and drained), a StateError: the loader was closed
+        under an open iteration, whose batches would otherwise never come."""
+        while True:
+            try:
+                return self.queue.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set():
+                    raise StateError("the loader was closed while this iteration was "
+                                     "open: iterate the loader again to continue from "
+                                     "its position") from None
 
     def close(self) -> None:
         self.stop.set()

@@ -42,6 +42,7 @@ class RunView:
         self.device = options.torch_device()
         self.state_name: str | None = None  # where adapters (raypipe.ray.train) keep its state
         self.waits = WaitStats(describe=self._fetching_now)
+        self._open_prefetchers: set[Prefetcher] = set()  # iterations not ended yet
 
     def _datasets(self) -> list[Any]:
         raise NotImplementedError
@@ -95,18 +96,26 @@ class RunView:
         return "; ".join(line for line in map(fetching_line, self._datasets()) if line)
 
     # ----- serving --------------------------------------------------------------------------
-    @staticmethod
-    def _served(prefetcher: Prefetcher, took: Callable[[Batch], None]) -> Iterator[Batch]:
+    def _served(self, prefetcher: Prefetcher, took: Callable[[Batch], None]
+                ) -> Iterator[Batch]:
         """The prefetcher's batches, the run told of each as it is taken."""
+        self._open_prefetchers.add(prefetcher)
         try:
             for batch in prefetcher:
                 took(batch)
                 yield batch
         finally:
             prefetcher.close()
+            self._open_prefetchers.discard(prefetcher)
 
     def close(self) -> None:
-        """Stop background shard fetches and close open shards (object storage)."""
+        """Stop building batches ahead (an iteration still held open serves what was
+        built, then raises) and background shard fetches, and close open shards
+        (object storage), so nothing of this loader fetches, writes to or pins files in the
+        node cache after it returns. Iterating again continues from the run's position."""
+        for prefetcher in list(self._open_prefetchers):
+            prefetcher.close()
+        self._open_prefetchers.clear()
         for dataset in self._datasets():
             dataset.close()
 
