@@ -169,9 +169,10 @@ def quality_row(name: str, order: np.ndarray, shard_of: np.ndarray, ranks: int,
 
 
 def quality(lengths: np.ndarray, counts: np.ndarray, knobs: dict, ranks: int,
-            budget: int, index_bytes: int) -> list[tuple[str, ...]]:
+            budget: int, index_bytes: int, itemsize: int) -> list[tuple[str, ...]]:
     """The shuffle's quality on the documents' order (bestfit's rows draw from the same
-    blocks in the same order), ours beside the others at the same budget."""
+    blocks in the same order), ours beside the others at the same budget (`itemsize`: the
+    bytes a token counts for in a block)."""
     from raypipe.loader.mosaic_streaming import import_streaming
 
     import_streaming()
@@ -185,13 +186,13 @@ def quality(lengths: np.ndarray, counts: np.ndarray, knobs: dict, ranks: int,
     per_rank_step = max(1, int(BATCH * (SEQ + 1) / mean_tokens))
     doc_lengths = DocumentLengths(counts, lambda s: lengths[counts[:s].sum():
                                                             counts[:s + 1].sum()])
-    blocks = cut_blocks(doc_lengths, counts, 2, int(knobs["block_bytes"]))
+    blocks = cut_blocks(doc_lengths, counts, itemsize, int(knobs["block_bytes"]))
     lanes = int(knobs.get("lanes", ranks))
     windowed = WindowedPermutation(blocks.documents, int(knobs["window_blocks"]), SEED)
     lane_order = LaneOrder(lane_bounds(windowed.window_starts, lanes, lambda starts: starts))
     window_bytes = WindowBudget(budget, ranks, index_bytes).window_bytes
-    held_docs = max(1, int(window_bytes * WINDOWS_HELD * ranks / (2 * mean_tokens)))
-    shard_bytes = counts.mean() * mean_tokens * 2
+    held_docs = max(1, int(window_bytes * WINDOWS_HELD * ranks / (itemsize * mean_tokens)))
+    shard_bytes = counts.mean() * mean_tokens * itemsize
     group = max(1, int(window_bytes / shard_bytes))
     orders = {
         "global": FeistelPermutation(total, SEED)(every),
@@ -282,7 +283,8 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
             resumed = str(served(three) == expected)
     finally:
         proxy.stop()
-    lengths = TokenDataset(local, fmt).document_lengths()
+    opened = TokenDataset(local, fmt)
+    lengths, itemsize = opened.document_lengths(), opened.block_itemsize
     counts = np.array([shard.documents for shard in shards], dtype=np.int64)
     suffixes = get_format(fmt).index_suffixes
     index_bytes = sum(f.bytes for shard in shards for f in shard.files
@@ -292,7 +294,7 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
     index_objects = sum(bool(suffixes) and f.path.endswith(suffixes) for shard in shards
                         for f in shard.files)
     blocks = len(cut_blocks(DocumentLengths(counts, lambda s: lengths[
-        counts[:s].sum():counts[:s + 1].sum()]), counts, 2, int(knobs["block_bytes"])))
+        counts[:s].sum():counts[:s + 1].sum()]), counts, itemsize, int(knobs["block_bytes"])))
     worst = {key: max(result["waits"][key] for result in run) for key in run[0]["waits"]}
     row = [f"{size} {dataset / len(shards) / 1e6:.2f} MB", f"{per_rank:g}", f"{share:.0%}",
            f"{nodes}x2", f"{len(shards)}", f"{int(knobs['block_bytes']) / 1e3:,.0f} KB x "
@@ -300,7 +302,7 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
            f"{gets / (blocks + index_objects * nodes):.2f}",
            f"{worst['data_wait_p99_ms']:.0f}", f"{worst['data_wait_max_ms']:.0f}",
            f"{worst['data_wait_first_batch_s']:.2f}", str(same), resumed]
-    return row, quality(lengths, counts, knobs, ranks, budget, index_bytes)
+    return row, quality(lengths, counts, knobs, ranks, budget, index_bytes, itemsize)
 
 
 HEADER = ("shards", "per rank", "cache", "nodes", "count", "block x window",

@@ -292,10 +292,20 @@ class ShardSet:
         if found is None:
             blocks = self.blocks
             found = self._ranged[shard] = (
-                blocks is not None and getattr(self.format, "tokens_at", None) is not None
-                and len(blocks.in_shard(shard)) > 1 and self.lists_lengths_index(shard)
-                and not lists_mask_sidecar(self.shards[shard]))
+                blocks is not None and len(blocks.in_shard(shard)) > 1
+                and self.reads_in_blocks(shard))
         return found
+
+    def reads_in_blocks(self, shard: int) -> bool:
+        """A block of the shard can be read without the rest of it: its format finds a
+        block's bytes from its lengths index (`DocumentFormat.tokens_at`), the shard lists
+        that index (and the `.sums` where the format reads blocks only checked), and no
+        loss mask sidecar rides along."""
+        entry = self.shards[shard]
+        return (getattr(self.format, "tokens_at", None) is not None
+                and self.lists_lengths_index(shard) and not lists_mask_sidecar(entry)
+                and (not getattr(self.format, "blocks_need_sums", False)
+                     or lists_file(entry, SUMS_SUFFIX)))
 
     def lists_lengths_index(self, shard: int) -> bool:
         """The shard's document lengths can be read without its tokens: its format keeps a
@@ -308,11 +318,25 @@ class ShardSet:
     @cached_property
     def reads_blocks_alone(self) -> bool:
         """A block of any shard can be read without the rest of it (on a bucket: by a
-        ranged GET): the format finds a block's bytes from its lengths index, every shard
-        lists one, and no loss mask sidecar rides along. O(files), once."""
-        return (getattr(self.format, "tokens_at", None) is not None
-                and not getattr(self, "has_loss_mask", False)
-                and all(self.lists_lengths_index(shard) for shard in range(self.num_shards)))
+        ranged GET): every shard `reads_in_blocks`, and no loss mask rides along.
+        O(files), once."""
+        return (not getattr(self, "has_loss_mask", False)
+                and all(self.reads_in_blocks(shard) for shard in range(self.num_shards)))
+
+    @cached_property
+    def token_entry(self) -> np.dtype:
+        """What the shards' token files hold a token (a stream record of 8 bytes; else the
+        token: `DocumentFormat.entry_dtype`)."""
+        return self.format.entry_dtype(self.section)
+
+    @cached_property
+    def block_itemsize(self) -> int:
+        """Bytes a token counts for where blocks are cut (raypipe.sampling.blocks): its
+        token file's entry where blocks are read alone, so a block of `block_bytes` is that
+        many bytes fetched; else (outputs read whole) the token's, the cut their states
+        were saved with."""
+        return (self.token_entry.itemsize if self.reads_blocks_alone
+                else np.dtype(self.section.dtype).itemsize)
 
     def _prefetch_blocks(self, units: list[int]) -> None:
         """Fetch ahead, in the order given, while this process holds at most `hold_bytes`
@@ -394,8 +418,8 @@ class ShardSet:
             return None
         sums = self._sums_kept.get(shard)
         if sums is None:
-            itemsize = np.dtype(self.section.dtype).itemsize
-            sums = self._stream_checksums(shard, self._token_starts(shard) * itemsize)
+            sums = self._stream_checksums(shard,
+                                          self._token_starts(shard) * self.token_entry.itemsize)
             if len(self._sums_kept) >= TOKEN_STARTS_KEPT:
                 self._sums_kept.pop(next(iter(self._sums_kept)), None)
             self._sums_kept[shard] = sums
@@ -410,7 +434,7 @@ class ShardSet:
         base = self.document_offsets[shard]
         first = int(starts[int(self.blocks.starts[unit] - base)])
         stop = int(starts[int(self.blocks.stops[unit] - base)])
-        itemsize = np.dtype(self.section.dtype).itemsize
+        itemsize = self.token_entry.itemsize
         at = int(self.format.tokens_at)
         return at + first * itemsize, at + stop * itemsize
 
@@ -624,8 +648,9 @@ class ShardSet:
             return
         starts = np.zeros(reader.num_documents + 1, dtype=np.int64)
         np.cumsum(reader.document_lengths, out=starts[1:])
-        sums = self._stream_checksums(index, starts * np.dtype(reader.tokens.dtype).itemsize)
-        reader.tokens = CheckedTokens(np.asarray(reader.tokens).view(np.ndarray), sums)
+        entries = np.asarray(reader.token_entries).view(np.ndarray)
+        sums = self._stream_checksums(index, starts * entries.dtype.itemsize)
+        reader.tokens = CheckedTokens(entries, sums)
 
     def _open_cached(self, index: int, refresh: bool) -> Any:
         """The reader of a shard fetched into the cache. Pins are this process's own, so a
@@ -662,10 +687,10 @@ class ShardSet:
         units = self.blocks.in_shard(index)
         base = self.document_offsets[index]
         cuts = np.append(starts[self.blocks.starts[units] - base], starts[-1])
-        tokens = BlockTokens(cuts, np.dtype(self.section.dtype),
+        tokens = BlockTokens(cuts, self.token_entry,
                              lambda block: self._block_path(int(units[block])))
         entry = self.shards[index].files[0]
-        expected = int(self.format.tokens_at) + int(starts[-1]) * tokens.dtype.itemsize
+        expected = int(self.format.tokens_at) + int(starts[-1]) * self.token_entry.itemsize
         if entry.bytes != expected:
             raise FormatError(self.store.uri_of(entry.path), "token file size implied by "
                               "the index differs from the manifest's", entry.bytes, expected)

@@ -200,17 +200,29 @@ def bucket(s3_server) -> str:
 @pytest.fixture(scope="session")
 def token_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
     """A tokenized dataset (both formats, several shards) built once with the serial runner."""
+    return tokenized_corpus(tmp_path_factory.mktemp("dataset"), corpus_texts, tokenizer_path)
+
+
+@pytest.fixture(scope="session")
+def stream_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
+    """token_dataset's corpus and shards in the stream format (tokens with metadata ids:
+    8-byte records)."""
+    return tokenized_corpus(tmp_path_factory.mktemp("stream_dataset"), corpus_texts,
+                            tokenizer_path, formats=["stream"])
+
+
+def tokenized_corpus(root: Path, corpus_texts, tokenizer_path, **options) -> Path:
+    """The test corpus in 3 parquet files under `root`, tokenized by the serial runner
+    into `root / "tokens"` (shards of 15,000 tokens, BOS-started documents)."""
     from raypipe.config import load_config
     from raypipe.preprocess.job import run_job
 
-    root = tmp_path_factory.mktemp("dataset")
     for index in range(3):
         write_parquet(root / "corpus" / f"part-{index}.parquet", corpus_texts[index:600:3],
                       row_group_rows=50)
-    config = load_config(None, inputs=[str(root / "corpus")], output=str(root / "tokens"),
-                         tokenizer=tokenizer_path, shard_tokens=15_000, unit_bytes=1 << 30,
-                         bos=True)  # BOS-started documents in both formats
-    run_job(config)
+    run_job(load_config(None, inputs=[str(root / "corpus")], output=str(root / "tokens"),
+                        tokenizer=tokenizer_path, shard_tokens=15_000, unit_bytes=1 << 30,
+                        bos=True, **options))
     return root / "tokens"
 
 

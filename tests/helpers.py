@@ -1,7 +1,8 @@
 """Test helpers: the documents a tokenize job must produce, computed without raypipe; a
 plugin distribution installed in tmp_path and run in a fresh process; corpora whose tokens
 are numbered (a token's id says which token of which document it is), or whose rows
-include rows that make no document; a serial tokenize job."""
+include rows that make no document; a serial tokenize job; an output as an earlier release wrote
+it (a sidecar left out)."""
 
 from __future__ import annotations
 
@@ -147,6 +148,27 @@ def tokenize(corpus, output, tokenizer_path, **options):
     run_job(load_config(None, inputs=[str(corpus)], output=str(output),
                         tokenizer=tokenizer_path, shard_tokens=9_000, unit_bytes=1,
                         **options))
+    return output
+
+
+def without_sidecar(output: Path, fmt: str, suffix: str) -> Path:
+    """Rewrite `output` as a release before `fmt`'s shards carried a `suffix` file wrote
+    it: the files gone from the manifest and from disk, everything else as written."""
+    from dataclasses import replace
+
+    from raypipe.io.manifest import read_manifest, write_manifest
+
+    manifest = read_manifest(output)
+    section = manifest.formats[fmt]
+    shards = []
+    for shard in section.shards:
+        for entry in shard.files:
+            if entry.path.endswith(suffix):
+                (Path(output) / entry.path).unlink()
+        shards.append(replace(shard, files=tuple(entry for entry in shard.files
+                                                 if not entry.path.endswith(suffix))))
+    formats = {**manifest.formats, fmt: replace(section, shards=tuple(shards))}
+    write_manifest(output, replace(manifest, formats=formats))
     return output
 
 

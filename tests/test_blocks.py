@@ -218,21 +218,24 @@ def test_a_new_windowed_run_mixes_blocks_of_many_shards_in_each_window(token_dat
 def test_shards_that_cannot_be_read_a_block_at_a_time_window_whole_shards(tmp_path,
                                                                           corpus_dir,
                                                                           tokenizer_path):
-    """Stream finds no block's bytes from an index, nor does NanoGPT written without BOS
-    (no `.bos.idx`): `block_bytes=0` resolves to whole shards there (fetching a whole shard
+    """NanoGPT written without BOS (no `.bos.idx`) finds no block's bytes from an index, nor
+    does a stream output written before its shards carried a `.sums` (a block of it could
+    not be checked): `block_bytes=0` resolves to whole shards there (fetching a whole shard
     for each small block would refetch it a window after another), and to blocks for
-    Megatron and for NanoGPT with its `.bos.idx`, locally as on a bucket."""
+    Megatron, NanoGPT with its `.bos.idx` and stream with its `.sums`, locally as on a
+    bucket."""
     from raypipe.loader import TokenLoader
-    from tests.helpers import tokenize
+    from tests.helpers import tokenize, without_sidecar
 
     def block_bytes(output, fmt):
         return TokenLoader(str(output), 32, 4, shuffle="windowed", format=fmt).spec.block_bytes
 
     output = tokenize(corpus_dir, tmp_path / "out", tokenizer_path,
                       formats=["megatron", "nanogpt", "stream"])
-    assert block_bytes(output, "stream") == WHOLE_SHARDS
     assert block_bytes(output, "megatron") < WHOLE_SHARDS
     assert block_bytes(output, "nanogpt") < WHOLE_SHARDS
+    assert block_bytes(output, "stream") < WHOLE_SHARDS
+    assert block_bytes(without_sidecar(output, "stream", ".sums"), "stream") == WHOLE_SHARDS
     without_bos = tokenize(corpus_dir, tmp_path / "eos", tokenizer_path, formats=["nanogpt"],
                            bos=False, eos=True)
     assert not list((without_bos / "nanogpt").glob("*.bos.idx"))

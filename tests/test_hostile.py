@@ -243,20 +243,24 @@ def served_until_refused(loader) -> tuple[list[bytes], FormatError | None]:
     return served, None
 
 
-@pytest.mark.parametrize("fmt", ["megatron", "nanogpt"])
+@pytest.mark.parametrize("fmt", ["megatron", "nanogpt", "stream"])
 @pytest.mark.parametrize("change", ["flipped", "appended"])
 def test_a_token_file_changed_in_place_is_refused_before_an_altered_token_is_served(
-        token_dataset, tmp_path, change, fmt):
-    """A byte flipped in a Megatron or NanoGPT .bin with its modification time put back (bit
-    rot, a copy that kept times), or bytes appended: the loader refuses the file, naming
-    it, and every batch it served before is the unchanged output's."""
+        request, tmp_path, change, fmt):
+    """A byte flipped in a Megatron or NanoGPT .bin or a stream .tokens with its
+    modification time put back (bit rot, a copy that kept times), or bytes appended: the
+    loader refuses the file, naming it, and every batch it served before is the unchanged
+    output's."""
     import os
 
+    from raypipe.formats import get_format
+
     copy = tmp_path / "copy"
-    shutil.copytree(token_dataset, copy)  # times kept
+    dataset = request.getfixturevalue("stream_dataset" if fmt == "stream" else "token_dataset")
+    shutil.copytree(dataset, copy)  # times kept
     knobs = {"mode": "windows", "seed": 5, "format": fmt}
     clean, _ = served_until_refused(TokenLoader(copy, 16, 2, **knobs))
-    victim = sorted((copy / fmt).glob("*.bin"))[1]
+    victim = sorted((copy / fmt).glob("*" + get_format(fmt).suffixes[0]))[1]
     before = victim.stat()
     data = bytearray(victim.read_bytes())
     if change == "flipped":

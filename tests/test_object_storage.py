@@ -23,6 +23,7 @@ from bench.latency_proxy import LatencyProxy  # at collection: one thread compil
 from raypipe.config import load_config
 from raypipe.dataset import TokenDataset
 from raypipe.errors import ConfigError, FormatError, StateError
+from raypipe.formats import get_format
 from raypipe.formats.megatron import MegatronReader
 from raypipe.io.cache import ShardCache
 from raypipe.io.manifest import read_manifest
@@ -416,8 +417,6 @@ def test_lengths_on_a_bucket_come_from_the_index_files_alone(bucket, corpus_dir,
     uri = f"s3://{bucket}/tokens"
     upload_tree(local, uri)
     shards = read_manifest(uri).formats[fmt].shards
-    from raypipe.formats import get_format
-
     index_bytes = sum(f.bytes for shard in shards for f in shard.files
                       if f.path.endswith(get_format(fmt).index_suffixes))
     cache = ShardCache(tmp_path / "c")
@@ -434,18 +433,24 @@ def test_lengths_on_a_bucket_come_from_the_index_files_alone(bucket, corpus_dir,
 
 
 # the document formats a bucket loader reads a block at a time (ranged GETs)
-RANGED_FORMATS = ["megatron", "nanogpt"]
+RANGED_FORMATS = ["megatron", "nanogpt", "stream"]
+
+
+def dataset_of(request, fmt: str) -> Path:
+    """The test output holding `fmt`: token_dataset, or stream_dataset (the same corpus)."""
+    return request.getfixturevalue("stream_dataset" if fmt == "stream" else "token_dataset")
 
 
 @pytest.mark.parametrize("fmt", RANGED_FORMATS)
 def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_block_once_per_epoch(
-        bucket, token_dataset, tmp_path, fmt):
-    from raypipe.formats import get_format
-
+        bucket, request, tmp_path, fmt):
+    token_dataset = dataset_of(request, fmt)
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
     shards = read_manifest(uri).formats[fmt].shards
-    data_bytes = sum(f.bytes for shard in shards for f in shard.files)
+    index_suffixes = get_format(fmt).index_suffixes
+    read = (get_format(fmt).suffixes[0], *index_suffixes)  # stream's metadata files: never
+    data_bytes = sum(f.bytes for shard in shards for f in shard.files if f.path.endswith(read))
     largest = max(sum(f.bytes for f in shard.files) for shard in shards)
     loader = TokenLoader(uri, 32, 4, seed=5, window_blocks=1, cache_dir=tmp_path / "c",
                          cache_bytes=3 * largest, format=fmt)
@@ -456,9 +461,8 @@ def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_block_once_per
     loader.close()
     # every block once, though the cache holds 3 shards (a ranged block leaves a header
     # out); the index files are read twice at most (once for the lengths at the open)
-    suffixes = get_format(fmt).index_suffixes
     index_bytes = sum(f.bytes for shard in shards for f in shard.files
-                      if f.path.endswith(suffixes))
+                      if f.path.endswith(index_suffixes))
     headers = get_format(fmt).tokens_at * len(shards)
     assert data_bytes - headers <= fetched <= data_bytes + index_bytes
     assert state["knobs"]["shuffle"] == "windowed"
@@ -776,16 +780,18 @@ def test_a_status_replaced_between_its_head_and_its_get_is_read_again_not_refuse
 
 @pytest.mark.parametrize("fmt", RANGED_FORMATS)
 def test_bucket_blocks_are_ranged_reads_that_survive_503s_and_equal_the_local_copy(
-        bucket, token_dataset, tmp_path, monkeypatch, fmt):
+        bucket, request, tmp_path, monkeypatch, fmt):
     """Blocks smaller than a shard (and than a 503's body) come by ranged GETs (each range
     checked for its length); a 503 SlowDown on each object's first GET and a reset of a
     token file's second (the retry's) are retried and counted, and the batches are the
     local copy's under the same knobs and budget."""
+    token_dataset = dataset_of(request, fmt)
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
     knobs = {"seed": 4, "block_bytes": 4096, "cache_bytes": 1 << 20, "format": fmt}
+    token_file = get_format(fmt).suffixes[0]
     proxy = through_a_fault_proxy(monkeypatch, lambda path, asked: asked == 0,
-                                  lambda path, asked: asked == 1 and path.endswith(".bin"))
+                                  lambda path, asked: asked == 1 and path.endswith(token_file))
     try:
         loader = TokenLoader(uri, 32, 4, cache_dir=tmp_path / "c", **knobs)
         served = [batch.inputs.numpy().tobytes() for batch in loader]
@@ -816,13 +822,14 @@ def test_a_bucket_budget_below_one_block_a_rank_is_refused_naming_the_least_budg
 @pytest.mark.parametrize("fmt", RANGED_FORMATS)
 @pytest.mark.parametrize("change", ["flipped", "appended"])
 def test_a_token_object_changed_on_the_bucket_is_refused_before_an_altered_block_is_served(
-        bucket, token_dataset, tmp_path, change, fmt):
-    """A byte flipped in a Megatron or NanoGPT .bin on the bucket (read a block at a time:
-    each block checked against the shard's .sums as it arrives), or bytes appended (the
-    object's size is checked at its open): the loader refuses the object, naming it, and
-    every batch it served before is the local copy's."""
+        bucket, request, tmp_path, change, fmt):
+    """A byte flipped in a Megatron or NanoGPT .bin or a stream .tokens on the bucket (read
+    a block at a time: each block checked against the shard's .sums as it arrives), or
+    bytes appended (the object's size is checked at its open): the loader refuses the
+    object, naming it, and every batch it served before is the local copy's."""
     from tests.test_hostile import served_until_refused
 
+    token_dataset = dataset_of(request, fmt)
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
     knobs = {"seed": 4, "block_bytes": 4096, "cache_bytes": 1 << 20, "shuffle": "windowed",

@@ -94,7 +94,7 @@ def test_stream_without_metadata_is_plain_tokens(tmp_path, corpus_dir, tokenizer
     run(corpus_dir, tmp_path / "out", tokenizer_path, formats=["stream"], metadata=False)
     files = sorted(p.name for p in (tmp_path / "out" / "stream").glob("*.tokens"))
     others = {p.suffix for p in (tmp_path / "out" / "stream").iterdir()} - {".tokens"}
-    assert files and others == {".lengths"}  # no metadata files; the lengths sidecar
+    assert files and others == {".lengths", ".sums"}  # no metadata files; the sidecars
     docs = [d.tolist() for d in TokenDataset(tmp_path / "out", "stream").iter_documents()]
     assert docs == expected_documents(corpus_dir, tokenizer_path)
     path = tmp_path / "out" / "stream" / files[0]

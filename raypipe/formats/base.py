@@ -29,6 +29,7 @@ import numpy as np
 
 from raypipe.errors import ConfigError, FormatError
 from raypipe.io.atomic import HashedTempFile, file_sha256
+from raypipe.io.checksums import SUMS_SUFFIX, sums_file_bytes
 from raypipe.io.manifest_compat import former_packings, upgrade_batch_section
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import plain_name, safe_join
@@ -168,6 +169,12 @@ class ShardReader(ABC):
         """Document lengths from the shard's index files alone (the files of
         `Format.index_suffixes`), for formats that have such an index."""
         raise NotImplementedError(f"{cls.__name__} keeps no document index")
+
+    @property
+    def token_entries(self) -> np.ndarray:
+        """Its token file's entries, one a token (what a `.sums` covers): `tokens`, or the
+        records that hold them (stream)."""
+        return self.tokens
 
     @property
     def num_documents(self) -> int:
@@ -456,6 +463,12 @@ class DocumentFormat(Format):
     # order from this byte on, so a run of documents is a byte range of it found from the
     # index alone (a loader fetches blocks of it: raypipe.dataset); None: read whole
     tokens_at: int | None = None
+    # the entry its token file holds for each token, where wider than the token (stream's
+    # {token, metadata_id} records, from the section's options); None: the token itself
+    token_entry: Callable[[FormatSection], np.dtype] | None = None
+    # its shards are read a block at a time only where they list a `.sums` (outputs written
+    # before the format had one are read whole, each checked by its sha256)
+    blocks_need_sums: bool = False
     wants_metadata: Callable[[Any], bool] = _no_metadata
     window_metadata: bool = False  # windows of its token stream carry metadata records
     # the document separator its ecosystem writes by default: Megatron's --append-eod and
@@ -468,6 +481,11 @@ class DocumentFormat(Format):
     # windows carry records; else 0)
     metadata_records: Callable[[ShardEntry], int] = lambda shard: 0
     kind: ClassVar[str] = "documents"
+
+    def entry_dtype(self, section: FormatSection) -> np.dtype:
+        """What its token file holds for each token (`token_entry`; else the token)."""
+        return (self.token_entry(section) if self.token_entry is not None
+                else np.dtype(section.dtype))
 
 
 @dataclass(frozen=True)
@@ -652,6 +670,14 @@ def require_file(path: Path) -> int:
 def require_size(path: Path, expected: int, actual: int, what: str = "file size") -> None:
     if expected != actual:
         raise FormatError(path, f"{what} does not match its header", expected, actual)
+
+
+def require_sums(prefix: Path, token_file_bytes: int) -> None:
+    """The shard's `.sums` (its token file's checksums: raypipe.io.checksums, read by the
+    dataset that checks reads) exists and is sized for `token_file_bytes` of tokens."""
+    sums_path = prefix.with_name(prefix.name + SUMS_SUFFIX)
+    require_size(sums_path, sums_file_bytes(token_file_bytes), require_file(sums_path),
+                 "size of the .sums for the token file's tokens")
 
 
 def starts_from_markers(tokens: np.ndarray, bos_id: int | None,

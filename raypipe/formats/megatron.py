@@ -34,9 +34,10 @@ from raypipe.formats.base import (
     register,
     require_file,
     require_size,
+    require_sums,
     shard_prefix,
 )
-from raypipe.io.checksums import SUMS_SUFFIX, ChecksumWriter, sums_file_bytes
+from raypipe.io.checksums import SUMS_SUFFIX, ChecksumWriter
 from raypipe.io.mapping import map_file
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 
@@ -132,10 +133,8 @@ class MegatronReader(ShardReader):
         self._check_consistency(bin_size, index.sequence_lengths.size)
         index.check_documents(index.sequence_lengths.size)
         self.tokens = map_file(self.bin_path, self.dtype, 0, bin_size // self.dtype.itemsize)
-        if sums:  # read by the dataset that checks reads (raypipe.io.checksums); sized here
-            sums_path = prefix.with_name(prefix.name + SUMS_SUFFIX)
-            require_size(sums_path, sums_file_bytes(bin_size), require_file(sums_path),
-                         "size of the .sums for the .bin's size")
+        if sums:
+            require_sums(prefix, bin_size)
         if loss_mask:
             self.loss_mask = map_mask_sidecar(prefix, self.tokens.size)
 

@@ -30,10 +30,11 @@ from raypipe.formats.base import (
     register,
     require_file,
     require_size,
+    require_sums,
     shard_prefix,
     starts_from_markers,
 )
-from raypipe.io.checksums import SUMS_SUFFIX, ChecksumWriter, sums_file_bytes
+from raypipe.io.checksums import SUMS_SUFFIX, ChecksumWriter
 from raypipe.io.mapping import map_file
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 
@@ -145,10 +146,8 @@ class NanoGPTReader(ShardReader):
         require_size(self.bin_path, HEADER_BYTES + count * itemsize, size)
         self.dtype = np.dtype(np.uint16 if itemsize == 2 else np.uint32)
         self.tokens = map_file(self.bin_path, self.dtype, HEADER_BYTES, count)
-        if sums:  # read by the dataset that checks reads (raypipe.io.checksums); sized here
-            sums_path = prefix.with_name(prefix.name + SUMS_SUFFIX)
-            require_size(sums_path, sums_file_bytes(count * itemsize), require_file(sums_path),
-                         "size of the .sums for the .bin's token count")
+        if sums:
+            require_sums(prefix, count * itemsize)
         self.document_starts = self._document_starts(bos_id, eos_id, require_bos_index)
 
     def _document_starts(self, bos_id: int | None, eos_id: int | None,

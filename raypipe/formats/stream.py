@@ -1,5 +1,6 @@
 """Stream with metadata: `<name>.tokens` + `.metadata.index` + `.metadata.bin`, and raypipe's
-`.lengths` (each document's token count, u32) (docs/formats.md).
+`.lengths` (each document's token count, u32) and `.sums` (CRC-32 of `.tokens` in 4 KiB
+units of whole documents: raypipe.io.checksums) (docs/formats.md).
 
 Invariant: `.tokens` is little-endian records {token: u32, metadata_id: u32} (or plain u32
 tokens when written without metadata); `.metadata.index` is u64[M + 1] byte offsets with
@@ -8,12 +9,15 @@ allocated in token order (a document's record, then its spans' records in span o
 the ids of any window form one contiguous range: a window's metadata is one index read and
 one data read. Readers find documents by the BOS (or EOS) token, as NanoGPT readers do; a
 shard that lists `.lengths` (new outputs) must agree with them, and a loader reads every
-shard's lengths from it alone (4 bytes a document, not the tokens). Chat data (which
+shard's lengths from it alone (4 bytes a document, not the tokens); with the `.sums` too, a
+run of documents is a byte range of `.tokens` (8 bytes a token with metadata, 4 without),
+checked as it arrives, so a loader on a bucket fetches blocks of it. Chat data (which
 needs --bos or --eos here) adds `.mask`, one u8 per token (1: a trained target), and a span
 record per turn: its role and whether it is trained. Cost: the writer keeps one batch in
 memory plus 8 bytes per record for the index; reader validation is O(1) (ids are
 range-checked per window read) plus one vectorized pass over the tokens for the documents;
-the `.lengths` is one more file a shard (4 bytes a document, streamed as written).
+the `.lengths` and `.sums` are two more files a shard (4 bytes a document; 4 bytes a 4 KiB
+unit), streamed as written.
 """
 
 from __future__ import annotations
@@ -41,16 +45,18 @@ from raypipe.formats.base import (
     register,
     require_file,
     require_size,
+    require_sums,
     shard_prefix,
     sidecar_document_lengths,
     starts_from_markers,
 )
-from raypipe.io.mapping import map_file
+from raypipe.io.checksums import SUMS_SUFFIX, ChecksumWriter
+from raypipe.io.mapping import TOKEN_FIELD, map_file, token_view
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
 from raypipe.io.serialize import SERIALIZERS, get_serializer
 from raypipe.knobs import knob
 
-RECORD = np.dtype([("token", "<u4"), ("metadata_id", "<u4")])
+RECORD = np.dtype([(TOKEN_FIELD, "<u4"), ("metadata_id", "<u4")])
 PLAIN = np.dtype("<u4")
 
 
@@ -69,6 +75,7 @@ class StreamWriter(ShardWriter):
         self.tokens_file = self.open_file(".tokens")
         self.bin_file = self.open_file(".metadata.bin") if metadata else None
         self.offsets: list[int] = [0]
+        self.sums = ChecksumWriter()
 
     def _add_record(self, record: dict[str, Any]) -> int:
         data = self.serializer.dumps(record)
@@ -80,7 +87,7 @@ class StreamWriter(ShardWriter):
             metadata: list[DocumentMetadata] | None = None) -> None:
         check_token_range(tokens, self.token_dtype, str(self.tokens_file.final))
         if not self.with_metadata:
-            self.tokens_file.write(tokens.astype(PLAIN, copy=False).data)
+            self._write_entries(tokens.astype(PLAIN, copy=False), lengths)
         else:
             records = np.empty(tokens.size, dtype=RECORD)
             records["token"] = tokens
@@ -93,13 +100,20 @@ class StreamWriter(ShardWriter):
                 ids[:] = document_id
                 for first, last, span in doc.spans:
                     ids[first:last] = self._add_record({**span, "document": document_id})
-            self.tokens_file.write(records.data)
+            self._write_entries(records, lengths)
         self.add_lengths_sidecar(lengths)
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
 
+    def _write_entries(self, entries: np.ndarray, lengths: np.ndarray) -> None:
+        """The documents' entries into `.tokens`, and their checksums into the `.sums`."""
+        data = np.ascontiguousarray(entries).view(np.uint8)
+        self.tokens_file.write(data.data)
+        self.sums.add(data, lengths.astype(np.int64) * entries.dtype.itemsize)
+
     def commit(self) -> list[FileEntry]:
-        entries = self.commit_mask_sidecar() + self.commit_lengths_sidecar()
+        entries = (self.commit_mask_sidecar() + self.commit_lengths_sidecar()
+                   + [self.commit_bytes(SUMS_SUFFIX, self.sums.encoded())])
         if self.bin_file is not None:
             self.open_file(".metadata.index").write(np.array(self.offsets, dtype="<u8").data)
             bin_entry = self.commit_file(".metadata.bin")
@@ -132,7 +146,7 @@ class StreamReader(ShardReader):
         options = STREAM.options(section.options)
         return cls(shard_prefix(root, shard), tokenizer.bos_id, tokenizer.eos_id,
                    options.metadata, options.serializer, lists_mask_sidecar(shard),
-                   lists_file(shard, LENGTHS_SIDECAR))
+                   lists_file(shard, LENGTHS_SIDECAR), lists_file(shard, SUMS_SUFFIX))
 
     @classmethod
     def index_document_lengths(cls, root: Path, shard: ShardEntry,
@@ -141,7 +155,7 @@ class StreamReader(ShardReader):
 
     def __init__(self, prefix: str | Path, bos_id: int | None = None, eos_id: int | None = None,
                  metadata: bool | None = None, serializer: str = "json",
-                 loss_mask: bool = False, lengths: bool = False):
+                 loss_mask: bool = False, lengths: bool = False, sums: bool = False):
         prefix = Path(prefix)
         self.tokens_path = prefix.with_name(prefix.name + ".tokens")
         self.index_path = prefix.with_name(prefix.name + ".metadata.index")
@@ -158,15 +172,21 @@ class StreamReader(ShardReader):
         count = size // record.itemsize
         raw = map_file(self.tokens_path, record, 0, count)
         self.records = raw
-        self.tokens = raw["token"] if metadata else raw
+        self.tokens = token_view(raw)
         self.metadata_ids = raw["metadata_id"] if metadata else None
         if metadata:
             self._open_metadata()
         self.document_starts = starts_from_markers(self.tokens, bos_id, eos_id)
         if lengths:
             check_lengths_sidecar(prefix, np.diff(self.document_starts))
+        if sums:
+            require_sums(prefix, size)
         if loss_mask:
             self.loss_mask = map_mask_sidecar(prefix, self.tokens.size)
+
+    @property
+    def token_entries(self) -> np.ndarray:
+        return self.records
 
     def _open_metadata(self) -> None:
         index_size = require_file(self.index_path)
@@ -217,6 +237,11 @@ class StreamReader(ShardReader):
                               f"{self.serializer.name}: {exc}") from exc
 
 
+def token_entry(section: FormatSection) -> np.dtype:
+    """What `.tokens` holds a token: a {token, metadata_id} record, or (no metadata) it."""
+    return RECORD if STREAM.options(section.options).metadata else PLAIN
+
+
 def metadata_records(shard: ShardEntry) -> int:
     """The metadata records of a shard, from its `.metadata.index` size in the manifest."""
     return sum(max(0, entry.bytes // 8 - 1) for entry in shard.files
@@ -224,10 +249,11 @@ def metadata_records(shard: ShardEntry) -> int:
 
 
 STREAM = register(DocumentFormat("stream", (".tokens", ".metadata.index", ".metadata.bin",
-                                            MASK_SIDECAR, LENGTHS_SIDECAR),
+                                            MASK_SIDECAR, LENGTHS_SIDECAR, SUMS_SUFFIX),
                                  StreamWriter, StreamReader, stream_dtype,
                                  options_type=StreamOptions, read_order=2,
-                                 index_suffixes=(LENGTHS_SIDECAR,),
+                                 index_suffixes=(LENGTHS_SIDECAR, SUMS_SUFFIX),
+                                 tokens_at=0, token_entry=token_entry, blocks_need_sums=True,
                                  wants_metadata=lambda options: options.metadata,
                                  window_metadata=True, holds_loss_mask=True,
                                  finds_documents_by_separator=True,

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.errors import FormatError
+from raypipe.io.mapping import token_view
 
 SUMS_SUFFIX = ".sums"
 UNIT_BYTES = 4096  # what new outputs write; a reader takes the size its file records
@@ -170,16 +171,18 @@ class StreamChecksums:
 class CheckedTokens:
     """A shard's 1-D tokens whose reads are checked: each checksum unit a slice or an index
     touches is checked on its first read (raypipe.io.checksums.StreamChecksums), so no
-    altered token is served. Reads as the array it wraps: slices of step 1 and indices."""
+    altered token is served. Reads as the tokens of the entries it wraps (tokens, or
+    records holding one: raypipe.io.mapping.token_view): slices of step 1 and indices."""
 
-    def __init__(self, tokens: np.ndarray, sums: StreamChecksums):
-        self.tokens = tokens
+    def __init__(self, entries: np.ndarray, sums: StreamChecksums):
+        self.tokens = token_view(entries)
         self.sums = sums
-        self.dtype = tokens.dtype
-        self.size = int(tokens.size)
+        self.dtype = self.tokens.dtype
+        self.itemsize = entries.dtype.itemsize  # bytes an entry: what the sums count
+        self.size = int(entries.size)
         self.shape = (self.size,)
         self.ndim = 1
-        self._bytes = tokens.view(np.uint8) if tokens.size else np.empty(0, np.uint8)
+        self._bytes = entries.view(np.uint8) if entries.size else np.empty(0, np.uint8)
 
     def __len__(self) -> int:
         return self.size
@@ -187,7 +190,7 @@ class CheckedTokens:
     def __getitem__(self, key: Any) -> Any:
         if not self.sums.unchecked:
             return self.tokens[key]
-        itemsize = self.dtype.itemsize
+        itemsize = self.itemsize
         if isinstance(key, int | np.integer):
             at = (int(key) % max(self.size, 1)) * itemsize
             self.sums.check_span(self._bytes, at, at + itemsize)

@@ -21,6 +21,15 @@ from pathlib import Path
 import numpy as np
 
 PAGE = mmap.ALLOCATIONGRANULARITY
+# a token file's entries are its tokens, or records one of whose fields is the token (a
+# stream shard's {token, metadata_id}): `token_view` gives the tokens of either
+TOKEN_FIELD = "token"
+
+
+def token_view(entries: np.ndarray) -> np.ndarray:
+    """The tokens of a token file's entries: the entries themselves, or (records) a view of
+    their TOKEN_FIELD (strided: no copy)."""
+    return entries[TOKEN_FIELD] if entries.dtype.names else entries
 
 
 def _libc() -> ctypes.CDLL | None:

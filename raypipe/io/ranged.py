@@ -16,16 +16,18 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.io.mapping import map_file
+from raypipe.io.mapping import map_file, token_view
 
 
 class BlockTokens:
     """The 1-D tokens of one shard, block by block: block k holds tokens [cuts[k],
-    cuts[k + 1]); `block_path(k)` gives the local file of its bytes (fetched if need be)."""
+    cuts[k + 1]); `block_path(k)` gives the local file of its bytes (fetched if need be),
+    entries of `entry` each (a token, or a record holding one: raypipe.io.mapping)."""
 
-    def __init__(self, cuts: np.ndarray, dtype: np.dtype, block_path: Callable[[int], Path]):
+    def __init__(self, cuts: np.ndarray, entry: np.dtype, block_path: Callable[[int], Path]):
         self.cuts = np.asarray(cuts, dtype=np.int64)
-        self.dtype = np.dtype(dtype)
+        self.entry = np.dtype(entry)
+        self.dtype = token_view(np.empty(0, dtype=self.entry)).dtype
         self.size = int(self.cuts[-1])
         self.shape = (self.size,)
         self.ndim = 1
@@ -40,7 +42,8 @@ class BlockTokens:
         mapped = self._maps.get(index)
         if mapped is None:
             count = int(self.cuts[index + 1] - self.cuts[index])
-            mapped = self._maps[index] = map_file(self._block_path(index), self.dtype, 0, count)
+            mapped = self._maps[index] = token_view(
+                map_file(self._block_path(index), self.entry, 0, count))
         return mapped
 
     def forget(self, keep: set[int]) -> None:

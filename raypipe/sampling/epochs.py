@@ -120,7 +120,7 @@ class EpochPlans:
         block_bytes = self.spec.block_bytes or WHOLE_SHARDS
         if block_bytes >= WHOLE_SHARDS:
             return whole_shards(counts)
-        itemsize = np.dtype(self.dataset.section.dtype).itemsize
+        itemsize = self.dataset.block_itemsize
 
         def cut() -> np.ndarray:
             return cut_blocks(self._lengths(), counts, itemsize, block_bytes).starts
