@@ -2,7 +2,7 @@
 proxy that adds latency and faults to every request.
 
     python bench/bucket_bench.py [--grid quick|full] [--delay-ms 20]
-        [--cell SIZE,PER_RANK,SHARE,NODES ...] [--format FORMAT]
+        [--cell SIZE,PER_RANK,SHARE,NODES ...] [--format FORMAT] [--step-ms 5]
 
 It starts a moto S3 server on 127.0.0.1 and, in front of it, bench/latency_proxy.py: 20 ms
 a request, 5% of the GETs answered `503 SlowDown`, 1% reset. A cell is a dataset of
@@ -10,11 +10,13 @@ Megatron shards (or --format's; small: ~75 K tokens each, large: ~2.5 M), a numb
 shards per rank (at 2 ranks), a node cache of 5, 10 or 25% of the data, and 1 node x 2
 ranks or 2 nodes x 2 ranks (a cache each); --cell runs the cells named instead of a grid.
 One epoch of bestfit T=2048, 4 rows a rank, each rank a process of its own with a consumer
-step of 5 ms, `shuffle="auto"` (windowed: blocks sized from the budget).
+step of 5 ms (--step-ms), `shuffle="auto"` (windowed: blocks sized from the budget).
 Per cell it prints:
 - bytes fetched an epoch / the dataset (all nodes), GETs / (blocks + index objects: each
   shard's index files, such as Megatron's .idx and .sums, on every node), the
-  training thread's wait after the first batch (p99, max; worst rank) and the first batch;
+  training thread's wait after the first batch (p99, max; worst rank), the fetches' p99
+  (worst rank) against the milliseconds of reading a rank's read-ahead holds (the least
+  rank's: raypipe.loader.stats.FetchSizing), and the first batch;
 - whether every batch equals the same run over a local copy given the knobs the bucket run
   resolved (block_bytes, window_blocks, lanes), and (1 node) whether a 2 -> 3 resume from an
   empty cache at step 20 equals the local copy resumed from the same state;
@@ -82,7 +84,7 @@ def rank_main(order: dict) -> None:
         loader.load_state_dict(order["state"])
     steps, state = {}, None
     for batch in loader:
-        time.sleep(STEP_S)  # the consumer's step
+        time.sleep(order["step_s"])  # the consumer's step
         steps[batch.step] = digest(batch)
         if batch.step + 1 == order.get("save_at"):
             state = loader.state_dict()
@@ -92,6 +94,7 @@ def rank_main(order: dict) -> None:
     print(json.dumps({"steps": steps, "state": state, "waits": stats.waits.metrics(),
                       "fetched": cache.downloaded_bytes if cache else 0,
                       "retries": cache.retries if cache else 0,
+                      "sizing": stats.sizing.metrics() if stats.sizing else {},
                       "knobs": loader.state_dict()["knobs"]}))
 
 
@@ -217,7 +220,8 @@ def projection(shard_mb: float = 400, shards: int = 10_000, nodes: int = 125,
     budget = dataset / nodes * share
     documents = dataset / 2 / document_tokens
     index = documents * 20  # every shard's Megatron .idx: what every node keeps
-    fit = WindowBudget(int(budget + index), per_node, int(index))
+    fit = WindowBudget(int(budget + index), per_node, int(index), dataset_bytes=int(dataset),
+                       largest_shard_bytes=int(shard_mb * 1e6), shards=shards)
     block = fit.block_bytes(0)
     window = fit.window_blocks(block)
     return [("figure", "value"),
@@ -260,7 +264,8 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
              save_at: int | None = None) -> list[dict]:
         shutil.rmtree(workdir / cache, ignore_errors=True)
         return [{"path": uri, "rank": rank, "world": world, "cache": str(workdir / cache),
-                 "budget": budget, "state": state, "save_at": save_at, "format": fmt}
+                 "budget": budget, "state": state, "save_at": save_at, "format": fmt,
+                 "step_s": args.step_ms / 1000}
                 for rank in node_ranks]
 
     try:
@@ -296,17 +301,22 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
     blocks = len(cut_blocks(DocumentLengths(counts, lambda s: lengths[
         counts[:s].sum():counts[:s + 1].sum()]), counts, itemsize, int(knobs["block_bytes"])))
     worst = {key: max(result["waits"][key] for result in run) for key in run[0]["waits"]}
+    sized = [result["sizing"] for result in run if result["sizing"]]
+    fetch_p99 = max((sizing["fetch_p99_ms"] for sizing in sized), default=0)
+    read_ahead = min((sizing["read_ahead_ms"] for sizing in sized), default=0)
     row = [f"{size} {dataset / len(shards) / 1e6:.2f} MB", f"{per_rank:g}", f"{share:.0%}",
            f"{nodes}x2", f"{len(shards)}", f"{int(knobs['block_bytes']) / 1e3:,.0f} KB x "
            f"{knobs['window_blocks']}", f"{sum(r['fetched'] for r in run) / dataset:.2f}",
            f"{gets / (blocks + index_objects * nodes):.2f}",
            f"{worst['data_wait_p99_ms']:.0f}", f"{worst['data_wait_max_ms']:.0f}",
+           f"{fetch_p99:.0f}", f"{read_ahead:,.0f}",
            f"{worst['data_wait_first_batch_s']:.2f}", str(same), resumed]
     return row, quality(lengths, counts, knobs, ranks, budget, index_bytes, itemsize)
 
 
 HEADER = ("shards", "per rank", "cache", "nodes", "count", "block x window",
-          "bytes/data", "GETs/blocks", "p99 ms", "max ms", "first s", "= local", "2->3")
+          "bytes/data", "GETs/blocks", "p99 ms", "max ms", "fetch p99 ms", "read-ahead ms",
+          "first s", "= local", "2->3")
 
 
 def parsed_cell(text: str) -> tuple[str, float, float, int]:
@@ -321,7 +331,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
     print(f"{args.format} shards; proxy {args.delay_ms:.0f} ms a request, "
           f"{args.slow_down:.0%} 503 SlowDown, "
           f"{args.resets:.0%} resets; one epoch, bestfit T={SEQ}, {BATCH} rows a rank, "
-          f"consumer step {STEP_S * 1000:.0f} ms; "
+          f"consumer step {args.step_ms:g} ms; "
           + (f"cells {args.cell}" if args.cell else f"grid {args.grid!r}"))
     rows, qualities = [HEADER], []
     for shape in [parsed_cell(text) for text in args.cell] or GRIDS[args.grid]:
@@ -356,6 +366,8 @@ def main() -> None:
     parser.add_argument("--slow-down", type=float, default=0.05)
     parser.add_argument("--resets", type=float, default=0.01)
     parser.add_argument("--workdir", default="bench_out")
+    parser.add_argument("--step-ms", type=float, default=STEP_S * 1000,
+                        help="the consumer's step (the training loop's time a batch)")
     parser.add_argument("--cell", action="append", default=[],
                         help="run this cell instead of a grid: small|large,PER_RANK,SHARE,"
                         "NODES (e.g. small,200,0.1,1); repeatable")

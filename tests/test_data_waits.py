@@ -1,6 +1,7 @@
 """How long the training thread waits for its batches (raypipe.loader.stats): the histogram's
 quantiles against exact ones, a slow producer against a slow consumer through the real
-prefetch ring, and a TokenLoader's own figures."""
+prefetch ring, and a TokenLoader's own figures; the sizing check that names the least
+cache_bytes whose read-ahead hides the fetches from a bucket."""
 
 from __future__ import annotations
 
@@ -13,10 +14,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raypipe.io.cache import ShardCache
+from raypipe.io.durations import BINS_PER_OCTAVE, Durations
 from raypipe.loader import TokenLoader
 from raypipe.loader import stats as stats_module
 from raypipe.loader.prefetch import HostRing, Prefetcher
-from raypipe.loader.stats import BINS_PER_OCTAVE, WaitStats
+from raypipe.loader.stats import (
+    ADVICE_EVERY,
+    FETCHES_COVERED,
+    WAIT_TARGET_MS,
+    FetchSizing,
+    WaitStats,
+    WaitSummary,
+    fetch_sizing,
+)
 
 BIN_RATIO = 2 ** (1 / BINS_PER_OCTAVE)
 
@@ -108,3 +119,74 @@ def test_a_token_loader_reports_its_waits_per_batch(token_dataset):
     metrics = summary.metrics()
     assert set(metrics) == {"data_wait_p50_ms", "data_wait_p99_ms", "data_wait_max_ms",
                             "data_wait_total_s", "data_wait_first_batch_s"}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.floats(min_value=0.0, max_value=60.0), max_size=50),
+                min_size=1, max_size=4), st.sampled_from([0.5, 0.99]))
+def test_histograms_merged_are_the_histogram_of_every_duration(parts, q):
+    whole = Durations()
+    for seconds in (value for part in parts for value in part):
+        whole.add(seconds)
+    separate = []
+    for part in parts:
+        histogram = Durations()
+        for seconds in part:
+            histogram.add(seconds)
+        separate.append(histogram)
+    merged = Durations.merged(separate)
+    assert merged.count == whole.count and merged.max_seconds == whole.max_seconds
+    assert merged.counts.tolist() == whole.counts.tolist()
+    assert merged.quantile(q) == whole.quantile(q)
+
+
+def waits_of(p99_ms: float) -> WaitSummary:
+    return WaitSummary(1000, p99_ms / 2, p99_ms, p99_ms, 1.0, 0.5)
+
+
+def test_a_read_ahead_shorter_than_two_fetches_with_late_batches_names_the_least_budget(
+        tmp_path):
+    """A rank holding 1 MB ahead that reads 10 MB/s holds 100 ms of reading; fetches of
+    p99 ~80 ms need 2 x 80 ms: the budget past the index files grows by 1.6x."""
+    cache = ShardCache(tmp_path, budget_bytes=5_000_000)
+    for _ in range(99):
+        cache.fetch_times.add(0.080)
+    cache.fetch_times.add(0.010)
+    sizing = fetch_sizing([cache], 1_000_000, 10e6, index_bytes=1_000_000)
+    assert 80 <= sizing.fetch_p99_ms <= 80 * 2 ** (1 / BINS_PER_OCTAVE)
+    assert sizing.read_ahead_ms == 100 and sizing.short
+    # the least budget's read-ahead (the same share of what the index files leave)
+    # holds two fetches' p99 of reading, and no more
+    held_then = 1_000_000 * (sizing.least_budget_bytes - 1_000_000) / 4_000_000
+    covered_ms = 1000 * held_then / 10e6
+    assert FETCHES_COVERED * sizing.fetch_p99_ms <= covered_ms + 1e-3
+    assert covered_ms <= FETCHES_COVERED * sizing.fetch_p99_ms * 1.001
+    line = sizing.advice(waits_of(WAIT_TARGET_MS + 20))
+    assert f"give cache_bytes >= {sizing.least_budget_bytes:,}" in line
+    assert "holds 100 ms of this loop's reading (10.00 MB/s)" in line
+    assert sizing.advice(waits_of(WAIT_TARGET_MS)) == ""  # waits within the target
+    assert sizing.metrics()["least_cache_bytes"] == sizing.least_budget_bytes
+
+
+def test_a_read_ahead_that_covers_its_fetches_gives_no_advice_however_late_the_batches():
+    covered = FetchSizing(4_000_000, 10e6, 40.0, 80.0, 8_000_000, 8_000_000)
+    assert covered.read_ahead_ms == 400 and not covered.short
+    assert covered.advice(waits_of(500)) == ""  # late for another reason than the budget
+    idle = FetchSizing(1, 0.0, 0.0, 0.0, 8_000_000, 8_000_000)  # nothing fetched since
+    assert not idle.short and idle.advice(waits_of(500)) == ""
+
+
+def test_the_sizing_check_runs_at_the_first_batch_then_every_few_and_warns_once(caplog):
+    asked: list[int] = []
+
+    def advise(waits: WaitSummary) -> str:
+        asked.append(waits.batches)
+        return "read-ahead short" if waits.batches >= 2 * ADVICE_EVERY else ""
+
+    stats = WaitStats(advise=advise)
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        for _ in range(4 * ADVICE_EVERY + 1):
+            stats.add(0.001)
+    assert asked == [0, ADVICE_EVERY, 2 * ADVICE_EVERY]
+    lines = [r.getMessage() for r in caplog.records if "read-ahead short" in r.getMessage()]
+    assert lines == ["read-ahead short (warned once)"]

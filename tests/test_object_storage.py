@@ -29,6 +29,7 @@ from raypipe.io.cache import ShardCache
 from raypipe.io.manifest import read_manifest
 from raypipe.io.store import Store
 from raypipe.loader import TokenLoader
+from raypipe.loader.stats import ADVICE_EVERY
 from raypipe.preprocess.job import run_job
 from raypipe.tools.verify import verify_dataset
 from tests import test_state_harness as harness
@@ -258,6 +259,7 @@ def test_a_shard_another_process_evicts_between_its_fetch_and_its_open_is_fetche
 SHARED_CACHE_READER = """
 import sys, hashlib
 from raypipe.loader import TokenLoader
+from raypipe.loader.stats import ADVICE_EVERY
 loader = TokenLoader(sys.argv[1], 32, 4, mode="bestfit", cache_dir=sys.argv[2], seed=3)
 digest = hashlib.sha256()
 for batch in loader:
@@ -643,6 +645,74 @@ def test_a_late_batch_names_the_shard_the_loader_waits_on(bucket, token_dataset,
     assert named and set(named) <= shard_names
     assert line.startswith(f"waiting on {named[0]}"), line
     assert uri in line and "downloads" in line and "budget" in line
+
+
+@pytest.mark.slow
+def test_a_bucket_run_whose_read_ahead_is_shorter_than_its_fetches_is_told_the_least_budget(
+        bucket, token_dataset, tmp_path, monkeypatch, caplog):
+    """A bucket 150 ms a request away and a cache whose read-ahead holds ~50 steps of a
+    fast loop: its batches wait, and the loader says once why and what cache_bytes would
+    hold two fetches' worth of its reading; its stats carry the same figures."""
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    shards = read_manifest(uri).formats["megatron"].shards
+    index = sum(f.bytes for shard in shards for f in shard.files
+                if f.path.endswith(get_format("megatron").index_suffixes))
+    budget = index + (16 << 10)
+    proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, 150).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        with caplog.at_level(logging.WARNING, logger="raypipe"):
+            loader = TokenLoader(uri, 32, 4, seed=2, cache_dir=tmp_path / "cache",
+                                 cache_bytes=budget, block_bytes=4096)
+            steps = sum(1 for _ in loader)
+    finally:
+        proxy.stop()
+    stats = loader.stats
+    sizing = stats.sizing
+    assert loader.spec.shuffle == "windowed" and steps > ADVICE_EVERY
+    assert sizing.fetch_p99_ms >= 150 and sizing.short
+    assert sizing.least_budget_bytes > budget
+    lines = [r.getMessage() for r in caplog.records if "give cache_bytes >=" in r.getMessage()]
+    assert len(lines) == 1 and "(warned once)" in lines[0]
+    assert "the fetches' p99 from object storage" in lines[0]
+    metrics = stats.metrics()
+    assert metrics["least_cache_bytes"] == sizing.least_budget_bytes
+    assert metrics["fetch_p99_ms"] == sizing.fetch_p99_ms
+
+
+def test_a_bucket_rank_reads_ahead_as_far_as_its_share_of_the_cache_holds(
+        bucket, token_dataset, tmp_path):
+    """Windows of one 4 KiB block and 256 bytes a step: 64 steps read ~16 KiB. With a
+    share of the cache that holds the whole dataset, the blocks of every step to the
+    epoch's end are on their way after 100 steps (the steps described ahead grow while
+    their blocks fit; a fixed 64 steps ahead had fetched ~40 KiB of the ~126 KiB)."""
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    shards = read_manifest(uri).formats["megatron"].shards
+    tokens = sum(f.bytes for shard in shards for f in shard.files if f.path.endswith(".bin"))
+    index = sum(f.bytes for shard in shards for f in shard.files
+                if f.path.endswith(get_format("megatron").index_suffixes))
+    loader = TokenLoader(uri, 32, 4, seed=2, cache_dir=tmp_path / "cache",
+                         cache_bytes=4 << 20, block_bytes=4096, window_blocks=1)
+    batches = iter(loader)
+    for _ in range(100):
+        next(batches)
+    assert loader.dataset.hold_bytes > tokens and len(loader) > 300  # steps left
+    deadline = time.monotonic() + 30
+    # blocks fetched: what came less the index files (read twice at most)
+    while loader.cache_stats.downloaded_bytes - 2 * index < 0.85 * tokens:
+        assert time.monotonic() < deadline, (
+            f"{loader.cache_stats.downloaded_bytes:,} bytes fetched at step 100 of a "
+            f"{tokens:,}-byte dataset")
+        time.sleep(0.05)
+    loader.close()
+
+
+def test_a_local_loader_has_no_fetch_sizing(token_dataset):
+    loader = TokenLoader(token_dataset, 32, 4, seed=2, shuffle="windowed")
+    next(iter(loader))
+    assert loader.stats.sizing is None and "fetch_p99_ms" not in loader.stats.metrics()
 
 
 def test_a_bucket_loader_excludes_documents_named_by_input_and_row_from_trace(

@@ -35,6 +35,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -45,6 +46,7 @@ from typing import BinaryIO
 import numpy as np
 
 from raypipe.errors import ConfigError, FormatError
+from raypipe.io.durations import Durations
 from raypipe.io.records import FileEntry
 from raypipe.io.store import Store
 
@@ -127,6 +129,7 @@ class ShardCache:
         self.budget_bytes = configured_budget(budget_bytes)
         (self.directory / LOCKS_DIR).mkdir(parents=True, exist_ok=True)
         self.stats = CacheStats()
+        self.fetch_times = Durations()  # each fetch's seconds: a file, or a shard's ranges
         self._pinned: Counter[Path] = Counter()
         self._published: frozenset[Path] = frozenset()  # what this process's pins file lists
         self._mutex = threading.Lock()
@@ -184,7 +187,9 @@ class ShardCache:
         uri = store.uri_of(entry.path)
         try:
             for attempt in range(CHECKED_TRIES):
+                began = time.monotonic()
                 size, digest = store.download(entry.path, temp, self._count_retry)
+                self._timed(began)
                 problem = _mismatch(entry, size, digest)
                 if problem is None:
                     break
@@ -273,8 +278,10 @@ class ShardCache:
                 spans.append([start, stop])
         read = sum(stop - start for start, stop in spans)
         for attempt in range(CHECKED_TRIES):
+            began = time.monotonic()
             parts = store.read_ranges(entry.path, [(a, b) for a, b in spans],
                                       self._count_retry, entry.bytes)
+            self._timed(began)
             with self._mutex:
                 self.stats.downloads += len(spans)
                 self.stats.downloaded_bytes += read
@@ -303,6 +310,12 @@ class ShardCache:
             finally:
                 temp.unlink(missing_ok=True)
         return read
+
+    def _timed(self, began: float) -> None:
+        """Count a fetch that began at `began` (time.monotonic) and has just ended."""
+        seconds = time.monotonic() - began
+        with self._mutex:
+            self.fetch_times.add(seconds)
 
     def _count_retry(self, error: Exception) -> None:
         with self._mutex:

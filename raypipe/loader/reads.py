@@ -23,7 +23,47 @@ from raypipe.sampling.modes import BatchFiller
 from raypipe.sampling.schedule import Segment
 
 READ_AHEAD_STEPS = 64  # a dataset read in blocks: steps described ahead of the one served
+# ... and past them, as far as the rank's share of the node cache (`hold_bytes`) holds the
+# blocks they read, up to this many (the read-ahead then spans the link's latency at any
+# step time the budget allows)
+READ_AHEAD_MAX_STEPS = 4096
 DESCRIBED_TOGETHER = 8  # ... described a few at a time, before each step served
+
+
+class Upcoming:
+    """The units the steps described ahead read, in the order they came in (a unit read
+    by pending steps since an earlier step, already asked for, stays ahead of those that
+    came after it), with how many of those steps read each, and their bytes
+    (`unit_bytes`); `changed` says whether a unit came or went since it was last cleared.
+    Cost: O(units of a step) a step."""
+
+    def __init__(self, unit_bytes: Any):
+        self.unit_bytes = unit_bytes
+        self.readers: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.bytes = 0
+        self.changed = False
+
+    def add(self, units: np.ndarray) -> None:
+        for unit in units.tolist():
+            count = self.readers.get(unit)
+            if count is None:
+                self.readers[unit] = 1
+                size = self.sizes[unit] = self.unit_bytes(unit)
+                self.bytes += size
+                self.changed = True
+            else:
+                self.readers[unit] = count + 1
+
+    def remove(self, units: np.ndarray) -> None:
+        for unit in units.tolist():
+            count = self.readers[unit] - 1
+            if count:
+                self.readers[unit] = count
+            else:
+                del self.readers[unit]
+                self.bytes -= self.sizes.pop(unit)
+                self.changed = True
 
 
 class ReadAhead:
@@ -75,32 +115,50 @@ def _shards_ahead(run: Any, filler: BatchFiller, segment: Segment
 def _blocks_ahead(run: Any, filler: BatchFiller, segment: Segment
                   ) -> Iterator[tuple[DescribedRows, np.ndarray]]:
     """The blocks each step reads fetched in the order the steps read them, as far as the
-    rank's share of the node cache holds, over the next READ_AHEAD_STEPS steps (all of
+    rank's share of the node cache holds: over the next READ_AHEAD_STEPS steps (all of
     them described before the first step, so its reads and the next ones' go out
-    together; then DESCRIBED_TOGETHER at a time, one such call before each step served,
-    so no step waits behind a long description); the blocks of steps already served are
-    let go. Each step comes with the blocks it reads."""
+    together), then further while the blocks of the steps described hold less than
+    `hold_bytes`, up to READ_AHEAD_MAX_STEPS; DESCRIBED_TOGETHER steps at a time, one such
+    call before each step served, so no step waits behind a long description. The blocks
+    of steps already served are let go. Each step comes with the blocks it reads."""
     dataset, chunks = run.dataset, run.rank_chunks(segment)
     undescribed: deque[np.ndarray] = deque()  # steps' positions, one row a step
     pending: deque[tuple[DescribedRows, np.ndarray]] = deque()
-    first = True
+    upcoming = Upcoming(dataset.unit_bytes)
+    first, served_steps = True, 0
     while True:
-        while len(pending) < READ_AHEAD_STEPS:
+        while _describes_more(len(pending), upcoming.bytes, dataset.hold_bytes):
             if not undescribed:
                 chunk = next(chunks, None)
                 undescribed.extend(() if chunk is None else chunk[0])
             few = [undescribed.popleft()
                    for _ in range(min(DESCRIBED_TOGETHER, len(undescribed)))]
-            if few:
-                pending.extend((job, filler.job_units(job))
-                               for job in filler.describe(np.stack(few)))
-            if not few or not first:
-                break
+            for job in filler.describe(np.stack(few)) if few else ():
+                units = filler.job_units(job)
+                pending.append((job, units))
+                upcoming.add(units)
+            if not few or not first or len(pending) >= READ_AHEAD_STEPS:
+                break  # the first step waits for READ_AHEAD_STEPS described, no more
         first = False
         if not pending:
             return
-        upcoming = list(dict.fromkeys(int(unit) for _, units in pending
-                                      for unit in units.tolist()))
-        dataset.close_except(upcoming)
-        dataset.prefetch(upcoming)
-        yield pending.popleft()
+        # asked again where a unit came or went, and every DESCRIBED_TOGETHER steps (what
+        # an eviction by another process took is asked for again)
+        if upcoming.changed or served_steps % DESCRIBED_TOGETHER == 0:
+            upcoming.changed = False
+            ordered = list(upcoming.readers)
+            dataset.close_except(ordered)
+            dataset.prefetch(ordered)
+        served = pending.popleft()
+        upcoming.remove(served[1])
+        served_steps += 1
+        yield served
+
+
+def _describes_more(pending: int, upcoming_bytes: int, hold_bytes: int) -> bool:
+    """Steps described ahead go on: to READ_AHEAD_STEPS, then while their blocks hold
+    less than `hold_bytes`, to READ_AHEAD_MAX_STEPS."""
+    if pending < READ_AHEAD_STEPS:
+        return True
+    return pending < READ_AHEAD_MAX_STEPS and upcoming_bytes < hold_bytes
+

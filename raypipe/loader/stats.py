@@ -5,11 +5,13 @@ Invariant: every batch a loader yields adds one wait to its `WaitStats`: the tim
 training thread was blocked taking it from the prefetch queue (a handoff of several
 batches counts its wait on its first batch, 0 on the others), so the waits add up to
 the time training stood still for data. The first batch (the cold start: opening shards,
-planning the epoch) is kept apart. Waits are counted in a log-spaced histogram (4 bins an
-octave, 64 bins from a microsecond up), so a quantile is within 19% of the true value and the
-memory is fixed (64 counters) however long the run. A wait past SLOW_WAIT_SECONDS is
-logged (at most once a minute) with what the loader's cache was doing. Cost: two clock
-reads and one histogram increment per batch (~1 us).
+planning the epoch) is kept apart. Waits are counted in a log-spaced histogram
+(raypipe.io.durations: a quantile within 19% of the true value in 128 counters however
+long the run). A wait past SLOW_WAIT_SECONDS is logged (at most once a minute) with what
+the loader's cache was doing; where waits pass WAIT_TARGET_MS at p99 because a rank's
+read-ahead holds less of its reading than its fetches take (`FetchSizing`), the loader
+warns once, naming the least `cache_bytes` that covers them. Cost: two clock reads and
+one histogram increment per batch (~1 us); the sizing check every ADVICE_EVERY batches.
 """
 
 from __future__ import annotations
@@ -21,18 +23,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import numpy as np
-
 from raypipe.io.cache import CacheStats
+from raypipe.io.durations import Durations
 
 logger = logging.getLogger("raypipe")
 
-BINS_PER_OCTAVE = 4
-SMALLEST_SECONDS = 1e-6
-BINS = 128
 SLOW_WAIT_SECONDS = 1.0
 SLOW_LOG_INTERVAL = 60.0
 FETCHES_NAMED = 3  # shards a slow-wait line names
+# the sizing check (FetchSizing): run at the first batch, then every ADVICE_EVERY batches
+# until it has warned once; it warns where the waits' p99 passes WAIT_TARGET_MS and a
+# rank's read-ahead covers less than FETCHES_COVERED fetches' p99 of its reading
+ADVICE_EVERY = 256
+WAIT_TARGET_MS = 50.0
+FETCHES_COVERED = 2.0
 
 
 @dataclass(frozen=True)
@@ -56,15 +60,65 @@ class WaitSummary:
 
 
 @dataclass(frozen=True)
+class FetchSizing:
+    """Whether a rank's read-ahead hides the fetches from object storage: what it holds
+    and fetches ahead (`hold_bytes`, its share of the node cache's `budget_bytes`), what
+    it fetched a second since its first batch, the fetches' p50 and p99 (a file, or a run
+    of a shard's blocks, retries included), and the least budget whose read-ahead covers
+    FETCHES_COVERED x that p99 of its reading."""
+
+    hold_bytes: int
+    read_bytes_per_s: float
+    fetch_p50_ms: float
+    fetch_p99_ms: float
+    budget_bytes: int
+    least_budget_bytes: int
+
+    @property
+    def read_ahead_ms(self) -> float:
+        """The milliseconds of this loop's reading a rank's read-ahead holds."""
+        if self.read_bytes_per_s <= 0:
+            return math.inf
+        return 1000 * self.hold_bytes / self.read_bytes_per_s
+
+    @property
+    def short(self) -> bool:
+        """The read-ahead covers less than FETCHES_COVERED fetches' p99: a block a rank
+        needs can still be on its way when its step comes."""
+        return self.read_ahead_ms < FETCHES_COVERED * self.fetch_p99_ms
+
+    def metrics(self) -> dict[str, float]:
+        return {"fetch_p50_ms": self.fetch_p50_ms, "fetch_p99_ms": self.fetch_p99_ms,
+                "read_ahead_ms": round(min(self.read_ahead_ms, 1e9), 1),
+                "least_cache_bytes": self.least_budget_bytes}
+
+    def advice(self, waits: WaitSummary) -> str:
+        """A line for a run whose waits pass WAIT_TARGET_MS at p99 because its read-ahead
+        is `short` ("" otherwise)."""
+        if waits.p99_ms <= WAIT_TARGET_MS or not self.short:
+            return ""
+        return (f"the training thread waited p99 {waits.p99_ms:.0f} ms for its batches: "
+                f"a rank's read-ahead ({self.hold_bytes:,} bytes of cache_bytes "
+                f"{self.budget_bytes:,}) holds {self.read_ahead_ms:.0f} ms of this loop's "
+                f"reading ({self.read_bytes_per_s / 1e6:.2f} MB/s), less than "
+                f"{FETCHES_COVERED:g}x the fetches' p99 from object storage "
+                f"({self.fetch_p99_ms:.0f} ms); give cache_bytes >= "
+                f"{self.least_budget_bytes:,} (the same on every node) to fetch far enough "
+                "ahead")
+
+
+@dataclass(frozen=True)
 class LoaderStats:
     """What a loader's data cost: the training thread's waits, and (object storage) what
     the node cache fetched and holds: bytes and requests fetched, retries, and the budget
-    in use (bytes in the cache's directory against its budget)."""
+    in use (bytes in the cache's directory against its budget), and, under blocks,
+    whether a rank's read-ahead hides the fetches (`FetchSizing`)."""
 
     waits: WaitSummary
     cache: Any = None  # raypipe.io.cache.CacheStats of this process (None: a local dataset)
     budget_bytes: int = 0
     used_bytes: int = 0
+    sizing: FetchSizing | None = None
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics for a report (Ray Train's `report`, a logger)."""
@@ -74,6 +128,8 @@ class LoaderStats:
                            fetched_files=self.cache.downloads, fetch_retries=self.cache.retries,
                            cache_used_bytes=self.used_bytes,
                            cache_budget_bytes=self.budget_bytes)
+        if self.sizing is not None:
+            metrics.update(self.sizing.metrics())
         return metrics
 
 
@@ -82,49 +138,50 @@ class WaitStats:
     """The training thread's waits for its batches (see the module)."""
 
     describe: Callable[[], str] = lambda: ""  # what the loader was doing, for the slow log
-    counts: np.ndarray = field(default_factory=lambda: np.zeros(BINS, dtype=np.int64))
-    batches: int = 0
-    max_seconds: float = 0.0
-    total_seconds: float = 0.0
+    # the sizing check (FetchSizing.advice): a line to warn once, "" for none
+    advise: Callable[[WaitSummary], str] = lambda waits: ""
+    waits: Durations = field(default_factory=Durations)
     first_batch_seconds: float | None = None
     last_slow_log: float = -math.inf
+    advised: bool = False
+    last_batch_at: float = 0.0  # time.monotonic when the last batch was taken
+
+
+    @property
+    def batches(self) -> int:
+        return self.waits.count
 
     def add(self, seconds: float) -> None:
         """One batch's wait."""
+        self.last_batch_at = time.monotonic()
         if self.first_batch_seconds is None:
             self.first_batch_seconds = seconds
+            self._check_sizing()
             return
-        self.batches += 1
-        self.total_seconds += seconds
-        self.max_seconds = max(self.max_seconds, seconds)
-        self.counts[self.bin_of(seconds)] += 1
+        self.waits.add(seconds)
         if seconds > SLOW_WAIT_SECONDS:
             self._log_slow(seconds)
-
-    @staticmethod
-    def bin_of(seconds: float) -> int:
-        if seconds <= SMALLEST_SECONDS:
-            return 0
-        index = math.ceil(math.log2(seconds / SMALLEST_SECONDS) * BINS_PER_OCTAVE)
-        return min(max(index, 0), BINS - 1)
-
-    @staticmethod
-    def upper_edge(index: int) -> float:
-        return SMALLEST_SECONDS * 2 ** (index / BINS_PER_OCTAVE)
+        if self.waits.count % ADVICE_EVERY == 0:
+            self._check_sizing()
 
     def quantile(self, q: float) -> float:
         """Seconds: the upper edge of the bin holding the q-quantile (0 with no batch)."""
-        if not self.batches:
-            return 0.0
-        rank = max(1, math.ceil(q * self.batches))
-        index = int(np.searchsorted(np.cumsum(self.counts), rank))
-        return min(self.upper_edge(index), self.max_seconds)
+        return self.waits.quantile(q)
 
     def summary(self) -> WaitSummary:
         return WaitSummary(self.batches, round(1000 * self.quantile(0.5), 3),
                            round(1000 * self.quantile(0.99), 3),
-                           round(1000 * self.max_seconds, 3), round(self.total_seconds, 3),
+                           round(1000 * self.waits.max_seconds, 3),
+                           round(self.waits.total_seconds, 3),
                            round(self.first_batch_seconds or 0.0, 3))
+
+    def _check_sizing(self) -> None:
+        if self.advised:
+            return
+        line = self.advise(self.summary())
+        if line:
+            self.advised = True
+            logger.warning("%s (warned once)", line)
 
     def _log_slow(self, seconds: float) -> None:
         now = time.monotonic()
@@ -145,13 +202,31 @@ def summed_cache_stats(caches: Sequence[Any]) -> CacheStats | None:
                         for item in fields(CacheStats)))
 
 
-def loader_stats(waits: WaitSummary, caches: Sequence[Any]) -> LoaderStats:
+def loader_stats(waits: WaitSummary, caches: Sequence[Any],
+                 sizing: FetchSizing | None = None) -> LoaderStats:
     """A loader's LoaderStats: its waits and what its datasets' caches fetched, against
-    the (one, shared) node cache's budget."""
+    the (one, shared) node cache's budget, and its `sizing`."""
     fetched = summed_cache_stats(caches)
     if fetched is None:
         return LoaderStats(waits)
-    return LoaderStats(waits, fetched, caches[0].budget_bytes, caches[0].used_bytes())
+    return LoaderStats(waits, fetched, caches[0].budget_bytes, caches[0].used_bytes(),
+                       sizing)
+
+
+def fetch_sizing(caches: Sequence[Any], hold_bytes: int, read_bytes_per_s: float,
+                 index_bytes: int) -> FetchSizing:
+    """The FetchSizing of a rank that holds and fetches ahead `hold_bytes` from `caches`
+    (the node cache's budget less `index_bytes` of index files is shared by every
+    reader in proportion: a budget k times larger past the index holds k times as much)
+    and reads `read_bytes_per_s`."""
+    times = Durations.merged(cache.fetch_times for cache in caches)
+    budget = caches[0].budget_bytes
+    p99 = times.quantile(0.99)
+    needed = FETCHES_COVERED * p99 * read_bytes_per_s
+    least = index_bytes + math.ceil(max(budget - index_bytes, 0)
+                                    * max(needed / max(hold_bytes, 1), 1.0))
+    return FetchSizing(hold_bytes, read_bytes_per_s, round(1000 * times.quantile(0.5), 3),
+                       round(1000 * p99, 3), budget, least)
 
 
 def fetching_line(dataset: Any) -> str:

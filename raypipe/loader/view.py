@@ -9,7 +9,9 @@ property; `stats` sums the caches' counters (O(datasets)).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from functools import cached_property
 from typing import Any
 
 from raypipe.io.cache import CacheStats
@@ -19,13 +21,16 @@ from raypipe.loader.exclusions import PendingExclusions
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import Prefetcher
 from raypipe.loader.stats import (
+    FetchSizing,
     LoaderStats,
     WaitStats,
     WaitSummary,
+    fetch_sizing,
     fetching_line,
     loader_stats,
     summed_cache_stats,
 )
+from raypipe.sampling.epochs import window_budget
 
 
 class RunView:
@@ -41,7 +46,9 @@ class RunView:
         self.rank, self.world_size = options.rank_and_world()
         self.device = options.torch_device()
         self.state_name: str | None = None  # where adapters (raypipe.ray.train) keep its state
-        self.waits = WaitStats(describe=self._fetching_now)
+        self.waits = WaitStats(describe=self._fetching_now, advise=self._sizing_advice)
+        # (time.monotonic, bytes its caches had fetched) at the first batch: the read rate
+        self._read_mark: tuple[float, int] | None = None
         self._open_prefetchers: set[Prefetcher] = set()  # iterations not ended yet
 
     def _datasets(self) -> list[Any]:
@@ -81,12 +88,44 @@ class RunView:
         """Waits per batch, and what the node cache fetched (bytes, files, retries; a
         mixture's sources summed) and holds against its budget
         (raypipe.loader.stats.LoaderStats; `.metrics()`)."""
-        return loader_stats(self.data_waits, self._caches())
+        return loader_stats(self.data_waits, self._caches(), self._fetch_sizing())
 
     @property
     def cache_stats(self) -> CacheStats | None:
         """Downloads, hits and evictions of this loader's shard caches (None when local)."""
         return summed_cache_stats(self._caches())
+
+    def _fetch_sizing(self) -> FetchSizing | None:
+        """Whether this rank's read-ahead hides its fetches (raypipe.loader.stats), from
+        its first batch to its last; None for a local dataset, before the first batch, or
+        where no dataset reads in blocks."""
+        held = [dataset for dataset in self._datasets()
+                if dataset.cache is not None and getattr(dataset, "hold_bytes", 0)]
+        if self._read_mark is None or not held:
+            return None
+        began, fetched_before = self._read_mark
+        caches = self._caches()  # the mark counts them all
+        seconds = max(self.waits.last_batch_at - began, 1e-3)  # to the last batch taken
+        rate = (summed_cache_stats(caches).downloaded_bytes - fetched_before) / seconds
+        return fetch_sizing(caches, sum(dataset.hold_bytes for dataset in held), rate,
+                            self._index_bytes)
+
+    @cached_property
+    def _index_bytes(self) -> int:
+        """The bytes of the index files the node cache keeps for this loader's datasets
+        (every rank reads them all; no window holds them)."""
+        return sum(window_budget(dataset).index_bytes for dataset in self._datasets()
+                   if dataset.cache is not None)
+
+    def _sizing_advice(self, waits: WaitSummary) -> str:
+        """The sizing check's line (WaitStats): marks the read rate's start at the first
+        batch, then `FetchSizing.advice`."""
+        if self._read_mark is None:
+            fetched = summed_cache_stats(self._caches())
+            self._read_mark = (time.monotonic(), fetched.downloaded_bytes if fetched else 0)
+            return ""
+        sizing = self._fetch_sizing()
+        return sizing.advice(waits) if sizing is not None else ""
 
     def _caches(self) -> list[Any]:
         return [dataset.cache for dataset in self._datasets() if dataset.cache is not None]

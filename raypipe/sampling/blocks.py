@@ -28,9 +28,18 @@ WINDOWS_HELD = 2  # windows a rank holds: the one it reads and the next, fetched
 WINDOW_SHARE = 0.5  # of the node cache's budget less the index files: the node's windows
 HOLD_SHARE = 0.8  # ... and what the node's ranks hold and fetch ahead, all together
 GROUPS_HELD = 2  # shard-local groups the node cache holds: the one read and the next
-BLOCKS_PER_WINDOW = 16  # block_bytes 0: blocks of about 1/16 of a window ...
-BLOCK_BYTES_RANGE = (16 << 10, 4 << 20)  # ... within these bounds (GET cost vs mixing),
-# where a window holds the floor; a smaller window holds one block of what it can
+# block_bytes 0: a window of about MIXED_SHARDS x the dataset's shards blocks, within
+# BLOCKS_PER_WINDOW: a rank's next document then comes from its document's shard with
+# P ~ 1/blocks + 1/shards, near a uniform order's 1/shards; no more (a block is a GET: a
+# rank makes bytes it reads a second / block_bytes GETs a second)
+MIXED_SHARDS = 2
+BLOCKS_PER_WINDOW = (16, 128)
+BLOCK_BYTES_RANGE = (16 << 10, 4 << 20)  # ... the blocks within these bounds (GET cost vs
+# mixing), where a window holds the floor; a smaller window holds one block of what it can
+# blocks made smaller than 1/16 of a window for mixing stop here: at 16 KiB a rank that
+# reads 3.3 MB a second (bench/bucket_bench.py's) makes 200 GETs a second, more than a
+# loopback moto serves 2 ranks on 2 cores (waits p99 93-185 ms; 25 KiB: 4 ms)
+MIXED_BLOCK_FLOOR = 32 << 10
 # block_bytes is a multiple of a shard's checksum unit, so a block is a run of whole units
 # checked as it arrives (raypipe.io.checksums)
 BLOCK_ALIGN = UNIT_BYTES
@@ -124,6 +133,7 @@ class WindowBudget:
     # the dataset's bytes, and its largest shard's (what a shard-local group is sized by)
     dataset_bytes: int = 0
     largest_shard_bytes: int = 0
+    shards: int = 0  # the dataset's shards (0: unknown, the fewest blocks a window)
 
     @property
     def holds_dataset(self) -> bool:
@@ -177,12 +187,22 @@ class WindowBudget:
                 "block_bytes")
         return chosen
 
+    @property
+    def blocks_per_window(self) -> int:
+        """The blocks an automatic window aims at: MIXED_SHARDS x the dataset's shards,
+        within BLOCKS_PER_WINDOW."""
+        fewest, most = BLOCKS_PER_WINDOW
+        return min(max(MIXED_SHARDS * self.shards, fewest), most)
+
     def _automatic_block_bytes(self) -> int:
-        """1/BLOCKS_PER_WINDOW of a window within BLOCK_BYTES_RANGE; a window under the
-        range's floor takes the largest whole number of BLOCK_ALIGN it holds (a block a
-        window, more GETs: a small cache over small shards), BLOCK_ALIGN at least."""
+        """1/16 of a window within BLOCK_BYTES_RANGE, made smaller (to 1/`blocks_per_window`
+        of it, MIXED_BLOCK_FLOOR at least) to mix more shards; a window under the range's
+        floor takes the largest whole number of BLOCK_ALIGN it holds (a block a window,
+        more GETs: a small cache over small shards), BLOCK_ALIGN at least."""
         low, high = BLOCK_BYTES_RANGE
-        fitted = min(max(self.window_bytes // BLOCKS_PER_WINDOW, low), high)
+        fewest = min(max(self.window_bytes // BLOCKS_PER_WINDOW[0], low), high)
+        mixed = max(self.window_bytes // self.blocks_per_window, MIXED_BLOCK_FLOOR)
+        fitted = min(fewest, mixed)
         if self.window_bytes < fitted:
             fitted = max(self.window_bytes, BLOCK_ALIGN)
         return int(fitted // BLOCK_ALIGN * BLOCK_ALIGN)

@@ -206,8 +206,9 @@ def window_budget(dataset: TokenDataset | BatchDataset,
     cache's, else as configured), the node's ranks (LOCAL_WORLD_SIZE, as torchrun and Ray
     Train set it), the bytes of its index files (every rank reads them all), and whether
     a block of a shard can be read alone (the same on local disk as on a bucket, so a
-    local copy resolves the blocks a bucket run does), the dataset's bytes and its largest
-    shard's (a shard-local group's size); `sources`: the datasets on object storage whose
+    local copy resolves the blocks a bucket run does), the dataset's bytes, its largest
+    shard's (a shard-local group's size) and its shards (how many blocks a window mixes);
+    `sources`: the datasets on object storage whose
     windows share the cache (a mixture's)."""
     suffixes = tuple(getattr(dataset.format, "index_suffixes", ()))
     index = sum(entry.bytes for shard in dataset.shards for entry in shard.files
@@ -217,7 +218,7 @@ def window_budget(dataset: TokenDataset | BatchDataset,
     ranged = bool(getattr(dataset, "reads_blocks_alone", False))
     shard_bytes = [sum(entry.bytes for entry in shard.files) for shard in dataset.shards]
     return WindowBudget(budget, node_ranks(), index, ranged, sources, sum(shard_bytes),
-                        max(shard_bytes, default=0))
+                        max(shard_bytes, default=0), len(shard_bytes))
 
 
 def node_ranks() -> int:

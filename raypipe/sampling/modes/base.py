@@ -175,9 +175,10 @@ class PlanSpec:
                              f"of, else {GROUP_SHARDS_DEFAULT})",
                              applies=("shuffle", "shard_local"))
     block_bytes: int = knob(0, "shuffle windowed: bytes of whole documents a block holds, "
-                            "the unit fetched and shuffled (0: about 1/16 of a window, "
-                            "16 KiB to 4 MiB, or a window's worth of 4 KiB units where "
-                            "it holds less; a multiple of 4 KiB)",
+                            "the unit fetched and shuffled (0: a window of about twice "
+                            "the dataset's shards in blocks, 16 to 128, each 16 KiB to 4 "
+                            "MiB (32 KiB at least past 16 a window), or a window's worth "
+                            "of 4 KiB units where it holds less; a multiple of 4 KiB)",
                             applies=("shuffle", "windowed"))
     window_blocks: int = knob(0, "shuffle windowed: blocks per window (0: as many as the "
                               "node cache holds, two windows a rank of the node)",
@@ -325,8 +326,9 @@ class PlanSpec:
 
     def for_budget(self, budget: WindowBudget) -> PlanSpec:
         """The spec with a windowed shuffle's blocks and window resolved from the node
-        cache's `budget` (raypipe.sampling.blocks): block_bytes 0 is about 1/16 of a
-        window, window_blocks 0 as many blocks as the window holds (a state records both,
+        cache's `budget` (raypipe.sampling.blocks): block_bytes 0 is the automatic size
+        (`WindowBudget.block_bytes`), window_blocks 0 as many blocks as the window holds
+        (a state records both,
         so a resume cuts the same blocks on any node), or, for data whose shards cannot be
         read a block at a time (`WindowBudget.ranged`), whole shards; a budget whose
         window holds no block is refused, naming the least one. A layout given in full
