@@ -426,16 +426,6 @@ class ShardSet:
         at = int(self.format.tokens_at)
         return lambda data, first: sums.problem(data, first - at)
 
-    def unit_bytes(self, unit: int) -> int:
-        """What fetching unit `unit` (a block, `use_blocks`) brings into the cache: its
-        byte range, or the files of its shard where the shard is read whole."""
-        assert self.blocks is not None
-        shard = int(self.blocks.shards[unit])
-        if not self.ranged(shard):
-            return self._open_bytes(shard)
-        start, stop = self._block_range(unit)
-        return stop - start
-
     def _block_range(self, unit: int) -> tuple[int, int]:
         """Block `unit`'s bytes in its shard's token file."""
         assert self.blocks is not None

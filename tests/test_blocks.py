@@ -110,14 +110,18 @@ def test_automatic_blocks_stay_within_their_bounds():
     assert WindowBudget(1 << 20).block_bytes(0) == 16 << 10  # a small one: the smallest
 
 
-def test_a_window_aims_at_twice_the_shards_in_blocks_within_its_bounds():
+def test_a_window_aims_at_twice_the_shards_in_blocks_where_that_reaches_near_uniform():
     window = WindowBudget(64 << 20, node_ranks=4).window_bytes  # 4 MiB
-    for shards, blocks in [(0, 16), (5, 16), (20, 40), (64, 128), (10_000, 128)]:
+    # 10,000 shards: a window of 4 MiB holds no block of 32 KiB from each (near uniform
+    # is out of reach), so the fewest blocks; 0 shards: unknown, likewise
+    for shards, blocks in [(0, 16), (5, 16), (20, 40), (64, 128), (10_000, 16)]:
         budget = WindowBudget(64 << 20, node_ranks=4, shards=shards)
         assert budget.block_bytes(0) == window // blocks // BLOCK_ALIGN * BLOCK_ALIGN
-    # blocks smaller for mixing stop at MIXED_BLOCK_FLOOR, never above 1/16 of the window
-    assert WindowBudget(16 << 20, node_ranks=4, shards=64).block_bytes(0) == MIXED_BLOCK_FLOOR
-    assert WindowBudget(4 << 20, node_ranks=4, shards=64).block_bytes(0) == 16 << 10
+        assert budget.mixes_near_uniform == (0 < shards < 10_000)
+    # blocks made smaller for mixing stop at MIXED_BLOCK_FLOOR (a 1.5 MiB window, 40
+    # shards: 80 blocks would be 19 KiB), never above 1/16 of the window
+    assert WindowBudget(24 << 20, node_ranks=4, shards=40).block_bytes(0) == MIXED_BLOCK_FLOOR
+    assert WindowBudget(4 << 20, node_ranks=4, shards=8).block_bytes(0) == 16 << 10
 
 
 @pytest.mark.parametrize("shards", [20, 64])

@@ -152,9 +152,10 @@ def test_a_read_ahead_shorter_than_two_fetches_with_late_batches_names_the_least
     for _ in range(99):
         cache.fetch_times.add(0.080)
     cache.fetch_times.add(0.010)
-    sizing = fetch_sizing([cache], 1_000_000, 10e6, index_bytes=1_000_000)
+    sizing = fetch_sizing([cache], 1_000_000, 10e6, steps_ahead_ms=640.0,
+                          index_bytes=1_000_000)
     assert 80 <= sizing.fetch_p99_ms <= 80 * 2 ** (1 / BINS_PER_OCTAVE)
-    assert sizing.read_ahead_ms == 100 and sizing.short
+    assert sizing.read_ahead_ms == sizing.hold_ms == 100 and sizing.budget_short
     # the least budget's read-ahead (the same share of what the index files leave)
     # holds two fetches' p99 of reading, and no more
     held_then = 1_000_000 * (sizing.least_budget_bytes - 1_000_000) / 4_000_000
@@ -169,11 +170,19 @@ def test_a_read_ahead_shorter_than_two_fetches_with_late_batches_names_the_least
 
 
 def test_a_read_ahead_that_covers_its_fetches_gives_no_advice_however_late_the_batches():
-    covered = FetchSizing(4_000_000, 10e6, 40.0, 80.0, 8_000_000, 8_000_000)
+    covered = FetchSizing(4_000_000, 10e6, 640.0, 40.0, 80.0, 8_000_000, 8_000_000)
     assert covered.read_ahead_ms == 400 and not covered.short
     assert covered.advice(waits_of(500)) == ""  # late for another reason than the budget
-    idle = FetchSizing(1, 0.0, 0.0, 0.0, 8_000_000, 8_000_000)  # nothing fetched since
+    idle = FetchSizing(1, 0.0, 640.0, 0.0, 0.0, 8_000_000, 8_000_000)  # nothing fetched
     assert not idle.short and idle.advice(waits_of(500)) == ""
+
+
+def test_a_read_ahead_ended_by_its_steps_not_its_share_is_not_told_to_grow_the_cache():
+    """64 steps of a fast loop span 64 ms, under two fetches of 80 ms, while the share of
+    the cache holds 400 ms: a larger cache_bytes would not fetch further ahead."""
+    fast = FetchSizing(4_000_000, 10e6, 64.0, 40.0, 80.0, 8_000_000, 8_000_000)
+    assert fast.read_ahead_ms == 64 and fast.short and not fast.budget_short
+    assert fast.advice(waits_of(500)) == ""
 
 
 def test_the_sizing_check_runs_at_the_first_batch_then_every_few_and_warns_once(caplog):

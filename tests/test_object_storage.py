@@ -681,34 +681,6 @@ def test_a_bucket_run_whose_read_ahead_is_shorter_than_its_fetches_is_told_the_l
     assert metrics["fetch_p99_ms"] == sizing.fetch_p99_ms
 
 
-def test_a_bucket_rank_reads_ahead_as_far_as_its_share_of_the_cache_holds(
-        bucket, token_dataset, tmp_path):
-    """Windows of one 4 KiB block and 256 bytes a step: 64 steps read ~16 KiB. With a
-    share of the cache that holds the whole dataset, the blocks of every step to the
-    epoch's end are on their way after 100 steps (the steps described ahead grow while
-    their blocks fit; a fixed 64 steps ahead had fetched ~40 KiB of the ~126 KiB)."""
-    uri = f"s3://{bucket}/tokens"
-    upload_tree(token_dataset, uri)
-    shards = read_manifest(uri).formats["megatron"].shards
-    tokens = sum(f.bytes for shard in shards for f in shard.files if f.path.endswith(".bin"))
-    index = sum(f.bytes for shard in shards for f in shard.files
-                if f.path.endswith(get_format("megatron").index_suffixes))
-    loader = TokenLoader(uri, 32, 4, seed=2, cache_dir=tmp_path / "cache",
-                         cache_bytes=4 << 20, block_bytes=4096, window_blocks=1)
-    batches = iter(loader)
-    for _ in range(100):
-        next(batches)
-    assert loader.dataset.hold_bytes > tokens and len(loader) > 300  # steps left
-    deadline = time.monotonic() + 30
-    # blocks fetched: what came less the index files (read twice at most)
-    while loader.cache_stats.downloaded_bytes - 2 * index < 0.85 * tokens:
-        assert time.monotonic() < deadline, (
-            f"{loader.cache_stats.downloaded_bytes:,} bytes fetched at step 100 of a "
-            f"{tokens:,}-byte dataset")
-        time.sleep(0.05)
-    loader.close()
-
-
 def test_a_local_loader_has_no_fetch_sizing(token_dataset):
     loader = TokenLoader(token_dataset, 32, 4, seed=2, shuffle="windowed")
     next(iter(loader))

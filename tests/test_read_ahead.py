@@ -9,16 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raypipe.loader.reads import (
-    READ_AHEAD_MAX_STEPS,
-    READ_AHEAD_STEPS,
-    Upcoming,
-    _describes_more,
-)
-
-
-def unit_size(unit: int) -> int:
-    return 4096 * (1 + unit % 5)
+from raypipe.loader.reads import Upcoming
 
 
 @settings(max_examples=200, deadline=None)
@@ -26,11 +17,11 @@ def unit_size(unit: int) -> int:
                 min_size=1, max_size=60), st.integers(1, 12))
 def test_upcoming_units_are_those_of_the_pending_steps_in_the_order_first_needed(
         steps, ahead):
-    """Steps come `ahead` at a time and go one at a time: after each, the units and bytes
-    kept are those of the pending steps, ordered by the step that brought each in (a unit
+    """Steps come `ahead` at a time and go one at a time: after each, the units kept are
+    those of the pending steps, ordered by the step that brought each in (a unit
     pending steps read since an earlier step, already asked for, stays ahead), and
     `changed` says whether the set of units moved."""
-    upcoming = Upcoming(unit_size)
+    upcoming = Upcoming()
     pending: deque[tuple[int, np.ndarray]] = deque()
     queue = deque(enumerate(np.array(units, dtype=np.int64) for units in steps))
     brought_in: dict[int, tuple[int, int]] = {}  # unit -> (its step, its place there)
@@ -49,13 +40,5 @@ def test_upcoming_units_are_those_of_the_pending_steps_in_the_order_first_needed
                                     for index, units in pending if unit in units)
         expected = sorted(read, key=lambda unit: brought_in[unit])
         assert list(upcoming.readers) == expected
-        assert upcoming.bytes == sum(unit_size(unit) for unit in read)
         assert upcoming.changed == (read != before)
 
-
-def test_steps_are_described_to_the_first_count_then_while_their_blocks_fit():
-    hold = 1 << 20
-    assert _describes_more(READ_AHEAD_STEPS - 1, 10 * hold, hold)  # the first steps always
-    assert _describes_more(READ_AHEAD_STEPS, hold - 1, hold)
-    assert not _describes_more(READ_AHEAD_STEPS, hold, hold)
-    assert not _describes_more(READ_AHEAD_MAX_STEPS, 0, hold)

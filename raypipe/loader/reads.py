@@ -23,25 +23,17 @@ from raypipe.sampling.modes import BatchFiller
 from raypipe.sampling.schedule import Segment
 
 READ_AHEAD_STEPS = 64  # a dataset read in blocks: steps described ahead of the one served
-# ... and past them, as far as the rank's share of the node cache (`hold_bytes`) holds the
-# blocks they read, up to this many (the read-ahead then spans the link's latency at any
-# step time the budget allows)
-READ_AHEAD_MAX_STEPS = 4096
 DESCRIBED_TOGETHER = 8  # ... described a few at a time, before each step served
 
 
 class Upcoming:
     """The units the steps described ahead read, in the order they came in (a unit read
     by pending steps since an earlier step, already asked for, stays ahead of those that
-    came after it), with how many of those steps read each, and their bytes
-    (`unit_bytes`); `changed` says whether a unit came or went since it was last cleared.
-    Cost: O(units of a step) a step."""
+    came after it), with how many of those steps read each; `changed` says whether a unit
+    came or went since it was last cleared. Cost: O(units of a step) a step."""
 
-    def __init__(self, unit_bytes: Any):
-        self.unit_bytes = unit_bytes
+    def __init__(self) -> None:
         self.readers: dict[int, int] = {}
-        self.sizes: dict[int, int] = {}
-        self.bytes = 0
         self.changed = False
 
     def add(self, units: np.ndarray) -> None:
@@ -49,8 +41,6 @@ class Upcoming:
             count = self.readers.get(unit)
             if count is None:
                 self.readers[unit] = 1
-                size = self.sizes[unit] = self.unit_bytes(unit)
-                self.bytes += size
                 self.changed = True
             else:
                 self.readers[unit] = count + 1
@@ -62,7 +52,6 @@ class Upcoming:
                 self.readers[unit] = count
             else:
                 del self.readers[unit]
-                self.bytes -= self.sizes.pop(unit)
                 self.changed = True
 
 
@@ -115,19 +104,19 @@ def _shards_ahead(run: Any, filler: BatchFiller, segment: Segment
 def _blocks_ahead(run: Any, filler: BatchFiller, segment: Segment
                   ) -> Iterator[tuple[DescribedRows, np.ndarray]]:
     """The blocks each step reads fetched in the order the steps read them, as far as the
-    rank's share of the node cache holds: over the next READ_AHEAD_STEPS steps (all of
+    rank's share of the node cache holds, over the next READ_AHEAD_STEPS steps (all of
     them described before the first step, so its reads and the next ones' go out
-    together), then further while the blocks of the steps described hold less than
-    `hold_bytes`, up to READ_AHEAD_MAX_STEPS; DESCRIBED_TOGETHER steps at a time, one such
-    call before each step served, so no step waits behind a long description. The blocks
-    of steps already served are let go. Each step comes with the blocks it reads."""
+    together; then DESCRIBED_TOGETHER at a time, one such call before each step served,
+    so no step waits behind a long description); the blocks of steps already served are
+    let go, and the prefetch is asked again where a block came or went. Each step comes
+    with the blocks it reads."""
     dataset, chunks = run.dataset, run.rank_chunks(segment)
     undescribed: deque[np.ndarray] = deque()  # steps' positions, one row a step
     pending: deque[tuple[DescribedRows, np.ndarray]] = deque()
-    upcoming = Upcoming(dataset.unit_bytes)
+    upcoming = Upcoming()
     first, served_steps = True, 0
     while True:
-        while _describes_more(len(pending), upcoming.bytes, dataset.hold_bytes):
+        while len(pending) < READ_AHEAD_STEPS:
             if not undescribed:
                 chunk = next(chunks, None)
                 undescribed.extend(() if chunk is None else chunk[0])
@@ -137,8 +126,8 @@ def _blocks_ahead(run: Any, filler: BatchFiller, segment: Segment
                 units = filler.job_units(job)
                 pending.append((job, units))
                 upcoming.add(units)
-            if not few or not first or len(pending) >= READ_AHEAD_STEPS:
-                break  # the first step waits for READ_AHEAD_STEPS described, no more
+            if not few or not first:
+                break
         first = False
         if not pending:
             return
@@ -153,12 +142,3 @@ def _blocks_ahead(run: Any, filler: BatchFiller, segment: Segment
         upcoming.remove(served[1])
         served_steps += 1
         yield served
-
-
-def _describes_more(pending: int, upcoming_bytes: int, hold_bytes: int) -> bool:
-    """Steps described ahead go on: to READ_AHEAD_STEPS, then while their blocks hold
-    less than `hold_bytes`, to READ_AHEAD_MAX_STEPS."""
-    if pending < READ_AHEAD_STEPS:
-        return True
-    return pending < READ_AHEAD_MAX_STEPS and upcoming_bytes < hold_bytes
-

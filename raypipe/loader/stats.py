@@ -63,23 +63,31 @@ class WaitSummary:
 class FetchSizing:
     """Whether a rank's read-ahead hides the fetches from object storage: what it holds
     and fetches ahead (`hold_bytes`, its share of the node cache's `budget_bytes`), what
-    it fetched a second since its first batch, the fetches' p50 and p99 (a file, or a run
-    of a shard's blocks, retries included), and the least budget whose read-ahead covers
+    it fetched a second from its first batch to its last, the milliseconds the steps it
+    describes ahead span at the loop's step time, the fetches' p50 and p99 (a file, or a
+    run of a shard's blocks, retries included), and the least budget whose share holds
     FETCHES_COVERED x that p99 of its reading."""
 
     hold_bytes: int
     read_bytes_per_s: float
+    steps_ahead_ms: float
     fetch_p50_ms: float
     fetch_p99_ms: float
     budget_bytes: int
     least_budget_bytes: int
 
     @property
-    def read_ahead_ms(self) -> float:
-        """The milliseconds of this loop's reading a rank's read-ahead holds."""
+    def hold_ms(self) -> float:
+        """The milliseconds of this loop's reading a rank's share of the cache holds."""
         if self.read_bytes_per_s <= 0:
             return math.inf
         return 1000 * self.hold_bytes / self.read_bytes_per_s
+
+    @property
+    def read_ahead_ms(self) -> float:
+        """How far ahead a rank fetches: its share of the cache, or the steps it
+        describes ahead, whichever ends first."""
+        return min(self.hold_ms, self.steps_ahead_ms)
 
     @property
     def short(self) -> bool:
@@ -87,19 +95,25 @@ class FetchSizing:
         needs can still be on its way when its step comes."""
         return self.read_ahead_ms < FETCHES_COVERED * self.fetch_p99_ms
 
+    @property
+    def budget_short(self) -> bool:
+        """`short`, and its share of the cache is what ends the read-ahead (a larger
+        `cache_bytes` fetches further ahead)."""
+        return self.short and self.hold_ms <= self.steps_ahead_ms
+
     def metrics(self) -> dict[str, float]:
         return {"fetch_p50_ms": self.fetch_p50_ms, "fetch_p99_ms": self.fetch_p99_ms,
                 "read_ahead_ms": round(min(self.read_ahead_ms, 1e9), 1),
                 "least_cache_bytes": self.least_budget_bytes}
 
     def advice(self, waits: WaitSummary) -> str:
-        """A line for a run whose waits pass WAIT_TARGET_MS at p99 because its read-ahead
-        is `short` ("" otherwise)."""
-        if waits.p99_ms <= WAIT_TARGET_MS or not self.short:
+        """A line for a run whose waits pass WAIT_TARGET_MS at p99 because its share of
+        the cache holds too little of its reading (`budget_short`; "" otherwise)."""
+        if waits.p99_ms <= WAIT_TARGET_MS or not self.budget_short:
             return ""
         return (f"the training thread waited p99 {waits.p99_ms:.0f} ms for its batches: "
                 f"a rank's read-ahead ({self.hold_bytes:,} bytes of cache_bytes "
-                f"{self.budget_bytes:,}) holds {self.read_ahead_ms:.0f} ms of this loop's "
+                f"{self.budget_bytes:,}) holds {self.hold_ms:.0f} ms of this loop's "
                 f"reading ({self.read_bytes_per_s / 1e6:.2f} MB/s), less than "
                 f"{FETCHES_COVERED:g}x the fetches' p99 from object storage "
                 f"({self.fetch_p99_ms:.0f} ms); give cache_bytes >= "
@@ -214,19 +228,20 @@ def loader_stats(waits: WaitSummary, caches: Sequence[Any],
 
 
 def fetch_sizing(caches: Sequence[Any], hold_bytes: int, read_bytes_per_s: float,
-                 index_bytes: int) -> FetchSizing:
+                 steps_ahead_ms: float, index_bytes: int) -> FetchSizing:
     """The FetchSizing of a rank that holds and fetches ahead `hold_bytes` from `caches`
     (the node cache's budget less `index_bytes` of index files is shared by every
-    reader in proportion: a budget k times larger past the index holds k times as much)
-    and reads `read_bytes_per_s`."""
+    reader in proportion: a budget k times larger past the index holds k times as much),
+    reads `read_bytes_per_s` and describes steps `steps_ahead_ms` ahead."""
     times = Durations.merged(cache.fetch_times for cache in caches)
     budget = caches[0].budget_bytes
     p99 = times.quantile(0.99)
     needed = FETCHES_COVERED * p99 * read_bytes_per_s
     least = index_bytes + math.ceil(max(budget - index_bytes, 0)
                                     * max(needed / max(hold_bytes, 1), 1.0))
-    return FetchSizing(hold_bytes, read_bytes_per_s, round(1000 * times.quantile(0.5), 3),
-                       round(1000 * p99, 3), budget, least)
+    return FetchSizing(hold_bytes, read_bytes_per_s, steps_ahead_ms,
+                       round(1000 * times.quantile(0.5), 3), round(1000 * p99, 3), budget,
+                       least)
 
 
 def fetching_line(dataset: Any) -> str:

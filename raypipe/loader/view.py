@@ -20,6 +20,7 @@ from raypipe.loader.batch import Batch
 from raypipe.loader.exclusions import PendingExclusions
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import Prefetcher
+from raypipe.loader.reads import READ_AHEAD_STEPS
 from raypipe.loader.stats import (
     FetchSizing,
     LoaderStats,
@@ -107,8 +108,9 @@ class RunView:
         caches = self._caches()  # the mark counts them all
         seconds = max(self.waits.last_batch_at - began, 1e-3)  # to the last batch taken
         rate = (summed_cache_stats(caches).downloaded_bytes - fetched_before) / seconds
+        step_ms = 1000 * seconds / max(self.waits.batches, 1)
         return fetch_sizing(caches, sum(dataset.hold_bytes for dataset in held), rate,
-                            self._index_bytes)
+                            READ_AHEAD_STEPS * step_ms, self._index_bytes)
 
     @cached_property
     def _index_bytes(self) -> int:

@@ -28,10 +28,13 @@ WINDOWS_HELD = 2  # windows a rank holds: the one it reads and the next, fetched
 WINDOW_SHARE = 0.5  # of the node cache's budget less the index files: the node's windows
 HOLD_SHARE = 0.8  # ... and what the node's ranks hold and fetch ahead, all together
 GROUPS_HELD = 2  # shard-local groups the node cache holds: the one read and the next
-# block_bytes 0: a window of about MIXED_SHARDS x the dataset's shards blocks, within
-# BLOCKS_PER_WINDOW: a rank's next document then comes from its document's shard with
-# P ~ 1/blocks + 1/shards, near a uniform order's 1/shards; no more (a block is a GET: a
-# rank makes bytes it reads a second / block_bytes GETs a second)
+# block_bytes 0: where blocks of MIXED_BLOCK_FLOOR can make a window of as many blocks
+# as the dataset has shards (a window's bytes / shards >= the floor), a window of about
+# MIXED_SHARDS x the shards in blocks, within BLOCKS_PER_WINDOW: a rank's next document
+# then comes from its document's shard with P ~ 1/blocks + 1/shards, within 2x of a
+# uniform order's 1/shards; else, where no block size this side of the floor gets there,
+# the fewest blocks (a block is a GET: a rank makes bytes it reads a second / block_bytes
+# GETs a second, and smaller blocks that cannot reach near uniform buy little mixing)
 MIXED_SHARDS = 2
 BLOCKS_PER_WINDOW = (16, 128)
 BLOCK_BYTES_RANGE = (16 << 10, 4 << 20)  # ... the blocks within these bounds (GET cost vs
@@ -194,15 +197,23 @@ class WindowBudget:
         fewest, most = BLOCKS_PER_WINDOW
         return min(max(MIXED_SHARDS * self.shards, fewest), most)
 
+    @property
+    def mixes_near_uniform(self) -> bool:
+        """Blocks of MIXED_BLOCK_FLOOR or more can make a window of as many blocks as the
+        dataset has shards: a rank's next document can come from its shard within 2x of
+        a uniform order's rate."""
+        return bool(self.shards) and self.window_bytes // self.shards >= MIXED_BLOCK_FLOOR
+
     def _automatic_block_bytes(self) -> int:
         """1/16 of a window within BLOCK_BYTES_RANGE, made smaller (to 1/`blocks_per_window`
-        of it, MIXED_BLOCK_FLOOR at least) to mix more shards; a window under the range's
-        floor takes the largest whole number of BLOCK_ALIGN it holds (a block a window,
-        more GETs: a small cache over small shards), BLOCK_ALIGN at least."""
+        of it, MIXED_BLOCK_FLOOR at least) where that `mixes_near_uniform`; a window under
+        the range's floor takes the largest whole number of BLOCK_ALIGN it holds (a block a
+        window, more GETs: a small cache over small shards), BLOCK_ALIGN at least."""
         low, high = BLOCK_BYTES_RANGE
-        fewest = min(max(self.window_bytes // BLOCKS_PER_WINDOW[0], low), high)
-        mixed = max(self.window_bytes // self.blocks_per_window, MIXED_BLOCK_FLOOR)
-        fitted = min(fewest, mixed)
+        fitted = min(max(self.window_bytes // BLOCKS_PER_WINDOW[0], low), high)
+        if self.mixes_near_uniform:
+            fitted = min(fitted, max(self.window_bytes // self.blocks_per_window,
+                                     MIXED_BLOCK_FLOOR))
         if self.window_bytes < fitted:
             fitted = max(self.window_bytes, BLOCK_ALIGN)
         return int(fitted // BLOCK_ALIGN * BLOCK_ALIGN)

@@ -175,10 +175,11 @@ class PlanSpec:
                              f"of, else {GROUP_SHARDS_DEFAULT})",
                              applies=("shuffle", "shard_local"))
     block_bytes: int = knob(0, "shuffle windowed: bytes of whole documents a block holds, "
-                            "the unit fetched and shuffled (0: a window of about twice "
-                            "the dataset's shards in blocks, 16 to 128, each 16 KiB to 4 "
-                            "MiB (32 KiB at least past 16 a window), or a window's worth "
-                            "of 4 KiB units where it holds less; a multiple of 4 KiB)",
+                            "the unit fetched and shuffled (0: 1/16 of a window, 16 KiB "
+                            "to 4 MiB, smaller down to 32 KiB for a window of twice the "
+                            "dataset's shards in blocks (up to 128) where 32 KiB blocks "
+                            "reach as many blocks as shards; a window's worth of 4 KiB "
+                            "units where it holds less; a multiple of 4 KiB)",
                             applies=("shuffle", "windowed"))
     window_blocks: int = knob(0, "shuffle windowed: blocks per window (0: as many as the "
                               "node cache holds, two windows a rank of the node)",
