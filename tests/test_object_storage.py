@@ -935,6 +935,26 @@ def test_two_mixture_sources_on_buckets_share_the_node_cache_in_equal_parts(
     assert both["window_blocks"] * 2 <= alone["window_blocks"] + 1
 
 
+def test_two_mixture_sources_on_buckets_fetch_ahead_within_their_parts_of_the_cache(
+        bucket, token_dataset, tmp_path):
+    """What each source of a mixture holds and fetches ahead is its part of the node
+    cache: the two together stay within the share of the budget one source alone gets
+    (each once took the whole share, so a node held twice its budget)."""
+    from raypipe.loader import open_loader
+
+    upload_tree(token_dataset, f"s3://{bucket}/a")
+    upload_tree(token_dataset, f"s3://{bucket}/b")
+    knobs = {"mode": "bestfit", "cache_bytes": 2 << 20, "cache_dir": tmp_path / "c",
+             "block_bytes": 4096}
+    alone = TokenLoader(f"s3://{bucket}/a", 32, 4, **knobs)
+    both = open_loader({"a": f"s3://{bucket}/a", "b": f"s3://{bucket}/b"}, 32, 4, **knobs)
+    next(iter(alone)), next(iter(both))
+    holds = [dataset.hold_bytes for dataset in both._datasets()]
+    assert len(holds) == 2 and min(holds) > 0
+    assert sum(holds) <= alone.dataset.hold_bytes + 1
+    alone.close(), both.close()
+
+
 def test_an_s3_store_made_again_for_quick_retries_keeps_every_setting_of_its_uri(bucket):
     """quick_retrying rebuilds the S3 filesystem with another retry strategy: the endpoint,
     region, scheme and credentials' settings from_uri resolved stay as they were, and the

@@ -6,7 +6,8 @@ Invariant: before the producer thread fills a step, every read the next steps ne
 flight, issued from the schedule in the order the steps read it, and what no coming step
 reads is let go; nothing is fetched serially on the training thread's path. A local dataset
 reads nothing ahead. Cost: one `fetch_units` per chunk of steps (whole shards) or one
-`job_units` per step (blocks), O(rows) numpy, plus the cache's prefetch calls and one
+`job_units` per step (blocks), O(rows) numpy, plus the cache's prefetch calls (blocks:
+only where a step's blocks came or went, and every 8 steps) and one
 look at the step's blocks' fetches (`arrived`: O(blocks of the step), a few dict lookups).
 """
 

@@ -9,9 +9,10 @@ planning the epoch) is kept apart. Waits are counted in a log-spaced histogram
 (raypipe.io.durations: a quantile within 19% of the true value in 128 counters however
 long the run). A wait past SLOW_WAIT_SECONDS is logged (at most once a minute) with what
 the loader's cache was doing; where waits pass WAIT_TARGET_MS at p99 because a rank's
-read-ahead holds less of its reading than its fetches take (`FetchSizing`), the loader
-warns once, naming the least `cache_bytes` that covers them. Cost: two clock reads and
-one histogram increment per batch (~1 us); the sizing check every ADVICE_EVERY batches.
+share of the cache holds less of its reading than its fetches take (`FetchSizing`), the
+loader warns once, naming the least `cache_bytes` that covers them. Cost: three clock
+reads and one histogram increment per batch (~1 us); the sizing check every ADVICE_EVERY
+batches (O(datasets); its first also sums the index files' bytes, O(files), once).
 """
 
 from __future__ import annotations
@@ -159,7 +160,6 @@ class WaitStats:
     last_slow_log: float = -math.inf
     advised: bool = False
     last_batch_at: float = 0.0  # time.monotonic when the last batch was taken
-
 
     @property
     def batches(self) -> int:

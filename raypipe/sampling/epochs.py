@@ -319,7 +319,7 @@ class PlannedDataset:
         starts = blocks.starts[:-1]
         self.dataset.use_blocks(blocks.shards, starts if self.split is None
                                 else self.split.ids[starts],
-                                window_budget(self.dataset).hold_bytes)
+                                self.facts.budget.hold_bytes)  # its part of the cache
 
     def served_in(self, epoch: int, joined: int = 0) -> int | None:
         """How many of the documents (the first) epoch `epoch` serves under the run's
