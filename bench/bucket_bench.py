@@ -2,7 +2,7 @@
 proxy that adds latency and faults to every request.
 
     python bench/bucket_bench.py [--grid quick|full] [--delay-ms 20]
-        [--cell SIZE,PER_RANK,SHARE,NODES ...] [--format FORMAT] [--step-ms 5]
+        [--cell SIZE,PER_RANK,SHARE,NODES ...] [--format FORMAT] [--step-ms 5] [--mixture]
 
 It starts a moto S3 server on 127.0.0.1 and, in front of it, bench/latency_proxy.py: 20 ms
 a request, 5% of the GETs answered `503 SlowDown`, 1% reset. A cell is a dataset of
@@ -11,12 +11,17 @@ shards per rank (at 2 ranks), a node cache of 5, 10 or 25% of the data, and 1 no
 ranks or 2 nodes x 2 ranks (a cache each); --cell runs the cells named instead of a grid.
 One epoch of bestfit T=2048, 4 rows a rank, each rank a process of its own with a consumer
 step of 5 ms (--step-ms), `shuffle="auto"` (windowed: blocks sized from the budget).
+--mixture makes every cell a mixture of two such datasets on the bucket (weights by
+tokens, the cache shared by both: each source holds its part), served for the steps of
+both datasets' tokens once.
 Per cell it prints:
 - bytes fetched an epoch / the dataset (all nodes), GETs / (blocks + index objects: each
   shard's index files, such as Megatron's .idx and .sums, on every node), the
   training thread's wait after the first batch (p99, max; worst rank), the fetches' p99
   (worst rank) against the milliseconds of reading a rank's read-ahead holds (the least
-  rank's: raypipe.loader.stats.FetchSizing), and the first batch;
+  rank's: raypipe.loader.stats.FetchSizing), the blocks a reader fetched itself on the
+  filling path, no read-ahead having asked for them ("on read", all ranks: 0 where every
+  step's reads were issued ahead), and the first batch;
 - whether every batch equals the same run over a local copy given the knobs the bucket run
   resolved (block_bytes, window_blocks, lanes), and (1 node) whether a 2 -> 3 resume from an
   empty cache at step 20 equals the local copy resumed from the same state;
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -50,7 +56,7 @@ from object_storage_bench import start_moto, upload
 from raypipe.dataset import TokenDataset
 from raypipe.formats import document_formats, get_format
 from raypipe.io.manifest import read_manifest
-from raypipe.loader import TokenLoader
+from raypipe.loader import open_loader
 from raypipe.sampling.blocks import WINDOWS_HELD, WindowBudget, cut_blocks
 from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation, WindowedPermutation
@@ -77,23 +83,24 @@ def digest(batch) -> str:
 def rank_main(order: dict) -> None:
     """One rank in a process of its own: its batches' digests by step, its waits and cache
     counts, and (asked for) the state after step `save_at`, as JSON on stdout."""
-    loader = TokenLoader(order["path"], SEQ, BATCH, rank=order["rank"],
+    loader = open_loader(order["path"], SEQ, BATCH, rank=order["rank"],
                          world_size=order["world"], seed=SEED, cache_dir=order.get("cache"),
                          cache_bytes=order.get("budget"), format=order["format"])
     if order.get("state"):
         loader.load_state_dict(order["state"])
     steps, state = {}, None
-    for batch in loader:
+    for batch in itertools.islice(loader, order["steps"]):  # (a mixture has no end)
         time.sleep(order["step_s"])  # the consumer's step
         steps[batch.step] = digest(batch)
         if batch.step + 1 == order.get("save_at"):
             state = loader.state_dict()
     stats = loader.stats
+    on_read = sum(dataset.blocks_fetched_on_read for dataset in loader._datasets())
     loader.close()
     cache = stats.cache
     print(json.dumps({"steps": steps, "state": state, "waits": stats.waits.metrics(),
                       "fetched": cache.downloaded_bytes if cache else 0,
-                      "retries": cache.retries if cache else 0,
+                      "retries": cache.retries if cache else 0, "on_read": on_read,
                       "sizing": stats.sizing.metrics() if stats.sizing else {},
                       "knobs": loader.state_dict()["knobs"]}))
 
@@ -126,17 +133,19 @@ class RankFailed(RuntimeError):
     """A rank's process failed: its last line (a refusal names the least budget)."""
 
 
-def local_steps(path: Path, world: int, knobs: dict, state: dict | None = None
+def local_steps(path: Path | dict[str, Path], world: int, knobs: dict, steps: int | None,
+                state: dict | None = None
                 ) -> tuple[dict[tuple[int, int], str], dict | None]:
-    """(rank, step) -> digest of the same run over a local copy, ranks in lockstep; the
-    state after step RESUME_AT."""
-    loaders = [TokenLoader(path, SEQ, BATCH, rank=rank, world_size=world, seed=SEED, **knobs)
+    """(rank, step) -> digest of the same run over a local copy (a mixture: of each
+    source), ranks in lockstep, `steps` of them (None: the epoch); the state after step
+    RESUME_AT."""
+    loaders = [open_loader(path, SEQ, BATCH, rank=rank, world_size=world, seed=SEED, **knobs)
                for rank in range(world)]
     for loader in loaders:
         if state:
             loader.load_state_dict(state)
     out, saved = {}, None
-    for batches in zip(*loaders, strict=True):
+    for batches in itertools.islice(zip(*loaders, strict=True), steps):
         for rank, batch in enumerate(batches):
             out[(rank, batch.step)] = digest(batch)
         if batches[0].step + 1 == RESUME_AT:
@@ -248,24 +257,32 @@ def chosen(share: float, salt: str):
 
 def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, share: float,
          nodes: int) -> tuple[list[str], list[tuple[str, ...]]]:
-    """One cell of the grid: its row of figures, and its shuffle-quality rows."""
+    """One cell of the grid: its row of figures, and its shuffle-quality rows (of the
+    first dataset, a mixture's too)."""
     fmt = args.format
-    local = synthetic_token_dataset(workdir, int(per_rank * 2 * SHARD_TOKENS[size]), 3,
-                                    SHARD_TOKENS[size], fmt)
-    uri = f"s3://raypipe-bench/{local.name}"
-    dataset = upload(local, uri)
+    locals_ = {name: synthetic_token_dataset(workdir, int(per_rank * 2 * SHARD_TOKENS[size]),
+                                             seed, SHARD_TOKENS[size], fmt)
+               for name, seed in (("a", 3), ("b", 4))[:2 if args.mixture else 1]}
+    uris = {name: f"s3://raypipe-bench/{local.name}" for name, local in locals_.items()}
+    dataset = sum(upload(locals_[name], uri) for name, uri in uris.items())
+    local, uri = locals_["a"], uris["a"]
     shards = read_manifest(uri).formats[fmt].shards
     budget = int(dataset * share)
+    ranks = 2 * nodes
+    # a mixture: the steps of both datasets' tokens once (weights by tokens)
+    steps = (sum(TokenDataset(path, fmt).num_tokens for path in locals_.values())
+             // (SEQ * BATCH * ranks) if args.mixture else None)
+    served_path, local_path = ((uris, locals_) if args.mixture else (uri, local))
     proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, args.delay_ms,
                          chosen(args.slow_down, "503"), chosen(args.resets, "reset")).start()
-    ranks = 2 * nodes
 
     def node(node_ranks: range, world: int, cache: str, state: dict | None = None,
              save_at: int | None = None) -> list[dict]:
         shutil.rmtree(workdir / cache, ignore_errors=True)
-        return [{"path": uri, "rank": rank, "world": world, "cache": str(workdir / cache),
-                 "budget": budget, "state": state, "save_at": save_at, "format": fmt,
-                 "step_s": args.step_ms / 1000}
+        return [{"path": served_path, "rank": rank, "world": world,
+                 "cache": str(workdir / cache), "budget": budget, "state": state,
+                 "save_at": save_at, "format": fmt, "step_s": args.step_ms / 1000,
+                 "steps": steps}
                 for rank in node_ranks]
 
     try:
@@ -276,47 +293,66 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
         gets = sum(proxy.gets.values())
         knobs = {name: run[0]["knobs"][name] for name in ("block_bytes", "window_blocks",
                                                           "lanes")}
-        reference, _ = local_steps(local, ranks, {"shuffle": "windowed", "format": fmt,
-                                                  **knobs})
+        reference, _ = local_steps(local_path, ranks, {"shuffle": "windowed", "format": fmt,
+                                                       **knobs}, steps)
         same = served(run) == reference
         resumed = "-"
         state = run[0]["state"]
         if nodes == 1 and state is not None:
-            expected, _ = local_steps(local, 3, {"shuffle": "windowed", "format": fmt,
-                                                 **knobs}, state)
+            expected, _ = local_steps(local_path, 3, {"shuffle": "windowed", "format": fmt,
+                                                      **knobs}, steps, state)
             three = run_ranks(node(range(3), 3, "cache-three", state), proxy.url)
             resumed = str(served(three) == expected)
     finally:
         proxy.stop()
-    opened = TokenDataset(local, fmt)
-    lengths, itemsize = opened.document_lengths(), opened.block_itemsize
-    counts = np.array([shard.documents for shard in shards], dtype=np.int64)
-    suffixes = get_format(fmt).index_suffixes
-    index_bytes = sum(f.bytes for shard in shards for f in shard.files
-                      if suffixes and f.path.endswith(suffixes[0]))
-    # the objects every node reads whole at open: each shard's index files (Megatron: its
-    # .idx and its .sums)
-    index_objects = sum(bool(suffixes) and f.path.endswith(suffixes) for shard in shards
-                        for f in shard.files)
-    blocks = len(cut_blocks(DocumentLengths(counts, lambda s: lengths[
-        counts[:s].sum():counts[:s + 1].sum()]), counts, itemsize, int(knobs["block_bytes"])))
+    blocks, index_objects = zip(*(blocks_and_index_objects(path, fmt, knobs["block_bytes"])
+                                  for path in locals_.values()), strict=True)
     worst = {key: max(result["waits"][key] for result in run) for key in run[0]["waits"]}
     sized = [result["sizing"] for result in run if result["sizing"]]
     fetch_p99 = max((sizing["fetch_p99_ms"] for sizing in sized), default=0)
     read_ahead = min((sizing["read_ahead_ms"] for sizing in sized), default=0)
-    row = [f"{size} {dataset / len(shards) / 1e6:.2f} MB", f"{per_rank:g}", f"{share:.0%}",
-           f"{nodes}x2", f"{len(shards)}", f"{int(knobs['block_bytes']) / 1e3:,.0f} KB x "
-           f"{knobs['window_blocks']}", f"{sum(r['fetched'] for r in run) / dataset:.2f}",
-           f"{gets / (blocks + index_objects * nodes):.2f}",
+    row = [f"{size} {dataset / len(shards) / len(locals_) / 1e6:.2f} MB", f"{per_rank:g}",
+           f"{share:.0%}", f"{nodes}x2", f"{len(shards) * len(locals_)}",
+           f"{int(knobs['block_bytes']) / 1e3:,.0f} KB x {knobs['window_blocks']}",
+           f"{sum(r['fetched'] for r in run) / dataset:.2f}",
+           f"{gets / (sum(blocks) + sum(index_objects) * nodes):.2f}",
            f"{worst['data_wait_p99_ms']:.0f}", f"{worst['data_wait_max_ms']:.0f}",
            f"{fetch_p99:.0f}", f"{read_ahead:,.0f}",
+           f"{sum(result['on_read'] for result in run)}",
            f"{worst['data_wait_first_batch_s']:.2f}", str(same), resumed]
-    return row, quality(lengths, counts, knobs, ranks, budget, index_bytes, itemsize)
+    return row, first_quality(local, fmt, shards, knobs, ranks, budget // len(locals_))
+
+
+def blocks_and_index_objects(local: Path, fmt: str, block_bytes: int) -> tuple[int, int]:
+    """A dataset's blocks of `block_bytes`, and the objects every node reads whole at
+    open: each shard's index files (Megatron: its .idx and its .sums)."""
+    opened = TokenDataset(local, fmt)
+    shards, lengths = opened.shards, opened.document_lengths()
+    counts = np.array([shard.documents for shard in shards], dtype=np.int64)
+    suffixes = get_format(fmt).index_suffixes
+    index_objects = sum(bool(suffixes) and f.path.endswith(suffixes) for shard in shards
+                        for f in shard.files)
+    blocks = cut_blocks(DocumentLengths(counts, lambda s: lengths[
+        counts[:s].sum():counts[:s + 1].sum()]), counts,
+        opened.block_itemsize, int(block_bytes))
+    return len(blocks), index_objects
+
+
+def first_quality(local: Path, fmt: str, shards: list, knobs: dict, ranks: int,
+                  budget: int) -> list[tuple[str, ...]]:
+    """The shuffle's quality on a dataset's documents at a source's `budget`."""
+    opened = TokenDataset(local, fmt)
+    counts = np.array([shard.documents for shard in shards], dtype=np.int64)
+    suffixes = get_format(fmt).index_suffixes
+    index_bytes = sum(f.bytes for shard in shards for f in shard.files
+                      if suffixes and f.path.endswith(suffixes[0]))
+    return quality(opened.document_lengths(), counts, knobs, ranks, budget, index_bytes,
+                   opened.block_itemsize)
 
 
 HEADER = ("shards", "per rank", "cache", "nodes", "count", "block x window",
           "bytes/data", "GETs/blocks", "p99 ms", "max ms", "fetch p99 ms", "read-ahead ms",
-          "first s", "= local", "2->3")
+          "on read", "first s", "= local", "2->3")
 
 
 def parsed_cell(text: str) -> tuple[str, float, float, int]:
@@ -371,6 +407,8 @@ def main() -> None:
     parser.add_argument("--cell", action="append", default=[],
                         help="run this cell instead of a grid: small|large,PER_RANK,SHARE,"
                         "NODES (e.g. small,200,0.1,1); repeatable")
+    parser.add_argument("--mixture", action="store_true",
+                        help="every cell a mixture of two datasets on the bucket")
     parser.add_argument("--format", default="megatron",
                         choices=document_formats(),
                         help="the document format of the cells' shards")

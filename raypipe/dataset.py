@@ -187,6 +187,9 @@ class ShardSet:
         self.hold_bytes = 0  # under blocks: what this process holds and fetches at most
         self._held_blocks: dict[int, HeldBlock] = {}
         self._waited_block: int | None = None
+        # blocks a reader fetched itself, no read-ahead having asked for them (a loader
+        # asks for a step's blocks ahead: each of these is a fetch on its filling path)
+        self.blocks_fetched_on_read = 0
         self._starts_kept: OrderedDict[int, np.ndarray] = OrderedDict()
         self._sums_kept: dict[int, StreamChecksums] = {}  # ranged shards' (latest kept)
         self._ranged: dict[int, bool] = {}  # shard -> read a block at a time (`ranged`)
@@ -464,6 +467,7 @@ class ShardSet:
                 path = self.cache.range_path(self.key, self.shards[shard].files[0], *span)
                 self.cache.pin([path])
                 held = self._held_blocks[unit] = HeldBlock(path, span[1] - span[0])
+                self.blocks_fetched_on_read += 1
                 self._fetch_ranges(shard, [span], self._range_check(shard))
             elif held.fetch is not None:
                 held.fetch.result()

@@ -237,18 +237,18 @@ def test_cache_evicts_least_recently_used_files_to_its_budget(bucket, token_data
 
 def test_a_shard_another_process_evicts_between_its_fetch_and_its_open_is_fetched_again(
         bucket, token_dataset, tmp_path):
-    """Pins are a process's own: a shard prefetched here and evicted by another process
-    sharing the cache before this one opened it is fetched again, not a `file is missing`
-    error, and the refetch is counted."""
+    """A shard prefetched here and deleted by another process's eviction that did not see
+    this process's pins (one in another pid namespace, or one that read the pin lists
+    before the shard was pinned) before this one opened it is fetched again, not a `file is
+    missing` error, and the refetch is counted."""
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
     cache_dir = tmp_path / "shared-cache"
     here = TokenDataset(uri, "megatron", cache=ShardCache(cache_dir))
     here.prefetch([0])
-    here._fetching[0].result()  # fetched, pinned only in this process, not yet opened
-    other_process = ShardCache(cache_dir, budget_bytes=1)  # its pins are its own
-    other_process.evict()
-    assert not any(path.exists() for path in here._fetching[0].result())
+    fetched = here._fetching[0].result()  # fetched and pinned, not yet opened
+    for path in fetched:  # what such an eviction does
+        path.unlink()
     documents = [document.tolist() for document in here.iter_documents()]
     local = TokenDataset(token_dataset, "megatron")
     assert documents == [document.tolist() for document in local.iter_documents()]
@@ -363,6 +363,33 @@ def test_eviction_keeps_a_file_another_process_of_the_node_pinned(tmp_path):
     cache.evict()
     assert not theirs.exists() and mine.exists()  # its process ended: its pins went too
     assert not list((tmp_path / "cache" / ".locks").glob("pins-*"))
+
+
+def test_eviction_keeps_a_file_another_cache_of_the_same_process_pinned(tmp_path):
+    """A mixture's sources each have a cache object over the node's one directory: what one
+    pinned (a block fetched ahead, not read yet) is kept by the other's eviction (both once
+    wrote one pins list a process, the last writer's pins alone, and an eviction skipped
+    its own process's list, so a source's blocks were deleted under it); once that cache
+    object goes, its pins go too."""
+    import gc
+
+    folder = tmp_path / "cache" / "dataset"
+    folder.mkdir(parents=True)
+    theirs, mine = folder / "a.bin", folder / "b.bin"
+    for age, path in enumerate((theirs, mine)):
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (1000 + age, 1000 + age))  # theirs is the least recently used
+    pinning, evicting = ShardCache(tmp_path / "cache", 1500), ShardCache(tmp_path / "cache", 1500)
+    pinning.pin([theirs])
+    evicting.pin([mine])
+    evicting.unpin([mine])
+    evicting.evict()
+    assert theirs.exists() and not mine.exists()
+    del pinning
+    gc.collect()
+    mine.write_bytes(b"x" * 1000)
+    evicting.evict()
+    assert not theirs.exists() and mine.exists()
 
 
 @pytest.mark.slow
@@ -953,6 +980,30 @@ def test_two_mixture_sources_on_buckets_fetch_ahead_within_their_parts_of_the_ca
     assert len(holds) == 2 and min(holds) > 0
     assert sum(holds) <= alone.dataset.hold_bytes + 1
     alone.close(), both.close()
+
+
+@pytest.mark.parametrize("sources", [1, 2])
+def test_every_block_a_bucket_run_reads_was_asked_for_ahead_of_its_step(
+        bucket, token_dataset, tmp_path, sources):
+    """One dataset or a mixture of two on buckets, a cache that holds the read-ahead:
+    each step's blocks were fetched ahead from the schedule, so no reader fetched a block
+    itself on the filling path (a mixture's steps fetched every block there once)."""
+    import itertools
+
+    from raypipe.loader import open_loader
+
+    uris = {name: f"s3://{bucket}/{name}" for name in ("a", "b")[:sources]}
+    for uri in uris.values():
+        upload_tree(token_dataset, uri)
+    knobs = {"mode": "bestfit", "cache_bytes": 8 << 20, "cache_dir": tmp_path / "c",
+             "block_bytes": 4096, "seed": 5}
+    loader = open_loader(uris if sources > 1 else uris["a"], 32, 4, **knobs)
+    assert sum(1 for _ in itertools.islice(loader, 100)) == 100
+    datasets = loader._datasets()
+    assert len(datasets) == sources and all(d.blocks is not None for d in datasets)
+    assert loader.stats.cache.ranged_reads > 0
+    assert [dataset.blocks_fetched_on_read for dataset in datasets] == [0] * sources
+    loader.close()
 
 
 def test_an_s3_store_made_again_for_quick_retries_keeps_every_setting_of_its_uri(bucket):

@@ -17,8 +17,9 @@ written. The cache holds at most `budget_bytes`: after each download the least r
 files (file mtime, touched on every use) are deleted until it fits, index files
 (`kept_suffixes`, ~1% of a dataset: every shard's are read when a loader opens) after all
 others, and never a file any live process of the node has pinned (the shards it has open or
-is fetching): each process lists its pins in `.locks/pins-<pid>`, rewritten under the
-eviction lock when they change, and an eviction reads every live process's list. Should a
+is fetching): each cache object lists its pins in `.locks/pins-<pid>-<n>` (a process holds
+one per dataset it reads from object storage: a mixture's sources), rewritten under the
+eviction lock when they change, and an eviction reads every other list of a live process. Should a
 file still go (a process that pinned it after the list was read, or one in another pid
 namespace), one fetched and not yet opened is fetched again when it opens
 (`lost_before_open` counts them), and one mapped stays readable (POSIX keeps its data until
@@ -32,10 +33,12 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import logging
 import os
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -131,7 +134,11 @@ class ShardCache:
         self.stats = CacheStats()
         self.fetch_times = Durations()  # each fetch's seconds: a file, or a shard's ranges
         self._pinned: Counter[Path] = Counter()
-        self._published: frozenset[Path] = frozenset()  # what this process's pins file lists
+        self._published: frozenset[Path] = frozenset()  # what this object's pins file lists
+        # this object's pins file: one per cache object, so two of one process (a mixture's
+        # sources) keep each other's pins; removed when the object goes
+        self._number = next(_CACHE_OBJECTS)
+        weakref.finalize(self, _remove_pins, self.directory, self._number)
         self._mutex = threading.Lock()
         self._publishing = threading.Lock()  # one thread writes the pins file at a time
         self._warned = False
@@ -332,16 +339,13 @@ class ShardCache:
             with _file_lock(self.directory / LOCKS_DIR / "evict.lock"):
                 self._publish_pins()
 
-    def _pins_file(self, pid: int) -> Path:
-        return self.directory / LOCKS_DIR / f"pins-{pid}"
-
     def _publish_pins(self) -> None:
-        """Write this process's pins where the node's other processes read them before
-        they evict. A list that gains a file is written under the eviction lock (`pin`);
-        one that only loses files needs no lock (an eviction that read the longer list
-        keeps more than it must, never less), so an unpin never waits for another
-        process's eviction."""
-        final = self._pins_file(os.getpid())
+        """Write this object's pins where the node's other processes (and this process's
+        other cache objects) read them before they evict. A list that gains a file is
+        written under the eviction lock (`pin`); one that only loses files needs no lock
+        (an eviction that read the longer list keeps more than it must, never less), so
+        an unpin never waits for another process's eviction."""
+        final = _pins_path(self.directory, self._number)
         temporary = final.with_name(f".{final.name}.{threading.get_ident()}.tmp")
         with self._publishing:  # no thread replaces a newer list with an older one
             with self._mutex:
@@ -354,15 +358,15 @@ class ShardCache:
                 self._published = pinned
 
     def node_pins(self) -> set[Path]:
-        """The files every live process of the node has pinned (this one's from memory);
-        the lists of processes that ended are removed."""
+        """The files every live process of the node has pinned (this object's from
+        memory); the lists of processes that ended are removed."""
         with self._mutex:
             pinned = set(self._pinned)
         for listing in (self.directory / LOCKS_DIR).glob("pins-*"):
-            pid = int(listing.name.removeprefix("pins-") or 0)
-            if pid == os.getpid():
+            if listing == _pins_path(self.directory, self._number):
                 continue
-            if not _alive(pid):
+            pid = int(listing.name.removeprefix("pins-").split("-")[0] or 0)
+            if pid != os.getpid() and not _alive(pid):
                 listing.unlink(missing_ok=True)
                 continue
             try:
@@ -454,6 +458,18 @@ def _mismatch(entry: FileEntry, size: int, digest: str) -> tuple[str, object, ob
     if digest != entry.sha256:
         return "sha256 differs from the manifest", entry.sha256, digest
     return None
+
+
+_CACHE_OBJECTS = itertools.count()  # numbers this process's cache objects' pins files
+
+
+def _pins_path(directory: Path, number: int) -> Path:
+    """Where cache object `number` of this process lists its pins."""
+    return directory / LOCKS_DIR / f"pins-{os.getpid()}-{number}"
+
+
+def _remove_pins(directory: Path, number: int) -> None:
+    _pins_path(directory, number).unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

@@ -6,7 +6,8 @@ sources' positions, the split of each global step between them (raypipe.sampling
 every source within one row of its weight after every step, a pure function of the rows each
 has served, so every rank and every resume computes the same split), the steps and the
 state. The loader keeps placement (raypipe.loader.mixture_rows: slot j of a step goes to rank j
-mod W, as in TokenLoader), prefetch and tensors. Sources share one tokenizer (same sha256)
+mod W, as in TokenLoader), prefetch (each source on object storage: the blocks or shards
+of the next steps, raypipe.loader.reads) and tensors. Sources share one tokenizer (same sha256)
 or the mixture is refused naming both. Cost per batch: one allocation (O(sources)) and one
 describe and fill per source present in the rank's rows.
 """
@@ -27,6 +28,7 @@ from raypipe.loader.follow import JobFollower
 from raypipe.loader.mixture_rows import MixtureRows
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import batch_stream
+from raypipe.loader.reads import DESCRIBED_TOGETHER, StepReads, StepUnits
 from raypipe.loader.view import RunView
 from raypipe.sampling.buffers import BatchBuffers
 from raypipe.sampling.mixture_run import MixtureRun, MixtureStep
@@ -114,11 +116,19 @@ class MixtureLoader(RunView):
                             epoch=-1, step=job.step, source_ids=source_ids,
                             mixture_state=job.after)
 
-        prefetcher = batch_stream(self.run.rank_steps(until), fill, finish, rows,
-                                  seq_len, self.options.dtype, self.device,
-                                  self.options.prefetch, waits=self.waits)
+        steps = StepReads(self.run.rank_steps(until, DESCRIBED_TOGETHER), self._step_units,
+                          self._datasets())
+        prefetcher = batch_stream(iter(steps), fill, finish, rows, seq_len,
+                                  self.options.dtype, self.device, self.options.prefetch,
+                                  waits=self.waits, ready=steps.arrived)
         yield from self._served(prefetcher,
                                 lambda batch: self.run.took(batch.step, batch.mixture_state))
+
+    def _step_units(self, job: MixtureStep) -> StepUnits:
+        """What a step reads of each source on object storage (its units of fetch)."""
+        return [(key[0], self.run.filler(*key).job_units(described))
+                for key, (_, described) in job.groups.items()
+                if self.sources[key[0]].dataset.cache is not None]
 
     def _datasets(self) -> list[Any]:
         return [source.dataset for source in self.sources]

@@ -1,21 +1,25 @@
-"""What a rank reads ahead: the described steps of a segment, each with the shards or
-blocks it reads already on their way from object storage, and whether a step's reads
-have arrived (the batches before one that would wait are handed over first).
+"""What a rank reads ahead: the described steps of a segment (a mixture: of its stretch),
+each with the shards or blocks it reads already on their way from object storage, and
+whether a step's reads have arrived (the batches before one that would wait are handed
+over first).
 
 Invariant: before the producer thread fills a step, every read the next steps need is in
 flight, issued from the schedule in the order the steps read it, and what no coming step
-reads is let go; nothing is fetched serially on the training thread's path. A local dataset
-reads nothing ahead. Cost: one `fetch_units` per chunk of steps (whole shards) or one
-`job_units` per step (blocks), O(rows) numpy, plus the cache's prefetch calls (blocks:
-only where a step's blocks came or went, and every 8 steps) and one
-look at the step's blocks' fetches (`arrived`: O(blocks of the step), a few dict lookups).
+reads is let go; nothing is fetched serially on the training thread's path. A mixture's
+steps read several datasets: each source's reads are issued and let go on its own
+dataset, within its part of the node cache. A local dataset reads nothing ahead. Cost:
+one `fetch_units` per chunk of steps (whole shards) or one `job_units` per step and
+dataset it reads (blocks), O(rows) numpy, plus the cache's prefetch calls (blocks: only
+where a step's blocks came or went, and every 8 steps) and one look at the step's
+blocks' fetches (`arrived`: O(blocks of the step), a few dict lookups).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -25,6 +29,10 @@ from raypipe.sampling.schedule import Segment
 
 READ_AHEAD_STEPS = 64  # a dataset read in blocks: steps described ahead of the one served
 DESCRIBED_TOGETHER = 8  # ... described a few at a time, before each step served
+
+StepT = TypeVar("StepT")
+# what a step reads: (index of the dataset among the reader's, its units of fetch) each
+StepUnits = list[tuple[int, np.ndarray]]
 
 
 class Upcoming:
@@ -56,31 +64,102 @@ class Upcoming:
                 self.changed = True
 
 
+class StepReads(Generic[StepT]):
+    """Steps (`steps`, described lazily: a few are taken at a time) served with their
+    reads issued ahead over the next READ_AHEAD_STEPS steps: `units_of(step)` says what a
+    step reads of each of `datasets`. A dataset read in blocks has its reads let go once
+    no coming step reads them; one read in whole shards is only fetched ahead (its open
+    shards stay within its budget: raypipe.dataset). `arrived(step)` says whether the step
+    last yielded can be filled without waiting on a request."""
+
+    def __init__(self, steps: Iterator[StepT], units_of: Callable[[StepT], StepUnits],
+                 datasets: Sequence[Any]):
+        self.source, self.units_of, self.datasets = steps, units_of, datasets
+        self.last: tuple[StepT | None, StepUnits] = (None, [])
+        self.steps = self._ahead()
+
+    def __iter__(self) -> Iterator[StepT]:
+        return self.steps
+
+    def arrived(self, step: StepT) -> bool:
+        job, reads = self.last
+        return job is not step or all(self.datasets[index].arrived(units.tolist())
+                                      for index, units in reads)
+
+    def _ahead(self) -> Iterator[StepT]:
+        """All READ_AHEAD_STEPS steps are taken before the first is served, so its reads
+        and the next ones' go out together; then DESCRIBED_TOGETHER at a time, one such
+        take before each step served, so no step waits behind a long description. The
+        prefetch is asked again where a unit came or went, and every DESCRIBED_TOGETHER
+        steps (what an eviction by another process took is asked for again)."""
+        pending: deque[tuple[StepT, StepUnits]] = deque()
+        upcoming = [Upcoming() for _ in self.datasets]
+        first, served_steps = True, 0
+        while True:
+            while len(pending) < READ_AHEAD_STEPS:
+                few = list(itertools.islice(self.source, DESCRIBED_TOGETHER))
+                for step in few:
+                    reads = self.units_of(step)
+                    pending.append((step, reads))
+                    for index, units in reads:
+                        upcoming[index].add(units)
+                if not few or not first:
+                    break
+            first = False
+            if not pending:
+                return
+            for dataset, ahead in zip(self.datasets, upcoming, strict=True):
+                if ahead.changed or served_steps % DESCRIBED_TOGETHER == 0:
+                    ahead.changed = False
+                    _ask(dataset, list(ahead.readers))
+            served = pending.popleft()
+            for index, units in served[1]:
+                upcoming[index].remove(units)
+            served_steps += 1
+            self.last = served
+            yield served[0]
+
+
+def _ask(dataset: Any, ordered: list[int]) -> None:
+    """Fetch `ordered` ahead; a dataset read in blocks lets go of every other block."""
+    if dataset.blocks is not None:
+        dataset.close_except(ordered)
+    dataset.prefetch(ordered)
+
+
+def fetched_ahead(dataset: Any) -> bool:
+    """Whether a dataset's reads are issued ahead step by step (read in blocks from
+    object storage)."""
+    return dataset.cache is not None and getattr(dataset, "blocks", None) is not None
+
+
 class ReadAhead:
-    """This rank's described steps of the segment of `run` (a Run), with their reads
-    issued ahead: a dataset read in blocks, `_blocks_ahead`; else whole shards,
-    `_shards_ahead`. `arrived(step)` says whether the step last yielded can be filled
-    without waiting on a request (so the batches before it are handed over first)."""
+    """One dataset's described steps of the segment of `run` (a Run), with their reads
+    issued ahead: read in blocks, `StepReads` over its steps described DESCRIBED_TOGETHER
+    at a time; else whole shards, `_shards_ahead`. `arrived(step)` says whether the step
+    last yielded can be filled without waiting on a request (so the batches before it are
+    handed over first)."""
 
     def __init__(self, run: Any, filler: BatchFiller, segment: Segment):
-        self.dataset = run.dataset
-        self.last: tuple[DescribedRows | None, np.ndarray | None] = (None, None)
-        self.steps = (self._blocks_ahead(run, filler, segment)
-                      if getattr(run.dataset, "blocks", None) is not None
+        self.reads = (StepReads(_described(run, filler, segment),
+                                lambda job: [(0, filler.job_units(job))], [run.dataset])
+                      if fetched_ahead(run.dataset) else None)
+        self.steps = (iter(self.reads) if self.reads is not None
                       else _shards_ahead(run, filler, segment))
 
     def __iter__(self) -> Iterator[DescribedRows]:
         return self.steps
 
     def arrived(self, step: DescribedRows) -> bool:
-        job, units = self.last
-        return job is not step or units is None or self.dataset.arrived(units.tolist())
+        return self.reads is None or self.reads.arrived(step)
 
-    def _blocks_ahead(self, run: Any, filler: BatchFiller, segment: Segment
-                      ) -> Iterator[DescribedRows]:
-        for job, units in _blocks_ahead(run, filler, segment):
-            self.last = (job, units)
-            yield job
+
+def _described(run: Any, filler: BatchFiller, segment: Segment
+               ) -> Iterator[DescribedRows]:
+    """The segment's steps for this rank, described DESCRIBED_TOGETHER at a time."""
+    for positions, _ in run.rank_chunks(segment):
+        for first in range(0, len(positions), DESCRIBED_TOGETHER):
+            yield from filler.describe(positions[first:first + DESCRIBED_TOGETHER])
 
 
 def _shards_ahead(run: Any, filler: BatchFiller, segment: Segment
@@ -100,46 +179,3 @@ def _shards_ahead(run: Any, filler: BatchFiller, segment: Segment
             elif following is not None:
                 dataset.prefetch(filler.fetch_units(following).tolist())
         yield from filler.describe(positions)
-
-
-def _blocks_ahead(run: Any, filler: BatchFiller, segment: Segment
-                  ) -> Iterator[tuple[DescribedRows, np.ndarray]]:
-    """The blocks each step reads fetched in the order the steps read them, as far as the
-    rank's share of the node cache holds, over the next READ_AHEAD_STEPS steps (all of
-    them described before the first step, so its reads and the next ones' go out
-    together; then DESCRIBED_TOGETHER at a time, one such call before each step served,
-    so no step waits behind a long description); the blocks of steps already served are
-    let go, and the prefetch is asked again where a block came or went. Each step comes
-    with the blocks it reads."""
-    dataset, chunks = run.dataset, run.rank_chunks(segment)
-    undescribed: deque[np.ndarray] = deque()  # steps' positions, one row a step
-    pending: deque[tuple[DescribedRows, np.ndarray]] = deque()
-    upcoming = Upcoming()
-    first, served_steps = True, 0
-    while True:
-        while len(pending) < READ_AHEAD_STEPS:
-            if not undescribed:
-                chunk = next(chunks, None)
-                undescribed.extend(() if chunk is None else chunk[0])
-            few = [undescribed.popleft()
-                   for _ in range(min(DESCRIBED_TOGETHER, len(undescribed)))]
-            for job in filler.describe(np.stack(few)) if few else ():
-                units = filler.job_units(job)
-                pending.append((job, units))
-                upcoming.add(units)
-            if not few or not first:
-                break
-        first = False
-        if not pending:
-            return
-        # asked again where a unit came or went, and every DESCRIBED_TOGETHER steps (what
-        # an eviction by another process took is asked for again)
-        if upcoming.changed or served_steps % DESCRIBED_TOGETHER == 0:
-            upcoming.changed = False
-            ordered = list(upcoming.readers)
-            dataset.close_except(ordered)
-            dataset.prefetch(ordered)
-        served = pending.popleft()
-        upcoming.remove(served[1])
-        served_steps += 1
-        yield served

@@ -245,9 +245,11 @@ class MixtureRun:
         return self._fillers[key]
 
     # ----- steps ------------------------------------------------------------------------
-    def rank_steps(self, until: int | None) -> Iterator[MixtureStep]:
-        """This rank's steps to `until` (None: without end), described DESCRIBE_STEPS at a
-        time (one describe per source, epoch and phases)."""
+    def rank_steps(self, until: int | None, together: int = DESCRIBE_STEPS
+                   ) -> Iterator[MixtureStep]:
+        """This rank's steps to `until` (None: without end), described `together` at a
+        time (one describe per source, epoch and phases; a loader reading ahead takes a
+        few before each step it serves, so no step waits behind a long description)."""
         schedule = self.schedule()
 
         def steps() -> Iterator[MixtureStep]:
@@ -261,7 +263,7 @@ class MixtureRun:
                                   [slot.phases for slot in slots])
 
         walk = steps()
-        while chunk := list(itertools.islice(walk, DESCRIBE_STEPS)):
+        while chunk := list(itertools.islice(walk, together)):
             self._describe(chunk)
             yield from chunk
 
