@@ -544,6 +544,12 @@ class ShardSet:
         shard = int(self.blocks.shards[unit])
         return f"{self.shards[shard].name} block {unit - int(self.blocks.in_shard(shard)[0])}"
 
+    def cancel_queued_fetches(self) -> None:
+        """Cancel the fetches not begun (a reader waiting on one is let go with a
+        CancelledError); those in flight run on: `close` waits for them."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
     def close(self) -> None:
         """Stop background fetches and close every open shard."""
         if self._pool is not None:

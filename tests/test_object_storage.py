@@ -1074,3 +1074,44 @@ def test_closing_a_bucket_loader_under_an_open_iteration_stops_every_fetch_it_ma
     rest = [batch.inputs.numpy().tobytes() for batch in loader]
     loader.close()
     assert taken + rest == whole
+
+
+def test_a_closed_loader_lets_go_of_a_build_that_waits_on_a_queued_fetch(
+        bucket, tmp_path, monkeypatch):
+    """One fetch thread and a bucket 400 ms a request away once the loader is open: the
+    producer builds ahead and waits on a fetch queued behind others. `close()` cancels the
+    fetches not begun before it joins the producer, so no queued fetch runs while it
+    waits, the producer ends and no GET begins after close returns (close once joined the
+    producer first: it waited while the queue drained, up to 10 s, then left it
+    running)."""
+    import threading
+
+    import raypipe.dataset
+    from bench.common import synthetic_token_dataset
+
+    monkeypatch.setattr(raypipe.dataset, "PREFETCH_THREADS", 1)
+    local = synthetic_token_dataset(tmp_path, 2_000_000, 5, 75_000)  # 27 shards
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(local, uri)
+    proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, 0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        loader = TokenLoader(uri, 512, 8, mode="bestfit", seed=3, shuffle="windowed",
+                             cache_dir=tmp_path / "c", block_bytes=4096, prefetch=8)
+        proxy.delay = 0.4  # (the index files fetched at the open came at once)
+        held = iter(loader)
+        next(held)
+        time.sleep(0.2)  # the producer builds on to a step whose blocks are queued
+        asked = loader.dataset.fetching_now()  # blocks queued or in flight
+        before = proxy.requests["GET"]
+        loader.close()
+        during = proxy.requests["GET"] - before
+        time.sleep(1.0)
+        after = proxy.requests["GET"] - before
+    finally:
+        proxy.stop()
+    assert len(asked) > 2  # more asked for than the one thread had in flight
+    assert not [t for t in threading.enumerate() if t.name == "raypipe-prefetch"]
+    # the one thread's fetch in flight as close began may reach the bucket during it
+    assert during <= 1, f"{during} queued fetches ran while close waited for the producer"
+    assert after == during, "a fetch began after close returned"

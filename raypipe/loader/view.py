@@ -154,7 +154,12 @@ class RunView:
         built, then raises) and background shard fetches, and close open shards
         (object storage), so nothing of this loader fetches, writes to or pins files in the
         node cache after it returns. Iterating again continues from the run's position."""
-        for prefetcher in list(self._open_prefetchers):
+        prefetchers = list(self._open_prefetchers)
+        for prefetcher in prefetchers:  # no batch is begun after the ones being built
+            prefetcher.stop.set()
+        for dataset in self._datasets():  # a build waiting on a queued fetch is let go
+            dataset.cancel_queued_fetches()
+        for prefetcher in prefetchers:
             prefetcher.close()
         self._open_prefetchers.clear()
         for dataset in self._datasets():
