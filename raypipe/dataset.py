@@ -31,11 +31,17 @@ import numpy as np
 
 from raypipe.errors import FormatError
 from raypipe.formats import FORMATS, ShardReader, batch_formats, document_formats, get_format
-from raypipe.formats.base import lists_file, lists_mask_sidecar, shard_prefix
+from raypipe.formats.base import (
+    MASK_SIDECAR,
+    MASK_SUMS_SIDECAR,
+    lists_file,
+    shard_file,
+    shard_prefix,
+)
 from raypipe.io.cache import RangeCheck, ShardCache
 from raypipe.io.checksums import SUMS_SUFFIX, CheckedTokens, StreamChecksums
 from raypipe.io.manifest import MANIFEST_NAME, as_store, file_problem, read_manifest
-from raypipe.io.ranged import BlockTokens
+from raypipe.io.ranged import BlockFile, BlockTokens, HeldBlock
 from raypipe.io.records import FileEntry, Manifest, ShardEntry
 from raypipe.io.store import Store, dataset_key
 
@@ -59,16 +65,6 @@ class StreamWindow:
 
 OPEN_TRIES = 5  # fetches of a shard other processes keep evicting before it opens
 TOKEN_STARTS_KEPT = 64  # ranged shards whose document token offsets a process keeps
-
-
-@dataclass
-class HeldBlock:
-    """A block this process holds (pinned in the node cache): its file, its bytes, and its
-    fetch while under way (None: fetched here)."""
-
-    path: Path
-    bytes: int
-    fetch: Future | None = None
 
 
 @dataclass(frozen=True)
@@ -106,14 +102,22 @@ class ShardBlocks:
 
 class RangedShard(ShardReader):
     """A shard read a block at a time: its documents' token offsets from its index, its
-    tokens `BlockTokens` (raypipe.io.ranged); `units`: its blocks' numbers."""
+    tokens and (chat data) its loss mask `BlockTokens` (raypipe.io.ranged); `units`: its
+    blocks' numbers."""
 
-    loss_mask = None
-
-    def __init__(self, tokens: BlockTokens, document_starts: np.ndarray, units: np.ndarray):
+    def __init__(self, tokens: BlockTokens, document_starts: np.ndarray, units: np.ndarray,
+                 loss_mask: BlockTokens | None = None):
         self.tokens = tokens  # type: ignore[assignment]
+        self.loss_mask = loss_mask  # type: ignore[assignment]
         self.document_starts = document_starts
         self.units = units
+
+    def forget(self, keep: set[int]) -> None:
+        """Unmap every block but those of `keep` (the dataset's block numbers)."""
+        local = set(np.flatnonzero(np.isin(self.units, list(keep))).tolist())
+        self.tokens.forget(local)
+        if self.loss_mask is not None:
+            self.loss_mask.forget(local)
 
     @classmethod
     def from_manifest(cls, root: Path, shard: ShardEntry, section: Any,
@@ -191,7 +195,8 @@ class ShardSet:
         # asks for a step's blocks ahead: each of these is a fetch on its filling path)
         self.blocks_fetched_on_read = 0
         self._starts_kept: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._sums_kept: dict[int, StreamChecksums] = {}  # ranged shards' (latest kept)
+        # ranged shards' block files' checksums, by (shard, file) (the latest kept)
+        self._sums_kept: dict[tuple[int, str], StreamChecksums] = {}
         self._ranged: dict[int, bool] = {}  # shard -> read a block at a time (`ranged`)
         self.closes = 0  # shards closed so far: holders of shard arrays drop theirs on change
         self._pinned: dict[int, list[Path]] = {}
@@ -302,11 +307,13 @@ class ShardSet:
     def reads_in_blocks(self, shard: int) -> bool:
         """A block of the shard can be read without the rest of it: its format finds a
         block's bytes from its lengths index (`DocumentFormat.tokens_at`), the shard lists
-        that index (and the `.sums` where the format reads blocks only checked), and no
-        loss mask sidecar rides along."""
+        that index (and the `.sums` where the format reads blocks only checked), and a
+        loss mask sidecar (chat data) rides along only with its `.mask.sums` (outputs
+        written before it had one are read whole)."""
         entry = self.shards[shard]
         return (getattr(self.format, "tokens_at", None) is not None
-                and self.lists_lengths_index(shard) and not lists_mask_sidecar(entry)
+                and self.lists_lengths_index(shard)
+                and (not lists_file(entry, MASK_SIDECAR) or lists_file(entry, MASK_SUMS_SIDECAR))
                 and (not getattr(self.format, "blocks_need_sums", False)
                      or lists_file(entry, SUMS_SUFFIX)))
 
@@ -320,11 +327,9 @@ class ShardSet:
 
     @cached_property
     def reads_blocks_alone(self) -> bool:
-        """A block of any shard can be read without the rest of it (on a bucket: by a
-        ranged GET): every shard `reads_in_blocks`, and no loss mask rides along.
-        O(files), once."""
-        return (not getattr(self, "has_loss_mask", False)
-                and all(self.reads_in_blocks(shard) for shard in range(self.num_shards)))
+        """A block of any shard can be read without the rest of it (on a bucket: by
+        ranged GETs): every shard `reads_in_blocks`. O(files), once."""
+        return all(self.reads_in_blocks(shard) for shard in range(self.num_shards))
 
     @cached_property
     def token_entry(self) -> np.dtype:
@@ -335,20 +340,32 @@ class ShardSet:
     @cached_property
     def block_itemsize(self) -> int:
         """Bytes a token counts for where blocks are cut (raypipe.sampling.blocks): its
-        token file's entry where blocks are read alone, so a block of `block_bytes` is that
-        many bytes fetched; else (outputs read whole) the token's, the cut their states
-        were saved with."""
-        return (self.token_entry.itemsize if self.reads_blocks_alone
+        token file's entry where blocks are read alone and no loss mask rides along, so a
+        block of `block_bytes` is that many bytes fetched; else (outputs read whole, chat
+        data) the token's, the cut their states were saved with."""
+        return (self.token_entry.itemsize
+                if self.reads_blocks_alone and not getattr(self, "has_loss_mask", False)
                 else np.dtype(self.section.dtype).itemsize)
+
+    @cached_property
+    def fetched_per_cut_byte(self) -> float:
+        """Bytes a block fetches for each byte it counts where cut (`block_itemsize`): its
+        token entries' and its loss mask's (a byte a token), where blocks are read alone;
+        1 otherwise."""
+        if not self.reads_blocks_alone:
+            return 1.0
+        mask = 1 if getattr(self, "has_loss_mask", False) else 0
+        return (self.token_entry.itemsize + mask) / self.block_itemsize
 
     def _prefetch_blocks(self, units: list[int]) -> None:
         """Fetch ahead, in the order given, while this process holds at most `hold_bytes`
         (`use_blocks`): the whole shards of blocks that are whole shards, and each run of
-        adjacent blocks of a ranged shard in one ranged GET (a task a run, in the order
-        the runs are first needed, so blocks of one shard arrive side by side, not one
-        after another), pinned here, all at once."""
+        adjacent blocks of a ranged shard in one ranged GET a block file (a task a run, in
+        the order the runs are first needed, so blocks of one shard arrive side by side,
+        not one after another), pinned here, all at once."""
         assert self.blocks is not None and self.cache is not None
-        ranged: dict[int, list[tuple[int, tuple[int, int]]]] = {}
+        ranged: dict[int, list[int]] = {}
+        held_now: dict[int, HeldBlock] = {}
         held = self._held_bytes()
         for unit in units:
             shard = int(self.blocks.shards[unit])
@@ -361,33 +378,51 @@ class ShardSet:
                 self._fetching[shard] = self._pool_submit(self._fetch,
                                                           self._files_to_open(shard))
                 continue
-            if unit in self._held_blocks:
+            if unit in self._held_blocks or unit in held_now:
                 continue
-            span = self._block_range(unit)
-            held += span[1] - span[0]
+            block = self._block_to_hold(unit)
+            held += block.bytes
             if held > self.hold_bytes:
                 break
-            ranged.setdefault(shard, []).append((unit, span))
-        if not ranged:
-            return
-        for shard, wanted in ranged.items():
-            entry = self.shards[shard].files[0]
-            for unit, span in wanted:
-                self._held_blocks[unit] = HeldBlock(
-                    self.cache.range_path(self.key, entry, *span), span[1] - span[0])
-        self.cache.pin([self._held_blocks[unit].path for wanted in ranged.values()
-                        for unit, _ in wanted])
-        checks = {shard: self._range_check(shard)  # made here: the pool's threads share
-                  for shard in ranged}  # no state
-        needed_at = {unit: at for at, unit in enumerate(units)}
+            held_now[unit] = block
+            ranged.setdefault(shard, []).append(unit)
+        if ranged:
+            self._hold(held_now)
+            self._fetch_blocks(ranged, {unit: at for at, unit in enumerate(units)})
+
+    def _block_to_hold(self, unit: int) -> HeldBlock:
+        """What holding block `unit` (its shard ranged) takes: its files' paths."""
+        assert self.blocks is not None and self.cache is not None
+        files = self._block_files(int(self.blocks.shards[unit]))
+        spans = self._block_spans(unit, files)
+        return HeldBlock(tuple(self.cache.range_path(self.key, file.entry, *span)
+                               for file, span in zip(files, spans, strict=True)),
+                         sum(stop - start for start, stop in spans))
+
+    def _hold(self, blocks: dict[int, HeldBlock]) -> None:
+        """Hold these blocks: their files pinned (one change of this process's pins)."""
+        assert self.cache is not None
+        self._held_blocks.update(blocks)
+        self.cache.pin([path for block in blocks.values() for path in block.paths])
+
+    def _fetch_blocks(self, ranged: dict[int, list[int]], needed_at: dict[int, int]) -> None:
+        """Fetch held blocks of ranged shards: each run of adjacent blocks of a file in
+        one ranged GET (a task a run and file, in the order the runs are first needed)."""
+        assert self.blocks is not None
         runs = sorted(((shard, run) for shard, wanted in ranged.items()
-                       for run in adjacent_runs(wanted)),
+                       for run in adjacent_runs([(unit, self._block_spans(
+                           unit, self._block_files(shard))[0]) for unit in wanted])),
                       key=lambda shard_run: min(needed_at[unit] for unit, _ in shard_run[1]))
+        checks = {(shard, file.entry.path): self._range_check(shard, file)  # made here:
+                  for shard in ranged for file in self._block_files(shard)}  # no state shared
         for shard, run in runs:
-            fetch = self._pool_submit(self._fetch_ranges, shard, [span for _, span in run],
-                                      checks[shard])
-            for unit, _ in run:
-                self._held_blocks[unit].fetch = fetch
+            files = self._block_files(shard)
+            for number, file in enumerate(files):
+                spans = [self._block_spans(unit, files)[number] for unit, _ in run]
+                fetch = self._pool_submit(self._fetch_ranges, file, spans,
+                                          checks[(shard, file.entry.path)])
+                for unit, _ in run:
+                    self._held_blocks[unit].fetches.append(fetch)
 
     def arrived(self, units: Iterable[int]) -> bool:
         """Every one of these units (blocks, `use_blocks`) is here or not awaited: a
@@ -402,44 +437,52 @@ class ShardSet:
                     return False
                 continue
             held = self._held_blocks.get(unit)
-            if held is None or (held.fetch is not None and not held.fetch.done()):
+            if held is None or not held.arrived:
                 return False
         return True
 
-    def _fetch_ranges(self, shard: int, ranges: list[tuple[int, int]],
+    def _fetch_ranges(self, file: BlockFile, ranges: list[tuple[int, int]],
                       check: RangeCheck | None) -> list[Path]:
-        """Fetch byte ranges of a shard's token file (pinned by the caller), each checked
-        on arrival by `check` (`_range_check`: the shard's `.sums`, where it has one)."""
+        """Fetch byte ranges of a shard's block file (pinned by the caller), each checked
+        on arrival by `check` (`_range_check`: the file's `.sums`, where it has one)."""
         assert self.cache is not None
-        return self.cache.fetch_ranges(self.store, self.key, self.shards[shard].files[0],
-                                       ranges, check)
+        return self.cache.fetch_ranges(self.store, self.key, file.entry, ranges, check)
 
-    def _range_check(self, shard: int) -> RangeCheck | None:
-        """What checks a fetched byte range of the shard's token file (None: its length
-        alone, an output without `.sums`)."""
-        if self._sums_entry(shard) is None:
+    def _block_files(self, shard: int) -> tuple[BlockFile, ...]:
+        """The files a ranged shard is read from a block at a time: its token file, and
+        (chat data) its loss mask sidecar."""
+        entry = self.shards[shard]
+        files = [BlockFile(entry.files[0], int(self.format.tokens_at),
+                           self.token_entry.itemsize, self._sums_entry(shard))]
+        mask = shard_file(entry, MASK_SIDECAR)
+        if mask is not None:
+            files.append(BlockFile(mask, 0, 1, shard_file(entry, MASK_SUMS_SIDECAR)))
+        return tuple(files)
+
+    def _range_check(self, shard: int, file: BlockFile) -> RangeCheck | None:
+        """What checks a fetched byte range of one of the shard's block files (None: its
+        length alone, an output without `.sums`)."""
+        if file.sums is None:
             return None
-        sums = self._sums_kept.get(shard)
+        kept = (shard, file.entry.path)
+        sums = self._sums_kept.get(kept)
         if sums is None:
-            sums = self._stream_checksums(shard,
-                                          self._token_starts(shard) * self.token_entry.itemsize)
-            if len(self._sums_kept) >= TOKEN_STARTS_KEPT:
+            sums = self._stream_checksums(file.sums, file.entry,
+                                          self._token_starts(shard) * file.itemsize)
+            if len(self._sums_kept) >= 2 * TOKEN_STARTS_KEPT:
                 self._sums_kept.pop(next(iter(self._sums_kept)), None)
-            self._sums_kept[shard] = sums
-        at = int(self.format.tokens_at)
-        return lambda data, first: sums.problem(data, first - at)
+            self._sums_kept[kept] = sums
+        return lambda data, first: sums.problem(data, first - file.at)
 
-    def _block_range(self, unit: int) -> tuple[int, int]:
-        """Block `unit`'s bytes in its shard's token file."""
+    def _block_spans(self, unit: int, files: tuple[BlockFile, ...]) -> list[tuple[int, int]]:
+        """Block `unit`'s bytes in each of its shard's block files."""
         assert self.blocks is not None
         shard = int(self.blocks.shards[unit])
         starts = self._token_starts(shard)
         base = self.document_offsets[shard]
         first = int(starts[int(self.blocks.starts[unit] - base)])
         stop = int(starts[int(self.blocks.stops[unit] - base)])
-        itemsize = self.token_entry.itemsize
-        at = int(self.format.tokens_at)
-        return at + first * itemsize, at + stop * itemsize
+        return [file.span(first, stop) for file in files]
 
     def _token_starts(self, shard: int) -> np.ndarray:
         """int64[D + 1] token offsets of a ranged shard's documents (from its index; the
@@ -454,37 +497,38 @@ class ShardSet:
             self._starts_kept[shard] = starts
         return starts
 
-    def _block_path(self, unit: int) -> Path:
-        """The local file of block `unit` (a reader needs it now): the prefetch's, else
-        fetched here (the training thread waits: `fetching_now` names it)."""
+    def _block_path(self, unit: int, number: int) -> Path:
+        """The local file of block `unit` in its shard's block file `number` (a reader
+        needs it now): the prefetch's, else fetched here, each of its files (the training
+        thread waits: `fetching_now` names it)."""
         assert self.blocks is not None and self.cache is not None
         held = self._held_blocks.get(unit)
         self._waited_block = unit
         try:
             if held is None:
-                shard = int(self.blocks.shards[unit])
-                span = self._block_range(unit)
-                path = self.cache.range_path(self.key, self.shards[shard].files[0], *span)
-                self.cache.pin([path])
-                held = self._held_blocks[unit] = HeldBlock(path, span[1] - span[0])
+                held = self._block_to_hold(unit)
+                self._hold({unit: held})
                 self.blocks_fetched_on_read += 1
-                self._fetch_ranges(shard, [span], self._range_check(shard))
-            elif held.fetch is not None:
-                held.fetch.result()
+                shard = int(self.blocks.shards[unit])
+                files = self._block_files(shard)
+                for file, span in zip(files, self._block_spans(unit, files), strict=True):
+                    self._fetch_ranges(file, [span], self._range_check(shard, file))
+            else:
+                held.wait()
         finally:
             self._waited_block = None
-        return held.path
+        return held.paths[number]
 
     def _release_blocks(self, keep: set[int]) -> None:
         """Unpin the blocks outside `keep` whose fetch ended, and unmap them."""
         assert self.cache is not None
         gone = [unit for unit, held in self._held_blocks.items()
-                if unit not in keep and (held.fetch is None or held.fetch.done())]
+                if unit not in keep and held.arrived]
         if gone:
-            self.cache.unpin([self._held_blocks.pop(unit).path for unit in gone])
+            self.cache.unpin([path for unit in gone for path in self._held_blocks.pop(unit).paths])
         for reader in self._readers.values():
             if isinstance(reader, RangedShard):
-                reader.tokens.forget(keep)
+                reader.forget(keep)
 
     def _held_bytes(self) -> int:
         """Bytes this process holds or fetches: open and pending whole shards, and held
@@ -535,8 +579,7 @@ class ShardSet:
         waited = [] if self._opening is None else [self._opening]
         names = [self.shards[index].name for index in dict.fromkeys([*waited, *ahead])]
         blocks = [] if self._waited_block is None else [self._waited_block]
-        blocks += [unit for unit, held in list(self._held_blocks.items())
-                   if held.fetch is not None and not held.fetch.done()]
+        blocks += [unit for unit, held in list(self._held_blocks.items()) if not held.arrived]
         return names + [self._block_name(unit) for unit in dict.fromkeys(blocks)]
 
     def _block_name(self, unit: int) -> str:
@@ -634,33 +677,39 @@ class ShardSet:
         document's bytes from its index and the shard has one (older outputs do not)."""
         if getattr(self.format, "tokens_at", None) is None:
             return None
-        return next((entry for entry in self.shards[index].files
-                     if entry.path.endswith(SUMS_SUFFIX)), None)
+        return shard_file(self.shards[index], SUMS_SUFFIX)
 
-    def _stream_checksums(self, index: int, document_bytes: np.ndarray) -> StreamChecksums:
-        entry = self._sums_entry(index)
-        assert entry is not None
-        label = self.store.uri_of(self.shards[index].files[0].path)
+    def _stream_checksums(self, sums: FileEntry, checked: FileEntry,
+                          document_bytes: np.ndarray) -> StreamChecksums:
+        """The checksums `sums` of file `checked`, whose documents start at these bytes."""
+        label = self.store.uri_of(checked.path)
         if self.cache is None:
-            return StreamChecksums(self.local_root / entry.path, document_bytes, label)
+            return StreamChecksums(self.local_root / sums.path, document_bytes, label)
         try:  # an index file, evicted last; one another process evicted is fetched again
-            return StreamChecksums(self.cache.fetch(self.store, self.key, entry),
+            return StreamChecksums(self.cache.fetch(self.store, self.key, sums),
                                    document_bytes, label)
         except FileNotFoundError:
-            return StreamChecksums(self.cache.fetch(self.store, self.key, entry, refresh=True),
+            return StreamChecksums(self.cache.fetch(self.store, self.key, sums, refresh=True),
                                    document_bytes, label)
 
     def _check_reads(self, index: int, reader: Any) -> None:
-        """Check every token the reader serves against the shard's `.sums`, each checksum
-        unit on its first read (raypipe.io.checksums): an altered byte is refused, naming
-        the file, before it is served. A shard without one keeps its open's checks."""
-        if self._sums_entry(index) is None:
+        """Check every token (and loss mask byte) the reader serves against the shard's
+        `.sums` (`.mask.sums`), each checksum unit on its first read
+        (raypipe.io.checksums): an altered byte is refused, naming the file, before it is
+        served. A shard without one keeps its open's checks."""
+        sums = self._sums_entry(index)
+        if sums is None:
             return
         starts = np.zeros(reader.num_documents + 1, dtype=np.int64)
         np.cumsum(reader.document_lengths, out=starts[1:])
         entries = np.asarray(reader.token_entries).view(np.ndarray)
-        sums = self._stream_checksums(index, starts * entries.dtype.itemsize)
-        reader.tokens = CheckedTokens(entries, sums)
+        shard = self.shards[index]
+        reader.tokens = CheckedTokens(entries, self._stream_checksums(
+            sums, shard.files[0], starts * entries.dtype.itemsize))
+        mask, mask_sums = shard_file(shard, MASK_SIDECAR), shard_file(shard, MASK_SUMS_SIDECAR)
+        if reader.loss_mask is not None and mask is not None and mask_sums is not None:
+            reader.loss_mask = CheckedTokens(np.asarray(reader.loss_mask).view(np.ndarray),
+                                             self._stream_checksums(mask_sums, mask, starts))
 
     def _open_cached(self, index: int, refresh: bool) -> Any:
         """The reader of a shard fetched into the cache. Pins are this process's own, so a
@@ -697,14 +746,19 @@ class ShardSet:
         units = self.blocks.in_shard(index)
         base = self.document_offsets[index]
         cuts = np.append(starts[self.blocks.starts[units] - base], starts[-1])
-        tokens = BlockTokens(cuts, self.token_entry,
-                             lambda block: self._block_path(int(units[block])))
-        entry = self.shards[index].files[0]
-        expected = int(self.format.tokens_at) + int(starts[-1]) * self.token_entry.itemsize
-        if entry.bytes != expected:
-            raise FormatError(self.store.uri_of(entry.path), "token file size implied by "
-                              "the index differs from the manifest's", entry.bytes, expected)
-        return RangedShard(tokens, starts, units)
+        files = self._block_files(index)
+        for file in files:
+            expected = file.span(0, int(starts[-1]))[1]
+            if file.entry.bytes != expected:
+                raise FormatError(self.store.uri_of(file.entry.path), "file size implied by "
+                                  "the index differs from the manifest's", file.entry.bytes,
+                                  expected)
+        tokens, *mask = [BlockTokens(cuts, np.dtype(self.token_entry if number == 0
+                                                    else np.uint8),
+                                     lambda block, number=number: self._block_path(
+                                         int(units[block]), number))
+                         for number in range(len(files))]
+        return RangedShard(tokens, starts, units, mask[0] if mask else None)
 
     def _close_over_budget(self) -> None:
         assert self.cache is not None

@@ -12,7 +12,7 @@ import pytest
 
 from raypipe.config import load_config
 from raypipe.dataset import BatchDataset, TokenDataset
-from raypipe.errors import ConfigError, InputError
+from raypipe.errors import ConfigError, FormatError, InputError
 from raypipe.loader import TokenLoader
 from raypipe.loader.mosaic_streaming import import_streaming
 from raypipe.preprocess.chat import CHATML
@@ -271,3 +271,39 @@ def test_convert_to_llmbatch_packs_chat_data_with_split_unless_told(every_mask_f
     converted = BatchDataset(tmp_path / "b")
     assert converted.options.packing == "split"
     assert converted.loss_mask(0) is not None
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "stream"])
+def test_a_loss_mask_byte_changed_in_place_is_refused_before_an_altered_mask_is_served(
+        every_mask_format, tmp_path, fmt):
+    """A byte flipped in a `.mask` sidecar with its modification time put back (bit rot, a
+    copy that kept times): the shard's `.mask.sums` refuses it, naming the file, and every
+    batch served before (inputs and mask) is the unchanged output's."""
+    import os
+    import shutil
+
+    def served(root):
+        batches = []
+        loader = TokenLoader(root, 32, 4, format=fmt, seed=5, device="cpu")
+        try:
+            for batch in loader:
+                batches.append((batch.inputs.numpy().tobytes(), batch.mask.numpy().tobytes()))
+        except FormatError as refused:
+            return batches, refused
+        finally:
+            loader.close()
+        return batches, None
+
+    copy = tmp_path / "copy"
+    shutil.copytree(every_mask_format, copy)  # times kept
+    clean, _ = served(copy)
+    victim = sorted((copy / fmt).glob("*.mask"))[1]
+    before = victim.stat()
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    batches, refused = served(copy)
+    assert refused is not None and str(victim) in str(refused) and "\n" not in str(refused)
+    assert "differ from what the job wrote" in str(refused)
+    assert batches == clean[:len(batches)] and len(batches) < len(clean)

@@ -34,6 +34,8 @@ from raypipe.preprocess.job import run_job
 from raypipe.tools.verify import verify_dataset
 from tests import test_state_harness as harness
 from tests.helpers import upload_tree
+from tests.test_chat_formats import every_mask_format  # noqa: F401
+from tests.test_chat_job import chat_tokenizer_path, chats  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -1115,3 +1117,60 @@ def test_a_closed_loader_lets_go_of_a_build_that_waits_on_a_queued_fetch(
     # the one thread's fetch in flight as close began may reach the bucket during it
     assert during <= 1, f"{during} queued fetches ran while close waited for the producer"
     assert after == during, "a fetch began after close returned"
+
+
+CHAT_KNOBS = {"seed": 4, "block_bytes": 4096, "cache_bytes": 1 << 20, "shuffle": "windowed"}
+
+
+def served_with_masks(loader) -> list[tuple[bytes, bytes]]:
+    """Each batch's inputs and mask bytes, the loader closed after."""
+    try:
+        return [(batch.inputs.numpy().tobytes(), batch.mask.numpy().tobytes())
+                for batch in loader]
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "stream"])
+def test_chat_data_on_a_bucket_is_read_in_ranged_blocks_of_tokens_and_mask_and_equals_the_local_copy(  # noqa: E501
+        bucket, every_mask_format, tmp_path, fmt):  # noqa: F811
+    """Chat data's shards come a block at a time, the `.mask` sidecar by ranged GETs beside
+    the tokens (no whole `.mask` fetched), and every batch's inputs and loss mask are the
+    local copy's under the same knobs."""
+    uri = f"s3://{bucket}/chat"
+    upload_tree(every_mask_format, uri)
+    loader = TokenLoader(uri, 32, 4, cache_dir=tmp_path / "c", format=fmt, **CHAT_KNOBS)
+    served = served_with_masks(loader)
+    cached = [path.name for path in (tmp_path / "c").rglob("*") if path.is_file()]
+    assert any(".mask.range-" in name for name in cached)
+    assert not [name for name in cached if name.endswith((".mask", ".bin", ".tokens"))]
+    assert loader.cache_stats.ranged_reads > 0
+    local = TokenLoader(every_mask_format, 32, 4, format=fmt, **CHAT_KNOBS)
+    assert served_with_masks(local) == served
+    assert any(np.frombuffer(mask, dtype=np.bool_).any() for _, mask in served)
+
+
+def test_a_loss_mask_changed_on_the_bucket_is_refused_before_an_altered_mask_is_served(
+        bucket, every_mask_format, tmp_path):  # noqa: F811
+    """A byte flipped in a `.mask` object (read a block at a time, each checked against
+    the shard's `.mask.sums` as it arrives): the loader refuses the object, naming it, and
+    every batch it served before is the local copy's, mask included."""
+    uri = f"s3://{bucket}/chat"
+    upload_tree(every_mask_format, uri)
+    clean = served_with_masks(TokenLoader(every_mask_format, 32, 4, format="megatron",
+                                          **CHAT_KNOBS))
+    store = Store(uri)
+    shard = read_manifest(uri).formats["megatron"].shards[1]
+    victim = next(entry.path for entry in shard.files if entry.path.endswith(".mask"))
+    data = bytearray(store.read_bytes(victim))
+    data[len(data) // 2] ^= 1
+    store.write_bytes(victim, bytes(data))
+    loader = TokenLoader(uri, 32, 4, cache_dir=tmp_path / "c", format="megatron",
+                         **CHAT_KNOBS)
+    served: list[tuple[bytes, bytes]] = []
+    with pytest.raises(FormatError) as refused:
+        for batch in loader:
+            served.append((batch.inputs.numpy().tobytes(), batch.mask.numpy().tobytes()))
+    loader.close()
+    assert store.uri_of(victim) in str(refused.value) and "\n" not in str(refused.value)
+    assert served == clean[:len(served)] and len(served) < len(clean)

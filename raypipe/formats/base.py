@@ -29,7 +29,7 @@ import numpy as np
 
 from raypipe.errors import ConfigError, FormatError
 from raypipe.io.atomic import HashedTempFile, file_sha256
-from raypipe.io.checksums import SUMS_SUFFIX, sums_file_bytes
+from raypipe.io.checksums import SUMS_SUFFIX, UNIT_BYTES, ChecksumWriter, sums_file_bytes
 from raypipe.io.manifest_compat import former_packings, upgrade_batch_section
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import plain_name, safe_join
@@ -89,6 +89,7 @@ class ShardFiles:
 
 
 MASK_SIDECAR = ".mask"  # a document shard's loss mask (chat data): u8 per token
+MASK_SUMS_SIDECAR = MASK_SIDECAR + SUMS_SUFFIX  # its checksums by document (io.checksums)
 # raypipe's document lengths of a shard whose format keeps no index of its own (stream,
 # MDS): each document's token count, u32 LE, in shard order
 LENGTHS_SIDECAR = ".lengths"
@@ -104,6 +105,12 @@ class ShardWriter(ShardFiles, ABC):
         self.num_tokens = 0
         self.num_documents = 0
         self.masked_tokens = 0  # tokens whose loss mask is written (chat data: all of them)
+        self.mask_sums: ChecksumWriter | None = None  # the `.mask` sidecar's (chat data)
+
+    @property
+    def entry_itemsize(self) -> int:
+        """The bytes its token file holds a token (the token's; stream: its record's)."""
+        return self.token_dtype.itemsize
 
     @abstractmethod
     def add(self, tokens: np.ndarray, lengths: np.ndarray, metadata: object = None) -> None:
@@ -114,24 +121,33 @@ class ShardWriter(ShardFiles, ABC):
     # order), a file its ecosystem's readers never open
     keeps_mask_sidecar: bool = False
 
-    def add_loss_mask(self, loss_mask: np.ndarray) -> None:
-        """The loss mask of the documents the next `add` appends: one byte per token, 1
-        where the token is a trained target (chat data). Only formats whose
-        `holds_loss_mask` is set store one: in the `.mask` sidecar where the writer
-        `keeps_mask_sidecar`, else by overriding this."""
+    def add_loss_mask(self, loss_mask: np.ndarray, lengths: np.ndarray) -> None:
+        """The loss mask of the documents the next `add` appends (`lengths`: their token
+        counts): one byte per token, 1 where the token is a trained target (chat data).
+        Only formats whose `holds_loss_mask` is set store one: in the `.mask` sidecar,
+        checksummed by document in `.mask.sums` (so a loader reads it a block at a time),
+        where the writer `keeps_mask_sidecar`, else by overriding this."""
         if not self.keeps_mask_sidecar:
             raise FormatError(self.directory / self.name, "this format cannot hold a loss mask")
         mask_file = self._files.get(MASK_SIDECAR) or self.open_file(MASK_SIDECAR)
-        mask_file.write(np.ascontiguousarray(loss_mask, dtype=np.uint8).data)
+        data = np.ascontiguousarray(loss_mask, dtype=np.uint8)
+        mask_file.write(data.data)
+        if self.mask_sums is None:  # units of the token file's tokens: a block of whole
+            # token units is one of whole mask units
+            self.mask_sums = ChecksumWriter(UNIT_BYTES // self.entry_itemsize)
+        self.mask_sums.add(data, np.asarray(lengths, dtype=np.int64))
         self.masked_tokens += int(loss_mask.size)
 
     def commit_mask_sidecar(self) -> list[FileEntry]:
-        """The `.mask` sidecar's entry (none without chat data), once it holds a byte per
-        token of the shard."""
+        """The `.mask` sidecar's and its `.mask.sums`'s entries (none without chat data),
+        once it holds a byte per token of the shard."""
         if self.masked_tokens not in (0, self.num_tokens):
             raise FormatError(self.directory / f"{self.name}{MASK_SIDECAR}", "a loss mask "
                               "byte per token", self.num_tokens, self.masked_tokens)
-        return [self.commit_file(MASK_SIDECAR)] if MASK_SIDECAR in self._files else []
+        if MASK_SIDECAR not in self._files or self.mask_sums is None:
+            return []
+        return [self.commit_file(MASK_SIDECAR),
+                self.commit_bytes(MASK_SUMS_SIDECAR, self.mask_sums.encoded())]
 
     def add_lengths_sidecar(self, lengths: np.ndarray) -> None:
         """Append these documents' token counts to the `.lengths` sidecar (formats that
@@ -209,9 +225,17 @@ class ShardReader(ABC):
         """Checks beyond headers and sizes that need a pass over the data (verify only)."""
 
 
+def shard_file(shard: ShardEntry, suffix: str) -> FileEntry | None:
+    """The shard's file `<shard name><suffix>` its manifest entry lists (None: not listed,
+    a sidecar it may lack); `.sums` is not `.mask.sums`."""
+    name = shard.name + suffix
+    return next((entry for entry in shard.files if entry.path.rpartition("/")[2] == name),
+                None)
+
+
 def lists_file(shard: ShardEntry, suffix: str) -> bool:
-    """The shard's manifest entry lists a file of `suffix` (a sidecar it may lack)."""
-    return any(entry.path.endswith(suffix) for entry in shard.files)
+    """The shard's manifest entry lists its file of `suffix` (a sidecar it may lack)."""
+    return shard_file(shard, suffix) is not None
 
 
 def lists_mask_sidecar(shard: ShardEntry) -> bool:

@@ -188,8 +188,9 @@ class MDSWriter(ShardWriter):
             self._write(row, source, tokens[stop - length:stop],
                         None if loss_mask is None else loss_mask[stop - length:stop])
 
-    def add_loss_mask(self, loss_mask: np.ndarray) -> None:
-        """The `loss_mask` column of the documents the next `add` appends (chat data)."""
+    def add_loss_mask(self, loss_mask: np.ndarray, lengths: np.ndarray) -> None:
+        """The `loss_mask` column of the documents the next `add` appends (chat data: each
+        sample checked by the shard's sha256, so no sums)."""
         self.pending_mask = loss_mask
 
     def _write(self, row: int, source: str, sample_tokens: np.ndarray,

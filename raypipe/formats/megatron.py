@@ -24,6 +24,7 @@ from raypipe import _faults as faults
 from raypipe.errors import FormatError
 from raypipe.formats.base import (
     MASK_SIDECAR,
+    MASK_SUMS_SIDECAR,
     DocumentFormat,
     ShardReader,
     ShardWriter,
@@ -223,7 +224,8 @@ def data_path_prefix(shard: ShardEntry) -> str:
     return shard.files[0].path.removesuffix(".bin")
 
 
-MEGATRON = register(DocumentFormat("megatron", (".bin", ".idx", MASK_SIDECAR, SUMS_SUFFIX),
+MEGATRON = register(DocumentFormat("megatron", (".bin", ".idx", MASK_SIDECAR, MASK_SUMS_SIDECAR,
+                                                SUMS_SUFFIX),
                                    MegatronWriter, MegatronReader, megatron_dtype,
                                    read_order=0, index_suffixes=(".idx", SUMS_SUFFIX),
                                    tokens_at=0,

@@ -32,6 +32,7 @@ from raypipe.errors import FormatError
 from raypipe.formats.base import (
     LENGTHS_SIDECAR,
     MASK_SIDECAR,
+    MASK_SUMS_SIDECAR,
     DocumentFormat,
     DocumentMetadata,
     FormatOptions,
@@ -76,6 +77,10 @@ class StreamWriter(ShardWriter):
         self.bin_file = self.open_file(".metadata.bin") if metadata else None
         self.offsets: list[int] = [0]
         self.sums = ChecksumWriter()
+
+    @property
+    def entry_itemsize(self) -> int:
+        return (RECORD if self.with_metadata else PLAIN).itemsize
 
     def _add_record(self, record: dict[str, Any]) -> int:
         data = self.serializer.dumps(record)
@@ -249,7 +254,8 @@ def metadata_records(shard: ShardEntry) -> int:
 
 
 STREAM = register(DocumentFormat("stream", (".tokens", ".metadata.index", ".metadata.bin",
-                                            MASK_SIDECAR, LENGTHS_SIDECAR, SUMS_SUFFIX),
+                                            MASK_SIDECAR, MASK_SUMS_SIDECAR, LENGTHS_SIDECAR,
+                                            SUMS_SUFFIX),
                                  StreamWriter, StreamReader, stream_dtype,
                                  options_type=StreamOptions, read_order=2,
                                  index_suffixes=(LENGTHS_SIDECAR, SUMS_SUFFIX),

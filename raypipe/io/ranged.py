@@ -1,5 +1,6 @@
-"""A shard's tokens read a block at a time: each block a byte range of its token file,
-cached as a file of its own (raypipe.io.cache.ShardCache.fetch_ranges).
+"""A shard's tokens read a block at a time: each block a byte range of its token file (and
+of its loss mask's, chat data), cached as a file of its own
+(raypipe.io.cache.ShardCache.fetch_ranges).
 
 Invariant: `BlockTokens[a:b]` is exactly the shard's tokens [a, b), read from the maps of
 the blocks that hold them (fetched first where absent); a slice inside one block is a view
@@ -11,12 +12,51 @@ block: one binary search over the shard's blocks and a dict lookup (~1 us).
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from raypipe.io.mapping import map_file, token_view
+from raypipe.io.records import FileEntry
+
+
+@dataclass(frozen=True)
+class BlockFile:
+    """A file of a shard read a block at a time (its tokens; chat data's loss mask beside
+    them): its entry, the byte its entries begin at, the bytes an entry holds, and the
+    `.sums` that checks its ranges (None: their lengths alone)."""
+
+    entry: FileEntry
+    at: int
+    itemsize: int
+    sums: FileEntry | None
+
+    def span(self, first: int, stop: int) -> tuple[int, int]:
+        """The bytes of its entries [first, stop)."""
+        return self.at + first * self.itemsize, self.at + stop * self.itemsize
+
+
+@dataclass
+class HeldBlock:
+    """A block a process holds (pinned in the node cache): its file of each of its
+    shard's block files, their bytes, and their fetches while under way (none: fetched
+    by the reader)."""
+
+    paths: tuple[Path, ...]
+    bytes: int
+    fetches: list[Future] = field(default_factory=list)
+
+    @property
+    def arrived(self) -> bool:
+        return all(fetch.done() for fetch in self.fetches)
+
+    def wait(self) -> None:
+        """Until its fetches end (a failed one raises)."""
+        for fetch in self.fetches:
+            fetch.result()
 
 
 class BlockTokens:

@@ -145,7 +145,7 @@ class ShardRoller:
                 with storage_errors(writer):
                     faults.point("write", self.unit_name, path=writer.directory / writer.name)
                     if loss_mask is not None:
-                        writer.add_loss_mask(loss_mask[base:end])
+                        writer.add_loss_mask(loss_mask[base:end], lengths[first:stop])
                     writer.add(stored[fmt.name][base:end], lengths[first:stop],
                                chunk_metadata)
             self.open_tokens += end - base

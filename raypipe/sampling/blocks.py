@@ -128,7 +128,7 @@ class WindowBudget:
     node_ranks: int = 1
     index_bytes: int = 0
     # the data's shards can be read a block at a time (its format finds a block's bytes
-    # from its index, and it has no loss-mask sidecar); else block_bytes 0 is whole shards
+    # from its index, a loss-mask sidecar has its sums); else block_bytes 0 is whole shards
     ranged: bool = True
     # datasets whose windows share the node cache (a mixture's sources on object storage):
     # each has an equal part of it
@@ -137,6 +137,8 @@ class WindowBudget:
     dataset_bytes: int = 0
     largest_shard_bytes: int = 0
     shards: int = 0  # the dataset's shards (0: unknown, the fewest blocks a window)
+    # bytes a block fetches for each byte it is cut by (chat data: its loss mask's too)
+    fetched_per_cut_byte: float = 1.0
 
     @property
     def holds_dataset(self) -> bool:
@@ -159,9 +161,11 @@ class WindowBudget:
 
     @property
     def window_bytes(self) -> int:
-        """The bytes one window may hold."""
+        """The bytes one window may hold, counted as blocks are cut (what it fetches,
+        over `fetched_per_cut_byte`)."""
         usable = (self.budget_bytes - self.index_bytes) * WINDOW_SHARE
-        return max(int(usable // (self.readers * WINDOWS_HELD)), 0)
+        return max(int(usable // (self.readers * WINDOWS_HELD * self.fetched_per_cut_byte)),
+                   0)
 
     @property
     def hold_bytes(self) -> int:
@@ -173,8 +177,8 @@ class WindowBudget:
 
     def least_budget(self, block_bytes: int) -> int:
         """The least budget whose windows hold one block of `block_bytes`."""
-        return self.index_bytes + int(np.ceil(block_bytes * self.readers * WINDOWS_HELD
-                                              / WINDOW_SHARE))
+        return self.index_bytes + int(np.ceil(block_bytes * self.fetched_per_cut_byte
+                                              * self.readers * WINDOWS_HELD / WINDOW_SHARE))
 
     def block_bytes(self, asked: int) -> int:
         """`asked`, or (0) the automatic size (`_automatic_block_bytes`); a budget whose

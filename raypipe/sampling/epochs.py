@@ -218,7 +218,8 @@ def window_budget(dataset: TokenDataset | BatchDataset,
     ranged = bool(getattr(dataset, "reads_blocks_alone", False))
     shard_bytes = [sum(entry.bytes for entry in shard.files) for shard in dataset.shards]
     return WindowBudget(budget, node_ranks(), index, ranged, sources, sum(shard_bytes),
-                        max(shard_bytes, default=0), len(shard_bytes))
+                        max(shard_bytes, default=0), len(shard_bytes),
+                        float(getattr(dataset, "fetched_per_cut_byte", 1.0)))
 
 
 def node_ranks() -> int:
