@@ -3,6 +3,7 @@ proxy that adds latency and faults to every request.
 
     python bench/bucket_bench.py [--grid quick|full] [--delay-ms 20]
         [--cell SIZE,PER_RANK,SHARE,NODES ...] [--format FORMAT] [--step-ms 5] [--mixture]
+        [--chat]
 
 It starts a moto S3 server on 127.0.0.1 and, in front of it, bench/latency_proxy.py: 20 ms
 a request, 5% of the GETs answered `503 SlowDown`, 1% reset. A cell is a dataset of
@@ -13,7 +14,8 @@ One epoch of bestfit T=2048, 4 rows a rank, each rank a process of its own with 
 step of 5 ms (--step-ms), `shuffle="auto"` (windowed: blocks sized from the budget).
 --mixture makes every cell a mixture of two such datasets on the bucket (weights by
 tokens, the cache shared by both: each source holds its part), served for the steps of
-both datasets' tokens once.
+both datasets' tokens once; --chat makes them chat data (a loss mask sidecar beside the
+tokens, each document's second half trained), and a batch's mask is compared too.
 Per cell it prints:
 - bytes fetched an epoch / the dataset (all nodes), GETs / (blocks + index objects: each
   shard's index files, such as Megatron's .idx and .sums, on every node), the
@@ -57,10 +59,10 @@ from raypipe.dataset import TokenDataset
 from raypipe.formats import document_formats, get_format
 from raypipe.io.manifest import read_manifest
 from raypipe.loader import open_loader
-from raypipe.sampling.blocks import WINDOWS_HELD, WindowBudget, cut_blocks
+from raypipe.sampling.blocks import WHOLE_SHARDS, WINDOWS_HELD, WindowBudget, cut_blocks
 from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation, WindowedPermutation
-from raypipe.sampling.plans import LaneOrder, lane_bounds
+from raypipe.sampling.plans import LaneOrder, lane_bounds, window_blocks_for
 
 SEQ, BATCH, SEED, STEP_S, RESUME_AT = 2048, 4, 7, 0.005, 20
 SHARD_TOKENS = {"small": 75_000, "large": 2_500_000}  # ~0.15 MB and ~5 MB of uint16
@@ -76,7 +78,8 @@ GRIDS = {  # (shard size, shards per rank at 2 ranks, cache share, nodes of 2 ra
 
 
 def digest(batch) -> str:
-    data = batch.inputs.numpy().tobytes() + batch.targets.numpy().tobytes()
+    data = (batch.inputs.numpy().tobytes() + batch.targets.numpy().tobytes()
+            + batch.mask.numpy().tobytes())
     return hashlib.sha256(data).hexdigest()[:16]
 
 
@@ -199,9 +202,6 @@ def quality(lengths: np.ndarray, counts: np.ndarray, knobs: dict, ranks: int,
     doc_lengths = DocumentLengths(counts, lambda s: lengths[counts[:s].sum():
                                                             counts[:s + 1].sum()])
     blocks = cut_blocks(doc_lengths, counts, itemsize, int(knobs["block_bytes"]))
-    lanes = int(knobs.get("lanes", ranks))
-    windowed = WindowedPermutation(blocks.documents, int(knobs["window_blocks"]), SEED)
-    lane_order = LaneOrder(lane_bounds(windowed.window_starts, lanes, lambda starts: starts))
     window_bytes = WindowBudget(budget, ranks, index_bytes).window_bytes
     held_docs = max(1, int(window_bytes * WINDOWS_HELD * ranks / (itemsize * mean_tokens)))
     shard_bytes = counts.mean() * mean_tokens * itemsize
@@ -212,8 +212,13 @@ def quality(lengths: np.ndarray, counts: np.ndarray, knobs: dict, ranks: int,
             np.add.reduceat(counts, np.arange(0, counts.size, group)), SEED)(every),
         f"py1e (block {held_docs:,} samples)": get_shuffle_py1e(
             counts.astype(np.int64), 1, SEED, 0, held_docs),
-        f"raypipe windowed ({len(blocks):,} blocks)": windowed(lane_order(every)),
     }
+    if knobs["shuffle"] == "windowed":
+        lanes = int(knobs.get("lanes", ranks))
+        windowed = WindowedPermutation(blocks.documents, window_blocks_for(
+            len(blocks), int(knobs["window_blocks"]), lanes), SEED)
+        lane_order = LaneOrder(lane_bounds(windowed.window_starts, lanes, lambda starts: starts))
+        orders[f"raypipe windowed ({len(blocks):,} blocks)"] = windowed(lane_order(every))
     return [quality_row(name, order, shard_of, ranks, per_rank_step, uniform)
             for name, order in orders.items()]
 
@@ -261,7 +266,7 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
     first dataset, a mixture's too)."""
     fmt = args.format
     locals_ = {name: synthetic_token_dataset(workdir, int(per_rank * 2 * SHARD_TOKENS[size]),
-                                             seed, SHARD_TOKENS[size], fmt)
+                                             seed, SHARD_TOKENS[size], fmt, args.chat)
                for name, seed in (("a", 3), ("b", 4))[:2 if args.mixture else 1]}
     uris = {name: f"s3://raypipe-bench/{local.name}" for name, local in locals_.items()}
     dataset = sum(upload(locals_[name], uri) for name, uri in uris.items())
@@ -291,16 +296,13 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
                                     save_at=RESUME_AT)]
         run = run_ranks(orders, proxy.url)
         gets = sum(proxy.gets.values())
-        knobs = {name: run[0]["knobs"][name] for name in ("block_bytes", "window_blocks",
-                                                          "lanes")}
-        reference, _ = local_steps(local_path, ranks, {"shuffle": "windowed", "format": fmt,
-                                                       **knobs}, steps)
+        knobs = resolved_layout(run[0]["knobs"])
+        reference, _ = local_steps(local_path, ranks, {"format": fmt, **knobs}, steps)
         same = served(run) == reference
         resumed = "-"
         state = run[0]["state"]
         if nodes == 1 and state is not None:
-            expected, _ = local_steps(local_path, 3, {"shuffle": "windowed", "format": fmt,
-                                                      **knobs}, steps, state)
+            expected, _ = local_steps(local_path, 3, {"format": fmt, **knobs}, steps, state)
             three = run_ranks(node(range(3), 3, "cache-three", state), proxy.url)
             resumed = str(served(three) == expected)
     finally:
@@ -313,7 +315,7 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
     read_ahead = min((sizing["read_ahead_ms"] for sizing in sized), default=0)
     row = [f"{size} {dataset / len(shards) / len(locals_) / 1e6:.2f} MB", f"{per_rank:g}",
            f"{share:.0%}", f"{nodes}x2", f"{len(shards) * len(locals_)}",
-           f"{int(knobs['block_bytes']) / 1e3:,.0f} KB x {knobs['window_blocks']}",
+           layout_text(knobs),
            f"{sum(r['fetched'] for r in run) / dataset:.2f}",
            f"{gets / (sum(blocks) + sum(index_objects) * nodes):.2f}",
            f"{worst['data_wait_p99_ms']:.0f}", f"{worst['data_wait_max_ms']:.0f}",
@@ -323,9 +325,28 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
     return row, first_quality(local, fmt, shards, knobs, ranks, budget // len(locals_))
 
 
+def resolved_layout(knobs: dict) -> dict:
+    """The shuffle and layout a run resolved, from its state's knobs (a state leaves out
+    whole shards)."""
+    layout = {"shuffle": knobs["shuffle"], "block_bytes": WHOLE_SHARDS, "window_blocks": 0}
+    layout.update({name: knobs[name] for name in ("block_bytes", "window_blocks", "lanes",
+                                                  "group_shards") if name in knobs})
+    return layout
+
+
+def layout_text(knobs: dict) -> str:
+    """`block x window` (a windowed shuffle), else the shuffle and its group."""
+    if knobs["shuffle"] != "windowed":
+        return f"{knobs['shuffle']} {knobs.get('group_shards', '')}".strip()
+    block = int(knobs["block_bytes"])
+    size = "shards" if block >= WHOLE_SHARDS else f"{block / 1e3:,.0f} KB"
+    return f"{size} x {knobs['window_blocks'] or 'auto'}"
+
+
 def blocks_and_index_objects(local: Path, fmt: str, block_bytes: int) -> tuple[int, int]:
-    """A dataset's blocks of `block_bytes`, and the objects every node reads whole at
-    open: each shard's index files (Megatron: its .idx and its .sums)."""
+    """A dataset's block reads of `block_bytes` (a block a file it is read from: chat
+    data's mask too), and the objects every node reads whole at open: each shard's index
+    files (Megatron: its .idx and its .sums)."""
     opened = TokenDataset(local, fmt)
     shards, lengths = opened.shards, opened.document_lengths()
     counts = np.array([shard.documents for shard in shards], dtype=np.int64)
@@ -335,7 +356,8 @@ def blocks_and_index_objects(local: Path, fmt: str, block_bytes: int) -> tuple[i
     blocks = cut_blocks(DocumentLengths(counts, lambda s: lengths[
         counts[:s].sum():counts[:s + 1].sum()]), counts,
         opened.block_itemsize, int(block_bytes))
-    return len(blocks), index_objects
+    files = 2 if opened.has_loss_mask and opened.reads_blocks_alone else 1
+    return len(blocks) * files, index_objects
 
 
 def first_quality(local: Path, fmt: str, shards: list, knobs: dict, ranks: int,
@@ -364,7 +386,8 @@ def parsed_cell(text: str) -> tuple[str, float, float, int]:
 
 
 def bench(args: argparse.Namespace, workdir: Path) -> None:
-    print(f"{args.format} shards; proxy {args.delay_ms:.0f} ms a request, "
+    chat = " of chat data" if args.chat else ""
+    print(f"{args.format} shards{chat}; proxy {args.delay_ms:.0f} ms a request, "
           f"{args.slow_down:.0%} 503 SlowDown, "
           f"{args.resets:.0%} resets; one epoch, bestfit T={SEQ}, {BATCH} rows a rank, "
           f"consumer step {args.step_ms:g} ms; "
@@ -409,6 +432,8 @@ def main() -> None:
                         "NODES (e.g. small,200,0.1,1); repeatable")
     parser.add_argument("--mixture", action="store_true",
                         help="every cell a mixture of two datasets on the bucket")
+    parser.add_argument("--chat", action="store_true",
+                        help="chat data: the shards carry a loss mask sidecar")
     parser.add_argument("--format", default="megatron",
                         choices=document_formats(),
                         help="the document format of the cells' shards")

@@ -146,23 +146,26 @@ def print_table(rows: list[tuple[str, ...]]) -> None:
 
 
 def write_synthetic_dataset(output: Path, format_name: str, batches, fingerprint: str,
-                            shard_tokens: int = 1 << 28, largest_id: int = 32767) -> Path:
+                            shard_tokens: int = 1 << 28, largest_id: int = 32767,
+                            chat: bool = False) -> Path:
     """A raypipe dataset of `format_name` from `batches` of (uint32 tokens, lengths,
-    metadata or None), written through raypipe's own shard writers and manifest builder.
-    The tokenizer is a stand-in: ids up to `largest_id`, BOS 0."""
+    metadata or None[, loss mask: chat data]), written through raypipe's own shard writers
+    and manifest builder. The tokenizer is a stand-in: ids up to `largest_id`, BOS 0 (with
+    `chat`, a stand-in chat template: the manifest says the data carries a loss mask)."""
     from raypipe.formats import get_format
     from raypipe.io.manifest import write_manifest
     from raypipe.io.records import FormatSection, Manifest, TokenizerInfo
     from raypipe.preprocess.shards import ShardRoller, ShardSpec
 
-    info = TokenizerInfo("synthetic", "0" * 64, largest_id, 0, None)
+    info = TokenizerInfo("synthetic", "0" * 64, largest_id, 0, None,
+                         chat_template_sha256="1" * 64 if chat else None)
     fmt = get_format(format_name)
     options = fmt.options()
     spec = ShardSpec(str(output), (format_name,), shard_tokens, info.largest_id, info.bos_id,
                      {format_name: options})
     roller = ShardRoller(spec, "synthetic")
-    for tokens, lengths, metadata in batches:
-        roller.add(tokens, lengths, metadata)
+    for tokens, lengths, metadata, *loss_mask in batches:
+        roller.add(tokens, lengths, metadata, *loss_mask)
     entries = tuple(shard.entry(format_name) for shard in roller.finish())
     section = FormatSection(fmt.token_dtype(info.largest_id).name, entries, options.to_json())
     write_manifest(output, Manifest.build(fingerprint, info, {format_name: section}, {}))
@@ -170,17 +173,20 @@ def write_synthetic_dataset(output: Path, format_name: str, batches, fingerprint
 
 
 def synthetic_token_dataset(directory: Path, total_tokens: int, seed: int = 0,
-                            shard_tokens: int = 1 << 28, format_name: str = "megatron") -> Path:
+                            shard_tokens: int = 1 << 28, format_name: str = "megatron",
+                            chat: bool = False) -> Path:
     """A raypipe dataset (Megatron, or `format_name`) of about `total_tokens` random uint16
     tokens (BOS = 0 at every document start, lognormal document lengths with median ~400),
-    in shards of `shard_tokens`; built once and cached in `directory`."""
+    in shards of `shard_tokens`; with `chat`, a loss mask trains each document's second
+    half (an assistant's reply); built once and cached in `directory`."""
     import numpy as np
 
     count = (f"{total_tokens // 1_000_000}M" if total_tokens % 1_000_000 == 0
              else str(total_tokens))
     output = directory / (f"tokens-{count}-seed{seed}"
                           + ("" if shard_tokens == 1 << 28 else f"-shards{shard_tokens}")
-                          + ("" if format_name == "megatron" else f"-{format_name}"))
+                          + ("" if format_name == "megatron" else f"-{format_name}")
+                          + ("-chat" if chat else ""))
     if (output / "manifest.json").exists():
         return output
 
@@ -192,11 +198,16 @@ def synthetic_token_dataset(directory: Path, total_tokens: int, seed: int = 0,
             lengths = lengths[np.cumsum(lengths) - lengths < total_tokens - written]
             tokens = rng.integers(1, 32768, int(lengths.sum()), dtype=np.uint32)
             tokens[np.cumsum(lengths) - lengths] = 0
-            yield tokens, lengths, None
+            if chat:  # each document's second half trained
+                at = np.arange(tokens.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+                yield tokens, lengths, None, (2 * at >= np.repeat(lengths, lengths)).astype(
+                    np.uint8)
+            else:
+                yield tokens, lengths, None
             written += tokens.size
 
     return write_synthetic_dataset(output, format_name, batches(), f"synthetic-{seed}",
-                                   shard_tokens)
+                                   shard_tokens, chat=chat)
 
 
 def anon_rss_mib() -> float:
