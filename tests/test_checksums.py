@@ -72,6 +72,32 @@ def test_a_block_of_a_multiple_of_the_unit_is_a_run_of_whole_units_and_checks(
         assert "differ from what the job wrote" in sums.problem(bytes(altered), low)
 
 
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 120), min_size=1, max_size=40),
+       itemsize=st.sampled_from([2, 4, 8]), multiple=st.integers(1, 5))
+def test_a_block_cut_by_token_bytes_is_a_run_of_whole_loss_mask_units_and_checks(
+        lengths, itemsize, multiple, tmp_path_factory):
+    """A loss mask's sums in units of UNIT / itemsize bytes (a byte a token, written as
+    the job does) put their bounds where the token file's do, so a block of whole token
+    units is one of whole mask units: its mask bytes check, and an altered one is found."""
+    tokens = np.asarray(lengths, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+    mask = np.random.default_rng(len(lengths)).integers(0, 2, int(starts[-1]), dtype=np.uint8)
+    writer = ChecksumWriter(UNIT // itemsize)
+    writer.add(mask, tokens)
+    path = tmp_path_factory.mktemp("mask") / "s.mask.sums"
+    path.write_bytes(writer.encoded())
+    sums = StreamChecksums(path, starts, "shard.mask")
+    assert (unit_bounds(starts * itemsize, UNIT) == sums.bounds * itemsize).all()
+    blocks = cut_blocks(tokens, np.asarray([len(lengths)]), itemsize, UNIT * multiple)
+    for first, stop in zip(blocks.starts[:-1], blocks.starts[1:], strict=True):
+        low, high = int(starts[first]), int(starts[stop])
+        assert sums.problem(mask[low:high].tobytes(), low) is None
+        altered = mask[low:high].copy()
+        altered[len(altered) // 2] ^= 1
+        assert "differ from what the job wrote" in sums.problem(altered.tobytes(), low)
+
+
 def test_checked_tokens_refuse_a_read_of_an_altered_unit_and_serve_the_others(tmp_path):
     sizes = [100] * 20
     data, starts, path = written(sizes, [20], tmp_path)
