@@ -162,11 +162,12 @@ def without_sidecar(output: Path, fmt: str, suffix: str) -> Path:
     section = manifest.formats[fmt]
     shards = []
     for shard in section.shards:
-        for entry in shard.files:
-            if entry.path.endswith(suffix):
-                (Path(output) / entry.path).unlink()
+        gone = [entry for entry in shard.files  # `.sums`, not `.mask.sums`
+                if entry.path.rpartition("/")[2] == shard.name + suffix]
+        for entry in gone:
+            (Path(output) / entry.path).unlink()
         shards.append(replace(shard, files=tuple(entry for entry in shard.files
-                                                 if not entry.path.endswith(suffix))))
+                                                 if entry not in gone)))
     formats = {**manifest.formats, fmt: replace(section, shards=tuple(shards))}
     write_manifest(output, replace(manifest, formats=formats))
     return output

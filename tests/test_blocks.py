@@ -93,6 +93,26 @@ def test_a_window_holds_the_budget_share_of_the_nodes_ranks():
     assert budget.node_ranks * 2 * budget.window_blocks(block) * block + (2 << 20) <= 64 << 20
 
 
+def test_windows_of_blocks_that_fetch_more_than_they_are_cut_by_hold_what_they_fetch():
+    """Chat data's blocks are cut by the tokens' bytes and fetch the mask's too (1.5x for
+    uint16): the windows of the node's ranks hold what they fetch within the budget's
+    share, and the least budget named for a block is the least that holds it."""
+    from dataclasses import replace
+
+    plain = WindowBudget(64 << 20, node_ranks=4, index_bytes=2 << 20)
+    chat = replace(plain, fetched_per_cut_byte=1.5)
+    assert chat.window_bytes == int(plain.window_bytes // 1.5)
+    block = chat.block_bytes(0)
+    fetched = chat.node_ranks * 2 * chat.window_blocks(block) * block * 1.5
+    windows_share = ((64 << 20) - (2 << 20)) / 2  # half of what the index files leave
+    assert 15 / 16 * windows_share <= fetched <= windows_share
+    least = chat.least_budget(256 << 10)
+    assert least > plain.least_budget(256 << 10)
+    replace(chat, budget_bytes=least).block_bytes(256 << 10)  # enough
+    with pytest.raises(ConfigError):
+        replace(chat, budget_bytes=least - 1).block_bytes(256 << 10)
+
+
 def test_a_budget_below_one_block_a_rank_is_refused_in_one_line_naming_the_least_budget():
     small = WindowBudget(1 << 20, node_ranks=8, index_bytes=1000)
     with pytest.raises(ConfigError) as refused:

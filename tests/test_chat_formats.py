@@ -307,3 +307,27 @@ def test_a_loss_mask_byte_changed_in_place_is_refused_before_an_altered_mask_is_
     assert refused is not None and str(victim) in str(refused) and "\n" not in str(refused)
     assert "differ from what the job wrote" in str(refused)
     assert batches == clean[:len(batches)] and len(batches) < len(clean)
+
+
+def test_chat_data_is_read_in_blocks_only_where_its_mask_carries_sums(every_mask_format,
+                                                                       tmp_path):
+    """A chat output of this release (`.mask.sums` beside `.mask`) resolves block_bytes 0
+    to blocks; one written before (no `.mask.sums`) to whole shards, locally as on a
+    bucket, and still serves its mask."""
+    import shutil
+
+    from raypipe.sampling.blocks import WHOLE_SHARDS
+    from tests.helpers import without_sidecar
+
+    def opened(root):
+        return TokenLoader(str(root), 32, 4, shuffle="windowed", format="megatron",
+                           device="cpu")
+
+    assert opened(every_mask_format).spec.block_bytes < WHOLE_SHARDS
+    older = without_sidecar(shutil.copytree(every_mask_format, tmp_path / "older"),
+                            "megatron", ".mask.sums")
+    assert not list((older / "megatron").glob("*.mask.sums"))
+    assert list((older / "megatron").glob("*.sums"))  # the tokens' own are kept
+    loader = opened(older)
+    assert loader.spec.block_bytes == WHOLE_SHARDS
+    assert any(batch.mask.numpy().any() for batch in loader)
