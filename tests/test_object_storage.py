@@ -1174,3 +1174,36 @@ def test_a_loss_mask_changed_on_the_bucket_is_refused_before_an_altered_mask_is_
     loader.close()
     assert store.uri_of(victim) in str(refused.value) and "\n" not in str(refused.value)
     assert served == clean[:len(served)] and len(served) < len(clean)
+
+
+def test_batches_from_a_bucket_under_auto_read_shard_local_groups_fetching_each_shard_once(
+        bucket, rich_dataset, tmp_path, figure):
+    """Pre-formed batches (LLMBATCH) from a bucket whose node cache holds a quarter of
+    them: `auto` serves shard-local groups of the shuffled blocks (the global block shuffle
+    fetched a shard again for each of its blocks), so each shard comes once an epoch, every
+    batch is served once, and a local run given the same shuffle and group serves the same
+    batches."""
+    from raypipe.dataset import BatchDataset
+
+    uri = f"s3://{bucket}/rich"
+    upload_tree(rich_dataset, uri)
+    batches = BatchDataset(rich_dataset)
+    size = sum(entry.bytes for shard in batches.shards for entry in shard.files)
+    knobs = {"mode": "batches", "block_batches": 4, "seed": 3}
+    fetched = {}
+    for shuffle in ("global", "auto"):
+        loader = TokenLoader(uri, cache_dir=tmp_path / shuffle, cache_bytes=size // 4,
+                             shuffle=shuffle, **knobs)
+        served = [batch.inputs.numpy().tobytes() for batch in loader]
+        fetched[shuffle] = loader.cache_stats.downloaded_bytes
+        loader.close()
+    assert batches.num_shards >= 4 and loader.spec.shuffle == "shard_local"
+    assert len(served) == batches.num_batches
+    assert fetched["auto"] == size, "a shard was fetched twice in one epoch"
+    assert fetched["global"] > size
+    figure("batches from a bucket, bytes an epoch / dataset",
+           f"global {fetched['global'] / size:.2f}x, auto (shard-local) "
+           f"{fetched['auto'] / size:.2f}x (a cache of a quarter, {batches.num_shards} shards)")
+    local = TokenLoader(rich_dataset, shuffle="shard_local",
+                        group_shards=loader.spec.group_shards, **knobs)
+    assert [batch.inputs.numpy().tobytes() for batch in local] == served

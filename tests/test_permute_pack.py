@@ -356,6 +356,32 @@ def test_grouped_permutation_is_an_invertible_bijection_that_visits_one_group_at
     assert np.array_equal(permutation.inverse(ids), np.arange(total))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 9),
+       st.integers(0, 2**32), st.integers(0, 3))
+def test_grouped_batch_blocks_are_a_bijection_one_group_at_a_time_blocks_in_file_order(
+        sizes, block, seed, epoch):
+    """Batches served a group of shards at a time: every batch once, a group never left
+    and re-entered, a block's batches consecutive and in file order, a group's partial
+    block after its full ones."""
+    from raypipe.sampling.modes.batches import GroupedBlocks
+
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    total = int(starts[-1])
+    ids = GroupedBlocks(starts, block, seed, epoch)(np.arange(total, dtype=np.int64))
+    assert sorted(ids.tolist()) == list(range(total))
+    groups = np.searchsorted(starts, ids, side="right") - 1
+    changes = int(np.count_nonzero(np.diff(groups))) if total else 0
+    assert changes <= max(0, np.count_nonzero(sizes) - 1), "a group was left and re-entered"
+    for group in np.unique(groups).tolist():
+        served = ids[groups == group] - starts[group]  # the group's batches, as served
+        full = sizes[group] // block * block
+        assert served[full:].tolist() == list(range(full, sizes[group]))  # partial: last
+        for first in range(0, full, block):
+            run = served[first:first + block]
+            assert run[0] % block == 0 and run.tolist() == list(range(run[0], run[0] + block))
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=30), st.integers(1, 8),
        st.integers(0, 2**63), st.integers(0, 5), st.integers(0, 5))

@@ -20,6 +20,8 @@ MODES = {name: {"mode": name} for name in mode_names()} | {
     "bestfit-split": {"mode": "bestfit", "packing": "split"},
     "bestfit-crop": {"mode": "bestfit", "packing": "crop"},
     "batches-blocks-of-4": {"mode": "batches", "block_batches": 4},
+    "batches-shard-local": {"mode": "batches", "shuffle": "shard_local", "group_shards": 2,
+                            "block_batches": 4},
     "windows-shard-local": {"mode": "windows", "shuffle": "shard_local", "group_shards": 2},
     "bestfit-shard-local": {"mode": "bestfit", "shuffle": "shard_local", "group_shards": 2},
     "documents-shard-local": {"mode": "documents", "shuffle": "shard_local",

@@ -99,9 +99,7 @@ class EpochPlans:
         (None: all; None for a global shuffle)."""
         spec = self.spec
         if spec.shuffle == "shard_local":
-            return ShardGroups.of(self.dataset.shard_token_counts[:shards],
-                                  self.dataset.shard_document_counts[:shards],
-                                  spec.group_shards)
+            return spec.loader_mode.shard_groups(self.dataset, spec.group_shards, shards)
         if spec.shuffle != "windowed":
             return None
         blocks = self.blocks()

@@ -524,6 +524,13 @@ class LoaderMode(ABC):
         """Observations one rank takes per step: its rows."""
         return batch_size
 
+    def shard_groups(self, dataset: Any, group_shards: int,
+                     shards: int | None = None) -> ShardGroups:
+        """The shard-local shuffle's groups of `group_shards` consecutive shards of the
+        first `shards` (None: all), counted in its observations' units: documents."""
+        return ShardGroups.of(dataset.shard_token_counts[:shards],
+                              dataset.shard_document_counts[:shards], group_shards)
+
     def rows_from(self, dataset: Any, spec: Any) -> tuple[DocumentSplit | None, Any]:
         """(the split its plans number, None: every document; what its filler reads rows
         from: a TokenSource over those documents, a split's stream for modes that read

@@ -4,12 +4,16 @@ the record plans that made them (its former name still selects it: raypipe.sampl
 Invariant: the loader serves whole batches in a block shuffle (as ZeroBatch's loader does):
 blocks of `block_batches` consecutive batches are visited in a Feistel order per epoch,
 batches inside a block in file order (sequential reads); a partial last block stays last;
-one rank takes one batch per step. Masks and sequences come from the file's `.pieces`
-sidecar (raypipe.formats.llmbatch), never from a token scan (older files: a
-BOS/EOS scan). The records themselves are the rows of an epoch-0 plan over the dataset's
-documents (`record_plan`: the one definition of what each LLMBATCH packing is, shared by
-the packer and `raypipe trace`), record r of the output being plan position r. Cost: one
-memmap slice per batch (+ B lengths and its pieces); O(1) memory.
+one rank takes one batch per step. Under the shard-local shuffle (`auto` on a bucket whose
+node cache holds less than the dataset) the blocks are shuffled within groups of
+consecutive shards, one group after another (`GroupedBlocks`), so a node fetches each
+shard once an epoch; a batch's rows were drawn from the whole corpus when it was packed.
+Masks and sequences come from the file's `.pieces` sidecar (raypipe.formats.llmbatch),
+never from a token scan (older files: a BOS/EOS scan). The records themselves are the
+rows of an epoch-0 plan over the dataset's documents (`record_plan`: the one definition of
+what each LLMBATCH packing is, shared by the packer and `raypipe trace`), record r of the
+output being plan position r. Cost: one memmap slice per batch (+ B lengths and its
+pieces); O(1) memory.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from raypipe.sampling.modes.base import (
 )
 from raypipe.sampling.pack import RowPieces
 from raypipe.sampling.permute import FeistelPermutation
-from raypipe.sampling.plans import PackingReport
+from raypipe.sampling.plans import PackingReport, ShardGroups
 
 # an LLMBATCH packing -> (the loader mode whose epoch-0 plan makes its records, that mode's
 # packing)
@@ -72,19 +76,27 @@ def record_plan(dataset: TokenDataset, packing: str, record_len: int, seed: int,
 
 
 class BatchesPlan:
-    """Whole pre-formed batches in a block shuffle (see the module)."""
+    """Whole pre-formed batches in a block shuffle (see the module); under a shard-local
+    shuffle (`groups`: batches where each group of shards starts), one group after another
+    in a Feistel order, each group's blocks shuffled among themselves."""
 
     def __init__(self, num_batches: int, batch_size: int, record_len: int, seed: int,
                  epoch: int, block_batches: int = 64,
-                 batch_tokens: Callable[[int], int] | None = None):
+                 batch_tokens: Callable[[int], int] | None = None,
+                 groups: np.ndarray | None = None):
         self.size = num_batches
         self.batch_tokens = batch_tokens  # a batch's real tokens (padding aside), by id
         self.batch_size, self.record_len = batch_size, record_len
         self.block_batches = block_batches
+        self.seed, self.epoch = seed, epoch
         self.full_blocks = num_batches // block_batches
         self.block_order = FeistelPermutation(self.full_blocks, seed, epoch, salt=4)
+        self.groups = None if groups is None else GroupedBlocks(
+            np.asarray(groups, dtype=np.int64), block_batches, seed, epoch)
 
     def batches(self, positions: np.ndarray) -> np.ndarray:
+        if self.groups is not None:
+            return self.groups(np.asarray(positions, dtype=np.int64))
         blocks, offsets = np.divmod(positions, self.block_batches)
         result = positions.copy()
         inside = blocks < self.full_blocks
@@ -102,6 +114,51 @@ class BatchesPlan:
     def report(self) -> PackingReport:
         tokens = self.size * self.batch_size * self.record_len
         return PackingReport(self.size * self.batch_size, tokens, 0, 0, 0, tokens)
+
+
+class GroupedBlocks:
+    """Batches [starts[g], starts[g + 1]) are group g: groups are visited in a Feistel order
+    per epoch, and a group's blocks of `block_batches` consecutive batches in a Feistel
+    order of their own, its partial last block last, batches inside a block in file order.
+    Consecutive positions stay in one group (its shards) until it is exhausted. Memory
+    O(groups); a call costs one Feistel call per group it touches."""
+
+    GROUP_SALT, BLOCK_SALT = 5, 6
+
+    def __init__(self, starts: np.ndarray, block_batches: int, seed: int, epoch: int):
+        self.starts, self.block_batches = starts, block_batches
+        self.seed, self.epoch = seed, epoch
+        sizes = np.diff(starts)
+        self.order = FeistelPermutation(len(sizes), seed, epoch, self.GROUP_SALT)(
+            np.arange(len(sizes), dtype=np.int64))
+        self.visit_starts = np.concatenate([[0], np.cumsum(sizes[self.order])]).astype(np.int64)
+        self._inner: dict[int, FeistelPermutation] = {}
+
+    def _blocks_of(self, group: int) -> FeistelPermutation:
+        """The Feistel order of group `group`'s full blocks (the latest 64 kept)."""
+        inner = self._inner.get(group)
+        if inner is None:
+            if len(self._inner) >= 64:
+                self._inner.pop(next(iter(self._inner)))
+            full = int(self.starts[group + 1] - self.starts[group]) // self.block_batches
+            inner = self._inner[group] = FeistelPermutation(
+                full, self.seed, self.epoch, self.BLOCK_SALT * 7919 + group)
+        return inner
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        slots = np.searchsorted(self.visit_starts, positions, side="right") - 1
+        groups = self.order[slots]
+        local = positions - self.visit_starts[slots]
+        out = np.empty_like(positions)
+        for group in np.unique(groups).tolist():
+            chosen = groups == group
+            blocks, offsets = np.divmod(local[chosen], self.block_batches)
+            inner = self._blocks_of(group)
+            inside = blocks < len(inner)
+            within = local[chosen].copy()
+            within[inside] = inner(blocks[inside]) * self.block_batches + offsets[inside]
+            out[chosen] = self.starts[group] + within
+        return out
 
 
 class BatchesFiller(BatchFiller[int]):
@@ -209,7 +266,6 @@ class BatchesMode(LoaderMode):
     balances = False
     mixes = False  # a batch's rows are fixed: a mixture cannot split a step between sources
     splits = ("all",)
-    shard_local = False
     windowed = False
     Knobs = BatchesKnobs
 
@@ -235,6 +291,13 @@ class BatchesMode(LoaderMode):
     def observations_per_step(self, batch_size: int) -> int:
         return 1  # one pre-formed batch
 
+    def shard_groups(self, dataset: Any, group_shards: int,
+                     shards: int | None = None) -> ShardGroups:
+        """Groups of `group_shards` consecutive shards, counted in batches."""
+        batches = np.array([shard.batches for shard in dataset.shards[:shards]], np.int64)
+        return ShardGroups.of(batches * dataset.batch_size * dataset.record_len, batches,
+                              group_shards)
+
     def rows_from(self, dataset: Any, spec: Any) -> tuple[None, Any]:
         return None, dataset  # the batches themselves; no split
 
@@ -243,9 +306,10 @@ class BatchesMode(LoaderMode):
 
     def plan(self, spec: Any, inputs: PlanInputs, epoch: int) -> BatchesPlan:
         dataset = inputs.dataset
+        groups = inputs.groups.documents if isinstance(inputs.groups, ShardGroups) else None
         return BatchesPlan(dataset.num_batches, inputs.batch_size, spec.seq_len + 1,
-                             spec.seed, epoch, spec.knobs.block_batches,
-                             lambda index: int((~dataset.padding(index)).sum()))
+                           spec.seed, epoch, spec.knobs.block_batches,
+                           lambda index: int((~dataset.padding(index)).sum()), groups)
 
     def filler(self, source: Any, plan: Any, seq_len: int, pad_id: int = 0,
                boundaries: bool = True) -> BatchesFiller:
