@@ -198,6 +198,7 @@ class ShardSet:
         # ranged shards' block files' checksums, by (shard, file) (the latest kept)
         self._sums_kept: dict[tuple[int, str], StreamChecksums] = {}
         self._ranged: dict[int, bool] = {}  # shard -> read a block at a time (`ranged`)
+        self._block_files_of: dict[int, tuple[BlockFile, ...]] = {}  # (`_block_files`)
         self.closes = 0  # shards closed so far: holders of shard arrays drop theirs on change
         self._pinned: dict[int, list[Path]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -417,9 +418,10 @@ class ShardSet:
                   for shard in ranged for file in self._block_files(shard)}  # no state shared
         for shard, run in runs:
             files = self._block_files(shard)
+            spans = [self._block_spans(unit, files) for unit, _ in run]
             for number, file in enumerate(files):
-                spans = [self._block_spans(unit, files)[number] for unit, _ in run]
-                fetch = self._pool_submit(self._fetch_ranges, file, spans,
+                fetch = self._pool_submit(self._fetch_ranges, file,
+                                          [of_unit[number] for of_unit in spans],
                                           checks[(shard, file.entry.path)])
                 for unit, _ in run:
                     self._held_blocks[unit].fetches.append(fetch)
@@ -450,14 +452,17 @@ class ShardSet:
 
     def _block_files(self, shard: int) -> tuple[BlockFile, ...]:
         """The files a ranged shard is read from a block at a time: its token file, and
-        (chat data) its loss mask sidecar."""
-        entry = self.shards[shard]
-        files = [BlockFile(entry.files[0], int(self.format.tokens_at),
-                           self.token_entry.itemsize, self._sums_entry(shard))]
-        mask = shard_file(entry, MASK_SIDECAR)
-        if mask is not None:
-            files.append(BlockFile(mask, 0, 1, shard_file(entry, MASK_SUMS_SIDECAR)))
-        return tuple(files)
+        (chat data) its loss mask sidecar (found once a shard)."""
+        files = self._block_files_of.get(shard)
+        if files is None:
+            entry = self.shards[shard]
+            files = (BlockFile(entry.files[0], int(self.format.tokens_at),
+                               self.token_entry.itemsize, self._sums_entry(shard)),)
+            mask = shard_file(entry, MASK_SIDECAR)
+            if mask is not None:
+                files += (BlockFile(mask, 0, 1, shard_file(entry, MASK_SUMS_SIDECAR)),)
+            self._block_files_of[shard] = files
+        return files
 
     def _range_check(self, shard: int, file: BlockFile) -> RangeCheck | None:
         """What checks a fetched byte range of one of the shard's block files (None: its
