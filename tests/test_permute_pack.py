@@ -368,8 +368,10 @@ def test_grouped_batch_blocks_are_a_bijection_one_group_at_a_time_blocks_in_file
 
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     total = int(starts[-1])
-    ids = GroupedBlocks(starts, block, seed, epoch)(np.arange(total, dtype=np.int64))
+    order = GroupedBlocks(starts, block, seed, epoch)
+    ids = order(np.arange(total, dtype=np.int64))
     assert sorted(ids.tolist()) == list(range(total))
+    assert np.array_equal(order.inverse(ids), np.arange(total))
     groups = np.searchsorted(starts, ids, side="right") - 1
     changes = int(np.count_nonzero(np.diff(groups))) if total else 0
     assert changes <= max(0, np.count_nonzero(sizes) - 1), "a group was left and re-entered"

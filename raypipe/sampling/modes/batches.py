@@ -48,7 +48,7 @@ from raypipe.sampling.modes.base import (
     register,
 )
 from raypipe.sampling.pack import RowPieces
-from raypipe.sampling.permute import FeistelPermutation
+from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation
 from raypipe.sampling.plans import PackingReport, ShardGroups
 
 # an LLMBATCH packing -> (the loader mode whose epoch-0 plan makes its records, that mode's
@@ -116,49 +116,50 @@ class BatchesPlan:
         return PackingReport(self.size * self.batch_size, tokens, 0, 0, 0, tokens)
 
 
-class GroupedBlocks:
+class BlocksInOrder:
+    """Batches [0, size) of one group in blocks of `block_batches`: the full blocks in a
+    Feistel order, the partial last block last, batches inside a block in file order; a
+    bijection with its inverse."""
+
+    def __init__(self, size: int, block_batches: int, seed: int, epoch: int, salt: int):
+        self.block_batches = block_batches
+        self.blocks = FeistelPermutation(size // block_batches, seed, epoch, salt)
+
+    def _map(self, values: np.ndarray, step: Callable[[np.ndarray], np.ndarray]
+             ) -> np.ndarray:
+        blocks, offsets = np.divmod(values, self.block_batches)
+        inside = blocks < len(self.blocks)
+        out = values.copy()
+        out[inside] = step(blocks[inside]) * self.block_batches + offsets[inside]
+        return out
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        return self._map(positions, self.blocks)
+
+    def inverse(self, batches: np.ndarray) -> np.ndarray:
+        return self._map(batches, self.blocks.inverse)
+
+
+class GroupedBlocks(GroupedPermutation):
     """Batches [starts[g], starts[g + 1]) are group g: groups are visited in a Feistel order
-    per epoch, and a group's blocks of `block_batches` consecutive batches in a Feistel
-    order of their own, its partial last block last, batches inside a block in file order.
-    Consecutive positions stay in one group (its shards) until it is exhausted. Memory
-    O(groups); a call costs one Feistel call per group it touches."""
+    per epoch, and each group's batches in `BlocksInOrder`. Consecutive positions stay in
+    one group (its shards) until it is exhausted. Memory O(groups); a call costs one
+    Feistel call per group it touches."""
 
     GROUP_SALT, BLOCK_SALT = 5, 6
 
     def __init__(self, starts: np.ndarray, block_batches: int, seed: int, epoch: int):
-        self.starts, self.block_batches = starts, block_batches
-        self.seed, self.epoch = seed, epoch
-        sizes = np.diff(starts)
-        self.order = FeistelPermutation(len(sizes), seed, epoch, self.GROUP_SALT)(
-            np.arange(len(sizes), dtype=np.int64))
-        self.visit_starts = np.concatenate([[0], np.cumsum(sizes[self.order])]).astype(np.int64)
-        self._inner: dict[int, FeistelPermutation] = {}
+        self.block_batches = block_batches
+        super().__init__(np.diff(starts), seed, epoch, self.GROUP_SALT)
 
-    def _blocks_of(self, group: int) -> FeistelPermutation:
-        """The Feistel order of group `group`'s full blocks (the latest 64 kept)."""
-        inner = self._inner.get(group)
-        if inner is None:
-            if len(self._inner) >= 64:
-                self._inner.pop(next(iter(self._inner)))
-            full = int(self.starts[group + 1] - self.starts[group]) // self.block_batches
-            inner = self._inner[group] = FeistelPermutation(
-                full, self.seed, self.epoch, self.BLOCK_SALT * 7919 + group)
-        return inner
-
-    def __call__(self, positions: np.ndarray) -> np.ndarray:
-        slots = np.searchsorted(self.visit_starts, positions, side="right") - 1
-        groups = self.order[slots]
-        local = positions - self.visit_starts[slots]
-        out = np.empty_like(positions)
-        for group in np.unique(groups).tolist():
-            chosen = groups == group
-            blocks, offsets = np.divmod(local[chosen], self.block_batches)
-            inner = self._blocks_of(group)
-            inside = blocks < len(inner)
-            within = local[chosen].copy()
-            within[inside] = inner(blocks[inside]) * self.block_batches + offsets[inside]
-            out[chosen] = self.starts[group] + within
-        return out
+    def _within(self, group: int) -> BlocksInOrder:  # type: ignore[override]
+        if group not in self._inner:
+            if len(self._inner) > 64:
+                self._inner.clear()
+            self._inner[group] = BlocksInOrder(  # type: ignore[assignment]
+                int(self.sizes[group]), self.block_batches, self.seed, self.epoch,
+                self.BLOCK_SALT * 7919 + group)
+        return self._inner[group]  # type: ignore[return-value]
 
 
 class BatchesFiller(BatchFiller[int]):
