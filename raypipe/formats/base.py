@@ -15,6 +15,9 @@ Megatron's document offsets, may be read into private arrays; MDS, whose samples
 headers with the ids, decodes its tokens into one private array). `Reader.from_manifest`
 opens a shard from its manifest entry, so nothing above this package branches on a format's
 name: a new format is one module that calls `register`. Byte layouts: docs/formats.md.
+Chat data's `.mask` sidecar is checksummed as it is written (`.mask.sums`: one CRC-32 pass
+over a byte a token, in the writing worker, ~0.1% of a unit's tokenize time; nothing on the
+driver).
 """
 
 from __future__ import annotations
