@@ -356,8 +356,7 @@ def blocks_and_index_objects(local: Path, fmt: str, block_bytes: int) -> tuple[i
     blocks = cut_blocks(DocumentLengths(counts, lambda s: lengths[
         counts[:s].sum():counts[:s + 1].sum()]), counts,
         opened.block_itemsize, int(block_bytes))
-    files = 2 if opened.has_loss_mask and opened.reads_blocks_alone else 1
-    return len(blocks) * files, index_objects
+    return len(blocks) * opened.files_a_block, index_objects
 
 
 def first_quality(local: Path, fmt: str, shards: list, knobs: dict, ranks: int,

@@ -20,12 +20,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -41,10 +41,12 @@ from raypipe.formats.base import (
 from raypipe.io.cache import RangeCheck, ShardCache
 from raypipe.io.checksums import SUMS_SUFFIX, CheckedTokens, StreamChecksums
 from raypipe.io.manifest import MANIFEST_NAME, as_store, file_problem, read_manifest
+from raypipe.io.mapping import map_file, token_view
 from raypipe.io.ranged import BlockFile, BlockTokens, HeldBlock
 from raypipe.io.records import FileEntry, Manifest, ShardEntry
 from raypipe.io.store import Store, dataset_key
 
+T = TypeVar("T")
 PREFETCH_THREADS = 16  # fetches in flight a process (a small block costs a round trip)
 PREFETCH_SHARE = 0.75  # of the cache budget, open and pending shards together
 OPEN_SHARE = 0.5  # ... open shards alone (past it the least recently used are closed)
@@ -195,6 +197,8 @@ class ShardSet:
         # asks for a step's blocks ahead: each of these is a fetch on its filling path)
         self.blocks_fetched_on_read = 0
         self._starts_kept: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._offsets_kept: OrderedDict[int, np.ndarray] = OrderedDict()  # samples' bytes
+        self._decoded: tuple[int, tuple[np.ndarray, np.ndarray | None]] | None = None
         # ranged shards' block files' checksums, by (shard, file) (the latest kept)
         self._sums_kept: dict[tuple[int, str], StreamChecksums] = {}
         self._ranged: dict[int, bool] = {}  # shard -> read a block at a time (`ranged`)
@@ -307,12 +311,15 @@ class ShardSet:
 
     def reads_in_blocks(self, shard: int) -> bool:
         """A block of the shard can be read without the rest of it: its format finds a
-        block's bytes from its lengths index (`DocumentFormat.tokens_at`), the shard lists
-        that index (and the `.sums` where the format reads blocks only checked), and a
-        loss mask sidecar (chat data) rides along only with its `.mask.sums` (outputs
-        written before it had one are read whole)."""
+        block's bytes from its lengths index (`DocumentFormat.tokens_at`) or from a sidecar
+        of its samples' offsets the shard lists (`DocumentFormat.samples`: MDS shards not
+        compressed), the shard lists that index (and the `.sums` where the format reads
+        blocks only checked), and a loss mask sidecar (chat data) rides along only with
+        its `.mask.sums` (outputs written before it had one are read whole)."""
         entry = self.shards[shard]
-        return (getattr(self.format, "tokens_at", None) is not None
+        samples = getattr(self.format, "samples", None)
+        return ((getattr(self.format, "tokens_at", None) is not None
+                 or (samples is not None and lists_file(entry, samples.offsets_suffix)))
                 and self.lists_lengths_index(shard)
                 and (not lists_file(entry, MASK_SIDECAR) or lists_file(entry, MASK_SUMS_SIDECAR))
                 and (not getattr(self.format, "blocks_need_sums", False)
@@ -355,8 +362,18 @@ class ShardSet:
         1 otherwise."""
         if not self.reads_blocks_alone:
             return 1.0
+        if getattr(self.format, "samples", None) is not None:  # headers, ids, sources too
+            cut = sum(shard.tokens or 0 for shard in self.shards) * self.block_itemsize
+            return sum(shard.files[0].bytes for shard in self.shards) / max(cut, 1)
         mask = 1 if getattr(self, "has_loss_mask", False) else 0
         return (self.token_entry.itemsize + mask) / self.block_itemsize
+
+    @cached_property
+    def files_a_block(self) -> int:
+        """The files a block is read from where blocks are read alone: its tokens', and
+        chat data's loss mask sidecar beside them (a format's samples carry their mask)."""
+        return 2 if (self.reads_blocks_alone and getattr(self, "has_loss_mask", False)
+                     and getattr(self.format, "samples", None) is None) else 1
 
     def _prefetch_blocks(self, units: list[int]) -> None:
         """Fetch ahead, in the order given, while this process holds at most `hold_bytes`
@@ -451,11 +468,17 @@ class ShardSet:
         return self.cache.fetch_ranges(self.store, self.key, file.entry, ranges, check)
 
     def _block_files(self, shard: int) -> tuple[BlockFile, ...]:
-        """The files a ranged shard is read from a block at a time: its token file, and
-        (chat data) its loss mask sidecar (found once a shard)."""
+        """The files a ranged shard is read from a block at a time: its token file (its
+        samples' file, where the format's samples carry their loss mask), and (chat data)
+        its loss mask sidecar (found once a shard)."""
         files = self._block_files_of.get(shard)
         if files is None:
             entry = self.shards[shard]
+            if getattr(self.format, "samples", None) is not None:
+                files = (BlockFile(entry.files[0], int(self._sample_offsets(shard)[0]), 1,
+                                   shard_file(entry, SUMS_SUFFIX), samples=True),)
+                self._block_files_of[shard] = files
+                return files
             files = (BlockFile(entry.files[0], int(self.format.tokens_at),
                                self.token_entry.itemsize, self._sums_entry(shard)),)
             mask = shard_file(entry, MASK_SIDECAR)
@@ -472,8 +495,10 @@ class ShardSet:
         kept = (shard, file.entry.path)
         sums = self._sums_kept.get(kept)
         if sums is None:
+            cuts = (self._token_starts(shard) * self.block_itemsize if file.samples
+                    else None)  # a format's samples: units cut by their tokens' bytes
             sums = self._stream_checksums(file.sums, file.entry,
-                                          self._token_starts(shard) * file.itemsize)
+                                          self._document_bytes(shard, file) - file.at, cuts)
             if len(self._sums_kept) >= 2 * TOKEN_STARTS_KEPT:
                 self._sums_kept.pop(next(iter(self._sums_kept)), None)
             self._sums_kept[kept] = sums
@@ -483,11 +508,47 @@ class ShardSet:
         """Block `unit`'s bytes in each of its shard's block files."""
         assert self.blocks is not None
         shard = int(self.blocks.shards[unit])
-        starts = self._token_starts(shard)
         base = self.document_offsets[shard]
-        first = int(starts[int(self.blocks.starts[unit] - base)])
-        stop = int(starts[int(self.blocks.stops[unit] - base)])
-        return [file.span(first, stop) for file in files]
+        first, stop = int(self.blocks.starts[unit] - base), int(self.blocks.stops[unit] - base)
+        return [self._documents_span(shard, file, first, stop) for file in files]
+
+    def _documents_span(self, shard: int, file: BlockFile, first: int,
+                        stop: int) -> tuple[int, int]:
+        """The bytes of the shard's documents [first, stop) in its block file `file`."""
+        if file.samples:
+            offsets = self._sample_offsets(shard)
+            return int(offsets[first]), int(offsets[stop])
+        starts = self._token_starts(shard)
+        return file.span(int(starts[first]), int(starts[stop]))
+
+    def _document_bytes(self, shard: int, file: BlockFile) -> np.ndarray:
+        """int64[D + 1]: where each of the shard's documents begins in block file `file`,
+        and the file's end."""
+        if file.samples:
+            return self._sample_offsets(shard)
+        return file.at + self._token_starts(shard) * file.itemsize
+
+    def _sample_offsets(self, shard: int) -> np.ndarray:
+        """int64[D + 1] byte offsets of a ranged shard's samples in its token file, from
+        the sidecar that lists them (`DocumentFormat.samples`; an index file: fetched with
+        the lengths, checked against the shard's documents and its file's size; the
+        latest TOKEN_STARTS_KEPT shards' kept)."""
+        offsets = self._offsets_kept.get(shard)
+        if offsets is None:
+            entry = shard_file(self.shards[shard], self.format.samples.offsets_suffix)
+            offsets = self._read_index(entry, lambda path: np.fromfile(path, "<u4")
+                                       ).astype(np.int64)
+            count = int(self.document_offsets[shard + 1] - self.document_offsets[shard])
+            size = self.shards[shard].files[0].bytes
+            if len(offsets) != count + 1 or offsets[-1] != size or np.any(np.diff(offsets) <= 0):
+                raise FormatError(self.store.uri_of(entry.path), "sample offsets: increasing, "
+                                  "one a document, then the data file's size",
+                                  f"{count + 1} ending at {size}", f"{len(offsets)} "
+                                  f"ending at {offsets[-1] if offsets.size else None}")
+            if len(self._offsets_kept) >= TOKEN_STARTS_KEPT:
+                self._offsets_kept.pop(next(iter(self._offsets_kept)))
+            self._offsets_kept[shard] = offsets
+        return offsets
 
     def _token_starts(self, shard: int) -> np.ndarray:
         """int64[D + 1] token offsets of a ranged shard's documents (from its index; the
@@ -685,17 +746,24 @@ class ShardSet:
         return shard_file(self.shards[index], SUMS_SUFFIX)
 
     def _stream_checksums(self, sums: FileEntry, checked: FileEntry,
-                          document_bytes: np.ndarray) -> StreamChecksums:
-        """The checksums `sums` of file `checked`, whose documents start at these bytes."""
+                          document_bytes: np.ndarray,
+                          cuts: np.ndarray | None = None) -> StreamChecksums:
+        """The checksums `sums` of file `checked`, whose documents start at these bytes
+        (`cuts`: where its units are cut, raypipe.io.checksums)."""
         label = self.store.uri_of(checked.path)
+        return self._read_index(sums, lambda path: StreamChecksums(path, document_bytes,
+                                                                   label, cuts))
+
+    def _read_index(self, entry: FileEntry, read: Callable[[Path], T]) -> T:
+        """`read` of an index file's local path (on object storage: cached, checked on
+        arrival, evicted last; fetched again where another process evicted it before it
+        was read)."""
         if self.cache is None:
-            return StreamChecksums(self.local_root / sums.path, document_bytes, label)
-        try:  # an index file, evicted last; one another process evicted is fetched again
-            return StreamChecksums(self.cache.fetch(self.store, self.key, sums),
-                                   document_bytes, label)
+            return read(self.local_root / entry.path)
+        try:
+            return read(self.cache.fetch(self.store, self.key, entry))
         except FileNotFoundError:
-            return StreamChecksums(self.cache.fetch(self.store, self.key, sums, refresh=True),
-                                   document_bytes, label)
+            return read(self.cache.fetch(self.store, self.key, entry, refresh=True))
 
     def _check_reads(self, index: int, reader: Any) -> None:
         """Check every token (and loss mask byte) the reader serves against the shard's
@@ -745,7 +813,8 @@ class ShardSet:
         raise AssertionError("unreachable")
 
     def _ranged_reader(self, index: int) -> RangedShard:
-        """A ranged shard's reader: its index, and its tokens a block at a time."""
+        """A ranged shard's reader: its index, and its tokens (and loss mask) a block at a
+        time: maps of its block files' ranges, or a format's samples decoded."""
         assert self.blocks is not None
         starts = self._token_starts(index)
         units = self.blocks.in_shard(index)
@@ -753,17 +822,46 @@ class ShardSet:
         cuts = np.append(starts[self.blocks.starts[units] - base], starts[-1])
         files = self._block_files(index)
         for file in files:
-            expected = file.span(0, int(starts[-1]))[1]
+            expected = self._documents_span(index, file, 0, len(starts) - 1)[1]
             if file.entry.bytes != expected:
                 raise FormatError(self.store.uri_of(file.entry.path), "file size implied by "
                                   "the index differs from the manifest's", file.entry.bytes,
                                   expected)
-        tokens, *mask = [BlockTokens(cuts, np.dtype(self.token_entry if number == 0
-                                                    else np.uint8),
-                                     lambda block, number=number: self._block_path(
-                                         int(units[block]), number))
-                         for number in range(len(files))]
-        return RangedShard(tokens, starts, units, mask[0] if mask else None)
+        if files[0].samples:
+            tokens, mask = (BlockTokens(cuts, dtype, lambda block, count, column=column:
+                                        self._decoded_block(int(units[block]), count)[column])
+                            for column, dtype in enumerate((np.dtype(self.section.dtype),
+                                                            np.dtype(np.uint8))))
+            return RangedShard(tokens, starts, units, mask if self.has_loss_mask else None)
+        tokens, *masks = (BlockTokens(cuts, token_view(np.empty(0, entry)).dtype,
+                                      lambda block, count, number=number, entry=entry:
+                                      token_view(map_file(self._block_path(int(units[block]),
+                                                                           number),
+                                                          entry, 0, count)))
+                          for number, entry in enumerate((self.token_entry,
+                                                          np.dtype(np.uint8))[:len(files)]))
+        return RangedShard(tokens, starts, units, masks[0] if masks else None)
+
+    def _decoded_block(self, unit: int, count: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Block `unit` of a format whose samples interleave headers with tokens: its
+        `count` tokens and (chat data) their loss mask, decoded from its samples' bytes."""
+        assert self.blocks is not None
+        if self._decoded is not None and self._decoded[0] == unit:  # its mask, after tokens
+            return self._decoded[1]
+        shard = int(self.blocks.shards[unit])
+        base = self.document_offsets[shard]
+        offsets = self._sample_offsets(shard)[int(self.blocks.starts[unit] - base):
+                                              int(self.blocks.stops[unit] - base) + 1]
+        path = self._block_path(unit, 0)
+        label = self.store.uri_of(self.shards[shard].files[0].path)
+        tokens, mask = self.format.samples.decode(
+            map_file(path, np.uint8), offsets[:-1] - offsets[0],
+            np.dtype(self.section.dtype), self.has_loss_mask, label)
+        if tokens.size != count:
+            raise FormatError(label, f"tokens of samples [{offsets[0]}, {offsets[-1]}) "
+                              "against the shard's lengths", count, tokens.size)
+        self._decoded = (unit, (tokens, mask))
+        return tokens, mask
 
     def _close_over_budget(self) -> None:
         assert self.cache is not None

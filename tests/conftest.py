@@ -211,6 +211,13 @@ def stream_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
                             tokenizer_path, formats=["stream"])
 
 
+@pytest.fixture(scope="session")
+def mds_dataset(tmp_path_factory, corpus_texts, tokenizer_path) -> Path:
+    """token_dataset's corpus and shards in MDS (samples with headers, ids and sources)."""
+    return tokenized_corpus(tmp_path_factory.mktemp("mds_dataset"), corpus_texts,
+                            tokenizer_path, formats=["mds"])
+
+
 def tokenized_corpus(root: Path, corpus_texts, tokenizer_path, **options) -> Path:
     """The test corpus in 3 parquet files under `root`, tokenized by the serial runner
     into `root / "tokens"` (shards of 15,000 tokens, BOS-started documents)."""

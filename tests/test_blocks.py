@@ -4,8 +4,6 @@ window sized from the node cache's budget, a shard's tokens read a block at a ti
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,6 +12,7 @@ from hypothesis import strategies as st
 from raypipe.dataset import adjacent_runs
 from raypipe.errors import ConfigError
 from raypipe.io.cache import ShardCache
+from raypipe.io.mapping import map_file
 from raypipe.io.ranged import BlockTokens
 from raypipe.io.records import FileEntry
 from raypipe.io.store import Store
@@ -193,11 +192,11 @@ def test_block_tokens_slice_and_index_like_the_shard_array(sizes, data, tmp_path
         paths.append(path)
     opened: list[int] = []
 
-    def block_path(block: int) -> Path:
+    def load(block: int, count: int) -> np.ndarray:
         opened.append(block)
-        return paths[block]
+        return map_file(paths[block], np.uint16, 0, count)
 
-    view = BlockTokens(cuts, np.dtype(np.uint16), block_path)
+    view = BlockTokens(cuts, np.dtype(np.uint16), load)
     assert view.size == tokens.size and len(view) == tokens.size
     start = data.draw(st.integers(0, tokens.size))
     stop = data.draw(st.integers(start, tokens.size))
@@ -272,11 +271,12 @@ def test_shards_that_cannot_be_read_a_block_at_a_time_window_whole_shards(tmp_pa
                                                                           corpus_dir,
                                                                           tokenizer_path):
     """NanoGPT written without BOS (no `.bos.idx`) finds no block's bytes from an index, nor
-    does a stream output written before its shards carried a `.sums` (a block of it could
-    not be checked): `block_bytes=0` resolves to whole shards there (fetching a whole shard
-    for each small block would refetch it a window after another), and to blocks for
-    Megatron, NanoGPT with its `.bos.idx` and stream with its `.sums`, locally as on a
-    bucket."""
+    does MDS compressed with zstd or written before its shards carried `.offsets`, and a
+    stream or MDS output written before its shards carried a `.sums` could not check a
+    block: `block_bytes=0` resolves to whole shards there (fetching a whole shard for each
+    small block would refetch it a window after another), and to blocks for Megatron,
+    NanoGPT with its `.bos.idx`, stream with its `.sums` and MDS with both sidecars,
+    locally as on a bucket."""
     from raypipe.loader import TokenLoader
     from tests.helpers import tokenize, without_sidecar
 
@@ -284,11 +284,20 @@ def test_shards_that_cannot_be_read_a_block_at_a_time_window_whole_shards(tmp_pa
         return TokenLoader(str(output), 32, 4, shuffle="windowed", format=fmt).spec.block_bytes
 
     output = tokenize(corpus_dir, tmp_path / "out", tokenizer_path,
-                      formats=["megatron", "nanogpt", "stream"])
+                      formats=["megatron", "nanogpt", "stream", "mds"])
     assert block_bytes(output, "megatron") < WHOLE_SHARDS
     assert block_bytes(output, "nanogpt") < WHOLE_SHARDS
     assert block_bytes(output, "stream") < WHOLE_SHARDS
+    assert block_bytes(output, "mds") < WHOLE_SHARDS
     assert block_bytes(without_sidecar(output, "stream", ".sums"), "stream") == WHOLE_SHARDS
+    assert block_bytes(without_sidecar(output, "mds", ".sums"), "mds") == WHOLE_SHARDS
+    assert block_bytes(without_sidecar(tokenize(corpus_dir, tmp_path / "mds", tokenizer_path,
+                                                formats=["mds"]), "mds", ".offsets"),
+                       "mds") == WHOLE_SHARDS
+    zstd = tokenize(corpus_dir, tmp_path / "zstd", tokenizer_path, formats=["mds"],
+                    format_options={"mds": {"compression": "zstd"}})
+    assert not list((zstd / "mds").glob("*.sums"))
+    assert block_bytes(zstd, "mds") == WHOLE_SHARDS
     without_bos = tokenize(corpus_dir, tmp_path / "eos", tokenizer_path, formats=["nanogpt"],
                            bos=False, eos=True)
     assert not list((without_bos / "nanogpt").glob("*.bos.idx"))

@@ -236,8 +236,8 @@ def test_every_file_truncated_or_missing_fails_naming_the_shard(tmp_path, fmt_na
 
 def test_mds_layout_is_byte_exact(tmp_path):
     docs = [np.array([0, 5, 6], np.uint32), np.array([0, 7], np.uint32)]
-    assert write_shard("mds", tmp_path, docs, np.uint16, batches=1) == ["shard.mds",
-                                                                        "shard.lengths"]
+    assert write_shard("mds", tmp_path, docs, np.uint16, batches=1) == [
+        "shard.mds", "shard.offsets", "shard.sums", "shard.lengths"]
     assert np.fromfile(tmp_path / "shard.lengths", "<u4").tolist() == [3, 2]
     data = (tmp_path / "shard.mds").read_bytes()
     config = (b'{"column_encodings": ["int64", "str", "ndarray:uint16"], "column_names": '
@@ -250,6 +250,11 @@ def test_mds_layout_is_byte_exact(tmp_path):
                + bytes([4, 2]) + np.array([0, 7], "<u2").tobytes()]
     offsets = np.cumsum([start, *map(len, samples)]).astype("<u4")
     assert data == np.uint32(2).tobytes() + offsets.tobytes() + config + b"".join(samples)
+    assert (tmp_path / "shard.offsets").read_bytes() == offsets.tobytes()
+    # one 4 KiB checksum unit over the samples (the header is the offsets' to check)
+    sums = (tmp_path / "shard.sums").read_bytes()
+    assert sums == (b"RPSUMS\x00\x01" + (4096).to_bytes(8, "little")
+                    + zlib.crc32(b"".join(samples)).to_bytes(4, "little"))
 
 
 def test_nanogpt_index_lengths_refuse_a_bos_index_that_disagrees_with_the_manifest(tmp_path):

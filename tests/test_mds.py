@@ -9,6 +9,8 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from raypipe.cli import main
 from raypipe.config import load_config
@@ -195,3 +197,54 @@ def test_the_mds_extra_holds_every_module_the_mds_reader_imports():
     run = subprocess.run([sys.executable, "-c", IMPORTS_ONLY_THE_MDS_EXTRA, str(pyproject)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "imported" in run.stdout, run.stderr[-2000:]
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(1, 3_000), min_size=1, max_size=30),
+       pieces=st.integers(1, 5), wide=st.booleans(), masked=st.booleans(),
+       multiple=st.integers(1, 4))
+def test_a_block_of_whole_samples_cut_by_token_bytes_checks_and_decodes_alone(
+        lengths, pieces, wide, masked, multiple, tmp_path_factory):
+    """An MDS shard's `.sums` units are cut by its samples' token bytes, as a loader cuts
+    blocks: every block's sample bytes (placed by the `.offsets` sidecar) are a run of whole
+    units that checks and decodes to the block's tokens (and mask) alone, and an altered
+    byte is found."""
+    from raypipe.formats import FORMATS
+    from raypipe.io.checksums import UNIT_BYTES, StreamChecksums
+    from raypipe.sampling.blocks import cut_blocks
+
+    dtype = np.dtype(np.uint32 if wide else np.uint16)
+    rng = np.random.default_rng(len(lengths) * 7 + pieces)
+    tokens = rng.integers(0, 60_000, sum(lengths), dtype=np.uint32)
+    mask = rng.integers(0, 2, tokens.size, dtype=np.uint8)
+    folder = tmp_path_factory.mktemp("mds")
+    fmt = FORMATS["mds"]
+    writer = fmt.writer(folder, "shard", dtype, None, loss_mask=masked)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    for part in np.array_split(np.arange(len(lengths)), pieces):
+        if part.size:
+            low, high = int(starts[part[0]]), int(starts[part[-1] + 1])
+            if masked:
+                writer.add_loss_mask(mask[low:high], np.asarray(lengths)[part])
+            writer.add(tokens[low:high], np.asarray(lengths)[part])
+    writer.commit()
+    data = np.fromfile(folder / "shard.mds", np.uint8)
+    offsets = np.fromfile(folder / "shard.offsets", "<u4").astype(np.int64)
+    sums = StreamChecksums(folder / "shard.sums", offsets - offsets[0], "shard.mds",
+                           starts * dtype.itemsize)
+    blocks = cut_blocks(np.asarray(lengths, np.int64), np.asarray([len(lengths)]),
+                        dtype.itemsize, UNIT_BYTES * multiple)
+    for first, stop in zip(blocks.starts[:-1].tolist(), blocks.starts[1:].tolist(),
+                           strict=True):
+        low, high = int(offsets[first]), int(offsets[stop])
+        block = data[low:high]
+        assert sums.problem(block, low - int(offsets[0])) is None
+        got, got_mask = fmt.samples.decode(block, offsets[first:stop] - low, dtype, masked,
+                                           "shard.mds")
+        assert np.array_equal(got, tokens[starts[first]:starts[stop]])
+        assert (got_mask is None) == (not masked)
+        if masked:
+            assert np.array_equal(got_mask, mask[starts[first]:starts[stop]])
+        altered = block.copy()
+        altered[len(altered) // 2] ^= 0x01
+        assert "differ from what the job wrote" in sums.problem(altered, low - int(offsets[0]))

@@ -464,12 +464,24 @@ def test_lengths_on_a_bucket_come_from_the_index_files_alone(bucket, corpus_dir,
 
 
 # the document formats a bucket loader reads a block at a time (ranged GETs)
-RANGED_FORMATS = ["megatron", "nanogpt", "stream"]
+RANGED_FORMATS = ["megatron", "nanogpt", "stream", "mds"]
 
 
 def dataset_of(request, fmt: str) -> Path:
-    """The test output holding `fmt`: token_dataset, or stream_dataset (the same corpus)."""
-    return request.getfixturevalue("stream_dataset" if fmt == "stream" else "token_dataset")
+    """The test output holding `fmt`: token_dataset, stream_dataset or mds_dataset (the
+    same corpus)."""
+    return request.getfixturevalue({"stream": "stream_dataset", "mds": "mds_dataset"}.get(
+        fmt, "token_dataset"))
+
+
+def unread_header_bytes(fmt: str, shards: list, root: Path) -> int:
+    """The bytes of a format's token files that blocks leave out: a fixed header (NanoGPT),
+    or the header before the first sample (MDS: its offsets sidecar's first entry)."""
+    samples = get_format(fmt).samples
+    if samples is None:
+        return get_format(fmt).tokens_at * len(shards)
+    return sum(int(np.fromfile(root / f.path, "<u4")[0]) for shard in shards
+               for f in shard.files if f.path.endswith(samples.offsets_suffix))
 
 
 @pytest.mark.parametrize("fmt", RANGED_FORMATS)
@@ -494,7 +506,7 @@ def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_block_once_per
     # out); the index files are read twice at most (once for the lengths at the open)
     index_bytes = sum(f.bytes for shard in shards for f in shard.files
                       if f.path.endswith(index_suffixes))
-    headers = get_format(fmt).tokens_at * len(shards)
+    headers = unread_header_bytes(fmt, shards, token_dataset)
     assert data_bytes - headers <= fetched <= data_bytes + index_bytes
     assert state["knobs"]["shuffle"] == "windowed"
     metrics = loader.stats.metrics()
@@ -1131,19 +1143,20 @@ def served_with_masks(loader) -> list[tuple[bytes, bytes]]:
         loader.close()
 
 
-@pytest.mark.parametrize("fmt", ["megatron", "stream"])
+@pytest.mark.parametrize("fmt", ["megatron", "stream", "mds"])
 def test_chat_data_on_a_bucket_is_read_in_ranged_blocks_of_tokens_and_mask_and_equals_the_local_copy(  # noqa: E501
         bucket, every_mask_format, tmp_path, fmt):  # noqa: F811
     """Chat data's shards come a block at a time, the `.mask` sidecar by ranged GETs beside
-    the tokens (no whole `.mask` fetched), and every batch's inputs and loss mask are the
-    local copy's under the same knobs."""
+    the tokens (MDS: samples carrying their mask) and no whole token or mask file fetched,
+    and every batch's inputs and loss mask are the local copy's under the same knobs."""
     uri = f"s3://{bucket}/chat"
     upload_tree(every_mask_format, uri)
     loader = TokenLoader(uri, 32, 4, cache_dir=tmp_path / "c", format=fmt, **CHAT_KNOBS)
     served = served_with_masks(loader)
     cached = [path.name for path in (tmp_path / "c").rglob("*") if path.is_file()]
-    assert any(".mask.range-" in name for name in cached)
-    assert not [name for name in cached if name.endswith((".mask", ".bin", ".tokens"))]
+    mask_file = ".mask" if get_format(fmt).samples is None else get_format(fmt).suffixes[0]
+    assert any(f"{mask_file}.range-" in name for name in cached)
+    assert not [name for name in cached if name.endswith((".mask", ".bin", ".tokens", ".mds"))]
     assert loader.cache_stats.ranged_reads > 0
     local = TokenLoader(every_mask_format, 32, 4, format=fmt, **CHAT_KNOBS)
     assert served_with_masks(local) == served

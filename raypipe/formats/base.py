@@ -475,6 +475,20 @@ class Format:
 
 
 @dataclass(frozen=True)
+class SampleBlocks:
+    """How a format whose samples interleave a header with their tokens (MDS) is read a
+    block at a time: `offsets_suffix` names the sidecar listing each sample's first byte in
+    the shard's token file (u32 LE, one a sample and the file's end), and `decode(data,
+    starts, dtype, loss_mask, where)` gives the tokens and (with `loss_mask`) the loss mask
+    of a run of whole samples from their bytes (`starts`: each sample's first byte in
+    `data`; FormatError naming `where` for bytes that are no such samples)."""
+
+    offsets_suffix: str
+    decode: Callable[[np.ndarray, np.ndarray, np.dtype, bool, str],
+                     tuple[np.ndarray, np.ndarray | None]]
+
+
+@dataclass(frozen=True)
 class DocumentFormat(Format):
     """A format whose shards hold documents (a ShardWriter / ShardReader pair): which one a
     reader opens when several exist, the files enough for document lengths, whether its
@@ -493,6 +507,9 @@ class DocumentFormat(Format):
     # the entry its token file holds for each token, where wider than the token (stream's
     # {token, metadata_id} records, from the section's options); None: the token itself
     token_entry: Callable[[FormatSection], np.dtype] | None = None
+    # where its samples interleave headers with tokens: how a run of them is found (a
+    # sidecar of their byte offsets) and decoded, so a loader fetches blocks of them
+    samples: SampleBlocks | None = None
     # its shards are read a block at a time only where they list a `.sums` (outputs written
     # before the format had one are read whole, each checked by its sha256)
     blocks_need_sums: bool = False
@@ -732,8 +749,8 @@ def check_token_range(tokens: np.ndarray, dtype: np.dtype, where: str) -> None:
 
 __all__ = ["FORMATS", "BatchFormat", "BatchReader", "BatchWriter", "DocumentFormat",
            "DocumentMetadata", "Format",
-           "LENGTHS_SIDECAR", "RecordPieces", "ShardReader", "ShardWriter", "batch_format",
-           "batch_formats",
+           "LENGTHS_SIDECAR", "RecordPieces", "SampleBlocks", "ShardReader", "ShardWriter",
+           "batch_format", "batch_formats",
            "dataset_index_problems", "document_format", "document_formats", "file_sha256",
            "get_format", "of_kind", "register", "shard_prefix",
            "write_dataset_indexes"]

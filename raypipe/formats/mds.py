@@ -1,9 +1,11 @@
 """MosaicML Streaming MDS (docs/formats.md): one sample per document, written directly to
 MDS's published layout, so `streaming.StreamingDataset` and LLM Foundry's text dataloader
 open the output unchanged (no mosaicml-streaming dependency). Beside each shard raypipe
-writes `<name>.lengths` (each sample's token count, u32; MDS never opens it: one more file
-a shard, 4 bytes a sample), so a loader reads every shard's lengths without fetching the
-shards; an opened shard must agree with it.
+writes `<name>.lengths` (each sample's token count, u32), so a loader reads every shard's
+lengths without fetching the shards, and beside a raw shard `<name>.offsets` (the header's
+sample offsets, u32) and `<name>.sums` (CRC-32 of the samples in units cut by their token
+bytes: raypipe.io.checksums), so a loader fetches, checks and decodes a block of samples
+alone (`SampleBlocks`); MDS never opens them, and an opened shard must agree with all three.
 
 Invariant: a shard `<name>.mds` is [u32 samples n][u32 offsets[n + 1], absolute in the
 file][the shard's config JSON][samples]; a sample is [u32 size of each variable-size
@@ -15,10 +17,10 @@ width: one byte (1 << 2 | shape width), the length, then the ids; `loss_mask` is
 alike). With `compression: zstd` the whole shard is one zstd frame in `<name>.mds.zstd`.
 `mds/index.json` lists every shard in manifest order (`index_bytes`, written when the
 manifest is committed), so the bytes are the same at any parallelism. Cost: writing keeps 4
-B per document of the open shard (zstd: the raw shard in memory at commit); raypipe's
-reader decodes a shard into one private token array when it opens it (O(shard tokens), a
-vectorized pass), since MDS interleaves sample headers with tokens and no zero-copy view
-exists.
+B per document of the open shard (zstd: the raw shard in memory at commit), and one CRC
+pass over its samples; raypipe's reader decodes a shard (a block, from a bucket) into one
+private token array when it opens it (O(shard tokens), a vectorized pass and a copy a
+sample), since MDS interleaves sample headers with tokens and no zero-copy view exists.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from raypipe.formats.base import (
     LENGTHS_SIDECAR,
     DocumentFormat,
     FormatOptions,
+    SampleBlocks,
     ShardReader,
     ShardWriter,
     check_lengths_sidecar,
@@ -49,6 +52,7 @@ from raypipe.formats.base import (
     shard_prefix,
     sidecar_document_lengths,
 )
+from raypipe.io.checksums import SUMS_SUFFIX, ChecksumWriter, StreamChecksums
 from raypipe.io.mapping import map_file
 from raypipe.io.paths import safe_join
 from raypipe.io.records import FileEntry, FormatSection, ShardEntry, TokenizerInfo
@@ -57,6 +61,8 @@ from raypipe.knobs import knob
 
 NAME = "mds"
 RAW, ZSTD = ".mds", ".mds.zstd"
+OFFSETS_SIDECAR = ".offsets"  # each sample's first byte in the `.mds`, and its size (u32)
+SIDECARS = (LENGTHS_SIDECAR, OFFSETS_SIDECAR, SUMS_SUFFIX)
 INDEX = "index.json"
 COMPRESSIONS = (None, "zstd")
 COLUMNS = ("id", "source", "tokens")  # MDS orders columns by name
@@ -157,6 +163,10 @@ class MDSWriter(ShardWriter):
                                  sort_keys=True).encode()
         self.spool = tempfile.TemporaryFile(dir=self.directory, prefix=f".{name}.samples.")
         self.sizes: list[int] = []
+        self.encoded: list[bytes] = []  # samples of the running `add`, spooled at its end
+        # the samples' checksums, so a loader reads a run of them alone (raw shards only:
+        # a zstd frame is read whole)
+        self.sums = ChecksumWriter() if compression is None else None
         self.sample_tokens = array("I")  # each sample's token count: the `.lengths`
         self.documents_seen = 0
 
@@ -178,6 +188,7 @@ class MDSWriter(ShardWriter):
         if self.concat is not None:
             for (row, source), sample in self.concat.samples(tokens, lengths, owners):
                 self._write(row, source, sample)
+            self._spool()
             return
         ends = np.cumsum(lengths)
         for (row, source), stop, length in zip(owners, ends.tolist(), lengths.tolist(),
@@ -187,6 +198,7 @@ class MDSWriter(ShardWriter):
                                   "token (an empty document)", ">= 1", length)
             self._write(row, source, tokens[stop - length:stop],
                         None if loss_mask is None else loss_mask[stop - length:stop])
+        self._spool()
 
     def add_loss_mask(self, loss_mask: np.ndarray, lengths: np.ndarray) -> None:
         """The `loss_mask` column of the documents the next `add` appends (chat data: each
@@ -196,13 +208,27 @@ class MDSWriter(ShardWriter):
     def _write(self, row: int, source: str, sample_tokens: np.ndarray,
                loss_mask: np.ndarray | None = None) -> None:
         sample = encode_sample(row, source.encode(), sample_tokens, loss_mask)
-        self.spool.write(sample)
+        self.encoded.append(sample)
         self.sizes.append(len(sample))
         self.sample_tokens.append(sample_tokens.size)
         self.num_documents += 1
         self.num_tokens += int(sample_tokens.size)
 
-    def _raw_header(self) -> bytes:
+    def _spool(self) -> None:
+        """Write the samples of an `add` (and their checksums: units cut by the samples'
+        token bytes, as a loader cuts blocks) in one call."""
+        if not self.encoded:
+            return
+        data = b"".join(self.encoded)
+        self.spool.write(data)
+        if self.sums is not None:
+            tokens = np.frombuffer(self.sample_tokens, np.uint32)[-len(self.encoded):]
+            self.sums.add(data, np.array([len(sample) for sample in self.encoded], np.int64),
+                          tokens.astype(np.int64) * self.token_dtype.itemsize)
+        self.encoded.clear()
+
+    def _offsets(self) -> np.ndarray:
+        """u32 LE [n + 1]: each sample's first byte in the raw shard, and its size."""
         count = len(self.sizes)
         start = 4 + 4 * (count + 1) + len(self.config)
         offsets = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)]) + start
@@ -210,11 +236,12 @@ class MDSWriter(ShardWriter):
             raise FormatError(self.directory / self.name, "an MDS shard's offsets are u32: "
                               "shard under 4 GiB (lower --shard-tokens)", "< 4 GiB",
                               int(offsets[-1]))
-        return (np.uint32(count).astype("<u4").tobytes() + offsets.astype("<u4").tobytes()
-                + self.config)
+        return offsets.astype("<u4")
 
     def commit(self) -> list[FileEntry]:
-        header = self._raw_header()
+        offsets = self._offsets()
+        header = np.uint32(len(self.sizes)).astype("<u4").tobytes() + offsets.tobytes() + \
+            self.config
         self.spool.seek(0)
         suffix = ZSTD if self.compression else RAW
         out = self.open_file(suffix)
@@ -228,8 +255,12 @@ class MDSWriter(ShardWriter):
                     out.write(block)
         finally:
             self.spool.close()
+        entries = [self.commit_file(suffix)]
+        if self.sums is not None:
+            entries += [self.commit_bytes(OFFSETS_SIDECAR, offsets.tobytes()),
+                        self.commit_bytes(SUMS_SUFFIX, self.sums.encoded())]
         self.add_lengths_sidecar(np.frombuffer(self.sample_tokens, np.uint32))
-        return [self.commit_file(suffix), *self.commit_lengths_sidecar()]
+        return [*entries, *self.commit_lengths_sidecar()]
 
     def abort(self) -> None:
         self.spool.close()
@@ -237,11 +268,11 @@ class MDSWriter(ShardWriter):
 
 
 def shard_file(where: object, shard: ShardEntry) -> FileEntry:
-    """The shard's one MDS file (`.mds` or `.mds.zstd`; its `.lengths` aside)."""
-    data = [entry for entry in shard.files if not entry.path.endswith(LENGTHS_SIDECAR)]
+    """The shard's one MDS file (`.mds` or `.mds.zstd`; its sidecars aside)."""
+    data = [entry for entry in shard.files if not entry.path.endswith(SIDECARS)]
     if len(data) != 1:
         raise FormatError(f"{where}/{shard.name}", "an MDS shard is one file (and its "
-                          "`.lengths`)", 1, len(data))
+                          f"sidecars {list(SIDECARS)})", 1, len(data))
     return data[0]
 
 
@@ -275,8 +306,11 @@ class MDSReader(ShardReader):
     def from_manifest(cls, root: Path, shard: ShardEntry, section: FormatSection,
                       tokenizer: TokenizerInfo) -> MDSReader:
         reader = cls(safe_join(root, shard_file(root, shard).path), np.dtype(section.dtype))
+        prefix = shard_prefix(root, shard)
         if lists_file(shard, LENGTHS_SIDECAR):
-            check_lengths_sidecar(shard_prefix(root, shard), reader.document_lengths)
+            check_lengths_sidecar(prefix, reader.document_lengths)
+        if lists_file(shard, OFFSETS_SIDECAR) and lists_file(shard, SUMS_SUFFIX):
+            reader.check_block_sidecars(prefix)
         return reader
 
     @classmethod
@@ -308,6 +342,26 @@ class MDSReader(ShardReader):
         self.raw, self.offsets = raw, offsets
         self._decode(raw, offsets[:-1])
 
+    def check_block_sidecars(self, prefix: Path) -> None:
+        """The `.offsets` and `.sums` a loader reads blocks of samples by (on a bucket)
+        place and check this shard's samples (one CRC pass over them), so a shard that opens
+        whole here serves the same samples a block at a time: FormatError naming the
+        sidecar that does not."""
+        offsets_path, sums_path = (prefix.with_name(prefix.name + suffix)
+                                   for suffix in (OFFSETS_SIDECAR, SUMS_SUFFIX))
+        require_file(offsets_path)
+        require_file(sums_path)
+        listed = np.fromfile(offsets_path, dtype="<u4").astype(np.int64)
+        if not np.array_equal(listed, self.offsets):
+            raise FormatError(offsets_path, "sample offsets of the MDS shard's header",
+                              f"{self.offsets.size} equal", f"{listed.size}, others")
+        first = int(self.offsets[0])
+        sums = StreamChecksums(sums_path, self.offsets - first, str(self.path),
+                               self.document_starts * self.dtype.itemsize)
+        problem = sums.problem(self.raw[first:], 0)
+        if problem is not None:
+            raise FormatError(self.path, problem)
+
     def _config(self, data: bytes) -> dict[str, Any]:
         try:
             config = json.loads(data)
@@ -328,44 +382,81 @@ class MDSReader(ShardReader):
         return config
 
     def _decode(self, raw: np.ndarray, starts: np.ndarray) -> None:
-        """Locate every sample's columns (vectorized), then gather the tokens (and the
-        loss mask where the shard has one)."""
-        masked = "loss_mask" in self.config["column_names"]
-        variable = 3 if masked else 2  # (loss_mask), source, tokens: a u32 size each
-        head = 4 * variable + 8
-        heads = raw[starts[:, None] + np.arange(head)]  # the sizes, then the int64 id
-        sizes = heads[:, :4 * variable].copy().view("<u4").astype(np.int64)
-        self.ids = heads[:, 4 * variable:].copy().view("<i8")[:, 0].astype(np.int64)
-        column_starts = starts[:, None] + head + np.concatenate(
-            [np.zeros((sizes.shape[0], 1), np.int64), np.cumsum(sizes, axis=1)[:, :-1]],
-            axis=1)
-        self.source_starts, self.source_sizes = column_starts[:, -2], sizes[:, -2]
-        firsts, counts = self._ndarray_column(raw, column_starts[:, -1], sizes[:, -1],
-                                              self.dtype, "tokens")
-        self.document_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.tokens = gather(raw, firsts, counts, self.document_starts, self.dtype)
-        if masked:
-            mask_firsts, mask_counts = self._ndarray_column(
-                raw, column_starts[:, 0], sizes[:, 0], np.dtype(np.uint8), "loss_mask")
-            if not np.array_equal(mask_counts, counts):
-                raise FormatError(self.path, "MDS loss_mask column", "a byte per token",
-                                  "another length")
-            self.loss_mask = gather(raw, mask_firsts, mask_counts, self.document_starts,
-                                    np.dtype(np.uint8))
+        samples = decode_samples(raw, starts, self.dtype,
+                                 "loss_mask" in self.config["column_names"], str(self.path))
+        self.ids, self.tokens = samples.ids, samples.tokens
+        self.source_starts, self.source_sizes = samples.source_starts, samples.source_sizes
+        self.document_starts = samples.document_starts
+        if samples.loss_mask is not None:
+            self.loss_mask = samples.loss_mask
 
-    def _ndarray_column(self, raw: np.ndarray, at: np.ndarray, size: np.ndarray,
-                        dtype: np.dtype, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """(first value byte, value count) of every sample's 1-D ndarray column `name`."""
-        codes = raw[np.minimum(at, raw.size - 1)].astype(np.int64)
-        if np.any(codes >> 2 != 1):
-            raise FormatError(self.path, f"MDS {name} are not 1-D arrays", "ndim 1", "other")
-        widths = np.array([SHAPE_WIDTHS[code] for code in range(4)])[codes & 3]
-        item = dtype.itemsize
-        counts = (size - 1 - widths) // item
-        if np.any(counts < 1) or np.any(1 + widths + counts * item != size):
-            raise FormatError(self.path, f"MDS {name} column sizes", "whole values",
-                              "a partial one")
-        return at + 1 + widths, counts
+
+@dataclass
+class Samples:
+    """A run of samples decoded: each one's id, where its source string lies in the bytes
+    decoded, its first token, and the tokens (and loss mask) back to back."""
+
+    ids: np.ndarray
+    source_starts: np.ndarray
+    source_sizes: np.ndarray
+    document_starts: np.ndarray
+    tokens: np.ndarray
+    loss_mask: np.ndarray | None
+
+
+def decode_samples(raw: np.ndarray, starts: np.ndarray, dtype: np.dtype, masked: bool,
+                   where: str) -> Samples:
+    """The samples beginning at `starts` of `raw` (each ending where the next begins, the
+    last at the end of `raw`): every sample's columns located (vectorized), each checked to
+    end where the sample does, then the tokens (and the loss mask) gathered."""
+    variable = 3 if masked else 2  # (loss_mask), source, tokens: a u32 size each
+    head = 4 * variable + 8
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.append(starts[1:], raw.size)
+    if np.any(ends - starts <= head):
+        raise FormatError(where, "MDS samples", f"each over {head} bytes", "a shorter one")
+    heads = raw[starts[:, None] + np.arange(head)]  # the sizes, then the int64 id
+    sizes = heads[:, :4 * variable].copy().view("<u4").astype(np.int64)
+    ids = heads[:, 4 * variable:].copy().view("<i8")[:, 0].astype(np.int64)
+    column_starts = starts[:, None] + head + np.concatenate(
+        [np.zeros((sizes.shape[0], 1), np.int64), np.cumsum(sizes, axis=1)[:, :-1]], axis=1)
+    if np.any(column_starts[:, -1] + sizes[:, -1] != ends):
+        raise FormatError(where, "MDS sample columns", "sizes adding up to the sample's",
+                          "others")
+    firsts, counts = ndarray_column(raw, column_starts[:, -1], sizes[:, -1], dtype, where,
+                                    "tokens")
+    document_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    loss_mask = None
+    if masked:
+        mask_firsts, mask_counts = ndarray_column(raw, column_starts[:, 0], sizes[:, 0],
+                                                  np.dtype(np.uint8), where, "loss_mask")
+        if not np.array_equal(mask_counts, counts):
+            raise FormatError(where, "MDS loss_mask column", "a byte per token",
+                              "another length")
+        loss_mask = gather(raw, mask_firsts, mask_counts, document_starts, np.dtype(np.uint8))
+    return Samples(ids, column_starts[:, -2], sizes[:, -2], document_starts,
+                   gather(raw, firsts, counts, document_starts, dtype), loss_mask)
+
+
+def decode_block(data: np.ndarray, starts: np.ndarray, dtype: np.dtype, loss_mask: bool,
+                 where: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """A block's tokens and loss mask from its samples' bytes (`SampleBlocks.decode`)."""
+    samples = decode_samples(data, starts, np.dtype(dtype).newbyteorder("<"), loss_mask, where)
+    return samples.tokens, samples.loss_mask
+
+
+def ndarray_column(raw: np.ndarray, at: np.ndarray, size: np.ndarray, dtype: np.dtype,
+                   where: str, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(first value byte, value count) of every sample's 1-D ndarray column `name`."""
+    codes = raw[np.minimum(at, raw.size - 1)].astype(np.int64)
+    if np.any(codes >> 2 != 1):
+        raise FormatError(where, f"MDS {name} are not 1-D arrays", "ndim 1", "other")
+    widths = np.array([SHAPE_WIDTHS[code] for code in range(4)])[codes & 3]
+    item = dtype.itemsize
+    counts = (size - 1 - widths) // item
+    if np.any(counts < 1) or np.any(1 + widths + counts * item != size):
+        raise FormatError(where, f"MDS {name} column sizes", "whole values", "a partial one")
+    return at + 1 + widths, counts
 
 
 def gather(raw: np.ndarray, firsts: np.ndarray, counts: np.ndarray, starts: np.ndarray,
@@ -453,9 +544,10 @@ def concat_summary(section: FormatSection, total_tokens: int) -> str | None:
             f"under {size}")
 
 
-MDS = register(DocumentFormat(NAME, (RAW, ZSTD, LENGTHS_SIDECAR), MDSWriter, MDSReader,
+MDS = register(DocumentFormat(NAME, (RAW, ZSTD, *SIDECARS), MDSWriter, MDSReader,
                               mds_dtype, options_type=MDSOptions, read_order=400,
-                              index_suffixes=(LENGTHS_SIDECAR,),
+                              index_suffixes=SIDECARS, blocks_need_sums=True,
+                              samples=SampleBlocks(OFFSETS_SIDECAR, decode_block),
                               wants_metadata=lambda options: True, holds_loss_mask=True,
                               dataset_index=(f"{NAME}/{INDEX}", index_bytes), separator="eos",
                               summary_line=concat_summary))

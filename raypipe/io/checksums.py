@@ -5,10 +5,14 @@ wrote, without reading the rest of the file.
 Invariant: unit k of a token stream holds the documents whose first byte lies in
 [k x unit_bytes, (k + 1) x unit_bytes) of the stream (none: an empty unit, crc 0), so units
 never cut a document and a loader's block of a multiple of `unit_bytes`
-(raypipe.sampling.blocks) is exactly a run of whole units. A `<shard>.sums` file records
-the CRC-32 of every unit: 8 magic bytes, the unit size (u64 LE), then one u32 LE per unit,
-ceil(stream bytes / unit_bytes) of them (docs/formats.md). Cost: one u32 each 4 KiB (0.1%
-of the tokens), CRC-32 at ~2-3 GB/s on one core.
+(raypipe.sampling.blocks) is exactly a run of whole units. A stream whose documents carry
+more than their tokens (MDS samples) is cut by its documents' token bytes instead (`cuts`:
+where each would begin in a file of tokens alone), so its units hold the documents a
+loader's blocks do, and each unit's CRC covers those documents' own bytes. A
+`<shard>.sums` file records the CRC-32 of every unit: 8 magic bytes, the unit size (u64
+LE), then one u32 LE per unit, ceil(stream bytes (or cut bytes) / unit_bytes) of them
+(docs/formats.md). Cost: one u32 each 4 KiB (0.1% of the tokens), CRC-32 at ~2-3 GB/s
+on one core.
 """
 
 from __future__ import annotations
@@ -37,15 +41,17 @@ def sums_file_bytes(stream_bytes: int, unit_bytes: int = UNIT_BYTES) -> int:
     return HEADER.itemsize + 4 * unit_count(stream_bytes, unit_bytes)
 
 
-def unit_bounds(document_bytes: np.ndarray, unit_bytes: int) -> np.ndarray:
+def unit_bounds(document_bytes: np.ndarray, unit_bytes: int,
+                cuts: np.ndarray | None = None) -> np.ndarray:
     """int64[U + 1]: where each unit of the stream starts, and the stream's end, from the
     streams's document starts (`document_bytes`: int64[D + 1] byte offsets, the last the
-    stream's size)."""
+    stream's size); `cuts` (int64[D + 1], default `document_bytes`): the positions units
+    are cut by."""
     starts = np.asarray(document_bytes, dtype=np.int64)
-    size = int(starts[-1])
-    grid = np.arange(unit_count(size, unit_bytes), dtype=np.int64) * unit_bytes
-    first = np.searchsorted(starts[:-1], grid, side="left")
-    return np.append(starts[first], size)
+    cut = starts if cuts is None else np.asarray(cuts, dtype=np.int64)
+    grid = np.arange(unit_count(int(cut[-1]), unit_bytes), dtype=np.int64) * unit_bytes
+    first = np.searchsorted(cut[:-1], grid, side="left")
+    return np.append(starts[first], int(starts[-1]))
 
 
 def encode_sums(crcs: list[int] | np.ndarray, unit_bytes: int) -> bytes:
@@ -61,16 +67,21 @@ class ChecksumWriter:
         self.unit_bytes = unit_bytes
         self.crcs: list[int] = []
         self.position = 0  # bytes of the stream so far
+        self.cut_position = 0  # ... as units are cut (their tokens' bytes: `add`'s cuts)
         self._crc = 0  # the open unit's CRC so far (unit len(self.crcs))
 
-    def add(self, data: Any, document_bytes: np.ndarray) -> None:
-        """Append whole documents: `data` their bytes, `document_bytes` each one's size."""
+    def add(self, data: Any, document_bytes: np.ndarray,
+            document_cuts: np.ndarray | None = None) -> None:
+        """Append whole documents: `data` their bytes, `document_bytes` each one's size,
+        `document_cuts` each one's size as units are cut (default: its bytes)."""
         view = memoryview(data).cast("B")
         sizes = np.asarray(document_bytes, dtype=np.int64)
         if int(sizes.sum()) != len(view):
             raise ValueError("document sizes do not add up to the bytes given")
         before = np.cumsum(sizes) - sizes  # each document's first byte in `data`
-        units = (self.position + before) // self.unit_bytes
+        cut_sizes = sizes if document_cuts is None else np.asarray(document_cuts, np.int64)
+        units = (self.cut_position + np.cumsum(cut_sizes) - cut_sizes) // self.unit_bytes
+        self.cut_position += int(cut_sizes.sum())
         opens = np.flatnonzero(units > np.concatenate([[len(self.crcs)], units[:-1]]))
         at = 0
         for index in opens.tolist():
@@ -88,7 +99,7 @@ class ChecksumWriter:
         self._crc = 0
 
     def encoded(self) -> bytes:
-        count = unit_count(self.position, self.unit_bytes)
+        count = unit_count(self.cut_position, self.unit_bytes)
         crcs = list(self.crcs)
         if count:
             crcs.append(self._crc)
@@ -112,10 +123,11 @@ class StreamChecksums:
     """A token stream's unit CRCs and bounds: checks the bytes of a run of units, and
     (`check_span`) each unit a read touches once, remembering which are checked."""
 
-    def __init__(self, sums_path: Path | str, document_bytes: np.ndarray, label: str):
+    def __init__(self, sums_path: Path | str, document_bytes: np.ndarray, label: str,
+                 cuts: np.ndarray | None = None):
         self.label = label  # the token file's name, for the refusal
         self.unit_bytes, self.crcs = read_sums(sums_path)
-        self.bounds = unit_bounds(document_bytes, self.unit_bytes)
+        self.bounds = unit_bounds(document_bytes, self.unit_bytes, cuts)
         if len(self.bounds) - 1 != len(self.crcs):
             raise FormatError(sums_path, "checksum units for the token file's size",
                               len(self.bounds) - 1, len(self.crcs))

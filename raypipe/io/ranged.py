@@ -2,11 +2,13 @@
 of its loss mask's, chat data), cached as a file of its own
 (raypipe.io.cache.ShardCache.fetch_ranges).
 
-Invariant: `BlockTokens[a:b]` is exactly the shard's tokens [a, b), read from the maps of
-the blocks that hold them (fetched first where absent); a slice inside one block is a view
-of its map, one across blocks a copy. A block is mapped on its first read and unmapped when
-`forget` drops it, so a rank maps only the blocks of its windows. Cost of a slice inside a
-block: one binary search over the shard's blocks and a dict lookup (~1 us).
+Invariant: `BlockTokens[a:b]` is exactly the shard's tokens [a, b), read from the blocks
+that hold them (fetched first where absent); a slice inside one block is a view of it, one
+across blocks a copy. A block is loaded on its first read (a map of its file; a format
+whose samples interleave headers with tokens, MDS: its samples decoded, a private copy of
+the block's tokens) and dropped when `forget` drops it, so a rank holds only the blocks of
+its windows. Cost of a slice inside a block: one binary search over the shard's blocks and
+a dict lookup (~1 us).
 """
 
 from __future__ import annotations
@@ -19,20 +21,22 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.io.mapping import map_file, token_view
 from raypipe.io.records import FileEntry
 
 
 @dataclass(frozen=True)
 class BlockFile:
     """A file of a shard read a block at a time (its tokens; chat data's loss mask beside
-    them): its entry, the byte its entries begin at, the bytes an entry holds, and the
-    `.sums` that checks its ranges (None: their lengths alone)."""
+    them): its entry, the byte its entries begin at, the bytes an entry holds, the `.sums`
+    that checks its ranges (None: their lengths alone), and whether its documents are
+    samples whose bytes a sidecar of offsets places (`DocumentFormat.samples`; else
+    `span`)."""
 
     entry: FileEntry
     at: int
     itemsize: int
     sums: FileEntry | None
+    samples: bool = False
 
     def span(self, first: int, stop: int) -> tuple[int, int]:
         """The bytes of its entries [first, stop)."""
@@ -61,29 +65,28 @@ class HeldBlock:
 
 class BlockTokens:
     """The 1-D tokens of one shard, block by block: block k holds tokens [cuts[k],
-    cuts[k + 1]); `block_path(k)` gives the local file of its bytes (fetched if need be),
-    entries of `entry` each (a token, or a record holding one: raypipe.io.mapping)."""
+    cuts[k + 1]); `load(k, count)` gives its `count` values of `dtype` (a map of its local
+    file, fetched if need be; or those values decoded from it)."""
 
-    def __init__(self, cuts: np.ndarray, entry: np.dtype, block_path: Callable[[int], Path]):
+    def __init__(self, cuts: np.ndarray, dtype: np.dtype,
+                 load: Callable[[int, int], np.ndarray]):
         self.cuts = np.asarray(cuts, dtype=np.int64)
-        self.entry = np.dtype(entry)
-        self.dtype = token_view(np.empty(0, dtype=self.entry)).dtype
+        self.dtype = np.dtype(dtype)
         self.size = int(self.cuts[-1])
         self.shape = (self.size,)
         self.ndim = 1
-        self._block_path = block_path
+        self._load = load
         self._maps: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
         return self.size
 
     def block(self, index: int) -> np.ndarray:
-        """Block `index`'s tokens (mapped on first use)."""
+        """Block `index`'s tokens (loaded on first use)."""
         mapped = self._maps.get(index)
         if mapped is None:
-            count = int(self.cuts[index + 1] - self.cuts[index])
-            mapped = self._maps[index] = token_view(
-                map_file(self._block_path(index), self.entry, 0, count))
+            mapped = self._maps[index] = self._load(
+                index, int(self.cuts[index + 1] - self.cuts[index]))
         return mapped
 
     def forget(self, keep: set[int]) -> None:
