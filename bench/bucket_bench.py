@@ -14,8 +14,9 @@ One epoch of bestfit T=2048, 4 rows a rank, each rank a process of its own with 
 step of 5 ms (--step-ms), `shuffle="auto"` (windowed: blocks sized from the budget).
 --mixture makes every cell a mixture of two such datasets on the bucket (weights by
 tokens, the cache shared by both: each source holds its part), served for the steps of
-both datasets' tokens once; --chat makes them chat data (a loss mask sidecar beside the
-tokens, each document's second half trained), and a batch's mask is compared too.
+both datasets' tokens once; --chat makes them chat data (a loss mask beside the
+tokens: a sidecar, or MDS samples' column; each document's second half trained), and a
+batch's mask is compared too.
 Per cell it prints:
 - bytes fetched an epoch / the dataset (all nodes), GETs / (blocks + index objects: each
   shard's index files, such as Megatron's .idx and .sums, on every node), the

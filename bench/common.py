@@ -160,7 +160,7 @@ def write_synthetic_dataset(output: Path, format_name: str, batches, fingerprint
     info = TokenizerInfo("synthetic", "0" * 64, largest_id, 0, None,
                          chat_template_sha256="1" * 64 if chat else None)
     fmt = get_format(format_name)
-    options = fmt.options()
+    options = fmt.options_for(None, chat)  # chat data: a format's mask column, if any
     spec = ShardSpec(str(output), (format_name,), shard_tokens, info.largest_id, info.bos_id,
                      {format_name: options})
     roller = ShardRoller(spec, "synthetic")

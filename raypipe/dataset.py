@@ -274,10 +274,10 @@ class ShardSet:
         """Read this dataset in blocks from now on (object storage): block b begins at
         global document `starts[b]` of shard `shards[b]` (raypipe.sampling.blocks). A shard
         of several blocks whose format finds a block's bytes from its index
-        (`DocumentFormat.tokens_at`) is fetched a block at a time with ranged reads; the
-        others whole. `prefetch`, `close_except` and `units_of_documents` then count in
-        blocks, and this process holds at most `hold_bytes` of them (its share of the node
-        cache: fetched ahead within it)."""
+        (`DocumentFormat.tokens_at`, or its samples' offsets: `samples`) is fetched a
+        block at a time with ranged reads; the others whole. `prefetch`, `close_except`
+        and `units_of_documents` then count in blocks, and this process holds at most
+        `hold_bytes` of them (its share of the node cache: fetched ahead within it)."""
         if self.cache is None:
             return
         self.close()

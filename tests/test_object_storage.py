@@ -976,6 +976,31 @@ def test_two_mixture_sources_on_buckets_share_the_node_cache_in_equal_parts(
     assert both["window_blocks"] * 2 <= alone["window_blocks"] + 1
 
 
+def test_a_mixture_on_buckets_sizes_its_windows_for_the_source_that_fetches_most_a_block(
+        bucket, token_dataset, mds_dataset, tmp_path):
+    """Megatron and MDS sources of one corpus on a bucket: an MDS block fetches its
+    samples' headers, ids and sources beside the tokens, so the mixture's one layout is
+    resolved by the MDS source (the windows of two MDS sources), not by the first source
+    by name (the Megatron one, whose windows would overrun the MDS source's part)."""
+    from raypipe.loader import open_loader
+
+    for name, output in (("a", token_dataset), ("b", mds_dataset), ("c", mds_dataset),
+                         ("d", token_dataset)):
+        upload_tree(output, f"s3://{bucket}/{name}")
+    knobs = {"mode": "bestfit", "cache_bytes": 1 << 20, "cache_dir": tmp_path / "c",
+             "block_bytes": 4096}
+
+    def windows(*names):
+        loader = open_loader({name: f"s3://{bucket}/{name}" for name in names}, 32, 4,
+                             **knobs)
+        try:
+            return loader.state_dict()["knobs"]["window_blocks"]
+        finally:
+            loader.close()
+
+    assert windows("a", "b") == windows("b", "c") < windows("a", "d")
+
+
 def test_two_mixture_sources_on_buckets_fetch_ahead_within_their_parts_of_the_cache(
         bucket, token_dataset, tmp_path):
     """What each source of a mixture holds and fetches ahead is its part of the node

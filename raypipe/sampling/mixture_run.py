@@ -123,10 +123,13 @@ class MixtureRun:
                             manifest=(manifests or {}).get(name),
                             budget_sources=max(sum(remote), 1), **source_options)
                    for name in names]  # (each logs on the mixture's rank 0 alone)
-        # one shuffle and one layout for all (a state records one set of knobs): the first
-        # source on object storage resolved them for its part of the node cache (else the
-        # first source)
-        first = sources[remote.index(True) if any(remote) else 0]
+        # one shuffle and one layout for all (a state records one set of knobs): the source
+        # on object storage whose blocks fetch the most for their cut bytes (chat data's
+        # mask, MDS samples' headers; the first of equals) resolved them for its part of
+        # the node cache, so every source's windows fit theirs (else the first source)
+        first = max((source for source, on_bucket in zip(sources, remote, strict=True)
+                     if on_bucket), default=sources[0],
+                    key=lambda source: getattr(source.dataset, "fetched_per_cut_byte", 1.0))
         for source in sources:
             source.adopt_sibling(first)
         check_tokenizers(names, sources)
