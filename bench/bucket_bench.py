@@ -19,7 +19,8 @@ tokens: a sidecar, or MDS samples' column; each document's second half trained),
 batch's mask is compared too.
 Per cell it prints:
 - bytes fetched an epoch / the dataset (all nodes), GETs / (blocks + index objects: each
-  shard's index files, such as Megatron's .idx and .sums, on every node), the
+  shard's index files, such as Megatron's .idx and .sums, on every node), HEADs / blocks
+  (an object's size, asked before its first ranged GET in a process), the
   training thread's wait after the first batch (p99, max; worst rank), the fetches' p99
   (worst rank) against the milliseconds of reading a rank's read-ahead holds (the least
   rank's: raypipe.loader.stats.FetchSizing), the blocks a reader fetched itself on the
@@ -296,7 +297,7 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
                   for order in node(range(2 * index, 2 * index + 2), ranks, f"cache-{index}",
                                     save_at=RESUME_AT)]
         run = run_ranks(orders, proxy.url)
-        gets = sum(proxy.gets.values())
+        gets, heads = sum(proxy.gets.values()), proxy.requests["HEAD"]
         knobs = resolved_layout(run[0]["knobs"])
         reference, _ = local_steps(local_path, ranks, {"format": fmt, **knobs}, steps)
         same = served(run) == reference
@@ -319,6 +320,7 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
            layout_text(knobs),
            f"{sum(r['fetched'] for r in run) / dataset:.2f}",
            f"{gets / (sum(blocks) + sum(index_objects) * nodes):.2f}",
+           f"{heads / sum(blocks):.2f}",
            f"{worst['data_wait_p99_ms']:.0f}", f"{worst['data_wait_max_ms']:.0f}",
            f"{fetch_p99:.0f}", f"{read_ahead:,.0f}",
            f"{sum(result['on_read'] for result in run)}",
@@ -373,8 +375,8 @@ def first_quality(local: Path, fmt: str, shards: list, knobs: dict, ranks: int,
 
 
 HEADER = ("shards", "per rank", "cache", "nodes", "count", "block x window",
-          "bytes/data", "GETs/blocks", "p99 ms", "max ms", "fetch p99 ms", "read-ahead ms",
-          "on read", "first s", "= local", "2->3")
+          "bytes/data", "GETs/blocks", "HEADs/blocks", "p99 ms", "max ms", "fetch p99 ms",
+          "read-ahead ms", "on read", "first s", "= local", "2->3")
 
 
 def parsed_cell(text: str) -> tuple[str, float, float, int]:

@@ -144,10 +144,9 @@ def corpus_with_gaps(directory, texts):
 
 
 def tokenize(corpus, output, tokenizer_path, **options):
-    options = {"bos": True, **options}  # documents start with BOS in every format
-    run_job(load_config(None, inputs=[str(corpus)], output=str(output),
-                        tokenizer=tokenizer_path, shard_tokens=9_000, unit_bytes=1,
-                        **options))
+    options = {"bos": True, "shard_tokens": 9_000, **options}  # BOS starts documents
+    run_job(load_config(None, inputs=[str(corpus)], output=str(output),  # in every format
+                        tokenizer=tokenizer_path, unit_bytes=1, **options))
     return output
 
 

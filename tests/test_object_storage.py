@@ -902,6 +902,51 @@ def test_a_bucket_budget_below_one_block_a_rank_is_refused_naming_the_least_budg
     assert "cache_bytes >= " in message and "4 rank(s)" in message and "\n" not in message
 
 
+def test_a_kept_ranged_handle_of_an_object_rewritten_since_is_opened_again_not_refused(
+        bucket):
+    """A Store keeps an object open for ranged reads (its size asked once); an object
+    rewritten since with another size, which a newer manifest lists, is opened again and
+    read, and one whose size is not the manifest's is still refused, naming it."""
+    store = Store(f"s3://{bucket}/kept")
+    store.write_bytes("shard.bin", bytes(range(100)))
+    assert store.read_ranges("shard.bin", [(10, 20)], expected_size=100) == [bytes(range(10, 20))]
+    store.write_bytes("shard.bin", bytes(range(200)))
+    assert store.read_ranges("shard.bin", [(150, 160)], expected_size=200) == [
+        bytes(range(150, 160))]
+    with pytest.raises(FormatError, match="kept/shard.bin.*size differs from the manifest"):
+        store.read_ranges("shard.bin", [(0, 10)], expected_size=100)
+
+
+@pytest.mark.slow
+def test_a_block_of_a_shard_read_before_costs_its_get_alone_over_more_shards_than_64(
+        bucket, tmp_path, monkeypatch):
+    """Blocks drawn from the whole corpus visit the shards over and over: each object's
+    size is asked (a HEAD) once a process, before its first ranged GET, not before every
+    block of it (64 objects kept once: ~1 HEAD a GET over 405 shards)."""
+    from bench.common import synthetic_token_dataset
+    from raypipe.io.store import RANGED_HANDLES
+
+    output = synthetic_token_dataset(tmp_path, 700_000, 6, 6_000)  # 2-3 blocks a shard
+    uri = f"s3://{bucket}/many"
+    upload_tree(output, uri)
+    shards = read_manifest(uri).formats["megatron"].shards
+    assert 128 < len(shards) <= RANGED_HANDLES
+    proxy = through_a_fault_proxy(monkeypatch, lambda path, asked: False)
+    try:
+        loader = TokenLoader(uri, 1023, 4, seed=2, block_bytes=4096,
+                             cache_dir=tmp_path / "c", cache_bytes=512 << 10,
+                             shuffle="windowed")
+        for _ in loader:  # an epoch
+            pass
+        stats = loader.cache_stats
+        loader.close()
+    finally:
+        proxy.stop()
+    assert stats.ranged_reads > 2 * len(shards)  # every shard's blocks
+    whole_downloads = stats.downloads - stats.ranged_reads  # index files: a HEAD each
+    assert proxy.requests["HEAD"] <= len(shards) + whole_downloads
+
+
 @pytest.mark.parametrize("fmt", RANGED_FORMATS)
 @pytest.mark.parametrize("change", ["flipped", "appended"])
 def test_a_token_object_changed_on_the_bucket_is_refused_before_an_altered_block_is_served(
