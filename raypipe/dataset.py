@@ -310,20 +310,33 @@ class ShardSet:
         return found
 
     def reads_in_blocks(self, shard: int) -> bool:
-        """A block of the shard can be read without the rest of it: its format finds a
-        block's bytes from its lengths index (`DocumentFormat.tokens_at`) or from a sidecar
-        of its samples' offsets the shard lists (`DocumentFormat.samples`: MDS shards not
+        """A block of the shard can be read without the rest of it (`read_whole_because`
+        finds no reason it cannot)."""
+        return self.read_whole_because(shard) is None
+
+    def read_whole_because(self, shard: int) -> str | None:
+        """Why the shard is read whole, never a block at a time, or None: a block's bytes
+        are found from its lengths index (`DocumentFormat.tokens_at`) or from a sidecar of
+        its samples' offsets the shard lists (`DocumentFormat.samples`: MDS shards not
         compressed), the shard lists that index (and the `.sums` where the format reads
         blocks only checked), and a loss mask sidecar (chat data) rides along only with
         its `.mask.sums` (outputs written before it had one are read whole)."""
-        entry = self.shards[shard]
-        samples = getattr(self.format, "samples", None)
-        return ((getattr(self.format, "tokens_at", None) is not None
-                 or (samples is not None and lists_file(entry, samples.offsets_suffix)))
-                and self.lists_lengths_index(shard)
-                and (not lists_file(entry, MASK_SIDECAR) or lists_file(entry, MASK_SUMS_SIDECAR))
-                and (not getattr(self.format, "blocks_need_sums", False)
-                     or lists_file(entry, SUMS_SUFFIX)))
+        entry, fmt = self.shards[shard], self.format
+        samples = getattr(fmt, "samples", None)
+        suffixes = getattr(fmt, "index_suffixes", ())
+        if getattr(fmt, "tokens_at", None) is None and samples is None:
+            return f"format {self.format_name!r} finds no run of documents' bytes from an index"
+        if samples is not None and not lists_file(entry, samples.offsets_suffix):
+            return (f"it has no {samples.offsets_suffix} (its samples' bytes: compressed, or "
+                    "written before raypipe wrote one)")
+        if not self.lists_lengths_index(shard):
+            return f"it has no {suffixes[0] if suffixes else 'lengths index'}"
+        if lists_file(entry, MASK_SIDECAR) and not lists_file(entry, MASK_SUMS_SIDECAR):
+            return (f"its {MASK_SIDECAR} has no {MASK_SUMS_SIDECAR} (written before raypipe "
+                    "wrote one)")
+        if getattr(fmt, "blocks_need_sums", False) and not lists_file(entry, SUMS_SUFFIX):
+            return f"it has no {SUMS_SUFFIX} (written before raypipe wrote one)"
+        return None
 
     def lists_lengths_index(self, shard: int) -> bool:
         """The shard's document lengths can be read without its tokens: its format keeps a

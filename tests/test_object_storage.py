@@ -902,6 +902,35 @@ def test_a_bucket_budget_below_one_block_a_rank_is_refused_naming_the_least_budg
     assert "cache_bytes >= " in message and "4 rank(s)" in message and "\n" not in message
 
 
+def test_a_bucket_output_too_old_for_blocks_is_read_in_whole_shards_with_a_warning_saying_why(
+        bucket, mds_dataset, tmp_path, caplog):
+    """MDS shards written before raypipe wrote `.offsets` cannot be read a block at a
+    time: the windowed shuffle fetches them whole and says so once, naming the shards, the
+    missing file and the remedy; the same output with its sidecars says nothing of it."""
+    import shutil
+
+    from raypipe.sampling.blocks import WHOLE_SHARDS
+    from tests.helpers import without_sidecar
+
+    older = without_sidecar(shutil.copytree(mds_dataset, tmp_path / "older"), "mds",
+                            ".offsets")
+    shards = len(read_manifest(older).formats["mds"].shards)
+    caplog.set_level(logging.INFO, logger="raypipe")
+    knobs = {"cache_bytes": 64 << 10, "format": "mds"}
+    for name, output in (("older", older), ("newer", mds_dataset)):
+        upload_tree(output, f"s3://{bucket}/{name}")
+        loader = TokenLoader(f"s3://{bucket}/{name}", 32, 4, cache_dir=tmp_path / name,
+                             **knobs)
+        loader.close()
+        assert loader.spec.shuffle == "windowed"
+        assert (loader.spec.block_bytes >= WHOLE_SHARDS) == (name == "older")
+    warned = [record.getMessage() for record in caplog.records
+              if "cannot be read a block at a time" in record.getMessage()]
+    assert len(warned) == 1 and "/older" in warned[0]
+    assert f"{shards} of {shards} shards" in warned[0] and "has no .offsets" in warned[0]
+    assert "raypipe convert" in warned[0] and "\n" not in warned[0]
+
+
 def test_a_kept_ranged_handle_of_an_object_rewritten_since_is_opened_again_not_refused(
         bucket):
     """A Store keeps an object open for ranged reads (its size asked once); an object
