@@ -249,6 +249,9 @@ def projection(shard_mb: float = 400, shards: int = 10_000, nodes: int = 125,
             ("a step mixes documents of", f"{ranks * window:,} blocks"),
             ("bytes per node per epoch", f"{dataset / nodes / 1e9:,.0f} GB"),
             ("GETs per node per epoch", f"{dataset / nodes / block:,.0f}"),
+            ("index objects a node reads at the open (.idx, .sums)", f"{2 * shards:,}"),
+            ("... all nodes at the start: GETs, bytes",
+             f"{2 * shards * nodes:,}, {index * nodes / 1e12:,.1f} TB"),
             ("epoch at 4 M tokens a step, 1 step/s", f"{dataset / 2 / step_tokens / 3600:,.0f}"
              " h")]
 
