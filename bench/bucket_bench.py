@@ -235,13 +235,16 @@ def projection(shard_mb: float = 400, shards: int = 10_000, nodes: int = 125,
     per_node = ranks // nodes
     budget = dataset / nodes * share
     documents = dataset / 2 / document_tokens
-    index = documents * 20  # every shard's Megatron .idx: what every node keeps
+    # what every node reads at the open and keeps: each .idx's lengths (4 bytes a
+    # document; the whole .idx is 20) and each .sums (4 bytes a 4 KiB unit)
+    index = documents * 4 + dataset / 4096 * 4
     fit = WindowBudget(int(budget + index), per_node, int(index), dataset_bytes=int(dataset),
                        largest_shard_bytes=int(shard_mb * 1e6), shards=shards)
     block = fit.block_bytes(0)
     window = fit.window_blocks(block)
     return [("figure", "value"),
-            ("node cache (its share + every .idx)", f"{(budget + index) / 1e9:,.0f} GB"),
+            ("node cache (its share + every shard's lengths and .sums)",
+             f"{(budget + index) / 1e9:,.0f} GB"),
             ("block / window", f"{block / 1e6:.1f} MB / {window:,} blocks"),
             ("blocks in the corpus", f"{dataset / block:,.0f}"),
             ("a rank's window draws from", f"{window:,} blocks of the whole corpus "
@@ -249,7 +252,8 @@ def projection(shard_mb: float = 400, shards: int = 10_000, nodes: int = 125,
             ("a step mixes documents of", f"{ranks * window:,} blocks"),
             ("bytes per node per epoch", f"{dataset / nodes / 1e9:,.0f} GB"),
             ("GETs per node per epoch", f"{dataset / nodes / block:,.0f}"),
-            ("index objects a node reads at the open (.idx, .sums)", f"{2 * shards:,}"),
+            ("index objects a node reads at the open (.idx lengths, .sums)",
+             f"{2 * shards:,}"),
             ("... all nodes at the start: GETs, bytes",
              f"{2 * shards * nodes:,}, {index * nodes / 1e12:,.1f} TB"),
             ("epoch at 4 M tokens a step, 1 step/s", f"{dataset / 2 / step_tokens / 3600:,.0f}"

@@ -8,9 +8,10 @@ manifest (and checks each shard's file names, ~1 us a file), and any number of o
 fits under a small open-file limit. The root may be a local directory or a URI
 (raypipe.io.store): over object storage a shard opens from the node-local cache
 (raypipe.io.cache) once its files arrived checked, and document lengths come from index files
-alone where the format has them. Cost of `document_lengths()`: one pass over each shard's index
-(Megatron .idx / NanoGPT .bos.idx), plus on object
-storage one download of each index (~1% of the shard's bytes for Megatron). The dataset
+alone where the format has them. Cost of `document_lengths()`: one pass over each shard's
+index (Megatron .idx / NanoGPT .bos.idx), plus on object storage one download of each index
+file (Megatron: the `.idx`'s lengths by one ranged GET, 4 bytes a document, and the
+`.sums`). The dataset
 opener (`open_format`, `open_kind`, `open_source`) picks the dataset class by the kind of
 format (`DATASET_KINDS`: one dict lookup) and reads the manifest once when not given it.
 """
@@ -337,6 +338,22 @@ class ShardSet:
         if getattr(fmt, "blocks_need_sums", False) and not lists_file(entry, SUMS_SUFFIX):
             return f"it has no {SUMS_SUFFIX} (written before raypipe wrote one)"
         return None
+
+    def whole_shards_note(self) -> str | None:
+        """Where a windowed shuffle fetches whole shards because some cannot be read a
+        block at a time: how many, why (the first's reason), and the remedy; None where
+        every shard can. O(files)."""
+        whole = [(shard, reason) for shard in range(self.num_shards)
+                 if (reason := self.read_whole_because(shard)) is not None]
+        if not whole:
+            return None
+        shard, reason = whole[0]
+        return (f"{self.root}: the windowed shuffle fetches whole shards, not blocks: "
+                f"{len(whole):,} of {self.num_shards:,} shards cannot be read a block at a "
+                f"time (the first, {self.shards[shard].name!r}: {reason}), so a window holds "
+                "fewer, larger pieces of the corpus; a job rerun with this raypipe, or "
+                f"`raypipe convert {self.root} <new output> --format {self.format_name}`, "
+                "writes what blocks need")
 
     def lists_lengths_index(self, shard: int) -> bool:
         """The shard's document lengths can be read without its tokens: its format keeps a
@@ -707,15 +724,71 @@ class ShardSet:
         for index in [index for index in self._readers if index not in kept]:
             self._close(index)
 
+    def lengths_range(self, index: int) -> tuple[FileEntry, int, int, np.dtype] | None:
+        """Where the shard's document lengths lie in its lengths index, as one array
+        (`DocumentFormat.lengths_at`): the index file, its byte range and dtype; None where
+        the format has no such array or the shard lists no such file."""
+        at = getattr(self.format, "lengths_at", None)
+        entry = None if at is None else shard_file(self.shards[index], at[0])
+        if entry is None:
+            return None
+        dtype = np.dtype(at[2])
+        count = int(self.document_offsets[index + 1] - self.document_offsets[index])
+        return entry, at[1], at[1] + count * dtype.itemsize, dtype
+
+    def _open_index_entries(self, index: int) -> tuple[FileEntry, ...]:
+        """The index files a loader fetches whole for a shard (at the open, and to read it
+        a block at a time): every one but a lengths index read by its lengths' range."""
+        suffixes = tuple(getattr(self.format, "index_suffixes", ()))
+        ranged = self.lengths_range(index)
+        skipped = None if ranged is None else ranged[0]
+        return tuple(entry for entry in self.shards[index].files
+                     if suffixes and entry.path.endswith(suffixes) and entry != skipped)
+
+    def _ranged_lengths(self, index: int, entry: FileEntry, start: int, stop: int,
+                        dtype: np.dtype) -> np.ndarray:
+        """The shard's lengths from bytes [start, stop) of its index file (one ranged GET,
+        cached and kept like the index files), checked against its manifest entry."""
+        assert self.cache is not None
+        if stop == start:
+            return np.empty(0, dtype=dtype)
+        path = self.cache.range_path(self.key, entry, start, stop)
+        self.cache.pin([path])
+        try:
+            self.cache.fetch_ranges(self.store, self.key, entry, [(start, stop)])
+            lengths = np.fromfile(path, dtype=dtype)
+        finally:
+            self.cache.unpin([path])
+        shard = self.shards[index]
+        if lengths.size != shard.documents or lengths.min() < 0 or (
+                shard.tokens is not None and int(lengths.sum(dtype=np.int64)) != shard.tokens):
+            raise FormatError(self.store.uri_of(entry.path), "document lengths (bytes "
+                              f"[{start}, {stop})) against the manifest's documents and tokens",
+                              f"{shard.documents} summing to {shard.tokens}",
+                              f"{lengths.size} summing to {int(lengths.sum(dtype=np.int64))}")
+        return lengths
+
+    @cached_property
+    def index_bytes_read(self) -> int:
+        """The bytes of index every node reads at the open and keeps (on a bucket; the
+        same figure locally, so a local copy sizes the windows a bucket run does): each
+        shard's index files, a lengths index by its lengths' range alone."""
+        total = 0
+        for index in range(self.num_shards):
+            ranged = self.lengths_range(index)
+            total += sum(entry.bytes for entry in self._open_index_entries(index))
+            total += 0 if ranged is None else ranged[2] - ranged[1]
+        return total
+
     def _shard_bytes(self, index: int) -> int:
         return sum(entry.bytes for entry in self.shards[index].files)
 
     def _files_to_open(self, index: int) -> tuple[FileEntry, ...]:
-        """The files a shard's reader needs fetched: all, or a ranged shard's index."""
-        files = self.shards[index].files
+        """The files a shard's reader needs fetched: all, or a ranged shard's index files
+        (`_open_index_entries`: its lengths come from their range)."""
         if not self.ranged(index):
-            return files
-        return tuple(entry for entry in files if entry.path.endswith(self.format.index_suffixes))
+            return self.shards[index].files
+        return self._open_index_entries(index)
 
     def _open_bytes(self, index: int) -> int:
         """Bytes a shard holds open or pending: its files, or a ranged shard's index."""
@@ -992,9 +1065,11 @@ class TokenDataset(ShardSet):
             self._check_files(index)
             return self.format.reader.index_document_lengths(self.local_root, shard,
                                                              self.tokenizer)
-        paths = self._fetch(tuple(entry for entry in shard.files
-                                  if entry.path.endswith(self.format.index_suffixes)))
+        paths = self._fetch(self._open_index_entries(index))  # kept for the blocks' reads
         try:
+            ranged = self.lengths_range(index)
+            if ranged is not None:
+                return self._ranged_lengths(index, *ranged)
             return self.format.reader.index_document_lengths(self.local_root, shard,
                                                              self.tokenizer)
         finally:
@@ -1094,6 +1169,11 @@ class BatchDataset(ShardSet):
         self.padded_tokens = self.options.padded_tokens
         counts = np.array([s.batches for s in self.shards], dtype=np.int64)
         self.batch_offsets = np.concatenate([[0], np.cumsum(counts)])
+
+    def whole_shards_note(self) -> str | None:
+        """None: pre-formed batches are read in whole shards by design, not cut into
+        blocks of documents."""
+        return None
 
     @property
     def served_tokens(self) -> int:

@@ -286,11 +286,13 @@ def test_two_processes_share_one_cache_without_corrupting_it(bucket, token_datas
     for batch in local:
         digest.update(batch.inputs.numpy().tobytes())
     assert outputs[0][0] == outputs[1][0] == digest.hexdigest()
-    entries = [f for s in read_manifest(uri).formats["megatron"].shards for f in s.files]
-    assert sum(int(o[1]) for o in outputs) == len(entries), \
+    shards = read_manifest(uri).formats["megatron"].shards
+    entries = [f for s in shards for f in s.files]
+    # every file once, and each .idx's lengths once more by range at the open
+    assert sum(int(o[1]) for o in outputs) == len(entries) + len(shards), \
         "a file was downloaded by both processes"
     cached = ShardCache(cache_dir).cached_files()
-    assert len(cached) == len(entries)
+    assert len(cached) == len(entries) + len(shards)
     assert not list(cache_dir.rglob("*.raypipe.tmp"))
 
 
@@ -436,31 +438,54 @@ def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_d
            f"{len(shards)} shards)")
 
 
-@pytest.mark.parametrize("fmt", ["nanogpt", "stream", "mds"])
+@pytest.mark.parametrize("fmt", ["megatron", "nanogpt", "stream", "mds"])
 def test_lengths_on_a_bucket_come_from_the_index_files_alone(bucket, corpus_dir,
                                                              tokenizer_path, tmp_path, fmt,
                                                              figure):
-    """Every rank reads every shard's lengths when it opens: for NanoGPT that is the
-    `.bos.idx` files (~4 bytes a document), for stream and MDS the `.lengths` sidecars,
-    not every token file of the dataset; and they are the lengths the readers find."""
+    """Every rank reads every shard's lengths when it opens: for Megatron the lengths'
+    range of each `.idx` (4 of its 20 bytes a document), for NanoGPT the `.bos.idx` files
+    (~4 bytes a document), for stream and MDS the `.lengths` sidecars (with the `.sums`
+    the blocks' reads need), not every token file of the dataset; and they are the lengths
+    the readers find."""
     local = tmp_path / "local"
     tokenize_to(str(local), corpus_dir, tokenizer_path, formats=[fmt], bos=True)
     uri = f"s3://{bucket}/tokens"
     upload_tree(local, uri)
     shards = read_manifest(uri).formats[fmt].shards
-    index_bytes = sum(f.bytes for shard in shards for f in shard.files
+    index_files = sum(f.bytes for shard in shards for f in shard.files
                       if f.path.endswith(get_format(fmt).index_suffixes))
+    index_bytes = TokenDataset(local, fmt).index_bytes_read
+    assert index_bytes < index_files if fmt == "megatron" else index_bytes == index_files
     cache = ShardCache(tmp_path / "c")
     lengths = TokenDataset(uri, fmt, cache=cache).document_lengths()
     assert cache.stats.downloaded_bytes == index_bytes, "token files fetched for lengths"
     data_bytes = sum(f.bytes for s in shards for f in s.files)
     assert len(shards) > 1 and index_bytes < data_bytes / 4
     figure(f"{fmt} lengths from a bucket", f"{index_bytes:,} bytes fetched of a "
-           f"{data_bytes:,}-byte dataset ({index_bytes / data_bytes:.1%})")
+           f"{data_bytes:,}-byte dataset ({index_bytes / data_bytes:.1%}; its index files "
+           f"whole: {index_files:,})")
     on_disk = TokenDataset(local, fmt)
     from_tokens = np.concatenate([on_disk.reader(i).document_lengths
                                   for i in range(on_disk.num_shards)])
     assert np.array_equal(lengths, from_tokens)
+
+
+def test_a_megatron_idx_whose_lengths_differ_from_the_manifest_is_refused_naming_it(
+        bucket, token_dataset, tmp_path):
+    """The lengths a bucket loader reads by range from a `.idx` are checked against the
+    manifest's documents and tokens: one altered is refused at the open, naming the file."""
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    store = Store(uri)
+    victim = read_manifest(uri).formats["megatron"].shards[1].files[1].path
+    assert victim.endswith(".idx")
+    data = bytearray(store.read_bytes(victim))
+    data[34] ^= 0x01  # the first document's length
+    store.write_bytes(victim, bytes(data))
+    with pytest.raises(FormatError) as refused:
+        TokenDataset(uri, "megatron", cache=ShardCache(tmp_path / "c")).document_lengths()
+    assert store.uri_of(victim) in str(refused.value)
+    assert "against the manifest's documents and tokens" in str(refused.value)
 
 
 # the document formats a bucket loader reads a block at a time (ranged GETs)
@@ -492,8 +517,11 @@ def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_block_once_per
     upload_tree(token_dataset, uri)
     shards = read_manifest(uri).formats[fmt].shards
     index_suffixes = get_format(fmt).index_suffixes
-    read = (get_format(fmt).suffixes[0], *index_suffixes)  # stream's metadata files: never
-    data_bytes = sum(f.bytes for shard in shards for f in shard.files if f.path.endswith(read))
+    token_file = get_format(fmt).suffixes[0]  # stream's metadata files: never read
+    # the token files, and what the open reads of the index (Megatron's .idx: its lengths)
+    data_bytes = (sum(f.bytes for shard in shards for f in shard.files
+                      if f.path.endswith(token_file))
+                  + TokenDataset(token_dataset, fmt).index_bytes_read)
     largest = max(sum(f.bytes for f in shard.files) for shard in shards)
     loader = TokenLoader(uri, 32, 4, seed=5, window_blocks=1, cache_dir=tmp_path / "c",
                          cache_bytes=3 * largest, format=fmt)
@@ -696,9 +724,7 @@ def test_a_bucket_run_whose_read_ahead_is_shorter_than_its_fetches_is_told_the_l
     hold two fetches' worth of its reading; its stats carry the same figures."""
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
-    shards = read_manifest(uri).formats["megatron"].shards
-    index = sum(f.bytes for shard in shards for f in shard.files
-                if f.path.endswith(get_format("megatron").index_suffixes))
+    index = TokenDataset(token_dataset, "megatron").index_bytes_read  # what the open keeps
     budget = index + (16 << 10)
     proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, 150).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
@@ -823,7 +849,9 @@ def test_a_loader_follows_a_job_writing_to_a_bucket_fetching_each_shard_once(
     assert any(record["joins"] for record in joins)
     assert loader.dataset.num_documents == outcome[0].documents
     files = {entry.path for shard in loader.dataset.shards for entry in shard.files}
-    assert loader.stats.cache.downloads <= len(files), "a shard was fetched again"
+    lengths_ranges = len(loader.dataset.shards)  # each .idx's lengths, read at the open
+    assert loader.stats.cache.downloads <= len(files) + lengths_ranges, \
+        "a shard was fetched again"
 
 
 def test_a_status_replaced_between_its_head_and_its_get_is_read_again_not_refused(
@@ -973,7 +1001,8 @@ def test_a_block_of_a_shard_read_before_costs_its_get_alone_over_more_shards_tha
         proxy.stop()
     assert stats.ranged_reads > 2 * len(shards)  # every shard's blocks
     whole_downloads = stats.downloads - stats.ranged_reads  # index files: a HEAD each
-    assert proxy.requests["HEAD"] <= len(shards) + whole_downloads
+    # each .bin and .idx (its lengths, at the open) read by range: a HEAD each, once
+    assert proxy.requests["HEAD"] <= 2 * len(shards) + whole_downloads
 
 
 @pytest.mark.parametrize("fmt", RANGED_FORMATS)

@@ -510,6 +510,11 @@ class DocumentFormat(Format):
     # where its samples interleave headers with tokens: how a run of them is found (a
     # sidecar of their byte offsets) and decoded, so a loader fetches blocks of them
     samples: SampleBlocks | None = None
+    # where its lengths index holds the documents' lengths as one array (the index's
+    # suffix, the array's first byte, its dtype), so a loader on a bucket fetches that
+    # range alone at the open, not the whole index (Megatron's .idx: 4 of its 20 bytes a
+    # document); None: the whole index
+    lengths_at: tuple[str, int, str] | None = None
     # its shards are read a block at a time only where they list a `.sums` (outputs written
     # before the format had one are read whole, each checked by its sha256)
     blocks_need_sums: bool = False

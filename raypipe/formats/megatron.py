@@ -228,6 +228,6 @@ MEGATRON = register(DocumentFormat("megatron", (".bin", ".idx", MASK_SIDECAR, MA
                                                 SUMS_SUFFIX),
                                    MegatronWriter, MegatronReader, megatron_dtype,
                                    read_order=0, index_suffixes=(".idx", SUMS_SUFFIX),
-                                   tokens_at=0,
+                                   tokens_at=0, lengths_at=(".idx", HEADER.size, "<i4"),
                                    separator="eos", trainer_prefix=data_path_prefix,
                                    holds_loss_mask=True))

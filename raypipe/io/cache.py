@@ -146,6 +146,11 @@ class ShardCache:
         # suffixes of index files (a dataset's, set when it opens): evicted after the rest
         self.kept_suffixes: tuple[str, ...] = ()
 
+    def _kept(self, name: str) -> bool:
+        """A cached file evicted after the others: an index file, or a range of one (a
+        lengths index read by its lengths' range: raypipe.dataset)."""
+        return name.partition(RANGE_MARK)[0].endswith(self.kept_suffixes)
+
     def __repr__(self) -> str:
         return f"ShardCache({str(self.directory)!r}, budget {self.budget_bytes:,} bytes)"
 
@@ -418,8 +423,8 @@ class ShardCache:
         walked before the eviction lock is taken (the walk is most of the time an
         eviction takes, and every pin of the node's processes waits for the lock); the
         pins are read under it."""
-        files = sorted(self.cached_files(),  # index files last: every open reads one
-                       key=lambda item: (item[2].name.endswith(self.kept_suffixes), item))
+        files = sorted(self.cached_files(),  # index files (and ranges of them) last:
+                       key=lambda item: (self._kept(item[2].name), item))  # opens read them
         total = sum(size for _, size, _ in files)
         if total <= self.budget_bytes:
             return

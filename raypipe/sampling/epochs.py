@@ -208,9 +208,7 @@ def window_budget(dataset: TokenDataset | BatchDataset,
     shard's (a shard-local group's size) and its shards (how many blocks a window mixes);
     `sources`: the datasets on object storage whose
     windows share the cache (a mixture's)."""
-    suffixes = tuple(getattr(dataset.format, "index_suffixes", ()))
-    index = sum(entry.bytes for shard in dataset.shards for entry in shard.files
-                if suffixes and entry.path.endswith(suffixes))
+    index = dataset.index_bytes_read
     budget = (dataset.cache.budget_bytes if dataset.cache is not None
               else configured_budget(budget_bytes))
     ranged = bool(getattr(dataset, "reads_blocks_alone", False))

@@ -442,28 +442,10 @@ class Run:
         """Warn where a windowed shuffle of a bucket dataset's documents fetches whole
         shards because some of them cannot be read a block at a time (older outputs)."""
         spec = self.spec
-        if (spec.shuffle == "windowed" and spec.block_bytes >= WHOLE_SHARDS
-                and self.dataset.kind == "documents"):
-            note = whole_shards_note(self.dataset)
+        if spec.shuffle == "windowed" and spec.block_bytes >= WHOLE_SHARDS:
+            note = self.dataset.whole_shards_note()
             if note is not None:
                 logger.warning("%s", note)
-
-
-def whole_shards_note(dataset: Any) -> str | None:
-    """Where the windowed shuffle of a bucket dataset fetches whole shards because some
-    cannot be read a block at a time: how many, why (the first's reason), and the remedy;
-    None where every shard can. O(files), once a run."""
-    why = [(shard, dataset.read_whole_because(shard)) for shard in range(dataset.num_shards)]
-    whole = [(shard, reason) for shard, reason in why if reason is not None]
-    if not whole:
-        return None
-    shard, reason = whole[0]
-    return (f"{dataset.root}: the windowed shuffle fetches whole shards, not blocks: "
-            f"{len(whole):,} of {dataset.num_shards:,} shards cannot be read a block at a "
-            f"time (the first, {dataset.shards[shard].name!r}: {reason}), so a window holds "
-            "fewer, larger pieces of the corpus; a job rerun with this raypipe, or `raypipe "
-            f"convert {dataset.root} <new output> --format {dataset.format_name}`, writes what "
-            "blocks need")
 
 
 def global_refetch_remedy(spec: PlanSpec, shard_bytes: list[int], budget: int) -> str:
