@@ -108,9 +108,16 @@ def test_a_local_job_on_the_command_line_never_imports_ray(tmp_path, corpus_dir,
 
 def test_auto_runs_on_ray_exactly_where_a_user_has_one(tmp_path, corpus_dir, tokenizer_path,
                                                        monkeypatch):
+    from raypipe.ray import launch
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "ray-tmp"))
+    # this test process may hold the session of a Ray test run before it on its worker:
+    # whether one is held is set here, both ways
+    monkeypatch.setattr(launch, "ray_session_running", lambda: True)
     auto = config_for(corpus_dir, tmp_path / "out", tokenizer_path, executor="auto")
+    assert executor_for(auto) == ("ray", "this process holds a Ray session")
+    monkeypatch.setattr(launch, "ray_session_running", lambda: False)
     assert executor_for(auto)[0] == "local"
     assert executor_for(dataclasses.replace(auto, executor="ray"))[0] == "ray"
     assert executor_for(auto, dataset=object())[0] == "ray"
