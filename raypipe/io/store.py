@@ -285,6 +285,8 @@ class Store:
             try:
                 if (expected_size is not None and handle.size() != expected_size
                         and not self.local):  # one kept from before a rewrite: asked
+                    logger.info("%s: %s bytes kept open, %s in the manifest: opened again",
+                                uri, f"{handle.size():,}", f"{expected_size:,}")
                     self._forget_handle(relative)  # again before a refusal
                     handle = self._ranged_handle(relative)
                 if expected_size is not None and handle.size() != expected_size:
