@@ -842,14 +842,20 @@ class ShardSet:
 
     def _read_index(self, entry: FileEntry, read: Callable[[Path], T]) -> T:
         """`read` of an index file's local path (on object storage: cached, checked on
-        arrival, evicted last; fetched again where another process evicted it before it
-        was read)."""
+        arrival, evicted last, and pinned until read: a cache whose working set passes
+        its budget would otherwise evict it in the fetch's own eviction; fetched again
+        where a process that did not see the pin evicted it before it was read)."""
         if self.cache is None:
             return read(self.local_root / entry.path)
+        path = self.cache.fetch(self.store, self.key, entry, pin=True)
         try:
-            return read(self.cache.fetch(self.store, self.key, entry))
+            return read(path)
         except FileNotFoundError:
-            return read(self.cache.fetch(self.store, self.key, entry, refresh=True))
+            self.cache.unpin([path])
+            path = self.cache.fetch(self.store, self.key, entry, pin=True, refresh=True)
+            return read(path)
+        finally:
+            self.cache.unpin([path])
 
     def _check_reads(self, index: int, reader: Any) -> None:
         """Check every token (and loss mask byte) the reader serves against the shard's

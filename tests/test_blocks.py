@@ -21,6 +21,7 @@ from raypipe.sampling.blocks import (
     MIXED_BLOCK_FLOOR,
     WHOLE_SHARDS,
     WindowBudget,
+    block_sizes,
     cut_blocks,
     whole_shards,
 )
@@ -65,6 +66,20 @@ def test_blocks_cut_whole_documents_of_one_shard_each_about_block_bytes(
             ahead = before[int(blocks.starts[block] - offsets[shard])] // block_bytes
             behind = before[int(blocks.starts[block] - 1 - offsets[shard])] // block_bytes
             assert ahead > behind
+
+
+@settings(max_examples=100, deadline=None)
+@given(shard_lengths, st.integers(1, 2000), st.sampled_from([1, 2, 4]))
+def test_a_blocks_size_is_its_documents_bytes_past_block_bytes_by_its_last_alone(
+        shards, block_bytes, itemsize):
+    lengths, counts = lengths_of(shards)
+    blocks = cut_blocks(lengths, counts, itemsize, block_bytes)
+    sizes = block_sizes(lengths, blocks, itemsize)
+    flat = np.array([n for shard in shards for n in shard], dtype=np.int64) * itemsize
+    for block in range(len(blocks)):
+        first, stop = int(blocks.starts[block]), int(blocks.starts[block + 1])
+        assert sizes[block] == flat[first:stop].sum()
+        assert sizes[block] - flat[stop - 1] < block_bytes  # all but its last start inside
 
 
 def test_block_bytes_of_whole_shards_is_the_layout_of_one_block_a_shard_empty_ones_too():

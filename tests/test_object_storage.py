@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1348,3 +1349,51 @@ def test_batches_from_a_bucket_under_auto_read_shard_local_groups_fetching_each_
     local = TokenLoader(rich_dataset, shuffle="shard_local",
                         group_shards=loader.spec.group_shards, **knobs)
     assert [batch.inputs.numpy().tobytes() for batch in local] == served
+
+
+def books_dataset(directory: Path) -> tuple[Path, int, int]:
+    """A Megatron dataset of numbered tokens (a token's id says where it is) whose short
+    documents come with three 'books' far longer than a 256 KiB cache's windows (each a
+    block of its own): (path, tokens, the largest book's bytes)."""
+    from bench.common import write_synthetic_dataset
+
+    rng = np.random.default_rng(1)
+    lengths = np.clip(rng.lognormal(4.5, 1.0, 1500).astype(np.int64) + 2, 2, 3000)
+    lengths[[100, 700, 1200]] = [60_000, 40_000, 30_000]
+    ids = np.arange(1, 1 + int(lengths.sum()), dtype=np.uint32)
+    output = write_synthetic_dataset(directory / "books", "megatron", [(ids, lengths, None)],
+                                     "books", shard_tokens=40_000, largest_id=1 << 22)
+    return output, int(lengths.sum()), 60_000 * 4
+
+
+def test_documents_longer_than_the_windows_of_a_small_cache_are_all_served_once_from_a_bucket(
+        bucket, tmp_path, monkeypatch, caplog):
+    """Two ranks of a node share a cache whose windows hold far less than the longest
+    documents: each such document is a block of its own, the cache passes its budget while
+    it is read, and the loader says which documents and what budget holds them; every
+    shard's .sums stays pinned until read (the fetch's own eviction took it before, and
+    the build failed on a missing file), and every token is served once but the tail."""
+    from tests.helpers import lockstep
+
+    output, total, largest = books_dataset(tmp_path)
+    uri = f"s3://{bucket}/books"
+    upload_tree(output, uri)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    caplog.set_level(logging.WARNING, logger="raypipe")
+    loaders = [TokenLoader(uri, 256, 4, rank=rank, world_size=2, seed=3,
+                           cache_dir=tmp_path / "c", cache_bytes=256 << 10)
+               for rank in range(2)]
+    assert loaders[0].spec.shuffle == "windowed" and loaders[0].spec.block_bytes < largest
+    taken, _ = lockstep(loaders, None, 10_000)
+    for loader in loaders:
+        loader.close()
+    served = np.concatenate([rows[:, :-1].ravel() for _, rows in taken.values()])
+    served = served[served > 0]
+    assert np.unique(served).size == served.size  # no token twice
+    assert total - served.size < 2 * 4 * 257  # every token but the drop-last tail's
+    warned = [record.getMessage() for record in caplog.records
+              if "hold more than a window" in record.getMessage()]
+    assert len(warned) == 1 and "cache_bytes >= " in warned[0], warned
+    said = re.search(r"the largest, ([\d,]+) bytes, is in shard (\S+);", warned[0])
+    assert said is not None and int(said[1].replace(",", "")) >= largest
+    assert said[2] in {shard.name for shard in read_manifest(uri).formats["megatron"].shards}

@@ -118,6 +118,21 @@ def cut_blocks(lengths: DocumentLengths, shard_documents: np.ndarray, itemsize: 
                   np.concatenate(shards))
 
 
+def block_sizes(lengths: DocumentLengths, blocks: Blocks, itemsize: int) -> np.ndarray:
+    """The bytes of each block's tokens (`lengths` in the plan's numbering, as cut): a block
+    passes `block_bytes` by at most its last document, and a document longer than a block
+    is a block of its own. One vectorized pass over each shard's lengths."""
+    sizes = np.zeros(len(blocks), dtype=np.int64)
+    edges = np.flatnonzero(np.diff(blocks.shards)) + 1
+    for first, stop in zip(np.concatenate([[0], edges]).tolist(),
+                           np.concatenate([edges, [len(blocks)]]).tolist(), strict=True):
+        heads = blocks.starts[first:stop + 1]
+        tokens = np.concatenate([[0], np.cumsum(lengths[np.arange(heads[0], heads[-1],
+                                                                  dtype=np.int64)])])
+        sizes[first:stop] = np.diff(tokens[heads - heads[0]]) * itemsize
+    return sizes
+
+
 @dataclass(frozen=True)
 class WindowBudget:
     """What sizes a window from the node cache: its budget, the ranks that share it (each

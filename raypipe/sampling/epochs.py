@@ -32,6 +32,7 @@ from raypipe.sampling.blocks import (
     WHOLE_SHARDS,
     Blocks,
     WindowBudget,
+    block_sizes,
     cut_blocks,
     whole_shards,
 )
@@ -127,6 +128,17 @@ class EpochPlans:
                   else self._memo(("blocks", block_bytes, itemsize), cut))
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return Blocks(starts, np.searchsorted(offsets, starts[:-1], side="right") - 1)
+
+    def block_sizes(self) -> np.ndarray:
+        """The bytes of each block's tokens (`blocks`), once per node (the plan cache)."""
+        blocks, itemsize = self.blocks(), self.dataset.block_itemsize
+
+        def sized() -> np.ndarray:
+            return block_sizes(self._lengths(), blocks, itemsize)
+
+        if self._memo is None:
+            return sized()
+        return self._memo(("block sizes", self.spec.block_bytes, itemsize, len(blocks)), sized)
 
     def build(self, epoch: int, phases: Phases = ()) -> EpochPlan:
         """Epoch `epoch`'s plan under `phases` (none: at the spec's seq_len), built afresh

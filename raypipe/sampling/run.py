@@ -437,6 +437,29 @@ class Run:
                            "block_bytes 0 (sized from the budget: docs/cluster.md)",
                            dataset.root, f"{budget:,}", f"{needed:,}", fits.node_ranks,
                            WINDOWS_HELD, window, f"{unit:,}")
+        self._note_long_documents(fits)
+
+    def _note_long_documents(self, fits: WindowBudget) -> None:
+        """Warn where blocks hold more than a window can (a document longer than a window
+        is a block of its own): each is read whole, the node cache over its budget while
+        it is read; say how many, the longest and its shard, and the budget that holds it."""
+        if self.spec.block_bytes >= WHOLE_SHARDS:
+            return
+        plans = self.planned.plans
+        sizes = plans.block_sizes()
+        over = np.flatnonzero(sizes > fits.window_bytes)
+        if not over.size:
+            return
+        longest = int(over[np.argmax(sizes[over])])
+        shard = self.dataset.shards[int(plans.blocks().shards[longest])]
+        holds = min(fits.least_budget(int(sizes[longest])), fits.dataset_bytes * fits.sources)
+        logger.warning("%s: %d block(s) hold more than a window (%s bytes under cache_bytes "
+                       "%s for %d rank(s)): a document longer than a window is a block of "
+                       "its own, read whole, and the node cache passes its budget while it "
+                       "is read; the largest, %s bytes, is in shard %s; cache_bytes >= %s "
+                       "holds it (in a window, or the whole dataset)", self.dataset.root,
+                       over.size, f"{fits.window_bytes:,}", f"{fits.budget_bytes:,}",
+                       fits.node_ranks, f"{int(sizes[longest]):,}", shard.name, f"{holds:,}")
 
     def _note_whole_shards(self) -> None:
         """Warn where a windowed shuffle of a bucket dataset's documents fetches whole
