@@ -194,3 +194,18 @@ def test_fill_trains_99_percent_in_rows_under_1_percent_padding_for_every_tokeni
     padding = options["padded_tokens"] / (options["used_tokens"] + options["padded_tokens"])
     assert padding <= 0.01, f"{padding:.2%} of the LLMBATCH positions are padding"
 
+
+
+def test_padding_from_windows_too_small_for_their_rows_names_the_windows_not_the_rows(
+        token_dataset, caplog):
+    """A windowed shuffle packs each window on its own; windows of a few rows pad their
+    last rows, and the warning says so and names the cache (not "fewer, shorter rows");
+    the same run under windows of many rows pads under the warning's threshold."""
+    knobs = {"shuffle": "windowed", "block_bytes": 4096, "packing": "fill", "seed": 1}
+    with caplog.at_level("WARNING", logger="raypipe"):
+        small = TokenLoader(token_dataset, 511, 2, window_blocks=1, **knobs).packing_report()
+    (message,) = [r.getMessage() for r in caplog.records if "padding" in r.getMessage()]
+    assert "hint: each window of the windowed shuffle (1 block(s) of 4,096 bytes" in message
+    assert "cache_bytes" in message and "shorter rows" not in message
+    large = TokenLoader(token_dataset, 511, 2, window_blocks=64, **knobs).packing_report()
+    assert large.padding_fraction < 0.05 < small.padding_fraction

@@ -59,6 +59,7 @@ from raypipe.sampling.schedule import (
 from raypipe.sampling.state_compat import steps_taken, upgrade_knobs, upgraded
 
 logger = logging.getLogger("raypipe")
+SMALL_WINDOW_ROWS = 50  # windows under this many rows pad their last rows visibly
 DESCRIBE_STEPS = 64  # steps described together: one vectorized plan call per chunk
 
 __all__ = ["DESCRIBE_STEPS", "Run", "StepRow"]
@@ -196,8 +197,26 @@ class Run:
                 + (f", overlong={spec.resolved_overlong!r}"
                    if spec.packed and spec.resolved_overlong != "cut" else "")
                 + f", seq_len={self.seq_len}) epoch {epoch}",
-                waste_hints(spec.mode, spec.packing, self.dataset.has_loss_mask))
+                self._window_padding(waste_hints(spec.mode, spec.packing,
+                                                 self.dataset.has_loss_mask)))
         return plan
+
+    def _window_padding(self, hint: Callable[[str], str]) -> Callable[[str], str]:
+        """`hint`, but padding under windows of blocks that hold under SMALL_WINDOW_ROWS
+        rows is said to come from them: each window is packed on its own and pads its last
+        rows, so a larger cache (larger windows) pads less, not shorter rows."""
+        spec = self.spec
+        if spec.shuffle != "windowed" or spec.block_bytes >= WHOLE_SHARDS:
+            return hint
+        blocks = len(self.planned.plans.blocks())
+        window = window_blocks_for(blocks, spec.window_blocks, max(spec.lanes, 1))
+        tokens = window * spec.block_bytes // self.dataset.block_itemsize
+        if tokens >= SMALL_WINDOW_ROWS * (self.seq_len + 1):
+            return hint
+        said = (f"each window of the windowed shuffle ({window} block(s) of "
+                f"{spec.block_bytes:,} bytes, ~{tokens:,} tokens) is packed on its own and "
+                "pads its last rows: a larger cache_bytes makes larger windows")
+        return lambda waste: said if waste == "padding" else hint(waste)
 
     def filler(self, epoch: int, phases: Phases = ()) -> BatchFiller:
         """The filler of epoch `epoch`'s rows under `phases` (none: the epoch's plan,
