@@ -40,3 +40,15 @@ def applies(spec: dataclasses.Field, record: Any) -> bool:
     """Knob `spec` means something in `record` (its `applies` condition holds there)."""
     condition = spec.metadata.get("applies")
     return condition is None or getattr(record, condition[0]) == condition[1]
+
+
+def not_applying(record: Any, given: dict[str, Any]) -> list[tuple[str, tuple[str, Any]]]:
+    """The knobs `given` (name: value) that `record` would ignore: each whose `applies`
+    condition fails there, given a value other than its default; (name, condition)."""
+    found = []
+    for spec in dataclasses.fields(record):
+        condition = spec.metadata.get("applies")
+        if (spec.name in given and condition is not None and not applies(spec, record)
+                and given[spec.name] != spec.default):
+            found.append((spec.name, condition))
+    return found

@@ -527,3 +527,24 @@ def test_a_windowed_state_saved_without_lane_ends_resumes_with_lanes_spread(toke
     resumed = TokenLoader(token_dataset, 32, 4, seed=5, shuffle="windowed", lanes=2)
     resumed.load_state_dict(state)
     assert [batch.inputs.numpy().tobytes() for batch in resumed] == expected
+
+
+@pytest.mark.parametrize("shuffle, knobs, needs", [
+    ("global", {"block_bytes": 8192, "window_blocks": 3}, "shuffle='windowed'"),
+    ("windowed", {"group_shards": 3}, "shuffle='shard_local'"),
+    ("shard_local", {"lanes": 2}, "shuffle='windowed'"),
+])
+def test_a_layout_knob_of_another_shuffle_than_the_one_named_is_refused_not_ignored(
+        token_dataset, shuffle, knobs, needs):
+    """block_bytes under shuffle='global' was ignored without a word; it is one line
+    naming the knob and the shuffle it needs. Under 'auto' such knobs are taken (they
+    apply where auto resolves to their shuffle), and a default value is no complaint."""
+    with pytest.raises(ConfigError) as refused:
+        TokenLoader(token_dataset, 32, 4, shuffle=shuffle, **knobs)
+    message = str(refused.value)
+    assert all(f"{name}={value!r}" in message for name, value in knobs.items())
+    assert needs in message and f"shuffle={shuffle!r} would ignore" in message
+    assert "\n" not in message
+    TokenLoader(token_dataset, 32, 4, shuffle="auto", **knobs).close()
+    TokenLoader(token_dataset, 32, 4, shuffle=shuffle,
+                **{name: 0 for name in knobs}).close()

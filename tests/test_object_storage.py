@@ -411,7 +411,8 @@ def test_shard_local_shuffle_downloads_each_shard_once_per_epoch(bucket, token_d
     caplog.set_level(logging.WARNING, logger="raypipe")
     for shuffle in ("global", "shard_local", "auto"):
         caplog.clear()
-        given = {} if shuffle == "auto" else {"shuffle": shuffle, "group_shards": 1}
+        given = ({} if shuffle == "auto" else {"shuffle": shuffle, "group_shards": 1}
+                 if shuffle == "shard_local" else {"shuffle": shuffle})
         loader = TokenLoader(uri, 32, 4, mode="windows", cache_dir=tmp_path / shuffle,
                              cache_bytes=2 * largest, **given)
         said_at_open[shuffle] = caplog.text

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from raypipe.errors import ConfigError
+from raypipe.knobs import not_applying
 from raypipe.provenance.rows import DocumentName
 from raypipe.sampling.modes import PlanSpec, metadata_modes
 
@@ -116,6 +117,7 @@ class LoaderOptions:
         plan = {name: values.pop(name) for name in list(values) if name not in OPTIONS}
         plan.update(plan.pop("knobs", None) or {})
         spec = base.plan.updated(OPTIONS, **plan) if plan else base.plan
+        refuse_ignored_knobs(spec, plan)
         if "seq_len_schedule" in values and "seq_len" not in plan:
             spec = replace(spec, seq_len=0)  # the schedule's first, not the base's
         return replace(base, plan=spec, **values)
@@ -152,3 +154,20 @@ class LoaderOptions:
 
 UNITS_JOIN = ("epoch", "next_epoch")  # where units added to the output are served from
 OPTIONS = frozenset(item.name for item in fields(LoaderOptions)) - {"plan"}  # the rest: knobs
+
+
+def refuse_ignored_knobs(spec: PlanSpec, given: dict[str, Any]) -> None:
+    """A layout knob given for a shuffle other than the one named (block_bytes under
+    shuffle='global') is one ConfigError naming both, not silently ignored; under "auto"
+    the knobs of the shuffle it resolves to apply (a config shared by a local and a
+    bucket run)."""
+    if spec.shuffle == "auto":
+        return
+    ignored = not_applying(spec, given)
+    if ignored:
+        names = ", ".join(f"{name}={given[name]!r}" for name, _ in ignored)
+        needs = sorted({f"{knob}={value!r}" for _, (knob, value) in ignored})
+        it, applies = ("them", "apply") if len(ignored) > 1 else ("it", "applies")
+        raise ConfigError(f"{names}: {applies} under {' or '.join(needs)} alone, and "
+                          f"shuffle={spec.shuffle!r} would ignore {it}; give "
+                          f"{' or '.join(needs)} (or shuffle='auto'), or leave {it} out")
