@@ -406,19 +406,29 @@ def test_windowed_permutation_is_a_bijection_reading_one_window_of_shards_at_a_t
     assert sorted(order.block_order.tolist()) == list(range(len(sizes)))
 
 
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(0, 30), min_size=1, max_size=8), st.integers(1, 4))
-def test_lane_order_is_a_bijection_and_a_rank_reads_its_lane_until_the_leftovers(sizes, times):
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=8), st.integers(1, 4),
+       st.integers(1, 3), st.booleans())
+def test_lane_order_is_a_bijection_and_a_rank_reads_its_lane_until_the_leftovers(
+        sizes, times, ranks_per_lane, nearby):
+    """Lanes read by k consecutive ranks each: rank r of a world of lanes x k x times
+    reads lane (r mod lanes x k) // k alone until the leftovers (k = 1: r mod lanes), its
+    k ranks in turn through the lane's observations."""
     bounds = np.concatenate([[0], np.cumsum(sizes)])
-    lanes = LaneOrder(bounds)
+    lanes = LaneOrder(bounds, nearby, ranks_per_lane)
     total = int(bounds[-1])
     observations = lanes(np.arange(total, dtype=np.int64))
     assert sorted(observations.tolist()) == list(range(total))
-    world = len(sizes) * times  # a world size the lane count divides
+    cycle = len(sizes) * ranks_per_lane
+    world = cycle * times  # a world size the lanes' ranks divide
     lane_of = np.searchsorted(bounds, observations, side="right") - 1
+    assert lanes.even >= len(sizes) * (min(sizes) - ranks_per_lane + 1)
     for rank in range(world):
         mine = np.arange(rank, lanes.even, world)
-        assert set(lane_of[mine].tolist()) <= {rank % len(sizes)}
+        assert set(lane_of[mine].tolist()) <= {rank % cycle // ranks_per_lane}
+    for lane in range(len(sizes)):  # its ranks in turn: the lane in order, side by side
+        read = observations[:lanes.even][lane_of[:lanes.even] == lane]
+        assert np.array_equal(read, bounds[lane] + np.arange(read.size))
 
 
 @settings(max_examples=200, deadline=None)
@@ -437,10 +447,14 @@ def test_windows_laid_out_for_lanes_divide_evenly_and_fit_the_window(blocks, win
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(0, 14), min_size=2, max_size=9))
-def test_lane_order_nearby_is_a_bijection_each_lane_serving_a_prefix(sizes):
+@given(st.lists(st.integers(0, 14), min_size=2, max_size=9), st.integers(1, 3),
+       st.booleans())
+def test_lane_order_nearby_is_a_bijection_each_lane_serving_a_prefix(sizes, ranks_per_lane,
+                                                                      nearby):
+    """At every position, shared by k ranks a lane or not, nearby or spread: each lane
+    has served a prefix of its observations, and `served` counts it."""
     bounds = np.concatenate([[0], np.cumsum(sizes)])
-    lanes = LaneOrder(bounds, nearby=True)
+    lanes = LaneOrder(bounds, nearby, ranks_per_lane)
     total = int(bounds[-1])
     observations = lanes(np.arange(total, dtype=np.int64))
     assert sorted(observations.tolist()) == list(range(total))
@@ -453,26 +467,29 @@ def test_lane_order_nearby_is_a_bijection_each_lane_serving_a_prefix(sizes):
             assert served[lane] == mine.size
 
 
-def test_lane_order_nearby_reads_each_lanes_rest_on_ranks_beside_it():
-    """Lanes one block apart (64 lanes, 8 ranks a node): nearby, a lane's rest is read by
-    the rank of a lane at most two away, so on one node or two; spread, by every node."""
+@pytest.mark.parametrize("ranks_per_lane", [1, 4])
+def test_lane_order_nearby_reads_each_lanes_rest_on_ranks_beside_it(ranks_per_lane):
+    """Lanes one block apart (64 ranks, 8 a node, each lane read by k of them): nearby, a
+    lane's rest is read by the ranks of a lane at most two away, so on one node or two;
+    spread, by every node."""
     rng = np.random.default_rng(7)
-    lanes, per_node = 64, 8
+    world, per_node = 64, 8
+    lanes = world // ranks_per_lane
     sizes = 1000 + 50 * (np.arange(lanes) % 2) + rng.integers(0, 5, lanes)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
 
     def nodes_per_lane(order: LaneOrder) -> tuple[int, int]:
         positions = np.arange(order.even, int(bounds[-1]), dtype=np.int64)
         lane = np.searchsorted(bounds, order(positions), side="right") - 1
-        rank = positions % lanes
+        rank = positions % world
         nodes = {(int(a), int(b) // per_node) for a, b in zip(lane, rank, strict=True)}
         counts = np.bincount([a for a, _ in nodes], minlength=lanes)
-        return int(counts.max()), int(np.abs(lane - rank).max())
+        return int(counts.max()), int(np.abs(lane - rank // ranks_per_lane).max())
 
-    most_nodes, farthest = nodes_per_lane(LaneOrder(bounds, nearby=True))
+    most_nodes, farthest = nodes_per_lane(LaneOrder(bounds, True, ranks_per_lane))
     assert most_nodes <= 2 and farthest <= 2
-    most_nodes, _ = nodes_per_lane(LaneOrder(bounds))
-    assert most_nodes == lanes // per_node
+    most_nodes, _ = nodes_per_lane(LaneOrder(bounds, False, ranks_per_lane))
+    assert most_nodes == world // per_node
 
 
 def test_windowed_bestfit_ranks_read_only_their_lanes_shards_before_the_leftovers():

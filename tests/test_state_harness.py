@@ -30,6 +30,10 @@ MODES = {name: {"mode": name} for name in mode_names()} | {
     "bestfit-windowed-2-lanes": {"mode": "bestfit", "shuffle": "windowed", "window_blocks": 1,
                                  "lanes": 2},
     "documents-windowed-3-lanes": {"mode": "documents", "shuffle": "windowed", "lanes": 3},
+    "bestfit-windowed-2-lanes-of-2-ranks": {"mode": "bestfit", "shuffle": "windowed",
+                                            "window_blocks": 1, "lanes": 2, "lane_ranks": 2},
+    "documents-windowed-3-lanes-of-2-ranks": {"mode": "documents", "shuffle": "windowed",
+                                              "lanes": 3, "lane_ranks": 2},
     "bestfit-windowed-train-split": {"mode": "bestfit", "shuffle": "windowed", "lanes": 2,
                                      "split": "train", "validation_fraction": 0.2},
     "bestfit-train-split": {"mode": "bestfit", "split": "train", "validation_fraction": 0.2},
@@ -175,3 +179,44 @@ def test_every_mode_excludes_documents_on_resume_or_refuses_naming_why(rich_data
     assert not {piece.document for piece in pieces} & set(record["documents"])
     consumed, final = run_segment(rich_dataset, {**options, "exclude": excluded}, 3, state)
     assert final["epoch"] == 1 and len(consumed) >= steps
+
+
+@pytest.mark.parametrize("mode, first_world", [("documents-windowed-3-lanes-of-2-ranks", 2),
+                                               ("bestfit-windowed-2-lanes-of-2-ranks", 3)])
+def test_lanes_each_read_by_two_ranks_plan_their_rest_from_what_their_ranks_served(
+        rich_dataset, mode, first_world):
+    """Lanes each read by 2 ranks in turn, stopped where the ranks' cycle is cut (a world
+    of 2 or 3 over a layout for 2 x lanes) and resumed at the other with documents
+    excluded: each lane's rest starts where its ranks stopped, so no token comes twice,
+    none of an excluded document after the exclusion, and every other one once (less the
+    drop-last tail), as `raypipe trace` of both segments shows."""
+    from raypipe import trace
+
+    options, excluded = MODES[mode], set(range(0, 80, 3))
+    _, state = run_segment(rich_dataset, options, first_world, None, steps=1)
+    assert state["knobs"]["lane_ranks"] == 2 and state["position"] % (2 * options["lanes"])
+    loader = make_loader(rich_dataset, {**options, "exclude": sorted(excluded)},
+                         0, 5 - first_world)
+    loader.load_state_dict(state)
+    resumed, steps = loader.state_dict(), len(loader)
+    knobs = {name: value for name, value in options.items() if name != "mode"}
+    before = list(trace(rich_dataset, 0, world_size=first_world, seed=SEED, batch_size=B,
+                        seq_len=T, mode=options["mode"], **knobs))
+    after = list(trace(rich_dataset, state=resumed, steps=steps, seed=SEED, batch_size=B))
+    assert not {piece.document for piece in after} & excluded
+    served: dict[int, list[tuple[int, int]]] = {}
+    for piece in before + after:
+        served.setdefault(piece.document, []).append((piece.token_start, piece.token_end))
+    for spans in served.values():  # a document's pieces never overlap
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), spans
+    probe = make_loader(rich_dataset, options, 0, 5 - first_world)
+    plan = probe.plan(0)
+    lengths = np.asarray(plan.lengths[np.arange(len(plan.lengths))])
+    if options["mode"] == "documents":  # a row of each document, cropped to the row
+        lengths = np.minimum(lengths, T + 1)
+    owed = (int(lengths.sum()) - int(lengths[sorted(excluded)].sum())  # an excluded one's
+            + sum(piece.token_end - piece.token_start for piece in before  # pieces before
+                  if piece.document in excluded))
+    got = sum(end - start for spans in served.values() for start, end in spans)
+    assert 0 <= owed - got < probe.global_batch * (T + 1)  # the drop-last tail's

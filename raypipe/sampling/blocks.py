@@ -15,7 +15,7 @@ cache); O(blocks) memory after.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -136,8 +136,9 @@ def block_sizes(lengths: DocumentLengths, blocks: Blocks, itemsize: int) -> np.n
 @dataclass(frozen=True)
 class WindowBudget:
     """What sizes a window from the node cache: its budget, the ranks that share it (each
-    holds WINDOWS_HELD windows), the bytes the index files keep there, and whether the
-    shards can be read a block at a time."""
+    lane they read holds WINDOWS_HELD windows: a lane a rank, or one a `ranks_per_lane`
+    of them), the bytes the index files keep there, and whether the shards can be read a
+    block at a time."""
 
     budget_bytes: int
     node_ranks: int = 1
@@ -154,6 +155,12 @@ class WindowBudget:
     shards: int = 0  # the dataset's shards (0: unknown, the fewest blocks a window)
     # bytes a block fetches for each byte it is cut by (chat data: its loss mask's too)
     fetched_per_cut_byte: float = 1.0
+    # consecutive ranks that read one lane in turn (lane_ranks): they share its windows
+    ranks_per_lane: int = 1
+
+    def for_lanes(self, ranks_per_lane: int) -> WindowBudget:
+        """This budget for lanes each read by `ranks_per_lane` ranks (0: one)."""
+        return replace(self, ranks_per_lane=max(ranks_per_lane, 1))
 
     @property
     def holds_dataset(self) -> bool:
@@ -175,12 +182,19 @@ class WindowBudget:
         return self.node_ranks * self.sources
 
     @property
+    def node_lanes(self) -> int:
+        """Lanes whose windows the node holds, for each source: its ranks over the ranks
+        that share a lane (a node's ranks are consecutive, as torchrun and Ray Train
+        number them)."""
+        return -(-self.node_ranks // self.ranks_per_lane) * self.sources
+
+    @property
     def window_bytes(self) -> int:
         """The bytes one window may hold, counted as blocks are cut (what it fetches,
         over `fetched_per_cut_byte`)."""
         usable = (self.budget_bytes - self.index_bytes) * WINDOW_SHARE
-        return max(int(usable // (self.readers * WINDOWS_HELD * self.fetched_per_cut_byte)),
-                   0)
+        return max(int(usable // (self.node_lanes * WINDOWS_HELD
+                                  * self.fetched_per_cut_byte)), 0)
 
     @property
     def hold_bytes(self) -> int:
@@ -193,7 +207,8 @@ class WindowBudget:
     def least_budget(self, block_bytes: int) -> int:
         """The least budget whose windows hold one block of `block_bytes`."""
         return self.index_bytes + int(np.ceil(block_bytes * self.fetched_per_cut_byte
-                                              * self.readers * WINDOWS_HELD / WINDOW_SHARE))
+                                              * self.node_lanes * WINDOWS_HELD
+                                              / WINDOW_SHARE))
 
     def block_bytes(self, asked: int) -> int:
         """`asked`, or (0) the automatic size (`_automatic_block_bytes`); a budget whose
@@ -202,8 +217,8 @@ class WindowBudget:
         if self.window_bytes < chosen:
             raise ConfigError(
                 f"cache_bytes {self.budget_bytes:,} holds no block of {chosen:,} bytes for "
-                f"each of the node's {self.node_ranks} rank(s){self._of_sources()} (two "
-                "windows a rank in "
+                f"each of the node's {self.node_ranks} rank(s){self._lanes_said()}"
+                f"{self._of_sources()} (two windows a lane in "
                 f"{WINDOW_SHARE:.0%} of what {self.index_bytes:,} bytes of index files "
                 f"leave): give cache_bytes >= {self.least_budget(chosen):,}, or a smaller "
                 "block_bytes")
@@ -236,6 +251,11 @@ class WindowBudget:
         if self.window_bytes < fitted:
             fitted = max(self.window_bytes, BLOCK_ALIGN)
         return int(fitted // BLOCK_ALIGN * BLOCK_ALIGN)
+
+    def _lanes_said(self) -> str:
+        if self.ranks_per_lane == 1:
+            return ""
+        return f" in {self.node_lanes // self.sources} lane(s) of {self.ranks_per_lane} ranks"
 
     def _of_sources(self) -> str:
         return "" if self.sources == 1 else f" and {self.sources} sources on object storage"

@@ -109,7 +109,7 @@ class EpochPlans:
             blocks = Blocks(blocks.starts[:kept + 1], blocks.shards[:kept])
         lanes = max(spec.lanes, 1)
         return ShardWindows(blocks, window_blocks_for(len(blocks), spec.window_blocks, lanes),
-                            lanes, spec.lane_ends != SPREAD_LANE_ENDS)
+                            lanes, spec.lane_ends != SPREAD_LANE_ENDS, max(spec.lane_ranks, 1))
 
     def blocks(self) -> Blocks:
         """The windowed shuffle's blocks of the documents the plans number (one a shard

@@ -209,6 +209,7 @@ class ShardWindows:
     window_blocks: int
     lanes: int = 1
     nearby: bool = False
+    ranks_per_lane: int = 1  # consecutive ranks that read a lane in turn (LaneOrder)
 
     @property
     def layout_lanes(self) -> int:
@@ -222,34 +223,41 @@ class ShardWindows:
 
 
 class LaneOrder:
-    """Observations [0, n) read in `lanes` lanes side by side: lane l is the contiguous run
-    [bounds[l], bounds[l + 1]) of the plan's observations (whole windows of a windowed
-    shuffle), and position p < lanes x S (S: the shortest lane's length) is observation
-    bounds[p % lanes] + p // lanes. Consecutive positions cycle through the lanes, so rank
-    r of a world that `lanes` divides (positions p + i*W + r, p a multiple of W) reads lane
-    r % lanes alone until the rest the longer lanes hold past S. That rest, laid out lane
-    after lane, is cut into `lanes` runs of (nearly) equal length: `nearby`, the positions
-    keep cycling and the rank of lane j reads run j, which lies over lane j's own rest and
-    its neighbours', so each lane's rest is read by the ranks beside it (the blocks stay on
-    the node that holds them); else (the layout before) the positions read it lane after
-    lane, so every rank reads every lane's rest. Either way each lane serves a prefix of
-    its observations at every position (`served`). A bijection on [0, n); O(lanes) memory
-    and, `nearby`, O(runs a lane's rest spans) vector operations a call.
+    """Observations [0, n) read in `lanes` lanes side by side, each by `ranks_per_lane` (k)
+    consecutive ranks: lane l is the contiguous run [bounds[l], bounds[l + 1]) of the
+    plan's observations (whole windows of a windowed shuffle). Positions come in cycles of
+    W = lanes x k; position p < lanes x S (S: the shortest lane's length, down to a
+    multiple of k) is observation bounds[(p % W) // k] + (p // W) x k + p % k. So rank r
+    of a world W divides (positions p + i*W' + r, p a multiple of W') reads lane r // k
+    alone, its k ranks in turn (k = 1: lane r % lanes), until the rest the longer lanes
+    hold past S. That rest, laid out lane after lane, is cut into W runs of (nearly) equal
+    length: `nearby`, the positions keep cycling and the rank of slot j reads run j, which
+    lies over its lane's own rest and its neighbours', so each lane's rest is read by the
+    ranks beside it (the blocks stay on the node that holds them); else (the layout
+    before) the positions read it lane after lane, so every rank reads every lane's rest.
+    Either way each lane serves a prefix of its observations at every position
+    (`served`). A bijection on [0, n); O(W) memory and, `nearby`, O(runs a lane's rest
+    spans) vector operations a call. k > 1 lets a node's ranks share their lane's
+    windows: a node holds k times fewer windows, so its cache holds windows k times
+    larger.
     """
 
-    def __init__(self, bounds: np.ndarray, nearby: bool = False):
+    def __init__(self, bounds: np.ndarray, nearby: bool = False, ranks_per_lane: int = 1):
         self.bounds = np.asarray(bounds, dtype=np.int64)
         self.lanes = len(self.bounds) - 1
         self.nearby = nearby
+        self.ranks_per_lane = max(int(ranks_per_lane), 1)
+        self.slots = max(self.lanes, 1) * self.ranks_per_lane  # positions a cycle
         sizes = np.diff(self.bounds)
-        self.side = int(sizes.min()) if self.lanes else 0
+        smallest = int(sizes.min()) if self.lanes else 0
+        self.side = smallest - smallest % self.ranks_per_lane
         self.even = self.lanes * self.side  # positions read side by side
         left = sizes - self.side  # what each lane holds past the side-by-side part
         self.left_starts = np.concatenate([[0], np.cumsum(left)]).astype(np.int64)
-        rest, lanes = int(self.left_starts[-1]), max(self.lanes, 1)
+        rest = int(self.left_starts[-1])
         # nearby: run j of the rest (laid out lane after lane) is [run_starts[j],
-        # run_starts[j + 1]), read by the positions of lane j's rank, one a cycle
-        counts = rest // lanes + (np.arange(lanes) < rest % lanes)
+        # run_starts[j + 1]), read by the positions of slot j, one a cycle
+        counts = rest // self.slots + (np.arange(self.slots) < rest % self.slots)
         self.run_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
@@ -258,8 +266,9 @@ class LaneOrder:
             return positions
         even = positions < self.even
         out = np.empty_like(positions)
-        lane = positions[even] % self.lanes
-        out[even] = self.bounds[:-1][lane] + positions[even] // self.lanes
+        cycle, slot = positions[even] // self.slots, positions[even] % self.slots
+        lane, turn = slot // self.ranks_per_lane, slot % self.ranks_per_lane
+        out[even] = self.bounds[:-1][lane] + cycle * self.ranks_per_lane + turn
         later = positions[~even] - self.even
         if self.nearby:
             out[~even] = self._nearby(later)
@@ -270,10 +279,10 @@ class LaneOrder:
 
     def _nearby(self, later: np.ndarray) -> np.ndarray:
         """The observations of positions `later` past the side-by-side part: the one of
-        cycle k and slot j reads the lane that holds place run_starts[j] + k of the rest,
+        cycle c and slot j reads the lane that holds place run_starts[j] + c of the rest,
         and within that lane's rest the next observation it has not served (its count of
         places served before, over the runs that share it)."""
-        cycle, slot = later // self.lanes, later % self.lanes
+        cycle, slot = later // self.slots, later % self.slots
         place = self.run_starts[slot] + cycle
         lane = np.searchsorted(self.left_starts, place, side="right") - 1
         first_run = np.searchsorted(self.run_starts, self.left_starts[lane],
@@ -284,7 +293,7 @@ class LaneOrder:
         for offset in range(int((last_run - first_run).max(initial=0)) + 1):
             run = first_run + offset
             shares = run <= last_run
-            run = np.minimum(run, self.lanes - 1)
+            run = np.minimum(run, self.slots - 1)
             begin, end = self._run_share(run, lane)
             served = np.clip(cycle - begin + (run < slot), 0, end - begin)
             index += np.where(shares, served, 0)
@@ -305,8 +314,10 @@ class LaneOrder:
         if self.lanes <= 1:
             return np.array([position], dtype=np.int64)
         side_by_side = min(position, self.even)
-        served = (side_by_side + self.lanes - 1 - np.arange(self.lanes, dtype=np.int64)
-                  ) // self.lanes
+        cycles, partial = divmod(side_by_side, self.slots)
+        first_slots = np.arange(self.lanes, dtype=np.int64) * self.ranks_per_lane
+        served = (cycles * self.ranks_per_lane
+                  + np.clip(partial - first_slots, 0, self.ranks_per_lane))
         later = position - self.even
         if later <= 0:
             return served
@@ -314,14 +325,14 @@ class LaneOrder:
             return served + np.clip(later - self.left_starts[:-1], 0,
                                     np.diff(self.left_starts))
         # places of the rest served: run j's first min(its length, cycles it took)
-        slots = np.arange(self.lanes, dtype=np.int64)
+        slots = np.arange(self.slots, dtype=np.int64)
         taken = np.minimum(np.diff(self.run_starts),
-                           later // self.lanes + (slots < later % self.lanes))
+                           later // self.slots + (slots < later % self.slots))
         done = np.concatenate([[0], np.cumsum(taken)]).astype(np.int64)
 
         def below(place: np.ndarray) -> np.ndarray:  # places served before `place`
             run = np.clip(np.searchsorted(self.run_starts, place, side="right") - 1, 0,
-                          self.lanes - 1)
+                          self.slots - 1)
             return done[run] + np.minimum(place - self.run_starts[run], taken[run])
 
         return served + below(self.left_starts[1:]) - below(self.left_starts[:-1])
@@ -438,12 +449,12 @@ class LanedPlan:
     sizes place its positions), once per change: bestfit packs each lane's partly served
     block and its head, ~5 ms a lane under fill (bench/lanes_bench.py)."""
 
-    def __init__(self, plans: list[Any], nearby: bool = False):
+    def __init__(self, plans: list[Any], nearby: bool = False, ranks_per_lane: int = 1):
         self.plans = plans
         self.lengths, self.capacity = plans[0].lengths, plans[0].capacity
         self.offsets = np.concatenate([[0], np.cumsum([plan.size for plan in plans])]
                                       ).astype(np.int64)
-        self.lanes = LaneOrder(self.offsets, nearby)
+        self.lanes = LaneOrder(self.offsets, nearby, ranks_per_lane)
 
     @property
     def size(self) -> int:

@@ -11,8 +11,8 @@ knobs: global); else a mixture's one shuffle and layout for all its sources (the
 source on object storage resolves them for its part of the cache); then "auto" by storage
 (global on local disk; on object storage windowed where the mode reads documents and the
 split is shuffled, else shard_local where the cache holds less than the dataset), group_shards
-0 by the budget, lane_ends auto nearby, lanes 0 by the world size, blocks and window 0 by the
-budget. Cost:
+0 by the budget, lane_ends auto nearby, lane_ranks 0 by the node's ranks and lanes 0 by the
+world size, blocks and window 0 by the budget (a node holding its lanes' windows). Cost:
 microseconds.
 """
 
@@ -29,7 +29,8 @@ from raypipe.sampling.plans import LANE_ENDS_AUTO, NEARBY_LANE_ENDS
 # a shuffle's layout knobs (windowed: blocks, window, lanes; shard_local: its groups), and
 # the value of each that the run leaves to decide
 LAYOUT_UNDECIDED: dict[str, Any] = {"block_bytes": 0, "window_blocks": 0, "lanes": 0,
-                                    "lane_ends": LANE_ENDS_AUTO, "group_shards": 0}
+                                    "lane_ranks": 0, "lane_ends": LANE_ENDS_AUTO,
+                                    "group_shards": 0}
 SHUFFLE_LAYOUT = tuple(LAYOUT_UNDECIDED)
 
 
@@ -63,10 +64,11 @@ def resolve(asked: PlanSpec, facts: RunFacts) -> PlanSpec:
     spec = spec.for_storage(facts.local, facts.budget)
     if spec.lane_ends == LANE_ENDS_AUTO:
         spec = replace(spec, lane_ends=NEARBY_LANE_ENDS)
+    budget = facts.budget
     if facts.world_size is not None:
-        spec = spec.for_world(facts.world_size)
-    if facts.budget is not None:
-        spec = spec.for_budget(facts.budget)
+        spec = spec.for_world(facts.world_size, budget.node_ranks if budget else 1)
+    if budget is not None:
+        spec = spec.for_budget(budget.for_lanes(spec.lane_ranks))
     return spec
 
 

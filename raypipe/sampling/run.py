@@ -445,16 +445,16 @@ class Run:
             return
         blocks = len(self.planned.plans.blocks())
         window = window_blocks_for(blocks, spec.window_blocks, max(spec.lanes, 1))
-        fits = window_budget(dataset)
+        fits = window_budget(dataset).for_lanes(spec.lane_ranks)
         unit = (max(shard_bytes) if spec.block_bytes >= WHOLE_SHARDS else spec.block_bytes)
-        needed = fits.node_ranks * WINDOWS_HELD * window * unit + fits.index_bytes
+        needed = fits.node_lanes * WINDOWS_HELD * window * unit + fits.index_bytes
         if needed > budget:
             logger.warning("%s: the node cache (%s bytes) is smaller than what the windowed "
-                           "shuffle holds (%s bytes: %d rank(s) x %d windows of %d block(s) "
+                           "shuffle holds (%s bytes: %d lane(s) x %d windows of %d block(s) "
                            "of up to %s bytes, and the index files), so blocks will be "
                            "fetched again; raise cache_bytes, or give window_blocks and "
                            "block_bytes 0 (sized from the budget: docs/cluster.md)",
-                           dataset.root, f"{budget:,}", f"{needed:,}", fits.node_ranks,
+                           dataset.root, f"{budget:,}", f"{needed:,}", fits.node_lanes,
                            WINDOWS_HELD, window, f"{unit:,}")
         self._note_long_documents(fits)
 

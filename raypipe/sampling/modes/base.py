@@ -185,8 +185,14 @@ class PlanSpec:
                               "node cache holds, two windows a rank of the node)",
                               applies=("shuffle", "windowed"))
     lanes: int = knob(0, "shuffle windowed: lanes of windows read side by side, rank r "
-                      "reading lane r mod lanes (0: the world size the run starts at)",
+                      "reading lane (r mod lanes x lane_ranks) // lane_ranks (0: the world "
+                      "size the run starts at over lane_ranks)",
                       applies=("shuffle", "windowed"))
+    lane_ranks: int = knob(0, "shuffle windowed: consecutive ranks that read one lane in "
+                           "turn, sharing its windows, so a node's cache holds windows "
+                           "that many times larger (0: the ranks of a node, "
+                           "LOCAL_WORLD_SIZE, where lanes is 0 and they divide the world "
+                           "size; else 1)", applies=("shuffle", "windowed"))
     lane_ends: str = knob(LANE_ENDS_AUTO, "shuffle windowed: who reads the rest the "
                           "longer lanes hold at an epoch's end: nearby (windows spread "
                           "evenly over a multiple of the lanes, so the rest is small, and "
@@ -248,7 +254,7 @@ class PlanSpec:
         if self.group_shards < 0:
             raise ConfigError(f"group_shards: {self.group_shards} must be >= 0 (0: sized "
                               "from the node cache)")
-        for name in ("block_bytes", "window_blocks", "lanes"):
+        for name in ("block_bytes", "window_blocks", "lanes", "lane_ranks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be >= 0 (0: chosen "
                                   "for the data and the world size)")
@@ -318,12 +324,20 @@ class PlanSpec:
             return "shard_local"
         return "global"
 
-    def for_world(self, world_size: int) -> PlanSpec:
-        """The spec with a windowed shuffle's lanes resolved: 0 is the world size the run
-        starts at (each rank then reads a lane of its own; a state records the count)."""
-        if self.shuffle != "windowed" or self.lanes:
+    def for_world(self, world_size: int, node_ranks: int = 1) -> PlanSpec:
+        """The spec with a windowed shuffle's lanes resolved (a state records both):
+        lane_ranks 0 is the node's ranks where lanes is 0 and they divide the world size
+        the run starts at (a node's ranks then share one lane's windows), else 1 (lanes
+        given, or a state's from before lane_ranks: a lane a rank); lanes 0 is the world
+        size over lane_ranks. lane_ranks that do not divide the world size are refused."""
+        if self.shuffle != "windowed":
             return self
-        return replace(self, lanes=world_size)
+        ranks = self.lane_ranks or (node_ranks if not self.lanes and node_ranks > 1
+                                    and world_size % node_ranks == 0 else 1)
+        if not self.lanes and world_size % ranks:
+            raise ConfigError(f"lane_ranks: {ranks} must divide the world size {world_size} "
+                              "(a lane is read by that many consecutive ranks)")
+        return replace(self, lane_ranks=ranks, lanes=self.lanes or world_size // ranks)
 
     def for_budget(self, budget: WindowBudget) -> PlanSpec:
         """The spec with a windowed shuffle's blocks and window resolved from the node

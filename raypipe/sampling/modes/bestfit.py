@@ -148,6 +148,7 @@ class BestFitPlan:
                              f"of {len(lengths)}")
         self.lane_count = groups.lanes if isinstance(groups, ShardWindows) else 1
         self.nearby_lanes = isinstance(groups, ShardWindows) and groups.nearby
+        self.lane_ranks = groups.ranks_per_lane if isinstance(groups, ShardWindows) else 1
         # where each block begins in the document order (blocks end where windows do)
         self._cut_blocks()
         self._cached: OrderedDict[int, PackedBlock] = OrderedDict()
@@ -375,7 +376,7 @@ class BestFitPlan:
         if self.partial:
             raise ValueError("a plan of part of an epoch reads one lane")
         return LaneOrder(lane_bounds(self.document_order.window_starts, self.lane_count,
-                                     self._row_at_order), self.nearby_lanes)
+                                     self._row_at_order), self.nearby_lanes, self.lane_ranks)
 
     def _row_at_order(self, order_positions: np.ndarray) -> np.ndarray:
         """The first row of the block that begins at each document-order position."""
@@ -898,7 +899,8 @@ class BestFitMode(LoaderMode):
             return ContinuedPlan(remainders[0], self.plan(spec, inputs, epoch, order=order,
                                                           ranges=ranges))
         one_lane = replace(inputs, groups=replace(inputs.groups, lanes=1))
-        return LanedBestFitPlan(nearby=before.lanes.nearby, plans=[
+        return LanedBestFitPlan(nearby=before.lanes.nearby,
+                                ranks_per_lane=before.lanes.ranks_per_lane, plans=[
             ContinuedPlan(remainder, self.plan(
                 spec, one_lane, epoch, order=order,
                 ranges=continued_runs(remainder.ranges, remainder.first(len(base)), base,

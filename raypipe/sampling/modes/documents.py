@@ -89,7 +89,8 @@ class DocumentPlan:
             raise ValueError("a plan of part of an epoch reads one lane")
         self.lanes = (LaneOrder(lane_bounds(self.permutation.window_starts, groups.lanes,
                                             lambda starts: starts - np.searchsorted(
-                                                skipped, starts)), groups.nearby)
+                                                skipped, starts)), groups.nearby,
+                                groups.ranks_per_lane)
                       if windowed else None)
 
     def _run_index(self, places: np.ndarray) -> np.ndarray:
@@ -320,7 +321,8 @@ class DocumentsMode(LoaderMode):
             return self.plan(spec, inputs, epoch, order=order,
                              ranges=continued_runs(runs[0], first, base, order, 0, 1))
         one_lane = replace(inputs, groups=replace(inputs.groups, lanes=1))
-        return LanedDocumentPlan(nearby=before.lanes.nearby, plans=[self.plan(
+        return LanedDocumentPlan(nearby=before.lanes.nearby,
+                                 ranks_per_lane=before.lanes.ranks_per_lane, plans=[self.plan(
             spec, one_lane, epoch, order=order,
             ranges=continued_runs(lane_runs, int(lane_runs[0, 0]) if len(lane_runs)
                                   else len(base), base, order, lane, len(runs)))
