@@ -219,7 +219,8 @@ def quality(lengths: np.ndarray, counts: np.ndarray, knobs: dict, ranks: int,
         lanes = int(knobs.get("lanes", ranks))
         windowed = WindowedPermutation(blocks.documents, window_blocks_for(
             len(blocks), int(knobs["window_blocks"]), lanes), SEED)
-        lane_order = LaneOrder(lane_bounds(windowed.window_starts, lanes, lambda starts: starts))
+        lane_order = LaneOrder(lane_bounds(windowed.window_starts, lanes, lambda starts: starts),
+                               ranks_per_lane=int(knobs.get("lane_ranks", 1)))
         orders[f"raypipe windowed ({len(blocks):,} blocks)"] = windowed(lane_order(every))
     return [quality_row(name, order, shard_of, ranks, per_rank_step, uniform)
             for name, order in orders.items()]
@@ -239,7 +240,8 @@ def projection(shard_mb: float = 400, shards: int = 10_000, nodes: int = 125,
     # document; the whole .idx is 20) and each .sums (4 bytes a 4 KiB unit)
     index = documents * 4 + dataset / 4096 * 4
     fit = WindowBudget(int(budget + index), per_node, int(index), dataset_bytes=int(dataset),
-                       largest_shard_bytes=int(shard_mb * 1e6), shards=shards)
+                       largest_shard_bytes=int(shard_mb * 1e6), shards=shards,
+                       ranks_per_lane=per_node)  # lane_ranks 0: a node's ranks share a lane
     block = fit.block_bytes(0)
     window = fit.window_blocks(block)
     return [("figure", "value"),
@@ -247,9 +249,9 @@ def projection(shard_mb: float = 400, shards: int = 10_000, nodes: int = 125,
              f"{(budget + index) / 1e9:,.0f} GB"),
             ("block / window", f"{block / 1e6:.1f} MB / {window:,} blocks"),
             ("blocks in the corpus", f"{dataset / block:,.0f}"),
-            ("a rank's window draws from", f"{window:,} blocks of the whole corpus "
-             f"(a shard holds {shard_mb * 1e6 / block:,.0f})"),
-            ("a step mixes documents of", f"{ranks * window:,} blocks"),
+            ("a node's window (its ranks' lane) draws from", f"{window:,} blocks of the "
+             f"whole corpus (a shard holds {shard_mb * 1e6 / block:,.0f})"),
+            ("a step mixes documents of", f"{nodes * window:,} blocks"),
             ("bytes per node per epoch", f"{dataset / nodes / 1e9:,.0f} GB"),
             ("GETs per node per epoch", f"{dataset / nodes / block:,.0f}"),
             ("index objects a node reads at the open (.idx lengths, .sums)",
@@ -340,7 +342,8 @@ def resolved_layout(knobs: dict) -> dict:
     whole shards)."""
     layout = {"shuffle": knobs["shuffle"], "block_bytes": WHOLE_SHARDS, "window_blocks": 0}
     layout.update({name: knobs[name] for name in ("block_bytes", "window_blocks", "lanes",
-                                                  "group_shards") if name in knobs})
+                                                  "lane_ranks", "group_shards")
+                   if name in knobs})
     return layout
 
 
@@ -350,7 +353,8 @@ def layout_text(knobs: dict) -> str:
         return f"{knobs['shuffle']} {knobs.get('group_shards', '')}".strip()
     block = int(knobs["block_bytes"])
     size = "shards" if block >= WHOLE_SHARDS else f"{block / 1e3:,.0f} KB"
-    return f"{size} x {knobs['window_blocks'] or 'auto'}"
+    shared = f", {knobs['lane_ranks']} ranks a lane" if knobs.get("lane_ranks", 1) > 1 else ""
+    return f"{size} x {knobs['window_blocks'] or 'auto'}{shared}"
 
 
 def blocks_and_index_objects(local: Path, fmt: str, block_bytes: int) -> tuple[int, int]:

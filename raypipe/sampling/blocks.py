@@ -177,11 +177,6 @@ class WindowBudget:
                                             * self.largest_shard_bytes))
 
     @property
-    def readers(self) -> int:
-        """Windowed readers sharing the cache: each rank of the node, for each source."""
-        return self.node_ranks * self.sources
-
-    @property
     def node_lanes(self) -> int:
         """Lanes whose windows the node holds, for each source: its ranks over the ranks
         that share a lane (a node's ranks are consecutive, as torchrun and Ray Train
@@ -198,11 +193,12 @@ class WindowBudget:
 
     @property
     def hold_bytes(self) -> int:
-        """What one rank holds and fetches ahead at most: its share of HOLD_SHARE of what
-        the index files leave (the windows are half; reading ahead may reach into later
-        windows while the link's latency needs it)."""
+        """What one rank holds and fetches ahead at most: its lane's share of HOLD_SHARE
+        of what the index files leave (the windows are half; reading ahead may reach into
+        later windows while the link's latency needs it). The ranks that share a lane
+        hold the same blocks, once in the node cache."""
         return max(int((self.budget_bytes - self.index_bytes) * HOLD_SHARE
-                       // self.readers), 0)
+                       // self.node_lanes), 0)
 
     def least_budget(self, block_bytes: int) -> int:
         """The least budget whose windows hold one block of `block_bytes`."""

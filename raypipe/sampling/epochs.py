@@ -328,7 +328,7 @@ class PlannedDataset:
         starts = blocks.starts[:-1]
         self.dataset.use_blocks(blocks.shards, starts if self.split is None
                                 else self.split.ids[starts],
-                                self.facts.budget.hold_bytes)  # its part of the cache
+                                self.facts.budget.for_lanes(spec.lane_ranks).hold_bytes)
 
     def served_in(self, epoch: int, joined: int = 0) -> int | None:
         """How many of the documents (the first) epoch `epoch` serves under the run's

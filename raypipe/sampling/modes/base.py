@@ -644,9 +644,10 @@ def describe_shuffle(spec: PlanSpec, blocks: int | None = None) -> str:
         window = (window_blocks_for(blocks, spec.window_blocks, lanes) if blocks is not None
                   else spec.window_blocks)
         of = "" if blocks is None else f" of {blocks:,}"
-        return (f"windowed (windows of {window:,}{of} {unit}s in {lanes} lane(s): a step "
-                f"mixes the documents of {window * lanes:,} {unit.split(' ')[0]}(s) drawn "
-                "from the whole corpus)")
+        shared = (f" of {spec.lane_ranks} ranks each" if spec.lane_ranks > 1 else "")
+        return (f"windowed (windows of {window:,}{of} {unit}s in {lanes} lane(s){shared}: a "
+                f"step mixes the documents of {window * lanes:,} {unit.split(' ')[0]}(s) "
+                "drawn from the whole corpus)")
     if spec.shuffle == "shard_local":
         return f"shard_local (groups of {spec.group_shards} consecutive shards)"
     return spec.shuffle
