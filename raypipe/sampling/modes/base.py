@@ -182,7 +182,7 @@ class PlanSpec:
                             "units where it holds less; a multiple of 4 KiB)",
                             applies=("shuffle", "windowed"))
     window_blocks: int = knob(0, "shuffle windowed: blocks per window (0: as many as the "
-                              "node cache holds, two windows a rank of the node)",
+                              "node cache holds, two windows a lane of the node)",
                               applies=("shuffle", "windowed"))
     lanes: int = knob(0, "shuffle windowed: lanes of windows read side by side, rank r "
                       "reading lane (r mod lanes x lane_ranks) // lane_ranks (0: the world "
