@@ -90,7 +90,8 @@ def rank_main(order: dict) -> None:
     counts, and (asked for) the state after step `save_at`, as JSON on stdout."""
     loader = open_loader(order["path"], SEQ, BATCH, rank=order["rank"],
                          world_size=order["world"], seed=SEED, cache_dir=order.get("cache"),
-                         cache_bytes=order.get("budget"), format=order["format"])
+                         cache_bytes=order.get("budget"), format=order["format"],
+                         **order.get("knobs", {}))
     if order.get("state"):
         loader.load_state_dict(order["state"])
     steps, state = {}, None
@@ -240,18 +241,22 @@ def projection(shard_mb: float = 400, shards: int = 10_000, nodes: int = 125,
     # document; the whole .idx is 20) and each .sums (4 bytes a 4 KiB unit)
     index = documents * 4 + dataset / 4096 * 4
     fit = WindowBudget(int(budget + index), per_node, int(index), dataset_bytes=int(dataset),
-                       largest_shard_bytes=int(shard_mb * 1e6), shards=shards,
-                       ranks_per_lane=per_node)  # lane_ranks 0: a node's ranks share a lane
+                       largest_shard_bytes=int(shard_mb * 1e6), shards=shards)
     block = fit.block_bytes(0)
     window = fit.window_blocks(block)
+    shared = fit.for_lanes(per_node)  # lane_ranks = the node's ranks
+    shared_block = shared.block_bytes(0)
     return [("figure", "value"),
             ("node cache (its share + every shard's lengths and .sums)",
              f"{(budget + index) / 1e9:,.0f} GB"),
             ("block / window", f"{block / 1e6:.1f} MB / {window:,} blocks"),
             ("blocks in the corpus", f"{dataset / block:,.0f}"),
-            ("a node's window (its ranks' lane) draws from", f"{window:,} blocks of the "
-             f"whole corpus (a shard holds {shard_mb * 1e6 / block:,.0f})"),
-            ("a step mixes documents of", f"{nodes * window:,} blocks"),
+            ("a rank's window draws from", f"{window:,} blocks of the whole corpus "
+             f"(a shard holds {shard_mb * 1e6 / block:,.0f})"),
+            ("a step mixes documents of", f"{ranks * window:,} blocks"),
+            (f"... lane_ranks={per_node}: a node's window (its ranks' lane)",
+             f"{shared.window_blocks(shared_block):,} blocks of "
+             f"{shared_block / 1e6:.1f} MB"),
             ("bytes per node per epoch", f"{dataset / nodes / 1e9:,.0f} GB"),
             ("GETs per node per epoch", f"{dataset / nodes / block:,.0f}"),
             ("index objects a node reads at the open (.idx lengths, .sums)",
@@ -298,7 +303,8 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
         return [{"path": served_path, "rank": rank, "world": world,
                  "cache": str(workdir / cache), "budget": budget, "state": state,
                  "save_at": save_at, "format": fmt, "step_s": args.step_ms / 1000,
-                 "steps": steps}
+                 "steps": steps,
+                 "knobs": {"lane_ranks": args.lane_ranks} if args.lane_ranks else {}}
                 for rank in node_ranks]
 
     try:
@@ -447,6 +453,9 @@ def main() -> None:
                         help="every cell a mixture of two datasets on the bucket")
     parser.add_argument("--chat", action="store_true",
                         help="chat data: the shards carry a loss mask sidecar")
+    parser.add_argument("--lane-ranks", type=int, default=0,
+                        help="lane_ranks: the ranks of a node read one lane in turn (2: a "
+                        "node's; 0: the loader's default, a lane a rank)")
     parser.add_argument("--format", default="megatron",
                         choices=document_formats(),
                         help="the document format of the cells' shards")

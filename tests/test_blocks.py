@@ -343,7 +343,7 @@ def test_a_resumed_layout_is_kept_where_the_budget_no_longer_holds_its_windows()
     """A run that chose 16 KiB blocks at 2 ranks a node resumes at 3 on the same budget
     (issue 75's 2 -> 3 resume): its recorded layout is kept, not refused; a fresh run
     asking that block size of the same budget, a lane a rank, is refused (the node's 3
-    ranks sharing one lane's windows, the default, hold it)."""
+    ranks sharing one lane's windows, lane_ranks=3, hold it)."""
     from raypipe.sampling.modes import PlanSpec
     from raypipe.sampling.resolve import RunFacts, resolve
 
@@ -353,10 +353,10 @@ def test_a_resumed_layout_is_kept_where_the_budget_no_longer_holds_its_windows()
     assert (resumed.block_bytes, resumed.window_blocks, resumed.lanes) == (16 << 10, 1, 2)
     assert resumed.lane_ranks == 1  # a state from before lane_ranks: a lane a rank
     with pytest.raises(ConfigError):
-        resolve(PlanSpec.of(seq_len=64, shuffle="windowed", block_bytes=16 << 10,
-                            lane_ranks=1), RunFacts(False, 3, budget))
-    shared = resolve(PlanSpec.of(seq_len=64, shuffle="windowed", block_bytes=16 << 10),
-                     RunFacts(False, 3, budget))
+        resolve(PlanSpec.of(seq_len=64, shuffle="windowed", block_bytes=16 << 10),
+                RunFacts(False, 3, budget))
+    shared = resolve(PlanSpec.of(seq_len=64, shuffle="windowed", block_bytes=16 << 10,
+                                 lane_ranks=3), RunFacts(False, 3, budget))
     assert (shared.lanes, shared.lane_ranks, shared.block_bytes) == (1, 3, 16 << 10)
 
 

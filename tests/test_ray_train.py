@@ -94,11 +94,10 @@ def test_restart_with_fewer_workers_continues_exactly_once_reading_s3(
     assert {rank for rank, step in logs if step > 8} == {0}
     ids = [i for batch in logs.values() for i in batch]
     assert len(ids) == len(set(ids))
-    # auto on a bucket: windowed, one lane read in turn by the 2 workers of the node it
-    # started on (Ray Train's LOCAL_WORLD_SIZE), kept by the resume at 1 (the state
-    # records them)
+    # auto on a bucket: windowed, a lane for each of the 2 workers it started with, kept
+    # by the resume at 1 (the state records them)
     assert sorted(ids) == expected_ids(token_dataset, 8 * 2 * BATCH + 6 * 1 * BATCH,
-                                       shuffle="windowed", lanes=1, lane_ranks=2)
+                                       shuffle="windowed", lanes=2)
 
 
 def latest_attempts(log_dir: Path) -> dict[tuple[int, int], list[int]]:

@@ -11,8 +11,8 @@ knobs: global); else a mixture's one shuffle and layout for all its sources (the
 source on object storage resolves them for its part of the cache); then "auto" by storage
 (global on local disk; on object storage windowed where the mode reads documents and the
 split is shuffled, else shard_local where the cache holds less than the dataset), group_shards
-0 by the budget, lane_ends auto nearby, lane_ranks 0 by the node's ranks and lanes 0 by the
-world size, blocks and window 0 by the budget (a node holding its lanes' windows). Cost:
+0 by the budget, lane_ends auto nearby, lane_ranks 0 one and lanes 0 the world size over
+it, blocks and window 0 by the budget (a node holding its lanes' windows). Cost:
 microseconds.
 """
 
@@ -66,7 +66,7 @@ def resolve(asked: PlanSpec, facts: RunFacts) -> PlanSpec:
         spec = replace(spec, lane_ends=NEARBY_LANE_ENDS)
     budget = facts.budget
     if facts.world_size is not None:
-        spec = spec.for_world(facts.world_size, budget.node_ranks if budget else 1)
+        spec = spec.for_world(facts.world_size)
     if budget is not None:
         spec = spec.for_budget(budget.for_lanes(spec.lane_ranks))
     return spec

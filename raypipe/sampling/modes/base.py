@@ -190,9 +190,10 @@ class PlanSpec:
                       applies=("shuffle", "windowed"))
     lane_ranks: int = knob(0, "shuffle windowed: consecutive ranks that read one lane in "
                            "turn, sharing its windows, so a node's cache holds windows "
-                           "that many times larger (0: the ranks of a node, "
-                           "LOCAL_WORLD_SIZE, where lanes is 0 and they divide the world "
-                           "size; else 1)", applies=("shuffle", "windowed"))
+                           "that many times larger: for ranks in lockstep, as data-parallel "
+                           "training keeps them, give the node's ranks (LOCAL_WORLD_SIZE); "
+                           "ranks that drift apart fetch blocks again (0: 1, a lane a rank)",
+                           applies=("shuffle", "windowed"))
     lane_ends: str = knob(LANE_ENDS_AUTO, "shuffle windowed: who reads the rest the "
                           "longer lanes hold at an epoch's end: nearby (windows spread "
                           "evenly over a multiple of the lanes, so the rest is small, and "
@@ -324,16 +325,14 @@ class PlanSpec:
             return "shard_local"
         return "global"
 
-    def for_world(self, world_size: int, node_ranks: int = 1) -> PlanSpec:
+    def for_world(self, world_size: int) -> PlanSpec:
         """The spec with a windowed shuffle's lanes resolved (a state records both):
-        lane_ranks 0 is the node's ranks where lanes is 0 and they divide the world size
-        the run starts at (a node's ranks then share one lane's windows), else 1 (lanes
-        given, or a state's from before lane_ranks: a lane a rank); lanes 0 is the world
-        size over lane_ranks. lane_ranks that do not divide the world size are refused."""
+        lane_ranks 0 is 1 (a lane a rank; a state's from before lane_ranks too); lanes 0
+        is the world size the run starts at over lane_ranks. lane_ranks that do not
+        divide the world size are refused."""
         if self.shuffle != "windowed":
             return self
-        ranks = self.lane_ranks or (node_ranks if not self.lanes and node_ranks > 1
-                                    and world_size % node_ranks == 0 else 1)
+        ranks = self.lane_ranks or 1
         if not self.lanes and world_size % ranks:
             raise ConfigError(f"lane_ranks: {ranks} must divide the world size {world_size} "
                               "(a lane is read by that many consecutive ranks)")
