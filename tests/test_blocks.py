@@ -30,6 +30,8 @@ from raypipe.sampling.permute import WindowedPermutation
 
 shard_lengths = st.lists(st.lists(st.integers(0, 300), min_size=0, max_size=25),
                          min_size=1, max_size=8)
+# shards' document lengths, block_bytes, bytes a token
+block_cuts = (shard_lengths, st.integers(1, 2000), st.sampled_from([1, 2, 4]))
 
 
 def lengths_of(shards: list[list[int]]) -> tuple[DocumentLengths, np.ndarray]:
@@ -39,7 +41,7 @@ def lengths_of(shards: list[list[int]]) -> tuple[DocumentLengths, np.ndarray]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(shard_lengths, st.integers(1, 2000), st.sampled_from([1, 2, 4]))
+@given(*block_cuts)
 def test_blocks_cut_whole_documents_of_one_shard_each_about_block_bytes(
         shards, block_bytes, itemsize):
     lengths, counts = lengths_of(shards)
@@ -69,7 +71,7 @@ def test_blocks_cut_whole_documents_of_one_shard_each_about_block_bytes(
 
 
 @settings(max_examples=100, deadline=None)
-@given(shard_lengths, st.integers(1, 2000), st.sampled_from([1, 2, 4]))
+@given(*block_cuts)
 def test_a_blocks_size_is_its_documents_bytes_past_block_bytes_by_its_last_alone(
         shards, block_bytes, itemsize):
     lengths, counts = lengths_of(shards)

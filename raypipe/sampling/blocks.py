@@ -10,7 +10,8 @@ shard, token size, block_bytes): every rank and a resumed run cut the same block
 `block_bytes` of WHOLE_SHARDS makes every shard one block (empty shards included): the
 layout of the releases that windowed whole shards, kept for their states. Cost: one
 vectorized pass over each shard's lengths (~10 ns a document), once per node (the plan
-cache); O(blocks) memory after.
+cache); O(blocks) memory after; `block_sizes` (a bucket run's check for documents longer
+than a window) one more such pass, once per node.
 """
 
 from __future__ import annotations

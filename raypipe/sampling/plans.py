@@ -10,8 +10,9 @@ communicate. Shuffles:
   the blocks in a Feistel order and cuts it into windows of `window_blocks`, sized from
   the node cache's budget; the documents of a window are permuted among themselves
   (bestfit's packing blocks end where windows do), and the windows, split into `lanes`
-  lanes (LaneOrder), are read a lane a rank. A rank holds the window it reads and the next
-  while every block is equally likely in any window: a node fetches each block of its
+  lanes (LaneOrder), are read a lane a rank (or, `lane_ranks` k, a lane by k consecutive
+  ranks in turn, their node holding its windows once). A rank holds the window it reads
+  and the next while every block is equally likely in any window: a node fetches each block of its
   ranks' lanes once per epoch (about its share of the dataset), and a step mixes
   documents of lanes x window_blocks blocks drawn from the whole corpus.
 - `shard_local` (ShardGroups) cuts the shards into groups of consecutive shards; the
@@ -443,7 +444,7 @@ class LanedPlan:
     """The rest of an epoch read in lanes side by side (a windowed shuffle of several lanes
     after a change inside the epoch): lane l is `plans[l]`, the rest of the plan before's
     lane l, read through a LaneOrder over the lanes' sizes, so rank r of a world that the
-    lanes divide still reads lane r mod lanes. A lane serves a prefix of its rows, so each
+    lanes divide still reads the lane it read. A lane serves a prefix of its rows, so each
     lane's rest is planned again on its own (`lane_remainders`). A mode's subclass reads
     its rows lane by lane (`by_lane`). Cost: every rank builds every lane's rest (their
     sizes place its positions), once per change: bestfit packs each lane's partly served

@@ -204,19 +204,25 @@ class Run:
     def _window_padding(self, hint: Callable[[str], str]) -> Callable[[str], str]:
         """`hint`, but padding under windows of blocks that hold under SMALL_WINDOW_ROWS
         rows is said to come from them: each window is packed on its own and pads its last
-        rows, so a larger cache (larger windows) pads less, not shorter rows."""
+        rows, so a larger cache (larger windows) pads less, not shorter rows. Worked out
+        only when a padding warning asks for it."""
         spec = self.spec
         if spec.shuffle != "windowed" or spec.block_bytes >= WHOLE_SHARDS:
             return hint
-        blocks = len(self.planned.plans.blocks())
-        window = window_blocks_for(blocks, spec.window_blocks, max(spec.lanes, 1))
-        tokens = window * spec.block_bytes // self.dataset.block_itemsize
-        if tokens >= SMALL_WINDOW_ROWS * (self.seq_len + 1):
-            return hint
-        said = (f"each window of the windowed shuffle ({window} block(s) of "
-                f"{spec.block_bytes:,} bytes, ~{tokens:,} tokens) is packed on its own and "
-                "pads its last rows: a larger cache_bytes makes larger windows")
-        return lambda waste: said if waste == "padding" else hint(waste)
+
+        def said(waste: str) -> str:
+            if waste != "padding":
+                return hint(waste)
+            blocks = len(self.planned.plans.blocks())
+            window = window_blocks_for(blocks, spec.window_blocks, max(spec.lanes, 1))
+            tokens = window * spec.block_bytes // self.dataset.block_itemsize
+            if tokens >= SMALL_WINDOW_ROWS * (self.seq_len + 1):
+                return hint(waste)
+            return (f"each window of the windowed shuffle ({window} block(s) of "
+                    f"{spec.block_bytes:,} bytes, ~{tokens:,} tokens) is packed on its own "
+                    "and pads its last rows: a larger cache_bytes makes larger windows")
+
+        return said
 
     def filler(self, epoch: int, phases: Phases = ()) -> BatchFiller:
         """The filler of epoch `epoch`'s rows under `phases` (none: the epoch's plan,
