@@ -11,7 +11,9 @@ Megatron shards (or --format's; small: ~75 K tokens each, large: ~2.5 M), a numb
 shards per rank (at 2 ranks), a node cache of 5, 10 or 25% of the data, and 1 node x 2
 ranks or 2 nodes x 2 ranks (a cache each); --cell runs the cells named instead of a grid.
 One epoch of bestfit T=2048, 4 rows a rank, each rank a process of its own with a consumer
-step of 5 ms (--step-ms), `shuffle="auto"` (windowed: blocks sized from the budget).
+step of 5 ms (--step-ms), the ranks in lockstep as data-parallel training keeps them (a
+barrier after each step, the gradients' all-reduce; --free-running: none),
+`shuffle="auto"` (windowed: blocks sized from the budget).
 --mixture makes every cell a mixture of two such datasets on the bucket (weights by
 tokens, the cache shared by both: each source holds its part), served for the steps of
 both datasets' tokens once; --chat makes them chat data (a loss mask beside the
@@ -48,7 +50,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.managers import BarrierProxy, BaseManager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -95,8 +99,10 @@ def rank_main(order: dict) -> None:
     if order.get("state"):
         loader.load_state_dict(order["state"])
     steps, state = {}, None
+    lockstep = Lockstep.joined(order.get("lockstep"))
     for batch in itertools.islice(loader, order["steps"]):  # (a mixture has no end)
         time.sleep(order["step_s"])  # the consumer's step
+        lockstep.step()
         steps[batch.step] = digest(batch)
         if batch.step + 1 == order.get("save_at"):
             state = loader.state_dict()
@@ -111,10 +117,62 @@ def rank_main(order: dict) -> None:
                       "knobs": loader.state_dict()["knobs"]}))
 
 
-def run_ranks(orders: list[dict], endpoint: str) -> list[dict]:
+class Lockstep:
+    """The ranks' steps kept together as data-parallel training keeps them (a gradient's
+    all-reduce a step): every rank process waits at a barrier after each step until all
+    have reached it. The barrier lives in a manager process the bench starts."""
+
+    TIMEOUT_S = 120  # a rank that failed breaks the others' barrier this late
+
+    def __init__(self, barrier=None) -> None:
+        self.barrier = barrier
+
+    @classmethod
+    def serve(cls, parties: int) -> tuple[BaseManager, dict]:
+        """A started manager holding one barrier of `parties`, and what a rank joins it by."""
+        barrier = threading.Barrier(parties)
+        manager = _StepBarrier(address=("127.0.0.1", 0), authkey=LOCKSTEP_KEY)
+        _StepBarrier.register("barrier", callable=lambda: barrier, proxytype=BarrierProxy)
+        manager.start()
+        return manager, {"address": list(manager.address)}
+
+    @classmethod
+    def joined(cls, served: dict | None) -> Lockstep:
+        """The barrier `serve` described (None: free-running ranks, no barrier)."""
+        if not served:
+            return cls()
+        manager = _StepBarrier(address=tuple(served["address"]), authkey=LOCKSTEP_KEY)
+        manager.connect()
+        return cls(manager.barrier())
+
+    def step(self) -> None:
+        """Wait for every rank to end this step (a rank that ends its epoch early breaks
+        the barrier: the rest run free)."""
+        if self.barrier is None:
+            return
+        try:
+            self.barrier.wait(self.TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            self.barrier = None
+
+
+class _StepBarrier(BaseManager):
+    """The manager that serves Lockstep's barrier."""
+
+
+_StepBarrier.register("barrier", proxytype=BarrierProxy)
+LOCKSTEP_KEY = b"raypipe-bucket-bench"
+
+
+def run_ranks(orders: list[dict], endpoint: str, lockstep: bool = True) -> list[dict]:
     """The ranks of `orders` at once, one process each (the endpoint: the proxy); the ranks
-    of one cache directory are one node (LOCAL_WORLD_SIZE, as Ray Train sets it)."""
+    of one cache directory are one node (LOCAL_WORLD_SIZE, as Ray Train sets it); in
+    `lockstep` (data-parallel training) unless told to run free."""
     script = str(Path(__file__).resolve())
+    manager = None
+    if lockstep:
+        manager, served_barrier = Lockstep.serve(len(orders))
+        orders = [{**order, "lockstep": served_barrier} for order in orders]
     per_node = {order["cache"]: sum(o["cache"] == order["cache"] for o in orders)
                 for order in orders}
     processes = [subprocess.Popen(
@@ -124,12 +182,16 @@ def run_ranks(orders: list[dict], endpoint: str) -> list[dict]:
              "LOCAL_WORLD_SIZE": str(per_node[order["cache"]])})
         for order in orders]
     results, failed = [], None
-    for process in processes:
-        out, err = process.communicate(timeout=1800)
-        if process.returncode:
-            failed = failed or (err.strip().splitlines() or ["?"])[-1]
-            continue
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=1800)
+            if process.returncode:
+                failed = failed or (err.strip().splitlines() or ["?"])[-1]
+                continue
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        if manager is not None:
+            manager.shutdown()
     if failed:
         raise RankFailed(failed)
     return results
@@ -304,14 +366,16 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
                  "cache": str(workdir / cache), "budget": budget, "state": state,
                  "save_at": save_at, "format": fmt, "step_s": args.step_ms / 1000,
                  "steps": steps,
-                 "knobs": {"lane_ranks": args.lane_ranks} if args.lane_ranks else {}}
+                 # a resume takes the state's lane_ranks (it may not divide the new world)
+                 "knobs": ({"lane_ranks": args.lane_ranks}
+                           if args.lane_ranks and state is None else {})}
                 for rank in node_ranks]
 
     try:
         orders = [order for index in range(nodes)
                   for order in node(range(2 * index, 2 * index + 2), ranks, f"cache-{index}",
                                     save_at=RESUME_AT)]
-        run = run_ranks(orders, proxy.url)
+        run = run_ranks(orders, proxy.url, not args.free_running)
         gets, heads = sum(proxy.gets.values()), proxy.requests["HEAD"]
         knobs = resolved_layout(run[0]["knobs"])
         reference, _ = local_steps(local_path, ranks, {"format": fmt, **knobs}, steps)
@@ -320,7 +384,8 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
         state = run[0]["state"]
         if nodes == 1 and state is not None:
             expected, _ = local_steps(local_path, 3, {"format": fmt, **knobs}, steps, state)
-            three = run_ranks(node(range(3), 3, "cache-three", state), proxy.url)
+            three = run_ranks(node(range(3), 3, "cache-three", state), proxy.url,
+                              not args.free_running)
             resumed = str(served(three) == expected)
     finally:
         proxy.stop()
@@ -456,6 +521,9 @@ def main() -> None:
     parser.add_argument("--lane-ranks", type=int, default=0,
                         help="lane_ranks: the ranks of a node read one lane in turn (2: a "
                         "node's; 0: the loader's default, a lane a rank)")
+    parser.add_argument("--free-running", action="store_true",
+                        help="the rank processes run free (default: in lockstep, a barrier "
+                        "after each step, as a data-parallel step's all-reduce keeps them)")
     parser.add_argument("--format", default="megatron",
                         choices=document_formats(),
                         help="the document format of the cells' shards")

@@ -50,6 +50,7 @@ class LatencyProxy:
         self.reset = 0  # connections reset
         self.requests: Counter = Counter()  # by HTTP method
         self.gets: Counter = Counter()  # by path: every GET, answered 503 or forwarded
+        self.heads: Counter = Counter()  # by path: every HEAD
         self.injected = 0  # 503s answered
         self.port = 0
         self.loop = asyncio.new_event_loop()
@@ -133,7 +134,10 @@ class LatencyProxy:
         try:
             while data := await source.read(1 << 16):
                 if data.startswith(METHODS):
-                    self.requests[data.split(b" ", 1)[0].decode()] += 1
+                    method, path = data.split(b" ", 2)[:2]
+                    self.requests[method.decode()] += 1
+                    if method == b"HEAD":
+                        self.heads[path.decode().split("?", 1)[0]] += 1
                     await asyncio.sleep(self.delay)
                     answer = self._answer(data)
                     if answer == "reset":

@@ -300,14 +300,18 @@ class ShardSet:
 
     def ranged(self, shard: int) -> bool:
         """Shard `shard` is fetched a block at a time (object storage, blocks in use, the
-        format ranged, no loss mask sidecar, more than one block); found once a shard
-        (asked for every unit the next steps read)."""
+        format ranged: `read_whole_because`, and more than one block, or one checked by
+        the shard's `.sums`: its bytes one ranged GET, where fetched whole it would take a
+        HEAD and a GET for each of its files; a shard of one block without a `.sums` is
+        fetched whole, its sha256 checked); found once a shard (asked for every unit the
+        next steps read)."""
         found = self._ranged.get(shard)
         if found is None:
             blocks = self.blocks
             found = self._ranged[shard] = (
-                blocks is not None and len(blocks.in_shard(shard)) > 1
-                and self.reads_in_blocks(shard))
+                blocks is not None and self.reads_in_blocks(shard)
+                and (len(blocks.in_shard(shard)) > 1
+                     or lists_file(self.shards[shard], SUMS_SUFFIX)))
         return found
 
     def reads_in_blocks(self, shard: int) -> bool:

@@ -4,7 +4,9 @@ multi-process DDP-style run (CPU, gloo)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 
 import numpy as np
 import pytest
@@ -178,6 +180,22 @@ def test_exactly_once_across_resume_at_any_world_size(token_dataset, mode, new_w
         assert final["epoch"] == 1 and final["position"] == 0
 
 
+def test_shared_lanes_resume_at_a_world_their_lane_ranks_do_not_divide(token_dataset):
+    """lane_ranks=2 at 2 ranks (one lane), resumed at 3: lane_ranks given again is refused,
+    naming the remedy; left out, the state's lanes and lane_ranks resume the epoch, every
+    observation once."""
+    knobs = {"mode": "bestfit", "seed": 3, "shuffle": "windowed", "window_blocks": 1}
+    first, state = run_ranks(token_dataset, 2, steps=3, lane_ranks=2, **knobs)
+    assert state["knobs"]["lane_ranks"] == 2 and state["knobs"]["lanes"] == 1
+    with pytest.raises(ConfigError, match="must divide the world size 3.*leave lane_ranks out"):
+        TokenLoader(token_dataset, T, B, rank=0, world_size=3, lane_ranks=2, **knobs)
+    rest, _ = run_ranks(token_dataset, 3, state=state, **knobs)
+    size = TokenLoader(token_dataset, T, B, world_size=2, lane_ranks=2, **knobs).plan().size
+    consumed = first + rest
+    assert len(consumed) == len(set(consumed))
+    assert size - len(consumed) < 3 * B  # only the drop-last tail is missing
+
+
 def test_resume_twice_in_a_row_still_advances(token_dataset):
     first, state = run_ranks(token_dataset, 2, steps=3, mode="bestfit")
     second, state2 = run_ranks(token_dataset, 3, state=state, steps=1, mode="bestfit")
@@ -266,25 +284,86 @@ def _ddp_worker(rank, world, path, queue, port):
     dist.destroy_process_group()
 
 
-def test_ddp_style_spawned_ranks_partition_the_epoch(token_dataset):
-    import socket
-
+def _spawned_ranks(target, rank_args: list[tuple], answers: int) -> list:
+    """`target(*args, queue, port)` in a spawned process for each args of `rank_args` (a
+    gloo group on a free loopback port); the first `answers` things they put on the queue."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     context = torch.multiprocessing.get_context("spawn")
     queue = context.Queue()
-    processes = [context.Process(target=_ddp_worker,
-                                 args=(r, 2, str(token_dataset), queue, port))
-                 for r in range(2)]
+    processes = [context.Process(target=target, args=(*args, queue, port))
+                 for args in rank_args]
     for process in processes:
         process.start()
-    gathered, size = queue.get(timeout=120)
+    got = [queue.get(timeout=120) for _ in range(answers)]
     for process in processes:
         process.join(timeout=60)
+    return got
+
+
+def test_ddp_style_spawned_ranks_partition_the_epoch(token_dataset):
+    [(gathered, size)] = _spawned_ranks(_ddp_worker, [(r, 2, str(token_dataset))
+                                                      for r in range(2)], 1)
     ids = gathered[0] + gathered[1]
     assert not set(gathered[0]) & set(gathered[1])
     assert len(ids) == len(set(ids)) == size // (2 * B) * 2 * B
+
+
+NODE_CACHE = 80_000  # a node cache whose windows hold a few blocks of token_dataset's
+
+
+def _layout(knobs: dict) -> dict:
+    return {name: knobs[name] for name in ("block_bytes", "window_blocks", "lanes")}
+
+
+def _uneven_node_worker(rank, world, path, local_world_size, queue, port):
+    """A rank of an uneven placement (its node's LOCAL_WORLD_SIZE given): its layout, its
+    observations and what rank 0 warned."""
+    import logging
+
+    import torch.distributed as dist
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("raypipe").addHandler(handler)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        loader = TokenLoader(path, T, B, mode="bestfit", seed=2, shuffle="windowed",
+                             cache_bytes=NODE_CACHE)
+        ids = [i for batch in loader for i in batch.observation_ids.tolist()]
+        queue.put((rank, _layout(loader.state_dict()["knobs"]), ids,
+                   [text for text in warned if "the nodes differ" in text]))
+    except Exception as error:  # said, not left to a timeout
+        queue.put((rank, repr(error), [], []))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_on_nodes_of_different_sizes_plan_one_windowed_layout(token_dataset,
+                                                                    monkeypatch):
+    """Ray Train places workers unevenly (8 + 4 on nodes of 8 GPUs): LOCAL_WORLD_SIZE
+    differs, and each rank alone would size the windows for its own node. Under
+    torch.distributed the ranks agree on the most ranks a node has, so both plan one layout
+    and the epoch is served once, partitioned."""
+    own = {}
+    for local_world_size in (1, 4):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
+        own[local_world_size] = _layout(TokenLoader(
+            token_dataset, T, B, mode="bestfit", seed=2, shuffle="windowed", rank=0,
+            world_size=2, cache_bytes=NODE_CACHE).state_dict()["knobs"])
+    assert own[1] != own[4]  # what each rank would plan alone
+    results = sorted(_spawned_ranks(_uneven_node_worker, [(0, 2, str(token_dataset), 1),
+                                                          (1, 2, str(token_dataset), 4)], 2))
+    (_, layout_0, ids_0, warned), (_, layout_1, ids_1, _) = results
+    assert layout_0 == layout_1 == own[4]  # the most ranks a node has: windows fit it
+    assert not set(ids_0) & set(ids_1)
+    assert len(ids_0) == len(ids_1) > 0
+    assert len(warned) == 1 and "LOCAL_WORLD_SIZE 1-4" in warned[0]
 
 
 def test_windows_boundaries_follow_bos_when_asked(token_dataset):

@@ -289,11 +289,13 @@ def test_two_processes_share_one_cache_without_corrupting_it(bucket, token_datas
     assert outputs[0][0] == outputs[1][0] == digest.hexdigest()
     shards = read_manifest(uri).formats["megatron"].shards
     entries = [f for s in shards for f in s.files]
-    # every file once, and each .idx's lengths once more by range at the open
-    assert sum(int(o[1]) for o in outputs) == len(entries) + len(shards), \
+    # each of a shard's three objects read once: its .sums whole, its .idx's lengths by
+    # range at the open, its tokens as the range of its one block (a shard under 4 MiB)
+    assert len(entries) == 3 * len(shards)
+    assert sum(int(o[1]) for o in outputs) == len(entries), \
         "a file was downloaded by both processes"
     cached = ShardCache(cache_dir).cached_files()
-    assert len(cached) == len(entries) + len(shards)
+    assert len(cached) == len(entries)
     assert not list(cache_dir.rglob("*.raypipe.tmp"))
 
 
@@ -550,6 +552,30 @@ def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_block_once_per
     assert local.spec.block_bytes == loader.spec.block_bytes
     assert [batch.inputs.numpy().tobytes() for batch in local] == served
     assert TokenLoader(token_dataset, 32, 4, format=fmt).spec.shuffle == "global"  # locally
+
+
+def test_shards_of_one_block_are_each_one_ranged_read_checked_by_their_sums(
+        bucket, token_dataset, tmp_path):
+    """Blocks larger than the shards (a large cache over small shards) make each shard one
+    block: its tokens come in one ranged GET, checked by its .sums as every block is, not
+    as whole files (a HEAD and a GET for each of its .bin, .idx and .sums); the batches
+    equal the local copy's."""
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    shards = read_manifest(uri).formats["megatron"].shards
+    largest_bin = max(f.bytes for shard in shards for f in shard.files
+                      if f.path.endswith(".bin"))
+    knobs = {"seed": 5, "shuffle": "windowed", "block_bytes": -(-largest_bin // 4096) * 4096,
+             "window_blocks": 2, "cache_bytes": 1 << 30}
+    loader = TokenLoader(uri, 32, 4, cache_dir=tmp_path / "c", **knobs)
+    served = [batch.inputs.numpy().tobytes() for batch in loader]
+    loader.close()
+    cached = [path.name for path in (tmp_path / "c").rglob("*.bin*")]
+    assert len(loader.run.planned.plans.blocks()) == len(shards) > 2
+    assert not [name for name in cached if name.endswith(".bin")]  # no token file whole
+    assert len([name for name in cached if ".bin.range-" in name]) == len(shards)
+    local = TokenLoader(token_dataset, 32, 4, **knobs)
+    assert [batch.inputs.numpy().tobytes() for batch in local] == served
 
 
 def test_bucket_loader_under_auto_resumes_a_global_state_as_global(bucket, token_dataset,
@@ -1002,9 +1028,12 @@ def test_a_block_of_a_shard_read_before_costs_its_get_alone_over_more_shards_tha
     finally:
         proxy.stop()
     assert stats.ranged_reads > 2 * len(shards)  # every shard's blocks
-    whole_downloads = stats.downloads - stats.ranged_reads  # index files: a HEAD each
-    # each .bin and .idx (its lengths, at the open) read by range: a HEAD each, once
-    assert proxy.requests["HEAD"] <= 2 * len(shards) + whole_downloads
+    # each object's size asked once: each .bin and .idx (its lengths, at the open) read
+    # by range, each .sums downloaded whole
+    dataset_heads = {path: count for path, count in proxy.heads.items()
+                     if path.endswith((".bin", ".idx", ".sums"))}
+    assert len(dataset_heads) == 3 * len(shards)
+    assert set(dataset_heads.values()) == {1}
 
 
 @pytest.mark.parametrize("fmt", RANGED_FORMATS)

@@ -164,6 +164,7 @@ class Store:
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self._handles: OrderedDict[str, Any] = OrderedDict()  # ranged reads' open files
         self._handles_lock = threading.Lock()
+        self._opening: dict[str, threading.Lock] = {}  # objects a thread is opening now
 
     def __repr__(self) -> str:
         return f"Store({self.uri!r})"
@@ -318,22 +319,36 @@ class Store:
     def _ranged_handle(self, relative: str) -> Any:
         """An open input file of `relative` for ranged reads, kept for the next ranges on
         object storage (the latest RANGED_HANDLES: one opened file is one HEAD, holds no
-        descriptor, and its reads at an offset are safe from several threads); a local
-        file is opened for each read (no descriptor is kept)."""
+        descriptor, and its reads at an offset are safe from several threads; threads
+        asking for one not open yet wait for the one that opens it); a local file is
+        opened for each read (no descriptor is kept)."""
+        if self.local:
+            return _Closing(self._open_input_file(relative))
         with self._handles_lock:
             handle = self._handles.get(relative)
             if handle is not None:
                 self._handles.move_to_end(relative)
                 return handle
-        with remote_errors(self.uri_of(relative), "read a range of"):
-            handle = self.fs.open_input_file(self.path(relative))
-        if self.local:
-            return _Closing(handle)
-        with self._handles_lock:  # one let go is closed when its last reader drops it
-            self._handles[relative] = handle
-            while len(self._handles) > RANGED_HANDLES:
-                self._handles.pop(next(iter(self._handles)))
+            opening = self._opening.setdefault(relative, threading.Lock())
+        with opening:  # one thread opens it (one HEAD); the others wait and take it
+            with self._handles_lock:
+                handle = self._handles.get(relative)
+            if handle is not None:
+                return handle
+            try:
+                handle = self._open_input_file(relative)
+                with self._handles_lock:  # one let go is closed when its last reader drops it
+                    self._handles[relative] = handle
+                    while len(self._handles) > RANGED_HANDLES:
+                        self._handles.pop(next(iter(self._handles)))
+            finally:
+                with self._handles_lock:
+                    self._opening.pop(relative, None)
         return handle
+
+    def _open_input_file(self, relative: str) -> Any:
+        with remote_errors(self.uri_of(relative), "read a range of"):
+            return self.fs.open_input_file(self.path(relative))
 
     def _forget_handle(self, relative: str) -> None:
         """Open the file afresh for the next read (another thread may still read this one:

@@ -48,7 +48,7 @@ class MixtureLoader(RunView):
         options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
         if options.metadata:
             raise ConfigError("mixture: stream metadata cannot be mixed")
-        self._open_view(options)
+        self._open_view(options, ", ".join(str(path) for _, path in sorted(paths.items())))
         # each source a running tokenize job writes: its units as they commit
         self.followers = ({name: JobFollower(path, self.rank, self.world_size,
                                             options.follow_steps)
@@ -57,8 +57,8 @@ class MixtureLoader(RunView):
             paths, options.plan, self.world_size, options.batch_size, weights=weights,
             stages=stages, rank=self.rank, batch_schedule=options.batch_schedule,
             seq_len_schedule=options.seq_len_schedule, format_name=options.format,
-            cache_dir=options.cache_dir, cache_bytes=options.cache_bytes,
-            pad_id=options.pad_id, boundaries=options.boundaries,
+            cache_dir=options.cache_dir, cache_bytes=self.node.cache_bytes,
+            node_ranks=self.node.ranks, pad_id=options.pad_id, boundaries=options.boundaries,
             units_join=options.units_join,
             manifests={name: follower.first_manifest(options.format)
                        for name, follower in self.followers.items()})

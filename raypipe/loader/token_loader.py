@@ -70,7 +70,7 @@ class TokenLoader(RunView):
             raise ConfigError(f"TokenLoader reads one dataset; {path!r} is a mixture: "
                               "raypipe.open_loader(...) serves it (a MixtureLoader)")
         options = LoaderOptions.of(options, seq_len, batch_size, **knobs)
-        self._open_view(options)
+        self._open_view(options, str(path))
         if options.metadata and options.plan.split != "all":
             raise ConfigError("split with metadata=True is not supported")
         # a running tokenize job's output: its units as they commit (raypipe.loader.follow)
@@ -81,7 +81,8 @@ class TokenLoader(RunView):
         try:
             self.run = Run.open(path, options.plan, self.world_size, options.batch_size,
                                 rank=self.rank, format_name=options.format,
-                                cache_dir=options.cache_dir, cache_bytes=options.cache_bytes,
+                                cache_dir=options.cache_dir,
+                                cache_bytes=self.node.cache_bytes, node_ranks=self.node.ranks,
                                 batch_schedule=options.batch_schedule,
                                 seq_len_schedule=options.seq_len_schedule,
                                 pad_id=options.pad_id, boundaries=options.boundaries,

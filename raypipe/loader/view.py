@@ -18,6 +18,7 @@ from raypipe.io.cache import CacheStats
 from raypipe.io.records import TokenizerInfo
 from raypipe.loader.batch import Batch
 from raypipe.loader.exclusions import PendingExclusions
+from raypipe.loader.node_facts import NodeFacts
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import Prefetcher
 from raypipe.loader.reads import READ_AHEAD_STEPS
@@ -41,10 +42,13 @@ class RunView:
     run: Any
     exclusions: PendingExclusions
 
-    def _open_view(self, options: LoaderOptions) -> None:
-        """Rank, world size, device and waits from `options`."""
+    def _open_view(self, options: LoaderOptions, data: str) -> None:
+        """Rank, world size, device and waits from `options`; the node facts its ranks plan
+        with (`data`: what it reads, named if the nodes differ)."""
         self.options = options
         self.rank, self.world_size = options.rank_and_world()
+        self.node = NodeFacts.agreed(options.plan, options.cache_bytes, self.rank,
+                                     self.world_size, data)
         self.device = options.torch_device()
         self.state_name: str | None = None  # where adapters (raypipe.ray.train) keep its state
         self.waits = WaitStats(describe=self._fetching_now, advise=self._sizing_advice)

@@ -211,10 +211,12 @@ class EpochPlans:
 
 
 def window_budget(dataset: TokenDataset | BatchDataset,
-                  budget_bytes: int | str | None = None, sources: int = 1) -> WindowBudget:
+                  budget_bytes: int | str | None = None, sources: int = 1,
+                  ranks: int | None = None) -> WindowBudget:
     """What sizes a windowed shuffle's windows for `dataset`: the node cache's budget (its
-    cache's, else as configured), the node's ranks (LOCAL_WORLD_SIZE, as torchrun and Ray
-    Train set it), the bytes of its index files (every rank reads them all), and whether
+    cache's, else as configured), the node's ranks (`ranks`: what the loader's ranks
+    agreed, raypipe.loader.node_facts; None: LOCAL_WORLD_SIZE, as torchrun and Ray Train
+    set it), the bytes of its index files (every rank reads them all), whether
     a block of a shard can be read alone (the same on local disk as on a bucket, so a
     local copy resolves the blocks a bucket run does), the dataset's bytes, its largest
     shard's (a shard-local group's size) and its shards (how many blocks a window mixes);
@@ -225,8 +227,8 @@ def window_budget(dataset: TokenDataset | BatchDataset,
               else configured_budget(budget_bytes))
     ranged = bool(getattr(dataset, "reads_blocks_alone", False))
     shard_bytes = [sum(entry.bytes for entry in shard.files) for shard in dataset.shards]
-    return WindowBudget(budget, node_ranks(), index, ranged, sources, sum(shard_bytes),
-                        max(shard_bytes, default=0), len(shard_bytes),
+    return WindowBudget(budget, ranks or node_ranks(), index, ranged, sources,
+                        sum(shard_bytes), max(shard_bytes, default=0), len(shard_bytes),
                         float(getattr(dataset, "fetched_per_cut_byte", 1.0)))
 
 
@@ -246,7 +248,8 @@ class PlannedDataset:
                  memo: SumsMemo | None = None, schedule: BatchSchedule | None = None,
                  served_from: tuple[tuple[int, int], ...] = (),
                  joins: tuple[tuple[int, int], ...] = (),
-                 budget_bytes: int | str | None = None, budget_sources: int = 1):
+                 budget_bytes: int | str | None = None, budget_sources: int = 1,
+                 node_ranks: int | None = None):
         """`memo`: where plan arrays are kept (default: once per node, `node_memo`);
         `schedule`: the global batch of each step (default: W x `batch_size` every step);
         `served_from`: ((first epoch, documents it and the later ones serve), ...) of a
@@ -255,9 +258,11 @@ class PlannedDataset:
         progress (each begins a phase: raypipe.sampling.schedule); `budget_bytes`: the
         node cache's, which sizes a windowed shuffle's blocks (a local dataset's too, so a
         local copy cuts the blocks a bucket run does; default as the cache's), shared by
-        `budget_sources` datasets on object storage (a mixture's)."""
+        `budget_sources` datasets on object storage (a mixture's); `node_ranks`: the ranks
+        sharing it that every rank plans with (None: LOCAL_WORLD_SIZE)."""
         self.dataset = dataset
         self.budget_bytes, self.budget_sources = budget_bytes, budget_sources
+        self.node_ranks = node_ranks
         self.served_from, self.joins = served_from, joins
         self.world_size, self.batch_size, self.cache_dir = world_size, batch_size, cache_dir
         self.spec = spec = resolve(spec, self.facts)
@@ -305,7 +310,8 @@ class PlannedDataset:
                                  self.cache_dir, schedule=self.schedule,
                                  served_from=data.served_from, joins=data.joins,
                                  budget_bytes=self.budget_bytes,
-                                 budget_sources=self.budget_sources)
+                                 budget_sources=self.budget_sources,
+                                 node_ranks=self.node_ranks)
         for record in self.exclusions.records:  # (their steps are in the schedule)
             planned.exclusions.adopt(record)
         return planned
@@ -315,7 +321,8 @@ class PlannedDataset:
         """What its spec is resolved against (raypipe.sampling.resolve): the data's storage,
         the world size, the node cache's budget for this dataset's part of it."""
         return RunFacts(self.dataset.cache is None, self.world_size,
-                        window_budget(self.dataset, self.budget_bytes, self.budget_sources))
+                        window_budget(self.dataset, self.budget_bytes, self.budget_sources,
+                                      self.node_ranks))
 
     def fetch_blocks(self) -> None:
         """On object storage under a windowed shuffle of blocks, the dataset fetches the
@@ -367,14 +374,16 @@ class PlannedDataset:
              cache_bytes: int | str | None = None, memo: SumsMemo | None = None,
              batch_schedule: list[tuple[int, int]] | None = None,
              seq_len_schedule: list[tuple[int, int]] | None = None,
-             manifest: Manifest | None = None, budget_sources: int = 1) -> PlannedDataset:
+             manifest: Manifest | None = None, budget_sources: int = 1,
+             node_ranks: int | None = None) -> PlannedDataset:
         """Open `path` (a directory or URI: shards through the node cache) for `spec`; a
         pre-formed dataset fixes seq_len and batch_size (0 / None take its own).
         `batch_schedule`: [(first step, global batch), ...] instead of `batch_size` (rows
         per rank: its largest stage's, for the buffers); `seq_len_schedule`: [(first step,
         seq_len), ...] (the spec's seq_len: its first stage's); `manifest`: the output's to
         open (default: its manifest.json; a running job's: raypipe.io.live);
-        `budget_sources`: datasets on object storage sharing the node cache (a mixture's)."""
+        `budget_sources`: datasets on object storage sharing the node cache (a mixture's);
+        `node_ranks`: the ranks sharing it every rank plans with (None: LOCAL_WORLD_SIZE)."""
         if seq_len_schedule:
             spec = replace(spec, seq_len=int(seq_len_schedule[0][1]))
         if batch_schedule and spec.split == "validation":
@@ -392,7 +401,8 @@ class PlannedDataset:
             schedule = (schedule or BatchSchedule.constant(world_size * batch_size)
                         ).with_seq_lens(seq_len_schedule)
         return cls(dataset, spec, world_size, batch_size, cache_dir, memo, schedule,
-                   budget_bytes=cache_bytes, budget_sources=budget_sources)
+                   budget_bytes=cache_bytes, budget_sources=budget_sources,
+                   node_ranks=node_ranks)
 
     @property
     def seq_len(self) -> int:

@@ -36,7 +36,7 @@ from raypipe.io.states import (
 )
 from raypipe.sampling.blocks import WHOLE_SHARDS, WINDOWS_HELD, WindowBudget
 from raypipe.sampling.data_changes import DataChanges, planned_again
-from raypipe.sampling.epochs import PlannedDataset, PlanSpec, window_budget
+from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.modes import (
     BatchFiller,
     EpochPlan,
@@ -121,12 +121,14 @@ class Run:
              cache_dir: str | Path | None = None, cache_bytes: int | str | None = None,
              batch_schedule: Any = None, seq_len_schedule: Any = None, pad_id: int = 0,
              boundaries: bool | None = None, units_join: str = "epoch",
-             manifest: Any = None, budget_sources: int = 1) -> Run:
+             manifest: Any = None, budget_sources: int = 1,
+             node_ranks: int | None = None) -> Run:
         planned = PlannedDataset.open(path, spec, world_size, batch_size, format_name,
                                       cache_dir, cache_bytes,
                                       batch_schedule=list(batch_schedule or []),
                                       seq_len_schedule=list(seq_len_schedule or []),
-                                      manifest=manifest, budget_sources=budget_sources)
+                                      manifest=manifest, budget_sources=budget_sources,
+                                      node_ranks=node_ranks)
         return cls(planned, spec, rank, pad_id, boundaries, units_join)
 
     @property
@@ -451,7 +453,7 @@ class Run:
             return
         blocks = len(self.planned.plans.blocks())
         window = window_blocks_for(blocks, spec.window_blocks, max(spec.lanes, 1))
-        fits = window_budget(dataset).for_lanes(spec.lane_ranks)
+        fits = self.planned.facts.budget.for_lanes(spec.lane_ranks)
         unit = (max(shard_bytes) if spec.block_bytes >= WHOLE_SHARDS else spec.block_bytes)
         needed = fits.node_lanes * WINDOWS_HELD * window * unit + fits.index_bytes
         if needed > budget:

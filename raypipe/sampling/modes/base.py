@@ -335,7 +335,9 @@ class PlanSpec:
         ranks = self.lane_ranks or 1
         if not self.lanes and world_size % ranks:
             raise ConfigError(f"lane_ranks: {ranks} must divide the world size {world_size} "
-                              "(a lane is read by that many consecutive ranks)")
+                              "(a lane is read by that many consecutive ranks); to resume a "
+                              "run at another world size, leave lane_ranks out: the loader "
+                              "state records the run's lanes and lane_ranks")
         return replace(self, lane_ranks=ranks, lanes=self.lanes or world_size // ranks)
 
     def for_budget(self, budget: WindowBudget) -> PlanSpec:
