@@ -17,6 +17,7 @@ once at open.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +84,7 @@ def spans_process_group(rank: int, world_size: int) -> bool:
             and distributed.get_rank() == rank)
 
 
-def spread(values) -> str:
+def spread(values: Iterable[int]) -> str:
     """`low-high` of integers, or the one value."""
-    values = sorted(set(values))
-    return f"{values[0]:,}" if len(values) == 1 else f"{values[0]:,}-{values[-1]:,}"
+    ordered = sorted(set(values))
+    return f"{ordered[0]:,}" if len(ordered) == 1 else f"{ordered[0]:,}-{ordered[-1]:,}"
