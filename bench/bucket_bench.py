@@ -329,6 +329,34 @@ def projection(shard_mb: float = 400, shards: int = 10_000, nodes: int = 125,
              " h")]
 
 
+def block_tradeoffs(shard_mb: float = 400, shards: int = 10_000, nodes: int = 125,
+                    ranks: int = 1000, share: float = 0.10, step_tokens: float = 4e6,
+                    step_s: float = 1.0) -> list[tuple[str, ...]]:
+    """The projection's corpus under a given `block_bytes`: the automatic size against
+    smaller ones. A window of W blocks drawn from S shards makes a rank's next document
+    come from its shard with P ~ 1/W + 1/S, S/W + 1 times a uniform order's; a rank reads
+    step_tokens x 2 / ranks bytes a step, so a block of b bytes is a GET every b / that
+    bytes' worth of steps; the plan holds 16 bytes a block (its first document, its shard)
+    on every node."""
+    dataset = shards * shard_mb * 1e6
+    budget = dataset / nodes * share
+    index = dataset / 2 / 1000 * 4 + dataset / 4096 * 4
+    fit = WindowBudget(int(budget + index), ranks // nodes, int(index),
+                       dataset_bytes=int(dataset), largest_shard_bytes=int(shard_mb * 1e6),
+                       shards=shards)
+    rank_bytes_s = step_tokens * 2 / ranks / step_s
+    rows = [("block_bytes", "window", "P / uniform (~)", "GETs a rank a second",
+             "GETs an epoch (all nodes)", "plan a node")]
+    for asked in (0, 1 << 20, 256 << 10, 64 << 10):
+        block = fit.block_bytes(asked)
+        window = fit.window_blocks(block)
+        rows.append((f"{block / 1e6:.2f} MB" + (" (auto)" if not asked else ""),
+                     f"{window:,} blocks", f"{shards / window + 1:,.0f}x",
+                     f"{rank_bytes_s / block:.2f}", f"{dataset / block / 1e6:,.1f} M",
+                     f"{dataset / block * 16 / 1e6:,.0f} MB"))
+    return rows
+
+
 def chosen(share: float, salt: str):
     """A GET picked with probability `share`, by a hash of (path, try, salt): the same
     faults on every run, a retry drawn afresh."""
@@ -499,6 +527,8 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
                       "shards a step", "shards in 1% of epoch"), *quality_rows])
     print("\nprojection: 10^4 shards of 400 MB on 125 nodes x 8 ranks, a 10% cache")
     print_table(projection())
+    print("\n... under a given block_bytes (4 M tokens a step, 1 step/s)")
+    print_table(block_tradeoffs())
 
 
 def main() -> None:
