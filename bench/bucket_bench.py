@@ -289,21 +289,29 @@ def quality(lengths: np.ndarray, counts: np.ndarray, knobs: dict, ranks: int,
             for name, order in orders.items()]
 
 
+def projected_budget(shard_mb: float, shards: int, nodes: int, ranks: int, share: float,
+                     document_tokens: float = 1000
+                     ) -> tuple[float, float, float, WindowBudget]:
+    """(dataset bytes, a node's share of the cache, its index bytes, its WindowBudget) of
+    the projected corpus: every node reads at the open and keeps each .idx's lengths (4
+    bytes a document; the whole .idx is 20) and each .sums (4 bytes a 4 KiB unit)."""
+    dataset = shards * shard_mb * 1e6
+    budget = dataset / nodes * share
+    index = dataset / 2 / document_tokens * 4 + dataset / 4096 * 4
+    return dataset, budget, index, WindowBudget(
+        int(budget + index), ranks // nodes, int(index), dataset_bytes=int(dataset),
+        largest_shard_bytes=int(shard_mb * 1e6), shards=shards)
+
+
 def projection(shard_mb: float = 400, shards: int = 10_000, nodes: int = 125,
                ranks: int = 1000, share: float = 0.10, step_tokens: float = 4e6,
                document_tokens: float = 1000) -> list[tuple[str, str]]:
     """10^4 shards of 400 MB (4 TB of uint16) on 125 nodes of 8 ranks with a node cache of
     `share` of the data a node trains: the blocks and windows raypipe picks, and what a
     node fetches and holds."""
-    dataset = shards * shard_mb * 1e6
+    dataset, budget, index, fit = projected_budget(shard_mb, shards, nodes, ranks, share,
+                                                   document_tokens)
     per_node = ranks // nodes
-    budget = dataset / nodes * share
-    documents = dataset / 2 / document_tokens
-    # what every node reads at the open and keeps: each .idx's lengths (4 bytes a
-    # document; the whole .idx is 20) and each .sums (4 bytes a 4 KiB unit)
-    index = documents * 4 + dataset / 4096 * 4
-    fit = WindowBudget(int(budget + index), per_node, int(index), dataset_bytes=int(dataset),
-                       largest_shard_bytes=int(shard_mb * 1e6), shards=shards)
     block = fit.block_bytes(0)
     window = fit.window_blocks(block)
     shared = fit.for_lanes(per_node)  # lane_ranks = the node's ranks
@@ -338,21 +346,16 @@ def block_tradeoffs(shard_mb: float = 400, shards: int = 10_000, nodes: int = 12
     step_tokens x 2 / ranks bytes a step, so a block of b bytes is a GET every b / that
     bytes' worth of steps; the plan holds 16 bytes a block (its first document, its shard)
     on every node."""
-    dataset = shards * shard_mb * 1e6
-    budget = dataset / nodes * share
-    index = dataset / 2 / 1000 * 4 + dataset / 4096 * 4
-    fit = WindowBudget(int(budget + index), ranks // nodes, int(index),
-                       dataset_bytes=int(dataset), largest_shard_bytes=int(shard_mb * 1e6),
-                       shards=shards)
+    dataset, _, _, fit = projected_budget(shard_mb, shards, nodes, ranks, share)
     rank_bytes_s = step_tokens * 2 / ranks / step_s
     rows = [("block_bytes", "window", "P / uniform (~)", "GETs a rank a second",
-             "GETs an epoch (all nodes)", "plan a node")]
+             "GETs an epoch (all nodes)", "block arrays a node")]
     for asked in (0, 1 << 20, 256 << 10, 64 << 10):
         block = fit.block_bytes(asked)
         window = fit.window_blocks(block)
         rows.append((f"{block / 1e6:.2f} MB" + (" (auto)" if not asked else ""),
                      f"{window:,} blocks", f"{shards / window + 1:,.0f}x",
-                     f"{rank_bytes_s / block:.2f}", f"{dataset / block / 1e6:,.1f} M",
+                     f"{rank_bytes_s / block:.3f}", f"{dataset / block / 1e6:,.1f} M",
                      f"{dataset / block * 16 / 1e6:,.0f} MB"))
     return rows
 
