@@ -363,7 +363,22 @@ def test_ranks_on_nodes_of_different_sizes_plan_one_windowed_layout(token_datase
     assert layout_0 == layout_1 == own[4]  # the most ranks a node has: windows fit it
     assert not set(ids_0) & set(ids_1)
     assert len(ids_0) == len(ids_1) > 0
-    assert len(warned) == 1 and "LOCAL_WORLD_SIZE 1-4" in warned[0]
+    assert len(warned) == 1 and "node ranks 1-4" in warned[0]
+
+
+def test_node_ranks_sizes_the_windows_in_place_of_local_world_size(token_dataset,
+                                                                   monkeypatch):
+    """With tensor parallelism a node's processes (LOCAL_WORLD_SIZE) are fewer data ranks:
+    node_ranks, given, sizes the windows as that many ranks a node share the cache."""
+    def layout(local_world_size: int, **given) -> dict:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
+        return _layout(TokenLoader(token_dataset, T, B, mode="bestfit", seed=2,
+                                   shuffle="windowed", rank=0, world_size=2,
+                                   cache_bytes=NODE_CACHE, **given).state_dict()["knobs"])
+
+    assert layout(4, node_ranks=1) == layout(1) != layout(4)
+    with pytest.raises(ConfigError, match="node_ranks: 0 must be an int >= 1"):
+        TokenLoader(token_dataset, T, B, node_ranks=0)
 
 
 def test_windows_boundaries_follow_bos_when_asked(token_dataset):

@@ -1,9 +1,10 @@
 """The node facts every rank plans with: the ranks that share a node cache, and its budget.
 
 Invariant: a windowed shuffle cuts its blocks and sizes its windows from the node cache's
-budget and the node's ranks (LOCAL_WORLD_SIZE), and a shard-local one its groups from the
-budget, so every rank of a run must plan with the same two numbers, or ranks read
-different plans and the epoch serves some documents twice and others never. Where
+budget and the node's ranks (the loader's `node_ranks`, else LOCAL_WORLD_SIZE), and a
+shard-local one its groups from the budget, so every rank of a run must plan with the
+same two numbers, or ranks read different plans and the epoch serves some documents twice
+and others never. Where
 torch.distributed is initialized over the loader's ranks, they agree: every rank plans
 with the most ranks any node has and the least budget any node gives, so nodes that
 differ (Ray Train places 12 workers on nodes of 8 GPUs as 8 + 4; a node given another
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from raypipe.io.cache import configured_budget
+from raypipe.loader.options import LoaderOptions
 from raypipe.sampling.epochs import node_ranks
 from raypipe.sampling.modes import PlanSpec
 
@@ -38,17 +40,18 @@ class NodeFacts:
     cache_bytes: int
 
     @classmethod
-    def here(cls, cache_bytes: int | str | None) -> NodeFacts:
-        """This rank's own: LOCAL_WORLD_SIZE (1 unset), and `cache_bytes` as configured
-        (else $RAYPIPE_CACHE_BYTES, else the default)."""
-        return cls(node_ranks(), configured_budget(cache_bytes))
+    def here(cls, cache_bytes: int | str | None, ranks: int | None = None) -> NodeFacts:
+        """This rank's own: `ranks` as given, else LOCAL_WORLD_SIZE (1 unset), and
+        `cache_bytes` as configured (else $RAYPIPE_CACHE_BYTES, else the default)."""
+        return cls(ranks or node_ranks(), configured_budget(cache_bytes))
 
     @classmethod
-    def agreed(cls, plan: PlanSpec, cache_bytes: int | str | None, rank: int,
-               world_size: int, root: str) -> NodeFacts:
-        """The facts every rank of the loader's world plans `plan` with (`root`: what the
-        warning names)."""
-        own = cls.here(cache_bytes)
+    def agreed(cls, options: LoaderOptions, rank: int, world_size: int,
+               root: str) -> NodeFacts:
+        """The facts every rank of the loader's world plans `options.plan` with (`root`:
+        what the warning names)."""
+        plan = options.plan
+        own = cls.here(options.cache_bytes, options.node_ranks)
         if not (plans_from_node(plan) and spans_process_group(rank, world_size)):
             return own
         gathered: list[NodeFacts | None] = [None] * world_size
@@ -57,7 +60,7 @@ class NodeFacts:
         agreed = cls(max(facts.ranks for facts in every),
                      min(facts.cache_bytes for facts in every))
         if rank == 0 and any(facts != agreed for facts in every):
-            logger.warning("%s: the nodes differ (LOCAL_WORLD_SIZE %s, cache_bytes %s): every "
+            logger.warning("%s: the nodes differ (node ranks %s, cache_bytes %s): every "
                            "rank plans the shuffle for %d rank(s) a node and cache_bytes %s "
                            "(the most ranks and the least budget), so all cut the same "
                            "blocks and every node's windows fit its cache",

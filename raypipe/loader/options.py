@@ -34,9 +34,12 @@ class LoaderOptions:
     document format of the dataset to read (None: its first). `boundaries`:
     position_ids/cu_seqlens per document (None: the mode's default). `metadata`: stream
     windows carry their metadata. `cache_dir`/`cache_bytes`: the node cache of
-    object-storage shards and plans. `batch_schedule`: the global batch by step (instead of
-    `batch_size`; a ramp: raypipe.sampling.schedule.BatchSchedule.ramp); `seq_len_schedule`:
-    seq_len by step (instead of seq_len; by tokens trained:
+    object-storage shards and plans; `node_ranks`: the loader's ranks (data-parallel ranks)
+    that share it, which size its windows (None: LOCAL_WORLD_SIZE, every process of the
+    node; with tensor or pipeline parallelism a node's processes are fewer data ranks:
+    give those, e.g. 1 at TP=8 on nodes of 8). `batch_schedule`: the global batch by step
+    (instead of `batch_size`; a ramp: raypipe.sampling.schedule.BatchSchedule.ramp);
+    `seq_len_schedule`: seq_len by step (instead of seq_len; by tokens trained:
     raypipe.sampling.schedule.seq_len_stages_by_tokens). `exclude`: documents left out
     from where the loader starts or resumes on (numbers, "<input>:<row>" or `raypipe
     trace` records, or a file of them, one a line: raypipe.provenance.rows.DocumentsByName),
@@ -61,6 +64,7 @@ class LoaderOptions:
     metadata: bool = False
     cache_dir: str | Path | None = None
     cache_bytes: int | str | None = None
+    node_ranks: int | None = None
     batch_schedule: tuple[tuple[int, int], ...] | None = None
     seq_len_schedule: tuple[tuple[int, int], ...] | None = None
     exclude: tuple[DocumentName, ...] | str | Path | None = None
@@ -90,6 +94,9 @@ class LoaderOptions:
             object.__setattr__(self, "exclude", tuple(self.exclude))
         if self.prefetch < 1:
             raise ConfigError(f"prefetch: {self.prefetch} must be >= 1")
+        if self.node_ranks is not None and (not isinstance(self.node_ranks, int)
+                                            or self.node_ranks < 1):
+            raise ConfigError(f"node_ranks: {self.node_ranks!r} must be an int >= 1")
         if self.units_join not in UNITS_JOIN:
             raise ConfigError(f"units_join: {self.units_join!r} not among {list(UNITS_JOIN)}")
         if self.follow_steps < 1:

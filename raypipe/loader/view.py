@@ -47,8 +47,7 @@ class RunView:
         with (`data`: what it reads, named if the nodes differ)."""
         self.options = options
         self.rank, self.world_size = options.rank_and_world()
-        self.node = NodeFacts.agreed(options.plan, options.cache_bytes, self.rank,
-                                     self.world_size, data)
+        self.node = NodeFacts.agreed(options, self.rank, self.world_size, data)
         self.device = options.torch_device()
         self.state_name: str | None = None  # where adapters (raypipe.ray.train) keep its state
         self.waits = WaitStats(describe=self._fetching_now, advise=self._sizing_advice)
