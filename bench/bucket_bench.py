@@ -153,6 +153,8 @@ class Lockstep:
         try:
             self.barrier.wait(self.TIMEOUT_S)
         except threading.BrokenBarrierError:
+            print("lockstep: the barrier broke (a rank ended or failed); the rest run free",
+                  file=sys.stderr)
             self.barrier = None
 
 

@@ -554,26 +554,29 @@ def test_bucket_loader_resolves_auto_to_windowed_and_fetches_each_block_once_per
     assert TokenLoader(token_dataset, 32, 4, format=fmt).spec.shuffle == "global"  # locally
 
 
+@pytest.mark.parametrize("fmt", RANGED_FORMATS)
 def test_shards_of_one_block_are_each_one_ranged_read_checked_by_their_sums(
-        bucket, token_dataset, tmp_path):
+        bucket, request, tmp_path, fmt):
     """Blocks larger than the shards (a large cache over small shards) make each shard one
-    block: its tokens come in one ranged GET, checked by its .sums as every block is, not
-    as whole files (a HEAD and a GET for each of its .bin, .idx and .sums); the batches
-    equal the local copy's."""
+    block: its token file comes in one ranged GET, checked by its .sums as every block is,
+    not as whole files (a HEAD and a GET for each of them); the batches equal the local
+    copy's. Megatron, NanoGPT, stream and MDS alike."""
+    token_dataset = dataset_of(request, fmt)
     uri = f"s3://{bucket}/tokens"
     upload_tree(token_dataset, uri)
-    shards = read_manifest(uri).formats["megatron"].shards
-    largest_bin = max(f.bytes for shard in shards for f in shard.files
-                      if f.path.endswith(".bin"))
-    knobs = {"seed": 5, "shuffle": "windowed", "block_bytes": -(-largest_bin // 4096) * 4096,
-             "window_blocks": 2, "cache_bytes": 1 << 30}
+    shards = read_manifest(uri).formats[fmt].shards
+    token_file = get_format(fmt).suffixes[0]
+    largest = max(f.bytes for shard in shards for f in shard.files
+                  if f.path.endswith(token_file))
+    knobs = {"seed": 5, "shuffle": "windowed", "block_bytes": -(-largest // 4096) * 4096,
+             "window_blocks": 2, "cache_bytes": 1 << 30, "format": fmt}
     loader = TokenLoader(uri, 32, 4, cache_dir=tmp_path / "c", **knobs)
     served = [batch.inputs.numpy().tobytes() for batch in loader]
     loader.close()
-    cached = [path.name for path in (tmp_path / "c").rglob("*.bin*")]
+    cached = [path.name for path in (tmp_path / "c").rglob(f"*{token_file}*")]
     assert len(loader.run.planned.plans.blocks()) == len(shards) > 2
-    assert not [name for name in cached if name.endswith(".bin")]  # no token file whole
-    assert len([name for name in cached if ".bin.range-" in name]) == len(shards)
+    assert not [name for name in cached if name.endswith(token_file)]  # none whole
+    assert len([name for name in cached if f"{token_file}.range-" in name]) == len(shards)
     local = TokenLoader(token_dataset, 32, 4, **knobs)
     assert [batch.inputs.numpy().tobytes() for batch in local] == served
 
