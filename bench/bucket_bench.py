@@ -3,7 +3,7 @@ proxy that adds latency and faults to every request.
 
     python bench/bucket_bench.py [--grid quick|full] [--delay-ms 20]
         [--cell SIZE,PER_RANK,SHARE,NODES ...] [--format FORMAT] [--step-ms 5] [--mixture]
-        [--chat]
+        [--chat] [--follow-advice]
 
 It starts a moto S3 server on 127.0.0.1 and, in front of it, bench/latency_proxy.py: 20 ms
 a request, 5% of the GETs answered `503 SlowDown`, 1% reset. A cell is a dataset of
@@ -25,9 +25,14 @@ Per cell it prints:
   (an object's size, asked before its first ranged GET in a process), the
   training thread's wait after the first batch (p99, max; worst rank), the fetches' p99
   (worst rank) against the milliseconds of reading a rank's read-ahead holds (the least
-  rank's: raypipe.loader.stats.FetchSizing), the blocks a reader fetched itself on the
+  rank's: raypipe.loader.stats.FetchSizing), the least cache that sizing names (as a
+  share of the data, where it is more than the cell's), the harness's load (the requests a
+  second while the ranks trained over what the harness serves alone, measured at the
+  start: on 2 cores moto behind the proxy serves ~300 ranged GETs of 16 KiB a second, and
+  the rank processes share those cores), the blocks a reader fetched itself on the
   filling path, no read-ahead having asked for them ("on read", all ranks: 0 where every
-  step's reads were issued ahead), and the first batch;
+  step's reads were issued ahead), and the first batch; --follow-advice runs a cell whose
+  waits miss the target again at the least cache its loader named ("advised", no resume);
 - whether every batch equals the same run over a local copy given the knobs the bucket run
   resolved (block_bytes, window_blocks, lanes), and (1 node) whether a 2 -> 3 resume from an
   empty cache at step 20 equals the local copy resumed from the same state;
@@ -46,17 +51,20 @@ import argparse
 import hashlib
 import itertools
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.managers import BarrierProxy, BaseManager
 from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
+import pyarrow.fs as pafs
 from common import print_table, synthetic_token_dataset
 from latency_proxy import LatencyProxy
 from object_storage_bench import start_moto, upload
@@ -71,6 +79,7 @@ from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation, Win
 from raypipe.sampling.plans import LaneOrder, lane_bounds, window_blocks_for
 
 SEQ, BATCH, SEED, STEP_S, RESUME_AT = 2048, 4, 7, 0.005, 20
+WAIT_P99_MS, WAIT_MAX_MS = 50, 300  # issue 75's targets after the first batch
 SHARD_TOKENS = {"small": 75_000, "large": 2_500_000}  # ~0.15 MB and ~5 MB of uint16
 GRIDS = {  # (shard size, shards per rank at 2 ranks, cache share, nodes of 2 ranks)
     "quick": [("small", 20, 0.10, 1), ("small", 200, 0.10, 1), ("small", 2, 0.10, 1),
@@ -98,14 +107,16 @@ def rank_main(order: dict) -> None:
                          **order.get("knobs", {}))
     if order.get("state"):
         loader.load_state_dict(order["state"])
-    steps, state = {}, None
+    steps, state, trained_from = {}, None, None
     lockstep = Lockstep.joined(order.get("lockstep"))
     for batch in itertools.islice(loader, order["steps"]):  # (a mixture has no end)
+        trained_from = trained_from or time.monotonic()
         time.sleep(order["step_s"])  # the consumer's step
         lockstep.step()
         steps[batch.step] = digest(batch)
         if batch.step + 1 == order.get("save_at"):
             state = loader.state_dict()
+    trained = (trained_from or time.monotonic(), time.monotonic())
     stats = loader.stats
     on_read = sum(dataset.blocks_fetched_on_read for dataset in loader._datasets())
     loader.close()
@@ -114,6 +125,7 @@ def rank_main(order: dict) -> None:
                       "fetched": cache.downloaded_bytes if cache else 0,
                       "retries": cache.retries if cache else 0, "on_read": on_read,
                       "sizing": stats.sizing.metrics() if stats.sizing else {},
+                      "trained": trained,
                       "knobs": loader.state_dict()["knobs"]}))
 
 
@@ -371,10 +383,43 @@ def chosen(share: float, salt: str):
     return pick
 
 
+def serving_capacity(delay_ms: float, block: int = 16 << 10, threads: int = 32,
+                     seconds: float = 3.0) -> float:
+    """Ranged GETs of `block` bytes a second that this machine's harness (moto behind a
+    proxy of `delay_ms`, no faults) serves to `threads` readers at once, the most a cell's
+    ranks can be served together (on 2 cores: ~320 of 16 KiB at 20 ms)."""
+    import boto3
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="raypipe-capacity")
+    client.put_object(Bucket="raypipe-capacity", Key="object", Body=os.urandom(4 << 20))
+    proxy = LatencyProxy(urlparse(os.environ["AWS_ENDPOINT_URL"]).port, delay_ms).start()
+    fs = pafs.S3FileSystem(endpoint_override=proxy.url, scheme="http",
+                           access_key=os.environ["AWS_ACCESS_KEY_ID"],
+                           secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+                           region=os.environ["AWS_DEFAULT_REGION"])
+    handle = fs.open_input_file("raypipe-capacity/object")
+    ends = time.monotonic() + seconds
+
+    def reader(seed: int) -> int:
+        offsets, served = np.random.default_rng(seed), 0
+        while time.monotonic() < ends:
+            handle.read_at(block, int(offsets.integers(0, (4 << 20) - block)))
+            served += 1
+        return served
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return sum(pool.map(reader, range(threads))) / seconds
+    finally:
+        proxy.stop()
+
+
 def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, share: float,
-         nodes: int) -> tuple[list[str], list[tuple[str, ...]]]:
-    """One cell of the grid: its row of figures, and its shuffle-quality rows (of the
-    first dataset, a mixture's too)."""
+         nodes: int, resume: bool = True) -> tuple[list[str], list[tuple[str, ...]], float]:
+    """One cell of the grid: its row of figures, its shuffle-quality rows (of the first
+    dataset, a mixture's too), and the least cache share the loader's sizing named where
+    its waits missed the target (0: none); `resume`: also a 2 -> 3 resume (1 node)."""
     fmt = args.format
     locals_ = {name: synthetic_token_dataset(workdir, int(per_rank * 2 * SHARD_TOKENS[size]),
                                              seed, SHARD_TOKENS[size], fmt, args.chat)
@@ -415,7 +460,7 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
         same = served(run) == reference
         resumed = "-"
         state = run[0]["state"]
-        if nodes == 1 and state is not None:
+        if resume and nodes == 1 and state is not None:
             expected, _ = local_steps(local_path, 3, {"format": fmt, **knobs}, steps, state)
             three = run_ranks(node(range(3), 3, "cache-three", state), proxy.url,
                               not args.free_running)
@@ -428,6 +473,11 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
     sized = [result["sizing"] for result in run if result["sizing"]]
     fetch_p99 = max((sizing["fetch_p99_ms"] for sizing in sized), default=0)
     read_ahead = min((sizing["read_ahead_ms"] for sizing in sized), default=0)
+    least = max((sizing["least_cache_bytes"] for sizing in sized), default=0) / dataset
+    trained = (min(r["trained"][0] for r in run), max(r["trained"][1] for r in run))
+    requests = gets + heads - sum(index_objects) * nodes  # those while training
+    load = requests / max(trained[1] - trained[0], 1e-9) / args.capacity
+    missed = (worst["data_wait_p99_ms"] > WAIT_P99_MS or worst["data_wait_max_ms"] > WAIT_MAX_MS)
     row = [f"{size} {dataset / len(shards) / len(locals_) / 1e6:.2f} MB", f"{per_rank:g}",
            f"{share:.0%}", f"{nodes}x2", f"{len(shards) * len(locals_)}",
            layout_text(knobs),
@@ -435,10 +485,11 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
            f"{gets / (sum(blocks) + sum(index_objects) * nodes):.2f}",
            f"{heads / sum(blocks):.2f}",
            f"{worst['data_wait_p99_ms']:.0f}", f"{worst['data_wait_max_ms']:.0f}",
-           f"{fetch_p99:.0f}", f"{read_ahead:,.0f}",
-           f"{sum(result['on_read'] for result in run)}",
+           f"{fetch_p99:.0f}", f"{read_ahead:,.0f}", f"{least:.0%}" if least > share else "-",
+           f"{load:.0%}", f"{sum(result['on_read'] for result in run)}",
            f"{worst['data_wait_first_batch_s']:.2f}", str(same), resumed]
-    return row, first_quality(local, fmt, shards, knobs, ranks, budget // len(locals_))
+    return (row, first_quality(local, fmt, shards, knobs, ranks, budget // len(locals_)),
+            least if missed and least > share else 0.0)
 
 
 def resolved_layout(knobs: dict) -> dict:
@@ -491,7 +542,8 @@ def first_quality(local: Path, fmt: str, shards: list, knobs: dict, ranks: int,
 
 HEADER = ("shards", "per rank", "cache", "nodes", "count", "block x window",
           "bytes/data", "GETs/blocks", "HEADs/blocks", "p99 ms", "max ms", "fetch p99 ms",
-          "read-ahead ms", "on read", "first s", "= local", "2->3")
+          "read-ahead ms", "least cache", "harness load", "on read", "first s", "= local",
+          "2->3")
 
 
 def parsed_cell(text: str) -> tuple[str, float, float, int]:
@@ -502,6 +554,28 @@ def parsed_cell(text: str) -> tuple[str, float, float, int]:
     return size, float(per_rank), float(share), int(nodes)
 
 
+def cell_row(args: argparse.Namespace, workdir: Path, shape: tuple[str, float, float, int],
+             advised: str = "") -> tuple[list[str], list[tuple[str, ...]], float]:
+    """A cell's row (a refusal's: what the rank said), its quality rows and the cache share
+    advised (`cell`); `advised` marks a cell run at the cache its first run's loader named
+    (no resume)."""
+    began = time.perf_counter()
+    size, per_rank, share, nodes = shape
+    if advised:
+        share = math.ceil(share * 100) / 100
+    try:
+        row, quality_rows, least = cell(args, workdir, size, per_rank, share, nodes,
+                                        resume=not advised)
+    except RankFailed as failed:
+        row = [size, f"{per_rank:g}", f"{share:.0%}", f"{nodes}x2", "refused:",
+               str(failed)[:120], *[""] * (len(HEADER) - 6)]
+        quality_rows, least = [], 0.0
+    if advised:
+        row[2] = f"{row[2]} ({advised})"
+    print(f"  {' | '.join(row)}  ({time.perf_counter() - began:.0f} s)", flush=True)
+    return row, quality_rows, least
+
+
 def bench(args: argparse.Namespace, workdir: Path) -> None:
     chat = " of chat data" if args.chat else ""
     print(f"{args.format} shards{chat}; proxy {args.delay_ms:.0f} ms a request, "
@@ -509,20 +583,19 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
           f"{args.resets:.0%} resets; one epoch, bestfit T={SEQ}, {BATCH} rows a rank, "
           f"consumer step {args.step_ms:g} ms; "
           + (f"cells {args.cell}" if args.cell else f"grid {args.grid!r}"))
+    args.capacity = serving_capacity(args.delay_ms)
+    print(f"the harness (moto behind the proxy, {os.cpu_count()} cores) serves at most "
+          f"{args.capacity:,.0f} ranged GETs of 16 KiB a second")
     rows, qualities = [HEADER], []
     for shape in [parsed_cell(text) for text in args.cell] or GRIDS[args.grid]:
-        began = time.perf_counter()
-        try:
-            row, quality_rows = cell(args, workdir, *shape)
-        except RankFailed as failed:
-            size, per_rank, share, nodes = shape
-            row = [size, f"{per_rank:g}", f"{share:.0%}", f"{nodes}x2", "refused:",
-                   str(failed)[:120], *[""] * (len(HEADER) - 6)]
-            quality_rows = []
+        row, quality_rows, advised = cell_row(args, workdir, shape)
         rows.append(tuple(row))
         if quality_rows:
             qualities.append((shape, quality_rows))
-        print(f"  {' | '.join(row)}  ({time.perf_counter() - began:.0f} s)", flush=True)
+        if advised and args.follow_advice:  # the cell again at the cache the loader named
+            size, per_rank, _, nodes = shape
+            row, _, _ = cell_row(args, workdir, (size, per_rank, advised, nodes), "advised")
+            rows.append(tuple(row))
     print()
     print_table(rows)
     for (size, per_rank, share, nodes), quality_rows in qualities:
@@ -559,6 +632,9 @@ def main() -> None:
     parser.add_argument("--free-running", action="store_true",
                         help="the rank processes run free (default: in lockstep, a barrier "
                         "after each step, as a data-parallel step's all-reduce keeps them)")
+    parser.add_argument("--follow-advice", action="store_true",
+                        help="run a cell whose waits miss the target again at the least "
+                        "cache_bytes its loader named (as a share of the data)")
     parser.add_argument("--format", default="megatron",
                         choices=document_formats(),
                         help="the document format of the cells' shards")

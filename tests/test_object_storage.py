@@ -30,6 +30,8 @@ from raypipe.io.cache import ShardCache
 from raypipe.io.manifest import read_manifest
 from raypipe.io.store import Store
 from raypipe.loader import TokenLoader
+from raypipe.loader import mixing as mixing_module
+from raypipe.loader.mixing import times_uniform
 from raypipe.loader.stats import ADVICE_EVERY
 from raypipe.preprocess.job import run_job
 from raypipe.tools.verify import verify_dataset
@@ -262,6 +264,8 @@ def test_a_shard_another_process_evicts_between_its_fetch_and_its_open_is_fetche
 SHARED_CACHE_READER = """
 import sys, hashlib
 from raypipe.loader import TokenLoader
+from raypipe.loader import mixing as mixing_module
+from raypipe.loader.mixing import times_uniform
 from raypipe.loader.stats import ADVICE_EVERY
 loader = TokenLoader(sys.argv[1], 32, 4, mode="bestfit", cache_dir=sys.argv[2], seed=3)
 digest = hashlib.sha256()
@@ -777,6 +781,33 @@ def test_a_bucket_run_whose_read_ahead_is_shorter_than_its_fetches_is_told_the_l
     metrics = stats.metrics()
     assert metrics["least_cache_bytes"] == sizing.least_budget_bytes
     assert metrics["fetch_p99_ms"] == sizing.fetch_p99_ms
+
+
+def test_a_bucket_run_whose_windows_mix_few_shards_is_told_a_block_size_that_mixes_more(
+        bucket, token_dataset, tmp_path, monkeypatch, caplog):
+    """Windows of two 16 KiB blocks from a dataset of several shards: once ADVICE_EVERY
+    batches have set the read rate, rank 0 names a smaller block_bytes whose windows mix
+    the shards at least twice as well, once (the request bound lifted: a test loop reads
+    far faster than training); its stats carry the mixing and the block named."""
+    uri = f"s3://{bucket}/tokens"
+    upload_tree(token_dataset, uri)
+    monkeypatch.setattr(mixing_module, "MAX_GETS_A_SECOND", 1e12)
+    index = TokenDataset(token_dataset, "megatron").index_bytes_read
+    block = 16 << 10
+    with caplog.at_level(logging.WARNING, logger="raypipe"):
+        loader = TokenLoader(uri, 32, 4, seed=2, cache_dir=tmp_path / "cache",
+                             cache_bytes=index + 8 * block, block_bytes=block)
+        steps = sum(1 for _ in loader)
+    (mixing,) = loader.stats.mixing
+    assert steps > ADVICE_EVERY and mixing.window_blocks == 2
+    advised = mixing.better_block_bytes
+    assert 0 < advised < block
+    assert mixing.times_uniform >= 2 * times_uniform(mixing.shards,
+                                                     mixing.window_with(advised))
+    lines = [r.getMessage() for r in caplog.records if "windowed shuffle mixes" in
+             r.getMessage()]
+    assert len(lines) == 1 and f"block_bytes={advised} makes windows" in lines[0]
+    assert loader.stats.metrics()["advised_block_bytes"] == advised
 
 
 def test_a_local_loader_has_no_fetch_sizing(token_dataset):

@@ -26,6 +26,7 @@ from typing import Any
 
 from raypipe.io.cache import CacheStats
 from raypipe.io.durations import Durations
+from raypipe.loader.mixing import Mixing
 
 logger = logging.getLogger("raypipe")
 
@@ -134,6 +135,7 @@ class LoaderStats:
     budget_bytes: int = 0
     used_bytes: int = 0
     sizing: FetchSizing | None = None
+    mixing: tuple[Mixing, ...] = ()  # how each windowed plan of a bucket mixes shards
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics for a report (Ray Train's `report`, a logger)."""
@@ -145,6 +147,8 @@ class LoaderStats:
                            cache_budget_bytes=self.budget_bytes)
         if self.sizing is not None:
             metrics.update(self.sizing.metrics())
+        if self.mixing:  # the plan that mixes least
+            metrics.update(max(self.mixing, key=lambda mix: mix.times_uniform).metrics())
         return metrics
 
 
@@ -217,14 +221,15 @@ def summed_cache_stats(caches: Sequence[Any]) -> CacheStats | None:
 
 
 def loader_stats(waits: WaitSummary, caches: Sequence[Any],
-                 sizing: FetchSizing | None = None) -> LoaderStats:
+                 sizing: FetchSizing | None = None, mixing: tuple[Mixing, ...] = ()
+                 ) -> LoaderStats:
     """A loader's LoaderStats: its waits and what its datasets' caches fetched, against
-    the (one, shared) node cache's budget, and its `sizing`."""
+    the (one, shared) node cache's budget, its `sizing` and `mixing`."""
     fetched = summed_cache_stats(caches)
     if fetched is None:
         return LoaderStats(waits)
     return LoaderStats(waits, fetched, caches[0].budget_bytes, caches[0].used_bytes(),
-                       sizing)
+                       sizing, mixing)
 
 
 def fetch_sizing(caches: Sequence[Any], hold_bytes: int, read_bytes_per_s: float,

@@ -9,6 +9,7 @@ property; `stats` sums the caches' counters (O(datasets)).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from functools import cached_property
@@ -18,11 +19,13 @@ from raypipe.io.cache import CacheStats
 from raypipe.io.records import TokenizerInfo
 from raypipe.loader.batch import Batch
 from raypipe.loader.exclusions import PendingExclusions
+from raypipe.loader.mixing import Mixing
 from raypipe.loader.node_facts import NodeFacts
 from raypipe.loader.options import LoaderOptions
 from raypipe.loader.prefetch import Prefetcher
 from raypipe.loader.reads import READ_AHEAD_STEPS
 from raypipe.loader.stats import (
+    ADVICE_EVERY,
     FetchSizing,
     LoaderStats,
     WaitStats,
@@ -33,6 +36,8 @@ from raypipe.loader.stats import (
     summed_cache_stats,
 )
 from raypipe.sampling.epochs import window_budget
+
+logger = logging.getLogger("raypipe")
 
 
 class RunView:
@@ -53,6 +58,7 @@ class RunView:
         self.waits = WaitStats(describe=self._fetching_now, advise=self._sizing_advice)
         # (time.monotonic, bytes its caches had fetched) at the first batch: the read rate
         self._read_mark: tuple[float, int] | None = None
+        self._mixing_checked = False  # the mixing advice was looked for (once, rank 0)
         self._open_prefetchers: set[Prefetcher] = set()  # iterations not ended yet
 
     def _datasets(self) -> list[Any]:
@@ -92,7 +98,8 @@ class RunView:
         """Waits per batch, and what the node cache fetched (bytes, files, retries; a
         mixture's sources summed) and holds against its budget
         (raypipe.loader.stats.LoaderStats; `.metrics()`)."""
-        return loader_stats(self.data_waits, self._caches(), self._fetch_sizing())
+        return loader_stats(self.data_waits, self._caches(), self._fetch_sizing(),
+                            self._mixings())
 
     @property
     def cache_stats(self) -> CacheStats | None:
@@ -105,15 +112,31 @@ class RunView:
         where no dataset reads in blocks."""
         held = [dataset for dataset in self._datasets()
                 if dataset.cache is not None and getattr(dataset, "hold_bytes", 0)]
-        if self._read_mark is None or not held:
+        reading = self._reading()
+        if reading is None or not held:
+            return None
+        rate, step_ms = reading
+        return fetch_sizing(self._caches(), sum(dataset.hold_bytes for dataset in held), rate,
+                            READ_AHEAD_STEPS * step_ms, self._index_bytes)
+
+    def _reading(self) -> tuple[float, float] | None:
+        """(bytes its caches fetched a second, milliseconds a batch) from its first batch to
+        its last (None before the first batch, or with no cache)."""
+        caches = self._caches()  # the mark counts them all
+        if self._read_mark is None or not caches:
             return None
         began, fetched_before = self._read_mark
-        caches = self._caches()  # the mark counts them all
         seconds = max(self.waits.last_batch_at - began, 1e-3)  # to the last batch taken
         rate = (summed_cache_stats(caches).downloaded_bytes - fetched_before) / seconds
-        step_ms = 1000 * seconds / max(self.waits.batches, 1)
-        return fetch_sizing(caches, sum(dataset.hold_bytes for dataset in held), rate,
-                            READ_AHEAD_STEPS * step_ms, self._index_bytes)
+        return rate, 1000 * seconds / max(self.waits.batches, 1)
+
+    def _mixings(self) -> tuple[Mixing, ...]:
+        """How its windowed plans of blocks on object storage mix shards at the rate it
+        reads (raypipe.loader.mixing; a mixture's sources at the rate all read together)."""
+        reading = self._reading()
+        if reading is None:
+            return ()
+        return tuple(Mixing(layout, reading[0]) for layout in self.run.window_layouts())
 
     @cached_property
     def _index_bytes(self) -> int:
@@ -129,8 +152,22 @@ class RunView:
             fetched = summed_cache_stats(self._caches())
             self._read_mark = (time.monotonic(), fetched.downloaded_bytes if fetched else 0)
             return ""
+        self._advise_mixing(waits)
         sizing = self._fetch_sizing()
         return sizing.advice(waits) if sizing is not None else ""
+
+    def _advise_mixing(self, waits: WaitSummary) -> None:
+        """Once ADVICE_EVERY batches have set the read rate, rank 0 says where a smaller
+        block_bytes would mix shards better at that rate (raypipe.loader.mixing)."""
+        if self._mixing_checked or waits.batches < ADVICE_EVERY:
+            return
+        self._mixing_checked = True
+        if self.rank != 0:
+            return
+        for mixing in self._mixings():
+            line = mixing.advice()
+            if line:
+                logger.warning("%s", line)
 
     def _caches(self) -> list[Any]:
         return [dataset.cache for dataset in self._datasets() if dataset.cache is not None]

@@ -49,6 +49,19 @@ MIXED_BLOCK_FLOOR = 32 << 10
 BLOCK_ALIGN = UNIT_BYTES
 
 
+@dataclass(frozen=True)
+class WindowLayout:
+    """A windowed plan of blocks on object storage, as its loader reads it: the dataset
+    (`root`, its `shards` and `dataset_bytes`), its blocks' `block_bytes` and the blocks a
+    window holds (built by raypipe.sampling.run.Run.window_layouts)."""
+
+    root: str
+    shards: int
+    dataset_bytes: int
+    block_bytes: int
+    window_blocks: int
+
+
 def check_block_bytes(block_bytes: int) -> None:
     """Refuse a block size that is not a multiple of BLOCK_ALIGN, naming the nearest."""
     if block_bytes % BLOCK_ALIGN and block_bytes < WHOLE_SHARDS:

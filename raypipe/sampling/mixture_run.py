@@ -38,6 +38,7 @@ from raypipe.io.states import (
 )
 from raypipe.io.store import Store
 from raypipe.sampling.balance import assign_rows
+from raypipe.sampling.blocks import WindowLayout
 from raypipe.sampling.buffers import DescribedRows
 from raypipe.sampling.data_changes import planned_again
 from raypipe.sampling.epochs import PlanSpec
@@ -326,6 +327,10 @@ class MixtureRun:
                                   self.names[slot.source])
 
     # ----- state ------------------------------------------------------------------------
+    def window_layouts(self) -> list[WindowLayout]:
+        """Its sources' windowed plans of blocks read from object storage (Run's)."""
+        return [layout for source in self.sources for layout in source.window_layouts()]
+
     def knobs(self) -> dict[str, Any]:
         """The knobs that shape every source's observations (seq_len: the next step's)."""
         return self.sources[0].planned.plans.at_seq_len(self.seq_len).knobs_record()

@@ -34,7 +34,7 @@ from raypipe.io.states import (
     STATE_VERSION,
     LoaderState,
 )
-from raypipe.sampling.blocks import WHOLE_SHARDS, WINDOWS_HELD, WindowBudget
+from raypipe.sampling.blocks import WHOLE_SHARDS, WINDOWS_HELD, WindowBudget, WindowLayout
 from raypipe.sampling.data_changes import DataChanges, planned_again
 from raypipe.sampling.epochs import PlannedDataset, PlanSpec
 from raypipe.sampling.modes import (
@@ -215,8 +215,7 @@ class Run:
         def said(waste: str) -> str:
             if waste != "padding":
                 return hint(waste)
-            blocks = len(self.planned.plans.blocks())
-            window = window_blocks_for(blocks, spec.window_blocks, max(spec.lanes, 1))
+            window = self.window_blocks
             tokens = window * spec.block_bytes // self.dataset.block_itemsize
             if tokens >= SMALL_WINDOW_ROWS * (self.seq_len + 1):
                 return hint(waste)
@@ -225,6 +224,24 @@ class Run:
                     "and pads its last rows: a larger cache_bytes makes larger windows")
 
         return said
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks a window of its windowed shuffle holds (its plan's blocks)."""
+        spec = self.spec
+        return window_blocks_for(len(self.planned.plans.blocks()), spec.window_blocks,
+                                 max(spec.lanes, 1))
+
+    def window_layouts(self) -> list[WindowLayout]:
+        """Its windowed plan of blocks read from object storage, as one WindowLayout (none
+        for a local dataset, another shuffle, or windows of whole shards)."""
+        spec, dataset = self.spec, self.dataset
+        if (spec.shuffle != "windowed" or spec.block_bytes >= WHOLE_SHARDS
+                or dataset.cache is None):
+            return []
+        return [WindowLayout(str(dataset.root), len(dataset.shards),
+                             self.planned.facts.budget.dataset_bytes, spec.block_bytes,
+                             self.window_blocks)]
 
     def filler(self, epoch: int, phases: Phases = ()) -> BatchFiller:
         """The filler of epoch `epoch`'s rows under `phases` (none: the epoch's plan,
@@ -451,8 +468,7 @@ class Run:
                                f"{sum(shard_bytes):,}", global_refetch_remedy(spec, shard_bytes,
                                                                                budget))
             return
-        blocks = len(self.planned.plans.blocks())
-        window = window_blocks_for(blocks, spec.window_blocks, max(spec.lanes, 1))
+        window = self.window_blocks
         fits = self.planned.facts.budget.for_lanes(spec.lane_ranks)
         unit = (max(shard_bytes) if spec.block_bytes >= WHOLE_SHARDS else spec.block_bytes)
         needed = fits.node_lanes * WINDOWS_HELD * window * unit + fits.index_bytes
