@@ -3,7 +3,7 @@ proxy that adds latency and faults to every request.
 
     python bench/bucket_bench.py [--grid quick|full] [--delay-ms 20]
         [--cell SIZE,PER_RANK,SHARE,NODES ...] [--format FORMAT] [--step-ms 5] [--mixture]
-        [--chat] [--follow-advice]
+        [--chat] [--follow-advice] [--block-bytes N]
 
 It starts a moto S3 server on 127.0.0.1 and, in front of it, bench/latency_proxy.py: 20 ms
 a request, 5% of the GETs answered `503 SlowDown`, 1% reset. A cell is a dataset of
@@ -29,9 +29,12 @@ Per cell it prints:
   share of the data, where it is more than the cell's), the harness's load (the requests a
   second while the ranks trained over what the harness serves alone, measured at the
   start: on 2 cores moto behind the proxy serves ~300 ranged GETs of 16 KiB a second, and
-  the rank processes share those cores), the blocks a reader fetched itself on the
-  filling path, no read-ahead having asked for them ("on read", all ranks: 0 where every
-  step's reads were issued ahead), and the first batch; --follow-advice runs a cell whose
+  the rank processes share those cores), the block_bytes rank 0's mixing advice named
+  (raypipe.loader.mixing: at the measured read rate, windows that mix shards at least
+  twice as well; a loop of 5 ms steps reads too fast for any), the blocks a reader
+  fetched itself on the filling path, no read-ahead having asked for them ("on read", all
+  ranks: 0 where every step's reads were issued ahead), and the first batch;
+  --block-bytes gives the loader a block size; --follow-advice runs a cell whose
   waits miss the target again at the least cache its loader named ("advised", no resume);
 - whether every batch equals the same run over a local copy given the knobs the bucket run
   resolved (block_bytes, window_blocks, lanes), and (1 node) whether a 2 -> 3 resume from an
@@ -126,6 +129,7 @@ def rank_main(order: dict) -> None:
                       "retries": cache.retries if cache else 0, "on_read": on_read,
                       "sizing": stats.sizing.metrics() if stats.sizing else {},
                       "trained": trained,
+                      "advised_block_bytes": stats.metrics().get("advised_block_bytes", 0),
                       "knobs": loader.state_dict()["knobs"]}))
 
 
@@ -445,8 +449,9 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
                  "save_at": save_at, "format": fmt, "step_s": args.step_ms / 1000,
                  "steps": steps,
                  # a resume takes the state's lane_ranks (it may not divide the new world)
-                 "knobs": ({"lane_ranks": args.lane_ranks}
-                           if args.lane_ranks and state is None else {})}
+                 "knobs": {**({"lane_ranks": args.lane_ranks}
+                              if args.lane_ranks and state is None else {}),
+                           **({"block_bytes": args.block_bytes} if args.block_bytes else {})}}
                 for rank in node_ranks]
 
     try:
@@ -486,10 +491,16 @@ def cell(args: argparse.Namespace, workdir: Path, size: str, per_rank: float, sh
            f"{heads / sum(blocks):.2f}",
            f"{worst['data_wait_p99_ms']:.0f}", f"{worst['data_wait_max_ms']:.0f}",
            f"{fetch_p99:.0f}", f"{read_ahead:,.0f}", f"{least:.0%}" if least > share else "-",
-           f"{load:.0%}", f"{sum(result['on_read'] for result in run)}",
+           f"{load:.0%}", advised_text(run), f"{sum(result['on_read'] for result in run)}",
            f"{worst['data_wait_first_batch_s']:.2f}", str(same), resumed]
     return (row, first_quality(local, fmt, shards, knobs, ranks, budget // len(locals_)),
             least if missed and least > share else 0.0)
+
+
+def advised_text(run: list[dict]) -> str:
+    """The block_bytes rank 0's mixing advice named (raypipe.loader.mixing), or "-"."""
+    advised = run[0]["advised_block_bytes"]
+    return f"{advised / 1e3:,.0f} KB" if advised else "-"
 
 
 def resolved_layout(knobs: dict) -> dict:
@@ -542,8 +553,8 @@ def first_quality(local: Path, fmt: str, shards: list, knobs: dict, ranks: int,
 
 HEADER = ("shards", "per rank", "cache", "nodes", "count", "block x window",
           "bytes/data", "GETs/blocks", "HEADs/blocks", "p99 ms", "max ms", "fetch p99 ms",
-          "read-ahead ms", "least cache", "harness load", "on read", "first s", "= local",
-          "2->3")
+          "read-ahead ms", "least cache", "harness load", "advised block", "on read",
+          "first s", "= local", "2->3")
 
 
 def parsed_cell(text: str) -> tuple[str, float, float, int]:
@@ -632,6 +643,8 @@ def main() -> None:
     parser.add_argument("--free-running", action="store_true",
                         help="the rank processes run free (default: in lockstep, a barrier "
                         "after each step, as a data-parallel step's all-reduce keeps them)")
+    parser.add_argument("--block-bytes", type=int, default=0,
+                        help="the loader's block_bytes (0: automatic)")
     parser.add_argument("--follow-advice", action="store_true",
                         help="run a cell whose waits miss the target again at the least "
                         "cache_bytes its loader named (as a share of the data)")
