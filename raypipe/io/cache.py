@@ -24,7 +24,8 @@ file still go (a process that pinned it after the list was read, or one in anoth
 namespace), one fetched and not yet opened is fetched again when it opens
 (`lost_before_open` counts them), and one mapped stays readable (POSIX keeps its data until
 it is unmapped). Cost: a hit is one stat and one utime (~5 us); a miss one download plus a
-sha256 pass, one directory walk for eviction and a read of each live process's pin list; a
+sha256 pass, one directory walk for eviction (a listing a folder and a stat a file, no Path
+made per file) and a read of each live process's pin list; a
 change of this process's pins (a shard fetched, opened or closed: never per batch) one
 small file written under the eviction lock (docs/benchmarks.md).
 """
@@ -44,7 +45,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -400,55 +401,79 @@ class ShardCache:
     def cached_files(self) -> list[tuple[float, int, Path]]:
         """(last use, size, path) of every cached shard file (temps, locks and the plan
         cache excluded: plans are a few KB each, kept apart from the byte budget)."""
-        found = []
-        for folder, dirs, names in os.walk(self.directory):
-            dirs[:] = [d for d in dirs if d not in (LOCKS_DIR, PLANS_DIR)
-                       or Path(folder) != self.directory]
-            for name in names:
-                if name.startswith("."):
+        return [(file.used, file.size, Path(file.path)) for file in self._walk()]
+
+    def _walk(self) -> list[CachedFile]:
+        """Every cached shard file, as `cached_files` says: one listing a folder and one
+        stat a file, paths kept as strings (an eviction walks the whole node cache, and a
+        Path made for each file was most of its time)."""
+        top = str(self.directory)
+        folders, found = [top], []
+        while folders:
+            folder = folders.pop()
+            try:
+                entries = list(os.scandir(folder))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    if folder != top or entry.name not in (LOCKS_DIR, PLANS_DIR):
+                        folders.append(entry.path)
                     continue
-                path = Path(folder) / name
+                if entry.name.startswith("."):
+                    continue
                 try:
-                    status = os.stat(path)
+                    status = entry.stat()
                 except FileNotFoundError:
                     continue
-                found.append((status.st_mtime, status.st_size, path))
+                found.append(CachedFile(status.st_mtime, status.st_size, entry.path,
+                                        entry.name))
         return found
 
     def used_bytes(self) -> int:
-        return sum(size for _, size, _ in self.cached_files())
+        return sum(file.size for file in self._walk())
 
     def evict(self) -> None:
         """Delete least recently used files until the cache fits its budget. The cache is
         walked before the eviction lock is taken (the walk is most of the time an
         eviction takes, and every pin of the node's processes waits for the lock); the
         pins are read under it."""
-        files = sorted(self.cached_files(),  # index files (and ranges of them) last:
-                       key=lambda item: (self._kept(item[2].name), item))  # opens read them
-        total = sum(size for _, size, _ in files)
+        files = sorted(self._walk(),  # index files (and ranges of them) last: opens read them
+                       key=lambda file: (self._kept(file.name), file.used, file.path))
+        total = sum(file.size for file in files)
         if total <= self.budget_bytes:
             return
         with _file_lock(self.directory / LOCKS_DIR / "evict.lock"):
-            pinned = self.node_pins()
-            for _, size, path in files:
+            pinned = {str(path) for path in self.node_pins()}
+            for file in files:
                 if total <= self.budget_bytes:
                     break
-                if path in pinned:
+                if file.path in pinned:
                     continue
-                total -= size
+                total -= file.size
                 try:
-                    path.unlink()
+                    os.unlink(file.path)
                 except FileNotFoundError:  # another process's eviction took it first
                     continue
                 with self._mutex:
                     self.stats.evicted_files += 1
-                    self.stats.evicted_bytes += size
+                    self.stats.evicted_bytes += file.size
         if total > self.budget_bytes and not self._warned:
             self._warned = True
             logger.warning("%s: the shards in use (%s bytes) exceed the budget; raise it to at "
                            "least the working set (the shuffle's: the windowed one's windows, "
                            "two shard-local groups of at least a shard each, every shard for "
                            "the global one; docs/cluster.md sizes it)", self, f"{total:,}")
+
+
+class CachedFile(NamedTuple):
+    """A file of the node cache as an eviction sees it: its last use (mtime), size, path
+    and name."""
+
+    used: float
+    size: int
+    path: str
+    name: str
 
 
 CHECKED_TRIES = 2  # downloads of one object (or range) whose copy must match the manifest

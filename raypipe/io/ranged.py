@@ -89,9 +89,9 @@ class BlockTokens:
                 index, int(self.cuts[index + 1] - self.cuts[index]))
         return mapped
 
-    def forget(self, keep: set[int]) -> None:
-        """Unmap every block but those of `keep`."""
-        for index in [index for index in self._maps if index not in keep]:
+    def forget(self, keep: Callable[[int], bool]) -> None:
+        """Unmap every block but those `keep` keeps (a look at the mapped blocks alone)."""
+        for index in [index for index in self._maps if not keep(index)]:
             del self._maps[index]
 
     def __getitem__(self, key: Any) -> Any:
