@@ -19,9 +19,9 @@ from raypipe.sampling.blocks import BLOCK_ALIGN, WindowLayout
 TB = 10**12
 
 
-def layout(shards: int, dataset_bytes: int, block_bytes: int, window_blocks: int
+def layout(shards: int, cut_bytes: int, block_bytes: int, window_blocks: int
            ) -> WindowLayout:
-    return WindowLayout("s3://bucket/tokens", shards, dataset_bytes, block_bytes, window_blocks)
+    return WindowLayout("s3://bucket/tokens", shards, cut_bytes, block_bytes, window_blocks)
 
 
 def test_at_scale_a_slow_loop_is_told_the_block_size_its_node_can_hold_the_blocks_of():

@@ -59,7 +59,7 @@ class Mixing:
         """The smallest block the bounds allow: a rank's GETs a second at its read rate,
         the node's block arrays, the checksum unit."""
         by_rate = self.read_bytes_per_s / MAX_GETS_A_SECOND
-        by_table = self.layout.dataset_bytes * BLOCK_RECORD_BYTES / BLOCK_TABLE_BYTES
+        by_table = self.layout.cut_bytes * BLOCK_RECORD_BYTES / BLOCK_TABLE_BYTES
         return _aligned_up(max(by_rate, by_table, BLOCK_ALIGN))
 
     @property
@@ -95,7 +95,7 @@ class Mixing:
             return ""
         window = self.window_with(block)
         gets = self.read_bytes_per_s / block
-        table = self.layout.dataset_bytes / block * BLOCK_RECORD_BYTES
+        table = self.layout.cut_bytes / block * BLOCK_RECORD_BYTES
         return (f"{self.layout.root}: the windowed shuffle mixes {self.window_blocks:,} blocks of "
                 f"{self.block_bytes:,} bytes a window from {self.shards:,} shards: a rank's "
                 f"next document comes from its document's shard ~{self.times_uniform:,.0f}x "

@@ -52,12 +52,13 @@ BLOCK_ALIGN = UNIT_BYTES
 @dataclass(frozen=True)
 class WindowLayout:
     """A windowed plan of blocks on object storage, as its loader reads it: the dataset
-    (`root`, its `shards` and `dataset_bytes`), its blocks' `block_bytes` and the blocks a
-    window holds (built by raypipe.sampling.run.Run.window_layouts)."""
+    (`root`, its `shards`, and `cut_bytes`: the bytes its blocks are cut from, tokens x
+    bytes a token), its blocks' `block_bytes` and the blocks a window holds (built by
+    raypipe.sampling.run.Run.window_layouts)."""
 
     root: str
     shards: int
-    dataset_bytes: int
+    cut_bytes: int
     block_bytes: int
     window_blocks: int
 

@@ -326,11 +326,11 @@ class MixtureRun:
                                   self.sources[slot.source].planned.document_dataset,
                                   self.names[slot.source])
 
-    # ----- state ------------------------------------------------------------------------
     def window_layouts(self) -> list[WindowLayout]:
         """Its sources' windowed plans of blocks read from object storage (Run's)."""
         return [layout for source in self.sources for layout in source.window_layouts()]
 
+    # ----- state ------------------------------------------------------------------------
     def knobs(self) -> dict[str, Any]:
         """The knobs that shape every source's observations (seq_len: the next step's)."""
         return self.sources[0].planned.plans.at_seq_len(self.seq_len).knobs_record()

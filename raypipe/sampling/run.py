@@ -240,7 +240,7 @@ class Run:
                 or dataset.cache is None):
             return []
         return [WindowLayout(str(dataset.root), len(dataset.shards),
-                             self.planned.facts.budget.dataset_bytes, spec.block_bytes,
+                             dataset.num_tokens * dataset.block_itemsize, spec.block_bytes,
                              self.window_blocks)]
 
     def filler(self, epoch: int, phases: Phases = ()) -> BatchFiller:
