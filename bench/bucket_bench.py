@@ -76,6 +76,7 @@ from raypipe.dataset import TokenDataset
 from raypipe.formats import document_formats, get_format
 from raypipe.io.manifest import read_manifest
 from raypipe.loader import open_loader
+from raypipe.loader.mixing import times_uniform
 from raypipe.sampling.blocks import WHOLE_SHARDS, WINDOWS_HELD, WindowBudget, cut_blocks
 from raypipe.sampling.lengths import DocumentLengths
 from raypipe.sampling.permute import FeistelPermutation, GroupedPermutation, WindowedPermutation
@@ -372,7 +373,7 @@ def block_tradeoffs(shard_mb: float = 400, shards: int = 10_000, nodes: int = 12
         block = fit.block_bytes(asked)
         window = fit.window_blocks(block)
         rows.append((f"{block / 1e6:.2f} MB" + (" (auto)" if not asked else ""),
-                     f"{window:,} blocks", f"{shards / window + 1:,.0f}x",
+                     f"{window:,} blocks", f"{times_uniform(shards, window):,.0f}x",
                      f"{rank_bytes_s / block:.3f}", f"{dataset / block / 1e6:,.1f} M",
                      f"{dataset / block * 16 / 1e6:,.0f} MB"))
     return rows

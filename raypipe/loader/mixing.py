@@ -8,7 +8,8 @@ mixes at least twice as well as the plan's, keeps a rank under MAX_GETS_A_SECOND
 second at the measured read rate and the node's plan under BLOCK_TABLE_BYTES of block
 arrays, and is a multiple of the checksum unit. A window of W blocks drawn from S shards
 makes a rank's next document come from its document's shard with P ~ 1/W + 1/S, S/W + 1
-times a uniform order's 1/S. Cost: O(1) arithmetic, once per sizing check.
+times a uniform order's 1/S. Cost: O(1) arithmetic a plan, per `loader.stats` and once
+per sizing check (the plan's window blocks are worked out once: raypipe.sampling.run).
 """
 
 from __future__ import annotations

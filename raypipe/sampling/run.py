@@ -112,6 +112,7 @@ class Run:
         self.dropped_tail: tuple[int, int, int] | None = None
         self._warned = False
         self._told_tail = False  # rank 0 warned of a drop-last tail once (later: INFO)
+        self._window_blocks: tuple[PlanSpec, Any, int] | None = None  # (spec, plans, blocks)
         # its data, and what changes it: units joining, exclusions, refusals
         self.data_changes = DataChanges(self)
 
@@ -227,10 +228,15 @@ class Run:
 
     @property
     def window_blocks(self) -> int:
-        """Blocks a window of its windowed shuffle holds (its plan's blocks)."""
-        spec = self.spec
-        return window_blocks_for(len(self.planned.plans.blocks()), spec.window_blocks,
-                                 max(spec.lanes, 1))
+        """Blocks a window of its windowed shuffle holds (its plan's blocks; worked out once
+        per spec and plans: `loader.stats` asks it, and the blocks are O(blocks) to load)."""
+        spec, plans = self.spec, self.planned.plans
+        known = self._window_blocks
+        if known is None or known[0] != spec or known[1] is not plans:
+            window = window_blocks_for(len(plans.blocks()), spec.window_blocks,
+                                       max(spec.lanes, 1))
+            known = self._window_blocks = (spec, plans, window)
+        return known[2]
 
     def window_layouts(self) -> list[WindowLayout]:
         """Its windowed plan of blocks read from object storage, as one WindowLayout (none
