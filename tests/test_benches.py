@@ -81,15 +81,15 @@ def test_the_chat_benchmark_runs_at_a_tiny_size(tmp_path):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_ingest_benchmark_runs_at_a_tiny_size(tmp_path):
-    done = subprocess.run([sys.executable, "bench/ingest_bench.py", "--files", "60",
-                           "--big-mb", "1", "--units", "20", "--s3-files", "20",
-                           "--latency-ms", "5", "--giant-mb", "4", "--pool-chars", "300000",
+    done = subprocess.run([sys.executable, "bench/ingest_bench.py", "--files", "20",
+                           "--big-mb", "1", "--units", "8", "--s3-files", "8",
+                           "--latency-ms", "5", "--giant-mb", "2", "--pool-chars", "150000",
                            "--workdir", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.strip().split("  ")[0] for line in done.stdout.splitlines()[1:]]
-    assert rows == ["60 files + 1 MB", "same rows in 8 files", "20 units of one file",
-                    "one unit (the fixed cost)", "one 4 MB row", "S3 +5 ms: plan 20 files",
+    assert rows == ["20 files + 1 MB", "same rows in 8 files", "8 units of one file",
+                    "one unit (the fixed cost)", "one 2 MB row", "S3 +5 ms: plan 8 files",
                     "first run", "rerun of the finished output"], done.stdout
     assert "skipped {'too_long': 1}, 1 named" in done.stdout, done.stdout
 
